@@ -1,0 +1,21 @@
+"""Plain-torch reference twins of the transfer staging kernels: whole-page gather and scatter.
+
+Pools are seen as 2-D views [num_pages, page_elems] (any dtype; the transceiver uses uint8 views), so
+one page id selects one contiguous row of the page-major layout (kvcache/spec.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def gather_pages_ref(src: torch.Tensor, page_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out[i] = src[page_ids[i]]; src [N, E], page_ids [n] int64, out [n, E]."""
+    torch.index_select(src, 0, page_ids.to(src.device).long(), out=out)
+    return out
+
+
+def scatter_pages_ref(src: torch.Tensor, dst: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
+    """dst[page_ids[i]] = src[i]; src [n, E], dst [N, E], page_ids [n] int64 (distinct)."""
+    dst.index_copy_(0, page_ids.to(dst.device).long(), src)
+    return dst
