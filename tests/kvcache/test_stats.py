@@ -1,0 +1,15 @@
+from kvcache.stats import KVCacheStats, PoolGroupStats, ReuseCounters
+
+
+def test_reuse_counters_record_hits_and_misses() -> None:
+    c = ReuseCounters()
+    c.record(hit_tokens=4, query_tokens=10)
+    c.record(hit_tokens=0, query_tokens=3)
+    assert (c.queries, c.hit_tokens, c.miss_tokens) == (2, 4, 9)
+
+
+def test_hit_rate_and_usage() -> None:
+    assert KVCacheStats().hit_rate == 0.0
+    assert KVCacheStats(reuse_hit_tokens=1, reuse_miss_tokens=3).hit_rate == 0.25
+    g = PoolGroupStats(total=8, free=6, used=2, evictable=1, peak_used=5, evictions=0)
+    assert g.usage == 0.25
