@@ -1,0 +1,100 @@
+"""ClusterConfig: the whole cluster YAML, and the checks that span sections."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from cluster.config.base import Section, check_fields
+from cluster.config.kv_cache import KVCacheConfig
+from cluster.config.model import ModelConfig
+from cluster.config.serving import RayConfig, RouterConfig, ServerConfig, StatsConfig
+from cluster.config.transfer import TransferConfig
+from cluster.config.workers import DecodePoolConfig, PrefillPoolConfig
+
+
+class ClusterConfig(Section):
+    """One Duet cluster: the model, the two worker pools, and everything between them.
+
+    Every section has defaults, so an empty file is a valid config: the embedded model on CPU,
+    one prefill and one decode worker, everything bound to 127.0.0.1.
+    """
+
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The model to serve.")
+    prefill: PrefillPoolConfig = Field(
+        default_factory=PrefillPoolConfig, description="Prefill workers (replicas 0 = aggregated)."
+    )
+    decode: DecodePoolConfig = Field(
+        default_factory=DecodePoolConfig, description="Decode workers."
+    )
+    kvcache: KVCacheConfig = Field(
+        default_factory=KVCacheConfig, description="Each worker's paged KV cache."
+    )
+    transfer: TransferConfig = Field(
+        default_factory=TransferConfig, description="KV transfer from prefill to decode."
+    )
+    router: RouterConfig = Field(default_factory=RouterConfig, description="Request routing.")
+    server: ServerConfig = Field(
+        default_factory=ServerConfig, description="The OpenAI-compatible HTTP server."
+    )
+    stats: StatsConfig = Field(
+        default_factory=StatsConfig, description="Iteration stats and perf metrics."
+    )
+    ray: RayConfig = Field(default_factory=RayConfig, description="Where the cluster runs.")
+
+    @model_validator(mode="after")
+    def _check_across_sections(self) -> ClusterConfig:
+        issues: list[tuple[str, str]] = []
+        page_size = self.kvcache.page_size
+        if self.transfer.staging_tokens % page_size:
+            issues.append(
+                (
+                    "transfer.staging_tokens",
+                    f"must be a multiple of kvcache.page_size ({page_size}), "
+                    f"got {self.transfer.staging_tokens}",
+                )
+            )
+        max_model_len = self.model.max_model_len
+        if max_model_len is not None:
+            if self.kvcache.max_tokens is not None and self.kvcache.max_tokens < max_model_len:
+                issues.append(
+                    (
+                        "kvcache.max_tokens",
+                        f"must be >= model.max_model_len ({max_model_len}) so one request fits, "
+                        f"got {self.kvcache.max_tokens}",
+                    )
+                )
+            num_pages = self.kvcache.num_pages
+            if num_pages is not None and (num_pages - 1) * page_size < max_model_len:
+                needed = -(-max_model_len // page_size) + 1
+                issues.append(
+                    (
+                        "kvcache.num_pages",
+                        f"must be >= {needed} (model.max_model_len {max_model_len} in pages of "
+                        f"{page_size}, plus the null page) so one request fits, got {num_pages}",
+                    )
+                )
+        if self.router.policy == "prefix_aware" and self.kvcache.reuse_policy == "none":
+            issues.append(
+                (
+                    "router.policy",
+                    "'prefix_aware' needs prefix reuse: kvcache.reuse_policy must be one of "
+                    "'all_reusable', 'per_request', got 'none'",
+                )
+            )
+        check_fields(issues)
+        return self
+
+    @property
+    def aggregated(self) -> bool:
+        """True when there are no prefill workers: decode workers prefill locally."""
+        return self.prefill.replicas == 0
+
+    @property
+    def num_workers(self) -> int:
+        return self.prefill.replicas + self.decode.replicas
+
+    @property
+    def uses_gpu(self) -> bool:
+        """True when any worker that will run asks for a GPU."""
+        pools = [self.decode] + ([] if self.aggregated else [self.prefill])
+        return any(pool.resources.num_gpus > 0 for pool in pools)

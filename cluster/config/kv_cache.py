@@ -1,0 +1,108 @@
+"""The ``kvcache`` section: page size, how many pages each worker gets, and prefix reuse."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import ByteSize, Field, field_validator, model_validator
+
+from cluster.config.base import Section, check_fields
+
+MAX_PAGE_SIZE = 1024
+
+
+class KVCacheConfig(Section):
+    """Each worker's paged KV cache. Sizing: ``num_pages`` when given, else the memory budget of
+    the worker's device (``cpu_bytes`` on CPU, ``gpu_memory_fraction`` on GPU), capped by
+    ``max_tokens``."""
+
+    page_size: int = Field(
+        16, description=f"Tokens per page: a power of two from 1 to {MAX_PAGE_SIZE}."
+    )
+    num_pages: int | None = Field(
+        None,
+        ge=2,
+        description=(
+            "Exact pages per pool group, counting the reserved null page; "
+            "excludes cpu_bytes and gpu_memory_fraction."
+        ),
+    )
+    cpu_bytes: ByteSize = Field(
+        ByteSize(512 * 2**20),
+        gt=0,
+        description='KV budget of a CPU worker, in bytes or with a unit ("512MiB", "2GiB").',
+    )
+    gpu_memory_fraction: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description=(
+            "Fraction of the GPU's free memory (after weights and the activation peak) "
+            "given to the KV cache."
+        ),
+    )
+    max_tokens: int | None = Field(
+        None, gt=0, description="Cap on cached tokens per worker, whatever the budget allows."
+    )
+    reuse_policy: Literal["none", "all_reusable", "per_request"] = Field(
+        "all_reusable",
+        description=(
+            "Prefix reuse: none; all_reusable commits full pages after every prefill chunk; "
+            "per_request commits them when the prompt is done."
+        ),
+    )
+    pool_ratio: dict[str, float] | None = Field(
+        None,
+        description=(
+            'Share of the budget per pool group, e.g. {"full": 3, "swa_4096": 1}; normalised. '
+            "None = in proportion to each group's bytes per token."
+        ),
+    )
+    host_tier_bytes: ByteSize = Field(
+        ByteSize(0),
+        ge=0,
+        description="Host memory for evicted reusable pages; 0 disables the host tier.",
+    )
+
+    @field_validator("page_size")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value < 1 or value > MAX_PAGE_SIZE or value & (value - 1):
+            raise ValueError(f"must be a power of two from 1 to {MAX_PAGE_SIZE}, got {value}")
+        return value
+
+    @field_validator("pool_ratio")
+    @classmethod
+    def _positive_shares(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value is not None:
+            if not value:
+                raise ValueError("must name at least one pool group, or be left out")
+            bad = sorted(name for name, share in value.items() if share <= 0)
+            if bad:
+                raise ValueError(f"shares must be > 0, got <= 0 for {bad}")
+        return value
+
+    @model_validator(mode="after")
+    def _one_sizing_rule(self) -> KVCacheConfig:
+        issues: list[tuple[str, str]] = []
+        if self.num_pages is not None:
+            # Only an explicit budget conflicts; the defaults simply do not apply.
+            for budget in sorted({"cpu_bytes", "gpu_memory_fraction"} & self.model_fields_set):
+                issues.append((budget, "not allowed together with num_pages (pick one sizing)"))
+        check_fields(issues)
+        return self
+
+    @property
+    def max_pages(self) -> int | None:
+        """The page cap from ``max_tokens``, null page included; None without a cap."""
+        if self.max_tokens is None:
+            return None
+        return -(-self.max_tokens // self.page_size) + 1
+
+    @property
+    def pool_shares(self) -> dict[str, float] | None:
+        """``pool_ratio`` normalised to sum to 1."""
+        if self.pool_ratio is None:
+            return None
+        total = sum(self.pool_ratio.values())
+        return {name: share / total for name, share in self.pool_ratio.items()}

@@ -1,0 +1,99 @@
+"""The ``router``, ``server``, ``stats`` and ``ray`` sections: everything around the workers."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, SecretStr
+
+from cluster.config.base import Section
+
+UNBOUNDED = -1
+
+
+class RouterConfig(Section):
+    """How the router picks a prefill and a decode worker for each request."""
+
+    policy: Literal["round_robin", "load_balance", "prefix_aware"] = Field(
+        "load_balance",
+        description=(
+            "round_robin: in turn; load_balance: fewest queued + running requests; "
+            "prefix_aware: longest prefix-cache hit on the prefill worker, load as tie-break."
+        ),
+    )
+    prefill_retries: int = Field(
+        1, ge=0, description="Times a failed prefill is retried on another prefill worker."
+    )
+    local_prefill_fallback: bool = Field(
+        True,
+        description="When no prefill worker is healthy, let the decode worker prefill locally.",
+    )
+
+
+class ServerConfig(Section):
+    """The OpenAI-compatible HTTP server."""
+
+    host: str = Field(
+        "127.0.0.1", min_length=1, description="Address to bind; 0.0.0.0 exposes it to the network."
+    )
+    port: int = Field(8000, ge=0, le=65535, description="Port to bind; 0 = any free port.")
+    api_key: SecretStr | None = Field(
+        None, description="Bearer token clients must send; None = no authentication."
+    )
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="Longest a request may take before it is aborted."
+    )
+
+
+class StatsConfig(Section):
+    """Iteration stats on the workers and per-request timings in the perf-metrics collector.
+
+    Buffer lengths follow one convention: -1 keeps everything (unbounded), 0 disables (nothing is
+    stored), N keeps exactly the last N entries.
+    """
+
+    max_stats_len: int = Field(
+        1000,
+        ge=UNBOUNDED,
+        description="Iteration stats each worker keeps between reads: -1 all, 0 none, N the last N.",
+    )
+    interval_s: float = Field(
+        10.0,
+        gt=0,
+        description="How often worker stats are polled and logged; peak KV usage resets each time.",
+    )
+    perf_buffer_len: int = Field(
+        10000,
+        ge=UNBOUNDED,
+        description=(
+            "Per-request timing records the collector buffers per worker between drains: "
+            "-1 all, 0 none (perf metrics off), N the last N."
+        ),
+    )
+    max_pending_joins: int = Field(
+        10000,
+        gt=0,
+        description="Requests waiting for their other role's timings; the oldest is dropped beyond.",
+    )
+
+
+class RayConfig(Section):
+    """Where the cluster runs."""
+
+    address: str | None = Field(
+        None,
+        min_length=1,
+        description=(
+            'None: start a local Ray bound to 127.0.0.1; "auto": join the Ray cluster this node '
+            'belongs to (e.g. under `ray job submit`); "host:port" or "ray://host:port": that one.'
+        ),
+    )
+    namespace: str = Field("duet", min_length=1, description="Ray namespace of the named actors.")
+    runtime_env: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Ray runtime_env for every actor (env_vars, working_dir, pip, ...).",
+    )
+
+    @property
+    def starts_local(self) -> bool:
+        return self.address is None

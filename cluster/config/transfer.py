@@ -1,0 +1,124 @@
+"""The ``transfer`` section: staging buffers, leases, deadlines and UCX settings of the KV transfer."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import Field, field_validator, model_validator
+
+from cluster.config.base import Section, check_fields
+
+_UCX_TRANSPORT = re.compile(r"\^?[a-z][a-z0-9_]*")
+
+
+def _deadline(default: float, what: str) -> Any:
+    return Field(
+        default, gt=0, description=f"Seconds to wait for {what} before failing the request."
+    )
+
+
+class TransferConfig(Section):
+    """How a decode worker pulls a request's KV cache from a prefill worker. Every wait has a
+    deadline, so a lost message ends in an error rather than a hang."""
+
+    staging_tokens: int = Field(
+        4096,
+        gt=0,
+        description=(
+            "Tokens per transfer chunk (the staging buffer's size); a multiple of "
+            "kvcache.page_size. Longer prompts go in several pipelined chunks."
+        ),
+    )
+    lease_s: float = Field(
+        30.0,
+        gt=0,
+        description=(
+            "How long a prefill worker pins a finished request's pages for the decode worker; "
+            "renewed while the pull progresses, released on ack or expiry."
+        ),
+    )
+    connect_deadline_s: float = _deadline(10.0, "a UCX endpoint to a peer")
+    pull_deadline_s: float = _deadline(30.0, "the first chunk after sending a pull request")
+    chunk_deadline_s: float = _deadline(10.0, "each following chunk")
+    done_deadline_s: float = _deadline(10.0, "TransferDone after the last chunk")
+    ack_deadline_s: float = _deadline(10.0, "the decode worker's ack after TransferDone")
+    host: str = Field(
+        "127.0.0.1",
+        min_length=1,
+        description="Address each worker's UCX listener binds to (excludes interface).",
+    )
+    interface: str | None = Field(
+        None,
+        min_length=1,
+        description='Network interface whose address the listener binds to (e.g. "eth0"); excludes host.',
+    )
+    port: int = Field(0, ge=0, le=65535, description="Listener port; 0 = any free port.")
+    ucx_tls: tuple[str, ...] | None = Field(
+        None,
+        description=(
+            'UCX_TLS as a list, e.g. ["cuda_ipc", "cuda_copy", "tcp"]; a leading ^ excludes. '
+            "None = UCX picks."
+        ),
+    )
+    ucx_net_devices: str | None = Field(
+        None,
+        min_length=1,
+        description='UCX_NET_DEVICES, e.g. "lo" or "mlx5_0:1"; None = UCX picks.',
+    )
+    ucx_env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Further UCX_* environment variables for the workers' UCX contexts.",
+    )
+
+    @field_validator("ucx_tls")
+    @classmethod
+    def _transport_names(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if value is not None:
+            if not value:
+                raise ValueError("must name at least one transport, or be left out")
+            bad = [name for name in value if not _UCX_TRANSPORT.fullmatch(name)]
+            if bad:
+                raise ValueError(
+                    f"transport names are lower-case words like 'tcp' or 'cuda_ipc', got {bad}"
+                )
+        return value
+
+    @field_validator("ucx_env")
+    @classmethod
+    def _ucx_variables_only(cls, value: dict[str, str]) -> dict[str, str]:
+        bad = sorted(name for name in value if not name.startswith("UCX_"))
+        if bad:
+            raise ValueError(f"keys must start with 'UCX_', got {bad}")
+        own = sorted({"UCX_TLS", "UCX_NET_DEVICES"} & value.keys())
+        if own:
+            raise ValueError(f"{own} have their own fields (ucx_tls, ucx_net_devices)")
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> TransferConfig:
+        issues: list[tuple[str, str]] = []
+        if self.interface is not None and "host" in self.model_fields_set:
+            issues.append(("interface", "not allowed together with host (pick one)"))
+        longest = max(self.connect_deadline_s, self.pull_deadline_s)
+        if self.lease_s < longest:
+            issues.append(
+                (
+                    "lease_s",
+                    f"must be >= connect_deadline_s and pull_deadline_s ({longest}): a shorter "
+                    f"lease can expire while the decode worker is still within its deadline, "
+                    f"got {self.lease_s}",
+                )
+            )
+        check_fields(issues)
+        return self
+
+    @property
+    def ucx_environment(self) -> dict[str, str]:
+        """Every UCX_* variable to set in a worker before its UCX context starts."""
+        env = dict(self.ucx_env)
+        if self.ucx_tls is not None:
+            env["UCX_TLS"] = ",".join(self.ucx_tls)
+        if self.ucx_net_devices is not None:
+            env["UCX_NET_DEVICES"] = self.ucx_net_devices
+        return env

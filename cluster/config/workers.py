@@ -1,0 +1,112 @@
+"""The ``prefill`` and ``decode`` sections: how many workers, where they run, how they schedule."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, field_validator, model_validator
+
+from cluster.config.base import Section, check_fields
+
+# Ray's built-in resources have their own fields; as custom resources they would be counted twice.
+_BUILTIN_RESOURCES = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
+
+
+class WorkerResources(Section):
+    """What Ray reserves for each worker of a pool, and which nodes may host it."""
+
+    num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves per worker.")
+    num_gpus: float = Field(
+        0.0, ge=0, description="GPUs per worker: 0 on CPU; a fraction below 1 shares a GPU."
+    )
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description='Custom Ray resources per worker, e.g. {"prefill_node": 1}.',
+    )
+    label_selector: dict[str, str] = Field(
+        default_factory=dict,
+        description='Ray node label selector, e.g. {"ray.io/accelerator-type": "H200"}.',
+    )
+
+    @field_validator("num_gpus")
+    @classmethod
+    def _whole_gpus_above_one(cls, value: float) -> float:
+        if value > 1 and not value.is_integer():
+            raise ValueError(f"must be a whole number when above 1 (Ray's rule), got {value}")
+        return value
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_only(cls, value: dict[str, float]) -> dict[str, float]:
+        builtin = sorted(_BUILTIN_RESOURCES.intersection(value))
+        if builtin:
+            raise ValueError(
+                f"built-in resources {builtin} go in num_cpus / num_gpus, not in resources"
+            )
+        negative = sorted(name for name, amount in value.items() if amount < 0)
+        if negative:
+            raise ValueError(f"amounts must be >= 0, negative for {negative}")
+        return value
+
+    @property
+    def ray_actor_options(self) -> dict[str, Any]:
+        """Keyword arguments for ``ActorClass.options(...)``."""
+        options: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        if self.resources:
+            options["resources"] = dict(self.resources)
+        if self.label_selector:
+            options["label_selector"] = dict(self.label_selector)
+        return options
+
+
+class SchedulerLimits(Section):
+    """Per-step limits of a worker's scheduler (vLLM's names)."""
+
+    max_num_seqs: int = Field(64, gt=0, description="Most requests in one step.")
+    max_num_batched_tokens: int = Field(
+        2048, gt=0, description="Most tokens (prompt chunks + decode tokens) in one step."
+    )
+    prefill_chunk_size: int = Field(
+        512, gt=0, description="Most prompt tokens of one request in one step (chunked prefill)."
+    )
+
+    @model_validator(mode="after")
+    def _chunk_fits_step(self) -> SchedulerLimits:
+        if self.prefill_chunk_size > self.max_num_batched_tokens:
+            check_fields(
+                [
+                    (
+                        "prefill_chunk_size",
+                        f"must be <= max_num_batched_tokens ({self.max_num_batched_tokens}), "
+                        f"got {self.prefill_chunk_size}",
+                    )
+                ]
+            )
+        return self
+
+
+class PoolConfig(Section):
+    """One pool of identical workers."""
+
+    resources: WorkerResources = Field(
+        default_factory=WorkerResources, description="Ray resources per worker."
+    )
+    scheduler: SchedulerLimits = Field(
+        default_factory=SchedulerLimits, description="Scheduler limits of each worker."
+    )
+
+
+class PrefillPoolConfig(PoolConfig):
+    """Prefill workers: run prompts and hand the KV cache to a decode worker."""
+
+    replicas: int = Field(
+        1,
+        ge=0,
+        description="Prefill workers; 0 = aggregated mode (decode workers prefill locally).",
+    )
+
+
+class DecodePoolConfig(PoolConfig):
+    """Decode workers: receive the KV cache and generate; in aggregated mode they prefill too."""
+
+    replicas: int = Field(1, ge=1, description="Decode workers (at least one).")

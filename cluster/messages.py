@@ -1,0 +1,217 @@
+"""Typed messages that cross actor boundaries inside the cluster: per-request timings.
+
+Workers report one ``RequestTimings`` per request and role; the perf-metrics collector joins the
+reports of one request into a ``PerfRecord``. Everything here is plain data (ints, floats, strings,
+lists), so it pickles cheaply through Ray and dumps to JSON for ``/perf_metrics``.
+
+Clocks: every timestamp is wall-clock seconds (``time.time()``) taken on the reporting worker. A
+duration between two timestamps of the same record uses one clock; a duration that spans two roles
+(e.g. end-to-end latency from the prefill worker's arrival to the decode worker's finish) also
+includes the clock skew between the two hosts, which is negligible on one host and NTP-sized across
+hosts.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+class Role(str, enum.Enum):
+    """Which side of the disaggregated pipeline produced a timing record."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True)
+class RequestTimings:
+    """What one worker saw of one request. A field the role never reaches stays None (or 0).
+
+    ``last_report`` tells the collector that no other role will report this request: the decode
+    worker sets it when it prefilled the request itself (aggregated mode, or fallback when no prefill
+    worker was healthy); the prefill worker sets it when the request ended on it before handoff
+    (error, abort). Without it, the collector waits for every expected role.
+    """
+
+    request_id: str
+    role: Role
+    worker_id: str
+    arrival_time: float | None = None  # the request reached this worker
+    queue_start: float | None = None  # entered the worker's scheduler queue
+    queue_end: float | None = None  # first scheduled
+    prefill_start: float | None = None  # first prefill chunk started
+    prefill_end: float | None = None  # last prefill chunk finished
+    first_token_time: float | None = None  # the first output token was sampled
+    transfer_start: float | None = None  # KV transfer began (P: pull request seen; D: pull sent)
+    transfer_end: float | None = None  # KV transfer finished (P: done sent; D: done checked)
+    transfer_bytes: int = 0
+    decode_start: float | None = None  # first decode step that included this request
+    last_token_time: float | None = None
+    finish_time: float | None = None  # the worker released the request
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    output_tokens: int = 0  # output tokens produced by this worker
+    token_gaps_s: tuple[float, ...] = ()  # gaps between consecutive tokens this worker emitted
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"; None if handed off
+    last_report: bool = False
+
+    def __post_init__(self) -> None:
+        # Accept the plain string too ("prefill"), as JSON and YAML hand it over.
+        object.__setattr__(self, "role", Role(self.role))
+        object.__setattr__(self, "token_gaps_s", tuple(self.token_gaps_s))
+
+
+def _plain(timings: RequestTimings | None) -> dict[str, Any] | None:
+    """The timings as JSON-ready built-ins (the role as its string value, gaps as a list)."""
+    if timings is None:
+        return None
+    fields = asdict(timings)
+    fields["role"] = timings.role.value
+    fields["token_gaps_s"] = list(timings.token_gaps_s)
+    return fields
+
+
+def _span(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else end - start
+
+
+@dataclass(frozen=True)
+class PerfRecord:
+    """One request's joined timings: the prefill report (None when the decode worker prefilled
+    locally) and the decode report (None when the request ended on the prefill worker)."""
+
+    request_id: str
+    prefill: RequestTimings | None
+    decode: RequestTimings | None
+
+    def __post_init__(self) -> None:
+        if self.prefill is None and self.decode is None:
+            raise ValueError(f"PerfRecord {self.request_id!r}: needs at least one role's timings")
+
+    @property
+    def _first(self) -> RequestTimings:
+        """The report of the role that received the request first."""
+        return self.prefill if self.prefill is not None else self.decode  # type: ignore[return-value]
+
+    @property
+    def _last(self) -> RequestTimings:
+        """The report of the role that finished the request."""
+        return self.decode if self.decode is not None else self.prefill  # type: ignore[return-value]
+
+    @property
+    def _prefiller(self) -> RequestTimings:
+        """The report of the role that ran the prompt whose KV produced the output: D when it
+        prefilled locally (even after a failed attempt on P), else P."""
+        if self.decode is not None and self.decode.prefill_start is not None:
+            return self.decode
+        return self._first
+
+    @property
+    def arrival_time(self) -> float | None:
+        return self._first.arrival_time
+
+    @property
+    def first_token_time(self) -> float | None:
+        return self._prefiller.first_token_time
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Time to first token, from arrival at the first worker."""
+        return _span(self.arrival_time, self.first_token_time)
+
+    @property
+    def e2e_s(self) -> float | None:
+        """End-to-end latency, from arrival at the first worker to the finishing worker's release."""
+        return _span(self.arrival_time, self._last.finish_time)
+
+    @property
+    def prefill_time_s(self) -> float | None:
+        return _span(self._prefiller.prefill_start, self._prefiller.prefill_end)
+
+    @property
+    def transfer_latency_s(self) -> float | None:
+        """KV transfer as the receiver saw it; the sender's view when D did not report it."""
+        if self.decode is not None and self.decode.transfer_end is not None:
+            return _span(self.decode.transfer_start, self.decode.transfer_end)
+        if self.prefill is not None:
+            return _span(self.prefill.transfer_start, self.prefill.transfer_end)
+        return None
+
+    @property
+    def transfer_bytes(self) -> int:
+        if self.decode is not None and self.decode.transfer_bytes:
+            return self.decode.transfer_bytes
+        return self.prefill.transfer_bytes if self.prefill is not None else 0
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self._prefiller.prompt_tokens
+
+    @property
+    def output_tokens(self) -> int:
+        """All output tokens, the first one (sampled by the prefiller) included."""
+        if self.prefill is not None and self.decode is not None and self._prefiller is self.prefill:
+            return self.prefill.output_tokens + self.decode.output_tokens
+        return self._last.output_tokens
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first: (last token - first token) / (outputs - 1)."""
+        span = _span(self.first_token_time, self._last.last_token_time)
+        if span is None or self.output_tokens < 2:
+            return None
+        return span / (self.output_tokens - 1)
+
+    @property
+    def token_gaps_s(self) -> tuple[float, ...]:
+        """Inter-token latencies as reported by the workers that emitted the tokens."""
+        prefill_gaps = self.prefill.token_gaps_s if self.prefill is not None else ()
+        decode_gaps = self.decode.token_gaps_s if self.decode is not None else ()
+        return prefill_gaps + decode_gaps
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self._last.finish_reason
+
+    def queue_time_s(self, role: Role) -> float | None:
+        timings = self.prefill if role is Role.PREFILL else self.decode
+        return None if timings is None else _span(timings.queue_start, timings.queue_end)
+
+    def to_dict(self) -> dict[str, Any]:
+        """One ``/perf_metrics`` entry: the derived times in seconds, under the names that
+        ``cluster.bench.perf_metrics`` reads, plus both roles' raw timings."""
+        return {
+            "request_id": self.request_id,
+            "prefill_queue_time": self.queue_time_s(Role.PREFILL),
+            "prefill_time": self.prefill_time_s,
+            "transfer_time": self.transfer_latency_s,
+            "transfer_bytes": self.transfer_bytes,
+            "decode_queue_time": self.queue_time_s(Role.DECODE),
+            "ttft": self.ttft_s,
+            "tpot": self.tpot_s,
+            "e2e": self.e2e_s,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "finish_reason": self.finish_reason,
+            "prefill": _plain(self.prefill),
+            "decode": _plain(self.decode),
+        }
+
+
+@dataclass(frozen=True)
+class CollectorStats:
+    """Counters of the perf-metrics collector since it started."""
+
+    ingested: int = 0  # records accepted into a worker buffer
+    dropped: dict[str, int] = field(default_factory=dict)  # per worker: oldest records pushed out
+    joined: int = 0  # PerfRecords handed out by drain()
+    duplicates: int = 0  # a second report of the same role for a request still being joined
+    late: int = 0  # a report for a request that was already handed out
+    evicted_incomplete: int = 0  # partial joins pushed out by the pending bound
+    pending: int = 0  # requests waiting for another role's report
+
+    @property
+    def total_dropped(self) -> int:
+        return sum(self.dropped.values())

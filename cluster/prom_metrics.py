@@ -1,0 +1,200 @@
+"""The Prometheus metrics that the server exposes on /metrics, in a registry of their own.
+
+Names follow vLLM's where one exists (``vllm:time_to_first_token_seconds`` becomes
+``duet:time_to_first_token_seconds``), so existing dashboards need only a prefix change. Every metric
+carries a ``model_name`` label; per-worker gauges add ``role`` and ``worker``.
+
+Counters that workers keep themselves (transfer failures, expired leases) arrive as running totals
+through ``set_worker_stats``; the difference to the previous total is added, and a total that went
+down (the worker restarted) counts from zero again.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from cluster.messages import PerfRecord, Role
+
+PREFIX = "duet:"
+
+# Latency buckets (seconds): 1 ms to 10 min, dense where interactive serving lives.
+LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
+)  # fmt: skip
+TOKEN_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075,
+    0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+)  # fmt: skip
+
+
+@dataclass
+class _WorkerTotals:
+    transfer_failures: int = 0
+    expired_leases: int = 0
+
+
+class ServingMetrics:
+    """Owns a dedicated CollectorRegistry; one instance per server process."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        reg, model = self.registry, ["model_name"]
+        worker = ["model_name", "role", "worker"]
+
+        def histogram(
+            name: str, doc: str, buckets: tuple[float, ...], labels: list[str]
+        ) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=reg)
+
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS, model
+        )
+        self.tpot = histogram(
+            "time_per_output_token_seconds",
+            "Mean time per output token after the first, per request.",
+            TOKEN_LATENCY_BUCKETS,
+            model,
+        )
+        self.itl = histogram(
+            "inter_token_latency_seconds",
+            "Gap between consecutive output tokens.",
+            TOKEN_LATENCY_BUCKETS,
+            model,
+        )
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS, model
+        )
+        self.prefill_time = histogram(
+            "request_prefill_time_seconds", "Time spent running the prompt.", LATENCY_BUCKETS, model
+        )
+        self.queue_time = histogram(
+            "request_queue_time_seconds",
+            "Time waiting in a worker's scheduler queue.",
+            LATENCY_BUCKETS,
+            ["model_name", "role"],
+        )
+        self.transfer_latency = histogram(
+            "kv_transfer_latency_seconds",
+            "KV cache transfer from prefill to decode worker.",
+            LATENCY_BUCKETS,
+            model,
+        )
+
+        self.num_waiting = Gauge(
+            PREFIX + "num_requests_waiting", "Requests in a worker's queue.", worker, registry=reg
+        )
+        self.num_running = Gauge(
+            PREFIX + "num_requests_running", "Requests a worker is running.", worker, registry=reg
+        )
+        self.kv_usage = Gauge(
+            PREFIX + "kv_cache_usage_perc",
+            "Fraction of a worker's KV cache pages in use (1 = full).",
+            worker,
+            registry=reg,
+        )
+
+        self.request_success = Counter(
+            PREFIX + "request_success_total",
+            "Finished requests by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=reg,
+        )
+        self.prompt_tokens = Counter(
+            PREFIX + "prompt_tokens_total", "Prompt tokens processed.", model, registry=reg
+        )
+        self.generation_tokens = Counter(
+            PREFIX + "generation_tokens_total", "Output tokens generated.", model, registry=reg
+        )
+        self.transfer_bytes = Counter(
+            PREFIX + "kv_transfer_bytes_total",
+            "KV cache bytes moved between workers.",
+            model,
+            registry=reg,
+        )
+        self.transfer_failures = Counter(
+            PREFIX + "kv_transfer_failures_total", "Failed KV transfers.", worker, registry=reg
+        )
+        self.expired_leases = Counter(
+            PREFIX + "kv_transfer_expired_leases_total",
+            "KV leases that expired before the decode worker acknowledged.",
+            worker,
+            registry=reg,
+        )
+        self._worker_totals: dict[tuple[str, str], _WorkerTotals] = {}
+        self._totals_lock = threading.Lock()  # stats pollers may run on several threads
+
+    def observe_request(self, record: PerfRecord) -> None:
+        """Account one finished request (a joined record from the perf-metrics collector)."""
+        model = self.model_name
+        for histogram, value in (
+            (self.ttft, record.ttft_s),
+            (self.tpot, record.tpot_s),
+            (self.e2e, record.e2e_s),
+            (self.prefill_time, record.prefill_time_s),
+            (self.transfer_latency, record.transfer_latency_s),
+        ):
+            if value is not None:
+                histogram.labels(model).observe(value)
+        for gap in record.token_gaps_s:
+            self.itl.labels(model).observe(gap)
+        for role in Role:
+            queue_time = record.queue_time_s(role)
+            if queue_time is not None:
+                self.queue_time.labels(model, role.value).observe(queue_time)
+        self.request_success.labels(model, record.finish_reason or "unknown").inc()
+        self.prompt_tokens.labels(model).inc(record.prompt_tokens)
+        self.generation_tokens.labels(model).inc(record.output_tokens)
+        self.transfer_bytes.labels(model).inc(record.transfer_bytes)
+
+    def set_worker_stats(
+        self,
+        worker_id: str,
+        role: Role | str,
+        num_waiting: int,
+        num_running: int,
+        kv_usage: float,
+        transfer_failures_total: int = 0,
+        expired_leases_total: int = 0,
+    ) -> None:
+        """Update one worker's gauges; the two ``*_total`` arguments are the worker's running totals."""
+        if not 0.0 <= kv_usage <= 1.0:
+            raise ValueError(f"kv_usage is a fraction in [0, 1], got {kv_usage}")
+        labels = (self.model_name, Role(role).value, worker_id)
+        self.num_waiting.labels(*labels).set(num_waiting)
+        self.num_running.labels(*labels).set(num_running)
+        self.kv_usage.labels(*labels).set(kv_usage)
+        with self._totals_lock:
+            seen = self._worker_totals.setdefault((labels[1], worker_id), _WorkerTotals())
+            failures = _delta(seen.transfer_failures, transfer_failures_total)
+            expired = _delta(seen.expired_leases, expired_leases_total)
+            seen.transfer_failures, seen.expired_leases = (
+                transfer_failures_total,
+                expired_leases_total,
+            )
+        self.transfer_failures.labels(*labels).inc(failures)
+        self.expired_leases.labels(*labels).inc(expired)
+
+    def remove_worker(self, worker_id: str, role: Role | str) -> None:
+        """Forget a worker that left the cluster, so its gauges stop being exported."""
+        labels = (self.model_name, Role(role).value, worker_id)
+        for metric in (self.num_waiting, self.num_running, self.kv_usage):
+            metric.remove(*labels)
+        # Counters stay: their totals are history, and Prometheus handles a series that stops.
+        with self._totals_lock:
+            self._worker_totals.pop((labels[1], worker_id), None)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric in this registry."""
+        return generate_latest(self.registry)
+
+
+def _delta(previous_total: int, total: int) -> int:
+    return total - previous_total if total >= previous_total else total

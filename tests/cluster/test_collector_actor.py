@@ -1,0 +1,74 @@
+"""The collector as a Ray actor on a real local Ray: workers ingest from other processes while a
+reader drains, and each request comes out exactly once."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+import ray
+
+from cluster.collector import expected_roles_for
+from cluster.collector_actor import COLLECTOR_MAX_CONCURRENCY, start_collector_actor
+from cluster.messages import CollectorStats, RequestTimings
+from tests.cluster.conftest import decode_timings, prefill_timings
+
+NAMESPACE = "duet-test-collector"
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[None]:
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # address="local": always a fresh Ray of our own, never someone else's running cluster.
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        namespace=NAMESPACE,
+        log_to_driver=False,
+    )
+    yield
+    ray.shutdown()
+
+
+@ray.remote(num_cpus=0)
+def report(actor_name: str, batches: list[list[RequestTimings]]) -> int:
+    """A stand-in for a worker process: finds the collector by name and reports in batches."""
+    collector = ray.get_actor(actor_name, namespace=NAMESPACE)
+    ray.get([collector.ingest.remote(batch) for batch in batches])
+    return sum(len(batch) for batch in batches)
+
+
+def test_actor_joins_reports_from_other_processes(local_ray: None) -> None:
+    assert COLLECTOR_MAX_CONCURRENCY > 1
+    collector = start_collector_actor(
+        expected_roles_for(aggregated=False),
+        max_records_per_worker=-1,
+        max_pending=1000,
+        name="perf-collector",
+        namespace=NAMESPACE,
+    )
+    ids = [f"r{i}" for i in range(200)]
+    prefill_batches = [[prefill_timings(i) for i in ids[k : k + 20]] for k in range(0, 200, 20)]
+    decode_batches = [[decode_timings(i) for i in ids[k : k + 20]] for k in range(0, 200, 20)]
+    reporters = [
+        report.remote("perf-collector", prefill_batches),
+        report.remote("perf-collector", decode_batches),
+    ]
+    # Drain while the reporters are still sending; the threaded actor serves both at once.
+    drained = []
+    pending = list(reporters)
+    while pending:
+        drained += ray.get(collector.drain.remote())
+        _, pending = ray.wait(pending, timeout=0)
+    assert ray.get(reporters) == [200, 200]
+    drained += ray.get(collector.drain.remote())
+
+    assert sorted(r.request_id for r in drained) == sorted(ids)
+    first = next(r for r in drained if r.request_id == "r7")
+    assert (first.prefill, first.decode) == (prefill_timings("r7"), decode_timings("r7"))
+    assert first.ttft_s == 0.75
+    assert ray.get(collector.stats.remote()) == CollectorStats(ingested=400, joined=200)
+    ray.kill(collector)
