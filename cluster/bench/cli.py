@@ -1,0 +1,235 @@
+"""`duet bench`: its arguments and its entry point (called by cluster.cli, or `python -m cluster.bench`).
+
+Exit codes: 0 when every target's sweep completed, 1 when the benchmark stopped on an error (a clear
+message on stderr; the results gathered so far are still written to the JSON file), 2 for bad
+command-line syntax (argparse's own).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from cluster.bench.datasets import WorkloadError
+from cluster.bench.errors import BenchError
+from cluster.bench.options import (
+    WORKLOADS,
+    build_sweep_options,
+    build_workload,
+    describe_workload,
+    parse_rate,
+)
+from cluster.bench.report import comparison_rows, render_report
+from cluster.bench.results_file import write_results
+from cluster.bench.slo import SloSpecError
+from cluster.bench.sweep import run_sweeps
+from cluster.bench.target import build_targets
+
+DEFAULT_TARGET = "configs/local.yaml"
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add every `duet bench` argument to ``parser`` (names follow `vllm bench serve` where they exist)."""
+    parser.add_argument(
+        "target",
+        nargs="?",
+        default=DEFAULT_TARGET,
+        help="a cluster config YAML (started on local Ray and stopped after) or the URL of any "
+        f"OpenAI-compatible server (default: {DEFAULT_TARGET})",
+    )
+    parser.add_argument(
+        "--model", default=None, help="model name to send (default: the first at /v1/models)"
+    )
+    parser.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    work = parser.add_argument_group("workload")
+    work.add_argument("--workload", choices=WORKLOADS, default="random")
+    work.add_argument("--dataset-path", default=None, help="the JSONL or ShareGPT JSON file")
+    work.add_argument("--num-prompts", type=int, default=16, help="requests per run (per rate)")
+    work.add_argument(
+        "--input-len", type=int, default=64, help="random prompt tokens (after the prefix)"
+    )
+    work.add_argument(
+        "--output-len", type=int, default=16, help="max_tokens per request (default for files too)"
+    )
+    work.add_argument(
+        "--range-ratio", type=float, default=0.0, help="lengths uniform in len*(1-r)..len*(1+r)"
+    )
+    work.add_argument(
+        "--prefix-len", type=int, default=32, help="shared-prefix: tokens of each group's prefix"
+    )
+    work.add_argument(
+        "--num-prefix-groups", type=int, default=4, help="shared-prefix: number of prefixes"
+    )
+    work.add_argument(
+        "--sharegpt-output-len", type=int, default=None, help="fixed output length for ShareGPT"
+    )
+    work.add_argument(
+        "--tokenizer",
+        default="embedded",
+        metavar="embedded|none|TOKENIZER_JSON",
+        help="the target model's tokenizer: the embedded model's (default), none, or a "
+        "tokenizer.json file",
+    )
+    work.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="with --tokenizer none: random prompts of token ids 0..N-1",
+    )
+    work.add_argument("--seed", type=int, default=0)
+    load = parser.add_argument_group("arrivals")
+    load.add_argument(
+        "--request-rate",
+        type=parse_rate,
+        nargs="+",
+        default=[math.inf],
+        help="requests/s; several values sweep them in one command; inf sends all at once",
+    )
+    load.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="gamma shape of inter-arrival gaps; 1 = Poisson",
+    )
+    load.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    load.add_argument(
+        "--ramp-up-seconds",
+        type=float,
+        default=0.0,
+        help="rate grows linearly from 0 over this time",
+    )
+    out = parser.add_argument_group("metrics and output")
+    out.add_argument(
+        "--percentiles", default="50,90,99", help="comma-separated percentiles to report"
+    )
+    out.add_argument(
+        "--goodput",
+        nargs="+",
+        default=None,
+        metavar="KEY:MS",
+        help="SLOs in ms, KEY in ttft, tpot, e2el, e.g. --goodput ttft:500 tpot:50",
+    )
+    out.add_argument(
+        "--compare",
+        choices=("aggregated",),
+        default=None,
+        help="also run the aggregated mode on the same resources, side by side",
+    )
+    out.add_argument(
+        "--compare-target",
+        default=None,
+        metavar="URL_OR_CONFIG",
+        help="the aggregated baseline: a URL, or a config (default for a config target: "
+        "its sibling NAME_aggregated.yaml)",
+    )
+    out.add_argument(
+        "--output-dir", default="bench_results", help="where results.json and the plots go"
+    )
+    out.add_argument(
+        "--result-file", default=None, help="JSON results path (default: OUTPUT_DIR/results.json)"
+    )
+    out.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    out.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    send = parser.add_argument_group("requests")
+    send.add_argument(
+        "--request-timeout", type=float, default=300.0, help="seconds for one request"
+    )
+    send.add_argument(
+        "--run-deadline", type=float, default=600.0, help="seconds for one run; the rest then fail"
+    )
+    send.add_argument(
+        "--num-warmups", type=int, default=1, help="unmeasured requests before each target's sweep"
+    )
+    send.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="ask for exactly max_tokens tokens (a vLLM extension; off for strict servers)",
+    )
+    send.add_argument("--temperature", type=float, default=0.0)
+    send.add_argument(
+        "--server-metrics-wait",
+        type=float,
+        default=5.0,
+        help="seconds to wait after a run for Duet's /perf_metrics entries",
+    )
+
+
+def parse_bench_args(argv: list[str]) -> argparse.Namespace:
+    """Parse `duet bench` arguments outside the main CLI (for `duet run-default` and tests)."""
+    parser = argparse.ArgumentParser(
+        prog="duet bench", description="Benchmark a Duet cluster or any OpenAI server."
+    )
+    add_bench_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def _header(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "date": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "backend": "openai-compatible",
+        "endpoint_type": args.endpoint,
+        "target": args.target,
+        "num_prompts": args.num_prompts,
+        "request_rates": sorted(args.request_rate),
+        "burstiness": args.burstiness,
+        "max_concurrency": args.max_concurrency,
+        "ramp_up_seconds": args.ramp_up_seconds,
+        "percentiles": [],
+        "goodput_slos": None,
+        "workload": None,
+        "targets": [],
+        "comparison": [],
+        "error": None,
+    }
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Run `duet bench` with parsed arguments; returns the exit code (see the module docstring)."""
+    results = _header(args)
+    result_path = (
+        Path(args.result_file) if args.result_file else Path(args.output_dir) / "results.json"
+    )
+    try:
+        try:
+            options = build_sweep_options(args)
+            targets = build_targets(args.target, args.compare, args.compare_target)
+            requests = build_workload(args)
+        except (SloSpecError, WorkloadError) as exc:
+            raise BenchError(str(exc)) from None
+        except (ValueError, OSError) as exc:
+            raise BenchError(f"bad benchmark settings: {exc}") from None
+        results["percentiles"] = list(options.percentiles)
+        results["goodput_slos"] = options.slos.as_dict() if options.slos else None
+        results["workload"] = describe_workload(args, requests)
+        run_sweeps(targets, requests, options, results)
+    except BenchError as exc:
+        results["error"] = str(exc)
+    except KeyboardInterrupt:
+        results["error"] = "interrupted"
+    finally:
+        # Saved on every path, a crash included, so that nothing measured is lost.
+        results["comparison"] = comparison_rows(results) if results["percentiles"] else []
+        write_results(result_path, results)
+    print(render_report(results), end="")
+    if not args.no_plots and any(t["runs"] for t in results["targets"]):
+        from cluster.bench.plots import write_plots
+
+        plots = write_plots(results, result_path.parent)
+        print("plots: " + ", ".join(str(p) for p in plots))
+    print(f"results: {result_path}")
+    if results["error"]:
+        print(
+            f"duet bench: error: {results['error']} (results so far saved to {result_path})",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_bench(parse_bench_args(sys.argv[1:] if argv is None else argv))

@@ -1,0 +1,193 @@
+"""The async OpenAI-compatible client: one streamed request -> one RequestRecord.
+
+It speaks `/v1/completions` and `/v1/chat/completions` with ``stream: true`` (server-sent events)
+and stamps every chunk that carries generated text with ``time.perf_counter()`` as it arrives. It
+asks for `stream_options.include_usage`, and uses the server's token counts when it gets them.
+A request succeeds only if the server answered 200, streamed at least one token and ended the stream
+with ``data: [DONE]``; anything else is recorded as a failure with its error, never raised.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Literal
+
+import httpx
+
+from cluster.bench.errors import BenchError
+from cluster.bench.records import BenchRequest, RequestRecord
+
+Endpoint = Literal["completions", "chat"]
+_PATHS: dict[str, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+def normalize_base_url(url: str) -> str:
+    """ "http://h:8000/v1/" -> "http://h:8000": the server root that the API paths hang from."""
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+@dataclass(frozen=True)
+class ClientSettings:
+    """How requests are sent. ``ignore_eos`` asks the server (a vLLM extension that Duet accepts)
+    to generate exactly ``max_tokens`` tokens; turn it off for servers that reject unknown fields."""
+
+    base_url: str
+    model: str
+    endpoint: Endpoint = "completions"
+    request_timeout_s: float = 300.0
+    ignore_eos: bool = True
+    temperature: float = 0.0
+
+
+def request_payload(settings: ClientSettings, request: BenchRequest) -> dict[str, Any]:
+    """The JSON body of one streamed request."""
+    body: dict[str, Any] = {
+        "model": settings.model,
+        "max_tokens": request.output_len,
+        "temperature": settings.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if settings.ignore_eos:
+        body["ignore_eos"] = True
+    if settings.endpoint == "chat":
+        if not isinstance(request.prompt, str):
+            raise ValueError(
+                "the chat endpoint needs text prompts; give a tokenizer or use the completions endpoint"
+            )
+        body["messages"] = [{"role": "user", "content": request.prompt}]
+    else:
+        body["prompt"] = request.prompt
+    return body
+
+
+class StreamingClient:
+    """One connection pool for a run; ``send`` may be awaited concurrently."""
+
+    def __init__(self, settings: ClientSettings) -> None:
+        self.settings = settings
+        self._http: httpx.AsyncClient | None = None
+
+    async def __aenter__(self) -> StreamingClient:
+        timeout = httpx.Timeout(
+            self.settings.request_timeout_s, connect=min(10.0, self.settings.request_timeout_s)
+        )
+        # No pool limit: a request waiting for a free connection would add client time to its TTFT.
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        self._http = httpx.AsyncClient(
+            base_url=self.settings.base_url, timeout=timeout, limits=limits
+        )
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+
+    async def send(self, index: int, request: BenchRequest) -> RequestRecord:
+        """Send one request and read its stream to the end; failures come back in the record."""
+        if self._http is None:
+            raise RuntimeError("StreamingClient.send outside `async with`")
+        record = RequestRecord(
+            index=index, prompt_len=request.prompt_len, max_tokens=request.output_len
+        )
+        payload = request_payload(self.settings, request)
+        record.start = time.perf_counter()
+        try:
+            async with self._http.stream(
+                "POST", _PATHS[self.settings.endpoint], json=payload
+            ) as response:
+                if response.status_code != 200:
+                    body = (await response.aread()).decode("utf-8", errors="replace")
+                    record.error = f"HTTP {response.status_code}: {body[:300]}"
+                else:
+                    await self._read_stream(response, record)
+        except httpx.ConnectError as exc:
+            record.error = f"cannot connect to {self.settings.base_url}: {exc}"
+        except httpx.TimeoutException:
+            record.error = f"no complete response within {self.settings.request_timeout_s} s"
+        except httpx.HTTPError as exc:
+            record.error = f"{type(exc).__name__}: {exc}"
+        record.end = time.perf_counter()
+        return record
+
+    async def _read_stream(self, response: httpx.Response, record: RequestRecord) -> None:
+        texts: list[str] = []
+        usage_tokens: int | None = None
+        done = False
+        async for line in response.aiter_lines():
+            if not line.startswith("data:"):
+                continue  # blank separators, comments (":"), event names
+            data = line[len("data:") :].strip()
+            if data == "[DONE]":
+                done = True
+                break
+            arrival = time.perf_counter()
+            try:
+                event = json.loads(data)
+            except json.JSONDecodeError:
+                record.error = f"bad SSE data from the server: {data[:200]!r}"
+                return
+            if not isinstance(event, dict):
+                record.error = f"bad SSE event (not an object): {data[:200]!r}"
+                return
+            if "error" in event:
+                record.error = f"server error in stream: {json.dumps(event['error'])[:300]}"
+                return
+            record.response_id = record.response_id or str(event.get("id", ""))
+            usage = event.get("usage")
+            if isinstance(usage, dict):
+                usage_tokens = usage.get("completion_tokens", usage_tokens)
+                record.prompt_len = usage.get("prompt_tokens", record.prompt_len)
+            for choice in event.get("choices") or []:
+                text = (
+                    choice.get("text")
+                    if self.settings.endpoint == "completions"
+                    else (choice.get("delta") or {}).get("content")
+                )
+                if text:
+                    record.chunk_times.append(arrival)
+                    texts.append(text)
+        record.generated_text = "".join(texts)
+        record.output_tokens = usage_tokens if usage_tokens is not None else len(record.chunk_times)
+        if not done:
+            record.error = "the stream ended before data: [DONE]"
+        elif not record.chunk_times:
+            record.error = "the stream ended without any generated text"
+        else:
+            record.success = True
+
+
+async def probe_models(base_url: str, timeout_s: float = 10.0) -> list[str]:
+    """The model ids the server lists at /v1/models, or [] if it lists none.
+
+    Raises BenchError when nothing answers at ``base_url``: the first thing a user should hear.
+    """
+    try:
+        async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s) as http:
+            response = await http.get("/v1/models")
+    except httpx.ConnectError as exc:
+        raise BenchError(
+            f"cannot reach the server at {base_url} ({exc}); is it running, and is the URL right?"
+        ) from None
+    except httpx.TimeoutException:
+        raise BenchError(
+            f"the server at {base_url} did not answer GET /v1/models within {timeout_s} s"
+        ) from None
+    except httpx.HTTPError as exc:
+        raise BenchError(f"GET {base_url}/v1/models failed: {type(exc).__name__}: {exc}") from None
+    if response.status_code != 200:
+        return []
+    try:
+        return [str(m["id"]) for m in response.json().get("data", [])]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return []

@@ -1,0 +1,152 @@
+"""From parsed `duet bench` arguments to the workload and the sweep options (validated up front,
+so a bad SLO, percentile or workload file fails before any request is sent)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from cluster.bench.datasets import WorkloadError, load_jsonl, load_sharegpt
+from cluster.bench.metrics import parse_percentiles
+from cluster.bench.records import BenchRequest
+from cluster.bench.runner import ArrivalSettings
+from cluster.bench.slo import parse_slos
+from cluster.bench.sweep import SweepOptions
+from cluster.bench.tokens import HFTokenizerCodec, load_embedded_codec
+from cluster.bench.workloads import random_workload, shared_prefix_workload
+
+WORKLOADS = ("random", "shared-prefix", "jsonl", "sharegpt")
+
+
+def parse_rate(text: str) -> float:
+    """A request rate for argparse: a positive number of requests/s, or "inf"."""
+    try:
+        rate = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"bad request rate {text!r}: expected a number or inf"
+        ) from None
+    if not rate > 0.0:
+        raise argparse.ArgumentTypeError(f"bad request rate {text!r}: must be > 0 (or inf)")
+    return rate
+
+
+def build_sweep_options(args: argparse.Namespace) -> SweepOptions:
+    """Sweep options from the arguments; raises SloSpecError or ValueError on bad values."""
+    slos = parse_slos(args.goodput) if args.goodput is not None else None
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if not (args.burstiness > 0.0 and args.ramp_up_seconds >= 0.0):
+        raise ValueError("--burstiness must be > 0 and --ramp-up-seconds >= 0")
+    arrivals = ArrivalSettings(
+        burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency,
+        ramp_up_s=args.ramp_up_seconds,
+        seed=args.seed,
+    )
+    return SweepOptions(
+        request_rates=tuple(sorted(args.request_rate)),
+        arrivals=arrivals,
+        percentiles=parse_percentiles(args.percentiles),
+        slos=slos,
+        model=args.model,
+        endpoint=args.endpoint,
+        request_timeout_s=args.request_timeout,
+        run_deadline_s=args.run_deadline,
+        ignore_eos=args.ignore_eos,
+        temperature=args.temperature,
+        num_warmups=args.num_warmups,
+        server_metrics_wait_s=args.server_metrics_wait,
+        show_progress=not args.disable_tqdm,
+    )
+
+
+def _codec(args: argparse.Namespace) -> HFTokenizerCodec | None:
+    """The tokenizer --tokenizer names: "embedded" (the default model's), "none", or a tokenizer.json."""
+    if args.tokenizer == "none":
+        return None
+    if args.vocab_size is not None:
+        raise ValueError(
+            "--vocab-size draws random ids without a tokenizer: use it with --tokenizer none"
+        )
+    if args.tokenizer == "embedded":
+        return load_embedded_codec()
+    try:
+        return HFTokenizerCodec.from_file(args.tokenizer)
+    except Exception as exc:  # `tokenizers` raises a bare Exception for a missing or bad file
+        raise WorkloadError(f"cannot load the tokenizer {args.tokenizer}: {exc}") from None
+
+
+def _vocab(args: argparse.Namespace, codec: HFTokenizerCodec | None) -> list[int]:
+    """The ids random prompts draw from: the tokenizer's normal tokens, or 0..N-1 without one."""
+    if codec is not None:
+        return codec.normal_token_ids()
+    if args.vocab_size is None or args.vocab_size < 1:
+        raise ValueError("random prompts with --tokenizer none need --vocab-size N (N >= 1)")
+    return list(range(args.vocab_size))
+
+
+def build_workload(args: argparse.Namespace) -> list[BenchRequest]:
+    """The requests of every run of the sweep (the same list for every rate and target)."""
+    if args.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    codec = _codec(args)
+    if args.workload in ("jsonl", "sharegpt"):
+        if not args.dataset_path:
+            raise WorkloadError(f"the {args.workload} workload needs --dataset-path")
+        if args.workload == "jsonl":
+            requests = load_jsonl(args.dataset_path, args.num_prompts, args.output_len, codec)
+        else:
+            requests = load_sharegpt(
+                args.dataset_path,
+                args.num_prompts,
+                args.output_len,
+                codec,
+                args.sharegpt_output_len,
+                args.seed,
+            )
+    else:
+        if args.endpoint == "chat" and codec is None:
+            raise WorkloadError(
+                "random prompts for the chat endpoint must be text: they need a tokenizer"
+            )
+        text_codec = codec if args.endpoint == "chat" else None  # completions take exact token ids
+        vocab = _vocab(args, codec)
+        common = dict(
+            output_len=args.output_len, vocab=vocab, range_ratio=args.range_ratio, seed=args.seed
+        )
+        if args.workload == "random":
+            requests = random_workload(args.num_prompts, args.input_len, codec=text_codec, **common)  # type: ignore[arg-type]
+        else:
+            requests = shared_prefix_workload(
+                args.num_prompts,
+                args.num_prefix_groups,
+                args.prefix_len,
+                args.input_len,
+                codec=text_codec,
+                **common,  # type: ignore[arg-type]
+            )
+    if args.endpoint == "chat" and any(not isinstance(r.prompt, str) for r in requests):
+        raise WorkloadError(
+            "the chat endpoint needs text prompts; this workload has token-id prompts"
+        )
+    return requests
+
+
+def describe_workload(args: argparse.Namespace, requests: list[BenchRequest]) -> dict[str, Any]:
+    """The workload part of the results header."""
+    known = [r.prompt_len for r in requests if r.prompt_len is not None]
+    return {
+        "name": args.workload,
+        "dataset_path": args.dataset_path,
+        "num_prompts": len(requests),
+        "input_len": args.input_len if args.workload in ("random", "shared-prefix") else None,
+        "output_len": args.output_len,
+        "range_ratio": args.range_ratio,
+        "prefix_len": args.prefix_len if args.workload == "shared-prefix" else None,
+        "num_prefix_groups": args.num_prefix_groups if args.workload == "shared-prefix" else None,
+        "mean_prompt_len": sum(known) / len(known) if known else None,
+        "mean_max_tokens": sum(r.output_len for r in requests) / len(requests),
+        "seed": args.seed,
+        "tokenizer": args.tokenizer,
+    }

@@ -1,0 +1,42 @@
+"""The JSON results file: written atomically, complete or partial, with infinities as strings."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def to_jsonable(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by "inf", "-inf" or "nan".
+
+    Standard JSON has no infinity, and an infinite request rate ("send everything at once") is a
+    normal sweep point; the strings read back with ``float()``.
+    """
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [to_jsonable(v) for v in value]
+    return value
+
+
+def write_results(path: str | Path, doc: dict[str, Any]) -> Path:
+    """Write ``doc`` to ``path`` (parents created) through a temporary file and a rename, so that a
+    reader never sees half a file and an interrupted write leaves the previous one intact."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(to_jsonable(doc), f, indent=2, allow_nan=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

@@ -1,0 +1,110 @@
+"""One benchmark run: a workload sent at one request rate, bounded by count and an overall deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tqdm import tqdm
+
+from cluster.bench.arrivals import arrival_offsets
+from cluster.bench.client import StreamingClient
+from cluster.bench.records import BenchRequest, RequestRecord
+
+
+@dataclass(frozen=True)
+class ArrivalSettings:
+    """How requests arrive in one run. ``request_rate`` is requests/s (inf: all at once);
+    ``max_concurrency`` caps requests in flight (None: no cap; a request due while the cap is
+    reached waits, and its latencies count from when it is actually sent)."""
+
+    request_rate: float = math.inf
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    ramp_up_s: float = 0.0
+    seed: int = 0
+
+
+@dataclass
+class RunOutcome:
+    """The records of one run in workload order, and its wall time (first send to last end)."""
+
+    records: list[RequestRecord]
+    duration_s: float
+    deadline_hit: bool
+
+
+def _unfinished(
+    index: int, request: BenchRequest, deadline_s: float, start: float
+) -> RequestRecord:
+    now = time.perf_counter()
+    return RequestRecord(
+        index=index,
+        prompt_len=request.prompt_len,
+        max_tokens=request.output_len,
+        start=start,
+        end=now,
+        error=f"not finished within the run deadline of {deadline_s} s",
+    )
+
+
+async def run_requests(
+    client: StreamingClient,
+    requests: Sequence[BenchRequest],
+    arrivals: ArrivalSettings,
+    deadline_s: float,
+    show_progress: bool = True,
+    label: str = "",
+) -> RunOutcome:
+    """Send ``requests`` on the arrival schedule and wait for all, or until ``deadline_s`` passes.
+
+    Requests still unsent or in flight at the deadline are cancelled and recorded as failures.
+    """
+    if arrivals.max_concurrency is not None and arrivals.max_concurrency < 1:
+        raise ValueError(f"max concurrency must be >= 1, got {arrivals.max_concurrency}")
+    offsets = arrival_offsets(
+        len(requests), arrivals.request_rate, arrivals.burstiness, arrivals.ramp_up_s, arrivals.seed
+    )
+    limit = asyncio.Semaphore(arrivals.max_concurrency) if arrivals.max_concurrency else None
+    progress = tqdm(
+        total=len(requests),
+        desc=label or None,
+        file=sys.stderr,
+        disable=not show_progress,
+        leave=True,
+    )
+    start = time.perf_counter()
+
+    async def one(index: int, request: BenchRequest) -> RequestRecord:
+        delay = start + offsets[index] - time.perf_counter()
+        if delay > 0.0:
+            await asyncio.sleep(delay)
+        if limit is None:
+            record = await client.send(index, request)
+        else:
+            async with limit:
+                record = await client.send(index, request)
+        progress.update(1)
+        return record
+
+    tasks = [asyncio.create_task(one(i, r)) for i, r in enumerate(requests)]
+    pending: set[asyncio.Task[RequestRecord]] = set()
+    try:
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=deadline_s)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    finally:
+        progress.close()
+    # A cancelled task is one the deadline cut; any other exception is a bug and propagates.
+    records = [
+        _unfinished(i, requests[i], deadline_s, start) if task.cancelled() else task.result()
+        for i, task in enumerate(tasks)
+    ]
+    duration = max((r.end for r in records), default=start) - start
+    return RunOutcome(records=records, duration_s=duration, deadline_hit=bool(pending))

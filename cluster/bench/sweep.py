@@ -1,0 +1,144 @@
+"""A rate sweep on each target: warm up, run every rate, join server timings, compute goodput.
+
+Results go into a JSON-ready dict as they are produced, so that when a run fails midway (server gone,
+every request failing, a cluster that does not start) the caller still has, and saves, everything
+gathered up to that point.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from cluster.bench.client import ClientSettings, Endpoint, StreamingClient, probe_models
+from cluster.bench.errors import BenchError
+from cluster.bench.metrics import DEFAULT_PERCENTILES, summarize_run
+from cluster.bench.perf_metrics import collect_server_timings, fetch_perf_metrics
+from cluster.bench.records import BenchRequest
+from cluster.bench.runner import ArrivalSettings, run_requests
+from cluster.bench.slo import SloSpec, goodput_rate
+from cluster.bench.target import Target
+
+
+@dataclass(frozen=True)
+class SweepOptions:
+    """Everything about a sweep except the workload and the targets."""
+
+    request_rates: tuple[float, ...] = (math.inf,)
+    arrivals: ArrivalSettings = ArrivalSettings()
+    percentiles: tuple[float, ...] = DEFAULT_PERCENTILES
+    slos: SloSpec | None = None
+    model: str | None = None  # None: the first model the server lists at /v1/models
+    endpoint: Endpoint = "completions"
+    request_timeout_s: float = 300.0
+    run_deadline_s: float = 600.0  # per rate: unfinished requests then count as failed
+    ignore_eos: bool = True
+    temperature: float = 0.0
+    num_warmups: int = 1
+    server_metrics_wait_s: float = 5.0  # how long to wait for late /perf_metrics entries
+    show_progress: bool = True
+
+
+async def _pick_model(url: str, wanted: str | None) -> str:
+    listed = await probe_models(url)  # raises BenchError when nothing answers
+    if wanted is not None:
+        return wanted
+    if not listed:
+        raise BenchError(f"the server at {url} lists no model at /v1/models; pass --model")
+    return listed[0]
+
+
+async def _warm_up(client: StreamingClient, request: BenchRequest, count: int, url: str) -> None:
+    for _ in range(count):
+        record = await client.send(-1, request)
+        if not record.success:
+            raise BenchError(f"the warm-up request to {url} failed: {record.error}")
+
+
+def _run_entry(
+    rate: float, options: SweepOptions, summary: dict[str, Any], deadline_hit: bool
+) -> dict[str, Any]:
+    return {
+        "request_rate": rate,
+        "burstiness": options.arrivals.burstiness,
+        "max_concurrency": options.arrivals.max_concurrency,
+        "ramp_up_seconds": options.arrivals.ramp_up_s,
+        "deadline_hit": deadline_hit,
+        **summary,
+    }
+
+
+def update_goodput(entry: dict[str, Any]) -> None:
+    """Set ``goodput``/``goodput_is_lower_bound`` of a target entry from its runs' SLO attainment."""
+    points = [
+        (run["request_rate"], run["slo_attainment"])
+        for run in entry["runs"]
+        if "slo_attainment" in run
+    ]
+    if points:
+        result = goodput_rate(points)
+        entry["goodput"] = result.rate
+        entry["goodput_is_lower_bound"] = result.lower_bound
+
+
+async def sweep_url(
+    url: str, entry: dict[str, Any], requests: Sequence[BenchRequest], options: SweepOptions
+) -> None:
+    """Run every rate of the sweep against the server at ``url``, appending to ``entry["runs"]``.
+
+    Raises BenchError when the server cannot be reached, warm-up fails, or every request of a run
+    failed (the sweep stops there; that run's results are in ``entry`` already).
+    """
+    model = await _pick_model(url, options.model)
+    entry["model_id"] = model
+    settings = ClientSettings(
+        base_url=url,
+        model=model,
+        endpoint=options.endpoint,
+        request_timeout_s=options.request_timeout_s,
+        ignore_eos=options.ignore_eos,
+        temperature=options.temperature,
+    )
+    async with StreamingClient(settings) as client:
+        if requests and options.num_warmups > 0:
+            await _warm_up(
+                client,
+                replace(requests[0], output_len=min(requests[0].output_len, 4)),
+                options.num_warmups,
+                url,
+            )
+            await fetch_perf_metrics(url)  # drain the warm-up's entries
+        for rate in options.request_rates:
+            arrivals = replace(options.arrivals, request_rate=rate)
+            label = f"{entry['label']} @ {rate:g} req/s"
+            outcome = await run_requests(
+                client, requests, arrivals, options.run_deadline_s, options.show_progress, label
+            )
+            await collect_server_timings(url, outcome.records, options.server_metrics_wait_s)
+            duration = max(outcome.duration_s, 1e-9)  # a run of instant failures can measure 0
+            summary = summarize_run(outcome.records, duration, options.percentiles, options.slos)
+            entry["runs"].append(_run_entry(rate, options, summary, outcome.deadline_hit))
+            update_goodput(entry)
+            if outcome.records and summary["completed"] == 0:
+                first = next(r.error for r in outcome.records if r.error)
+                raise BenchError(
+                    f"every request to {url} failed at {rate:g} req/s; the first error: {first}"
+                )
+
+
+def run_sweeps(
+    targets: Sequence[Target],
+    requests: Sequence[BenchRequest],
+    options: SweepOptions,
+    results: dict[str, Any],
+) -> None:
+    """Sweep every target in turn (each started and stopped around its sweep) into ``results``."""
+    for target in targets:
+        entry: dict[str, Any] = {"label": target.label, "url": None, "runs": []}
+        results["targets"].append(entry)
+        with target as url:
+            entry["url"] = url
+            asyncio.run(sweep_url(url, entry, requests, options))

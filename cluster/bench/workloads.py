@@ -1,0 +1,118 @@
+"""Synthetic workloads: random prompts and shared-prefix groups, seeded and reproducible.
+
+Prompts are token ids drawn uniformly from ``vocab`` (the normal token ids of the model, see
+``tokens.py``), so their length is exact. With ``codec`` the ids are decoded to text instead (for the
+chat endpoint); ``prompt_len`` is then the length of that text re-encoded, which can differ slightly
+from the length that was drawn, because tokenization does not round-trip for arbitrary id sequences.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from cluster.bench.records import BenchRequest
+from cluster.bench.tokens import TokenCodec
+
+
+def length_bounds(mean: int, range_ratio: float) -> tuple[int, int]:
+    """Inclusive bounds of lengths around ``mean``: [mean (1 - r), mean (1 + r)], at least 1.
+
+    ``range_ratio`` r is within [0, 1); 0 gives every request exactly ``mean`` tokens.
+    """
+    if mean < 1:
+        raise ValueError(f"length must be >= 1, got {mean}")
+    if not 0.0 <= range_ratio < 1.0:
+        raise ValueError(f"range ratio must be within [0, 1), got {range_ratio}")
+    low = max(1, math.ceil(mean * (1.0 - range_ratio)))
+    high = max(low, math.floor(mean * (1.0 + range_ratio)))
+    return low, high
+
+
+def _lengths(rng: np.random.Generator, mean: int, range_ratio: float, n: int) -> list[int]:
+    low, high = length_bounds(mean, range_ratio)
+    return [int(x) for x in rng.integers(low, high + 1, size=n)]
+
+
+def _draw_ids(rng: np.random.Generator, vocab: np.ndarray, n: int) -> list[int]:
+    return [int(x) for x in vocab[rng.integers(0, len(vocab), size=n)]]
+
+
+def _request(
+    ids: list[int], output_len: int, codec: TokenCodec | None, group: int | None
+) -> BenchRequest:
+    if codec is None:
+        return BenchRequest(
+            prompt=ids, prompt_len=len(ids), output_len=output_len, prefix_group=group
+        )
+    text = codec.decode(ids)
+    return BenchRequest(
+        prompt=text, prompt_len=len(codec.encode(text)), output_len=output_len, prefix_group=group
+    )
+
+
+def _check_vocab(vocab: Sequence[int]) -> np.ndarray:
+    if len(vocab) == 0:
+        raise ValueError("the token vocabulary to draw prompts from is empty")
+    return np.asarray(vocab, dtype=np.int64)
+
+
+def random_workload(
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    vocab: Sequence[int],
+    range_ratio: float = 0.0,
+    seed: int = 0,
+    codec: TokenCodec | None = None,
+) -> list[BenchRequest]:
+    """``num_prompts`` independent random prompts; input and output lengths per ``length_bounds``."""
+    ids_pool = _check_vocab(vocab)
+    rng = np.random.default_rng(seed)
+    in_lens = _lengths(rng, input_len, range_ratio, num_prompts)
+    out_lens = _lengths(rng, output_len, range_ratio, num_prompts)
+    return [
+        _request(_draw_ids(rng, ids_pool, n_in), n_out, codec, None)
+        for n_in, n_out in zip(in_lens, out_lens, strict=True)
+    ]
+
+
+def shared_prefix_workload(
+    num_prompts: int,
+    num_groups: int,
+    prefix_len: int,
+    input_len: int,
+    output_len: int,
+    vocab: Sequence[int],
+    range_ratio: float = 0.0,
+    seed: int = 0,
+    codec: TokenCodec | None = None,
+) -> list[BenchRequest]:
+    """Requests in ``num_groups`` groups; those of a group start with the same ``prefix_len`` ids.
+
+    Request i belongs to group i % num_groups; after its group's prefix comes a random suffix of
+    ``input_len`` tokens (within the range ratio), so prompts are prefix_len + suffix tokens long.
+    The order is shuffled (seeded) so that members of a group do not always arrive back to back.
+    """
+    if num_groups < 1:
+        raise ValueError(f"the number of prefix groups must be >= 1, got {num_groups}")
+    if prefix_len < 0:
+        raise ValueError(f"prefix length must be >= 0, got {prefix_len}")
+    ids_pool = _check_vocab(vocab)
+    rng = np.random.default_rng(seed)
+    prefixes = [_draw_ids(rng, ids_pool, prefix_len) for _ in range(num_groups)]
+    in_lens = _lengths(rng, input_len, range_ratio, num_prompts)
+    out_lens = _lengths(rng, output_len, range_ratio, num_prompts)
+    requests = [
+        _request(
+            prefixes[i % num_groups] + _draw_ids(rng, ids_pool, in_lens[i]),
+            out_lens[i],
+            codec,
+            i % num_groups,
+        )
+        for i in range(num_prompts)
+    ]
+    order = rng.permutation(num_prompts)
+    return [requests[int(i)] for i in order]

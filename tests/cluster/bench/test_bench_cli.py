@@ -1,0 +1,208 @@
+"""`duet bench` end to end against real HTTP servers: results JSON, plots, and the error paths."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cluster.bench.cli import parse_bench_args, run_bench
+
+SMALL = "--num-prompts 6 --input-len 8 --output-len 4 --tokenizer none --vocab-size 50 --disable-tqdm".split()
+
+
+def bench(argv: list[str], out: Path) -> tuple[int, dict[str, Any]]:
+    code = run_bench(parse_bench_args([*argv, "--output-dir", str(out)]))
+    return code, json.loads((out / "results.json").read_text())
+
+
+def test_sweep_with_goodput_and_comparison(
+    duet_server: Any, peer_server: Any, tmp_path: Path, capsys: Any
+) -> None:
+    argv = [
+        duet_server.url,
+        *SMALL,
+        "--request-rate",
+        "inf",
+        "200",
+        "--goodput",
+        "ttft:60000",
+        "tpot:60000",
+        "--percentiles",
+        "50,99",
+        "--compare",
+        "aggregated",
+        "--compare-target",
+        peer_server.url,
+    ]
+    code, results = bench(argv, tmp_path)
+    assert code == 0
+    assert results["error"] is None
+    assert results["percentiles"] == [50.0, 99.0] and results["goodput_slos"] == {
+        "ttft": 60000.0,
+        "tpot": 60000.0,
+    }
+    disagg, agg = results["targets"]
+    assert (disagg["label"], agg["label"]) == ("disaggregated", "aggregated")
+    assert (disagg["url"], agg["url"], disagg["model_id"]) == (
+        duet_server.url,
+        peer_server.url,
+        "tiny-echo",
+    )
+    for target in (disagg, agg):
+        assert [run["request_rate"] for run in target["runs"]] == [200.0, "inf"]
+        for run in target["runs"]:
+            assert (run["completed"], run["failed"]) == (6, 0)
+            assert (run["total_input_tokens"], run["total_output_tokens"]) == (48, 24)
+            assert run["output_lens"] == [4] * 6 and run["errors"] == [""] * 6
+            assert run["slo_attainment"] == 1.0
+            assert run["p99_ttft_ms"] >= run["median_ttft_ms"] > 0.0
+            assert len(run["itls"]) == 6 and all(len(gaps) == 3 for gaps in run["itls"])
+        assert (target["goodput"], target["goodput_is_lower_bound"]) == ("inf", True)
+    # only the Duet-like server has /perf_metrics: 8 prompt tokens -> 8000 bytes, 0.016 s prefill
+    assert [run["num_server_metrics"] for run in disagg["runs"]] == [6, 6]
+    assert disagg["runs"][0]["mean_transfer_bytes"] == 8000.0
+    assert disagg["runs"][0]["mean_prefill_ms"] == pytest.approx(16.0)
+    assert [run["num_server_metrics"] for run in agg["runs"]] == [0, 0]
+    assert len(results["comparison"]) == 2 * 7 + 1  # seven metrics per rate, and goodput
+    assert results["comparison"][-1] == {
+        "request_rate": None,
+        "metric": "goodput req/s",
+        "key": "goodput",
+        "disaggregated": "inf",
+        "aggregated": "inf",
+        "ratio": None,
+    }
+    assert {row["metric"] for row in results["comparison"]} >= {
+        "out tok/s",
+        "TTFT p99 ms",
+        "TPOT median ms",
+    }
+    for name in (
+        "latency_cdf.png",
+        "latency_vs_rate.png",
+        "goodput_vs_rate.png",
+        "disagg_vs_agg.png",
+    ):
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+    printed = capsys.readouterr().out
+    assert "== disaggregated vs aggregated" in printed and "goodput: inf req/s" in printed
+
+
+def test_unreachable_server(free_port: int, tmp_path: Path, capsys: Any) -> None:
+    url = f"http://127.0.0.1:{free_port}"
+    code, results = bench([url, *SMALL], tmp_path)
+    assert code == 1
+    assert results["error"].startswith(f"cannot reach the server at {url}")
+    assert results["targets"] == [{"label": url, "url": url, "runs": []}]
+    assert f"duet bench: error: cannot reach the server at {url}" in capsys.readouterr().err
+
+
+def test_invalid_slo_fails_before_any_request(duet_server: Any, tmp_path: Path) -> None:
+    sent_before = duet_server.state.num_requests
+    code, results = bench([duet_server.url, *SMALL, "--goodput", "ttft=500"], tmp_path)
+    assert code == 1
+    assert (
+        results["error"] == "bad SLO 'ttft=500': expected KEY:MS with KEY one of ttft, tpot, e2el"
+    )
+    assert results["targets"] == []
+    assert duet_server.state.num_requests == sent_before
+
+
+def test_bad_workload_line(duet_server: Any, tmp_path: Path) -> None:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "w1 w2"}\n{"prompt": 5}\n', encoding="utf-8")
+    argv = [
+        duet_server.url,
+        "--workload",
+        "jsonl",
+        "--dataset-path",
+        str(path),
+        "--tokenizer",
+        "none",
+        "--disable-tqdm",
+    ]
+    code, results = bench(argv, tmp_path / "out")
+    assert code == 1
+    assert results["error"].startswith(f"{path}:2: 'prompt' must be")
+    assert results["targets"] == []
+
+
+def test_chat_random_workload_needs_a_tokenizer(duet_server: Any, tmp_path: Path) -> None:
+    code, results = bench([duet_server.url, *SMALL, "--endpoint", "chat"], tmp_path)
+    assert (
+        code == 1
+        and results["error"]
+        == "random prompts for the chat endpoint must be text: they need a tokenizer"
+    )
+
+
+def test_results_of_the_first_target_survive_a_failing_second(
+    duet_server: Any, free_port: int, tmp_path: Path
+) -> None:
+    dead = f"http://127.0.0.1:{free_port}"
+    argv = [
+        duet_server.url,
+        *SMALL,
+        "--compare",
+        "aggregated",
+        "--compare-target",
+        dead,
+        "--no-plots",
+    ]
+    code, results = bench(argv, tmp_path)
+    assert code == 1
+    assert "cannot reach the server" in results["error"]
+    first, second = results["targets"]
+    assert [run["completed"] for run in first["runs"]] == [6]
+    assert second == {"label": "aggregated", "url": dead, "runs": []}
+    assert results["comparison"] == []
+    assert not (tmp_path / "latency_cdf.png").exists()
+
+
+def test_sweep_stops_when_every_request_fails(duet_server: Any, tmp_path: Path) -> None:
+    path = tmp_path / "failing.jsonl"
+    path.write_text(
+        '{"prompt": [1, 2], "output_len": 13}\n' * 3, encoding="utf-8"
+    )  # the server answers 500
+    argv = [
+        duet_server.url,
+        "--workload",
+        "jsonl",
+        "--dataset-path",
+        str(path),
+        "--tokenizer",
+        "none",
+        "--disable-tqdm",
+        "--request-rate",
+        "100",
+        "inf",
+    ]
+    code, results = bench(argv, tmp_path / "out")
+    assert code == 1
+    assert results["error"].startswith(
+        f"every request to {duet_server.url} failed at 100 req/s; the first error: HTTP 500"
+    )
+    [run] = results["targets"][0]["runs"]  # the second rate never ran
+    assert (run["completed"], run["failed"], run["request_rate"]) == (0, 3, 100.0)
+
+
+def test_bad_tokenizer_and_settings(duet_server: Any, tmp_path: Path) -> None:
+    missing = tmp_path / "tokenizer.json"
+    code, results = bench(
+        [duet_server.url, "--tokenizer", str(missing), "--disable-tqdm"], tmp_path / "a"
+    )
+    assert code == 1 and results["error"].startswith(f"cannot load the tokenizer {missing}: ")
+    code, results = bench([duet_server.url, *SMALL, "--percentiles", "50,x"], tmp_path / "b")
+    assert code == 1 and results["error"].startswith("bad benchmark settings: bad percentile 'x'")
+    code, results = bench([duet_server.url, "--vocab-size", "10"], tmp_path / "c")
+    assert code == 1 and "use it with --tokenizer none" in results["error"]
+
+
+def test_bad_request_rate_is_a_usage_error(capsys: Any) -> None:
+    with pytest.raises(SystemExit) as info:
+        parse_bench_args(["--request-rate", "0"])
+    assert info.value.code == 2
+    assert "bad request rate '0': must be > 0 (or inf)" in capsys.readouterr().err

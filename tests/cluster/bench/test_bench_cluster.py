@@ -1,0 +1,93 @@
+"""`duet bench` against the real local Duet cluster: disaggregated and aggregated, side by side.
+
+Runs once ``cluster.serve.start_cluster`` exists (the contract is in cluster/bench/target.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import socket
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster.bench.cli import parse_bench_args, run_bench
+
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
+
+
+def _cluster_missing() -> str | None:
+    """Why the cluster cannot be started yet, or None once it has landed."""
+    if importlib.util.find_spec("cluster.serve") is None:
+        return "the Duet cluster (cluster.serve.start_cluster) has not landed yet"
+    try:
+        importlib.import_module("cluster.serve")
+    except ModuleNotFoundError as exc:  # landing: a module it needs is not in the tree yet
+        return f"the Duet cluster is not complete yet: {exc}"
+    return None
+
+
+MISSING = _cluster_missing()
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(MISSING is not None, reason=str(MISSING))]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _copy_config(name: str, out_dir: Path) -> None:
+    """The repo's config on a free port, so the test never collides with a server on 8000."""
+    data = yaml.safe_load((CONFIGS / name).read_text(encoding="utf-8"))
+    data["server"]["port"] = _free_port()
+    (out_dir / name).write_text(yaml.safe_dump(data), encoding="utf-8")
+
+
+def test_bench_local_cluster_against_aggregated(tmp_path: Path) -> None:
+    for name in ("local.yaml", "local_aggregated.yaml"):
+        _copy_config(name, tmp_path)
+    argv = [
+        str(tmp_path / "local.yaml"),
+        "--compare",
+        "aggregated",
+        "--num-prompts",
+        "4",
+        "--input-len",
+        "16",
+        "--output-len",
+        "4",
+        "--request-rate",
+        "inf",
+        "--goodput",
+        "ttft:600000",
+        "--output-dir",
+        str(tmp_path / "out"),
+        "--disable-tqdm",
+    ]
+    code = run_bench(parse_bench_args(argv))
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert code == 0, results["error"]
+    disagg, agg = results["targets"]
+    assert (disagg["label"], agg["label"]) == ("disaggregated", "aggregated")
+    for target in (disagg, agg):
+        [run] = target["runs"]
+        assert (run["completed"], run["failed"]) == (4, 0), run["errors"]
+        assert (run["total_input_tokens"], run["total_output_tokens"]) == (64, 16)  # ignore_eos
+        assert run["output_lens"] == [4, 4, 4, 4]
+        assert run["slo_attainment"] == 1.0
+        assert run["mean_ttft_ms"] > 0.0 and run["mean_tpot_ms"] > 0.0
+    [run] = disagg["runs"]
+    assert run["num_server_metrics"] == 4  # every request joined with its /perf_metrics entry
+    assert run["total_transfer_bytes"] > 0 and run["mean_prefill_ms"] > 0.0
+    assert not agg["runs"][0]["total_transfer_bytes"]  # no KV moves in the aggregated mode
+    assert len(results["comparison"]) == 8
+    for name in (
+        "latency_cdf.png",
+        "latency_vs_rate.png",
+        "goodput_vs_rate.png",
+        "disagg_vs_agg.png",
+    ):
+        assert (tmp_path / "out" / name).read_bytes()[:4] == b"\x89PNG"

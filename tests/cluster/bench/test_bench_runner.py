@@ -1,0 +1,69 @@
+"""Runs at one rate: concurrency cap, order, deadline (cluster/bench/runner.py) against a real server."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Any
+
+import pytest
+
+from cluster.bench.client import ClientSettings, StreamingClient
+from cluster.bench.records import BenchRequest
+from cluster.bench.runner import ArrivalSettings, RunOutcome, run_requests
+
+
+def run(
+    url: str, requests: list[BenchRequest], arrivals: ArrivalSettings, deadline_s: float = 30.0
+) -> RunOutcome:
+    async def go() -> RunOutcome:
+        async with StreamingClient(ClientSettings(base_url=url, model="tiny-echo")) as client:
+            return await run_requests(client, requests, arrivals, deadline_s, show_progress=False)
+
+    return asyncio.run(go())
+
+
+def workload(n: int, output_len: int = 3) -> list[BenchRequest]:
+    return [
+        BenchRequest(prompt=[i + 1] * (i + 1), prompt_len=i + 1, output_len=output_len)
+        for i in range(n)
+    ]
+
+
+def test_all_at_once_with_concurrency_cap(start_echo: Any) -> None:
+    with start_echo(per_token_s=0.005) as server:
+        outcome = run(
+            server.url, workload(8), ArrivalSettings(request_rate=math.inf, max_concurrency=2)
+        )
+        assert (
+            server.state.max_in_flight == 2
+        )  # eight requests due at once, never more than two streaming
+    assert [r.index for r in outcome.records] == list(range(8))
+    assert all(r.success for r in outcome.records)
+    assert [r.prompt_len for r in outcome.records] == list(range(1, 9))
+    assert not outcome.deadline_hit
+    assert outcome.duration_s >= max(r.end for r in outcome.records) - min(
+        r.start for r in outcome.records
+    )
+
+
+def test_poisson_arrivals_complete(duet_server: Any) -> None:
+    outcome = run(duet_server.url, workload(5), ArrivalSettings(request_rate=200.0, seed=3))
+    assert all(r.success for r in outcome.records)
+    assert sum(r.output_tokens for r in outcome.records) == 15
+
+
+def test_deadline_cuts_unfinished_requests(start_echo: Any) -> None:
+    with start_echo(per_token_s=0.05) as server:
+        requests = workload(2, output_len=2) + [
+            BenchRequest(prompt=[1], prompt_len=1, output_len=400)
+        ]
+        outcome = run(server.url, requests, ArrivalSettings(request_rate=math.inf), deadline_s=1.0)
+    assert outcome.deadline_hit
+    assert [r.success for r in outcome.records] == [True, True, False]
+    assert outcome.records[2].error == "not finished within the run deadline of 1.0 s"
+
+
+def test_rejects_zero_concurrency(duet_server: Any) -> None:
+    with pytest.raises(ValueError, match="max concurrency"):
+        run(duet_server.url, workload(1), ArrivalSettings(max_concurrency=0))

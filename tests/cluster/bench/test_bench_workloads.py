@@ -1,0 +1,91 @@
+"""Random and shared-prefix workloads, and the tokenizer helpers (cluster/bench/workloads.py, tokens.py)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from cluster.bench.tokens import load_embedded_codec
+from cluster.bench.workloads import length_bounds, random_workload, shared_prefix_workload
+
+VOCAB = list(range(100, 150))
+
+
+def test_length_bounds() -> None:
+    assert length_bounds(10, 0.0) == (10, 10)
+    assert length_bounds(10, 0.5) == (5, 15)
+    assert length_bounds(1, 0.9) == (1, 1)
+    with pytest.raises(ValueError, match=r"\[0, 1\)"):
+        length_bounds(10, 1.0)
+    with pytest.raises(ValueError, match=">= 1"):
+        length_bounds(0, 0.0)
+
+
+def test_random_workload_exact_lengths_token_ids() -> None:
+    requests = random_workload(5, input_len=7, output_len=3, vocab=VOCAB, seed=1)
+    assert len(requests) == 5
+    for r in requests:
+        assert isinstance(r.prompt, list) and len(r.prompt) == 7 == r.prompt_len
+        assert r.output_len == 3
+        assert set(r.prompt) <= set(VOCAB)
+
+
+def test_random_workload_range_and_seed() -> None:
+    requests = random_workload(
+        200, input_len=10, output_len=20, vocab=VOCAB, range_ratio=0.5, seed=3
+    )
+    in_lens = {r.prompt_len for r in requests}
+    out_lens = {r.output_len for r in requests}
+    assert min(in_lens) >= 5 and max(in_lens) <= 15 and len(in_lens) > 5
+    assert min(out_lens) >= 10 and max(out_lens) <= 30
+    assert requests == random_workload(200, 10, 20, VOCAB, range_ratio=0.5, seed=3)
+    assert requests != random_workload(200, 10, 20, VOCAB, range_ratio=0.5, seed=4)
+
+
+def test_random_workload_text_prompts_with_codec(word_codec: Any) -> None:
+    requests = random_workload(
+        4, input_len=6, output_len=2, vocab=list(range(10)), codec=word_codec
+    )
+    for r in requests:
+        assert isinstance(r.prompt, str)
+        assert r.prompt_len == 6 == len(r.prompt.split())  # word-level tokens round-trip exactly
+        assert all(w.startswith("w") for w in r.prompt.split())
+
+
+def test_shared_prefix_groups() -> None:
+    requests = shared_prefix_workload(
+        12, num_groups=3, prefix_len=5, input_len=4, output_len=2, vocab=VOCAB, seed=2
+    )
+    assert Counter(r.prefix_group for r in requests) == {0: 4, 1: 4, 2: 4}
+    prefixes: dict[int | None, set[tuple[int, ...]]] = {}
+    for r in requests:
+        assert isinstance(r.prompt, list) and r.prompt_len == 9
+        prefixes.setdefault(r.prefix_group, set()).add(tuple(r.prompt[:5]))
+    assert all(len(p) == 1 for p in prefixes.values())  # one prefix per group
+    assert len({next(iter(p)) for p in prefixes.values()}) == 3  # three different prefixes
+    assert [r.prefix_group for r in requests] != [i % 3 for i in range(12)]  # shuffled
+
+
+def test_workload_argument_errors() -> None:
+    with pytest.raises(ValueError, match="empty"):
+        random_workload(1, 4, 4, vocab=[])
+    with pytest.raises(ValueError, match="groups"):
+        shared_prefix_workload(4, 0, 4, 4, 4, VOCAB)
+
+
+def test_tokenizer_normal_ids_skip_special_tokens(word_codec: Any) -> None:
+    assert word_codec.normal_token_ids() == list(range(11))  # [BOS] (11) is special
+    assert word_codec.encode("w3 w1") == [3, 1]
+    assert word_codec.decode([3, 1]) == "w3 w1"
+
+
+@pytest.mark.slow  # parses the GGUF metadata and rebuilds the BPE: seconds
+def test_embedded_model_tokenizer() -> None:
+    codec = load_embedded_codec()
+    ids = codec.normal_token_ids()
+    # SmolLM2: 49152 tokens, of which ids 0..16 (<|endoftext|>, <|im_start|>, ...) are control tokens
+    assert len(ids) == 49152 - 17
+    assert ids[0] == 17 and ids[-1] == 49151
+    assert codec.decode(codec.encode("Hello world")) == "Hello world"
