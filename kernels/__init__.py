@@ -1,0 +1,113 @@
+"""Kernels: pure functions over tensors, each a Triton kernel with a plain-torch `*_ref` twin.
+
+Dispatch, decided per call from the tensors and the environment:
+- env ``DUET_KERNELS=ref``: always the reference (debugging on a GPU);
+- tensors on CUDA, or env ``DUET_KERNELS=triton``: the Triton kernel (the latter with
+  ``TRITON_INTERPRET=1`` runs the Triton code on CPU tensors, as the tests do);
+- otherwise the reference, which is the CPU implementation.
+The Triton modules are imported on first use, so CPU-only runs never import triton.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kernels.attention_ref import (
+    paged_decode_attention_ref,
+    paged_prefill_attention_ref,
+    store_kv_ref,
+)
+from kernels.page_copy_ref import gather_pages_ref, scatter_pages_ref
+
+__all__ = [
+    "store_kv",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "gather_pages",
+    "scatter_pages",
+    "store_kv_ref",
+    "paged_decode_attention_ref",
+    "paged_prefill_attention_ref",
+    "gather_pages_ref",
+    "scatter_pages_ref",
+    "use_triton",
+]
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    """Whether a call whose main tensor is `tensor` runs the Triton kernel (see module docstring)."""
+    choice = os.environ.get("DUET_KERNELS", "")
+    if choice == "ref":
+        return False
+    return tensor.is_cuda or choice == "triton"
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Writes key/value [T, Hkv, D] to cache slots (page * page_size + offset); slots < 0 skipped."""
+    if use_triton(k_cache):
+        from kernels.store_kv_triton import store_kv as impl
+    else:
+        impl = store_kv_ref
+    impl(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """q [B, Hq, D] attends over the first seq_lens[b] cached tokens of sequence b -> [B, Hq, D]."""
+    if use_triton(q):
+        from kernels.decode_attention_triton import paged_decode_attention as impl
+    else:
+        impl = paged_decode_attention_ref
+    return impl(q, k_cache, v_cache, page_table, seq_lens, scale, sliding_window)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Packed q [T, Hq, D], causal over the whole context: query i of sequence b sits at
+    position seq_lens[b] - q_len_b + i. Returns [T, Hq, D]."""
+    if use_triton(q):
+        from kernels.prefill_attention_triton import paged_prefill_attention as impl
+    else:
+        impl = paged_prefill_attention_ref
+    return impl(q, k_cache, v_cache, page_table, cu_seqlens_q, seq_lens, scale, sliding_window)
+
+
+def gather_pages(src: torch.Tensor, page_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out[i] = src[page_ids[i]] for 2-D [N, E] / [n, E] page-row views. Returns out."""
+    if use_triton(src):
+        from kernels.page_copy_triton import gather_pages as impl
+    else:
+        impl = gather_pages_ref
+    return impl(src, page_ids, out)
+
+
+def scatter_pages(src: torch.Tensor, dst: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
+    """dst[page_ids[i]] = src[i] for 2-D [n, E] / [N, E] page-row views. Returns dst."""
+    if use_triton(dst):
+        from kernels.page_copy_triton import scatter_pages as impl
+    else:
+        impl = scatter_pages_ref
+    return impl(src, dst, page_ids)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 
-
 def store_kv_ref(
     key: torch.Tensor,  # [T, Hkv, D]
     value: torch.Tensor,  # [T, Hkv, D]

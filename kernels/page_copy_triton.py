@@ -1,0 +1,114 @@
+"""Whole-page gather and scatter in Triton (the transceiver's staging copies).
+
+Pools are seen as 2-D views [num_pages, page_elems] (the transceiver passes uint8 views), one row
+per page. A page can be megabytes (all layers of a group), so each row is split over many programs
+of BLOCK elements each, and rows whose bytes allow it are reinterpreted as int32 so one thread moves
+16-byte vectors with a quarter of the index arithmetic.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.checks import next_power_of_2
+
+BLOCK_BYTES = 16384  # per program: 128 threads x 8 vectors of 16 bytes
+
+
+@triton.jit
+def _copy_rows_kernel(
+    src_ptr,
+    dst_ptr,
+    ids_ptr,
+    stride_src_row,
+    stride_src_col,
+    stride_dst_row,
+    stride_dst_col,
+    row_elems,
+    blocks_per_row,
+    INDEX_SRC: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    i = pid // blocks_per_row
+    offs = (pid % blocks_per_row) * BLOCK + tl.arange(0, BLOCK)
+    page = tl.load(ids_ptr + i).to(tl.int64)
+    if INDEX_SRC:  # gather: out[i] = src[page]
+        src_row = page
+        dst_row = i.to(tl.int64)
+    else:  # scatter: dst[page] = src[i]
+        src_row = i.to(tl.int64)
+        dst_row = page
+    ok = offs < row_elems
+    x = tl.load(src_ptr + src_row * stride_src_row + offs * stride_src_col, mask=ok)
+    tl.store(dst_ptr + dst_row * stride_dst_row + offs * stride_dst_col, x, mask=ok)
+
+
+def _as_int32_rows(t: torch.Tensor) -> torch.Tensor:
+    """The same bytes as [rows, bytes / 4] int32 when layout and alignment allow, else t itself."""
+    if t.dtype == torch.int32 or t.element_size() > 4 or t.dim() != 2 or t.stride(1) != 1:
+        return t
+    try:
+        return t.view(torch.int32)
+    except RuntimeError:  # row bytes, row stride or offset not a multiple of 4
+        return t
+
+
+def _copy_rows(
+    src: torch.Tensor, dst: torch.Tensor, page_ids: torch.Tensor, index_src: bool
+) -> None:
+    n = page_ids.shape[0]
+    if n == 0 or src.shape[1] == 0:
+        return
+    src_w, dst_w = _as_int32_rows(src), _as_int32_rows(dst)
+    if src_w.dtype != dst_w.dtype:  # one side could not be widened: copy in the original dtype
+        src_w, dst_w = src, dst
+    row_elems = src_w.shape[1]
+    block = min(next_power_of_2(row_elems), max(16, BLOCK_BYTES // src_w.element_size()))
+    blocks_per_row = triton.cdiv(row_elems, block)
+    _copy_rows_kernel[(n * blocks_per_row,)](
+        src_w,
+        dst_w,
+        page_ids,
+        *src_w.stride(),
+        *dst_w.stride(),
+        row_elems,
+        blocks_per_row,
+        INDEX_SRC=index_src,
+        BLOCK=block,
+        num_warps=4,
+    )
+
+
+def _check(
+    rows: torch.Tensor, pool: torch.Tensor, page_ids: torch.Tensor, what: str
+) -> torch.Tensor:
+    if (
+        rows.dim() != 2
+        or pool.dim() != 2
+        or rows.shape[1] != pool.shape[1]
+        or rows.dtype != pool.dtype
+    ):
+        raise ValueError(
+            f"{what}: expected 2-D [n, E] and [N, E] tensors of one dtype, got {tuple(rows.shape)} "
+            f"{rows.dtype} and {tuple(pool.shape)} {pool.dtype}"
+        )
+    if page_ids.dim() != 1 or page_ids.shape[0] != rows.shape[0]:
+        raise ValueError(f"{what}: page_ids must be [{rows.shape[0]}], got {tuple(page_ids.shape)}")
+    return page_ids.to(pool.device)
+
+
+def gather_pages(src: torch.Tensor, page_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out[i] = src[page_ids[i]]; src [N, E], page_ids [n], out [n, E]. Returns out."""
+    page_ids = _check(out, src, page_ids, "gather_pages")
+    _copy_rows(src, out, page_ids, index_src=True)
+    return out
+
+
+def scatter_pages(src: torch.Tensor, dst: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
+    """dst[page_ids[i]] = src[i]; src [n, E], dst [N, E], page_ids [n] (distinct). Returns dst."""
+    page_ids = _check(src, dst, page_ids, "scatter_pages")
+    _copy_rows(src, dst, page_ids, index_src=False)
+    return dst

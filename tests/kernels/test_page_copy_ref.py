@@ -1,0 +1,25 @@
+"""gather_pages_ref / scatter_pages_ref on uint8 page rows: exact copies, other rows untouched."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import gather_pages_ref, scatter_pages_ref
+
+
+def test_gather_ref_copies_the_listed_rows_in_order() -> None:
+    pool = torch.arange(6 * 8, dtype=torch.uint8).view(6, 8)
+    out = torch.full((3, 8), 255, dtype=torch.uint8)
+    result = gather_pages_ref(pool, torch.tensor([4, 1, 5]), out)
+    assert result is out
+    assert out[:, 0].tolist() == [32, 8, 40]
+    assert torch.equal(out, pool[[4, 1, 5]])
+
+
+def test_scatter_ref_writes_only_the_listed_rows() -> None:
+    dst = torch.zeros((6, 8), dtype=torch.uint8)
+    rows = torch.arange(1, 17, dtype=torch.uint8).view(2, 8)
+    result = scatter_pages_ref(rows, dst, torch.tensor([5, 2]))
+    assert result is dst
+    assert torch.equal(dst[5], rows[0]) and torch.equal(dst[2], rows[1])
+    assert int(dst[[0, 1, 3, 4]].count_nonzero()) == 0
