@@ -1,0 +1,103 @@
+"""Rendering HF chat templates (Jinja) the way transformers does, in a sandbox.
+
+Templates come with checkpoints, so they are untrusted code: an immutable sandboxed environment, no
+attribute access to internals, and only the helpers transformers offers (``raise_exception``,
+``strftime_now``, a ``tojson`` that keeps non-ASCII text).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+import jinja2
+from jinja2.ext import Extension, loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class ChatTemplateError(ValueError):
+    """A template raised (``raise_exception``) or could not be rendered."""
+
+
+class _GenerationTag(Extension):
+    """``{% generation %}...{% endgeneration %}`` marks assistant text for training masks; here it
+    only renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Any) -> str:
+        return str(caller())
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    # Jinja's own tojson escapes HTML characters, which would change the prompt text.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=32)
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile once per distinct template text (a pure function of ``source``)."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ChatTemplateError(f"chat template does not compile: {exc}") from exc
+
+
+def render_chat_template(
+    source: str,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    special_tokens: dict[str, str | None] | None = None,
+    **extra: Any,
+) -> str:
+    """Render ``messages`` (dicts with at least ``role`` and ``content``).
+
+    ``special_tokens`` (``bos_token``, ``eos_token``, ...) and ``extra`` (``tools``, ``documents``,
+    template-specific flags) become template variables, as in transformers' ``apply_chat_template``.
+    """
+    for message in messages:
+        if not isinstance(message, dict) or "role" not in message:
+            raise ChatTemplateError(
+                f"each chat message must be a dict with a 'role', got {message!r}"
+            )
+    variables: dict[str, Any] = {
+        "tools": None,
+        "documents": None,
+        **(special_tokens or {}),
+        **extra,
+    }
+    try:
+        return compile_chat_template(source).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **variables
+        )
+    except jinja2.TemplateError as exc:
+        raise ChatTemplateError(f"chat template failed: {exc}") from exc

@@ -1,0 +1,66 @@
+"""Streaming detokenization: token ids in, text deltas out, never half a character."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from engine.tokenizer import Tokenizer
+
+REPLACEMENT_CHAR = "\ufffd"
+# Tokens of the prompt decoded as left context, so the first generated token gets the spacing it has
+# in the full text (sentencepiece-style decoders drop a leading space at the start of a decode).
+_PROMPT_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    """Turns generated token ids, fed one at a time, into text deltas.
+
+    Each step decodes two short windows of ids that start at the same place (``prefix_offset``):
+    the part already emitted (up to ``read_offset``) and the same plus the new ids; the delta is the
+    difference. While the text ends in U+FFFD, a multi-byte character is still incomplete, so nothing
+    is emitted and the ids wait for the next token. The deltas of ``add`` plus ``finish()`` concatenate
+    to ``tokenizer.decode(generated_ids, skip_special_tokens)`` when no prompt is given.
+    """
+
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._ids: list[int] = list(prompt_ids)
+        self._num_prompt = len(self._ids)
+        self.prefix_offset = max(self._num_prompt - _PROMPT_CONTEXT_TOKENS, 0)
+        self.read_offset = self._num_prompt
+        self.text = ""  # everything emitted so far
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The generated ids fed so far (without the prompt)."""
+        return self._ids[self._num_prompt :]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_id: int) -> str:
+        """Feed one token; returns the newly completed text (possibly empty)."""
+        self._ids.append(int(token_id))
+        prefix_text = self._decode(self._ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self._ids[self.prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
+            return ""
+        delta = new_text[len(prefix_text) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self._ids)
+        self.text += delta
+        return delta
+
+    def add_many(self, token_ids: Iterable[int]) -> str:
+        return "".join(self.add(token_id) for token_id in token_ids)
+
+    def finish(self) -> str:
+        """The held-back rest at the end of the stream (an incomplete character decodes as U+FFFD)."""
+        prefix_text = self._decode(self._ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self._ids[self.prefix_offset :])
+        delta = new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
+        self.prefix_offset = self.read_offset = len(self._ids)
+        self.text += delta
+        return delta

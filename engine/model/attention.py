@@ -1,0 +1,82 @@
+"""Paged GQA self-attention: project, (q/k norm), rotary, write K/V into the pages, attend over the pages."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.forward_batch import ForwardBatch
+from engine.model.linear import MergedLinear
+from engine.model.norm import RMSNorm
+from engine.model.rotary import apply_rotary
+from engine.model_config import ModelConfig
+from kernels import paged_decode_attention, paged_prefill_attention, store_kv
+
+
+class PagedAttention(nn.Module):
+    """One layer's attention. The new tokens' K/V go to their slots first, then attention reads the
+    whole context (cached prefix, earlier chunks and the new tokens) from the pages."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.attention_scale
+        self.sliding_window = config.sliding_window
+        self.qkv_proj = MergedLinear(
+            config.hidden_size,
+            (config.q_size, config.kv_size, config.kv_size),
+            bias=config.attention_bias,
+            dtype=dtype,
+        )
+        self.o_proj = nn.Linear(
+            config.q_size, config.hidden_size, bias=config.attention_out_bias, dtype=dtype
+        )
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype=dtype)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype=dtype)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, head_dim]
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],  # each [num_pages, page_size, Hkv, D]
+    ) -> torch.Tensor:  # [T, hidden]
+        T = hidden.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q = q.reshape(T, self.num_heads, self.head_dim)
+        k = k.reshape(T, self.num_kv_heads, self.head_dim)
+        v = v.reshape(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        k_cache, v_cache = kv_cache
+        store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        if batch.is_decode_only:
+            # One new token per sequence: row b of q belongs to sequence b (T == num_seqs).
+            out = paged_decode_attention(
+                q,
+                k_cache,
+                v_cache,
+                batch.page_table,
+                batch.seq_lens,
+                self.scale,
+                self.sliding_window,
+            )
+        else:
+            out = paged_prefill_attention(
+                q,
+                k_cache,
+                v_cache,
+                batch.page_table,
+                batch.cu_seqlens_q,
+                batch.seq_lens,
+                self.scale,
+                self.sliding_window,
+            )
+        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))

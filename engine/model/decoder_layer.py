@@ -1,0 +1,34 @@
+"""One pre-norm transformer block: attention then SwiGLU MLP, each with a residual connection."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.forward_batch import ForwardBatch
+from engine.model.attention import PagedAttention
+from engine.model.mlp import SwiGLUMLP
+from engine.model.norm import RMSNorm
+from engine.model_config import ModelConfig
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.self_attn = PagedAttention(config, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, dtype=dtype
+        )
+        self.mlp = SwiGLUMLP(config, dtype=dtype)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, batch, kv_cache)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))

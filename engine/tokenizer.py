@@ -1,0 +1,104 @@
+"""Text <-> token ids for the engine: a ``tokenizers.Tokenizer`` plus the model's special tokens and chat template.
+
+Built by the loaders (engine/loaders/hf_tokenizer.py from tokenizer.json, engine/loaders/gguf_tokenizer.py
+from GGUF metadata); the engine only uses this class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import tokenizers
+
+from engine.chat_template import render_chat_template
+
+
+class Tokenizer:
+    """A fast tokenizer with the ids the engine needs: BOS, EOS and the stop set.
+
+    ``stop_token_ids`` is EOS followed by ``extra_stop_token_ids`` (e.g. Llama 3's ``<|eot_id|>``
+    from generation_config.json), without duplicates.
+    """
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        unk_token: str | None = None,
+        pad_token: str | None = None,
+        chat_template: str | None = None,
+        extra_stop_token_ids: Sequence[int] = (),
+    ) -> None:
+        self.backend = backend
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.unk_token = unk_token
+        self.pad_token = pad_token
+        self.chat_template = chat_template
+        self.bos_token_id = self._id_of("bos_token", bos_token)
+        self.eos_token_id = self._id_of("eos_token", eos_token)
+        stops = ([self.eos_token_id] if self.eos_token_id is not None else []) + [
+            int(i) for i in extra_stop_token_ids
+        ]
+        self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(stops))
+        self.special_token_ids: frozenset[int] = frozenset(
+            token_id
+            for token_id, added in backend.get_added_tokens_decoder().items()
+            if added.special
+        )
+
+    def _id_of(self, role: str, token: str | None) -> int | None:
+        if token is None:
+            return None
+        token_id = self.backend.token_to_id(token)
+        if token_id is None:
+            raise ValueError(f"{role} {token!r} is not in the vocabulary")
+        return token_id
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids including added tokens (may be smaller than the model's padded vocab)."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` adds what the tokenizer's post-processor adds (BOS for Llama 3)."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+    ) -> str:
+        """The prompt text for ``messages``; encode it with ``add_special_tokens=False`` (the
+        template writes BOS itself where the model wants it), or use :meth:`encode_chat`."""
+        if self.chat_template is None:
+            raise ValueError(
+                "this tokenizer has no chat template; pass a prompt string instead of messages"
+            )
+        special = {
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "unk_token": self.unk_token,
+            "pad_token": self.pad_token,
+        }
+        return render_chat_template(
+            self.chat_template, messages, add_generation_prompt, special, **extra
+        )
+
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+    ) -> list[int]:
+        return self.encode(
+            self.apply_chat_template(messages, add_generation_prompt, **extra),
+            add_special_tokens=False,
+        )

@@ -1,0 +1,94 @@
+"""IncrementalDetokenizer: token-by-token deltas over multi-byte text and special tokens."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from engine.loaders import LoadedModel
+from engine.tokenizer import Tokenizer
+
+
+def _tok(model: LoadedModel) -> Tokenizer:
+    assert model.tokenizer is not None
+    return model.tokenizer
+
+
+def test_multibyte_characters_wait_until_complete(default_model: LoadedModel) -> None:
+    tok = _tok(default_model)
+    text = "héllo 日本語 😀"
+    ids = tok.encode(text)
+    # Byte-level BPE cuts 日, 語 and 😀 across tokens (the tokenizer tests check these ids against transformers).
+    assert [tok.id_to_token(i) for i in ids] == [
+        "h",
+        "Ã©",
+        "llo",
+        "Ġæ",
+        "Ĺ",
+        "¥",
+        "æľ¬",
+        "è",
+        "ª",
+        "ŀ",
+        "ĠðŁĺ",
+        "Ģ",
+    ]
+    detok = IncrementalDetokenizer(tok)
+    deltas = [detok.add(i) for i in ids]
+    assert deltas == ["h", "é", "llo", "", "", " 日", "本", "", "", "語", "", " 😀"]
+    assert detok.finish() == ""
+    assert detok.text == text and detok.token_ids == ids
+
+
+def test_mixed_text_concatenates_to_full_decode(default_model: LoadedModel) -> None:
+    tok = _tok(default_model)
+    for text in ["Grüße 👍🏽🇫🇷 and 👩‍💻 write 中文字符 fast.", "한국어 ΕΛΛΗΝΙΚΑ\n\t 1234 ✓"]:
+        ids = tok.encode(text)
+        detok = IncrementalDetokenizer(tok)
+        deltas = [detok.add(i) for i in ids]
+        assert all(REPLACEMENT_CHAR not in d for d in deltas)
+        assert "".join(deltas) + detok.finish() == tok.decode(ids) == text
+
+
+def test_special_tokens_skipped_or_kept(default_model: LoadedModel) -> None:
+    tok = _tok(default_model)
+    ids = tok.encode("<|im_start|>assistant\nÇa va? 😀<|im_end|>")
+    skipping = IncrementalDetokenizer(tok, skip_special_tokens=True)
+    assert skipping.add_many(ids) + skipping.finish() == "assistant\nÇa va? 😀"
+    keeping = IncrementalDetokenizer(tok, skip_special_tokens=False)
+    assert keeping.add_many(ids) + keeping.finish() == "<|im_start|>assistant\nÇa va? 😀<|im_end|>"
+
+
+def test_prompt_gives_left_context(default_model: LoadedModel) -> None:
+    tok = _tok(default_model)
+    prompt = tok.encode("The answer is")
+    generated = tok.encode(" 日本 😀 yes")
+    detok = IncrementalDetokenizer(tok, prompt_ids=prompt)
+    assert detok.add_many(generated) + detok.finish() == " 日本 😀 yes"
+    assert detok.token_ids == generated
+
+
+def test_incomplete_character_is_released_by_finish(default_model: LoadedModel) -> None:
+    tok = _tok(default_model)
+    first_piece = tok.encode(" 😀")[0]  # "ĠðŁĺ": a space and three of the emoji's four bytes
+    detok = IncrementalDetokenizer(tok)
+    assert detok.add(first_piece) == ""
+    assert detok.finish() == tok.decode([first_piece]) == " " + REPLACEMENT_CHAR
+
+
+# Ids of byte-level tokens that are (parts of) multi-byte characters, mixed with ordinary words.
+_PIECES = st.sampled_from(
+    [179, 120, 248, 241, 115, 40303, 218, 17097, 40993, 2756, 88, 31394, 905, 216, 198, 1, 2]
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ids=st.lists(_PIECES, max_size=24))
+def test_random_streams_concatenate_to_decode(default_model: LoadedModel, ids: list[int]) -> None:
+    tok = _tok(default_model)
+    for skip in (True, False):
+        detok = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+        deltas = [detok.add(i) for i in ids]
+        assert all(not d.endswith(REPLACEMENT_CHAR) for d in deltas)
+        assert "".join(deltas) + detok.finish() == tok.decode(ids, skip_special_tokens=skip)

@@ -1,0 +1,131 @@
+"""Our tokenizers (from GGUF metadata and from tokenizer.json) against transformers' on the same files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.chat_template import ChatTemplateError
+from engine.loaders import LoadedModel, load_model
+from engine.tokenizer import Tokenizer
+
+TEXTS = [
+    "Hello, world!",
+    "",
+    "  leading and trailing spaces  ",
+    "tabs\tand\nnew lines\r\n\n\nend",
+    "numbers 1234567890 3.14159 -42 1,000,000 v2.0.1",
+    "I'm sure they'll say we've done it; DON'T SHOUT.",
+    "naïve café, Grüße, señor, Ελληνικά, русский",
+    "日本語のテキスト 中文字符 한국어",
+    "emoji 😀👍🏽🇫🇷 and ZWJ 👩‍💻",
+    "def f(x):\n    return {'k': x ** 2}  # comment",
+    "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n",
+    "text<|endoftext|>more <reponame> tags",
+]
+
+CONVERSATIONS: list[list[dict[str, str]]] = [
+    [{"role": "user", "content": "What is 2 + 2?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color."}],
+    [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "  Tell me about 日本 😀  "},
+    ],
+]
+
+
+def _gguf_tokenizer(model: LoadedModel) -> Tokenizer:
+    assert model.tokenizer is not None
+    return model.tokenizer
+
+
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_gguf_ids_match_transformers(
+    default_model: LoadedModel, hf_gguf_tokenizer: Any, add_special_tokens: bool
+) -> None:
+    tok = _gguf_tokenizer(default_model)
+    for text in TEXTS:
+        expected = hf_gguf_tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        assert tok.encode(text, add_special_tokens=add_special_tokens) == expected, text
+
+
+def test_gguf_decode_matches_transformers(
+    default_model: LoadedModel, hf_gguf_tokenizer: Any
+) -> None:
+    tok = _gguf_tokenizer(default_model)
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert tok.decode(ids) == text
+        assert tok.decode(ids, skip_special_tokens=True) == hf_gguf_tokenizer.decode(
+            ids, skip_special_tokens=True
+        )
+
+
+def test_gguf_chat_template_matches_transformers(
+    default_model: LoadedModel, hf_gguf_tokenizer: Any
+) -> None:
+    tok = _gguf_tokenizer(default_model)
+    for messages in CONVERSATIONS:
+        for add_generation_prompt in (True, False):
+            expected = hf_gguf_tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+            text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            assert text == expected
+            assert tok.encode_chat(messages, add_generation_prompt) == hf_gguf_tokenizer.encode(
+                expected, add_special_tokens=False
+            )
+
+
+def test_gguf_special_tokens(default_model: LoadedModel, hf_gguf_tokenizer: Any) -> None:
+    tok = _gguf_tokenizer(default_model)
+    assert (tok.bos_token, tok.eos_token, tok.unk_token, tok.pad_token) == (
+        hf_gguf_tokenizer.bos_token,
+        hf_gguf_tokenizer.eos_token,
+        hf_gguf_tokenizer.unk_token,
+        hf_gguf_tokenizer.pad_token,
+    )
+    assert (tok.bos_token_id, tok.eos_token_id, tok.stop_token_ids) == (1, 2, (2,))
+    assert tok.special_token_ids == frozenset(range(17))  # the file's 17 control tokens
+    assert tok.vocab_size == default_model.config.vocab_size
+
+
+def test_hf_dir_tokenizer_matches_transformers(tiny_llama3_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    hf_tok = AutoTokenizer.from_pretrained(tiny_llama3_dir)
+    tok = load_model(str(tiny_llama3_dir)).tokenizer
+    assert tok is not None
+    for text in TEXTS:
+        assert tok.encode(text) == hf_tok(text)["input_ids"], text
+        assert tok.encode(text)[0] == 0  # the post-processor's BOS
+    for messages in CONVERSATIONS:
+        expected = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert tok.apply_chat_template(messages) == expected
+    assert (tok.bos_token_id, tok.eos_token_id, tok.stop_token_ids) == (0, 1, (1, 4))
+
+
+def test_template_errors(tiny_llama3_dir: Path) -> None:
+    tok = load_model(str(tiny_llama3_dir)).tokenizer
+    assert tok is not None
+    with pytest.raises(ChatTemplateError, match="unknown role tool"):
+        tok.apply_chat_template([{"role": "tool", "content": "x"}])
+    with pytest.raises(ChatTemplateError, match="role"):
+        tok.apply_chat_template([{"content": "no role"}])
+    no_template = Tokenizer(tok.backend, eos_token=tok.eos_token)
+    with pytest.raises(ValueError, match="no chat template"):
+        no_template.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_template_sandbox_and_helpers(tiny_llama3_dir: Path) -> None:
+    tok = load_model(str(tiny_llama3_dir)).tokenizer
+    assert tok is not None
+    escaping = Tokenizer(tok.backend, chat_template="{{ messages.__class__.__mro__ }}")
+    with pytest.raises(ChatTemplateError):
+        escaping.apply_chat_template([{"role": "user", "content": "x"}])
+    as_json = Tokenizer(tok.backend, chat_template="{{ messages | tojson }}{{ flag }}")
+    text = as_json.apply_chat_template([{"role": "user", "content": "日本 <b>"}], flag="!")
+    assert text == '[{"role": "user", "content": "日本 <b>"}]!'
