@@ -4,19 +4,19 @@ from __future__ import annotations
 
 from engine.loaders.hf import config_from_hf_dir
 from engine.loaders.hf_tokenizer import tokenizer_from_hf_dir
-from engine.loaders.source import LOAD_FORMATS, checkpoint_path, detect_format, is_default
+from engine.loaders.source import LOAD_FORMATS, checkpoint_path, detect_format
 from engine.tokenizer import Tokenizer
 
 
-def load_tokenizer(source: str = "default", load_format: str = "auto") -> Tokenizer | None:
+def load_tokenizer(source: str = "default", load_format: str = "auto", has_dummy_config: bool = False) -> Tokenizer | None:
     """The tokenizer of ``source`` as ``load_model`` would build it; None when the source has none
-    (a dummy preset or config without a checkpoint: callers then send token ids)."""
+    (random weights shaped by a dummy config or preset: callers then send token ids)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(
             f"load_format {load_format!r} is not supported; expected one of {LOAD_FORMATS}"
         )
     if load_format == "dummy":
-        if is_default(source):
+        if has_dummy_config:
             return None  # random weights of a given shape: no vocabulary
         try:
             path = checkpoint_path(source)
