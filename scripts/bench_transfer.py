@@ -1,0 +1,324 @@
+"""Benchmark: one request's KV moved P -> D by the transceiver, next to raw ucxx send/recv of the same
+bytes between the same two processes and, on GPUs, a torch peer copy GPU0 -> GPU1, all in one run.
+
+    python scripts/bench_transfer.py                      # CPU, 1 MiB .. 256 MiB
+    python scripts/bench_transfer.py --device cuda --max-mib 1024 --out results.json
+
+The parent process is the decode side (KVReceiver; cuda:1 on GPUs), a spawned child the prefill side
+(KVSender; cuda:0). "ours" is the wall time of one ``pull`` (pull request, chunks, TransferDone, ack);
+"raw" is a request message plus one ucxx send of the same number of bytes, over endpoints made the
+same way (worker address, peer error handling). Pages are either one run (``contiguous``: chunks go
+straight between the pools) or a random permutation (``scattered``: every chunk is gathered into and
+scattered from staging buffers). Each figure is the median of --repeats runs after one warm-up, and
+the last run of each size is checked byte for byte (per-page sums on both sides).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from kvcache.spec import PoolGroupSpec  # noqa: E402
+from transfer import KVReceiver, KVSender, TransceiverConfig  # noqa: E402
+from transfer.mapper import Fragment  # noqa: E402
+from transfer.plan import Chunk  # noqa: E402
+from transfer.runtime import UcxRuntime  # noqa: E402
+from transfer.staging import gather_chunk, pool_rows, scatter_chunk  # noqa: E402
+
+MIB = 1 << 20
+REQ_TAG, DATA_TAG = 0x5EED0001, 0x5EED0002
+
+
+def bench_spec(max_bytes: int) -> PoolGroupSpec:
+    """32 layers, 2 KV heads of 64, 16 tokens a page, bf16: one page is exactly 256 KiB."""
+    pages = max_bytes // (256 * 1024) + 2
+    return PoolGroupSpec("full", tuple(range(32)), pages, 16, 2, 64, torch.bfloat16)
+
+
+def page_sums(buf: torch.Tensor, spec: PoolGroupSpec, pages: list[int]) -> list[int]:
+    rows = buf.view(-1).view(torch.uint8).view(spec.num_pages, spec.page_bytes)
+    return rows[torch.tensor(pages, device=buf.device)].sum(dim=1, dtype=torch.int64).tolist()
+
+
+def config(args: argparse.Namespace) -> TransceiverConfig:
+    env = {
+        "UCX_TLS": "tcp,self" if args.device == "cpu" else "tcp,cuda_copy,cuda_ipc",
+        "UCX_NET_DEVICES": "lo",
+    }
+    return TransceiverConfig(
+        staging_tokens=args.staging_tokens,
+        staging_buffers=args.staging_buffers,
+        lease_s=120,
+        pull_deadline_s=60,
+        chunk_deadline_s=60,
+        done_deadline_s=60,
+        ucx_env=env,
+    )
+
+
+# ---- prefill side (child process) ----
+def prefill_main(conn: Any, args: argparse.Namespace) -> None:
+    device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
+    spec = bench_spec(args.max_mib * MIB)
+    buf = torch.randint(-30000, 30000, spec.buffer_shape, dtype=torch.int16, device=device).view(
+        torch.bfloat16
+    )
+    sender = KVSender({"full": buf}, [spec], "bench", config(args), release=lambda rid: None)
+    runtime = sender.runtime
+    raw = torch.randint(0, 255, (args.max_mib * MIB,), dtype=torch.uint8, device=device)
+    conn.send((sender.port, runtime.worker_address))
+    parent_address = conn.recv()
+
+    async def raw_server() -> None:
+        ep = await runtime.create_endpoint(parent_address)
+        size = torch.zeros(1, dtype=torch.int64)
+        while True:
+            await runtime.ctx.recv(size.numpy(), tag=REQ_TAG)
+            n = int(size[0])
+            if n == 0:
+                return
+            data = raw[:n]
+            await ep.send(
+                data.numpy() if data.device.type == "cpu" else data, tag=DATA_TAG, force_tag=True
+            )
+
+    raw_task = runtime.submit(raw_server())
+    while True:
+        cmd, *rest = conn.recv()
+        if cmd == "publish":
+            rid, pages = rest
+            conn.send(
+                (
+                    sender.publish(rid, {"full": pages}, len(pages) * spec.page_size),
+                    page_sums(buf, spec, pages),
+                )
+            )
+        elif cmd == "stop":
+            raw_task.result(timeout=60)
+            sender.close()
+            conn.send("stopped")
+            return
+
+
+# ---- decode side (parent process) ----
+def choose_pages(n: int, spec: PoolGroupSpec, layout: str, gen: torch.Generator) -> list[int]:
+    if layout == "contiguous":
+        return list(range(1, n + 1))
+    return (torch.randperm(spec.num_pages - 1, generator=gen)[:n] + 1).tolist()
+
+
+def median_gbps(nbytes: int, seconds: list[float]) -> float:
+    return nbytes / statistics.median(seconds) / 1e9
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    device = torch.device("cuda:1" if args.device == "cuda" else "cpu")
+    spec = bench_spec(args.max_mib * MIB)
+    ctx = multiprocessing.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    child = ctx.Process(target=prefill_main, args=(child_conn, args), daemon=True)
+    child.start()
+    port, child_address = conn.recv()
+    buf = torch.zeros(spec.buffer_shape, dtype=spec.dtype, device=device)
+    receiver = KVReceiver({"full": buf}, [spec], "bench", config(args))
+    runtime = receiver.runtime
+    conn.send(runtime.worker_address)
+    raw_ep = runtime.run(runtime.create_endpoint(child_address), timeout=30)
+    raw_dst = torch.empty(args.max_mib * MIB, dtype=torch.uint8, device=device)
+    gen = torch.Generator().manual_seed(0)
+    sizes = [MIB << i for i in range(32) if args.min_mib * MIB <= MIB << i <= args.max_mib * MIB]
+    diag = staging_copy_ms(buf, spec, receiver.chunk_bytes, gen)
+    print(
+        f"one staged chunk ({receiver.chunk_bytes / MIB:.0f} MiB, scattered pages) on {device}: "
+        f"gather {diag['gather_ms']:.3f} ms, scatter {diag['scatter_ms']:.3f} ms",
+        flush=True,
+    )
+    rows: list[dict[str, Any]] = []
+    for size in sizes:
+        n = size // spec.page_bytes
+        row: dict[str, Any] = {"bytes": size}
+        for layout in args.layouts:
+            try:
+                times, chunks = ours(conn, receiver, buf, spec, n, layout, gen, args.repeats, size)
+                row[f"ours_{layout}_gbps"] = median_gbps(size, times)
+                row[f"ours_{layout}_chunks"] = chunks
+            except Exception as e:  # keep the other figures of this run
+                row[f"ours_{layout}_error"] = f"{type(e).__name__}: {e}"
+        try:
+            raw_times = [raw_once(runtime, raw_ep, raw_dst, size) for _ in range(args.repeats + 1)][
+                1:
+            ]
+            row["raw_ucxx_gbps"] = median_gbps(size, raw_times)
+        except Exception as e:
+            row["raw_ucxx_error"] = f"{type(e).__name__}: {e}"
+        if args.device == "cuda":
+            row["peer_copy_gbps"] = median_gbps(size, peer_copy_times(size, args.repeats))
+        for key in [k for k in row if k.startswith("ours_") and k.endswith("_gbps")]:
+            for base in ("raw_ucxx", "peer_copy"):
+                if f"{base}_gbps" in row:
+                    row[key.replace("_gbps", f"_vs_{base}")] = row[key] / row[f"{base}_gbps"]
+        rows.append(row)
+        print(format_row(row), flush=True)
+    runtime.run(send_stop(raw_ep), timeout=30)
+    conn.send(("stop",))
+    conn.recv()
+    child.join(60)
+    raw_ep.abort()
+    receiver.close()
+    return {
+        "device": args.device,
+        "page_bytes": spec.page_bytes,
+        "staging_tokens": args.staging_tokens,
+        "staging_buffers": args.staging_buffers,
+        "repeats": args.repeats,
+        "staging_copy": diag,
+        "rows": rows,
+    }
+
+
+def staging_copy_ms(
+    buf: torch.Tensor, spec: PoolGroupSpec, chunk_bytes: int, gen: torch.Generator
+) -> dict[str, float]:
+    """Median time of gathering / scattering one full chunk of scattered pages on this device."""
+    rows = pool_rows({"full": buf}, {"full": spec.page_bytes})
+    n = chunk_bytes // spec.page_bytes
+    pages = choose_pages(n, spec, "scattered", gen)
+    chunk = Chunk(
+        0,
+        tuple(
+            Fragment("full", "full", p * spec.page_bytes, p * spec.page_bytes, spec.page_bytes)
+            for p in pages
+        ),
+    )
+    staged = torch.empty(chunk.nbytes, dtype=torch.uint8, device=buf.device)
+    out = {}
+    for name, fn, fn_args in [
+        ("gather_ms", gather_chunk, (chunk, rows, staged)),
+        ("scatter_ms", scatter_chunk, (chunk, staged, rows)),
+    ]:
+        times = []
+        for _ in range(6):
+            start = time.perf_counter()
+            fn(*fn_args)
+            times.append(time.perf_counter() - start)
+        out[name] = statistics.median(times[1:]) * 1e3
+    return out
+
+
+def ours(
+    conn: Any,
+    receiver: KVReceiver,
+    buf: torch.Tensor,
+    spec: PoolGroupSpec,
+    n: int,
+    layout: str,
+    gen: torch.Generator,
+    repeats: int,
+    size: int,
+) -> tuple[list[float], int]:
+    """Wall time of ``repeats`` pulls (after one warm-up) as the caller sees them; checks the last."""
+    times, chunks = [], 0
+    for rep in range(repeats + 1):
+        src = choose_pages(n, spec, layout, gen)
+        dst = choose_pages(n, spec, layout, gen)
+        conn.send(("publish", f"{layout}-{size}-{rep}", src))
+        ticket, src_sums = conn.recv()
+        start = time.perf_counter()
+        result = receiver.pull_blocking(ticket, {"full": dst}, 0, ticket.declared_prompt_len)
+        elapsed = time.perf_counter() - start
+        if not result.ok:
+            raise RuntimeError(f"transfer failed: {result.error}")
+        if rep:
+            times.append(elapsed)
+        chunks = result.stats.chunks
+    if page_sums(buf, spec, dst) != src_sums:
+        raise RuntimeError(f"{layout} {size}: the received bytes differ from the sent ones")
+    return times, chunks
+
+
+def raw_once(runtime: UcxRuntime, ep: Any, dst: torch.Tensor, size: int) -> float:
+    """A request message and one ucxx send of ``size`` bytes back, timed from the caller's thread
+    like a pull."""
+
+    async def go() -> None:
+        out = dst[:size]
+        recv = asyncio.ensure_future(
+            runtime.ctx.recv(out.numpy() if out.device.type == "cpu" else out, tag=DATA_TAG)
+        )
+        await ep.send(torch.tensor([size], dtype=torch.int64).numpy(), tag=REQ_TAG, force_tag=True)
+        await recv
+
+    start = time.perf_counter()
+    runtime.run(go(), timeout=120)
+    return time.perf_counter() - start
+
+
+async def send_stop(ep: Any) -> None:
+    await ep.send(torch.zeros(1, dtype=torch.int64).numpy(), tag=REQ_TAG, force_tag=True)
+
+
+def peer_copy_times(size: int, repeats: int) -> list[float]:
+    src = torch.randint(0, 255, (size,), dtype=torch.uint8, device="cuda:0")
+    dst = torch.empty(size, dtype=torch.uint8, device="cuda:1")
+    times = []
+    for rep in range(repeats + 1):
+        torch.cuda.synchronize("cuda:0")
+        torch.cuda.synchronize("cuda:1")
+        start = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize("cuda:1")
+        torch.cuda.synchronize("cuda:0")
+        if rep:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def format_row(row: dict[str, Any]) -> str:
+    parts = [f"{row['bytes'] / MIB:>6.0f} MiB"]
+    for key, value in row.items():
+        if key.endswith("_gbps"):
+            parts.append(f"{key[:-5]} {value:7.2f} GB/s")
+        elif "_vs_" in key:
+            parts.append(f"{key} {value:5.2f}")
+        elif key.endswith("_error"):
+            parts.append(f"{key}: {value}")
+    return " | ".join(parts)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--min-mib", type=int, default=1)
+    parser.add_argument(
+        "--max-mib", type=int, default=None, help="default 256 on CPU, 1024 on GPUs"
+    )
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--staging-tokens", type=int, default=1024, help="tokens per chunk (16 MiB here)"
+    )
+    parser.add_argument("--staging-buffers", type=int, default=4)
+    parser.add_argument("--layouts", nargs="+", default=["contiguous", "scattered"])
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
+    args = parser.parse_args()
+    if args.max_mib is None:
+        args.max_mib = 256 if args.device == "cpu" else 1024
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    results = run(args)
+    if args.out is not None:
+        args.out.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Leases: the release callback runs exactly once per publish, whatever ends the lease; a lease
+being served never expires. Time comes from an explicit clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from transfer.leases import LeaseState, LeaseTable
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def table() -> tuple[LeaseTable, Clock, list[str]]:
+    clock, released = Clock(), []
+    return LeaseTable(released.append, clock=clock), clock, released
+
+
+def test_expiry_releases_once_and_remembers_why(table) -> None:
+    leases, clock, released = table
+    leases.publish("a", {"full": [1, 2]}, 7, lease_s=5)
+    clock.now += 4.9
+    assert leases.expire_due() == []
+    clock.now += 0.2
+    assert leases.expire_due() == ["a"] and released == ["a"]
+    assert leases.expire_due() == [] and not leases.release("a", "acked") and released == ["a"]
+    assert leases.why_missing("a") == ("expired", "the lease of request 'a' expired before a pull")
+
+
+def test_a_lease_being_served_does_not_expire_and_only_force_releases_it(table) -> None:
+    leases, clock, released = table
+    leases.publish("a", {"full": [1]}, 3, lease_s=1)
+    assert leases.begin_serving("a").state is LeaseState.SERVING
+    clock.now += 100
+    assert leases.expire_due() == [] and not leases.release("a", "acked") and not leases.cancel("a")
+    assert leases.get("a").cancel_requested
+    assert leases.release("a", "failed: peer died", force=True) and released == ["a"]
+    assert leases.why_missing("a") == (
+        "unknown",
+        "request 'a' was already released (failed: peer died)",
+    )
+
+
+def test_renewal_and_the_ack_deadline(table) -> None:
+    leases, clock, released = table
+    leases.publish("a", {"full": [1]}, 3, lease_s=1)
+    leases.begin_serving("a")
+    leases.renew("a", lease_s=10)
+    leases.await_ack("a", ack_deadline_s=2)
+    clock.now += 1.5
+    assert leases.expire_due() == []
+    clock.now += 1
+    assert leases.expire_due() == ["a"]
+    assert leases.why_missing("a")[1].endswith("expired waiting for the ack")
+
+
+def test_cancel_publish_twice_and_unknown(table) -> None:
+    leases, _, released = table
+    leases.publish("a", {"full": [1]}, 3, lease_s=1)
+    with pytest.raises(ValueError, match="already published"):
+        leases.publish("a", {"full": [1]}, 3, lease_s=1)
+    assert leases.cancel("a") and released == ["a"]
+    assert leases.why_missing("zzz") == ("unknown", "request 'zzz' was never published here")
+    with pytest.raises(ValueError, match="not waiting for a pull"):
+        leases.publish("b", {"full": [2]}, 3, lease_s=1)
+        leases.begin_serving("b")
+        leases.begin_serving("b")
+
+
+def test_a_failing_release_callback_still_ends_the_lease() -> None:
+    def explode(_: str) -> None:
+        raise RuntimeError("boom")
+
+    leases = LeaseTable(explode)
+    leases.publish("a", {"full": [1]}, 3, lease_s=1)
+    assert leases.release("a", "acked") and len(leases) == 0

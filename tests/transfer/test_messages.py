@@ -1,0 +1,195 @@
+"""The wire codec: every message round-trips, and anything malformed is a TransferProtocolError
+(never another exception), including arbitrary bytes (hypothesis)."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.transfer.conftest import MODEL, specs
+from transfer.messages import (
+    MESSAGE_TYPES,
+    ChunkReady,
+    Hello,
+    HelloReply,
+    PullError,
+    PullRequest,
+    Reject,
+    TransferAck,
+    TransferDone,
+    TransferProtocolError,
+    data_tag,
+    decode_message,
+    encode_message,
+)
+from transfer.page_table import PageTable
+from transfer.version import PROTOCOL_VERSION
+
+TABLE = PageTable.from_specs(MODEL, specs(two_groups=True))
+SAMPLES = [
+    Hello("inst", TABLE, b"\x00ucx-address", 4096),
+    HelloReply("inst", TABLE, b"addr", 1024, "compatibility hash mismatch"),
+    PullRequest(
+        "req",
+        2**63 - 1,
+        {"full": [1, 2], "extra": []},
+        {"full": [5, 9], "extra": []},
+        1,
+        4096,
+        1,
+        3072,
+        [0],
+    ),
+    ChunkReady("req", 7, [0, 1, 2]),
+    PullError("req", 7, "expired", "the lease expired", True),
+    TransferDone("req", 7, 22, 3072, 3),
+    TransferAck("req", 7, False, "declared history mismatch"),
+    Reject("", "malformed message"),
+]
+
+
+def test_every_message_type_has_a_sample() -> None:
+    assert sorted(type(m).__name__ for m in SAMPLES) == sorted(MESSAGE_TYPES)
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg: object) -> None:
+    assert decode_message(encode_message(msg)) == msg
+
+
+def envelope(type_name: str, body: object, version: object = PROTOCOL_VERSION) -> bytes:
+    return msgpack.packb({"v": version, "type": type_name, "body": body}, use_bin_type=True)
+
+
+ACK_BODY = {"request_id": "r", "pull_id": 3, "ok": True, "error": ""}
+
+
+@pytest.mark.parametrize(
+    "data, reason",
+    [
+        (
+            envelope("TransferAck", ACK_BODY, version=2),
+            "unsupported protocol version int 2, expected 1",
+        ),
+        (envelope("TransferAck", ACK_BODY, version=True), "unsupported protocol version bool True"),
+        (envelope("Teleport", ACK_BODY), "unknown message type str 'Teleport'"),
+        (envelope("TransferAck", {**ACK_BODY, "extra": 1}), "expected fields"),
+        (
+            envelope("TransferAck", {k: v for k, v in ACK_BODY.items() if k != "ok"}),
+            "expected fields",
+        ),
+        (
+            envelope("TransferAck", {**ACK_BODY, "ok": 1}),
+            "TransferAck.ok: expected bool, got int 1",
+        ),
+        (
+            envelope("TransferAck", {**ACK_BODY, "pull_id": True}),
+            "TransferAck.pull_id: expected a non-negative int64",
+        ),
+        (
+            envelope("TransferAck", {**ACK_BODY, "pull_id": -1}),
+            "TransferAck.pull_id: expected a non-negative int64",
+        ),
+        (envelope("TransferAck", {**ACK_BODY, "pull_id": 2**64 - 1}), "non-negative int64"),
+        (
+            envelope("ChunkReady", {"request_id": "r", "pull_id": 1, "chunks": [1, "2"]}),
+            "ChunkReady.chunks",
+        ),
+        (envelope("TransferAck", [1, 2]), "expected fields"),
+        (msgpack.packb([1, 2, 3]), "expected a map with keys"),
+        (b"", "not a msgpack message"),
+        (encode_message(SAMPLES[0]) + b"\x00", "not a msgpack message"),
+    ],
+)
+def test_malformed_messages_are_rejected_with_the_reason(data: bytes, reason: str) -> None:
+    with pytest.raises(TransferProtocolError) as err:
+        decode_message(data)
+    assert reason in str(err.value)
+
+
+def test_a_malformed_message_still_names_its_request() -> None:
+    with pytest.raises(TransferProtocolError) as err:
+        decode_message(
+            envelope("TransferDone", {"request_id": "r9", "pull_id": 4, "declared_prompt_len": "x"})
+        )
+    assert (err.value.request_id, err.value.pull_id) == ("r9", 4)
+
+
+def test_bad_page_table_in_hello_is_rejected() -> None:
+    wire = TABLE.to_wire()
+    wire["pools"][0]["page_bytes"] = "big"
+    body = {"instance_id": "i", "page_table": wire, "ucx_address": b"a", "chunk_bytes": 1}
+    with pytest.raises(
+        TransferProtocolError, match="Hello.page_table: page table pool field 'page_bytes'"
+    ):
+        decode_message(envelope("Hello", body))
+
+
+def test_data_tags_differ_per_chunk_and_per_pull() -> None:
+    tags = {data_tag(p, c) for p in (1, 2, 2**63 - 1) for c in range(1000)}
+    assert len(tags) == 3000 and all(0 <= t < 2**64 for t in tags)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.binary(max_size=512))
+def test_arbitrary_bytes_never_crash_the_decoder(data: bytes) -> None:
+    try:
+        decode_message(data)
+    except TransferProtocolError:
+        pass
+
+
+msgpack_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=8)
+    | st.binary(max_size=8),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.sampled_from(sorted(MESSAGE_TYPES)),
+    st.dictionaries(
+        st.sampled_from(
+            [
+                "request_id",
+                "pull_id",
+                "ok",
+                "error",
+                "chunks",
+                "code",
+                "reason",
+                "declared_prompt_len",
+                "total_bytes",
+                "num_chunks",
+                "instance_id",
+                "page_table",
+                "ucx_address",
+                "chunk_bytes",
+                "src_page_ids",
+                "dst_page_ids",
+                "skip_pages",
+                "ready_chunks",
+                "drained",
+            ]
+        ),
+        msgpack_values,
+        max_size=9,
+    ),
+)
+def test_well_framed_bodies_of_any_shape_never_crash_the_decoder(
+    type_name: str, body: dict
+) -> None:
+    try:
+        decode_message(envelope(type_name, body))
+    except TransferProtocolError:
+        pass

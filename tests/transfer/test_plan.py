@@ -1,0 +1,81 @@
+"""Chunking: fragments cut at page boundaries into chunks of at most one staging buffer."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.transfer.conftest import MODEL, specs
+from transfer.mapper import Fragment
+from transfer.page_table import PageTable
+from transfer.plan import DIRECT_MAX_BYTES, build_plan, chunk_bytes_for, chunk_fragments
+
+PB = 100
+
+
+def test_short_runs_fill_chunks_split_at_page_boundaries() -> None:
+    frags = [
+        Fragment("a", "a", 0, 1000, PB),
+        Fragment("a", "a", 500, 0, PB),
+        Fragment("a", "a", 900, 300, 2 * PB),
+    ]
+    plan = chunk_fragments(frags, 3 * PB, {"a": PB})
+    assert [c.fragments for c in plan.chunks] == [
+        (
+            Fragment("a", "a", 0, 1000, PB),
+            Fragment("a", "a", 500, 0, PB),
+            Fragment("a", "a", 900, 300, PB),
+        ),
+        (Fragment("a", "a", 1000, 400, PB),),
+    ]
+    assert [c.index for c in plan.chunks] == [0, 1]
+    assert [c.contiguous for c in plan.chunks] == [False, True]
+    assert plan.total_bytes == 4 * PB and plan.num_chunks == 2
+
+
+def test_long_runs_become_direct_chunks_of_their_own() -> None:
+    frags = [
+        Fragment("a", "a", 0, 0, PB),
+        Fragment("a", "a", 1000, 5000, 5 * PB),
+        Fragment("a", "a", 200, 9000, PB),
+    ]
+    plan = chunk_fragments(frags, 2 * PB, {"a": PB})
+    assert [c.fragments for c in plan.chunks] == [
+        (Fragment("a", "a", 0, 0, PB),),
+        (Fragment("a", "a", 1000, 5000, 5 * PB),),
+        (Fragment("a", "a", 200, 9000, PB),),
+    ]
+    big = plan.chunks[1]
+    assert big.direct(zero_copy=False, staging_bytes=2 * PB)  # it cannot fit a staging buffer
+    assert not plan.chunks[0].direct(zero_copy=False, staging_bytes=2 * PB)
+    assert plan.chunks[0].direct(zero_copy=True, staging_bytes=2 * PB)
+
+
+def test_direct_chunks_are_capped_at_one_gibibyte() -> None:
+    plan = chunk_fragments(
+        [Fragment("a", "a", 0, 0, 2 * DIRECT_MAX_BYTES + 4 * 4096)], 8192, {"a": 4096}
+    )
+    assert [c.nbytes for c in plan.chunks] == [DIRECT_MAX_BYTES, DIRECT_MAX_BYTES, 4 * 4096]
+
+
+def test_chunk_size_that_is_not_a_page_multiple_rounds_down() -> None:
+    frags = [Fragment("a", "a", i * 2 * PB, 0, PB) for i in range(3)]
+    plan = chunk_fragments(frags, 2 * PB + 50, {"a": PB})
+    assert [c.nbytes for c in plan.chunks] == [2 * PB, PB]
+
+
+def test_page_larger_than_a_chunk_is_an_error() -> None:
+    with pytest.raises(ValueError, match="larger than a chunk"):
+        chunk_fragments([Fragment("a", "a", 0, 0, PB)], PB - 1, {"a": PB})
+
+
+def test_empty_transfer_has_no_chunks() -> None:
+    table = PageTable.from_specs(MODEL, specs())
+    plan = build_plan(table, table, {"full": []}, {"full": []}, 4096)
+    assert plan.num_chunks == 0 and plan.total_bytes == 0
+
+
+def test_chunk_bytes_hold_staging_tokens_of_every_pool() -> None:
+    table = PageTable.from_specs(MODEL, specs(two_groups=True))
+    assert chunk_bytes_for(table, 10) == 2 * (table.pools[0].page_bytes + table.pools[1].page_bytes)
+    with pytest.raises(ValueError, match="at least one page"):
+        chunk_bytes_for(table, 3)

@@ -1,0 +1,90 @@
+"""The UCX runtime: one per process, usable from any thread, and gone without a trace on release."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+
+from tests.transfer.conftest import UCX_ENV
+from transfer.runtime import UcxRuntime
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_one_runtime_per_process_with_one_set_of_settings(ucx_runtime: UcxRuntime) -> None:
+    again = UcxRuntime.acquire(UCX_ENV)
+    try:
+        assert again is ucx_runtime
+    finally:
+        again.release()
+    with pytest.raises(ValueError, match="already runs with"):
+        UcxRuntime.acquire({"UCX_TLS": "tcp"})
+
+
+def test_submit_from_plain_threads_and_refuse_blocking_on_the_loop(ucx_runtime: UcxRuntime) -> None:
+    async def where() -> bool:
+        await asyncio.sleep(0.01)
+        return ucx_runtime.on_loop()
+
+    results: list[bool] = []
+    threads = [
+        threading.Thread(target=lambda: results.append(ucx_runtime.run(where(), timeout=10)))
+        for _ in range(4)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert results == [True] * 4
+
+    async def nested() -> str:
+        try:
+            ucx_runtime.run(where(), timeout=1)
+        except RuntimeError as e:
+            return str(e)
+        return "no error"
+
+    assert "called on the loop thread" in ucx_runtime.run(nested(), timeout=10)
+
+
+def test_release_stops_every_thread_it_started() -> None:
+    """In a fresh process: three start/stop cycles leave no Python thread and no growing set of
+    OS threads behind (UCX keeps one process-wide async thread after its first start)."""
+    script = textwrap.dedent(
+        f"""
+        import os, threading, time
+        from transfer.runtime import UcxRuntime
+
+        base = len(os.listdir("/proc/self/task"))
+
+        def settled_count():  # a native thread may take a moment to exit after its join
+            for _ in range(100):
+                n = len(os.listdir("/proc/self/task"))
+                if n <= base + 1:
+                    return n
+                time.sleep(0.05)
+            return n
+
+        counts = []
+        for _ in range(3):
+            runtime = UcxRuntime.acquire({UCX_ENV!r})
+            assert runtime.ucx_env == {UCX_ENV!r} and len(runtime.worker_address) > 0
+            runtime.release()
+            counts.append(settled_count())
+        assert threading.active_count() == 1, threading.enumerate()
+        assert counts == [base + 1] * 3, (base, counts)  # plus UCX's own async thread
+        print("ok", counts)
+        """
+    )
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=50
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("ok")

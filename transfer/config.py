@@ -1,0 +1,61 @@
+"""TransceiverConfig: staging, leases, deadlines and UCX settings of one worker's transceiver.
+
+The field names match the ``transfer`` section of the cluster config (cluster/config/transfer.py),
+which validates the YAML and builds this from it; tests build it directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TransceiverConfig:
+    host: str = "127.0.0.1"
+    """Address the control listener binds to (prefill side)."""
+    port: int = 0
+    """Listener port; 0 = any free port."""
+    staging_tokens: int = 4096
+    """Tokens per chunk (one staging buffer holds this many tokens of every pool group). Requests
+    larger than this travel in several pipelined chunks."""
+    staging_buffers: int = 4
+    """Staging buffers per side, shared by concurrent transfers; made on first use. Also the number
+    of staged chunks one transfer can have in flight."""
+    zero_copy: bool = True
+    """Send / receive a chunk that is one page run on both sides straight from / into the pool,
+    without a staging copy. (Runs longer than a staging buffer always go straight.)"""
+    lease_s: float = 30.0
+    """How long P keeps a published request's pages for D; renewed while the pull progresses."""
+    connect_deadline_s: float = 10.0
+    """Control connection, handshake and UCX endpoint to a peer."""
+    pull_deadline_s: float = 30.0
+    """From the pull request to the first chunk (or P's answer)."""
+    chunk_deadline_s: float = 10.0
+    """Between two chunks, on both sides (P waits this long for D's credits, too)."""
+    done_deadline_s: float = 10.0
+    """From the last chunk to TransferDone."""
+    ack_deadline_s: float = 10.0
+    """P waits this long after TransferDone for D's ack, then frees the pages."""
+    ucx_env: dict[str, str] = field(default_factory=dict)
+    """UCX_* settings of the process's UCX context (e.g. UCX_TLS, UCX_NET_DEVICES)."""
+    max_stats_len: int = 1000
+    """Finished transfers kept for ``drain_transfer_stats``: -1 unbounded, 0 none, N the last N."""
+
+    def __post_init__(self) -> None:
+        deadlines = {
+            "lease_s": self.lease_s,
+            "connect_deadline_s": self.connect_deadline_s,
+            "pull_deadline_s": self.pull_deadline_s,
+            "chunk_deadline_s": self.chunk_deadline_s,
+            "done_deadline_s": self.done_deadline_s,
+            "ack_deadline_s": self.ack_deadline_s,
+        }
+        bad = {k: v for k, v in deadlines.items() if not v > 0}
+        if bad:
+            raise ValueError(f"deadlines must be > 0 seconds, got {bad}")
+        if self.staging_tokens < 1 or self.staging_buffers < 1:
+            raise ValueError(
+                f"staging_tokens and staging_buffers must be >= 1, got {self.staging_tokens}, {self.staging_buffers}"
+            )
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")

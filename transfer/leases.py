@@ -1,0 +1,163 @@
+"""LeaseTable: the prefill side's pinned requests, and the one place their pages are given back.
+
+A published request holds its pages under a lease until D acks, the lease expires, or its transfer
+fails. ``release`` calls the owner's callback exactly once per publish (it is where the worker frees
+the pages). A lease that is SERVING (a pull is reading its pages) never expires: the serving
+transfer renews it per chunk and, should it fail, releases it only after its UCX sends have ended.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+
+class LeaseState(str, enum.Enum):
+    PUBLISHED = "published"  # waiting for D's pull
+    SERVING = "serving"  # a pull is reading the pages
+    AWAITING_ACK = "awaiting_ack"  # TransferDone sent
+
+
+@dataclass
+class Lease:
+    request_id: str
+    page_ids: dict[str, list[int]]
+    declared_prompt_len: int
+    expires_at: float  # clock() time
+    state: LeaseState = LeaseState.PUBLISHED
+    cancel_requested: bool = False
+
+
+class LeaseTable:
+    """Thread-safe. ``release_cb`` runs outside the lock, on the thread that released."""
+
+    def __init__(
+        self,
+        release_cb: Callable[[str], None],
+        clock: Callable[[], float] = time.monotonic,
+        history: int = 10_000,
+    ) -> None:
+        self._release_cb = release_cb
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._leases: dict[str, Lease] = {}
+        self._ended: OrderedDict[str, str] = OrderedDict()  # request id -> how its lease ended
+        self._history = history
+
+    def publish(
+        self,
+        request_id: str,
+        page_ids: dict[str, list[int]],
+        declared_prompt_len: int,
+        lease_s: float,
+    ) -> Lease:
+        with self._lock:
+            if request_id in self._leases:
+                raise ValueError(f"request {request_id!r} is already published")
+            self._ended.pop(request_id, None)
+            lease = Lease(request_id, page_ids, declared_prompt_len, self._clock() + lease_s)
+            self._leases[request_id] = lease
+            return lease
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def get(self, request_id: str) -> Lease | None:
+        with self._lock:
+            return self._leases.get(request_id)
+
+    def why_missing(self, request_id: str) -> tuple[str, str]:
+        """(code, reason) for a request that has no lease: expired, released, or unknown."""
+        with self._lock:
+            ended = self._ended.get(request_id)
+        if ended is None:
+            return "unknown", f"request {request_id!r} was never published here"
+        if ended.startswith("expired"):
+            return "expired", f"the lease of request {request_id!r} {ended}"
+        return "unknown", f"request {request_id!r} was already released ({ended})"
+
+    def begin_serving(self, request_id: str) -> Lease:
+        """Move a PUBLISHED lease to SERVING. Raises KeyError (no lease) or ValueError (busy)."""
+        with self._lock:
+            lease = self._leases[request_id]
+            if lease.state is not LeaseState.PUBLISHED:
+                raise ValueError(
+                    f"request {request_id!r} is {lease.state.value}, not waiting for a pull"
+                )
+            lease.state = LeaseState.SERVING
+            return lease
+
+    def renew(self, request_id: str, lease_s: float) -> None:
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is not None:
+                lease.expires_at = max(lease.expires_at, self._clock() + lease_s)
+
+    def await_ack(self, request_id: str, ack_deadline_s: float) -> None:
+        """TransferDone was sent: the lease now ends on the ack or ``ack_deadline_s`` from now."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is not None:
+                lease.state = LeaseState.AWAITING_ACK
+                lease.expires_at = self._clock() + ack_deadline_s
+
+    def release(self, request_id: str, how: str, force: bool = False) -> bool:
+        """End the lease and call the release callback; False if it had ended already, or if it is
+        SERVING and ``force`` is not set (only the serving transfer may end a SERVING lease)."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is None or (lease.state is LeaseState.SERVING and not force):
+                return False
+            del self._leases[request_id]
+            self._ended[request_id] = how
+            while len(self._ended) > self._history:
+                self._ended.popitem(last=False)
+        log.debug("lease of %s ended: %s", request_id, how)
+        try:
+            self._release_cb(request_id)
+        except Exception:
+            log.exception("release callback failed for %s", request_id)
+        return True
+
+    def cancel(self, request_id: str) -> bool:
+        """Give the pages back now unless a pull is reading them (then the pull's end does)."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is not None and lease.state is LeaseState.SERVING:
+                lease.cancel_requested = True
+                return False
+        return self.release(request_id, "cancelled")
+
+    def expire_due(self) -> list[str]:
+        """Release every lease past its expiry that no pull is reading; returns their ids."""
+        now = self._clock()
+        with self._lock:
+            due = [
+                lease
+                for lease in self._leases.values()
+                if lease.expires_at <= now and lease.state is not LeaseState.SERVING
+            ]
+        expired = []
+        for lease in due:
+            how = (
+                "expired before a pull"
+                if lease.state is LeaseState.PUBLISHED
+                else "expired waiting for the ack"
+            )
+            if self.release(lease.request_id, how):
+                expired.append(lease.request_id)
+        return expired
+
+    def release_all(self, how: str) -> None:
+        """Shutdown: give every page back (callers first end all transfers)."""
+        with self._lock:
+            ids = list(self._leases)
+        for rid in ids:
+            self.release(rid, how, force=True)

@@ -1,0 +1,144 @@
+"""Mapper: (source page table, destination page table, page ids) -> byte fragments.
+
+A fragment says "copy ``nbytes`` from ``src_offset`` of the source pool to ``dst_offset`` of the
+destination pool"; offsets are bytes into a pool's storage (page ``p`` starts at ``p * page_bytes``,
+kvcache/spec.py). Pools are matched by ``pool_role``. Only pools of equal geometry are served today
+(the identity mapping: whole pages, runs of consecutive pages on both sides merged into one fragment).
+Anything else, such as head-sharded (HND) pools with different head counts, is refused with a
+MapperError that says so, never copied wrongly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from kvcache.spec import NULL_PAGE
+from transfer.page_table import PageTable, PoolDescriptor
+
+
+class MapperError(ValueError):
+    """The two page tables (or the page ids) cannot be mapped onto each other."""
+
+
+@dataclass(frozen=True)
+class Fragment:
+    src_pool: str
+    dst_pool: str
+    src_offset: int
+    dst_offset: int
+    nbytes: int
+
+
+def match_pools(src: PageTable, dst: PageTable) -> dict[str, str]:
+    """Source pool name -> destination pool name, matched by equal ``pool_role``."""
+    by_role: dict[tuple[str, ...], PoolDescriptor] = {}
+    for pool in dst.pools:
+        if pool.pool_role in by_role:
+            raise MapperError(f"destination has two pools with roles {list(pool.pool_role)}")
+        by_role[pool.pool_role] = pool
+    matched = {}
+    for pool in src.pools:
+        peer = by_role.get(pool.pool_role)
+        if peer is None:
+            raise MapperError(
+                f"source pool {pool.name!r} (roles {list(pool.pool_role)}) has no destination pool with "
+                f"the same roles (destination roles: {[list(r) for r in by_role]})"
+            )
+        _check_servable(pool, peer)
+        matched[pool.name] = peer.name
+    return matched
+
+
+def _check_servable(src: PoolDescriptor, dst: PoolDescriptor) -> None:
+    if src.mapper_kind != dst.mapper_kind:
+        raise MapperError(
+            f"pool {src.name!r}: mapper kinds differ (source {src.mapper_kind}, destination {dst.mapper_kind})"
+        )
+    if src.geometry() == dst.geometry():
+        return
+    if src.num_kv_heads != dst.num_kv_heads:
+        raise MapperError(
+            f"pool {src.name!r} ({src.mapper_kind}): head counts differ (source {src.num_kv_heads}, "
+            f"destination {dst.num_kv_heads}); re-splitting head-sharded pools is not supported yet"
+        )
+    raise MapperError(
+        f"pool {src.name!r} ({src.mapper_kind}): page geometry differs (source {src.geometry()}, "
+        f"destination {dst.geometry()}); only identical pools can be mapped today"
+    )
+
+
+def map_pages(
+    src: PageTable,
+    dst: PageTable,
+    src_pages: Mapping[str, Sequence[int]],
+    dst_pages: Mapping[str, Sequence[int]],
+) -> list[Fragment]:
+    """Fragments copying page ``src_pages[g][i]`` to ``dst_pages[match(g)][i]`` for every source
+    pool ``g``, in pool order then page order. A source entry equal to the null page (a page a
+    sliding window already dropped) moves nothing. Raises MapperError for unmatched pools, page lists
+    of different lengths, page ids out of range, or a destination page listed twice."""
+    matched = match_pools(src, dst)
+    if set(src_pages) != set(matched):
+        raise MapperError(
+            f"source page ids name pools {sorted(src_pages)}, the page table has {sorted(matched)}"
+        )
+    if set(dst_pages) != set(matched.values()):
+        raise MapperError(
+            f"destination page ids name pools {sorted(dst_pages)}, expected {sorted(matched.values())}"
+        )
+    fragments: list[Fragment] = []
+    for pool in src.pools:
+        peer = dst.pool(matched[pool.name])
+        s_ids, d_ids = list(src_pages[pool.name]), list(dst_pages[peer.name])
+        if len(s_ids) != len(d_ids):
+            raise MapperError(
+                f"pool {pool.name!r}: {len(s_ids)} source pages but {len(d_ids)} destination pages"
+            )
+        _check_ids(s_ids, pool, "source")
+        _check_ids(
+            [d for s, d in zip(s_ids, d_ids, strict=True) if s != NULL_PAGE],
+            peer,
+            "destination",
+            distinct=True,
+        )
+        fragments.extend(_runs(pool, peer, s_ids, d_ids))
+    return fragments
+
+
+def _check_ids(ids: list[int], pool: PoolDescriptor, side: str, distinct: bool = False) -> None:
+    bad = [i for i in ids if not 0 <= i < pool.num_pages]
+    if bad:
+        raise MapperError(
+            f"{side} pool {pool.name!r}: page ids {bad[:8]} outside [0, {pool.num_pages})"
+        )
+    real = [i for i in ids if i != NULL_PAGE]
+    if side == "destination" and len(real) != len(ids):
+        raise MapperError(f"destination pool {pool.name!r}: the null page cannot receive data")
+    if distinct and len(set(real)) != len(real):
+        raise MapperError(f"{side} pool {pool.name!r}: a page id is listed twice")
+
+
+def _runs(
+    src: PoolDescriptor, dst: PoolDescriptor, s_ids: list[int], d_ids: list[int]
+) -> list[Fragment]:
+    """Identity mapping: one fragment per run of pages consecutive on both sides."""
+    out: list[Fragment] = []
+    run_s = run_d = run_n = 0
+    for s, d in zip(s_ids, d_ids, strict=True):
+        if s == NULL_PAGE:
+            continue
+        if run_n and s == run_s + run_n and d == run_d + run_n:
+            run_n += 1
+            continue
+        if run_n:
+            out.append(_fragment(src, dst, run_s, run_d, run_n))
+        run_s, run_d, run_n = s, d, 1
+    if run_n:
+        out.append(_fragment(src, dst, run_s, run_d, run_n))
+    return out
+
+
+def _fragment(src: PoolDescriptor, dst: PoolDescriptor, s: int, d: int, n: int) -> Fragment:
+    pb = src.page_bytes
+    return Fragment(src.name, dst.name, s * pb, d * pb, n * pb)

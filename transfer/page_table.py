@@ -1,0 +1,181 @@
+"""PageTable: what one worker tells a peer about its KV pools, and the compatibility hash.
+
+Peers exchange page tables once per connection (in Hello / HelloReply). The mapper (mapper.py) reads
+both tables to turn page ids into byte fragments; the compatibility hash lets two workers refuse each
+other before any byte moves when they serve different models or lay KV out differently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvcache.spec import PoolGroupSpec
+from transfer.version import PAGE_LAYOUT, PROTOCOL_VERSION
+
+
+@dataclass(frozen=True)
+class PoolDescriptor:
+    """One pool group as a peer sees it. ``pool_role`` is sorted; pools match across peers iff
+    their roles are equal. ``page_bytes`` is the size of one page (all layers, keys and values)."""
+
+    name: str
+    pool_role: tuple[str, ...]
+    mapper_kind: str
+    layer_ids: tuple[int, ...]
+    tokens_per_page: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    page_bytes: int
+    num_pages: int
+    layout: str = PAGE_LAYOUT
+
+    @classmethod
+    def from_spec(cls, spec: PoolGroupSpec) -> PoolDescriptor:
+        return cls(
+            name=spec.name,
+            pool_role=tuple(sorted(spec.pool_role)),
+            mapper_kind=str(spec.mapper_kind.value),
+            layer_ids=tuple(spec.layer_ids),
+            tokens_per_page=spec.page_size,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            dtype=dtype_name(spec.dtype),
+            page_bytes=spec.page_bytes,
+            num_pages=spec.num_pages,
+        )
+
+    def geometry(self) -> tuple[Any, ...]:
+        """Everything that decides where a byte of a page lives (two pools with equal geometry
+        can exchange whole pages byte for byte)."""
+        return (
+            self.layout,
+            self.layer_ids,
+            self.tokens_per_page,
+            self.num_kv_heads,
+            self.head_dim,
+            self.dtype,
+            self.page_bytes,
+        )
+
+
+@dataclass(frozen=True)
+class PageTable:
+    """A worker's pools, in the order of its pool groups."""
+
+    model: str
+    pools: tuple[PoolDescriptor, ...]
+
+    def __post_init__(self) -> None:
+        names = [p.name for p in self.pools]
+        if not self.pools or len(set(names)) != len(names):
+            raise ValueError(f"a page table needs pools with distinct names, got {names}")
+
+    @classmethod
+    def from_specs(cls, model: str, specs: Iterable[PoolGroupSpec]) -> PageTable:
+        return cls(model=model, pools=tuple(PoolDescriptor.from_spec(s) for s in specs))
+
+    def pool(self, name: str) -> PoolDescriptor:
+        for p in self.pools:
+            if p.name == name:
+                return p
+        raise KeyError(
+            f"no pool group {name!r} in this page table (have {[p.name for p in self.pools]})"
+        )
+
+    @property
+    def compat_hash(self) -> str:
+        return compat_hash(self.model, self.pools)
+
+    @property
+    def bytes_per_token(self) -> float:
+        """KV bytes one token takes across all pools."""
+        return sum(p.page_bytes / p.tokens_per_page for p in self.pools)
+
+    def to_wire(self) -> dict[str, Any]:
+        """Plain msgpack-able form (lists, ints, strings)."""
+        return {
+            "model": self.model,
+            "pools": [
+                {k: list(v) if isinstance(v, tuple) else v for k, v in p.__dict__.items()}
+                for p in self.pools
+            ],
+        }
+
+    @classmethod
+    def from_wire(cls, data: Any) -> PageTable:
+        """Inverse of ``to_wire``. Raises ValueError naming the first field of the wrong shape."""
+        if not isinstance(data, Mapping) or set(data) != {"model", "pools"}:
+            raise ValueError("page table: expected a map with keys 'model' and 'pools'")
+        if not isinstance(data["model"], str) or not isinstance(data["pools"], list):
+            raise ValueError("page table: 'model' must be a string and 'pools' a list")
+        return cls(model=data["model"], pools=tuple(_pool_from_wire(p) for p in data["pools"]))
+
+
+_POOL_FIELDS: dict[str, type] = {
+    "name": str,
+    "pool_role": list,
+    "mapper_kind": str,
+    "layer_ids": list,
+    "tokens_per_page": int,
+    "num_kv_heads": int,
+    "head_dim": int,
+    "dtype": str,
+    "page_bytes": int,
+    "num_pages": int,
+    "layout": str,
+}
+
+
+def _pool_from_wire(data: Any) -> PoolDescriptor:
+    if not isinstance(data, Mapping) or set(data) != set(_POOL_FIELDS):
+        raise ValueError(f"page table pool: expected a map with keys {sorted(_POOL_FIELDS)}")
+    for key, kind in _POOL_FIELDS.items():
+        value = data[key]
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise ValueError(
+                f"page table pool field {key!r}: expected {kind.__name__}, got {type(value).__name__}"
+            )
+        if kind is int and value < 1:
+            raise ValueError(f"page table pool field {key!r}: must be >= 1, got {value}")
+    if not all(isinstance(r, str) for r in data["pool_role"]):
+        raise ValueError("page table pool field 'pool_role': expected a list of strings")
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in data["layer_ids"]):
+        raise ValueError("page table pool field 'layer_ids': expected a list of ints")
+    fields = dict(data)
+    fields["pool_role"] = tuple(sorted(data["pool_role"]))
+    fields["layer_ids"] = tuple(data["layer_ids"])
+    return PoolDescriptor(**fields)
+
+
+def compat_hash(model: str, pools: Iterable[PoolDescriptor]) -> str:
+    """Hash of what two peers must share to exchange KV: model, dtype, layers, heads, head dim,
+    page size, layout and protocol version (16 hex digits)."""
+    identity = {
+        "protocol_version": PROTOCOL_VERSION,
+        "model": model,
+        "pools": sorted(
+            [
+                list(p.pool_role),
+                p.layout,
+                list(p.layer_ids),
+                p.tokens_per_page,
+                p.num_kv_heads,
+                p.head_dim,
+                p.dtype,
+            ]
+            for p in pools
+        ),
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,175 @@
+"""PeerLink: one connected peer, i.e. its control channel plus a UCX endpoint to its worker, and the
+handshake that makes one (Hello / HelloReply: page tables, compatibility hash, UCX addresses).
+
+Closing a link is how transfers are cancelled: ``abort`` closes the UCX endpoint, which cancels every
+receive and send posted on it, and the control channel, so the peer learns at once. Transfers on the
+link see ``closed_reason`` through their ``on_closed`` callbacks and clean up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from transfer.control import ChannelClosed, ControlChannel
+from transfer.messages import Hello, HelloReply, Message
+from transfer.page_table import PageTable
+from transfer.runtime import UcxRuntime
+from transfer.stats import TransferCounters
+
+log = logging.getLogger(__name__)
+
+
+class PeerRefused(ConnectionError):
+    """The peer cannot be used: another compatibility hash, or a failed handshake."""
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    instance_id: str
+    page_table: PageTable
+    chunk_bytes: int  # agreed: the smaller staging buffer of the two sides
+
+
+class PeerLink:
+    def __init__(self, channel: ControlChannel, endpoint: Any, info: PeerInfo, name: str) -> None:
+        self.channel = channel
+        self.endpoint = endpoint
+        self.info = info
+        self.name = name
+        self.closed_reason: str | None = None
+        self._on_closed: list[Callable[[str], None]] = []
+        loop = asyncio.get_running_loop()
+        # UCX calls this from its progress thread when the endpoint fails (peer died).
+        endpoint.set_close_callback(
+            lambda: loop.call_soon_threadsafe(self.abort, "UCX endpoint to peer failed")
+        )
+
+    @property
+    def closed(self) -> bool:
+        return self.closed_reason is not None
+
+    def start(self, on_message: Callable[[Message], None]) -> None:
+        self.channel.start(on_message, lambda reason: self.abort(f"control connection: {reason}"))
+
+    def add_close_listener(self, fn: Callable[[str], None]) -> None:
+        self._on_closed.append(fn)
+
+    def remove_close_listener(self, fn: Callable[[str], None]) -> None:
+        if fn in self._on_closed:
+            self._on_closed.remove(fn)
+
+    async def send(self, msg: Message, timeout: float) -> None:
+        if self.closed:
+            raise ChannelClosed(f"{self.name}: {self.closed_reason}")
+        await self.channel.send(msg, timeout)
+
+    async def send_data(self, buf: torch.Tensor, tag: int) -> None:
+        await self.endpoint.send(_ucx_buffer(buf), tag=tag, force_tag=True)
+
+    async def recv_data(self, buf: torch.Tensor, tag: int) -> None:
+        await self.endpoint.recv(_ucx_buffer(buf), tag=tag, force_tag=True)
+
+    def abort(self, reason: str) -> None:
+        """Close everything now; requests posted on the endpoint complete with an error."""
+        if self.closed_reason is not None:
+            return
+        self.closed_reason = reason
+        log.info("%s: closing link (%s)", self.name, reason)
+        self.channel.close(reason)
+        try:
+            self.endpoint.abort()
+        except Exception:  # already torn down by UCX
+            log.debug("%s: endpoint abort failed", self.name, exc_info=True)
+        for fn in list(self._on_closed):
+            fn(reason)
+
+
+def _ucx_buffer(buf: torch.Tensor) -> Any:
+    # ucxx takes host memory through the buffer protocol and device memory through
+    # __cuda_array_interface__ (which torch CUDA tensors have).
+    return buf.numpy() if buf.device.type == "cpu" else buf
+
+
+def check_compatible(ours: PageTable, theirs: PageTable) -> str:
+    """ "" if the two tables may exchange KV, else the reason they may not."""
+    if ours.compat_hash == theirs.compat_hash:
+        return ""
+    return (
+        f"compatibility hash mismatch: ours {ours.compat_hash} (model {ours.model!r}), "
+        f"peer {theirs.compat_hash} (model {theirs.model!r})"
+    )
+
+
+async def connect(
+    runtime: UcxRuntime,
+    host: str,
+    port: int,
+    hello: Hello,
+    timeout: float,
+    counters: TransferCounters,
+) -> PeerLink:
+    """D side: open the control connection, exchange Hello/HelloReply, connect UCX. Raises
+    PeerRefused, or ConnectionError/TimeoutError when P cannot be reached within ``timeout``."""
+    name = f"link to {host}:{port}"
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    channel = ControlChannel(reader, writer, name, counters)
+    try:
+        await channel.send(hello, timeout)
+        reply = await channel.receive(timeout)
+        if not isinstance(reply, HelloReply):
+            raise PeerRefused(f"{name}: expected HelloReply, got {type(reply).__name__}")
+        problem = (
+            f"peer refused us: {reply.error}"
+            if reply.error
+            else check_compatible(hello.page_table, reply.page_table)
+        )
+        if problem:
+            counters.refused_peers += 1
+            raise PeerRefused(f"{name}: {problem}")
+        endpoint = await asyncio.wait_for(runtime.create_endpoint(reply.ucx_address), timeout)
+    except BaseException:
+        channel.close("handshake failed")
+        raise
+    info = PeerInfo(reply.instance_id, reply.page_table, min(hello.chunk_bytes, reply.chunk_bytes))
+    return PeerLink(channel, endpoint, info, f"{name} (instance {reply.instance_id})")
+
+
+async def accept(
+    runtime: UcxRuntime,
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    own: HelloReply,
+    timeout: float,
+    counters: TransferCounters,
+) -> PeerLink | None:
+    """P side: answer one incoming Hello. Returns None (after telling the peer why) when the peer is
+    refused or the handshake fails."""
+    peername = writer.get_extra_info("peername")
+    channel = ControlChannel(reader, writer, f"link from {peername}", counters)
+    try:
+        hello = await channel.receive(timeout)
+        if not isinstance(hello, Hello):
+            raise PeerRefused(f"expected Hello, got {type(hello).__name__}")
+        problem = check_compatible(own.page_table, hello.page_table)
+        if problem:
+            counters.refused_peers += 1
+            await channel.send(_refusal(own, problem), timeout)
+            raise PeerRefused(problem)
+        endpoint = await asyncio.wait_for(runtime.create_endpoint(hello.ucx_address), timeout)
+        await channel.send(own, timeout)
+    except (PeerRefused, ConnectionError, asyncio.TimeoutError) as e:
+        log.warning("%s: handshake refused or failed: %s", channel.name, e)
+        channel.close(f"handshake failed: {e}")
+        return None
+    info = PeerInfo(hello.instance_id, hello.page_table, min(hello.chunk_bytes, own.chunk_bytes))
+    return PeerLink(channel, endpoint, info, f"link from {peername} (instance {hello.instance_id})")
+
+
+def _refusal(own: HelloReply, problem: str) -> HelloReply:
+    return HelloReply(own.instance_id, own.page_table, own.ucx_address, own.chunk_bytes, problem)

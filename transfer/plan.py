@@ -1,0 +1,135 @@
+"""TransferPlan: a request's fragments cut into chunks that each fit one staging buffer.
+
+Both sides build the plan from the same inputs (page tables, page ids, chunk size), so chunk ``i``
+means the same bytes on both. A chunk's bytes on the wire are its fragments' bytes, back to back, in
+order. Fragments are split only at page boundaries, so a staging copy always moves whole pages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from transfer.mapper import Fragment, map_pages
+from transfer.page_table import PageTable
+
+DIRECT_MAX_BYTES = 1 << 30  # the largest single message: one page run of 1 GiB
+
+
+@dataclass(frozen=True)
+class Chunk:
+    index: int
+    fragments: tuple[Fragment, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.nbytes for f in self.fragments)
+
+    @property
+    def contiguous(self) -> bool:
+        """One run on both sides: it can go straight from the source pool to the destination pool
+        without a staging copy (and must, when it is larger than a staging buffer)."""
+        return len(self.fragments) == 1
+
+    def direct(self, zero_copy: bool, staging_bytes: int) -> bool:
+        """Whether this side moves the chunk without staging (each side decides for itself)."""
+        return self.contiguous and (zero_copy or self.nbytes > staging_bytes)
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    chunks: tuple[Chunk, ...]
+    chunk_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(c.nbytes for c in self.chunks)
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.chunks)
+
+
+def chunk_fragments(
+    fragments: Sequence[Fragment], chunk_bytes: int, page_bytes: Mapping[str, int]
+) -> TransferPlan:
+    """Cut ``fragments`` (page-aligned, ``page_bytes`` by source pool) into chunks.
+
+    A run of at least ``chunk_bytes`` becomes chunks of its own, up to DIRECT_MAX_BYTES each: they
+    need no staging (one run on both sides), and one large message moves faster than many. Shorter
+    runs are packed into chunks of at most ``chunk_bytes``, filling each before starting the next.
+    """
+    chunks: list[Chunk] = []
+    current: list[Fragment] = []
+    room = chunk_bytes
+    for frag in fragments:
+        page = page_bytes[frag.src_pool]
+        if page > chunk_bytes:
+            raise ValueError(
+                f"a page of pool {frag.src_pool!r} ({page} bytes) is larger than a chunk ({chunk_bytes})"
+            )
+        done = 0
+        if frag.nbytes >= chunk_bytes:
+            if current:
+                chunks.append(Chunk(len(chunks), tuple(current)))
+                current, room = [], chunk_bytes
+            step = max(page, DIRECT_MAX_BYTES // page * page)
+            for start in range(0, frag.nbytes, step):
+                take = min(step, frag.nbytes - start)
+                chunks.append(
+                    Chunk(
+                        len(chunks),
+                        (
+                            Fragment(
+                                frag.src_pool,
+                                frag.dst_pool,
+                                frag.src_offset + start,
+                                frag.dst_offset + start,
+                                take,
+                            ),
+                        ),
+                    )
+                )
+            continue
+        while done < frag.nbytes:
+            take = min(frag.nbytes - done, room // page * page)
+            if take == 0:
+                chunks.append(Chunk(len(chunks), tuple(current)))
+                current, room = [], chunk_bytes
+                continue
+            current.append(
+                Fragment(
+                    frag.src_pool,
+                    frag.dst_pool,
+                    frag.src_offset + done,
+                    frag.dst_offset + done,
+                    take,
+                )
+            )
+            done += take
+            room -= take
+    if current:
+        chunks.append(Chunk(len(chunks), tuple(current)))
+    return TransferPlan(tuple(chunks), chunk_bytes)
+
+
+def build_plan(
+    src: PageTable,
+    dst: PageTable,
+    src_pages: Mapping[str, Sequence[int]],
+    dst_pages: Mapping[str, Sequence[int]],
+    chunk_bytes: int,
+) -> TransferPlan:
+    """Map the pages (mapper.map_pages) and cut the fragments into chunks."""
+    fragments = map_pages(src, dst, src_pages, dst_pages)
+    return chunk_fragments(fragments, chunk_bytes, {p.name: p.page_bytes for p in src.pools})
+
+
+def chunk_bytes_for(table: PageTable, staging_tokens: int) -> int:
+    """Bytes of one staging buffer: ``staging_tokens`` tokens of every pool, in whole pages."""
+    largest_page = max(p.tokens_per_page for p in table.pools)
+    if staging_tokens < largest_page:
+        raise ValueError(
+            f"staging_tokens ({staging_tokens}) must hold at least one page ({largest_page} tokens)"
+        )
+    return sum(staging_tokens // p.tokens_per_page * p.page_bytes for p in table.pools)

@@ -1,0 +1,297 @@
+"""PullSession: the decode side of one pull, from the ticket to the ack.
+
+    connect (connect_deadline_s) -> early checks -> post receives for the first chunks ->
+    PullRequest with those credits -> first chunk or P's answer (pull_deadline_s) -> more credits
+    (ChunkReady) as staging buffers free up -> chunks (chunk_deadline_s between two) and
+    TransferDone (done_deadline_s after the last chunk) -> check every chunk arrived and the
+    declared prompt length == expected -> ack.
+
+Receives posted for a pull that fails must end before the pages may be reused: P completes those
+it will not send with empty messages when it refuses or gives up cleanly (PullError.drained);
+otherwise the link is aborted, the only way UCX cancels a receive (other pulls on that link fail
+too; the next pull reconnects). ``run`` returns only after every receive and page copy of this pull
+has ended. KV is never trimmed or padded: any mismatch fails the pull.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from transfer.mapper import MapperError
+from transfer.messages import (
+    ChunkReady,
+    PullError,
+    PullRequest,
+    Reject,
+    TransferAck,
+    TransferDone,
+    TransferTicket,
+    data_tag,
+)
+from transfer.peer import PeerLink
+from transfer.plan import Chunk, TransferPlan, build_plan
+from transfer.serve import settle
+from transfer.staging import pool_region, scatter_chunk
+from transfer.stats import TransferResult, TransferStats
+
+if TYPE_CHECKING:
+    from transfer.receiver import KVReceiver
+
+log = logging.getLogger(__name__)
+
+
+class PullFailed(Exception):
+    pass
+
+
+class PullSession:
+    def __init__(
+        self,
+        receiver: KVReceiver,
+        ticket: TransferTicket,
+        dst_page_ids: dict[str, list[int]],
+        skip_pages: int,
+        expected_prompt_len: int,
+        pull_id: int,
+    ) -> None:
+        self.r = receiver
+        self.ticket = ticket
+        self.dst = dst_page_ids
+        self.skip = skip_pages
+        self.expected = expected_prompt_len
+        self.pull_id = pull_id
+        self.link: PeerLink | None = None
+        self.plan: TransferPlan | None = None
+        self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self._recvs: list[asyncio.Task] = []
+        self._feeder: asyncio.Task | None = None
+        self._credits: list[int] = []  # posted, not yet announced to P
+        self._refusal: PullError | None = None
+        self._failed = False
+        self._on_closed = lambda reason: self.events.put_nowait(("closed", reason))
+
+    def deliver(self, msg: PullError | TransferDone | Reject) -> None:
+        self.events.put_nowait(("msg", msg))
+
+    async def run(self) -> TransferResult:
+        start, rid = time.perf_counter(), self.ticket.request_id
+        try:
+            src = self._check_inputs()
+            self.link = await self.r.link_for(self.ticket)
+            self.link.add_close_listener(self._on_closed)
+            self.r.sessions[self.pull_id] = self
+            if self.ticket.declared_prompt_len != self.expected:
+                raise PullFailed(
+                    f"declared history mismatch: P declares {self.ticket.declared_prompt_len} prompt tokens, "
+                    f"expected {self.expected}"
+                )
+            try:
+                self.plan = build_plan(
+                    self.link.info.page_table,
+                    self.r.page_table,
+                    src,
+                    self.dst,
+                    self.link.info.chunk_bytes,
+                )
+            except (MapperError, ValueError) as e:
+                raise PullFailed(f"cannot map the pages: {e}") from None
+            await self._transfer()
+            await self.link.send(
+                TransferAck(rid, self.pull_id, True, ""), self.r.config.done_deadline_s
+            )
+            return self._result(start, ok=True)
+        except PullFailed as e:
+            await self._clean_up(str(e))
+            return self._result(start, ok=False, error=str(e))
+        except ConnectionError as e:
+            await self._clean_up(f"connection to the prefill worker failed: {e}")
+            return self._result(
+                start, ok=False, error=f"connection to the prefill worker failed: {e}"
+            )
+        finally:
+            self.r.sessions.pop(self.pull_id, None)
+            if self.link is not None:
+                self.link.remove_close_listener(self._on_closed)
+
+    def _check_inputs(self) -> dict[str, list[int]]:
+        t = self.ticket
+        if t.compat_hash != self.r.page_table.compat_hash:
+            raise PullFailed(
+                f"compatibility hash mismatch: the ticket's prefill worker has {t.compat_hash}, we have "
+                f"{self.r.page_table.compat_hash}"
+            )
+        if sorted(self.dst) != sorted(t.page_ids) or self.skip < 0:
+            raise PullFailed(
+                f"destination pools {sorted(self.dst)} differ from the ticket's {sorted(t.page_ids)}"
+            )
+        src = {}
+        for g, pages in t.page_ids.items():
+            if self.skip > len(pages) or len(self.dst[g]) != len(pages) - self.skip:
+                raise PullFailed(
+                    f"pool {g!r}: the ticket has {len(pages)} pages, skip_pages={self.skip}, so "
+                    f"{len(pages) - self.skip} destination pages are needed, got {len(self.dst[g])}"
+                )
+            src[g] = pages[self.skip :]
+        return src
+
+    async def _transfer(self) -> None:
+        assert self.link is not None and self.plan is not None
+        cfg, plan, rid = self.r.config, self.plan, self.ticket.request_id
+        pending = list(plan.chunks)
+        while pending and self._post(pending[0]):
+            pending.pop(0)
+        ready, self._credits = self._credits, []
+        await self.link.send(
+            PullRequest(
+                rid,
+                self.pull_id,
+                self.ticket.page_ids,
+                self.dst,
+                self.skip,
+                self.link.info.chunk_bytes,
+                plan.num_chunks,
+                plan.total_bytes,
+                ready,
+            ),
+            cfg.pull_deadline_s,
+        )
+        if pending:
+            self._feeder = asyncio.ensure_future(self._feed(pending))
+        done: TransferDone | None = None
+        arrived = 0
+        while arrived < plan.num_chunks or done is None:
+            if arrived == 0:
+                what, timeout = (
+                    "the first chunk or P's answer to the pull request",
+                    cfg.pull_deadline_s,
+                )
+            elif arrived < plan.num_chunks:
+                what, timeout = f"chunk {arrived + 1}/{plan.num_chunks}", cfg.chunk_deadline_s
+            else:
+                what, timeout = "TransferDone after the last chunk", cfg.done_deadline_s
+            event = await self._next(what, timeout)
+            if isinstance(event, TransferDone):
+                done = event
+            elif event == "chunk":
+                arrived += 1
+                self.r.book.counters.chunks += 1
+            else:
+                raise PullFailed(f"unexpected {type(event).__name__} during the transfer")
+        self._check_done(done, arrived)
+
+    def _check_done(self, done: TransferDone, arrived: int) -> None:
+        assert self.plan is not None
+        if (done.num_chunks, done.total_bytes) != (arrived, self.plan.total_bytes):
+            raise PullFailed(
+                f"incomplete transfer: P sent {done.num_chunks} chunks / {done.total_bytes} bytes, "
+                f"we expected {self.plan.num_chunks} / {self.plan.total_bytes} and got {arrived} chunks"
+            )
+        if done.declared_prompt_len != self.expected:
+            raise PullFailed(
+                f"declared history mismatch: P declares {done.declared_prompt_len} prompt tokens, "
+                f"expected {self.expected}"
+            )
+
+    async def _next(self, what: str, timeout: float) -> Any:
+        """The next event: "chunk", or a message from P; raises PullFailed for failures."""
+        try:
+            kind, value = await asyncio.wait_for(self.events.get(), timeout)
+        except asyncio.TimeoutError:
+            raise PullFailed(f"timed out after {timeout}s waiting for {what}") from None
+        if kind == "closed":
+            raise PullFailed(f"link to the prefill worker closed: {value}")
+        if kind == "recv_failed":
+            raise PullFailed(f"receiving chunk {value[0]} failed: {value[1]}")
+        if isinstance(value, PullError):
+            self._refusal = value
+            raise PullFailed(f"prefill worker refused the pull ({value.code}): {value.reason}")
+        if isinstance(value, Reject):
+            raise PullFailed(f"protocol error: {value.reason}")
+        return value
+
+    def _post(self, chunk: Chunk, buf: Any = None) -> bool:
+        """Post the receive of ``chunk`` (into the pool, or a staging buffer: ``buf`` or a free
+        one); False if it needs a staging buffer and none is free."""
+        if buf is None and not chunk.direct(self.r.config.zero_copy, self.r.staging.buffer_bytes):
+            buf = self.r.staging.try_acquire()
+            if buf is None:
+                return False
+        self._recvs.append(asyncio.ensure_future(self._receive(chunk, buf)))
+        self._credits.append(chunk.index)
+        return True
+
+    async def _feed(self, pending: list[Chunk]) -> None:
+        """Post the remaining receives as staging buffers free up, and send the credits."""
+        for chunk in pending:
+            if not self._post(chunk):
+                await self._credit()  # announce what is posted before waiting for a buffer
+                self._post(chunk, buf=await self.r.staging.acquire())
+        await self._credit()
+
+    async def _credit(self) -> None:
+        if self._credits and self.link is not None:
+            chunks, self._credits = self._credits, []
+            await self.link.send(
+                ChunkReady(self.ticket.request_id, self.pull_id, chunks),
+                self.r.config.chunk_deadline_s,
+            )
+
+    async def _receive(self, chunk: Chunk, buf: Any) -> None:
+        assert self.link is not None
+        tag = data_tag(self.pull_id, chunk.index)
+        try:
+            if buf is None:
+                frag = chunk.fragments[0]
+                await self.link.recv_data(
+                    pool_region(self.r.rows[frag.dst_pool], frag.dst_offset, frag.nbytes), tag
+                )
+            else:
+                staged = buf[: chunk.nbytes]
+                await self.link.recv_data(staged, tag)
+                if (
+                    not self._failed
+                ):  # a drained (empty) receive of a failed pull has nothing to copy
+                    await self.r.runtime.copy(scatter_chunk, chunk, staged, self.r.rows)
+            self.events.put_nowait(("chunk", "chunk"))
+        except Exception as e:
+            self.events.put_nowait(("recv_failed", (chunk.index, e)))
+        finally:
+            if buf is not None:
+                self.r.staging.release(buf)
+
+    async def _clean_up(self, reason: str) -> None:
+        """After a failure: end every receive of this pull, and tell P (if it can still hear)."""
+        self._failed = True
+        if self._feeder is not None and not self._feeder.done():
+            self._feeder.cancel()  # it only waits for buffers or sends credits: safe to cancel
+            await settle([self._feeder], self.r.config.chunk_deadline_s)
+        link, rid, cfg = self.link, self.ticket.request_id, self.r.config
+        if link is not None and not link.closed:
+            try:  # first, so P frees its pages now rather than at lease expiry
+                await link.send(TransferAck(rid, self.pull_id, False, reason), cfg.done_deadline_s)
+            except ConnectionError:
+                pass
+        if self._refusal is not None and self._refusal.drained:
+            await settle(self._recvs, cfg.chunk_deadline_s)  # P is completing them
+        if any(not t.done() for t in self._recvs) and link is not None:
+            link.abort(f"pull of {rid} failed with receives posted: {reason}")
+        if not await settle(self._recvs, cfg.chunk_deadline_s):
+            log.error("receives of %s did not end after the link was aborted", rid)
+        log.warning("pull of %s failed: %s", rid, reason)
+
+    def _result(self, start: float, ok: bool, error: str = "") -> TransferResult:
+        plan = self.plan
+        stats = TransferStats(
+            self.ticket.request_id,
+            "recv",
+            plan.total_bytes if (ok and plan) else 0,
+            plan.num_chunks if plan else 0,
+            time.perf_counter() - start,
+            ok,
+            error,
+        )
+        self.r.book.record(stats)
+        return TransferResult(self.ticket.request_id, ok, error, stats)

@@ -1,0 +1,164 @@
+"""UcxRuntime: the process's UCX context, driven by one asyncio loop on one background thread.
+
+ucxx is asyncio based and keeps process-global progress state per event loop, so a process runs one
+loop thread and one UCX context, shared by every transceiver in it (``UcxRuntime.acquire`` counts
+users; the last ``release`` shuts it down). Callers on any thread (plain threads, Ray actors, sync
+or async) hand coroutines over with ``submit``; only code on the loop touches UCX objects.
+
+UCX endpoints are created with peer error handling, so a dead peer fails its requests instead of
+hanging them, and closing an endpoint cancels every request posted on it. (In UCX 1.21 that mode
+excludes the shared-memory transports, so two processes of one CPU host talk over TCP loopback.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import gc
+import logging
+import os
+import threading
+from collections.abc import Coroutine, Mapping
+from typing import Any, ClassVar, TypeVar
+
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class UcxRuntime:
+    _shared: ClassVar[UcxRuntime | None] = None
+    _lock: ClassVar[threading.Lock] = threading.Lock()
+
+    @classmethod
+    def acquire(
+        cls, ucx_env: Mapping[str, str] | None = None, cuda_device: int | None = None
+    ) -> UcxRuntime:
+        """The process's runtime, started on first use with the UCX_* settings ``ucx_env`` (and, for
+        KV on a GPU, that GPU's index). A later caller asking for other settings gets a ValueError
+        (one UCX context per process)."""
+        env = dict(ucx_env or {})
+        with cls._lock:
+            if cls._shared is None:
+                cls._shared = cls(env, cuda_device)
+            elif (env and env != cls._shared.ucx_env) or (
+                cuda_device is not None and cuda_device != cls._shared.cuda_device
+            ):
+                raise ValueError(
+                    f"this process's UCX runtime already runs with {cls._shared.ucx_env} on CUDA device "
+                    f"{cls._shared.cuda_device}, not {env} on {cuda_device}"
+                )
+            cls._shared._users += 1
+            return cls._shared
+
+    def __init__(self, ucx_env: dict[str, str], cuda_device: int | None = None) -> None:
+        bad = [k for k in ucx_env if not k.startswith("UCX_")]
+        if bad:
+            raise ValueError(f"UCX settings must be UCX_* names, got {bad}")
+        self.ucx_env = ucx_env
+        self.cuda_device = cuda_device
+        self._users = 0
+        self.loop = asyncio.new_event_loop()
+        # Page copies block until done (staging.py); one thread keeps them off the loop.
+        self.copy_executor = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="duet-kv-copy"
+        )
+        self._thread = threading.Thread(target=self._run_loop, name="duet-ucx-loop", daemon=True)
+        self._thread.start()
+        self.ctx: Any = self.run(self._start_context(), timeout=60.0)
+        self.worker_address: bytes = bytes(self.ctx.worker_address)
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    async def _start_context(self) -> Any:
+        from ucxx._lib_async import ApplicationContext, continuous_ucx_progress
+
+        device = self.cuda_device
+        if device is not None:
+            # ucxx makes CUDA device 0 current on its progress thread; UCX's CUDA transports must
+            # work there with the device whose memory this process registers.
+            from ucxx._cuda_context import ensure_cuda_context
+
+            continuous_ucx_progress._create_context = lambda: ensure_cuda_context(device)
+        options = {k.removeprefix("UCX_"): v for k, v in self.ucx_env.items()}
+        # "thread" progress: UCX progresses on its own thread and wakes waiters through the notifier
+        # thread (python futures), so idle waits cost no CPU.
+        return ApplicationContext(
+            config_dict=options, progress_mode="thread", enable_python_future=True
+        )
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Schedule ``coro`` on the loop thread; safe from any thread."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
+        """Run ``coro`` on the loop and wait for it (not from the loop thread itself)."""
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise RuntimeError(
+                "UcxRuntime.run called on the loop thread; await the coroutine instead"
+            )
+        return self.submit(coro).result(timeout)
+
+    def on_loop(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    async def copy(self, fn: Any, *args: Any) -> None:
+        """Run a blocking page copy on the copy thread and wait for it."""
+        await self.loop.run_in_executor(self.copy_executor, fn, *args)
+
+    async def create_endpoint(self, address: bytes) -> Any:
+        """A UCX endpoint to the worker at ``address`` (peer error handling on)."""
+        from ucxx._lib.libucxx import UCXAddress
+
+        return await self.ctx.create_endpoint_from_worker_address(
+            UCXAddress.create_from_buffer(address), endpoint_error_handling=True
+        )
+
+    def release(self) -> None:
+        """Drop one user; the last one stops UCX, the loop and both threads."""
+        cls = type(self)
+        with cls._lock:
+            self._users -= 1
+            if self._users > 0:
+                return
+            if cls._shared is self:
+                cls._shared = None
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        async def stop_context() -> None:
+            from ucxx._lib_async.application_context import clear_progress_tasks
+
+            self.ctx.stop_notifier_thread()
+            # The progress thread would otherwise live as long as the loop object (ucxx keeps a
+            # reference to it from a patched loop.close).
+            self.ctx.worker.stop_progress_thread()
+            clear_progress_tasks()
+            self.ctx = None
+            gc.collect()
+
+        try:
+            self.run(stop_context(), timeout=30.0)
+        except Exception:
+            log.exception("stopping the UCX context failed")
+        self.copy_executor.shutdown(wait=True)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=30.0)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+def cuda_index(buffers: Mapping[str, Any]) -> int | None:
+    """The CUDA device index of the KV storage tensors, None on CPU."""
+    device = next(iter(buffers.values())).device
+    if device.type != "cuda":
+        return None
+    if device.index is None:
+        import torch
+
+        return torch.cuda.current_device()
+    return device.index

@@ -1,0 +1,285 @@
+"""KVSender: the prefill side of the transceiver.
+
+    sender = KVSender(kv.buffers, specs, model="smollm2", config=cfg, release=on_release)
+    ticket = sender.publish(request_id, kv.page_ids(request_id), declared_prompt_len=len(prompt))
+    # ... the router carries the ticket to a decode worker, which pulls ...
+    # on_release(request_id) runs exactly once: after D's ack, on lease expiry, or on a failure.
+
+Ownership of pages: from ``publish`` until the release callback the pages belong to the transfer;
+the worker must not free or reuse them, and must have finished writing them (device work done)
+before publishing. The callback runs on the transceiver's loop thread: keep it short and
+thread-safe (hand the id to the worker's own loop). Serving pulls happens in the background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from kvcache.spec import PoolGroupSpec
+from transfer.config import TransceiverConfig
+from transfer.leases import LeaseTable
+from transfer.mapper import MapperError
+from transfer.messages import (
+    ChunkReady,
+    HelloReply,
+    Message,
+    PullError,
+    PullRequest,
+    Reject,
+    TransferAck,
+    TransferTicket,
+)
+from transfer.page_table import PageTable
+from transfer.peer import PeerLink, accept
+from transfer.plan import build_plan, chunk_bytes_for
+from transfer.runtime import UcxRuntime, cuda_index
+from transfer.serve import ServeSession, drain, settle
+from transfer.staging import StagingBuffers, pool_rows
+from transfer.stats import StatsBook, TransferStats
+
+log = logging.getLogger(__name__)
+
+
+class KVSender:
+    def __init__(
+        self,
+        buffers: Mapping[str, torch.Tensor],
+        specs: Sequence[PoolGroupSpec],
+        model: str,
+        config: TransceiverConfig,
+        release: Callable[[str], None],
+    ) -> None:
+        """Start listening on ``config.host``/``config.port``.
+
+        Args:
+            buffers: the KV storage per pool group (KVCacheManager.buffers).
+            specs: the pool groups, in order.
+            model: model identity for the compatibility hash (peers must agree on it).
+            release: called with a request id when its pages may be freed (see module docstring).
+        """
+        self.config = config
+        self.page_table = PageTable.from_specs(model, specs)
+        self.instance_id = uuid.uuid4().hex
+        self.rows = pool_rows(buffers, {s.name: s.page_bytes for s in specs})
+        self.chunk_bytes = chunk_bytes_for(self.page_table, config.staging_tokens)
+        self.leases = LeaseTable(release)
+        self.book = StatsBook(config.max_stats_len)
+        self.runtime = UcxRuntime.acquire(config.ucx_env, cuda_index(buffers))
+        self._device = next(iter(buffers.values())).device
+        self._links: set[PeerLink] = set()
+        self._sessions: dict[int, ServeSession] = {}  # pull id -> session
+        self._session_tasks: set[asyncio.Task] = set()
+        try:
+            self.host, self.port = self.runtime.run(
+                self._start(), timeout=config.connect_deadline_s
+            )
+        except BaseException:
+            self.runtime.release()
+            raise
+
+    async def _start(self) -> tuple[str, int]:
+        self.staging = StagingBuffers(self._device, self.chunk_bytes, self.config.staging_buffers)
+        self._server = await asyncio.start_server(
+            self._on_connect, self.config.host, self.config.port
+        )
+        self._reaper = asyncio.ensure_future(self._reap())
+        host, port = self._server.sockets[0].getsockname()[:2]
+        return host, port
+
+    # ---- API (any thread) ----
+    def publish(
+        self, request_id: str, page_ids: Mapping[str, Sequence[int]], declared_prompt_len: int
+    ) -> TransferTicket:
+        """Pin the request's pages under a lease and return the ticket D pulls with."""
+        pages = {g: [int(p) for p in ids] for g, ids in page_ids.items()}
+        names = [p.name for p in self.page_table.pools]
+        if sorted(pages) != sorted(names):
+            raise ValueError(
+                f"publish {request_id!r}: page ids name pools {sorted(pages)}, expected {sorted(names)}"
+            )
+        for pool in self.page_table.pools:
+            bad = [p for p in pages[pool.name] if not 0 < p < pool.num_pages]
+            if bad:
+                raise ValueError(
+                    f"publish {request_id!r}: pool {pool.name!r} has no pages {bad[:8]}"
+                )
+        if declared_prompt_len < 0:
+            raise ValueError(f"publish {request_id!r}: declared_prompt_len must be >= 0")
+        self.leases.publish(request_id, pages, declared_prompt_len, self.config.lease_s)
+        return TransferTicket(
+            request_id=request_id,
+            host=self.host,
+            port=self.port,
+            instance_id=self.instance_id,
+            page_ids=pages,
+            declared_prompt_len=declared_prompt_len,
+            compat_hash=self.page_table.compat_hash,
+            lease_expires_at=time.time() + self.config.lease_s,
+        )
+
+    def cancel(self, request_id: str) -> bool:
+        """The request is abandoned: free its pages now, unless a pull is reading them (False; the
+        pull's end releases them then)."""
+        return self.leases.cancel(request_id)
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.book.snapshot(), "leases": len(self.leases), "peers": len(self._links)}
+
+    def drain_transfer_stats(self) -> list[TransferStats]:
+        return self.book.drain()
+
+    def close(self) -> None:
+        """Stop serving: abort links (ending their sends), stop listening, release every lease."""
+        try:
+            self.runtime.run(self._stop(), timeout=self.config.chunk_deadline_s + 5.0)
+        finally:
+            self.leases.release_all("transceiver closed")
+            self.runtime.release()
+
+    async def _stop(self) -> None:
+        self._reaper.cancel()
+        self._server.close()
+        for link in list(self._links):
+            link.abort("sender closing")
+        await settle(list(self._session_tasks), self.config.chunk_deadline_s)
+        await self._server.wait_closed()
+
+    # ---- loop side ----
+    async def _reap(self) -> None:
+        interval = min(1.0, max(0.01, min(self.config.lease_s, self.config.ack_deadline_s) / 8))
+        while True:
+            await asyncio.sleep(interval)
+            expired = self.leases.expire_due()
+            self.book.counters.expired_leases += len(expired)
+            for rid in expired:
+                log.info("lease of %s expired; pages released", rid)
+
+    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        own = HelloReply(
+            self.instance_id, self.page_table, self.runtime.worker_address, self.chunk_bytes, ""
+        )
+        link = await accept(
+            self.runtime, reader, writer, own, self.config.connect_deadline_s, self.book.counters
+        )
+        if link is None:
+            return
+        self._links.add(link)
+        link.add_close_listener(lambda _reason: self._links.discard(link))
+        link.start(lambda msg: self._on_message(link, msg))
+
+    def _on_message(self, link: PeerLink, msg: Message) -> None:
+        if isinstance(msg, PullRequest):
+            self._start_serving(link, msg)
+        elif isinstance(msg, ChunkReady):
+            session = self._sessions.get(msg.pull_id)
+            if session is None or session.link is not link:
+                log.info(
+                    "credit for pull %d of %s dropped: no such pull", msg.pull_id, msg.request_id
+                )
+            else:
+                session.credit(msg.chunks)
+        elif isinstance(msg, TransferAck):
+            self._on_ack(msg)
+        elif isinstance(msg, Reject):
+            log.warning("%s rejected a message of ours: %s", link.name, msg.reason)
+        else:
+            log.warning("%s: unexpected %s dropped", link.name, type(msg).__name__)
+
+    def _on_ack(self, ack: TransferAck) -> None:
+        session = self._sessions.get(ack.pull_id)
+        if session is not None and session.serving and session.req.request_id == ack.request_id:
+            session.ack(ack.ok, ack.error)  # sends may still be completing: the session releases
+            return
+        how = "acked" if ack.ok else f"decode side failed the transfer: {ack.error}"
+        if not self.leases.release(ack.request_id, how):
+            log.info("late ack for %s dropped: its lease already ended", ack.request_id)
+
+    def _start_serving(self, link: PeerLink, req: PullRequest) -> None:
+        problem = self._check_pull(link, req)
+        if isinstance(problem, PullError):
+            asyncio.ensure_future(self._refuse(link, req, problem))
+            return
+        session = ServeSession(self, link, req, problem)
+        self._sessions[req.pull_id] = session
+        task = asyncio.ensure_future(session.run())
+        self._session_tasks.add(task)
+
+        def finished(t: asyncio.Task) -> None:
+            self._session_tasks.discard(t)
+            self._sessions.pop(req.pull_id, None)
+
+        task.add_done_callback(finished)
+
+    def _check_pull(self, link: PeerLink, req: PullRequest) -> Any:
+        """The plan for ``req``, or the PullError to answer with (lease state unchanged then)."""
+        rid = req.request_id
+
+        def error(code: str, reason: str) -> PullError:
+            return PullError(rid, req.pull_id, code, reason, False)
+
+        self.book.counters.expired_leases += len(self.leases.expire_due())
+        lease = self.leases.get(rid)
+        if lease is None:
+            return error(*self.leases.why_missing(rid))
+        if req.pull_id in self._sessions:
+            return error("conflict", f"pull id {req.pull_id} is already in use")
+        if len(set(req.ready_chunks)) != len(req.ready_chunks) or any(
+            not 0 <= i < req.num_chunks for i in req.ready_chunks
+        ):
+            return error(
+                "conflict", f"invalid credits {req.ready_chunks[:8]} for {req.num_chunks} chunks"
+            )
+        if req.src_page_ids != lease.page_ids:
+            return error(
+                "mismatch", f"the ticket's pages of {rid!r} differ from the published ones"
+            )
+        if not 0 <= req.skip_pages or any(req.skip_pages > len(p) for p in lease.page_ids.values()):
+            return error(
+                "mismatch", f"skip_pages {req.skip_pages} exceeds the published pages of {rid!r}"
+            )
+        if req.chunk_bytes != link.info.chunk_bytes:
+            return error(
+                "mismatch",
+                f"chunk size {req.chunk_bytes} differs from the agreed {link.info.chunk_bytes}",
+            )
+        try:
+            src = {g: p[req.skip_pages :] for g, p in lease.page_ids.items()}
+            plan = build_plan(
+                self.page_table, link.info.page_table, src, req.dst_page_ids, req.chunk_bytes
+            )
+        except (MapperError, ValueError) as e:
+            return error("mismatch", f"cannot map the pages of {rid!r}: {e}")
+        if (plan.num_chunks, plan.total_bytes) != (req.num_chunks, req.total_bytes):
+            return error(
+                "mismatch",
+                f"plans differ: ours {plan.num_chunks} chunks / {plan.total_bytes} bytes, "
+                f"D's {req.num_chunks} / {req.total_bytes}",
+            )
+        try:
+            self.leases.begin_serving(rid)
+        except (KeyError, ValueError) as e:
+            return error("busy", str(e))
+        return plan
+
+    async def _refuse(self, link: PeerLink, req: PullRequest, err: PullError) -> None:
+        """Answer a refused pull. D posted receives for its first chunks before asking: complete
+        them with empty messages, unless the pull id is taken (they would hit the other pull's)."""
+        log.info("pull of %s refused: %s", err.request_id, err.reason)
+        try:
+            if err.code == "conflict":
+                await link.send(err, self.config.done_deadline_s)
+                return
+            await asyncio.wait_for(
+                drain(link, req.pull_id, req.ready_chunks), self.config.chunk_deadline_s
+            )
+            await link.send(dataclasses.replace(err, drained=True), self.config.done_deadline_s)
+        except (ConnectionError, asyncio.TimeoutError) as e:
+            link.abort(f"refusing the pull of {err.request_id} failed: {e}")

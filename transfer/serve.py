@@ -1,0 +1,203 @@
+"""ServeSession: the prefill side of one pull, from PullRequest to the release of the pages.
+
+D grants credits (PullRequest.ready_chunks, then ChunkReady): the chunks it has posted receives for.
+P gathers and sends exactly those, so a send never waits for a receive D could not post, and the
+staging buffers of the two sides cannot deadlock. Once every chunk's send is posted P sends
+TransferDone (it travels while the last bytes do); the pages are released when every send has
+completed and D has acked, or at the ack deadline. Every wait is bounded by chunk_deadline_s.
+
+On failure: with sends in flight the link is aborted (UCX cancels them) and the pages are released
+only after every send has ended; without, the credited chunks that will never be sent are completed
+with empty messages ("drained") so D's receives end without tearing the link down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from transfer.messages import PullError, PullRequest, TransferDone, data_tag
+from transfer.peer import PeerLink
+from transfer.plan import Chunk, TransferPlan
+from transfer.staging import gather_chunk, pool_region
+from transfer.stats import TransferStats
+
+if TYPE_CHECKING:
+    from transfer.sender import KVSender
+
+log = logging.getLogger(__name__)
+
+_EMPTY = torch.empty(0, dtype=torch.uint8)
+
+
+class ServeFailed(Exception):
+    pass
+
+
+async def drain(link: PeerLink, pull_id: int, chunks: list[int]) -> None:
+    """Complete D's receives for ``chunks`` with empty messages (nothing is written)."""
+    await asyncio.gather(*(link.send_data(_EMPTY, data_tag(pull_id, i)) for i in chunks))
+
+
+class ServeSession:
+    def __init__(
+        self, sender: KVSender, link: PeerLink, req: PullRequest, plan: TransferPlan
+    ) -> None:
+        self.sender = sender
+        self.link = link
+        self.req = req
+        self.plan = plan
+        self.serving = True  # until every send has ended; acks go to the session meanwhile
+        self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self._tasks: dict[int, asyncio.Task] = {}
+        self._io_started: set[int] = set()  # chunks whose copy/send began (not cancellable)
+        self._acked: tuple[bool, str] | None = None
+        self._on_closed = lambda reason: self.events.put_nowait(("closed", reason))
+
+    def credit(self, chunks: list[int]) -> None:
+        self.events.put_nowait(("credit", chunks))
+
+    def ack(self, ok: bool, error: str) -> None:
+        self.events.put_nowait(("ack", (ok, error)))
+
+    async def run(self) -> None:
+        cfg, rid = self.sender.config, self.req.request_id
+        start = time.perf_counter()
+        self.link.add_close_listener(self._on_closed)
+        try:
+            self._grant(self.req.ready_chunks)
+            await self._serve()
+            self.serving = False
+            if self._acked is not None:  # D had every byte before our send completions came in
+                self.sender.leases.release(rid, "acked", force=True)
+            else:
+                self.sender.leases.await_ack(rid, cfg.ack_deadline_s)
+            self._record(start, ok=True)
+        except (ServeFailed, ConnectionError) as e:
+            self.serving = False
+            await self._fail(str(e), start)
+        finally:
+            self.link.remove_close_listener(self._on_closed)
+
+    async def _serve(self) -> None:
+        cfg, n = self.sender.config, self.plan.num_chunks
+        sent, done_sent = 0, False
+        while True:
+            if not done_sent and len(self._tasks) == n:
+                declared = self._lease_declared()
+                done = TransferDone(
+                    self.req.request_id, self.req.pull_id, declared, self.plan.total_bytes, n
+                )
+                await self.link.send(done, cfg.done_deadline_s)
+                done_sent = True
+            if sent == n:
+                return
+            try:
+                kind, value = await asyncio.wait_for(self.events.get(), cfg.chunk_deadline_s)
+            except asyncio.TimeoutError:
+                raise ServeFailed(
+                    f"no progress for {cfg.chunk_deadline_s}s (chunk_deadline_s) with {sent}/{n} chunks sent"
+                ) from None
+            if kind == "credit":
+                self._grant(value)
+            elif kind == "sent":
+                sent += 1
+                self.sender.book.counters.chunks += 1
+                self.sender.leases.renew(self.req.request_id, cfg.lease_s)
+            elif kind == "send_failed":
+                raise ServeFailed(f"sending chunk {value[0]} failed: {value[1]}")
+            elif kind == "ack":
+                if not value[0]:
+                    raise ServeFailed(f"decode side gave up: {value[1]}")
+                self._acked = value
+            elif kind == "closed":
+                raise ServeFailed(f"link closed: {value}")
+
+    def _grant(self, chunks: list[int]) -> None:
+        for i in chunks:
+            if not 0 <= i < self.plan.num_chunks or i in self._tasks:
+                raise ServeFailed(
+                    f"invalid credit for chunk {i} (plan has {self.plan.num_chunks} chunks)"
+                )
+            self._tasks[i] = asyncio.ensure_future(self._send_chunk(self.plan.chunks[i]))
+        self.sender.leases.renew(self.req.request_id, self.sender.config.lease_s)
+
+    async def _send_chunk(self, chunk: Chunk) -> None:
+        s, tag = self.sender, data_tag(self.req.pull_id, chunk.index)
+        try:
+            if chunk.direct(s.config.zero_copy, s.staging.buffer_bytes):
+                frag = chunk.fragments[0]
+                self._io_started.add(chunk.index)
+                await self.link.send_data(
+                    pool_region(s.rows[frag.src_pool], frag.src_offset, frag.nbytes), tag
+                )
+            else:
+                buf = await s.staging.acquire()  # the only cancellable wait of this task
+                self._io_started.add(chunk.index)
+                try:
+                    staged = buf[: chunk.nbytes]
+                    await s.runtime.copy(gather_chunk, chunk, s.rows, staged)
+                    await self.link.send_data(staged, tag)
+                finally:
+                    s.staging.release(buf)
+            self.events.put_nowait(("sent", chunk.index))
+        except Exception as e:
+            self.events.put_nowait(("send_failed", (chunk.index, e)))
+
+    async def _fail(self, reason: str, start: float) -> None:
+        rid, cfg = self.req.request_id, self.sender.config
+        unsent = [i for i, t in self._tasks.items() if not t.done() and i not in self._io_started]
+        for i in unsent:
+            self._tasks[i].cancel()
+        in_flight = [i for i, t in self._tasks.items() if not t.done() and i in self._io_started]
+        if in_flight or self.link.closed:
+            # The only way to stop UCX reading the pages / staging buffers: cancel its requests.
+            self.link.abort(f"serving {rid} failed: {reason}")
+        settled = await settle(list(self._tasks.values()), cfg.chunk_deadline_s)
+        if settled:
+            self.sender.leases.release(rid, f"failed: {reason}", force=True)
+        else:
+            log.error(
+                "sends of %s did not end after the link was aborted; its pages stay pinned", rid
+            )
+        if not self.link.closed:
+            try:
+                await drain(self.link, self.req.pull_id, unsent)
+                await self.link.send(
+                    PullError(rid, self.req.pull_id, "failed", reason, True), cfg.done_deadline_s
+                )
+            except ConnectionError:
+                pass
+        log.warning("serving %s failed: %s", rid, reason)
+        self._record(start, ok=False, error=reason)
+
+    def _lease_declared(self) -> int:
+        lease = self.sender.leases.get(self.req.request_id)
+        if lease is None:  # only release() removes a SERVING lease, and only this session calls it
+            raise ServeFailed("the lease vanished while serving")
+        return lease.declared_prompt_len
+
+    def _record(self, start: float, ok: bool, error: str = "") -> None:
+        stats = TransferStats(
+            self.req.request_id,
+            "send",
+            self.plan.total_bytes if ok else 0,
+            self.plan.num_chunks,
+            time.perf_counter() - start,
+            ok,
+            error,
+        )
+        self.sender.book.record(stats)
+
+
+async def settle(tasks: list[asyncio.Future], timeout: float) -> bool:
+    """Wait until every task has ended; False if some are still running after ``timeout``."""
+    pending = [t for t in tasks if not t.done()]
+    if pending:
+        _, still = await asyncio.wait(pending, timeout=timeout)
+        return not still
+    return True

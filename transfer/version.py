@@ -1,0 +1,13 @@
+"""What this build speaks on the wire: the protocol version and the name of the KV page layout.
+
+Both go into every peer's compatibility hash (page_table.compat_hash), and the protocol version into
+every control message (messages.py), so peers of different builds refuse each other instead of
+exchanging bytes they would read differently.
+"""
+
+from __future__ import annotations
+
+PROTOCOL_VERSION = 1
+
+# The page-major layout of kvcache/spec.py: one page of a pool group is one contiguous run of bytes.
+PAGE_LAYOUT = "page_major[num_pages,num_layers,2,page_size,num_kv_heads,head_dim]"
