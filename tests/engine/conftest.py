@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from engine.forward_batch import ForwardBatch
-from engine.loaders import LoadedModel, default_gguf_path, load_model
 from engine.model_config import ModelConfig
 
 TINY_VOCAB = 320  # the tiny tokenizer has fewer ids; the rest are valid ids without text
@@ -184,35 +183,6 @@ def tiny_hf_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, P
 @pytest.fixture(scope="session")
 def tiny_llama3_dir(tiny_hf_checkpoints: dict[str, Path]) -> Path:
     return tiny_hf_checkpoints["llama3"]
-
-
-@pytest.fixture(scope="session")
-def gguf_path() -> Path:
-    """The embedded SmolLM2-135M-Instruct GGUF file."""
-    return default_gguf_path()
-
-
-@pytest.fixture(scope="session")
-def default_model() -> LoadedModel:
-    """Our load of the embedded GGUF in float32 on CPU (shared: do not modify its weights)."""
-    return load_model("default")
-
-
-@pytest.fixture(scope="session")
-def hf_gguf_model(gguf_path: Path) -> Any:
-    """transformers' own load of the embedded GGUF (the oracle), float32."""
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
-    ).eval()
-
-
-@pytest.fixture(scope="session")
-def hf_gguf_tokenizer(gguf_path: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
 
 
 @dataclass

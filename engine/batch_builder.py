@@ -1,0 +1,147 @@
+"""Turns a scheduling decision into the tensors of one forward pass (engine.forward_batch.ForwardBatch).
+
+Runs every step, so the per-request Python work is a few attribute reads; the arithmetic is numpy
+over the whole batch. The page table is persistent: each running request owns a row that is written
+once per new page, so a decode step copies rows instead of rebuilding lists of page ids.
+"""
+
+from __future__ import annotations
+
+from itertools import chain
+
+import numpy as np
+import torch
+
+from engine.forward_batch import ForwardBatch
+from engine.request import Request
+from engine.scheduler_output import SchedulerOutput
+from kvcache.spec import NULL_PAGE
+
+
+class PageTableRows:
+    """Rows ``[num_rows, max_pages_per_seq]`` int32 of page ids, padded with the null page."""
+
+    def __init__(self, max_pages_per_seq: int, num_rows: int = 64) -> None:
+        self.max_pages_per_seq = max_pages_per_seq
+        self.table = np.full((num_rows, max_pages_per_seq), NULL_PAGE, dtype=np.int32)
+        self._num_synced: list[int] = [0] * num_rows
+        self._row_of: dict[str, int] = {}
+        self._free_rows: list[int] = list(range(num_rows - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self._row_of)
+
+    def row(self, request: Request) -> int:
+        """The request's row, created on first use, with its newest pages written in.
+
+        Pages only grow while a request runs; a request whose pages are replaced (preempted, then
+        readmitted) must be released first (``SchedulerOutput.released_ids`` does that).
+        """
+        row = self._row_of.get(request.request_id)
+        if row is None:
+            row = self._new_row(request.request_id)
+        pages = request.page_ids
+        synced = self._num_synced[row]
+        if len(pages) != synced:
+            if len(pages) < synced:  # the request's pages were replaced: rewrite the row
+                self.table[row, :synced] = NULL_PAGE
+                synced = 0
+            if len(pages) > self.max_pages_per_seq:
+                raise ValueError(
+                    f"request {request.request_id!r} holds {len(pages)} pages, more than "
+                    f"max_pages_per_seq={self.max_pages_per_seq}"
+                )
+            self.table[row, synced : len(pages)] = pages[synced:]
+            self._num_synced[row] = len(pages)
+        return row
+
+    def release(self, request_id: str) -> None:
+        """Forget a request that left the running set (unknown ids are a no-op)."""
+        row = self._row_of.pop(request_id, None)
+        if row is None:
+            return
+        self.table[row, : self._num_synced[row]] = NULL_PAGE
+        self._num_synced[row] = 0
+        self._free_rows.append(row)
+
+    def _new_row(self, request_id: str) -> int:
+        if not self._free_rows:
+            old = self.table.shape[0]
+            grown = np.full((old * 2, self.max_pages_per_seq), NULL_PAGE, dtype=np.int32)
+            grown[:old] = self.table
+            self.table = grown
+            self._num_synced.extend([0] * old)
+            self._free_rows = list(range(2 * old - 1, old - 1, -1))
+        row = self._free_rows.pop()
+        self._row_of[request_id] = row
+        return row
+
+
+class BatchBuilder:
+    """Builds ForwardBatch tensors on ``device`` from a SchedulerOutput."""
+
+    def __init__(
+        self, page_size: int, max_pages_per_seq: int, device: torch.device | str = "cpu"
+    ) -> None:
+        self.page_size = page_size
+        self.device = torch.device(device)
+        self.rows = PageTableRows(max_pages_per_seq)
+
+    def release(self, request_ids: list[str]) -> None:
+        """Forget the rows of requests that left the running set (``SchedulerOutput.released_ids``);
+        call it before ``build`` of the same step, since a request may be readmitted with new pages."""
+        for request_id in request_ids:
+            self.rows.release(request_id)
+
+    def build(self, out: SchedulerOutput) -> ForwardBatch:
+        """The batch of ``out.requests``; each must already hold pages for its new tokens."""
+        reqs = out.requests
+        if not reqs:
+            raise ValueError("cannot build a forward batch without requests")
+        b = len(reqs)
+        ps = self.page_size
+        rows = np.fromiter((self.rows.row(r) for r in reqs), np.int64, b)
+        query_lens = np.asarray(out.num_new_tokens, dtype=np.int64)
+        starts = np.fromiter((r.num_computed_tokens for r in reqs), np.int64, b)
+        seq_lens = starts + query_lens
+        cu_seqlens = np.zeros(b + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=cu_seqlens[1:])
+        num_tokens = int(cu_seqlens[-1])
+        if num_tokens == b:  # one new token each (decode): no repeat/concat needed
+            positions = starts
+            token_rows = rows
+            input_ids = np.fromiter(
+                (r.all_token_ids[r.num_computed_tokens] for r in reqs), np.int64, b
+            )
+        else:
+            # token t of sequence i sits at position starts[i] + (t - cu_seqlens[i])
+            positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(
+                cu_seqlens[:-1] - starts, query_lens
+            )
+            token_rows = np.repeat(rows, query_lens)
+            chunks = (
+                r.all_token_ids[s : s + n]
+                for r, s, n in zip(reqs, starts.tolist(), out.num_new_tokens, strict=True)
+            )
+            input_ids = np.fromiter(chain.from_iterable(chunks), np.int64, num_tokens)
+        table = self.rows.table
+        slot_mapping = table[token_rows, positions // ps].astype(np.int64) * ps + positions % ps
+        max_pages = -(-int(seq_lens.max()) // ps)
+        page_table = table[
+            rows, :max_pages
+        ]  # fancy indexing copies: later row writes cannot leak in
+        logits_indices = cu_seqlens[1:][np.asarray(out.sample, dtype=bool)] - 1
+        return ForwardBatch(
+            input_ids=self._tensor(input_ids),
+            positions=self._tensor(positions),
+            slot_mapping=self._tensor(slot_mapping),
+            page_table=self._tensor(page_table),
+            seq_lens=self._tensor(seq_lens.astype(np.int32)),
+            cu_seqlens_q=self._tensor(cu_seqlens.astype(np.int32)),
+            max_query_len=int(query_lens.max()),
+            logits_indices=self._tensor(logits_indices),
+        )
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(np.ascontiguousarray(array))
+        return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)

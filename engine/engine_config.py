@@ -1,0 +1,95 @@
+"""Everything needed to build an offline engine: model source, KV cache size, scheduler limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.model_config import ModelConfig
+from kvcache.reuse_policy import ReusePolicy
+
+LOAD_FORMATS: tuple[str, ...] = ("auto", "gguf", "hf", "dummy")
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2-135M in float32
+
+
+def _positive_int(owner: str, name: str, value: Any, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{owner}.{name} must be an integer >= {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Configuration of one LLMEngine (what ``engine.LLM(...)`` takes as keyword arguments)."""
+
+    model: str = "default"
+    """"default" (the embedded SmolLM2-135M-Instruct GGUF), a .gguf file, an HF checkpoint
+    directory, or a preset name of the dummy loader."""
+    load_format: str = "auto"
+    """One of "auto" (from the path), "gguf", "hf", "dummy" (random weights)."""
+    dtype: str = "float32"
+    """Weights, activations and KV cache: "float32", "bfloat16" or "float16"."""
+    device: str = "cpu"
+    page_size: int = 16
+    """Tokens per KV page."""
+    num_pages: int | None = None
+    """Pages of the KV pool, the null page included (as PoolGroupSpec.num_pages); None sizes the
+    pool from ``kv_cache_memory_bytes``."""
+    kv_cache_memory_bytes: int | None = None
+    """KV budget in bytes when ``num_pages`` is None; None: 1 GiB on CPU, 90% of the free memory
+    left after weights and an activation estimate on CUDA."""
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    prefill_chunk_size: int = 512
+    max_model_len: int | None = None
+    """Longest prompt + output; None takes the model's max_position_embeddings."""
+    reuse_policy: str = "all_reusable"
+    """Prefix reuse: "none", "all_reusable" or "per_request"."""
+    seed: int = 0
+    """Seed of the sampler's shared generator (requests without their own seed) and of dummy weights."""
+    dummy_config: ModelConfig | dict[str, Any] | None = None
+    """ModelConfig (or its field dict) for load_format="dummy" without a preset name."""
+    max_stats_len: int = 1000
+    """Stats records kept: -1 unbounded, 0 none, N the last N (per kind: iterations, requests)."""
+
+    def __post_init__(self) -> None:
+        owner = "LLM"
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"{owner}.model must be a non-empty string, got {self.model!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"{owner}.load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}"
+            )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"{owner}.dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        try:
+            torch.device(self.device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(
+                f"{owner}.device must be a torch device string, got {self.device!r}"
+            ) from e
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size"):
+            _positive_int(owner, name, getattr(self, name))
+        if self.num_pages is not None:
+            _positive_int(owner, "num_pages", self.num_pages, minimum=2)
+        if self.kv_cache_memory_bytes is not None:
+            _positive_int(owner, "kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        if self.max_model_len is not None:
+            _positive_int(owner, "max_model_len", self.max_model_len)
+        if self.reuse_policy not in {p.value for p in ReusePolicy}:
+            raise ValueError(
+                f"{owner}.reuse_policy must be one of {[p.value for p in ReusePolicy]}, got {self.reuse_policy!r}"
+            )
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"{owner}.seed must be an integer, got {self.seed!r}")
+        _positive_int(owner, "max_stats_len", self.max_stats_len, minimum=-1)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

@@ -1,0 +1,272 @@
+"""LLMEngine: requests in, one step at a time, RequestOutputs (with streaming deltas) out.
+
+The step loop: schedule -> build the batch -> forward + sample -> update the requests -> outputs and
+stats. Single-threaded; only the stats buffers may be drained from another thread.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from engine.batch_builder import BatchBuilder
+from engine.detokenizer import IncrementalDetokenizer
+from engine.engine_config import EngineConfig
+from engine.kv_setup import build_kv_cache
+from engine.model_config import ModelConfig
+from engine.outputs import RequestOutput
+from engine.request import Request
+from engine.runner import ModelRunner, PagedCausalLM
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.scheduler_config import SchedulerConfig
+from engine.stats import IterationStats, RequestStats, StatsBuffer
+from engine.tokenizer import Tokenizer
+from kvcache.manager import KVCacheManager
+
+if TYPE_CHECKING:
+    from engine.loaders import LoadedModel
+
+
+class LLMEngine:
+    """One model, one paged KV cache, one scheduler."""
+
+    def __init__(
+        self,
+        model: PagedCausalLM,
+        model_config: ModelConfig,
+        kv: KVCacheManager,
+        scheduler_config: SchedulerConfig,
+        *,
+        tokenizer: Tokenizer | None = None,
+        seed: int = 0,
+        max_stats_len: int = 1000,
+        model_name: str = "",
+    ) -> None:
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.kv = kv
+        self.model_name = model_name
+        self.scheduler = Scheduler(scheduler_config, kv)
+        self.builder = BatchBuilder(
+            scheduler_config.page_size, scheduler_config.max_pages_per_seq, kv.device
+        )
+        self.runner = ModelRunner(model, kv, model_config.num_layers, Sampler(seed, kv.device))
+        stop_ids = set(model_config.eos_token_ids) | set(
+            tokenizer.stop_token_ids if tokenizer else ()
+        )
+        self.eos_token_ids: frozenset[int] = frozenset(stop_ids)
+        self.iteration_stats: StatsBuffer[IterationStats] = StatsBuffer(max_stats_len)
+        self.request_stats: StatsBuffer[RequestStats] = StatsBuffer(max_stats_len)
+        self.num_iterations = 0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        """Load the model, size the KV cache and build the engine. Bad sources raise ValueError."""
+        from engine.loaders import load_model  # deferred: pulls in gguf, safetensors, the model
+
+        try:
+            loaded = load_model(
+                config.model,
+                config.load_format,
+                config.torch_dtype,
+                config.device,
+                config.dummy_config,
+                config.seed,
+            )
+        except (FileNotFoundError, TypeError) as e:
+            raise ValueError(
+                f"LLM.model={config.model!r} (load_format={config.load_format!r}): {e}"
+            ) from e
+        return cls.from_loaded(loaded, config)
+
+    @classmethod
+    def from_loaded(cls, loaded: LoadedModel, config: EngineConfig) -> LLMEngine:
+        """An engine over an already loaded model (its fields model/load_format/dtype are not used
+        again; several engines may share one model, each with its own KV cache)."""
+        mc = loaded.config
+        max_model_len = (
+            config.max_model_len if config.max_model_len is not None else mc.max_position_embeddings
+        )
+        if max_model_len > mc.max_position_embeddings:
+            raise ValueError(
+                f"LLM.max_model_len={max_model_len} exceeds the model's max_position_embeddings={mc.max_position_embeddings}"
+            )
+        sched = SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            prefill_chunk_size=config.prefill_chunk_size,
+            max_model_len=max_model_len,
+            page_size=config.page_size,
+        )
+        kv = build_kv_cache(mc, config, max_model_len)
+        return cls(
+            loaded.model,
+            mc,
+            kv,
+            sched,
+            tokenizer=loaded.tokenizer,
+            seed=config.seed,
+            max_stats_len=config.max_stats_len,
+            model_name=loaded.name,
+        )
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.config.max_model_len
+
+    # ---- requests ----
+    def make_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        *,
+        prompt: str | None = None,
+        prefill_only: bool = False,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """A validated Request (not yet queued). Raises ValueError naming what is wrong."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(
+                f"sampling_params must be a SamplingParams, got {type(params).__name__}"
+            )
+        self.check_prompt(prompt_token_ids, f"request {request_id!r}")
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(
+                self.tokenizer, prompt_token_ids, params.skip_special_tokens
+            )
+        return Request(
+            request_id,
+            prompt_token_ids,
+            params,
+            prompt=prompt,
+            eos_token_ids=self.eos_token_ids,
+            prefill_only=prefill_only,
+            arrival_time=arrival_time,
+            detokenizer=detok,
+        )
+
+    def check_prompt(self, token_ids: list[int], what: str) -> None:
+        """Raise ValueError unless ``token_ids`` is a non-empty list of in-vocabulary ids that fits max_model_len."""
+        if not isinstance(token_ids, list) or not token_ids:
+            raise ValueError(f"{what}: the prompt is empty (need at least one token)")
+        vocab = self.model_config.vocab_size
+        for t in token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(
+                    f"{what}: token id {t!r} is not an integer in [0, vocab_size={vocab})"
+                )
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(
+                f"{what}: the prompt has {len(token_ids)} tokens, more than max_model_len={self.max_model_len}"
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        *,
+        prompt: str | None = None,
+        prefill_only: bool = False,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Queue a request. ``prefill_only``: stop after the first token and keep the pages (the
+        prefill worker's mode) until ``release(request_id)``."""
+        request = self.make_request(
+            request_id,
+            prompt_token_ids,
+            params,
+            prompt=prompt,
+            prefill_only=prefill_only,
+            arrival_time=arrival_time,
+        )
+        self.scheduler.add_request(request)
+        return request
+
+    def add_prefilled_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        first_token_id: int,
+        params: SamplingParams | None = None,
+        *,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Start decoding a request whose prompt KV the caller already placed in ``self.kv`` (pages
+        allocated under ``request_id``); the first token was produced and streamed elsewhere."""
+        request = self.make_request(request_id, prompt_token_ids, params, arrival_time=arrival_time)
+        self.scheduler.add_prefilled_request(request, first_token_id)
+        request.num_tokens_sent = request.num_output_tokens  # the prefill side streamed it
+        request.num_text_sent = len(request.output_text)
+        if request.is_finished:
+            self._record_finished(request)
+        return request
+
+    def release(self, request_id: str) -> None:
+        """Free the pages a prefill-only request kept (its KV was transferred, or the lease expired)."""
+        self.scheduler.release(request_id)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort and free a request; False when it is unknown or already finished."""
+        request = self.scheduler.abort(request_id)
+        if request is not None:
+            self._record_finished(request)
+        return request is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step ----
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; return an output for every request that got a token or finished."""
+        start = time.perf_counter()
+        sched = self.scheduler.schedule()
+        self.builder.release(sched.released_ids)
+        changed = list(sched.finished)
+        if sched.requests:
+            batch = self.builder.build(sched)
+            sampling = [r for r, s in zip(sched.requests, sched.sample, strict=True) if s]
+            tokens = self.runner.execute(batch, sampling)
+            changed.extend(self.scheduler.update(sched, tokens))
+        outputs = [RequestOutput.from_request(r) for r in changed]
+        num_finished = 0
+        for request in changed:
+            if request.is_finished:
+                num_finished += 1
+                self._record_finished(request)
+        self.num_iterations += 1
+        if self.iteration_stats.enabled:
+            self.iteration_stats.append(
+                IterationStats(
+                    iteration=self.num_iterations,
+                    timestamp=time.time(),
+                    batch_size=len(sched.requests),
+                    num_prefill_tokens=sched.num_prefill_tokens,
+                    num_decode_tokens=sched.num_decode_tokens,
+                    num_running=self.scheduler.num_running,
+                    num_waiting=self.scheduler.num_waiting,
+                    num_preempted=len(sched.preempted),
+                    num_finished=num_finished,
+                    step_time_s=time.perf_counter() - start,
+                    kv=self.kv.stats(),
+                )
+            )
+        return outputs
+
+    def _record_finished(self, request: Request) -> None:
+        if self.request_stats.enabled:
+            self.request_stats.append(
+                RequestStats(request.request_id, request.finish_reason, request.metrics)
+            )
+
+    # ---- stats (safe to call from another thread) ----
+    def drain_iteration_stats(self) -> list[IterationStats]:
+        return self.iteration_stats.drain()
+
+    def drain_request_stats(self) -> list[RequestStats]:
+        return self.request_stats.drain()

@@ -1,0 +1,155 @@
+"""Runs an LLMEngine's step loop on its own thread, for the workers.
+
+The engine is single-threaded by design. Every touch of it from outside (adding, aborting or
+releasing a request, allocating pages for an incoming transfer, reading page ids) goes through
+``call``, which runs the function on the loop thread between two steps. Outputs of a step are handed
+to the sink that ``subscribe`` registered for their request id, on the loop thread; sinks must only
+enqueue (for example ``loop.call_soon_threadsafe`` into an asyncio queue).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from engine.engine_core import LLMEngine
+from engine.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+Sink = Callable[[RequestOutput], None]
+
+
+class EngineLoop:
+    """A thread that alternates between queued calls and engine steps."""
+
+    def __init__(
+        self, engine: LLMEngine, name: str = "engine-loop", idle_wait_s: float = 0.05
+    ) -> None:
+        self.engine = engine
+        self._calls: queue.SimpleQueue[
+            tuple[Callable[[LLMEngine], Any], concurrent.futures.Future]
+        ] = queue.SimpleQueue()
+        self._sinks: dict[str, Sink] = {}
+        self._sinks_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._idle_wait_s = idle_wait_s
+        self.fatal_error: str | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # ---- API (any thread) ----
+    def call(self, fn: Callable[[LLMEngine], T]) -> concurrent.futures.Future[T]:
+        """Run ``fn(engine)`` on the loop thread; the future carries its result or exception."""
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        if self._stop.is_set():
+            fut.set_exception(RuntimeError("the engine loop is stopped"))
+            return fut
+        self._calls.put((fn, fut))
+        return fut
+
+    def subscribe(self, request_id: str, sink: Sink) -> None:
+        with self._sinks_lock:
+            self._sinks[request_id] = sink
+
+    def unsubscribe(self, request_id: str) -> None:
+        with self._sinks_lock:
+            self._sinks.pop(request_id, None)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.fatal_error is None
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._calls.put((lambda e: None, concurrent.futures.Future()))  # wake the thread
+        self._thread.join(timeout_s)
+
+    # ---- the loop thread ----
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stop.is_set():
+            busy = engine.has_unfinished()
+            self._run_calls(block=not busy)
+            if self._stop.is_set():
+                break
+            if not engine.has_unfinished():
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as e:  # a bug in a step: fail every live request, keep no one waiting
+                log.exception("engine step failed")
+                self.fatal_error = f"engine step failed: {type(e).__name__}: {e}"
+                self._fail_all(self.fatal_error)
+                return
+            self._deliver(outputs)
+        self._fail_all("the engine loop stopped")
+
+    def _run_calls(self, block: bool) -> None:
+        try:
+            item = self._calls.get(timeout=self._idle_wait_s) if block else self._calls.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            fn, fut = item
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(self.engine))
+                except BaseException as e:  # handed to the caller
+                    fut.set_exception(e)
+            try:
+                item = self._calls.get_nowait()
+            except queue.Empty:
+                return
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            with self._sinks_lock:
+                sink = self._sinks.get(out.request_id)
+                if out.finished:
+                    self._sinks.pop(out.request_id, None)
+            if sink is None:
+                continue  # nobody listens any more (client gone): the request still ran to its end
+            try:
+                sink(out)
+            except Exception:
+                log.exception("output sink of %s failed", out.request_id)
+
+    def _fail_all(self, reason: str) -> None:
+        with self._sinks_lock:
+            sinks, self._sinks = self._sinks, {}
+        for rid, sink in sinks.items():
+            try:
+                sink(_error_output(rid, reason))
+            except Exception:
+                log.exception("output sink of %s failed", rid)
+        while True:
+            try:
+                _, fut = self._calls.get_nowait()
+            except queue.Empty:
+                break
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(RuntimeError(reason))
+
+
+def _error_output(request_id: str, reason: str) -> RequestOutput:
+    from engine.request import RequestMetrics
+
+    return RequestOutput(
+        request_id=request_id,
+        prompt=None,
+        prompt_token_ids=[],
+        text="",
+        token_ids=[],
+        delta_text="",
+        delta_token_ids=[],
+        finished=True,
+        finish_reason=None,
+        stop_reason=None,
+        metrics=RequestMetrics(arrival_time=0.0),
+        error=reason,
+    )

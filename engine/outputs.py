@@ -1,0 +1,60 @@
+"""What the engine hands back per request and step: a small typed message (no tensors)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from engine.request import FinishReason, Request, RequestMetrics
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """The state of one request after a step.
+
+    ``text``/``token_ids`` are cumulative; ``delta_text``/``delta_token_ids`` are what is new since
+    the previous output of this request (for streaming). While stop strings could still match, the
+    last ``max_stop_len - 1`` characters are held back from ``delta_text`` so a stop string never
+    leaks to a stream; ``text`` always holds everything decoded so far (minus a matched stop string).
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    delta_text: str
+    delta_token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None
+    stop_reason: int | str | None
+    metrics: RequestMetrics
+    error: str | None = None
+
+    @classmethod
+    def from_request(cls, request: Request) -> RequestOutput:
+        """Snapshot ``request`` and advance its streaming cursors."""
+        finished = request.is_finished
+        text = request.output_text
+        stream_end = len(text)
+        hold = request.sampling_params.max_stop_len - 1
+        if not finished and hold > 0:
+            stream_end = max(request.num_text_sent, stream_end - hold)
+        delta_text = text[request.num_text_sent : stream_end]
+        request.num_text_sent = stream_end
+        delta_ids = request.output_token_ids[request.num_tokens_sent :]
+        request.num_tokens_sent = request.num_output_tokens
+        return cls(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            text=text,
+            token_ids=list(request.output_token_ids),
+            delta_text=delta_text,
+            delta_token_ids=delta_ids,
+            finished=finished,
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+            metrics=dataclasses.replace(request.metrics),
+            error=request.error,
+        )

@@ -1,0 +1,182 @@
+"""One request's life inside the engine: its tokens, progress, status and timestamps."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # back in the waiting queue, its pages freed, to be recomputed
+    PREFILLED = "prefilled"  # prefill-only request: first token sampled, pages kept for a transfer
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = (
+        "finished_error"  # can never be served (e.g. needs more pages than the pool has)
+    )
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS: dict[RequestStatus, FinishReason] = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "abort",
+}
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps (``time.time()`` seconds, so that P and D timings can be joined) and counts."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    num_preemptions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        if self.finished_time is None:
+            return None
+        return self.finished_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first: (last - first) / (n - 1)."""
+        if (
+            self.first_token_time is None
+            or self.last_token_time is None
+            or self.num_output_tokens < 2
+        ):
+            return None
+        return (self.last_token_time - self.first_token_time) / (self.num_output_tokens - 1)
+
+
+class Request:
+    """A prompt and its generated tokens, as the scheduler tracks them.
+
+    ``all_token_ids`` is prompt + output; the KV of its first ``num_computed_tokens`` tokens is in
+    the request's pages. The newest output token has no KV yet: the next step computes it. After a
+    preemption ``num_computed_tokens`` drops to 0 and prompt + output are recomputed (outputs kept).
+    ``page_ids`` caches the request's pages of the attention pool group, refreshed by the scheduler
+    after each allocation that adds pages.
+    """
+
+    __slots__ = (
+        "request_id", "prompt", "prompt_token_ids", "sampling_params", "eos_token_ids",
+        "all_token_ids", "output_token_ids", "num_computed_tokens", "status", "stop_reason",
+        "error", "prefill_only", "metrics", "page_ids", "detokenizer", "output_text",
+        "num_text_sent", "num_tokens_sent", "generator", "committed_pages", "committed_prompt",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        prompt: str | None = None,
+        eos_token_ids: frozenset[int] = frozenset(),
+        prefill_only: bool = False,
+        arrival_time: float | None = None,
+        detokenizer: Any = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r}: prompt_token_ids must not be empty")
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids: list[int] = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        # EOS only stops a request that does not ignore it; resolved once here, not every step.
+        self.eos_token_ids = frozenset() if sampling_params.ignore_eos else frozenset(eos_token_ids)
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that matched
+        self.error: str | None = None
+        self.prefill_only = prefill_only
+        self.metrics = RequestMetrics(
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            num_prompt_tokens=len(prompt_token_ids),
+        )
+        self.page_ids: list[int] = []
+        self.detokenizer = detokenizer  # IncrementalDetokenizer, or None (token ids only)
+        self.output_text = ""
+        self.num_text_sent = 0  # characters of output_text already streamed
+        self.num_tokens_sent = 0  # output tokens already streamed
+        self.generator: torch.Generator | None = None  # per-request RNG, created on first sample
+        self.committed_pages = 0  # full pages passed to kv.commit so far (skip no-op commits)
+        self.committed_prompt = False
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self.status.finish_reason
+
+    def append_output_token(self, token_id: int, now: float) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        m = self.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        m.last_token_time = now
+        m.num_output_tokens = len(self.output_token_ids)
+
+    def reset_for_recompute(self) -> None:
+        """Forget all KV progress (pages are freed by the caller); outputs are kept."""
+        self.num_computed_tokens = 0
+        self.page_ids = []
+        self.committed_pages = 0
+        self.committed_prompt = False
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "
+            f"output={self.num_output_tokens}, computed={self.num_computed_tokens})"
+        )

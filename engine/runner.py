@@ -1,0 +1,57 @@
+"""The model side of a step: forward over the paged KV cache, logits of the sampled rows, sampling."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from engine.forward_batch import ForwardBatch
+from engine.request import Request
+from engine.sampler import Sampler
+from kvcache.manager import KVCacheManager
+
+
+class PagedCausalLM(Protocol):
+    """What the runner needs from a model (engine.model.LlamaForCausalLM)."""
+
+    def forward(
+        self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor:
+        """Write the new tokens' K/V into the pages; return hidden states [T, hidden]."""
+        ...
+
+    def compute_logits(
+        self, hidden: torch.Tensor, logits_indices: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Float32 logits [S, vocab] of the rows ``logits_indices``."""
+        ...
+
+
+class ModelRunner:
+    """Holds the model, the per-layer cache views and the sampler of one engine."""
+
+    def __init__(
+        self, model: PagedCausalLM, kv: KVCacheManager, num_layers: int, sampler: Sampler
+    ) -> None:
+        self.model = model
+        self.kv_caches = [kv.layer_cache(layer) for layer in range(num_layers)]
+        self.sampler = sampler
+
+    def compute_logits(self, batch: ForwardBatch) -> torch.Tensor:
+        """Forward ``batch`` (filling the KV pages) and return the logits [S, vocab] of its sampled rows."""
+        with torch.inference_mode():
+            hidden = self.model.forward(batch, self.kv_caches)
+            return self.model.compute_logits(hidden, batch.logits_indices)
+
+    def execute(self, batch: ForwardBatch, sampling_requests: list[Request]) -> list[int]:
+        """One step: the next token of each of ``sampling_requests`` (one per ``logits_indices`` row)."""
+        if batch.logits_indices.shape[0] != len(sampling_requests):
+            raise ValueError(
+                f"batch samples {batch.logits_indices.shape[0]} rows but {len(sampling_requests)} requests were given"
+            )
+        logits = self.compute_logits(batch)
+        if not sampling_requests:
+            return []
+        with torch.inference_mode():
+            return self.sampler.sample(logits, sampling_requests)

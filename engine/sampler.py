@@ -1,0 +1,93 @@
+"""Batched token sampling: greedy, temperature, top-k and top-p, with per-request generators.
+
+Random rows sample by the exponential race: ``argmax(probs / q)`` with ``q ~ Exp(1)`` i.i.d. picks
+token i with probability ``probs[i]``. A request with a seed draws its ``q`` from its own generator,
+one vocab-sized draw per sampled token, so its tokens depend only on its own logits and seed, not on
+which other requests share the batch. Requests without a seed share the sampler's generator.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.request import Request
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor,  # [S, V] float32
+    top_k: torch.Tensor | None,  # [S] int64, values in [1, V]
+    top_p: torch.Tensor | None,  # [S] float32, values in (0, 1]
+) -> torch.Tensor:
+    """Logits with every token outside each row's top-k / nucleus set to -inf."""
+    if top_k is None and top_p is None:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if top_k is not None:
+        ranks = torch.arange(logits.shape[-1], device=logits.device)
+        sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
+    if top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above
+        drop = mass_before >= top_p[:, None]
+        drop[:, 0] = False  # the most likely token always stays
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+class Sampler:
+    """Samples one token per row of logits, each row with its request's SamplingParams."""
+
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+        """Token ids for ``logits`` [S, V] float32, row i sampled for ``requests[i]``."""
+        if logits.shape[0] != len(requests):
+            raise ValueError(
+                f"sample got {logits.shape[0]} logits rows for {len(requests)} requests"
+            )
+        tokens = logits.argmax(dim=-1)  # exact greedy; first index among ties, like HF
+        random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
+        if random_rows:
+            picked = self._sample_random(logits[random_rows], [requests[i] for i in random_rows])
+            tokens[random_rows] = picked
+        return tokens.tolist()
+
+    def _sample_random(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        vocab = logits.shape[-1]
+        params = [r.sampling_params for r in requests]
+        temps = torch.tensor(
+            [p.temperature for p in params], dtype=logits.dtype, device=logits.device
+        )
+        scaled = logits / temps[:, None]
+        top_k = None
+        if any(p.top_k != -1 for p in params):
+            top_k = torch.tensor(
+                [min(p.top_k, vocab) if p.top_k != -1 else vocab for p in params],
+                device=logits.device,
+            )
+        top_p = None
+        if any(p.top_p < 1.0 for p in params):
+            top_p = torch.tensor(
+                [p.top_p for p in params], dtype=logits.dtype, device=logits.device
+            )
+        probs = apply_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1)
+        noise = torch.empty_like(probs)
+        shared = [i for i, r in enumerate(requests) if r.sampling_params.seed is None]
+        if shared:
+            noise[shared] = torch.empty(
+                (len(shared), vocab), dtype=probs.dtype, device=probs.device
+            ).exponential_(generator=self.generator)
+        for i, r in enumerate(requests):
+            if r.sampling_params.seed is not None:
+                noise[i].exponential_(generator=self._request_generator(r))
+        return (probs / noise).argmax(dim=-1)
+
+    def _request_generator(self, request: Request) -> torch.Generator:
+        if request.generator is None:
+            g = torch.Generator(device=self.device)
+            g.manual_seed(request.sampling_params.seed)  # type: ignore[arg-type]  # checked by caller
+            request.generator = g
+        return request.generator

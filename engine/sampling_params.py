@@ -1,0 +1,98 @@
+"""How one request samples and when it stops: validated once, immutable afterwards."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+_GREEDY_EPS = 1e-5  # temperatures below this are treated as greedy (exact argmax)
+
+
+def _fail(name: str, expected: str, got: object) -> ValueError:
+    return ValueError(f"SamplingParams.{name} must be {expected}, got {got!r}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling and stopping options (vLLM names and defaults).
+
+    ``stop`` accepts one string or a sequence of strings and is stored as a tuple, like
+    ``stop_token_ids``. A request stops at the first of: EOS (unless ``ignore_eos``), a token of
+    ``stop_token_ids``, a stop string in the decoded text (removed from the text unless
+    ``include_stop_str_in_output``), ``max_tokens`` generated tokens, or the model's max length.
+    """
+
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy (exact argmax)."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability sums to >= top_p; in (0, 1]."""
+    top_k: int = -1
+    """Keep the k most likely tokens; -1 keeps all."""
+    max_tokens: int = 16
+    """Maximum number of generated tokens (>= 1)."""
+    seed: int | None = None
+    """Seed of this request's own generator: the same seed gives the same tokens in any batch."""
+    stop: tuple[str, ...] = ()
+    """Strings that end generation when they appear in the output text."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end generation (the token stays in ``token_ids``)."""
+    ignore_eos: bool = False
+    """Keep generating past the model's EOS tokens."""
+    include_stop_str_in_output: bool = False
+    """Keep the matched stop string at the end of the text."""
+    skip_special_tokens: bool = True
+    """Leave special tokens (BOS, EOS, ...) out of the decoded text."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif self.stop is None:
+            object.__setattr__(self, "stop", ())
+        elif isinstance(self.stop, Sequence):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        else:
+            raise _fail("stop", "a string or a list of strings", self.stop)
+        if self.stop_token_ids is None:
+            object.__setattr__(self, "stop_token_ids", ())
+        elif isinstance(self.stop_token_ids, Sequence) and not isinstance(self.stop_token_ids, str):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        else:
+            raise _fail("stop_token_ids", "a list of token ids", self.stop_token_ids)
+        self._validate()
+
+    def _validate(self) -> None:
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise _fail("temperature", "a finite number >= 0", t)
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < p <= 1.0:
+            raise _fail("top_p", "in (0, 1]", p)
+        if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
+            raise _fail("top_k", "-1 (disabled) or an integer >= 1", self.top_k)
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise _fail("max_tokens", "an integer >= 1", self.max_tokens)
+        if self.seed is not None and not _is_int(self.seed):
+            raise _fail("seed", "an integer or None", self.seed)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise _fail("stop", "non-empty strings", s)
+        for tid in self.stop_token_ids:
+            if not _is_int(tid) or tid < 0:
+                raise _fail("stop_token_ids", "integers >= 0", tid)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise _fail(name, "a bool", getattr(self, name))
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def max_stop_len(self) -> int:
+        """Length of the longest stop string (0 without stop strings)."""
+        return max((len(s) for s in self.stop), default=0)

@@ -1,0 +1,68 @@
+"""Stop conditions of one request after it received a token (vLLM order and semantics)."""
+
+from __future__ import annotations
+
+from engine.request import Request, RequestStatus
+
+
+def append_text(request: Request, token_id: int) -> str:
+    """Decode ``token_id`` with the request's incremental detokenizer; return the new text."""
+    if request.detokenizer is None:
+        return ""
+    delta = request.detokenizer.add(token_id)
+    request.output_text += delta
+    return delta
+
+
+def flush_text(request: Request) -> None:
+    """Append the detokenizer's held-back tail (an incomplete character) once the request ends."""
+    if request.detokenizer is not None:
+        request.output_text += request.detokenizer.finish()
+
+
+def _match_stop_string(request: Request, new_chars: int) -> bool:
+    """Find a stop string that the newest characters completed; truncate the text there."""
+    text = request.output_text
+    params = request.sampling_params
+    best: tuple[int, str] | None = None
+    for stop in params.stop:
+        # Only a match ending inside the new characters is new; earlier text was checked already.
+        start = max(0, len(text) - new_chars - len(stop) + 1)
+        idx = text.find(stop, start)
+        if idx != -1 and (best is None or idx < best[0]):
+            best = (idx, stop)
+    if best is None:
+        return False
+    idx, stop = best
+    end = idx + len(stop) if params.include_stop_str_in_output else idx
+    request.output_text = text[:end]
+    request.stop_reason = stop
+    return True
+
+
+def check_stop(request: Request, token_id: int, max_model_len: int) -> RequestStatus | None:
+    """Decode the request's newest token and return its finishing status, or None to go on.
+
+    Order: a stop string completed by this token's text, EOS (unless ``ignore_eos``),
+    ``stop_token_ids``, then length (``max_tokens`` or ``max_model_len``). The token itself always
+    stays in ``output_token_ids``. (A stop string goes first because EOS and stop tokens, usually
+    special, add no text; checking the text first costs nothing when they match.)
+    """
+    params = request.sampling_params
+    new_chars = len(append_text(request, token_id)) if request.detokenizer is not None else 0
+    if params.stop and new_chars and _match_stop_string(request, new_chars):
+        return RequestStatus.FINISHED_STOPPED  # the text ends at the stop string: nothing to flush
+    status: RequestStatus | None = None
+    if token_id in request.eos_token_ids:
+        status = RequestStatus.FINISHED_STOPPED
+    elif token_id in params.stop_token_ids:
+        request.stop_reason = token_id
+        status = RequestStatus.FINISHED_STOPPED
+    elif (
+        len(request.output_token_ids) >= params.max_tokens
+        or len(request.all_token_ids) >= max_model_len
+    ):
+        status = RequestStatus.FINISHED_LENGTH
+    if status is not None:
+        flush_text(request)
+    return status

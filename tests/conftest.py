@@ -1,0 +1,46 @@
+"""Fixtures shared by every package's tests: the embedded model, our load of it, and transformers'
+load of the same GGUF (the correctness oracle). Session-scoped: transformers needs ~15 s per load."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine.loaders import LoadedModel, default_gguf_path, load_model
+
+# Ray and UCX in tests: loopback only, and quiet.
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+
+
+@pytest.fixture(scope="session")
+def gguf_path() -> Path:
+    """The embedded SmolLM2-135M-Instruct GGUF file."""
+    return default_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def default_model() -> LoadedModel:
+    """Our load of the embedded GGUF in float32 on CPU (shared: do not modify its weights)."""
+    return load_model("default")
+
+
+@pytest.fixture(scope="session")
+def hf_gguf_model(gguf_path: Path) -> Any:
+    """transformers' own load of the embedded GGUF (the oracle), float32."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+    ).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_gguf_tokenizer(gguf_path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)

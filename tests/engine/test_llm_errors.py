@@ -1,0 +1,138 @@
+"""Acceptance: bad input to LLM raises a ValueError naming the field, and leaves nothing allocated."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.llm import LLM
+from engine.loaders import LoadedModel
+from engine.sampling_params import SamplingParams
+
+from .conftest_engine import assert_no_leak
+
+OK = SamplingParams(temperature=0.0, max_tokens=2)
+
+
+@pytest.fixture
+def tiny_llm(tiny_llama3_loaded: LoadedModel) -> LLM:
+    return LLM.from_loaded(tiny_llama3_loaded, page_size=4, num_pages=32, max_model_len=32)
+
+
+def assert_untouched(llm: LLM) -> None:
+    assert not llm.engine.has_unfinished()
+    assert llm.engine.kv.num_free_pages("full") == 31
+    assert_no_leak(llm.engine.kv)
+
+
+@pytest.mark.parametrize(
+    ("prompts", "params", "message"),
+    [
+        ("", OK, "prompts[0]: the prompt is empty"),
+        ([], OK, "prompts must be a string, a list of token ids, or a non-empty list of those"),
+        (["hello", ""], OK, "prompts[1]: the prompt is empty"),
+        ([[5, 6], []], OK, "prompts[1]: the prompt is empty (need at least one token)"),
+        ([[3] * 33], OK, "prompts[0]: the prompt has 33 tokens, more than max_model_len=32"),
+        (["hello " * 40], OK, "prompts[0]: the prompt has"),
+        ([[5, 99999]], OK, "prompts[0]: token id 99999 is not an integer in [0, vocab_size=320)"),
+        ([[5, -1]], OK, "prompts[0]: token id -1 is not an integer in [0, vocab_size=320)"),
+        ([3.5], OK, "prompts[0]: expected a string or a list of token ids, got float"),
+        (
+            ["a"],
+            {"temperature": 0},
+            "sampling_params must be a SamplingParams or a list of them, got dict",
+        ),
+        (["a", "b"], [OK], "sampling_params has 1 entries for 2 prompts; give one per prompt"),
+        (["a", "b"], [OK, None], "sampling_params[1] must be a SamplingParams, got NoneType"),
+    ],
+)
+def test_bad_generate_input(tiny_llm: LLM, prompts: Any, params: Any, message: str) -> None:
+    with pytest.raises(ValueError) as err:
+        tiny_llm.generate(prompts, params)
+    assert str(err.value).startswith(message)
+    assert_untouched(tiny_llm)
+    assert [o.finish_reason for o in tiny_llm.generate(["hello", [5, 6]], OK)] == [
+        "length",
+        "length",
+    ]
+    assert_untouched(tiny_llm)
+
+
+def test_bad_chat_input(tiny_llm: LLM) -> None:
+    with pytest.raises(ValueError, match="messages must be a non-empty list"):
+        tiny_llm.chat([])
+    with pytest.raises(
+        ValueError, match=r"messages\[1\] must be a non-empty list of message dicts"
+    ):
+        tiny_llm.chat([[{"role": "user", "content": "hi"}], []])
+    with pytest.raises(
+        ValueError, match=r"messages\[0\]: the prompt has \d+ tokens, more than max_model_len=32"
+    ):
+        tiny_llm.chat([{"role": "user", "content": "hello world " * 20}])
+    assert_untouched(tiny_llm)
+
+
+def test_invalid_sampling_params_fail_before_reaching_the_engine() -> None:
+    with pytest.raises(ValueError, match=r"SamplingParams.top_p must be in \(0, 1\], got 2"):
+        SamplingParams(top_p=2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"model": "/nonexistent/model.gguf"},
+            "LLM.model='/nonexistent/model.gguf' (load_format='auto'): model source",
+        ),
+        (
+            {"load_format": "onnx"},
+            "LLM.load_format must be one of ('auto', 'gguf', 'hf', 'dummy'), got 'onnx'",
+        ),
+        (
+            {"dtype": "int8"},
+            "LLM.dtype must be one of ('float32', 'bfloat16', 'float16'), got 'int8'",
+        ),
+        ({"num_pages": 1}, "LLM.num_pages must be an integer >= 2, got 1"),
+        ({"page_size": 0}, "LLM.page_size must be an integer >= 1, got 0"),
+        (
+            {"reuse_policy": "always"},
+            "LLM.reuse_policy must be one of ['none', 'all_reusable', 'per_request']",
+        ),
+        ({"max_stats_len": -2}, "LLM.max_stats_len must be an integer >= -1, got -2"),
+        ({"bogus": 1}, "unknown LLM arguments ['bogus']"),
+    ],
+)
+def test_bad_llm_arguments(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError) as err:
+        LLM(**kwargs)
+    assert str(err.value).startswith(message)
+
+
+def test_directory_that_is_no_checkpoint(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="cannot tell the format of model source"):
+        LLM(str(tmp_path))
+
+
+def test_max_model_len_beyond_the_model(tiny_llama3_loaded: LoadedModel) -> None:
+    with pytest.raises(
+        ValueError, match="LLM.max_model_len=1000 exceeds the model's max_position_embeddings=256"
+    ):
+        LLM.from_loaded(tiny_llama3_loaded, num_pages=8, max_model_len=1000)
+
+
+def test_prompt_larger_than_the_whole_pool_ends_with_an_error_output(
+    tiny_llama3_loaded: LoadedModel,
+) -> None:
+    llm = LLM.from_loaded(
+        tiny_llama3_loaded, page_size=4, num_pages=3, max_model_len=64
+    )  # 8 tokens of KV
+    big, small = llm.generate([[5] * 9, [5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4))
+    assert (
+        big.finish_reason == "abort"
+        and big.token_ids == []
+        and "needs 3 pages for 9 tokens" in (big.error or "")
+    )
+    assert small.finish_reason == "length" and len(small.token_ids) == 4 and small.error is None
+    assert_no_leak(llm.engine.kv)

@@ -1,0 +1,70 @@
+"""SamplingParams: defaults, normalization, and a clear error for every invalid field."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from engine.sampling_params import SamplingParams
+
+
+def test_defaults_follow_vllm() -> None:
+    p = SamplingParams()
+    assert (p.temperature, p.top_p, p.top_k, p.max_tokens, p.seed) == (1.0, 1.0, -1, 16, None)
+    assert p.stop == () and p.stop_token_ids == ()
+    assert not p.ignore_eos and not p.include_stop_str_in_output and p.skip_special_tokens
+    assert not p.is_greedy and SamplingParams(temperature=0).is_greedy
+
+
+def test_stop_is_normalized_to_a_tuple() -> None:
+    assert SamplingParams(stop="\n").stop == ("\n",)
+    assert SamplingParams(stop=["a", "bc"]).stop == ("a", "bc")
+    assert SamplingParams(stop=None).stop == ()  # type: ignore[arg-type]
+    assert SamplingParams(stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
+    assert SamplingParams(stop=["a", "xyz"]).max_stop_len == 3
+    assert SamplingParams().max_stop_len == 0
+
+
+def test_is_immutable() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        SamplingParams().temperature = 0.5  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"temperature": -0.1},
+            "SamplingParams.temperature must be a finite number >= 0, got -0.1",
+        ),
+        ({"temperature": float("nan")}, "SamplingParams.temperature must be a finite number >= 0"),
+        ({"top_p": 0.0}, "SamplingParams.top_p must be in (0, 1], got 0.0"),
+        ({"top_p": 1.5}, "SamplingParams.top_p must be in (0, 1], got 1.5"),
+        ({"top_k": 0}, "SamplingParams.top_k must be -1 (disabled) or an integer >= 1, got 0"),
+        ({"top_k": -2}, "SamplingParams.top_k must be -1 (disabled) or an integer >= 1, got -2"),
+        ({"top_k": 2.0}, "SamplingParams.top_k must be -1 (disabled) or an integer >= 1, got 2.0"),
+        ({"max_tokens": 0}, "SamplingParams.max_tokens must be an integer >= 1, got 0"),
+        ({"max_tokens": True}, "SamplingParams.max_tokens must be an integer >= 1, got True"),
+        ({"seed": "7"}, "SamplingParams.seed must be an integer or None, got '7'"),
+        ({"stop": [""]}, "SamplingParams.stop must be non-empty strings, got ''"),
+        ({"stop": [3]}, "SamplingParams.stop must be non-empty strings, got 3"),
+        ({"stop": 3}, "SamplingParams.stop must be a string or a list of strings, got 3"),
+        ({"stop_token_ids": [-1]}, "SamplingParams.stop_token_ids must be integers >= 0, got -1"),
+        (
+            {"stop_token_ids": "ab"},
+            "SamplingParams.stop_token_ids must be a list of token ids, got 'ab'",
+        ),
+        ({"ignore_eos": 1}, "SamplingParams.ignore_eos must be a bool, got 1"),
+    ],
+)
+def test_invalid_fields_raise_naming_field_and_range(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError) as err:
+        SamplingParams(**kwargs)
+    assert str(err.value).startswith(message)
+
+
+def test_boundaries_are_accepted() -> None:
+    p = SamplingParams(temperature=0, top_p=1.0, top_k=1, max_tokens=1, seed=0)
+    assert p.top_k == 1 and p.max_tokens == 1 and p.seed == 0
+    assert SamplingParams(top_p=1e-6).top_p == 1e-6

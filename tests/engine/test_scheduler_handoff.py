@@ -1,0 +1,82 @@
+"""The two disaggregation hooks: prefill-only requests (keep pages after the first token) and
+requests whose KV was filled from elsewhere (start RUNNING at the prompt length)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.request import RequestStatus
+
+from .conftest_engine import assert_no_leak, make_request, run_step, tiny_kv, tiny_scheduler
+
+
+def test_prefill_only_request_keeps_committed_pages_until_release() -> None:
+    kv = tiny_kv(page_size=4)
+    sched = tiny_scheduler(kv, prefill_chunk_size=4)
+    prompt = list(range(300, 310))
+    req = make_request("p", prompt, prefill_only=True, max_tokens=5)
+    sched.add_request(req)
+    for _ in range(3):  # chunks of 4, 4, 2 tokens; the last one samples
+        out, changed = run_step(sched)
+    assert changed == [req] and req.status is RequestStatus.PREFILLED and not req.is_finished
+    assert req.output_token_ids == [7] and req.finish_reason is None
+    assert not sched.has_unfinished() and sched.running == []
+    assert kv.page_ids("p")["full"] == req.page_ids and len(req.page_ids) == 3
+    assert kv.match_prefix(prompt + [1]).num_tokens == 8  # finalized: full pages committed
+    out, _ = run_step(sched)
+    assert out.released_ids == ["p"] and out.requests == []
+    sched.release("p")
+    assert_no_leak(kv)
+    with pytest.raises(ValueError, match="not a prefilled request"):
+        sched.release("p")
+
+
+def test_prefill_only_request_that_stops_at_its_first_token_frees_its_pages() -> None:
+    kv = tiny_kv()
+    sched = tiny_scheduler(kv)
+    req = make_request("p", 6, prefill_only=True, max_tokens=1)
+    sched.add_request(req)
+    run_step(sched)
+    assert req.status is RequestStatus.FINISHED_LENGTH
+    assert_no_leak(kv)
+
+
+def test_prefilled_request_starts_with_a_decode_step() -> None:
+    kv = tiny_kv(page_size=4)
+    sched = tiny_scheduler(kv)
+    prompt = list(range(400, 406))
+    assert kv.allocate_slots("d", len(prompt))  # the decode worker's gen-init, KV written elsewhere
+    req = make_request("d", prompt, max_tokens=3)
+    sched.add_prefilled_request(req, first_token_id=42)
+    assert req.status is RequestStatus.RUNNING and req.num_computed_tokens == 6
+    assert req.output_token_ids == [42] and req.metrics.first_token_time is not None
+    assert kv.match_prefix(prompt + [1]).num_tokens == 4  # context finalized before decoding
+    out, _ = run_step(sched)
+    assert out.requests == [req] and out.num_new_tokens == [1] and out.sample == [True]
+    assert (out.num_prefill_tokens, out.num_decode_tokens) == (0, 1)
+    assert len(req.page_ids) == 2  # 7 tokens of context
+    run_step(sched)
+    assert req.output_token_ids == [42, 7, 7] and req.finish_reason == "length"
+    assert_no_leak(kv)
+
+
+def test_prefilled_request_finishing_at_its_first_token_frees_its_pages() -> None:
+    kv = tiny_kv()
+    sched = tiny_scheduler(kv)
+    assert kv.allocate_slots("d", 5)
+    req = make_request("d", 5, eos=(2,))
+    sched.add_prefilled_request(req, first_token_id=2)
+    assert req.status is RequestStatus.FINISHED_STOPPED and not sched.has_unfinished()
+    assert_no_leak(kv)
+
+
+def test_prefilled_request_needs_its_pages() -> None:
+    kv = tiny_kv(page_size=4)
+    sched = tiny_scheduler(kv)
+    with pytest.raises(ValueError, match="holds no pages"):
+        sched.add_prefilled_request(make_request("d", 5), 1)
+    assert kv.allocate_slots("d", 4)
+    with pytest.raises(ValueError, match="holds 1 pages, fewer than its 5 prompt tokens need"):
+        sched.add_prefilled_request(make_request("d", 5), 1)
+    kv.free("d")
+    assert_no_leak(kv)

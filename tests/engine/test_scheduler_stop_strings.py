@@ -1,0 +1,101 @@
+"""Stop strings through the real incremental detokenizer (a tiny word-level tokenizer)."""
+
+from __future__ import annotations
+
+import pytest
+import tokenizers
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import RequestOutput
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+
+from .conftest_engine import assert_no_leak, run_step, tiny_kv, tiny_scheduler
+
+WORDS = ["<eos>", "hello", "world", "stop", "here", "x"]
+
+
+@pytest.fixture(scope="module")
+def word_tokenizer() -> Tokenizer:
+    backend = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="x")
+    )
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    backend.add_special_tokens(["<eos>"])
+    return Tokenizer(backend, eos_token="<eos>")
+
+
+def generate(
+    tok: Tokenizer, words: list[str], **params: object
+) -> tuple[Request, list[RequestOutput]]:
+    """Run one request whose model 'says' ``words`` in order; return it and its stream of outputs."""
+    kv = tiny_kv()
+    sched = tiny_scheduler(kv)
+    sp = SamplingParams(temperature=0.0, max_tokens=len(words), **params)  # type: ignore[arg-type]
+    prompt = [WORDS.index("here")]
+    req = Request(
+        "r",
+        prompt,
+        sp,
+        eos_token_ids=frozenset({0}),
+        detokenizer=IncrementalDetokenizer(tok, prompt, sp.skip_special_tokens),
+    )
+    sched.add_request(req)
+    stream: list[RequestOutput] = []
+    while sched.has_unfinished():
+        _, changed = run_step(sched, lambda r: WORDS.index(words[r.num_output_tokens]))
+        stream += [RequestOutput.from_request(r) for r in changed]
+    assert_no_leak(kv)
+    return req, stream
+
+
+def test_stop_string_is_removed_from_the_text(word_tokenizer: Tokenizer) -> None:
+    req, stream = generate(
+        word_tokenizer, ["hello", "world", "stop", "hello", "hello"], stop=["stop"]
+    )
+    assert req.finish_reason == "stop" and req.stop_reason == "stop"
+    assert req.output_token_ids == [1, 2, 3]  # the token completing the stop string is kept
+    assert req.output_text == " hello world "
+    assert "".join(o.delta_text for o in stream) == " hello world "
+    assert all("stop" not in o.delta_text for o in stream)
+
+
+def test_stop_string_kept_when_asked(word_tokenizer: Tokenizer) -> None:
+    req, _ = generate(
+        word_tokenizer,
+        ["hello", "world", "stop", "hello"],
+        stop=["world st", "hello"],
+        include_stop_str_in_output=True,
+    )
+    assert (
+        req.stop_reason == "hello" and req.output_text == " hello" and req.output_token_ids == [1]
+    )
+
+
+def test_stop_string_spanning_tokens_and_earliest_match_wins(word_tokenizer: Tokenizer) -> None:
+    req, _ = generate(
+        word_tokenizer, ["hello", "world", "stop", "here"], stop=["stop here", "ld st"]
+    )
+    assert (
+        req.stop_reason == "ld st"
+        and req.output_text == " hello wor"
+        and req.output_token_ids == [1, 2, 3]
+    )
+
+
+def test_eos_adds_no_text_and_stops(word_tokenizer: Tokenizer) -> None:
+    req, stream = generate(word_tokenizer, ["hello", "<eos>", "world"])
+    assert req.finish_reason == "stop" and req.stop_reason is None
+    assert req.output_text == " hello" and req.output_token_ids == [1, 0] and stream[-1].finished
+    req, _ = generate(
+        word_tokenizer, ["hello", "<eos>", "world"], skip_special_tokens=False, ignore_eos=True
+    )
+    assert req.output_text == " hello <eos> world" and req.finish_reason == "length"
+
+
+def test_streamed_deltas_add_up_to_the_text(word_tokenizer: Tokenizer) -> None:
+    req, stream = generate(word_tokenizer, ["hello", "world", "hello", "world"], stop=["never"])
+    assert [o.delta_token_ids for o in stream] == [[1], [2], [1], [2]]
+    assert "".join(o.delta_text for o in stream) == req.output_text == " hello world hello world"
+    assert stream[0].delta_text == " h"  # "never" is 5 long: 4 characters held back until the end
