@@ -1,0 +1,138 @@
+"""`duet serve`: connect to (or start) Ray, build the cluster, and run the HTTP server.
+
+``start_cluster`` is the same in the background (a server thread), for tests and `duet bench`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import uvicorn
+
+from cluster.builder import ClusterHandles, build_cluster
+from cluster.config import ClusterConfig
+from cluster.frontend import ClusterFrontend
+from cluster.server import create_app
+from engine.loaders import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def connect_ray(config: ClusterConfig) -> bool:
+    """Connect to the configured Ray cluster, the one of the enclosing job (RAY_ADDRESS, set by
+    `ray job submit`), or start a local one bound to 127.0.0.1. True when this call started Ray."""
+    if ray.is_initialized():
+        return False
+    address = config.ray.address or os.environ.get("RAY_ADDRESS")
+    kwargs: dict[str, Any] = {"namespace": config.ray.namespace, "log_to_driver": True}
+    if config.ray.runtime_env:
+        kwargs["runtime_env"] = dict(config.ray.runtime_env)
+    if address:
+        ray.init(address=address, **kwargs)
+        return False
+    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, **kwargs)
+    return True
+
+
+def make_frontend(config: ClusterConfig, handles: ClusterHandles) -> ClusterFrontend:
+    tokenizer = load_tokenizer(
+        config.model.source,
+        config.model.load_format,
+        has_dummy_config=config.model.dummy_config is not None,
+    )
+    max_len = config.model.max_model_len or ray.get(handles.decode[0].handle.max_model_len.remote())
+    return ClusterFrontend(
+        handles.router(),
+        tokenizer,
+        config.model.model_name,
+        max_len,
+        handles.collector,
+        perf_buffer_len=config.stats.perf_buffer_len
+        if config.stats.perf_buffer_len > 0
+        else 1_000_000,
+    )
+
+
+@dataclass
+class RunningCluster:
+    """A cluster serving HTTP from a background thread of this process."""
+
+    url: str
+    handles: ClusterHandles
+    frontend: ClusterFrontend
+    _server: uvicorn.Server
+    _thread: threading.Thread
+    _owns_ray: bool
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(30)
+        self.frontend.router.close()
+        self.handles.shutdown()
+        if self._owns_ray:
+            ray.shutdown()
+
+
+def start_cluster(config: ClusterConfig, port: int | None = None) -> RunningCluster:
+    """Build the cluster of ``config`` and serve it on 127.0.0.1-or-configured host in a thread."""
+    owns_ray = connect_ray(config)
+    try:
+        handles = build_cluster(config)
+    except BaseException:
+        if owns_ray:
+            ray.shutdown()
+        raise
+    try:
+        frontend = make_frontend(config, handles)
+        api_key = config.server.api_key.get_secret_value() if config.server.api_key else None
+        app = create_app(frontend, api_key)
+        uv_config = uvicorn.Config(
+            app,
+            host=config.server.host,
+            port=config.server.port if port is None else port,
+            log_level="warning",
+            lifespan="off",
+        )
+        server = uvicorn.Server(uv_config)
+        thread = threading.Thread(target=server.run, name="duet-http", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"the HTTP server did not start on {config.server.host}:{uv_config.port}"
+                )
+            time.sleep(0.05)
+        bound_port = server.servers[0].sockets[0].getsockname()[1]
+        url = f"http://{config.server.host}:{bound_port}"
+        return RunningCluster(url, handles, frontend, server, thread, owns_ray)
+    except BaseException:
+        handles.shutdown()
+        if owns_ray:
+            ray.shutdown()
+        raise
+
+
+def serve(config: ClusterConfig) -> None:
+    """Run until interrupted (what `duet serve CONFIG` does)."""
+    owns_ray = connect_ray(config)
+    handles = build_cluster(config)
+    try:
+        frontend = make_frontend(config, handles)
+        api_key = config.server.api_key.get_secret_value() if config.server.api_key else None
+        app = create_app(frontend, api_key)
+        print(
+            f"Duet serving {frontend.model_name} on http://{config.server.host}:{config.server.port}",
+            flush=True,
+        )
+        uvicorn.run(app, host=config.server.host, port=config.server.port, log_level="info")
+    finally:
+        handles.shutdown()
+        if owns_ray:
+            ray.shutdown()

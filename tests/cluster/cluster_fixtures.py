@@ -1,0 +1,73 @@
+"""Shared helpers of the cluster end-to-end tests: a running local cluster and the HF oracle."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from cluster.config import ClusterConfig, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def local_config(name: str = "local.yaml", **overrides: Any) -> ClusterConfig:
+    """configs/<name> with the HTTP port set to 0 (any free port) and optional section overrides."""
+    cfg = load_config(REPO / "configs" / name)
+    data = cfg.model_dump(mode="json")
+    data["server"]["port"] = 0
+    for section, values in overrides.items():
+        data[section].update(values)
+    from cluster.config import config_from_dict
+
+    return config_from_dict(data)
+
+
+def hf_greedy_ids(
+    hf_model: Any, prompt_ids: list[int], max_new_tokens: int, eos_ids: Sequence[int]
+) -> list[int]:
+    """transformers' greedy continuation (the oracle), cut after the first EOS like the engine."""
+    with torch.inference_mode():
+        out = hf_model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=eos_ids[0],
+        )
+    ids = out[0, len(prompt_ids) :].tolist()
+    for i, t in enumerate(ids):
+        if t in eos_ids:
+            return ids[: i + 1]
+    return ids
+
+
+def worker_stats(running: Any) -> list[dict[str, Any]]:
+    import ray
+
+    slots = running.handles.prefill + running.handles.decode
+    return ray.get([w.handle.stats.remote() for w in slots], timeout=30)
+
+
+def wait_no_pages_held(running: Any, timeout_s: float = 30.0) -> list[dict[str, Any]]:
+    """Poll until no worker holds a page for a request (leases released, receives ended); return the
+    last stats. Cached pages nobody holds (evictable) are fine: they are what prefix reuse keeps."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = worker_stats(running)
+        held = {s["worker_id"]: sum(g.used for g in s["kv"].groups.values()) for s in stats}
+        if not any(held.values()):
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pages still held after {timeout_s}s: {held}")
+        time.sleep(0.2)
+
+
+def get_json(url: str, path: str) -> Any:
+    r = httpx.get(url + path, timeout=30)
+    r.raise_for_status()
+    return r.json()
