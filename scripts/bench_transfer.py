@@ -32,6 +32,7 @@ import torch  # noqa: E402
 
 from kvcache.spec import PoolGroupSpec  # noqa: E402
 from transfer import KVReceiver, KVSender, TransceiverConfig  # noqa: E402
+from transfer.config import PROGRESS_MODES, resolve_progress_mode  # noqa: E402
 from transfer.mapper import Fragment  # noqa: E402
 from transfer.plan import Chunk  # noqa: E402
 from transfer.runtime import UcxRuntime  # noqa: E402
@@ -57,9 +58,12 @@ def config(args: argparse.Namespace) -> TransceiverConfig:
         "UCX_TLS": "tcp,self" if args.device == "cpu" else "tcp,cuda_copy,cuda_ipc",
         "UCX_NET_DEVICES": "lo",
     }
+    if args.proto_info:
+        env["UCX_PROTO_INFO"] = "y"  # UCX prints the protocol and transport of each message kind
     return TransceiverConfig(
         staging_tokens=args.staging_tokens,
         staging_buffers=args.staging_buffers,
+        progress_mode=args.progress_mode,
         lease_s=120,
         pull_deadline_s=60,
         chunk_deadline_s=60,
@@ -182,6 +186,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "page_bytes": spec.page_bytes,
         "staging_tokens": args.staging_tokens,
         "staging_buffers": args.staging_buffers,
+        "progress_mode": resolve_progress_mode(args.progress_mode, args.device == "cuda"),
         "repeats": args.repeats,
         "staging_copy": diag,
         "rows": rows,
@@ -306,14 +311,21 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
-        "--staging-tokens", type=int, default=1024, help="tokens per chunk (16 MiB here)"
+        "--staging-tokens",
+        type=int,
+        default=None,
+        help="tokens per chunk: default 1024 (16 MiB) on CPU, 16384 (256 MiB) on GPUs",
     )
+    parser.add_argument("--progress-mode", choices=list(PROGRESS_MODES), default="auto")
+    parser.add_argument("--proto-info", action="store_true", help="set UCX_PROTO_INFO=y")
     parser.add_argument("--staging-buffers", type=int, default=4)
     parser.add_argument("--layouts", nargs="+", default=["contiguous", "scattered"])
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args()
     if args.max_mib is None:
         args.max_mib = 256 if args.device == "cpu" else 1024
+    if args.staging_tokens is None:
+        args.staging_tokens = 1024 if args.device == "cpu" else 16384
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     results = run(args)
     if args.out is not None:

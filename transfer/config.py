@@ -9,6 +9,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+PROGRESS_MODES = ("auto", "thread", "thread-polling")
+
+
+def resolve_progress_mode(mode: str, cuda: bool) -> str:
+    """The ucxx progress mode for ``mode`` ("auto" picks by where the KV lives)."""
+    if mode == "auto":
+        return "thread-polling" if cuda else "thread"
+    return mode
+
+
 @dataclass(frozen=True)
 class TransceiverConfig:
     host: str = "127.0.0.1"
@@ -38,6 +48,11 @@ class TransceiverConfig:
     """P waits this long after TransferDone for D's ack, then frees the pages."""
     ucx_env: dict[str, str] = field(default_factory=dict)
     """UCX_* settings of the process's UCX context (e.g. UCX_TLS, UCX_NET_DEVICES)."""
+    progress_mode: str = "auto"
+    """How UCX is progressed: "thread" (its thread sleeps until the network wakes it: no idle CPU,
+    but each message pays wake-ups), "thread-polling" (its thread spins: one busy core per
+    process, several times less latency per message), or "auto": polling when the KV is on a
+    GPU (hosts with many cores, where latency decides NVLink throughput), sleeping on CPU."""
     max_stats_len: int = 1000
     """Finished transfers kept for ``drain_transfer_stats``: -1 unbounded, 0 none, N the last N."""
 
@@ -57,5 +72,7 @@ class TransceiverConfig:
             raise ValueError(
                 f"staging_tokens and staging_buffers must be >= 1, got {self.staging_tokens}, {self.staging_buffers}"
             )
+        if self.progress_mode not in PROGRESS_MODES:
+            raise ValueError(f"progress_mode must be one of {PROGRESS_MODES}, got {self.progress_mode!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")

@@ -140,7 +140,9 @@ class PullSession:
     async def _transfer(self) -> None:
         assert self.link is not None and self.plan is not None
         cfg, plan, rid = self.r.config, self.plan, self.ticket.request_id
-        pending = list(plan.chunks)
+        # Every receive straight into the pool is posted now (they need no buffer), then staged ones
+        # while buffers last; the feeder credits the rest in plan order as buffers free up.
+        pending = [c for c in plan.chunks if not self._post_direct(c)]
         while pending and self._post(pending[0]):
             pending.pop(0)
         ready, self._credits = self._credits, []
@@ -222,6 +224,12 @@ class PullSession:
         self._recvs.append(asyncio.ensure_future(self._receive(chunk, buf)))
         self._credits.append(chunk.index)
         return True
+
+    def _post_direct(self, chunk: Chunk) -> bool:
+        """Post ``chunk`` if it goes straight into the pool; False if it needs staging."""
+        if not chunk.direct(self.r.config.zero_copy, self.r.staging.buffer_bytes):
+            return False
+        return self._post(chunk)
 
     async def _feed(self, pending: list[Chunk]) -> None:
         """Post the remaining receives as staging buffers free up, and send the credits."""

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from kvcache.spec import PoolGroupSpec
-from transfer.config import TransceiverConfig
+from transfer.config import TransceiverConfig, resolve_progress_mode
 from transfer.messages import Hello, Message, PullError, Reject, TransferDone, TransferTicket
 from transfer.page_table import PageTable
 from transfer.peer import PeerLink, PeerRefused, connect
@@ -61,7 +61,11 @@ class KVReceiver:
         self._ever_connected: set[tuple[str, int]] = set()
         self._tasks: set[asyncio.Future] = set()
         self._closed = False
-        self.runtime = UcxRuntime.acquire(config.ucx_env, cuda_index(buffers))
+        self.runtime = UcxRuntime.acquire(
+            config.ucx_env,
+            cuda_index(buffers),
+            resolve_progress_mode(config.progress_mode, cuda_index(buffers) is not None),
+        )
         device = next(iter(buffers.values())).device
         try:
             self.runtime.run(self._start(device), timeout=config.connect_deadline_s)

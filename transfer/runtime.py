@@ -33,15 +33,19 @@ class UcxRuntime:
 
     @classmethod
     def acquire(
-        cls, ucx_env: Mapping[str, str] | None = None, cuda_device: int | None = None
+        cls,
+        ucx_env: Mapping[str, str] | None = None,
+        cuda_device: int | None = None,
+        progress_mode: str = "thread",
     ) -> UcxRuntime:
         """The process's runtime, started on first use with the UCX_* settings ``ucx_env`` (and, for
-        KV on a GPU, that GPU's index). A later caller asking for other settings gets a ValueError
-        (one UCX context per process)."""
+        KV on a GPU, that GPU's index) and ucxx ``progress_mode`` ("thread" or "thread-polling";
+        later callers share the first one's). A later caller asking for other settings gets a
+        ValueError (one UCX context per process)."""
         env = dict(ucx_env or {})
         with cls._lock:
             if cls._shared is None:
-                cls._shared = cls(env, cuda_device)
+                cls._shared = cls(env, cuda_device, progress_mode)
             elif (env and env != cls._shared.ucx_env) or (
                 cuda_device is not None and cuda_device != cls._shared.cuda_device
             ):
@@ -52,12 +56,17 @@ class UcxRuntime:
             cls._shared._users += 1
             return cls._shared
 
-    def __init__(self, ucx_env: dict[str, str], cuda_device: int | None = None) -> None:
+    def __init__(
+        self, ucx_env: dict[str, str], cuda_device: int | None = None, progress_mode: str = "thread"
+    ) -> None:
         bad = [k for k in ucx_env if not k.startswith("UCX_")]
         if bad:
             raise ValueError(f"UCX settings must be UCX_* names, got {bad}")
+        if progress_mode not in ("thread", "thread-polling"):
+            raise ValueError(f"progress_mode must be 'thread' or 'thread-polling', got {progress_mode!r}")
         self.ucx_env = ucx_env
         self.cuda_device = cuda_device
+        self.progress_mode = progress_mode
         self._users = 0
         self.loop = asyncio.new_event_loop()
         # Page copies block until done (staging.py); one thread keeps them off the loop.
@@ -84,10 +93,10 @@ class UcxRuntime:
 
             continuous_ucx_progress._create_context = lambda: ensure_cuda_context(device)
         options = {k.removeprefix("UCX_"): v for k, v in self.ucx_env.items()}
-        # "thread" progress: UCX progresses on its own thread and wakes waiters through the notifier
-        # thread (python futures), so idle waits cost no CPU.
+        # UCX progresses on its own thread and wakes waiters through the notifier thread (python
+        # futures); "thread" sleeps when idle, "thread-polling" spins (lower latency per message).
         return ApplicationContext(
-            config_dict=options, progress_mode="thread", enable_python_future=True
+            config_dict=options, progress_mode=self.progress_mode, enable_python_future=True
         )
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:

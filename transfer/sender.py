@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from kvcache.spec import PoolGroupSpec
-from transfer.config import TransceiverConfig
+from transfer.config import TransceiverConfig, resolve_progress_mode
 from transfer.leases import LeaseTable
 from transfer.mapper import MapperError
 from transfer.messages import (
@@ -72,8 +72,13 @@ class KVSender:
         self.chunk_bytes = chunk_bytes_for(self.page_table, config.staging_tokens)
         self.leases = LeaseTable(release)
         self.book = StatsBook(config.max_stats_len)
-        self.runtime = UcxRuntime.acquire(config.ucx_env, cuda_index(buffers))
+        self.runtime = UcxRuntime.acquire(
+            config.ucx_env,
+            cuda_index(buffers),
+            resolve_progress_mode(config.progress_mode, cuda_index(buffers) is not None),
+        )
         self._device = next(iter(buffers.values())).device
+        self.rows_on_gpu = self._device.type == "cuda"
         self._links: set[PeerLink] = set()
         self._sessions: dict[int, ServeSession] = {}  # pull id -> session
         self._session_tasks: set[asyncio.Task] = set()

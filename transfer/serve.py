@@ -56,6 +56,10 @@ class ServeSession:
         self._tasks: dict[int, asyncio.Task] = {}
         self._io_started: set[int] = set()  # chunks whose copy/send began (not cancellable)
         self._acked: tuple[bool, str] | None = None
+        # On CPU (TCP) sends go one at a time, in credit order: concurrent messages share the wire
+        # and all end together, so D's scatters would run after the last byte instead of under the
+        # next chunk. Between GPUs (cuda_ipc) concurrent messages overlap their rendezvous latency.
+        self._send_slot = asyncio.Semaphore(self.plan.num_chunks if sender.rows_on_gpu else 1)
         self._on_closed = lambda reason: self.events.put_nowait(("closed", reason))
 
     def credit(self, chunks: list[int]) -> None:
@@ -132,16 +136,18 @@ class ServeSession:
             if chunk.direct(s.config.zero_copy, s.staging.buffer_bytes):
                 frag = chunk.fragments[0]
                 self._io_started.add(chunk.index)
-                await self.link.send_data(
-                    pool_region(s.rows[frag.src_pool], frag.src_offset, frag.nbytes), tag
-                )
+                async with self._send_slot:
+                    await self.link.send_data(
+                        pool_region(s.rows[frag.src_pool], frag.src_offset, frag.nbytes), tag
+                    )
             else:
                 buf = await s.staging.acquire()  # the only cancellable wait of this task
                 self._io_started.add(chunk.index)
                 try:
                     staged = buf[: chunk.nbytes]
                     await s.runtime.copy(gather_chunk, chunk, s.rows, staged)
-                    await self.link.send_data(staged, tag)
+                    async with self._send_slot:
+                        await self.link.send_data(staged, tag)
                 finally:
                     s.staging.release(buf)
             self.events.put_nowait(("sent", chunk.index))

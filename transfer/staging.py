@@ -1,8 +1,9 @@
 """Staging: buffers a chunk is gathered into (P) or received into (D), and the page copies.
 
 A pool's storage is seen as uint8 rows [num_pages, page_bytes] (kvcache/spec.py: a page is one
-contiguous run), so a chunk's fragments are gathered with ``kernels.gather_pages`` into one contiguous
-buffer, sent as one UCX message, and scattered with ``kernels.scatter_pages`` on the other side. A
+contiguous run), so a chunk's fragments are gathered (torch index_select on word rows, the kernels
+package's reference twin) into one contiguous buffer, sent as one UCX message, and scattered
+(index_copy_) on the other side. A
 chunk that is one run on both sides (Chunk.contiguous) can skip staging: ``pool_region`` is the
 pool's own memory for it.
 
@@ -18,7 +19,7 @@ from collections.abc import Mapping
 
 import torch
 
-from kernels import gather_pages, scatter_pages
+from kernels.page_copy_ref import gather_pages_ref, scatter_pages_ref
 from transfer.plan import Chunk
 
 
@@ -46,7 +47,7 @@ def gather_chunk(chunk: Chunk, src_rows: Mapping[str, torch.Tensor], out: torch.
         for pool, offset, ids, nbytes in _page_groups(chunk, src_rows, source=True):
             rows = src_rows[pool]
             staged = out[offset : offset + nbytes].view(len(ids), rows.shape[1])
-            gather_pages(_wide(rows), ids, _wide(staged))
+            gather_pages_ref(_wide(rows), ids, _wide(staged))
 
 
 def scatter_chunk(chunk: Chunk, staged: torch.Tensor, dst_rows: Mapping[str, torch.Tensor]) -> None:
@@ -55,14 +56,16 @@ def scatter_chunk(chunk: Chunk, staged: torch.Tensor, dst_rows: Mapping[str, tor
         for pool, offset, ids, nbytes in _page_groups(chunk, dst_rows, source=False):
             rows = dst_rows[pool]
             part = staged[offset : offset + nbytes].view(len(ids), rows.shape[1])
-            scatter_pages(_wide(part), _wide(rows), ids)
+            scatter_pages_ref(_wide(part), _wide(rows), ids)
 
 
 def _wide(rows: torch.Tensor) -> torch.Tensor:
-    """On CPU, the same bytes as int64 rows when the row size and address allow: torch's CPU copy
-    of uint8 rows goes through a parallel byte loop that is many times slower (and collapses on a
-    busy host), while int64 rows are copied whole. The Triton kernel widens by itself on GPUs."""
-    if rows.device.type != "cpu" or rows.shape[1] % 8 or rows.data_ptr() % 8:
+    """The same bytes as int64 rows when the row size and address allow: torch's copy of uint8
+    rows goes through a byte loop that is many times slower (and on CPU collapses on a busy host),
+    while int64 rows are copied in words. On GPUs torch's index_select on word rows and
+    kernels.gather_pages' Triton kernel measured the same (0.155 ms for 256 MiB of 256 KiB pages on
+    an H200, docs/benchmarks/transfer.md)."""
+    if rows.shape[1] % 8 or rows.data_ptr() % 8:
         return rows
     return rows.view(torch.int64)
 
@@ -84,7 +87,14 @@ def _page_groups(chunk: Chunk, rows: Mapping[str, torch.Tensor], source: bool):
             groups.append((pool, offset, pages, frag.nbytes))
         offset += frag.nbytes
     for pool, start, ids, nbytes in groups:
-        yield pool, start, torch.tensor(ids, dtype=torch.int64, device=rows[pool].device), nbytes
+        device = rows[pool].device
+        if device.type == "cuda":
+            # Pinned, copied on the copy stream: no synchronous pageable upload per chunk. The host
+            # tensor outlives the copy (the caller synchronizes the stream before returning).
+            host = torch.tensor(ids, dtype=torch.int64).pin_memory()
+            yield pool, start, host.to(device, non_blocking=True), nbytes
+        else:
+            yield pool, start, torch.tensor(ids, dtype=torch.int64), nbytes
 
 
 class _copy_stream:

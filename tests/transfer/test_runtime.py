@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.transfer.conftest import UCX_ENV
+from transfer.config import TransceiverConfig, resolve_progress_mode
 from transfer.runtime import UcxRuntime
 
 pytestmark = pytest.mark.timeout(60)
@@ -80,6 +81,44 @@ def test_release_stops_every_thread_it_started() -> None:
         assert threading.active_count() == 1, threading.enumerate()
         assert counts == [base + 1] * 3, (base, counts)  # plus UCX's own async thread
         print("ok", counts)
+        """
+    )
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=50
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("ok")
+
+
+def test_polling_progress_moves_bytes_and_is_chosen_for_gpus_only() -> None:
+    assert resolve_progress_mode("auto", cuda=True) == "thread-polling"
+    assert resolve_progress_mode("auto", cuda=False) == "thread"
+    assert resolve_progress_mode("thread", cuda=True) == "thread"
+    with pytest.raises(ValueError, match="progress_mode must be one of"):
+        TransceiverConfig(progress_mode="polling")
+    script = textwrap.dedent(
+        f"""
+        import numpy as np
+        from transfer.runtime import UcxRuntime
+
+        runtime = UcxRuntime.acquire({UCX_ENV!r}, None, "thread-polling")
+
+        async def loopback():
+            ep = await runtime.create_endpoint(runtime.worker_address)
+            src = np.arange(1 << 20, dtype=np.uint8)
+            dst = np.zeros_like(src)
+            import asyncio
+            recv = asyncio.ensure_future(runtime.ctx.recv(dst, tag=7))
+            await ep.send(src, tag=7, force_tag=True)
+            await recv
+            ep.abort()
+            return bool((dst == src).all())
+
+        assert runtime.progress_mode == "thread-polling"
+        assert runtime.run(loopback(), timeout=20)
+        runtime.release()
+        print("ok")
         """
     )
     root = Path(__file__).resolve().parents[2]
