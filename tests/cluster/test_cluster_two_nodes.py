@@ -24,7 +24,7 @@ def two_nodes() -> Any:
     )
     cluster.add_node(num_cpus=1, resources={"prefill_node": 1}, node_ip_address="127.0.0.1")
     cluster.add_node(num_cpus=1, resources={"decode_node": 1}, node_ip_address="127.0.0.1")
-    ray.init(address=cluster.address, namespace="duet-two-nodes")
+    ray.init(address=cluster.address, namespace="duet-two-nodes", _node_ip_address="127.0.0.1")
     yield cluster
     ray.shutdown()
     cluster.shutdown()

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,13 +29,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_http(url: str, deadline_s: float, proc: subprocess.Popen | None = None) -> None:
+def _wait_http(
+    url: str,
+    deadline_s: float,
+    proc: subprocess.Popen | None = None,
+    headers: dict[str, str] | None = None,
+) -> None:
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise AssertionError(f"process exited with {proc.returncode}")
         try:
-            if httpx.get(url, timeout=2).status_code == 200:
+            if httpx.get(url, timeout=2, headers=headers).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -42,8 +50,18 @@ def _wait_http(url: str, deadline_s: float, proc: subprocess.Popen | None = None
 
 def test_ray_job_submit_serves_a_request(tmp_path: Path) -> None:
     gcs, dash, http = _free_port(), _free_port(), _free_port()
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", PATH=f"{BIN}:{os.environ['PATH']}")
+    # Ray's token authentication stays on: head and client share a fresh token through the env.
+    env = dict(
+        os.environ,
+        RAY_USAGE_STATS_ENABLED="0",
+        PATH=f"{BIN}:{os.environ['PATH']}",
+        RAY_AUTH_MODE="token",
+        RAY_AUTH_TOKEN=secrets.token_hex(32),
+    )
     env.pop("RAY_ADDRESS", None)
+    # Unix socket paths must stay under ~107 bytes: pytest's tmp_path is too deep for Ray's sockets.
+    ray_tmp = tempfile.mkdtemp(prefix="duet-ray-", dir="/tmp")
+    head_log = open(tmp_path / "head.log", "w")  # noqa: SIM115 (closed in finally)
     head = subprocess.Popen(
         [
             str(BIN / "ray"),
@@ -56,11 +74,11 @@ def test_ray_job_submit_serves_a_request(tmp_path: Path) -> None:
             "--include-dashboard=true",
             "--dashboard-host=127.0.0.1",
             f"--dashboard-port={dash}",
-            f"--temp-dir={tmp_path / 'ray'}",
+            f"--temp-dir={ray_tmp}",
         ],
         env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stdout=head_log,
+        stderr=subprocess.STDOUT,
         start_new_session=True,
     )
     config = yaml.safe_load((REPO / "configs" / "local.yaml").read_text())
@@ -69,7 +87,12 @@ def test_ray_job_submit_serves_a_request(tmp_path: Path) -> None:
     config_path.write_text(yaml.safe_dump(config))
     job = None
     try:
-        _wait_http(f"http://127.0.0.1:{dash}/api/version", 120, head)
+        _wait_http(
+            f"http://127.0.0.1:{dash}/api/version",
+            120,
+            head,
+            {"Authorization": f"Bearer {env['RAY_AUTH_TOKEN']}"},
+        )
         job = subprocess.Popen(
             [
                 str(BIN / "ray"),
@@ -106,9 +129,13 @@ def test_ray_job_submit_serves_a_request(tmp_path: Path) -> None:
         if job is not None and job.poll() is None:
             job.terminate()
             job.wait(30)
-        head.send_signal(signal.SIGTERM)  # `ray start --block` stops the processes it started
+        # `ray start --block` stops every process it started (workers and the job too) on SIGINT;
+        # it ignores SIGTERM.
+        head.send_signal(signal.SIGINT)
         try:
             head.wait(60)
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
             head.wait(30)
+        head_log.close()
+        shutil.rmtree(ray_tmp, ignore_errors=True)

@@ -25,6 +25,7 @@ from engine.scheduler_config import SchedulerConfig
 from engine.scheduler_output import SchedulerOutput
 from kvcache.manager import KVCacheManager
 from kvcache.spec import PoolGroupSpec
+from tests.oracle import hf_greedy  # noqa: F401 (re-exported for the engine tests)
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -104,22 +105,6 @@ def assert_no_leak(kv: KVCacheManager) -> None:
     for name, group in kv.stats().groups.items():
         assert group.used == 0, f"{name}: {group.used} pages still held"
     assert kv.stats().num_requests == 0
-
-
-def hf_greedy(
-    hf_model: Any, prompt_ids: list[int], max_new_tokens: int, eos_ids: Sequence[int]
-) -> list[int]:
-    """transformers' greedy continuation of one prompt (the oracle), stopping at EOS like the engine."""
-    with torch.inference_mode():
-        out = hf_model.generate(
-            torch.tensor([prompt_ids]),
-            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=list(eos_ids),
-            pad_token_id=int(next(iter(eos_ids))),
-        )
-    return out[0, len(prompt_ids) :].tolist()
 
 
 # ---- fixtures ----

@@ -1,11 +1,8 @@
 """`duet bench` against the real local Duet cluster: disaggregated and aggregated, side by side.
-
-Runs once ``cluster.serve.start_cluster`` exists (the contract is in cluster/bench/target.py).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import socket
 from pathlib import Path
@@ -18,19 +15,7 @@ from cluster.bench.cli import parse_bench_args, run_bench
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 
 
-def _cluster_missing() -> str | None:
-    """Why the cluster cannot be started yet, or None once it has landed."""
-    if importlib.util.find_spec("cluster.serve") is None:
-        return "the Duet cluster (cluster.serve.start_cluster) has not landed yet"
-    try:
-        importlib.import_module("cluster.serve")
-    except ModuleNotFoundError as exc:  # landing: a module it needs is not in the tree yet
-        return f"the Duet cluster is not complete yet: {exc}"
-    return None
-
-
-MISSING = _cluster_missing()
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(MISSING is not None, reason=str(MISSING))]
+pytestmark = pytest.mark.slow
 
 
 def _free_port() -> int:

@@ -1,0 +1,24 @@
+"""The correctness oracle shared by every package's tests: transformers' greedy continuation."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+
+def hf_greedy(
+    hf_model: Any, prompt_ids: list[int], max_new_tokens: int, eos_ids: Sequence[int]
+) -> list[int]:
+    """transformers' greedy continuation of one prompt (the oracle), stopping at EOS like the engine."""
+    with torch.inference_mode():
+        out = hf_model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=list(eos_ids),
+            pad_token_id=int(next(iter(eos_ids))),
+        )
+    return out[0, len(prompt_ids) :].tolist()
