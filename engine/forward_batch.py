@@ -17,7 +17,9 @@ class ForwardBatch:
 
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64, absolute position of each new token
-    slot_mapping: torch.Tensor  # [T] int64, page_id * page_size + offset where each new token's K/V goes
+    slot_mapping: (
+        torch.Tensor
+    )  # [T] int64, page_id * page_size + offset where each new token's K/V goes
     page_table: torch.Tensor  # [B, max_pages] int32, padded with the null page (0)
     seq_lens: torch.Tensor  # [B] int32, context length after this step (cached + new tokens)
     cu_seqlens_q: torch.Tensor  # [B + 1] int32, prefix sums of the query lengths

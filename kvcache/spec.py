@@ -57,9 +57,13 @@ class PoolGroupSpec:
 
     def __post_init__(self) -> None:
         if self.num_pages < 2:
-            raise ValueError(f"pool group {self.name!r}: num_pages must be >= 2 (page 0 is the null page), got {self.num_pages}")
+            raise ValueError(
+                f"pool group {self.name!r}: num_pages must be >= 2 (page 0 is the null page), got {self.num_pages}"
+            )
         if self.page_size < 1:
-            raise ValueError(f"pool group {self.name!r}: page_size must be >= 1, got {self.page_size}")
+            raise ValueError(
+                f"pool group {self.name!r}: page_size must be >= 1, got {self.page_size}"
+            )
         if not self.layer_ids:
             raise ValueError(f"pool group {self.name!r}: layer_ids must not be empty")
 
@@ -69,7 +73,14 @@ class PoolGroupSpec:
 
     @property
     def buffer_shape(self) -> tuple[int, ...]:
-        return (self.num_pages, self.num_layers, 2, self.page_size, self.num_kv_heads, self.head_dim)
+        return (
+            self.num_pages,
+            self.num_layers,
+            2,
+            self.page_size,
+            self.num_kv_heads,
+            self.head_dim,
+        )
 
     @property
     def element_size(self) -> int:
@@ -78,7 +89,14 @@ class PoolGroupSpec:
     @property
     def page_bytes(self) -> int:
         """Bytes of one page across all layers of the group, keys and values."""
-        return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim * self.element_size
+        return (
+            self.num_layers
+            * 2
+            * self.page_size
+            * self.num_kv_heads
+            * self.head_dim
+            * self.element_size
+        )
 
     @property
     def usable_pages(self) -> int:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
 PROGRESS_MODES = ("auto", "thread", "thread-polling")
 
 
@@ -73,6 +72,8 @@ class TransceiverConfig:
                 f"staging_tokens and staging_buffers must be >= 1, got {self.staging_tokens}, {self.staging_buffers}"
             )
         if self.progress_mode not in PROGRESS_MODES:
-            raise ValueError(f"progress_mode must be one of {PROGRESS_MODES}, got {self.progress_mode!r}")
+            raise ValueError(
+                f"progress_mode must be one of {PROGRESS_MODES}, got {self.progress_mode!r}"
+            )
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")

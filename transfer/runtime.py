@@ -63,7 +63,9 @@ class UcxRuntime:
         if bad:
             raise ValueError(f"UCX settings must be UCX_* names, got {bad}")
         if progress_mode not in ("thread", "thread-polling"):
-            raise ValueError(f"progress_mode must be 'thread' or 'thread-polling', got {progress_mode!r}")
+            raise ValueError(
+                f"progress_mode must be 'thread' or 'thread-polling', got {progress_mode!r}"
+            )
         self.ucx_env = ucx_env
         self.cuda_device = cuda_device
         self.progress_mode = progress_mode

@@ -8,7 +8,9 @@ from engine.loaders.source import LOAD_FORMATS, checkpoint_path, detect_format
 from engine.tokenizer import Tokenizer
 
 
-def load_tokenizer(source: str = "default", load_format: str = "auto", has_dummy_config: bool = False) -> Tokenizer | None:
+def load_tokenizer(
+    source: str = "default", load_format: str = "auto", has_dummy_config: bool = False
+) -> Tokenizer | None:
     """The tokenizer of ``source`` as ``load_model`` would build it; None when the source has none
     (random weights shaped by a dummy config or preset: callers then send token ids)."""
     if load_format not in LOAD_FORMATS:

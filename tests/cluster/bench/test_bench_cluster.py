@@ -1,5 +1,4 @@
-"""`duet bench` against the real local Duet cluster: disaggregated and aggregated, side by side.
-"""
+"""`duet bench` against the real local Duet cluster: disaggregated and aggregated, side by side."""
 
 from __future__ import annotations
 
