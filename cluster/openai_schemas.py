@@ -146,25 +146,45 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def completion_body(
-    rid: str, model: str, text: str, finish: str | None, use: dict[str, int]
+    rid: str, model: str, text: str, finish: str | None, use: dict[str, int], token_ids: list[int]
 ) -> dict[str, Any]:
     return {
         "id": rid,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
+        # token_ids: an extension (as vLLM's return_token_ids) so models without a tokenizer (dummy
+        # weights) still give an answer that can be checked and benchmarked.
+        "choices": [
+            {
+                "index": 0,
+                "text": text,
+                "finish_reason": finish,
+                "logprobs": None,
+                "token_ids": token_ids,
+            }
+        ],
         "usage": use,
     }
 
 
-def completion_chunk(rid: str, model: str, text: str, finish: str | None) -> dict[str, Any]:
+def completion_chunk(
+    rid: str, model: str, text: str, finish: str | None, token_ids: list[int]
+) -> dict[str, Any]:
     return {
         "id": rid,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
+        "choices": [
+            {
+                "index": 0,
+                "text": text,
+                "finish_reason": finish,
+                "logprobs": None,
+                "token_ids": token_ids,
+            }
+        ],
     }
 
 
@@ -188,13 +208,23 @@ def chat_body(
     }
 
 
-def chat_chunk(rid: str, model: str, delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
+def chat_chunk(
+    rid: str, model: str, delta: dict[str, Any], finish: str | None, token_ids: list[int]
+) -> dict[str, Any]:
     return {
         "id": rid,
         "object": "chat.completion.chunk",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
+        "choices": [
+            {
+                "index": 0,
+                "delta": delta,
+                "finish_reason": finish,
+                "logprobs": None,
+                "token_ids": token_ids,
+            }
+        ],
     }
 
 

@@ -115,15 +115,17 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
             raise BadRequest(str(e), getattr(e, "field", None)) from e
         return GenerateRequest(oa.new_id("req"), prompt_ids, sampling, time.time())
 
-    async def _collect(req: GenerateRequest) -> tuple[str, str | None, int]:
-        text, finish, n_out = [], None, 0
+    async def _collect(req: GenerateRequest) -> tuple[str, str | None, list[int]]:
+        text: list[str] = []
+        ids: list[int] = []
+        finish = None
         async for d in backend.generate(req):
             if d.error:
                 raise RuntimeError(d.error)
             text.append(d.text)
+            ids.extend(d.token_ids)
             finish = d.finish_reason or finish
-            n_out = d.num_output_tokens or n_out
-        return "".join(text), finish, n_out
+        return "".join(text), finish, ids
 
     async def _stream(
         req: GenerateRequest, request: Request, make_chunk, include_usage: bool, first_chunk=None
@@ -139,13 +141,13 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
                     yield f"data: {json.dumps(err)}\n\n"
                     finished = True
                     break
-                n_out = d.num_output_tokens or n_out
-                if d.text or d.finish_reason:
-                    yield f"data: {json.dumps(make_chunk(d.text, d.finish_reason))}\n\n"
+                n_out += len(d.token_ids)
+                if d.text or d.token_ids or d.finish_reason:
+                    yield f"data: {json.dumps(make_chunk(d.text, d.finish_reason, d.token_ids))}\n\n"
                 if d.finish_reason:
                     finished = True
             if include_usage:
-                chunk = make_chunk("", None)
+                chunk = make_chunk("", None, [])
                 chunk["choices"] = []
                 chunk["usage"] = oa.usage(len(req.prompt_token_ids), n_out)
                 yield f"data: {json.dumps(chunk)}\n\n"
@@ -189,20 +191,21 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
         req = _prepare(body, ids)
         model = backend.model_name
         if body.stream:
-            make = lambda text, fin: oa.completion_chunk(req.request_id, model, text, fin)  # noqa: E731
+            make = lambda text, fin, tids: oa.completion_chunk(
+                req.request_id, model, text, fin, tids
+            )
             return StreamingResponse(
                 _stream(req, request, make, body.include_usage), media_type="text/event-stream"
             )
         try:
-            text, finish, n_out = await _collect(req)
+            text, finish, out_ids = await _collect(req)
         except asyncio.CancelledError:
             await backend.abort(req.request_id)
             raise
         except RuntimeError as e:
             return _err(str(e), 500)
-        return JSONResponse(
-            oa.completion_body(req.request_id, model, text, finish, oa.usage(len(ids), n_out))
-        )
+        use = oa.usage(len(ids), len(out_ids))
+        return JSONResponse(oa.completion_body(req.request_id, model, text, finish, use, out_ids))
 
     @app.post("/v1/chat/completions")
     async def chat(body: oa.ChatCompletionRequest, request: Request) -> Response:
@@ -215,23 +218,25 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
         req = _prepare(body, ids)
         model = backend.model_name
         if body.stream:
-            make = lambda text, fin: oa.chat_chunk(
-                req.request_id, model, {"content": text} if text else {}, fin
-            )  # noqa: E731
-            first = oa.chat_chunk(req.request_id, model, {"role": "assistant", "content": ""}, None)
+            make = lambda text, fin, tids: oa.chat_chunk(
+                req.request_id, model, {"content": text} if text else {}, fin, tids
+            )
+            first = oa.chat_chunk(
+                req.request_id, model, {"role": "assistant", "content": ""}, None, []
+            )
             return StreamingResponse(
                 _stream(req, request, make, body.include_usage, first),
                 media_type="text/event-stream",
             )
         try:
-            text, finish, n_out = await _collect(req)
+            text, finish, out_ids = await _collect(req)
         except asyncio.CancelledError:
             await backend.abort(req.request_id)
             raise
         except RuntimeError as e:
             return _err(str(e), 500)
         return JSONResponse(
-            oa.chat_body(req.request_id, model, text, finish, oa.usage(len(ids), n_out))
+            oa.chat_body(req.request_id, model, text, finish, oa.usage(len(ids), len(out_ids)))
         )
 
     @app.get("/metrics")

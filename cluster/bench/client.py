@@ -154,9 +154,11 @@ class StreamingClient:
                     if self.settings.endpoint == "completions"
                     else (choice.get("delta") or {}).get("content")
                 )
-                if text:
+                # A chunk with new token ids counts even without text (a model without a tokenizer,
+                # or text held back by the server for a stop string or an incomplete character).
+                if text or choice.get("token_ids"):
                     record.chunk_times.append(arrival)
-                    texts.append(text)
+                    texts.append(text or "")
         record.generated_text = "".join(texts)
         record.output_tokens = usage_tokens if usage_tokens is not None else len(record.chunk_times)
         if not done:

@@ -51,16 +51,19 @@ def ours() -> Any:
     return load_tokenizer("default")
 
 
-def expected_text(hf: Any, tok: Any, prompt_ids: list[int], max_tokens: int) -> tuple[str, str]:
+def expected(
+    hf: Any, tok: Any, prompt_ids: list[int], max_tokens: int
+) -> tuple[str, str, list[int]]:
     ids = hf_greedy_ids(hf, prompt_ids, max_tokens, sorted(tok.stop_token_ids))
     finish = "stop" if ids and ids[-1] in tok.stop_token_ids else "length"
-    return tok.decode(ids, skip_special_tokens=True), finish
+    return tok.decode(ids, skip_special_tokens=True), finish, ids
 
 
 def test_completions_match_transformers(client, model_name, hf_gguf_model, ours) -> None:
     for prompt in PROMPTS:
-        want, finish = expected_text(hf_gguf_model, ours, ours.encode(prompt), 20)
+        want, finish, want_ids = expected(hf_gguf_model, ours, ours.encode(prompt), 20)
         r = client.completions.create(model=model_name, prompt=prompt, max_tokens=20, temperature=0)
+        assert r.choices[0].token_ids == want_ids, prompt  # our extension field, as vLLM's
         assert r.choices[0].text == want, prompt
         assert r.choices[0].finish_reason == finish
         assert r.usage.prompt_tokens == len(ours.encode(prompt))
@@ -72,7 +75,7 @@ def test_completions_match_transformers(client, model_name, hf_gguf_model, ours)
 
 def test_chat_matches_transformers(client, model_name, hf_gguf_model, ours) -> None:
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    want, _ = expected_text(hf_gguf_model, ours, ours.encode_chat(messages), 24)
+    want, _, _ = expected(hf_gguf_model, ours, ours.encode_chat(messages), 24)
     r = client.chat.completions.create(
         model=model_name, messages=messages, max_tokens=24, temperature=0
     )
