@@ -71,6 +71,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # One line per HTTP request would bury the bench report and the server's own messages.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     if args.command == "serve":
         return _serve(args.config)
     if args.command == "bench":

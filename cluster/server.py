@@ -127,6 +127,17 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
             finish = d.finish_reason or finish
         return "".join(text), finish, ids
 
+    async def _complete(req: GenerateRequest, build: Any) -> Response:
+        """A non-streaming answer: collect every delta, then ``build(text, finish, token_ids)``."""
+        try:
+            text, finish, out_ids = await _collect(req)
+        except asyncio.CancelledError:
+            await backend.abort(req.request_id)  # the client went away
+            raise
+        except RuntimeError as e:
+            return _err(str(e), 500)
+        return JSONResponse(build(text, finish, out_ids))
+
     async def _stream(
         req: GenerateRequest, request: Request, make_chunk, include_usage: bool, first_chunk=None
     ):  # type: ignore[no-untyped-def]
@@ -197,15 +208,12 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
             return StreamingResponse(
                 _stream(req, request, make, body.include_usage), media_type="text/event-stream"
             )
-        try:
-            text, finish, out_ids = await _collect(req)
-        except asyncio.CancelledError:
-            await backend.abort(req.request_id)
-            raise
-        except RuntimeError as e:
-            return _err(str(e), 500)
-        use = oa.usage(len(ids), len(out_ids))
-        return JSONResponse(oa.completion_body(req.request_id, model, text, finish, use, out_ids))
+        return await _complete(
+            req,
+            lambda text, fin, out: oa.completion_body(
+                req.request_id, model, text, fin, oa.usage(len(ids), len(out)), out
+            ),
+        )
 
     @app.post("/v1/chat/completions")
     async def chat(body: oa.ChatCompletionRequest, request: Request) -> Response:
@@ -228,15 +236,11 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
                 _stream(req, request, make, body.include_usage, first),
                 media_type="text/event-stream",
             )
-        try:
-            text, finish, out_ids = await _collect(req)
-        except asyncio.CancelledError:
-            await backend.abort(req.request_id)
-            raise
-        except RuntimeError as e:
-            return _err(str(e), 500)
-        return JSONResponse(
-            oa.chat_body(req.request_id, model, text, finish, oa.usage(len(ids), len(out_ids)))
+        return await _complete(
+            req,
+            lambda text, fin, out: oa.chat_body(
+                req.request_id, model, text, fin, oa.usage(len(ids), len(out))
+            ),
         )
 
     @app.get("/metrics")
