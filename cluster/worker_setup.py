@@ -23,6 +23,8 @@ def engine_config_for(config: ClusterConfig, role: str) -> EngineConfig:
         page_size=kv.page_size,
         num_pages=kv.num_pages,
         kv_cache_memory_bytes=None if (on_gpu or kv.num_pages is not None) else int(kv.cpu_bytes),
+        gpu_memory_fraction=kv.gpu_memory_fraction,
+        kv_max_tokens=kv.max_tokens,
         max_num_seqs=pool.scheduler.max_num_seqs,
         max_num_batched_tokens=pool.scheduler.max_num_batched_tokens,
         prefill_chunk_size=pool.scheduler.prefill_chunk_size,

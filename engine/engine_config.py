@@ -44,6 +44,11 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     """KV budget in bytes when ``num_pages`` is None; None: 1 GiB on CPU, 90% of the free memory
     left after weights and an activation estimate on CUDA."""
+    gpu_memory_fraction: float = 0.9
+    """On CUDA, without a byte budget: the share of the free memory (after weights and the
+    activation estimate) that the KV pool takes."""
+    kv_max_tokens: int | None = None
+    """Cap on the tokens the KV pool holds (None: what max_num_seqs sequences of max_model_len use)."""
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     prefill_chunk_size: int = 512
@@ -80,6 +85,12 @@ class EngineConfig:
             _positive_int(owner, "num_pages", self.num_pages, minimum=2)
         if self.kv_cache_memory_bytes is not None:
             _positive_int(owner, "kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        if not 0.0 < self.gpu_memory_fraction <= 1.0:
+            raise ValueError(
+                f"{owner}.gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction!r}"
+            )
+        if self.kv_max_tokens is not None:
+            _positive_int(owner, "kv_max_tokens", self.kv_max_tokens)
         if self.max_model_len is not None:
             _positive_int(owner, "max_model_len", self.max_model_len)
         if self.reuse_policy not in {p.value for p in ReusePolicy}:

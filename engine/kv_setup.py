@@ -13,7 +13,6 @@ from kvcache.sizing import cuda_free_bytes, device_kv_budget, size_pool_groups
 from kvcache.spec import PoolGroupSpec
 
 FULL_GROUP = "full"
-_CUDA_KV_FRACTION = 0.9
 
 
 def kv_pool_template(model: ModelConfig, page_size: int, dtype: torch.dtype) -> PoolGroupSpec:
@@ -56,13 +55,14 @@ def build_kv_cache(model: ModelConfig, config: EngineConfig, max_model_len: int)
             if device.type == "cuda":
                 budget = device_kv_budget(
                     cuda_free_bytes(device),
-                    _CUDA_KV_FRACTION,
+                    config.gpu_memory_fraction,
                     0,
                     activation_peak_estimate(model, config),
                 )
             else:
                 budget = DEFAULT_CPU_KV_BYTES
-        (spec,) = size_pool_groups(
-            [template], budget, max_tokens=max_model_len * config.max_num_seqs
-        )
+        cap = max_model_len * config.max_num_seqs
+        if config.kv_max_tokens is not None:
+            cap = min(cap, config.kv_max_tokens)
+        (spec,) = size_pool_groups([template], budget, max_tokens=cap)
     return KVCacheManager([spec], config.reuse_policy, device)
