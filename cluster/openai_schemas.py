@@ -145,87 +145,45 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def completion_body(
-    rid: str, model: str, text: str, finish: str | None, use: dict[str, int], token_ids: list[int]
-) -> dict[str, Any]:
+def _envelope(rid: str, obj: str, model: str, choice: dict[str, Any]) -> dict[str, Any]:
     return {
         "id": rid,
-        "object": "text_completion",
+        "object": obj,
         "created": int(time.time()),
         "model": model,
-        # token_ids: an extension (as vLLM's return_token_ids) so models without a tokenizer (dummy
-        # weights) still give an answer that can be checked and benchmarked.
-        "choices": [
-            {
-                "index": 0,
-                "text": text,
-                "finish_reason": finish,
-                "logprobs": None,
-                "token_ids": token_ids,
-            }
-        ],
-        "usage": use,
+        "choices": [{"index": 0, "logprobs": None, **choice}],
     }
+
+
+# token_ids in a choice: an extension (as vLLM's return_token_ids) so that models without a tokenizer
+# (dummy weights) still give answers that can be checked and benchmarked.
 
 
 def completion_chunk(
     rid: str, model: str, text: str, finish: str | None, token_ids: list[int]
 ) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "text": text,
-                "finish_reason": finish,
-                "logprobs": None,
-                "token_ids": token_ids,
-            }
-        ],
-    }
+    choice = {"text": text, "finish_reason": finish, "token_ids": token_ids}
+    return _envelope(rid, "text_completion", model, choice)
 
 
-def chat_body(
-    rid: str, model: str, text: str, finish: str | None, use: dict[str, int]
+def completion_body(
+    rid: str, model: str, text: str, finish: str | None, use: dict[str, int], token_ids: list[int]
 ) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": finish,
-                "logprobs": None,
-            }
-        ],
-        "usage": use,
-    }
+    return completion_chunk(rid, model, text, finish, token_ids) | {"usage": use}
 
 
 def chat_chunk(
     rid: str, model: str, delta: dict[str, Any], finish: str | None, token_ids: list[int]
 ) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "delta": delta,
-                "finish_reason": finish,
-                "logprobs": None,
-                "token_ids": token_ids,
-            }
-        ],
-    }
+    choice = {"delta": delta, "finish_reason": finish, "token_ids": token_ids}
+    return _envelope(rid, "chat.completion.chunk", model, choice)
+
+
+def chat_body(
+    rid: str, model: str, text: str, finish: str | None, use: dict[str, int]
+) -> dict[str, Any]:
+    choice = {"message": {"role": "assistant", "content": text}, "finish_reason": finish}
+    return _envelope(rid, "chat.completion", model, choice) | {"usage": use}
 
 
 def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict[str, Any]:
