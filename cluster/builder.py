@@ -42,6 +42,7 @@ class ClusterHandles:
             self.decode,
             policy=self.config.router.policy,
             prefill_retries=self.config.router.prefill_retries,
+            local_prefill_fallback=self.config.router.local_prefill_fallback,
             page_size=self.config.kvcache.page_size,
             stats_interval_s=min(self.config.stats.interval_s, 1.0),
             call_timeout_s=self.config.server.request_timeout_s,

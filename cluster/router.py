@@ -51,6 +51,7 @@ class Router:
         *,
         policy: str = "load_balance",
         prefill_retries: int = 1,
+        local_prefill_fallback: bool = True,
         page_size: int = 16,
         stats_interval_s: float = 1.0,
         call_timeout_s: float = 300.0,
@@ -61,6 +62,8 @@ class Router:
         self.decode = decode
         self.policy = policy
         self.prefill_retries = prefill_retries
+        self.local_prefill_fallback = local_prefill_fallback
+        self._turn = 0  # round_robin position
         self.page_size = page_size
         self.stats_interval_s = stats_interval_s
         self.call_timeout_s = call_timeout_s
@@ -73,6 +76,9 @@ class Router:
         live = [w for w in self.prefill if w.healthy and w.worker_id not in exclude]
         if not live:
             return None
+        if self.policy == "round_robin":
+            self._turn += 1
+            return live[self._turn % len(live)]
         least = min(w.outstanding for w in live)
         if self.policy == "prefix_aware" and len(req.prompt_token_ids) >= self.page_size:
             # Requests sharing their first page go to the same worker (its prefix cache has it),
@@ -94,6 +100,11 @@ class Router:
         self._ensure_stats_task()
         pre, pworker = await self._prefill(req)
         if pre is None:
+            if self.prefill and not self.local_prefill_fallback:
+                yield _error_delta(
+                    req, "no prefill worker could serve the request (local fallback is off)"
+                )
+                return
             self.num_local_fallbacks += 1
             async for d in self._stream_decode(req, None, None):
                 yield d
