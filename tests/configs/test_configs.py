@@ -19,7 +19,13 @@ def load(name: str) -> ClusterConfig:
 
 
 def test_the_expected_configs_are_there() -> None:
-    assert DUET_CONFIGS == ["gpu_1p1d.yaml", "gpu_2p2d.yaml", "local.yaml", "local_aggregated.yaml"]
+    assert DUET_CONFIGS == [
+        "gpu_1p1d.yaml",
+        "gpu_1p1d_aggregated.yaml",
+        "gpu_2p2d.yaml",
+        "local.yaml",
+        "local_aggregated.yaml",
+    ]
 
 
 @pytest.mark.parametrize("name", DUET_CONFIGS)
@@ -41,8 +47,9 @@ def test_local_configs_run_the_embedded_model_on_cpu_on_loopback(name: str) -> N
     assert config.num_workers == 2  # the same hardware for the disaggregated and aggregated runs
 
 
-def test_local_aggregated_differs_from_local_only_in_the_pools() -> None:
-    local, aggregated = load("local.yaml"), load("local_aggregated.yaml")
+@pytest.mark.parametrize("name", ["local", "gpu_1p1d"])
+def test_aggregated_twin_differs_only_in_the_pools(name: str) -> None:
+    local, aggregated = load(f"{name}.yaml"), load(f"{name}_aggregated.yaml")
     assert (local.prefill.replicas, local.decode.replicas) == (1, 1)
     assert (aggregated.prefill.replicas, aggregated.decode.replicas) == (0, 2)
     assert not local.aggregated and aggregated.aggregated
