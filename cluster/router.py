@@ -162,7 +162,7 @@ class Router:
         failure ends the request with an error (the tokens already sent cannot be recalled)."""
         rid = req.request_id
         deadline = time.monotonic() + self.call_timeout_s
-        started = finished = False
+        started = finished = ok = False
         d: WorkerSlot | None = None
         gen: Any = None
         try:
@@ -178,6 +178,7 @@ class Router:
                         delta: TokenDelta = await ref
                         started = True
                         finished = delta.finish_reason is not None or delta.error is not None
+                        ok = finished and delta.error is None
                         yield delta
                     if not finished:
                         finished = True
@@ -210,14 +211,14 @@ class Router:
                 finally:
                     d.outstanding -= 1
         finally:
-            if (
-                not finished and d is not None
-            ):  # the client went away (generator closed or cancelled)
+            if not finished and d is not None:  # the client went away (generator closed/cancelled)
                 if gen is not None:
                     ray.cancel(gen)
                 d.handle.abort.remote(rid)
-                if pworker is not None:
-                    pworker.handle.cancel.remote(rid)
+            if not ok and pworker is not None:
+                # P may still hold the lease (D never pulled, or failed): give the pages back now
+                # rather than at lease expiry. A pull still reading them keeps them until it ends.
+                pworker.handle.cancel.remote(rid)
 
     async def abort(self, request_id: str) -> None:
         for w in self.decode:
