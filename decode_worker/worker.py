@@ -133,7 +133,16 @@ class DecodeWorker:
 
         deadline = time.monotonic() + self._gen_init_deadline_s
         while True:
-            got = await asyncio.wrap_future(self.loop.call(allocate))
+            fut = self.loop.call(allocate)
+            try:
+                got = await asyncio.wrap_future(fut)
+            except asyncio.CancelledError:
+                # The client went away while the allocation was queued or running: pages it got
+                # must not stay held under an id nobody will free.
+                fut.add_done_callback(
+                    lambda f: None if f.cancelled() or f.exception() else self._free_pages(rid)
+                )
+                raise
             if got is not None:
                 return got
             if time.monotonic() > deadline:
@@ -207,7 +216,9 @@ class DecodeWorker:
         finally:
             if not finished:
                 self.loop.unsubscribe(rid)
-                self.loop.call(lambda e: e.abort_request(rid))
+                # abort_request frees a request the scheduler knows; kv.free covers received pages
+                # whose request never reached the scheduler (a no-op otherwise).
+                self.loop.call(lambda e: (e.abort_request(rid), e.kv.free(rid)))
             if self._report and last is not None:
                 self._report(self._timings(req, received, last, transfer, gaps, finished))
 

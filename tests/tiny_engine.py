@@ -1,0 +1,35 @@
+"""A real engine on tiny random weights (no checkpoint, no tokenizer), for the worker tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.engine_config import EngineConfig
+from engine.engine_core import LLMEngine
+
+TINY = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 128,
+    "max_position_embeddings": 512,
+}
+PAGE = 4
+
+
+def tiny_engine(num_pages: int) -> LLMEngine:
+    cfg = EngineConfig(
+        load_format="dummy",
+        dummy_config=TINY,
+        num_pages=num_pages,
+        page_size=PAGE,
+        max_model_len=256,
+    )
+    return LLMEngine.from_config(cfg)
+
+
+def greedy(n: int) -> dict[str, Any]:
+    return {"max_tokens": n, "temperature": 0.0, "ignore_eos": True}
