@@ -294,9 +294,6 @@ class DecodeWorker:
             "transfer_failures": self.num_transfer_failures,
         }
 
-    def drain_iteration_stats(self) -> list[Any]:
-        return self.loop.engine.drain_iteration_stats()
-
     def close(self) -> None:
         if self.puller is not None:
             self.puller.close()

@@ -173,9 +173,6 @@ class PrefillWorker:
             "transfer": self.publisher.stats(),
         }
 
-    def drain_iteration_stats(self) -> list[Any]:
-        return self.loop.engine.drain_iteration_stats()
-
     def close(self) -> None:
         self.publisher.close()
         self.loop.stop()

@@ -7,19 +7,9 @@ import pytest
 from engine.engine_config import EngineConfig
 from engine.kv_setup import build_kv_cache, kv_pool_template
 from engine.model_config import ModelConfig
+from tests.tiny_engine import TINY as TINY_HF
 
-TINY = ModelConfig.from_hf_config(
-    {
-        "model_type": "llama",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": 100,
-        "max_position_embeddings": 256,
-    }
-)
+TINY = ModelConfig.from_hf_config(TINY_HF)
 
 
 def test_kv_max_tokens_caps_the_pool() -> None:
