@@ -19,6 +19,7 @@ from cluster.collector import expected_roles_for
 from cluster.collector_actor import start_collector_actor
 from cluster.config import ClusterConfig
 from cluster.router import Router, WorkerSlot
+from cluster.worker_setup import NOSET_VISIBLE_DEVICES
 from decode_worker.actor import DecodeWorkerActor
 from prefill_worker.actor import PrefillWorkerActor
 
@@ -68,6 +69,10 @@ def _actor_options(config: ClusterConfig, role: str, index: int) -> dict[str, An
         "max_task_retries": 0,  # the router decides about retries, never Ray
         "max_concurrency": 1000,
     }
+    if r.num_gpus > 0 and config.transfer.direct_copy and not config.aggregated:
+        # Every GPU of the node visible to the worker (it picks its own by Ray's GPU id), so the
+        # prefill worker can open the decode worker's pool through CUDA IPC (transfer/ipc.py).
+        options["runtime_env"] = {"env_vars": {NOSET_VISIBLE_DEVICES: "1"}}
     if r.resources:
         options["resources"] = dict(r.resources)
     if r.label_selector:

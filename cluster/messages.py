@@ -47,6 +47,7 @@ class RequestTimings:
     transfer_start: float | None = None  # KV transfer began (P: pull request seen; D: pull sent)
     transfer_end: float | None = None  # KV transfer finished (P: done sent; D: done checked)
     transfer_bytes: int = 0
+    transfer_path: str | None = None  # D: "ucx", "cuda_ipc" or "local" (transfer/ipc.py)
     decode_start: float | None = None  # first decode step that included this request
     last_token_time: float | None = None
     finish_time: float | None = None  # the worker released the request
@@ -188,6 +189,7 @@ class PerfRecord:
             "prefill_time": self.prefill_time_s,
             "transfer_time": self.transfer_latency_s,
             "transfer_bytes": self.transfer_bytes,
+            "transfer_path": self.decode.transfer_path if self.decode is not None else None,
             "decode_queue_time": self.queue_time_s(Role.DECODE),
             "ttft": self.ttft_s,
             "tpot": self.tpot_s,

@@ -33,6 +33,7 @@ def transceiver_config(config: ClusterConfig) -> TransceiverConfig:
         host=_interface_address(t.interface) if t.interface else t.host,
         port=t.port,
         staging_tokens=t.staging_tokens,
+        direct_copy=t.direct_copy,
         lease_s=t.lease_s,
         connect_deadline_s=t.connect_deadline_s,
         pull_deadline_s=t.pull_deadline_s,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from cluster.config import ClusterConfig
 from engine.engine_config import EngineConfig
 from engine.engine_core import LLMEngine
@@ -19,7 +21,7 @@ def engine_config_for(config: ClusterConfig, role: str) -> EngineConfig:
         model=config.model.source,
         load_format=config.model.load_format,
         dtype=config.model.dtype,
-        device="cuda" if on_gpu else "cpu",
+        device=gpu_device() if on_gpu else "cpu",
         page_size=kv.page_size,
         num_pages=kv.num_pages,
         kv_cache_memory_bytes=None if (on_gpu or kv.num_pages is not None) else int(kv.cpu_bytes),
@@ -34,6 +36,31 @@ def engine_config_for(config: ClusterConfig, role: str) -> EngineConfig:
         dummy_config=dummy,
         max_stats_len=config.stats.max_stats_len,
     )
+
+
+# Set on GPU workers by cluster/builder.py: Ray then leaves CUDA_VISIBLE_DEVICES alone, so every GPU
+# of the node is visible and a prefill worker can open a decode worker's KV pool over CUDA IPC.
+NOSET_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+
+
+def gpu_device() -> str:
+    """This worker's GPU as a torch device: "cuda" when Ray narrowed CUDA_VISIBLE_DEVICES to it,
+    else "cuda:<index>" of the GPU Ray assigned, among the ones this process sees."""
+    if os.environ.get(NOSET_VISIBLE_DEVICES) != "1":
+        return "cuda"
+    import ray
+    import torch
+
+    ids = [str(i) for i in ray.get_gpu_ids()]
+    if not ids:
+        return "cuda"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    order = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    if ids[0] not in order:
+        raise RuntimeError(f"Ray assigned GPU {ids[0]}, which is not among the visible {order}")
+    index = order.index(ids[0])
+    torch.cuda.set_device(index)
+    return f"cuda:{index}"
 
 
 def build_engine(config: ClusterConfig, role: str) -> LLMEngine:

@@ -107,6 +107,7 @@ class DecodeWorker:
             "transfer_start": transfer_start,
             "transfer_end": transfer_end,
             "transfer_bytes": int(result.bytes),
+            "transfer_path": result.stats.path,
         }
         async for delta in self._run(
             req,
@@ -265,6 +266,7 @@ class DecodeWorker:
             transfer_start=None if local else transfer["transfer_start"],
             transfer_end=None if local else transfer["transfer_end"],
             transfer_bytes=0 if local else transfer["transfer_bytes"],
+            transfer_path=None if local else transfer["transfer_path"],
             decode_start=m.first_scheduled_time,
             last_token_time=m.last_token_time,
             finish_time=m.finished_time or time.time(),

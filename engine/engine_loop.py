@@ -16,6 +16,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
+
 from engine.engine_core import LLMEngine
 from engine.outputs import RequestOutput
 
@@ -72,6 +74,11 @@ class EngineLoop:
     # ---- the loop thread ----
     def _run(self) -> None:
         engine = self.engine
+        device = engine.kv.device
+        if device.type == "cuda" and device.index is not None:
+            # The current device is per thread, and Triton launches on it: with several GPUs
+            # visible (cluster workers that use CUDA IPC), this thread must name ours.
+            torch.cuda.set_device(device)
         while not self._stop.is_set():
             busy = engine.has_unfinished()
             self._run_calls(block=not busy)

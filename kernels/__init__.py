@@ -19,7 +19,7 @@ from kernels.attention_ref import (
     paged_prefill_attention_ref,
     store_kv_ref,
 )
-from kernels.page_copy_ref import gather_pages_ref, scatter_pages_ref
+from kernels.page_copy_ref import copy_pages_ref, gather_pages_ref, scatter_pages_ref
 
 __all__ = [
     "store_kv",
@@ -27,11 +27,13 @@ __all__ = [
     "paged_prefill_attention",
     "gather_pages",
     "scatter_pages",
+    "copy_pages",
     "store_kv_ref",
     "paged_decode_attention_ref",
     "paged_prefill_attention_ref",
     "gather_pages_ref",
     "scatter_pages_ref",
+    "copy_pages_ref",
     "use_triton",
 ]
 
@@ -111,3 +113,14 @@ def scatter_pages(src: torch.Tensor, dst: torch.Tensor, page_ids: torch.Tensor) 
     else:
         impl = scatter_pages_ref
     return impl(src, dst, page_ids)
+
+
+def copy_pages(
+    src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor, dst_ids: torch.Tensor
+) -> torch.Tensor:
+    """dst[dst_ids[i]] = src[src_ids[i]] for 2-D [N, E] / [M, E] page-row views. Returns dst."""
+    if use_triton(src):
+        from kernels.page_copy_triton import copy_pages as impl
+    else:
+        impl = copy_pages_ref
+    return impl(src, src_ids, dst, dst_ids)

@@ -1,4 +1,4 @@
-"""Plain-torch reference twins of the transfer staging kernels: whole-page gather and scatter.
+"""Plain-torch reference twins of the transfer page kernels: whole-page gather, scatter and copy.
 
 Pools are seen as 2-D views [num_pages, page_elems] (any dtype; the transceiver uses uint8 views), so
 one page id selects one contiguous row of the page-major layout (kvcache/spec.py).
@@ -18,4 +18,13 @@ def gather_pages_ref(src: torch.Tensor, page_ids: torch.Tensor, out: torch.Tenso
 def scatter_pages_ref(src: torch.Tensor, dst: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
     """dst[page_ids[i]] = src[i]; src [n, E], dst [N, E], page_ids [n] int64 (distinct)."""
     dst.index_copy_(0, page_ids.to(dst.device).long(), src)
+    return dst
+
+
+def copy_pages_ref(
+    src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor, dst_ids: torch.Tensor
+) -> torch.Tensor:
+    """dst[dst_ids[i]] = src[src_ids[i]]; src [N, E], dst [M, E], ids [n] int64 (dst_ids distinct)."""
+    rows = torch.index_select(src, 0, src_ids.to(src.device).long())
+    dst.index_copy_(0, dst_ids.to(dst.device).long(), rows.to(dst.device))
     return dst

@@ -1,4 +1,4 @@
-"""Whole-page gather and scatter in Triton (the transceiver's staging copies).
+"""Whole-page gather, scatter and page-to-page copy in Triton (the transceiver's page copies).
 
 Pools are seen as 2-D views [num_pages, page_elems] (the transceiver passes uint8 views), one row
 per page. A page can be megabytes (all layers of a group), so each row is split over many programs
@@ -46,6 +46,30 @@ def _copy_rows_kernel(
     tl.store(dst_ptr + dst_row * stride_dst_row + offs * stride_dst_col, x, mask=ok)
 
 
+@triton.jit
+def _copy_pairs_kernel(
+    src_ptr,
+    dst_ptr,
+    src_ids_ptr,
+    dst_ids_ptr,
+    stride_src_row,
+    stride_dst_row,
+    row_elems,
+    blocks_per_row,
+    BLOCK: tl.constexpr,
+):
+    # Rows are contiguous here (copy_pages checks): unit column stride lets every thread move
+    # 16-byte vectors, which is what keeps NVLink busy when dst is a peer GPU's pool.
+    pid = tl.program_id(0)
+    i = pid // blocks_per_row
+    offs = (pid % blocks_per_row) * BLOCK + tl.arange(0, BLOCK)
+    src_row = tl.load(src_ids_ptr + i).to(tl.int64)
+    dst_row = tl.load(dst_ids_ptr + i).to(tl.int64)
+    ok = offs < row_elems
+    x = tl.load(src_ptr + src_row * stride_src_row + offs, mask=ok)
+    tl.store(dst_ptr + dst_row * stride_dst_row + offs, x, mask=ok)
+
+
 def _as_int32_rows(t: torch.Tensor) -> torch.Tensor:
     """The same bytes as [rows, bytes / 4] int32 when layout and alignment allow, else t itself."""
     if t.dtype == torch.int32 or t.element_size() > 4 or t.dim() != 2 or t.stride(1) != 1:
@@ -56,18 +80,26 @@ def _as_int32_rows(t: torch.Tensor) -> torch.Tensor:
         return t
 
 
+def _tiling(
+    src: torch.Tensor, dst: torch.Tensor, block_bytes: int
+) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
+    """Word views of both sides (when both can be widened, else the originals), the row length in
+    those words, the elements per program and the programs per row."""
+    src_w, dst_w = _as_int32_rows(src), _as_int32_rows(dst)
+    if src_w.dtype != dst_w.dtype:  # one side could not be widened: copy in the original dtype
+        src_w, dst_w = src, dst
+    row_elems = src_w.shape[1]
+    block = min(next_power_of_2(row_elems), max(16, block_bytes // src_w.element_size()))
+    return src_w, dst_w, row_elems, block, triton.cdiv(row_elems, block)
+
+
 def _copy_rows(
     src: torch.Tensor, dst: torch.Tensor, page_ids: torch.Tensor, index_src: bool
 ) -> None:
     n = page_ids.shape[0]
     if n == 0 or src.shape[1] == 0:
         return
-    src_w, dst_w = _as_int32_rows(src), _as_int32_rows(dst)
-    if src_w.dtype != dst_w.dtype:  # one side could not be widened: copy in the original dtype
-        src_w, dst_w = src, dst
-    row_elems = src_w.shape[1]
-    block = min(next_power_of_2(row_elems), max(16, BLOCK_BYTES // src_w.element_size()))
-    blocks_per_row = triton.cdiv(row_elems, block)
+    src_w, dst_w, row_elems, block, blocks_per_row = _tiling(src, dst, BLOCK_BYTES)
     _copy_rows_kernel[(n * blocks_per_row,)](
         src_w,
         dst_w,
@@ -111,4 +143,46 @@ def scatter_pages(src: torch.Tensor, dst: torch.Tensor, page_ids: torch.Tensor) 
     """dst[page_ids[i]] = src[i]; src [n, E], dst [N, E], page_ids [n] (distinct). Returns dst."""
     page_ids = _check(src, dst, page_ids, "scatter_pages")
     _copy_rows(src, dst, page_ids, index_src=False)
+    return dst
+
+
+def copy_pages(
+    src: torch.Tensor,
+    src_ids: torch.Tensor,
+    dst: torch.Tensor,
+    dst_ids: torch.Tensor,
+    block_bytes: int = BLOCK_BYTES,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """dst[dst_ids[i]] = src[src_ids[i]]; src [N, E], dst [M, E], ids [n] (dst_ids distinct).
+    ``dst`` may be another GPU's memory mapped into this process (CUDA IPC): one launch copies
+    every page over NVLink. Returns dst."""
+    if src.dim() != 2 or dst.dim() != 2 or src.shape[1] != dst.shape[1] or src.dtype != dst.dtype:
+        raise ValueError(
+            f"copy_pages: expected 2-D [N, E] and [M, E] tensors of one dtype, got {tuple(src.shape)} "
+            f"{src.dtype} and {tuple(dst.shape)} {dst.dtype}"
+        )
+    if src_ids.dim() != 1 or src_ids.shape != dst_ids.shape:
+        raise ValueError(
+            f"copy_pages: src_ids and dst_ids must be 1-D of one length, got {tuple(src_ids.shape)} "
+            f"and {tuple(dst_ids.shape)}"
+        )
+    n = src_ids.shape[0]
+    if n == 0 or src.shape[1] == 0:
+        return dst
+    src_w, dst_w, row_elems, block, blocks_per_row = _tiling(src, dst, block_bytes)
+    if src_w.stride(1) != 1 or dst_w.stride(1) != 1:
+        raise ValueError("copy_pages: page rows must be contiguous")
+    _copy_pairs_kernel[(n * blocks_per_row,)](
+        src_w,
+        dst_w,
+        src_ids.to(src.device),
+        dst_ids.to(src.device),
+        src_w.stride(0),
+        dst_w.stride(0),
+        row_elems,
+        blocks_per_row,
+        BLOCK=block,
+        num_warps=num_warps,
+    )
     return dst

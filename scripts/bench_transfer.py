@@ -53,7 +53,7 @@ def page_sums(buf: torch.Tensor, spec: PoolGroupSpec, pages: list[int]) -> list[
     return rows[torch.tensor(pages, device=buf.device)].sum(dim=1, dtype=torch.int64).tolist()
 
 
-def config(args: argparse.Namespace) -> TransceiverConfig:
+def config(args: argparse.Namespace, direct_copy: bool = True) -> TransceiverConfig:
     env = {
         "UCX_TLS": "tcp,self" if args.device == "cpu" else "tcp,cuda_copy,cuda_ipc",
         "UCX_NET_DEVICES": "lo",
@@ -64,6 +64,7 @@ def config(args: argparse.Namespace) -> TransceiverConfig:
         staging_tokens=args.staging_tokens,
         staging_buffers=args.staging_buffers,
         progress_mode=args.progress_mode,
+        direct_copy=direct_copy,
         lease_s=120,
         pull_deadline_s=60,
         chunk_deadline_s=60,
@@ -136,7 +137,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     child.start()
     port, child_address = conn.recv()
     buf = torch.zeros(spec.buffer_shape, dtype=spec.dtype, device=device)
-    receiver = KVReceiver({"full": buf}, [spec], "bench", config(args))
+    receiver = KVReceiver({"full": buf}, [spec], "bench", config(args, direct_copy=False))
+    # Same pool, second receiver: it offers its pools, so P writes them directly (cuda_ipc).
+    direct = (
+        KVReceiver({"full": buf}, [spec], "bench", config(args)) if "direct" in args.paths else None
+    )
     runtime = receiver.runtime
     conn.send(runtime.worker_address)
     raw_ep = runtime.run(runtime.create_endpoint(child_address), timeout=30)
@@ -153,13 +158,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for size in sizes:
         n = size // spec.page_bytes
         row: dict[str, Any] = {"bytes": size}
-        for layout in args.layouts:
-            try:
-                times, chunks = ours(conn, receiver, buf, spec, n, layout, gen, args.repeats, size)
-                row[f"ours_{layout}_gbps"] = median_gbps(size, times)
-                row[f"ours_{layout}_chunks"] = chunks
-            except Exception as e:  # keep the other figures of this run
-                row[f"ours_{layout}_error"] = f"{type(e).__name__}: {e}"
+        for name, rec in (("ours", receiver if "ucx" in args.paths else None), ("direct", direct)):
+            for layout in args.layouts if rec is not None else ():
+                try:
+                    times, chunks, path = ours(
+                        conn, rec, buf, spec, n, layout, gen, args.repeats, size
+                    )
+                    row[f"{name}_{layout}_gbps"] = median_gbps(size, times)
+                    row[f"{name}_{layout}_chunks"] = chunks
+                    row[f"{name}_{layout}_path"] = path
+                except Exception as e:  # keep the other figures of this run
+                    row[f"{name}_{layout}_error"] = f"{type(e).__name__}: {e}"
         try:
             raw_times = [raw_once(runtime, raw_ep, raw_dst, size) for _ in range(args.repeats + 1)][
                 1:
@@ -169,7 +178,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             row["raw_ucxx_error"] = f"{type(e).__name__}: {e}"
         if args.device == "cuda":
             row["peer_copy_gbps"] = median_gbps(size, peer_copy_times(size, args.repeats))
-        for key in [k for k in row if k.startswith("ours_") and k.endswith("_gbps")]:
+        for key in [k for k in row if k.startswith(("ours_", "direct_")) and k.endswith("_gbps")]:
             for base in ("raw_ucxx", "peer_copy"):
                 if f"{base}_gbps" in row:
                     row[key.replace("_gbps", f"_vs_{base}")] = row[key] / row[f"{base}_gbps"]
@@ -180,6 +189,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     conn.recv()
     child.join(60)
     raw_ep.abort()
+    if direct is not None:
+        direct.close()
     receiver.close()
     return {
         "device": args.device,
@@ -188,6 +199,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "staging_buffers": args.staging_buffers,
         "progress_mode": resolve_progress_mode(args.progress_mode, args.device == "cuda"),
         "repeats": args.repeats,
+        "paths": args.paths,
         "staging_copy": diag,
         "rows": rows,
     }
@@ -233,12 +245,13 @@ def ours(
     repeats: int,
     size: int,
 ) -> tuple[list[float], int]:
-    """Wall time of ``repeats`` pulls (after one warm-up) as the caller sees them; checks the last."""
-    times, chunks = [], 0
+    """Wall time of ``repeats`` pulls (after one warm-up) as the caller sees them; checks the last.
+    Returns the times, the chunks of one pull and the data path the link took."""
+    times, chunks, path = [], 0, ""
     for rep in range(repeats + 1):
         src = choose_pages(n, spec, layout, gen)
         dst = choose_pages(n, spec, layout, gen)
-        conn.send(("publish", f"{layout}-{size}-{rep}", src))
+        conn.send(("publish", f"{receiver.instance_id}-{layout}-{size}-{rep}", src))
         ticket, src_sums = conn.recv()
         start = time.perf_counter()
         result = receiver.pull_blocking(ticket, {"full": dst}, 0, ticket.declared_prompt_len)
@@ -247,10 +260,10 @@ def ours(
             raise RuntimeError(f"transfer failed: {result.error}")
         if rep:
             times.append(elapsed)
-        chunks = result.stats.chunks
+        chunks, path = result.stats.chunks, result.stats.path
     if page_sums(buf, spec, dst) != src_sums:
         raise RuntimeError(f"{layout} {size}: the received bytes differ from the sent ones")
-    return times, chunks
+    return times, chunks, path
 
 
 def raw_once(runtime: UcxRuntime, ep: Any, dst: torch.Tensor, size: int) -> float:
@@ -293,6 +306,8 @@ def peer_copy_times(size: int, repeats: int) -> list[float]:
 def format_row(row: dict[str, Any]) -> str:
     parts = [f"{row['bytes'] / MIB:>6.0f} MiB"]
     for key, value in row.items():
+        if key.endswith("_path"):
+            parts.append(f"{key} {value}")
         if key.endswith("_gbps"):
             parts.append(f"{key[:-5]} {value:7.2f} GB/s")
         elif "_vs_" in key:
@@ -320,10 +335,20 @@ def main() -> None:
     parser.add_argument("--proto-info", action="store_true", help="set UCX_PROTO_INFO=y")
     parser.add_argument("--staging-buffers", type=int, default=4)
     parser.add_argument("--layouts", nargs="+", default=["contiguous", "scattered"])
+    parser.add_argument(
+        "--paths",
+        nargs="+",
+        choices=["ucx", "direct"],
+        default=None,
+        help="data paths to time: ucx (staged chunks over UCX) and direct (P writes D's pages "
+        "through CUDA IPC); default both on GPUs, ucx on CPU",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args()
     if args.max_mib is None:
         args.max_mib = 256 if args.device == "cpu" else 1024
+    if args.paths is None:
+        args.paths = ["ucx"] if args.device == "cpu" else ["ucx", "direct"]
     if args.staging_tokens is None:
         args.staging_tokens = 1024 if args.device == "cpu" else 16384
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")

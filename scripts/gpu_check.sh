@@ -1,11 +1,31 @@
 #!/usr/bin/env bash
 # GPU work of one device call, on a 2-GPU machine: `. .gpu/setup.sh` first (see README of the GPU
-# machines), then this. Results go under $OUT (or ./out).
+# machines), then this. Results go under $OUT (or ./out). STEPS picks what runs (default: all):
+#   tests     GPU tests of kernels/ and transfer/ (CUDA IPC between two processes included)
+#   pagecopy  scripts/bench_page_copy.py: the direct path's copy kernel variants vs peer copy
+#   transfer  scripts/bench_transfer.py, 1 MiB .. 1 GiB: ucx and direct paths, raw ucxx, peer copy
+#   cluster   scripts/gpu_cluster_check.py: 1P1D vs aggregated tokens, transfer path and figures
+#   bench     duet bench of configs/gpu_1p1d.yaml against its aggregated twin
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0   # keep Ray on loopback
-[ -n "${SKIP_KERNEL_TESTS:-}" ] || python -m pytest -q -m gpu tests/kernels 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
-python scripts/gpu_cluster_check.py 2>&1 | tee "$OUT/gpu_cluster.log" | grep -v "^\s*$" | tail -40
-python -m cluster.bench configs/gpu_1p1d.yaml --compare aggregated --tokenizer none --vocab-size 128000 \
-  --num-prompts 32 --input-len 2048 --output-len 64 --request-rate 2 8 inf --disable-tqdm --no-plots \
-  --output-dir "$OUT/bench" 2>&1 | tee "$OUT/gpu_bench.log" | tail -60
+for step in ${STEPS:-tests transfer cluster bench}; do
+  echo "== $step"
+  case $step in
+    tests)
+      python -m pytest -q -m gpu tests/kernels tests/transfer ${TEST_FILTER:+-k "$TEST_FILTER"} 2>&1 \
+        | tee "$OUT/gpu_tests.log" | tail -15 ;;
+    pagecopy)
+      python scripts/bench_page_copy.py --out "$OUT/page_copy_gpu.json" 2>&1 | tee "$OUT/page_copy.log" | tail -8 ;;
+    transfer)
+      python scripts/bench_transfer.py --device cuda --min-mib 1 --max-mib 1024 --repeats 5 \
+        --out "$OUT/transfer_gpu.json" 2>&1 | tee "$OUT/transfer_gpu.log" | tail -14 ;;
+    cluster)
+      python scripts/gpu_cluster_check.py 2>&1 | tee "$OUT/gpu_cluster.log" | grep -v "^\s*$" | tail -60 ;;
+    bench)
+      python -m cluster.bench configs/gpu_1p1d.yaml --compare aggregated --tokenizer none \
+        --vocab-size 128000 --num-prompts 32 --input-len 2048 --output-len 64 --request-rate 2 8 inf \
+        --disable-tqdm --no-plots --output-dir "$OUT/bench" 2>&1 | tee "$OUT/gpu_bench.log" | tail -60 ;;
+    *) echo "unknown step $step"; exit 2 ;;
+  esac
+done

@@ -1,6 +1,7 @@
 """GPU check of the whole cluster (run by scripts/gpu_check.sh on a 2-GPU machine).
 
-Starts configs/gpu_1p1d.yaml (prefill on GPU 0, decode on GPU 1, KV over UCX cuda_ipc), sends greedy
+Starts configs/gpu_1p1d.yaml (prefill on GPU 0, decode on GPU 1, KV written by the prefill worker
+into the decode worker's pool through CUDA IPC: transfer_path "cuda_ipc"), sends greedy
 requests as token ids (dummy weights have no tokenizer), then does the same on the aggregated twin
 and checks that both give the same tokens; prints the transfer figures from /perf_metrics.
 """
@@ -59,6 +60,7 @@ def main() -> int:
         {
             "prompt_tokens": r["prompt_tokens"],
             "transfer_bytes": r["transfer_bytes"],
+            "transfer_path": r.get("transfer_path"),
             "transfer_s": r["transfer_time"],
             "gbps": (r["transfer_bytes"] / r["transfer_time"] / 1e9)
             if r.get("transfer_time")

@@ -11,7 +11,7 @@ MapperError that says so, never copied wrongly.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvcache.spec import NULL_PAGE
 from transfer.page_table import PageTable, PoolDescriptor
@@ -21,8 +21,9 @@ class MapperError(ValueError):
     """The two page tables (or the page ids) cannot be mapped onto each other."""
 
 
-@dataclass(frozen=True)
-class Fragment:
+class Fragment(NamedTuple):
+    # A named tuple, not a frozen dataclass: a long prompt's scattered pages make thousands of
+    # these per pull on each side, and a tuple is built several times faster.
     src_pool: str
     dst_pool: str
     src_offset: int
@@ -68,16 +69,17 @@ def _check_servable(src: PoolDescriptor, dst: PoolDescriptor) -> None:
     )
 
 
-def map_pages(
+def map_page_ids(
     src: PageTable,
     dst: PageTable,
     src_pages: Mapping[str, Sequence[int]],
     dst_pages: Mapping[str, Sequence[int]],
-) -> list[Fragment]:
-    """Fragments copying page ``src_pages[g][i]`` to ``dst_pages[match(g)][i]`` for every source
-    pool ``g``, in pool order then page order. A source entry equal to the null page (a page a
-    sliding window already dropped) moves nothing. Raises MapperError for unmatched pools, page lists
-    of different lengths, page ids out of range, or a destination page listed twice."""
+) -> list[tuple[PoolDescriptor, PoolDescriptor, list[int], list[int]]]:
+    """(source pool, destination pool, source ids, destination ids) for every source pool, in pool
+    order, page ``src_pages[g][i]`` going to ``dst_pages[match(g)][i]``. A source entry equal to
+    the null page (a page a sliding window already dropped) moves nothing and is left out. Raises
+    MapperError for unmatched pools, page lists of different lengths, page ids out of range, or a
+    destination page listed twice."""
     matched = match_pools(src, dst)
     if set(src_pages) != set(matched):
         raise MapperError(
@@ -87,7 +89,7 @@ def map_pages(
         raise MapperError(
             f"destination page ids name pools {sorted(dst_pages)}, expected {sorted(matched.values())}"
         )
-    fragments: list[Fragment] = []
+    out = []
     for pool in src.pools:
         peer = dst.pool(matched[pool.name])
         s_ids, d_ids = list(src_pages[pool.name]), list(dst_pages[peer.name])
@@ -96,26 +98,38 @@ def map_pages(
                 f"pool {pool.name!r}: {len(s_ids)} source pages but {len(d_ids)} destination pages"
             )
         _check_ids(s_ids, pool, "source")
-        _check_ids(
-            [d for s, d in zip(s_ids, d_ids, strict=True) if s != NULL_PAGE],
-            peer,
-            "destination",
-            distinct=True,
-        )
+        if NULL_PAGE in s_ids:
+            kept = [(s, d) for s, d in zip(s_ids, d_ids, strict=True) if s != NULL_PAGE]
+            s_ids, d_ids = [s for s, _ in kept], [d for _, d in kept]
+        _check_ids(d_ids, peer, "destination", distinct=True)
+        out.append((pool, peer, s_ids, d_ids))
+    return out
+
+
+def map_pages(
+    src: PageTable,
+    dst: PageTable,
+    src_pages: Mapping[str, Sequence[int]],
+    dst_pages: Mapping[str, Sequence[int]],
+) -> list[Fragment]:
+    """Fragments copying the pages of ``map_page_ids``, in pool order then page order; runs of
+    pages consecutive on both sides are merged into one fragment."""
+    fragments: list[Fragment] = []
+    for pool, peer, s_ids, d_ids in map_page_ids(src, dst, src_pages, dst_pages):
         fragments.extend(_runs(pool, peer, s_ids, d_ids))
     return fragments
 
 
 def _check_ids(ids: list[int], pool: PoolDescriptor, side: str, distinct: bool = False) -> None:
-    bad = [i for i in ids if not 0 <= i < pool.num_pages]
-    if bad:
+    # min/max/set run in C: a long prompt has thousands of pages, checked on both sides per pull.
+    if ids and (min(ids) < 0 or max(ids) >= pool.num_pages):
+        bad = [i for i in ids if not 0 <= i < pool.num_pages]
         raise MapperError(
             f"{side} pool {pool.name!r}: page ids {bad[:8]} outside [0, {pool.num_pages})"
         )
-    real = [i for i in ids if i != NULL_PAGE]
-    if side == "destination" and len(real) != len(ids):
+    if side == "destination" and NULL_PAGE in ids:
         raise MapperError(f"destination pool {pool.name!r}: the null page cannot receive data")
-    if distinct and len(set(real)) != len(real):
+    if distinct and len(set(ids)) != len(ids):
         raise MapperError(f"{side} pool {pool.name!r}: a page id is listed twice")
 
 
@@ -126,8 +140,6 @@ def _runs(
     out: list[Fragment] = []
     run_s = run_d = run_n = 0
     for s, d in zip(s_ids, d_ids, strict=True):
-        if s == NULL_PAGE:
-            continue
         if run_n and s == run_s + run_n and d == run_d + run_n:
             run_n += 1
             continue

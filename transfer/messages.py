@@ -6,13 +6,17 @@ missing or extra field, or a field of the wrong type raises TransferProtocolErro
 anything that is not msgpack at all; nothing else ever escapes it.
 
 Conversation (D = decode worker, which pulls; P = prefill worker, which serves):
-    D -> P  Hello            page table, UCX worker address, chunk size
-    P -> D  HelloReply       the same from P, or an error (compatibility hash mismatch)
+    D -> P  Hello            page table, UCX worker address, chunk size, D's pool export (ipc.py)
+    P -> D  HelloReply       the same from P and the link's data path ("ucx", or "cuda_ipc" /
+                             "local" when P opened D's pools), or an error (compatibility hash)
     D -> P  PullRequest      request id, pull id, page ids on both sides, D's plan (chunks, bytes),
-                             and the chunks D has already posted receives for (credits)
+                             and the chunks D has already posted receives for (credits; none on a
+                             direct-copy link)
     P -> D  data chunks      over UCX, tag = data_tag(pull_id, chunk index); only credited chunks
+                             (on a direct-copy link P writes D's pages itself instead)
     D -> P  ChunkReady       more credits, as D's staging buffers free up
-    P -> D  TransferDone     declared prompt length, bytes, chunks (once every send is posted)
+    P -> D  TransferDone     declared prompt length, bytes, chunks (once every send is posted, or
+                             once the direct copy has completed)
     P -> D  PullError        instead, when P refuses or gives up the pull
     D -> P  TransferAck      ok, or the reason D failed the transfer; P releases the pages
     either  Reject           a message of the peer could not be decoded
@@ -69,6 +73,7 @@ class Hello:
     page_table: PageTable
     ucx_address: bytes
     chunk_bytes: int
+    pool_export: bytes  # ipc.IpcExport.to_wire(), or b"" when D offers no direct copy
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,7 @@ class HelloReply:
     ucx_address: bytes
     chunk_bytes: int
     error: str  # "" when P accepts the peer
+    data_path: str  # "ucx", "cuda_ipc" or "local" (P copies into D's pools itself)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """PeerLink: one connected peer, i.e. its control channel plus a UCX endpoint to its worker, and the
-handshake that makes one (Hello / HelloReply: page tables, compatibility hash, UCX addresses).
+handshake that makes one (Hello / HelloReply: page tables, compatibility hash, UCX addresses, and
+whether P writes D's pools directly: ``data_path``, ipc.py).
 
 Closing a link is how transfers are cancelled: ``abort`` closes the UCX endpoint, which cancels every
 receive and send posted on it, and the control channel, so the peer learns at once. Transfers on the
@@ -9,6 +10,7 @@ link see ``closed_reason`` through their ``on_closed`` callbacks and clean up.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +36,15 @@ class PeerInfo:
     instance_id: str
     page_table: PageTable
     chunk_bytes: int  # agreed: the smaller staging buffer of the two sides
+    data_path: str = "ucx"  # "ucx", or "cuda_ipc" / "local": P copies into D's pools itself
+
+    @property
+    def direct(self) -> bool:
+        return self.data_path != "ucx"
+
+
+# P side: D's pool export (Hello.pool_export) -> (data path, D's rows), or None to stay on UCX.
+OpenPools = Callable[[bytes], Any]
 
 
 class PeerLink:
@@ -43,6 +54,8 @@ class PeerLink:
         self.info = info
         self.name = name
         self.closed_reason: str | None = None
+        # P side of a direct link: D's pools opened in this process (ipc.open_pools).
+        self.peer_rows: dict[str, torch.Tensor] | None = None
         self._on_closed: list[Callable[[str], None]] = []
         loop = asyncio.get_running_loop()
         # UCX calls this from its progress thread when the endpoint fails (peer died).
@@ -80,6 +93,7 @@ class PeerLink:
         if self.closed_reason is not None:
             return
         self.closed_reason = reason
+        self.peer_rows = None  # sessions copying into them hold their own reference until done
         log.info("%s: closing link (%s)", self.name, reason)
         self.channel.close(reason)
         try:
@@ -129,6 +143,10 @@ async def connect(
             if reply.error
             else check_compatible(hello.page_table, reply.page_table)
         )
+        if not problem and reply.data_path not in ("ucx", "cuda_ipc", "local"):
+            problem = f"unknown data path {reply.data_path!r}"
+        if not problem and reply.data_path != "ucx" and not hello.pool_export:
+            problem = f"data path {reply.data_path!r} but we exported no pools"
         if problem:
             counters.refused_peers += 1
             raise PeerRefused(f"{name}: {problem}")
@@ -136,7 +154,12 @@ async def connect(
     except BaseException:
         channel.close("handshake failed")
         raise
-    info = PeerInfo(reply.instance_id, reply.page_table, min(hello.chunk_bytes, reply.chunk_bytes))
+    info = PeerInfo(
+        reply.instance_id,
+        reply.page_table,
+        min(hello.chunk_bytes, reply.chunk_bytes),
+        reply.data_path,
+    )
     return PeerLink(channel, endpoint, info, f"{name} (instance {reply.instance_id})")
 
 
@@ -147,9 +170,10 @@ async def accept(
     own: HelloReply,
     timeout: float,
     counters: TransferCounters,
+    open_pools: OpenPools | None = None,
 ) -> PeerLink | None:
     """P side: answer one incoming Hello. Returns None (after telling the peer why) when the peer is
-    refused or the handshake fails."""
+    refused or the handshake fails. ``open_pools`` tries D's pool export for a direct link."""
     peername = writer.get_extra_info("peername")
     channel = ControlChannel(reader, writer, f"link from {peername}", counters)
     try:
@@ -162,14 +186,26 @@ async def accept(
             await channel.send(_refusal(own, problem), timeout)
             raise PeerRefused(problem)
         endpoint = await asyncio.wait_for(runtime.create_endpoint(hello.ucx_address), timeout)
-        await channel.send(own, timeout)
+        opened = None
+        if open_pools is not None and hello.pool_export:
+            opened = await asyncio.wait_for(open_pools(hello.pool_export), timeout)
+        data_path, peer_rows = opened if opened is not None else ("ucx", None)
+        await channel.send(dataclasses.replace(own, data_path=data_path), timeout)
     except (PeerRefused, ConnectionError, asyncio.TimeoutError) as e:
         log.warning("%s: handshake refused or failed: %s", channel.name, e)
         channel.close(f"handshake failed: {e}")
         return None
-    info = PeerInfo(hello.instance_id, hello.page_table, min(hello.chunk_bytes, own.chunk_bytes))
-    return PeerLink(channel, endpoint, info, f"link from {peername} (instance {hello.instance_id})")
+    info = PeerInfo(
+        hello.instance_id, hello.page_table, min(hello.chunk_bytes, own.chunk_bytes), data_path
+    )
+    link = PeerLink(
+        channel, endpoint, info, f"link from {peername} (instance {hello.instance_id}, {data_path})"
+    )
+    link.peer_rows = peer_rows
+    return link
 
 
 def _refusal(own: HelloReply, problem: str) -> HelloReply:
-    return HelloReply(own.instance_id, own.page_table, own.ucx_address, own.chunk_bytes, problem)
+    return HelloReply(
+        own.instance_id, own.page_table, own.ucx_address, own.chunk_bytes, problem, "ucx"
+    )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from transfer.mapper import Fragment, map_pages
 from transfer.page_table import PageTable
@@ -21,7 +22,7 @@ class Chunk:
     index: int
     fragments: tuple[Fragment, ...]
 
-    @property
+    @cached_property  # asked for per send, receive and check; a chunk can hold thousands of pages
     def nbytes(self) -> int:
         return sum(f.nbytes for f in self.fragments)
 
@@ -41,7 +42,7 @@ class TransferPlan:
     chunks: tuple[Chunk, ...]
     chunk_bytes: int
 
-    @property
+    @cached_property
     def total_bytes(self) -> int:
         return sum(c.nbytes for c in self.chunks)
 
@@ -90,6 +91,10 @@ def chunk_fragments(
                         ),
                     )
                 )
+            continue
+        if frag.nbytes <= room:  # the common case (single pages): no new object per page
+            current.append(frag)
+            room -= frag.nbytes
             continue
         while done < frag.nbytes:
             take = min(frag.nbytes - done, room // page * page)

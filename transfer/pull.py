@@ -11,6 +11,10 @@ it will not send with empty messages when it refuses or gives up cleanly (PullEr
 otherwise the link is aborted, the only way UCX cancels a receive (other pulls on that link fail
 too; the next pull reconnects). ``run`` returns only after every receive and page copy of this pull
 has ended. KV is never trimmed or padded: any mismatch fails the pull.
+
+On a direct link (ipc.py) D posts nothing: P writes the pages itself and answers with TransferDone
+once its copy has completed, so the pull is one round trip plus the copy. A pull that fails there
+without P's answer gave P pull_deadline_s (orders of magnitude more than any copy) to finish.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from transfer.ipc import DirectPlan, direct_plan
 from transfer.mapper import MapperError
 from transfer.messages import (
     ChunkReady,
@@ -64,7 +69,7 @@ class PullSession:
         self.expected = expected_prompt_len
         self.pull_id = pull_id
         self.link: PeerLink | None = None
-        self.plan: TransferPlan | None = None
+        self.plan: TransferPlan | DirectPlan | None = None
         self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self._recvs: list[asyncio.Task] = []
         self._feeder: asyncio.Task | None = None
@@ -89,13 +94,18 @@ class PullSession:
                     f"expected {self.expected}"
                 )
             try:
-                self.plan = build_plan(
-                    self.link.info.page_table,
-                    self.r.page_table,
-                    src,
-                    self.dst,
-                    self.link.info.chunk_bytes,
-                )
+                if self.link.info.direct:
+                    self.plan = direct_plan(
+                        self.link.info.page_table, self.r.page_table, src, self.dst
+                    )
+                else:
+                    self.plan = build_plan(
+                        self.link.info.page_table,
+                        self.r.page_table,
+                        src,
+                        self.dst,
+                        self.link.info.chunk_bytes,
+                    )
             except (MapperError, ValueError) as e:
                 raise PullFailed(f"cannot map the pages: {e}") from None
             await self._transfer()
@@ -137,29 +147,44 @@ class PullSession:
             src[g] = pages[self.skip :]
         return src
 
+    def _pull_request(self, ready: list[int]) -> PullRequest:
+        assert self.link is not None and self.plan is not None
+        return PullRequest(
+            self.ticket.request_id,
+            self.pull_id,
+            self.ticket.page_ids,
+            self.dst,
+            self.skip,
+            self.link.info.chunk_bytes,
+            self.plan.num_chunks,
+            self.plan.total_bytes,
+            ready,
+        )
+
+    async def _transfer_direct(self) -> None:
+        """P copies into our pages and answers with TransferDone (or PullError)."""
+        assert self.link is not None and self.plan is not None
+        cfg = self.r.config
+        await self.link.send(self._pull_request([]), cfg.pull_deadline_s)
+        event = await self._next("P's direct copy and TransferDone", cfg.pull_deadline_s)
+        if not isinstance(event, TransferDone):
+            raise PullFailed(f"unexpected {event!r} on a direct-copy link")
+        self.r.book.counters.chunks += self.plan.num_chunks
+        self._check_done(event, self.plan.num_chunks)
+
     async def _transfer(self) -> None:
         assert self.link is not None and self.plan is not None
-        cfg, plan, rid = self.r.config, self.plan, self.ticket.request_id
+        if self.link.info.direct:
+            await self._transfer_direct()
+            return
+        cfg, plan = self.r.config, self.plan
         # Every receive straight into the pool is posted now (they need no buffer), then staged ones
         # while buffers last; the feeder credits the rest in plan order as buffers free up.
         pending = [c for c in plan.chunks if not self._post_direct(c)]
         while pending and self._post(pending[0]):
             pending.pop(0)
         ready, self._credits = self._credits, []
-        await self.link.send(
-            PullRequest(
-                rid,
-                self.pull_id,
-                self.ticket.page_ids,
-                self.dst,
-                self.skip,
-                self.link.info.chunk_bytes,
-                plan.num_chunks,
-                plan.total_bytes,
-                ready,
-            ),
-            cfg.pull_deadline_s,
-        )
+        await self.link.send(self._pull_request(ready), cfg.pull_deadline_s)
         if pending:
             self._feeder = asyncio.ensure_future(self._feed(pending))
         done: TransferDone | None = None
@@ -300,6 +325,7 @@ class PullSession:
             time.perf_counter() - start,
             ok,
             error,
+            self.link.info.data_path if self.link is not None else "ucx",
         )
         self.r.book.record(stats)
         return TransferResult(self.ticket.request_id, ok, error, stats)

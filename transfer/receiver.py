@@ -27,6 +27,7 @@ import torch
 
 from kvcache.spec import PoolGroupSpec
 from transfer.config import TransceiverConfig, resolve_progress_mode
+from transfer.ipc import IpcExport, IpcUnavailable, export_pools, unexport
 from transfer.messages import Hello, Message, PullError, Reject, TransferDone, TransferTicket
 from transfer.page_table import PageTable
 from transfer.peer import PeerLink, PeerRefused, connect
@@ -55,6 +56,7 @@ class KVReceiver:
         self.rows = pool_rows(buffers, {s.name: s.page_bytes for s in specs})
         self.chunk_bytes = chunk_bytes_for(self.page_table, config.staging_tokens)
         self.book = StatsBook(config.max_stats_len)
+        self._export = self._export_pools() if config.direct_copy else None
         self.sessions: dict[int, PullSession] = {}
         self._links: dict[tuple[str, int], PeerLink] = {}
         self._connecting: dict[tuple[str, int], asyncio.Lock] = {}
@@ -70,8 +72,22 @@ class KVReceiver:
         try:
             self.runtime.run(self._start(device), timeout=config.connect_deadline_s)
         except BaseException:
+            self._unexport()
             self.runtime.release()
             raise
+
+    def _export_pools(self) -> IpcExport:
+        """Our pools for prefill workers that can write them directly (ipc.py)."""
+        try:
+            return export_pools(self.rows, cuda_ipc=True)
+        except IpcUnavailable as e:
+            log.warning("CUDA IPC export failed (%s): only same-process peers copy directly", e)
+            return export_pools(self.rows, cuda_ipc=False)
+
+    def _unexport(self) -> None:
+        if self._export is not None:
+            unexport(self._export)
+            self._export = None
 
     async def _start(self, device: torch.device) -> None:
         self.staging = StagingBuffers(device, self.chunk_bytes, self.config.staging_buffers)
@@ -115,6 +131,7 @@ class KVReceiver:
         try:
             self.runtime.run(self._stop(), timeout=self.config.chunk_deadline_s * 2 + 5.0)
         finally:
+            self._unexport()
             self.runtime.release()
 
     # ---- loop side ----
@@ -168,7 +185,11 @@ class KVReceiver:
 
     async def _connect(self, ticket: TransferTicket) -> PeerLink:
         hello = Hello(
-            self.instance_id, self.page_table, self.runtime.worker_address, self.chunk_bytes
+            self.instance_id,
+            self.page_table,
+            self.runtime.worker_address,
+            self.chunk_bytes,
+            self._export.to_wire() if self._export is not None else b"",
         )
         timeout = self.config.connect_deadline_s
         try:

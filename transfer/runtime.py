@@ -117,9 +117,10 @@ class UcxRuntime:
     def on_loop(self) -> bool:
         return threading.current_thread() is self._thread
 
-    async def copy(self, fn: Any, *args: Any) -> None:
-        """Run a blocking page copy on the copy thread and wait for it."""
-        await self.loop.run_in_executor(self.copy_executor, fn, *args)
+    async def copy(self, fn: Any, *args: Any) -> Any:
+        """Run a blocking page copy (or another blocking device call) on the copy thread, wait for
+        it and return its result."""
+        return await self.loop.run_in_executor(self.copy_executor, fn, *args)
 
     async def create_endpoint(self, address: bytes) -> Any:
         """A UCX endpoint to the worker at ``address`` (peer error handling on)."""

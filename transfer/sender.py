@@ -25,6 +25,7 @@ import torch
 
 from kvcache.spec import PoolGroupSpec
 from transfer.config import TransceiverConfig, resolve_progress_mode
+from transfer.ipc import IpcExport, IpcUnavailable, direct_plan, open_pools, warm_up
 from transfer.leases import LeaseTable
 from transfer.mapper import MapperError
 from transfer.messages import (
@@ -79,6 +80,9 @@ class KVSender:
         )
         self._device = next(iter(buffers.values())).device
         self.rows_on_gpu = self._device.type == "cuda"
+        if config.direct_copy and self.rows_on_gpu:
+            with torch.cuda.device(self._device):
+                warm_up(self.rows)
         self._links: set[PeerLink] = set()
         self._sessions: dict[int, ServeSession] = {}  # pull id -> session
         self._session_tasks: set[asyncio.Task] = set()
@@ -169,16 +173,41 @@ class KVSender:
 
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         own = HelloReply(
-            self.instance_id, self.page_table, self.runtime.worker_address, self.chunk_bytes, ""
+            self.instance_id,
+            self.page_table,
+            self.runtime.worker_address,
+            self.chunk_bytes,
+            "",
+            "ucx",  # accept() says "cuda_ipc" / "local" when it opens D's pools
         )
         link = await accept(
-            self.runtime, reader, writer, own, self.config.connect_deadline_s, self.book.counters
+            self.runtime,
+            reader,
+            writer,
+            own,
+            self.config.connect_deadline_s,
+            self.book.counters,
+            self._open_pools if self.config.direct_copy else None,
         )
         if link is None:
             return
         self._links.add(link)
         link.add_close_listener(lambda _reason: self._links.discard(link))
         link.start(lambda msg: self._on_message(link, msg))
+
+    async def _open_pools(self, wire: bytes) -> tuple[str, dict[str, torch.Tensor]] | None:
+        """D's pools for a direct link, or None (the link then uses UCX)."""
+        try:
+            export = IpcExport.from_wire(wire)
+            page_bytes = {p.name: p.page_bytes for p in self.page_table.pools}
+            return await self.runtime.copy(open_pools, export, self.rows, page_bytes)
+        except IpcUnavailable as e:
+            # Expected across hosts and for CPU pools; worth a warning when D offered CUDA IPC.
+            offered = b"handle" in wire or self.rows_on_gpu
+            (log.warning if offered else log.info)(
+                "no direct copy to that decode worker (%s): using UCX", e
+            )
+            return None
 
     def _on_message(self, link: PeerLink, msg: Message) -> None:
         if isinstance(msg, PullRequest):
@@ -236,6 +265,8 @@ class KVSender:
             return error(*self.leases.why_missing(rid))
         if req.pull_id in self._sessions:
             return error("conflict", f"pull id {req.pull_id} is already in use")
+        if link.info.direct and req.ready_chunks:
+            return error("conflict", "credits on a direct-copy link, where nothing is received")
         if len(set(req.ready_chunks)) != len(req.ready_chunks) or any(
             not 0 <= i < req.num_chunks for i in req.ready_chunks
         ):
@@ -257,9 +288,12 @@ class KVSender:
             )
         try:
             src = {g: p[req.skip_pages :] for g, p in lease.page_ids.items()}
-            plan = build_plan(
-                self.page_table, link.info.page_table, src, req.dst_page_ids, req.chunk_bytes
-            )
+            if link.info.direct:
+                plan = direct_plan(self.page_table, link.info.page_table, src, req.dst_page_ids)
+            else:
+                plan = build_plan(
+                    self.page_table, link.info.page_table, src, req.dst_page_ids, req.chunk_bytes
+                )
         except (MapperError, ValueError) as e:
             return error("mismatch", f"cannot map the pages of {rid!r}: {e}")
         if (plan.num_chunks, plan.total_bytes) != (req.num_chunks, req.total_bytes):

@@ -9,6 +9,10 @@ completed and D has acked, or at the ack deadline. Every wait is bounded by chun
 On failure: with sends in flight the link is aborted (UCX cancels them) and the pages are released
 only after every send has ended; without, the credited chunks that will never be sent are completed
 with empty messages ("drained") so D's receives end without tearing the link down.
+
+On a direct link (ipc.py: D's pools are open here) there are no chunks on the wire: P copies every
+page into D's pages with one kernel, waits for it, and sends TransferDone; the ack and the lease work
+as above. A copy that is still running is never cut short: the pages stay pinned until it ends.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from transfer.ipc import DirectPlan, start_copy, wait_copy
 from transfer.messages import PullError, PullRequest, TransferDone, data_tag
 from transfer.peer import PeerLink
 from transfer.plan import Chunk, TransferPlan
@@ -45,7 +50,11 @@ async def drain(link: PeerLink, pull_id: int, chunks: list[int]) -> None:
 
 class ServeSession:
     def __init__(
-        self, sender: KVSender, link: PeerLink, req: PullRequest, plan: TransferPlan
+        self,
+        sender: KVSender,
+        link: PeerLink,
+        req: PullRequest,
+        plan: TransferPlan | DirectPlan,
     ) -> None:
         self.sender = sender
         self.link = link
@@ -56,6 +65,8 @@ class ServeSession:
         self._tasks: dict[int, asyncio.Task] = {}
         self._io_started: set[int] = set()  # chunks whose copy/send began (not cancellable)
         self._acked: tuple[bool, str] | None = None
+        self._copy_event: Any = None  # direct links: the copy's CUDA event while it may run
+        self._copy_running = False
         # On CPU (TCP) sends go one at a time, in credit order: concurrent messages share the wire
         # and all end together, so D's scatters would run after the last byte instead of under the
         # next chunk. Between GPUs (cuda_ipc) concurrent messages overlap their rendezvous latency.
@@ -73,8 +84,11 @@ class ServeSession:
         start = time.perf_counter()
         self.link.add_close_listener(self._on_closed)
         try:
-            self._grant(self.req.ready_chunks)
-            await self._serve()
+            if self.link.info.direct:
+                await self._serve_direct()
+            else:
+                self._grant(self.req.ready_chunks)
+                await self._serve()
             self.serving = False
             if self._acked is not None:  # D had every byte before our send completions came in
                 self.sender.leases.release(rid, "acked", force=True)
@@ -121,6 +135,38 @@ class ServeSession:
             elif kind == "closed":
                 raise ServeFailed(f"link closed: {value}")
 
+    async def _serve_direct(self) -> None:
+        s, cfg, n = self.sender, self.sender.config, self.plan.num_chunks
+        dst = self.link.peer_rows
+        if dst is None:
+            raise ServeFailed(f"link closed: {self.link.closed_reason}")
+        self._copy_running = True
+        try:
+            if s.rows_on_gpu:
+                # Queued from the loop (a few launches) and polled: no thread hop on the latency
+                # path.
+                self._copy_event = start_copy(self.plan, s.rows, dst)
+                if not await wait_copy(self._copy_event, cfg.chunk_deadline_s):
+                    raise ServeFailed(f"the page copy did not end within {cfg.chunk_deadline_s}s")
+            else:
+                await s.runtime.copy(start_copy, self.plan, s.rows, dst)
+        except (RuntimeError, ValueError) as e:  # a launch that failed never started copying
+            self._copy_running = self._copy_event is not None
+            raise ServeFailed(f"the page copy failed: {e}") from None
+        self._copy_running = False
+        s.book.counters.chunks += n
+        s.leases.renew(self.req.request_id, cfg.lease_s)
+        done = TransferDone(
+            self.req.request_id, self.req.pull_id, self._lease_declared(), self.plan.total_bytes, n
+        )
+        await self.link.send(done, cfg.done_deadline_s)
+        while not self.events.empty():  # D may have answered while the frame was draining
+            kind, value = self.events.get_nowait()
+            if kind == "ack":
+                if not value[0]:
+                    raise ServeFailed(f"decode side gave up: {value[1]}")
+                self._acked = value
+
     def _grant(self, chunks: list[int]) -> None:
         for i in chunks:
             if not 0 <= i < self.plan.num_chunks or i in self._tasks:
@@ -164,6 +210,8 @@ class ServeSession:
             # The only way to stop UCX reading the pages / staging buffers: cancel its requests.
             self.link.abort(f"serving {rid} failed: {reason}")
         settled = await settle(list(self._tasks.values()), cfg.chunk_deadline_s)
+        if self._copy_running:  # a kernel cannot be cancelled: the pages wait for it to end
+            settled = await wait_copy(self._copy_event, cfg.chunk_deadline_s)
         if settled:
             self.sender.leases.release(rid, f"failed: {reason}", force=True)
         else:
@@ -196,6 +244,7 @@ class ServeSession:
             time.perf_counter() - start,
             ok,
             error,
+            self.link.info.data_path,
         )
         self.sender.book.record(stats)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 
 from kernels.page_copy_ref import gather_pages_ref, scatter_pages_ref
@@ -73,28 +74,30 @@ def _wide(rows: torch.Tensor) -> torch.Tensor:
 def _page_groups(chunk: Chunk, rows: Mapping[str, torch.Tensor], source: bool):
     """(pool, byte offset in the chunk, page ids, bytes) for each run of fragments of one pool, so a
     chunk costs one kernel launch per pool rather than one per fragment."""
-    groups: list[tuple[str, int, list[int], int]] = []
+    groups: list[list] = []  # [pool, byte offset, page ids, bytes]
     offset = 0
     for frag in chunk.fragments:
         pool = frag.src_pool if source else frag.dst_pool
         page_bytes = rows[pool].shape[1]
         first = (frag.src_offset if source else frag.dst_offset) // page_bytes
-        pages = list(range(first, first + frag.nbytes // page_bytes))
+        pages = range(first, first + frag.nbytes // page_bytes)
         if groups and groups[-1][0] == pool:
-            name, start, ids, nbytes = groups[-1]
-            groups[-1] = (name, start, ids + pages, nbytes + frag.nbytes)
+            # Extended in place: a chunk of single-page fragments stays linear in its pages (a
+            # new list per fragment cost 3.5 ms per 256 MiB chunk, docs/benchmarks/transfer.md).
+            groups[-1][2].extend(pages)
+            groups[-1][3] += frag.nbytes
         else:
-            groups.append((pool, offset, pages, frag.nbytes))
+            groups.append([pool, offset, list(pages), frag.nbytes])
         offset += frag.nbytes
     for pool, start, ids, nbytes in groups:
         device = rows[pool].device
         if device.type == "cuda":
             # Pinned, copied on the copy stream: no synchronous pageable upload per chunk. The host
             # tensor outlives the copy (the caller synchronizes the stream before returning).
-            host = torch.tensor(ids, dtype=torch.int64).pin_memory()
+            host = torch.from_numpy(np.array(ids, dtype=np.int64)).pin_memory()
             yield pool, start, host.to(device, non_blocking=True), nbytes
         else:
-            yield pool, start, torch.tensor(ids, dtype=torch.int64), nbytes
+            yield pool, start, torch.from_numpy(np.array(ids, dtype=np.int64)), nbytes
 
 
 class _copy_stream:

@@ -30,6 +30,14 @@ class TransferConfig(Section):
             "kvcache.page_size. Longer prompts go in several pipelined chunks."
         ),
     )
+    direct_copy: bool = Field(
+        True,
+        description=(
+            "When a prefill and a decode worker run on GPUs of one host, the prefill worker "
+            "writes the decode worker's KV pages itself through CUDA IPC (one copy kernel over "
+            "NVLink) instead of sending them through UCX. Other pairs use UCX either way."
+        ),
+    )
     lease_s: float = Field(
         30.0,
         gt=0,

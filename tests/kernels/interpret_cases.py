@@ -107,7 +107,11 @@ def _page_copy(dtype: torch.dtype, row_elems: int, column_offset: int) -> CaseFn
         kernels.scatter_pages(staged, dst, ids)
         expected = torch.zeros_like(dst)
         expected[ids] = pool[ids]
-        return max(err, _err(dst, expected))
+        copied = torch.zeros((9, row_elems), dtype=dtype)
+        kernels.copy_pages(pool, ids, copied, torch.tensor([8, 0, 3, 4]))
+        want = torch.zeros_like(copied)
+        want[torch.tensor([8, 0, 3, 4])] = pool[ids]
+        return max(err, _err(dst, expected), _err(copied, want))
 
     return run
 

@@ -141,3 +141,24 @@ def test_gather_scatter_match_reference_exactly(row_bytes: int, offset: int) -> 
     expected = torch.zeros_like(dst)
     expected[ids] = pool[ids]
     assert torch.equal(dst, expected)
+
+
+@pytest.mark.parametrize(
+    ("row_bytes", "peer"), [(256 << 10, False), (1000, False), (256 << 10, True)]
+)
+def test_copy_pages_matches_reference_exactly(row_bytes: int, peer: bool) -> None:
+    if peer and torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    src = torch.randint(0, 256, (64, row_bytes), dtype=torch.uint8, device="cuda:0", generator=gen)
+    dst = torch.zeros((80, row_bytes), dtype=torch.uint8, device="cuda:1" if peer else "cuda:0")
+    src_ids = torch.randperm(63, device="cuda:0", generator=gen)[:30] + 1
+    dst_ids = torch.randperm(79, device="cuda:0", generator=gen)[:30] + 1
+    if peer:  # GPU 0 writes GPU 1's pool over NVLink, as the CUDA IPC path of transfer/ does
+        torch.empty(1, device="cuda:1").copy_(torch.ones(1, device="cuda:0"))  # enables peer access
+    with torch.cuda.device(0):
+        kernels.copy_pages(src, src_ids, dst, dst_ids)
+    torch.cuda.synchronize(0)
+    expected = torch.zeros_like(dst)
+    expected[dst_ids.to(dst.device)] = src[src_ids].to(dst.device)
+    assert torch.equal(dst, expected)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import gather_pages_ref, scatter_pages_ref
+from kernels import copy_pages_ref, gather_pages_ref, scatter_pages_ref
 
 
 def test_gather_ref_copies_the_listed_rows_in_order() -> None:
@@ -23,3 +23,12 @@ def test_scatter_ref_writes_only_the_listed_rows() -> None:
     assert result is dst
     assert torch.equal(dst[5], rows[0]) and torch.equal(dst[2], rows[1])
     assert int(dst[[0, 1, 3, 4]].count_nonzero()) == 0
+
+
+def test_copy_ref_moves_rows_between_pools_of_different_sizes() -> None:
+    src = torch.arange(5 * 8, dtype=torch.uint8).view(5, 8)
+    dst = torch.zeros((9, 8), dtype=torch.uint8)
+    result = copy_pages_ref(src, torch.tensor([4, 1]), dst, torch.tensor([7, 2]))
+    assert result is dst
+    assert torch.equal(dst[7], src[4]) and torch.equal(dst[2], src[1])
+    assert int(dst[[0, 1, 3, 4, 5, 6, 8]].count_nonzero()) == 0

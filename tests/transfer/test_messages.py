@@ -29,8 +29,8 @@ from transfer.version import PROTOCOL_VERSION
 
 TABLE = PageTable.from_specs(MODEL, specs(two_groups=True))
 SAMPLES = [
-    Hello("inst", TABLE, b"\x00ucx-address", 4096),
-    HelloReply("inst", TABLE, b"addr", 1024, "compatibility hash mismatch"),
+    Hello("inst", TABLE, b"\x00ucx-address", 4096, b"\x93export"),
+    HelloReply("inst", TABLE, b"addr", 1024, "compatibility hash mismatch", "ucx"),
     PullRequest(
         "req",
         2**63 - 1,
@@ -70,8 +70,8 @@ ACK_BODY = {"request_id": "r", "pull_id": 3, "ok": True, "error": ""}
     "data, reason",
     [
         (
-            envelope("TransferAck", ACK_BODY, version=2),
-            "unsupported protocol version int 2, expected 1",
+            envelope("TransferAck", ACK_BODY, version=PROTOCOL_VERSION + 1),
+            f"unsupported protocol version int {PROTOCOL_VERSION + 1}, expected {PROTOCOL_VERSION}",
         ),
         (envelope("TransferAck", ACK_BODY, version=True), "unsupported protocol version bool True"),
         (envelope("Teleport", ACK_BODY), "unknown message type str 'Teleport'"),
@@ -120,7 +120,13 @@ def test_a_malformed_message_still_names_its_request() -> None:
 def test_bad_page_table_in_hello_is_rejected() -> None:
     wire = TABLE.to_wire()
     wire["pools"][0]["page_bytes"] = "big"
-    body = {"instance_id": "i", "page_table": wire, "ucx_address": b"a", "chunk_bytes": 1}
+    body = {
+        "instance_id": "i",
+        "page_table": wire,
+        "ucx_address": b"a",
+        "chunk_bytes": 1,
+        "pool_export": b"",
+    }
     with pytest.raises(
         TransferProtocolError, match="Hello.page_table: page table pool field 'page_bytes'"
     ):

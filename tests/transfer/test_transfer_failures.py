@@ -20,6 +20,7 @@ from tests.transfer.test_transfer_local import Pair, wait_until
 from transfer import KVReceiver, KVSender
 from transfer.messages import Hello, HelloReply, PullRequest, Reject, decode_message, encode_message
 from transfer.runtime import UcxRuntime
+from transfer.version import PROTOCOL_VERSION
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -112,19 +113,23 @@ def read_frame(sock: socket.socket) -> bytes:
 def test_malformed_messages_to_p_are_rejected_and_the_connection_stays_usable(pair: Pair) -> None:
     bad_version = msgpack.packb({"v": 99, "type": "Hello", "body": {}})
     wrong_type = msgpack.packb(
-        {"v": 1, "type": "PullRequest", "body": {"request_id": "x", "pull_id": "not an int"}}
+        {
+            "v": PROTOCOL_VERSION,
+            "type": "PullRequest",
+            "body": {"request_id": "x", "pull_id": "not an int"},
+        }
     )
     with socket.create_connection((pair.sender.host, pair.sender.port), timeout=5) as sock:
         for payload, reason in [
             (b"\xc1 definitely not msgpack", "not a msgpack message"),
-            (bad_version, "unsupported protocol version int 99, expected 1"),
+            (bad_version, f"unsupported protocol version int 99, expected {PROTOCOL_VERSION}"),
             (wrong_type, "PullRequest: expected fields"),
         ]:
             sock.sendall(frame(payload))
             reply = decode_message(read_frame(sock))
             assert isinstance(reply, Reject) and reason in reply.reason
         runtime = UcxRuntime.acquire(UCX_ENV)
-        hello = Hello("raw-client", pair.receiver.page_table, runtime.worker_address, 1 << 20)
+        hello = Hello("raw-client", pair.receiver.page_table, runtime.worker_address, 1 << 20, b"")
         runtime.release()
         sock.sendall(frame(encode_message(hello)))
         reply = decode_message(read_frame(sock))
@@ -154,6 +159,7 @@ def test_malformed_transfer_done_from_p_fails_the_pull_at_once(pair: Pair) -> No
                             runtime.worker_address,
                             hello.chunk_bytes,
                             "",
+                            "ucx",
                         )
                     )
                 )
@@ -167,7 +173,9 @@ def test_malformed_transfer_done_from_p_fails_the_pull_at_once(pair: Pair) -> No
                 "total_bytes": 0,
                 "num_chunks": 0,
             }
-            conn.sendall(frame(msgpack.packb({"v": 1, "type": "TransferDone", "body": body})))
+            conn.sendall(
+                frame(msgpack.packb({"v": PROTOCOL_VERSION, "type": "TransferDone", "body": body}))
+            )
             seen.append(decode_message(read_frame(conn)))  # D's Reject
             seen.append(decode_message(read_frame(conn)))  # D's negative ack
 

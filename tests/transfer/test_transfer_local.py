@@ -3,6 +3,7 @@ byte-exact transfers, chunking, skip_pages, concurrency, and the checks that fai
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -35,13 +36,22 @@ class Pair:
         self.sender.close()
 
 
-@pytest.fixture
-def pair() -> Iterator[Pair]:
-    made = Pair(config())
-    yield made
-    made.close()
+@contextlib.contextmanager
+def checked_pair(cfg: TransceiverConfig, two_groups: bool = False) -> Iterator[Pair]:
+    """A Pair that is closed afterwards, and then must have every page back on both sides."""
+    made = Pair(cfg, two_groups)
+    try:
+        yield made
+    finally:
+        made.close()
     made.p.assert_clean()
     made.d.assert_clean()
+
+
+@pytest.fixture
+def pair() -> Iterator[Pair]:
+    with checked_pair(config()) as made:
+        yield made
 
 
 def wait_until(cond, timeout: float = 10.0) -> None:
@@ -66,8 +76,8 @@ def test_random_kv_arrives_byte_exact_in_other_pages(pair: Pair) -> None:
 
 @pytest.mark.parametrize("zero_copy", [True, False])
 def test_two_pool_groups_skip_pages_and_staging_paths(zero_copy: bool) -> None:
-    made = Pair(config(zero_copy=zero_copy, staging_tokens=12, staging_buffers=1), two_groups=True)
-    try:
+    cfg = config(zero_copy=zero_copy, staging_tokens=12, staging_buffers=1)
+    with checked_pair(cfg, two_groups=True) as made:
         ticket, src = made.publish("r2", 40)  # 10 pages per group
         with made.d.lock:  # D's pages in one run per group, so zero_copy can skip staging
             assert made.d.kv.allocate_slots("r2", 40)
@@ -82,10 +92,6 @@ def test_two_pool_groups_skip_pages_and_staging_paths(zero_copy: bool) -> None:
             assert torch.equal(after[g][3:], sent[g][3:])
         wait_until(lambda: made.p.released == ["r2"])
         made.d.free("r2")
-    finally:
-        made.close()
-    made.p.assert_clean()
-    made.d.assert_clean()
 
 
 def test_fifty_concurrent_transfers_do_not_mix(pair: Pair) -> None:

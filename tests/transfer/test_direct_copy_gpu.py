@@ -1,0 +1,165 @@
+"""The CUDA IPC data path between two processes (two GPUs when there are two): P opens D's pools
+from the handshake and writes D's pages with one kernel; the bytes arrive exact, P gets its pages
+back on the ack, and with direct_copy off the same pulls go through UCX.
+
+Both workers run in spawned processes: the UCX context of this test process is a CPU one
+(tests/transfer/conftest.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+import time
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.timeout(180),
+]
+
+UCX_ENV = {"UCX_TLS": "tcp,cuda_copy,cuda_ipc", "UCX_NET_DEVICES": "lo"}
+
+
+def _spec() -> Any:
+    from kvcache.spec import PoolGroupSpec
+
+    # 4 layers x 2 KV heads x 64 x 16 tokens, bf16: 32 KiB pages, 600 of them.
+    return PoolGroupSpec("full", (0, 1, 2, 3), 600, 16, 2, 64, torch.bfloat16)
+
+
+def _config(direct: bool) -> Any:
+    from transfer import TransceiverConfig
+
+    return TransceiverConfig(staging_tokens=256, direct_copy=direct, ucx_env=UCX_ENV)
+
+
+def _digest(rows: torch.Tensor, pages: list[int]) -> str:
+    data = rows[torch.tensor(pages, device=rows.device)].cpu().numpy().tobytes()
+    return hashlib.sha256(data).hexdigest()
+
+
+def _rows(buf: torch.Tensor, page_bytes: int) -> torch.Tensor:
+    return buf.view(-1).view(torch.uint8).view(-1, page_bytes)
+
+
+def prefill_proc(conn: Connection, device: str, direct: bool) -> None:
+    from transfer import KVSender
+
+    torch.cuda.set_device(device)
+    spec = _spec()
+    buf = torch.randint(-30000, 30000, spec.buffer_shape, dtype=torch.int16, device=device)
+    buf = buf.view(torch.bfloat16)
+    released: list[str] = []
+    sender = KVSender({"full": buf}, [spec], "m", _config(direct), released.append)
+    conn.send(sender.port)
+    gen = torch.Generator().manual_seed(1)
+    while True:
+        cmd, *args = conn.recv()
+        if cmd == "publish":
+            rid, n = args
+            pages = (torch.randperm(spec.num_pages - 1, generator=gen)[:n] + 1).tolist()
+            ticket = sender.publish(rid, {"full": pages}, n * spec.page_size)
+            conn.send((ticket, _digest(_rows(buf, spec.page_bytes), pages)))
+        elif cmd == "state":
+            conn.send((list(released), [s.path for s in sender.drain_transfer_stats()]))
+        elif cmd == "close":
+            sender.close()
+            conn.send("closed")
+            return
+
+
+def decode_proc(conn: Connection, device: str, direct: bool) -> None:
+    from transfer import KVReceiver
+
+    torch.cuda.set_device(device)
+    spec = _spec()
+    buf = torch.zeros(spec.buffer_shape, dtype=spec.dtype, device=device)
+    receiver = KVReceiver({"full": buf}, [spec], "m", _config(direct))
+    conn.send("ready")
+    gen = torch.Generator().manual_seed(2)
+    while True:
+        cmd, *args = conn.recv()
+        if cmd == "pull":  # several tickets, pulled concurrently
+            tickets = args[0]
+            dsts = []
+            free = (torch.randperm(spec.num_pages - 1, generator=gen) + 1).tolist()
+            for t in tickets:
+                n = len(t.page_ids["full"])
+                dsts.append(free[:n])
+                free = free[n:]
+            with ThreadPoolExecutor(len(tickets)) as pool:
+                results = list(
+                    pool.map(
+                        lambda t, dst: receiver.pull_blocking(
+                            t, {"full": dst}, 0, t.declared_prompt_len
+                        ),
+                        tickets,
+                        dsts,
+                    )
+                )
+            rows = _rows(buf, spec.page_bytes)
+            conn.send(
+                [
+                    (r.ok, r.error, r.stats.path, r.bytes, _digest(rows, d))
+                    for r, d in zip(results, dsts)
+                ]
+            )
+        elif cmd == "close":
+            receiver.close()
+            conn.send("closed")
+            return
+
+
+class Proc:
+    def __init__(self, target: Any, device: str, direct: bool) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=target, args=(child, device, direct), daemon=True)
+        self.proc.start()
+        assert self.conn.poll(120), "worker process did not start"
+        self.first = self.conn.recv()
+
+    def ask(self, *cmd: Any) -> Any:
+        self.conn.send(cmd)
+        assert self.conn.poll(120), f"no answer to {cmd[0]}"
+        return self.conn.recv()
+
+    def close(self) -> None:
+        self.ask("close")
+        self.proc.join(30)
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["cuda_ipc", "ucx"])
+def test_scattered_pages_arrive_exact_between_gpus(direct: bool) -> None:
+    d_device = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
+    p = Proc(prefill_proc, "cuda:0", direct)
+    d = Proc(decode_proc, d_device, direct)
+    try:
+        # 1 page, a staging chunk's worth, several chunks, and eight at once.
+        for batch in ([1], [16], [100], [3, 7, 16, 20, 31, 40, 2, 9]):
+            published = [p.ask("publish", f"r{len(batch)}-{i}-{n}", n) for i, n in enumerate(batch)]
+            results = d.ask("pull", [t for t, _ in published])
+            for (ok, error, path, nbytes, digest), (ticket, want), n in zip(
+                results, published, batch
+            ):
+                assert ok, error
+                assert path == ("cuda_ipc" if direct else "ucx")
+                assert nbytes == n * _spec().page_bytes
+                assert digest == want, f"{ticket.request_id}: bytes differ"
+        deadline = time.monotonic() + 30
+        released, paths = p.ask("state")
+        while len(released) < 11 and time.monotonic() < deadline:  # the last acks are in flight
+            time.sleep(0.05)
+            more, new_paths = p.ask("state")
+            released, paths = more, paths + new_paths
+        assert len(released) == 11  # every pull acked: P has all its pages back
+        assert set(paths) == {"cuda_ipc" if direct else "ucx"}
+    finally:
+        d.close()
+        p.close()

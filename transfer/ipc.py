@@ -1,0 +1,317 @@
+"""Direct page copies between pools that the prefill side can reach: the same-host data path.
+
+A decode worker exports its pools once (``export_pools``): CUDA IPC handles of the pool storage
+when the KV lives on a GPU, and in every case a key into a per-process registry, so a prefill side
+in the same process finds the very tensors. It sends the export in Hello; the prefill side opens it
+(``open_pools``) and, when that works, serves every pull on that link by writing D's pages itself
+with one page-to-page copy kernel (``kernels.copy_pages``: over NVLink for two GPUs of one host)
+instead of staging chunks through UCX. Leases, TransferDone, the declared-history check and the ack
+stay exactly as on the UCX path; only the bytes move differently.
+
+Why P writes rather than D reads: P holds the lease, so the copy happens strictly inside it, and
+the protocol keeps its shape (PullRequest -> TransferDone -> ack). Stores to a peer GPU are also
+posted writes over NVLink, which keep the links busier than remote loads.
+
+CUDA IPC needs both GPUs visible to the prefill process (the cluster starts GPU workers with all of
+the node's GPUs visible, see cluster/builder.py) and the same OS instance (``host_identity``).
+When a pool cannot be opened the link stays on UCX, and the handshake says why in the log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import socket
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import msgpack
+import numpy as np
+import torch
+
+import kernels
+from transfer.mapper import map_page_ids
+from transfer.page_table import PageTable
+
+log = logging.getLogger(__name__)
+
+_REGISTRY: dict[int, dict[str, torch.Tensor]] = {}  # export key -> rows, this process only
+_REGISTRY_LOCK = threading.Lock()
+_KEYS = itertools.count(1)
+
+
+class IpcUnavailable(Exception):
+    """The peer's pools cannot be opened here; the link uses UCX instead."""
+
+
+def host_identity() -> str:
+    """The OS instance: hostname plus boot id (two containers of one host share the boot id, but
+    CUDA IPC and the process registry only work within one)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "unknown-boot"
+    return f"{socket.gethostname()}/{boot}"
+
+
+@dataclass(frozen=True)
+class IpcPool:
+    """One pool's storage as CUDA IPC sees it (the fields of torch's ``_share_cuda_``), and where
+    the pool lies in it. ``handle`` is empty for a pool on the CPU."""
+
+    name: str
+    handle: bytes
+    storage_bytes: int
+    storage_offset: int  # of the storage in its CUDA allocation
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    byte_offset: int  # of the pool in the storage
+    nbytes: int
+    page_bytes: int
+
+
+@dataclass(frozen=True)
+class IpcExport:
+    host: str
+    pid: int
+    key: int  # into the exporting process's registry
+    device: str  # "cpu", or the GPU's UUID
+    pools: tuple[IpcPool, ...]
+
+    def to_wire(self) -> bytes:
+        pools = [[getattr(p, f) for f in _POOL_FIELDS] for p in self.pools]
+        return msgpack.packb([self.host, self.pid, self.key, self.device, pools], use_bin_type=True)
+
+    @classmethod
+    def from_wire(cls, data: bytes) -> IpcExport:
+        """Raises IpcUnavailable for anything malformed (the link then simply stays on UCX)."""
+        try:
+            host, pid, key, device, pools = msgpack.unpackb(data, raw=False)
+            parsed = tuple(IpcPool(*p) for p in pools)
+            export = cls(host, pid, key, device, parsed)
+        except Exception as e:
+            raise IpcUnavailable(f"malformed pool export ({type(e).__name__}: {e})") from None
+        for p in parsed:
+            for f, kind in _POOL_FIELDS.items():
+                if type(getattr(p, f)) is not kind:
+                    raise IpcUnavailable(f"malformed pool export: {p.name!r}.{f}")
+        return export
+
+
+_POOL_FIELDS = {
+    "name": str,
+    "handle": bytes,
+    "storage_bytes": int,
+    "storage_offset": int,
+    "ref_counter_handle": bytes,
+    "ref_counter_offset": int,
+    "byte_offset": int,
+    "nbytes": int,
+    "page_bytes": int,
+}
+
+
+def export_pools(rows: Mapping[str, torch.Tensor], cuda_ipc: bool) -> IpcExport:
+    """Export D's pool rows ([num_pages, page_bytes] uint8 views). Registered in this process (so
+    a prefill side here can write them) until ``unexport``; with ``cuda_ipc`` and GPU pools, also
+    as CUDA IPC handles. Raises IpcUnavailable if CUDA IPC export fails."""
+    first = next(iter(rows.values()))
+    device = "cpu"
+    pools = []
+    if first.device.type == "cuda" and cuda_ipc:
+        device = str(torch.cuda.get_device_properties(first.device).uuid)
+        for name, r in rows.items():
+            storage = r.untyped_storage()
+            try:
+                # The IPC event torch also returns orders a consumer after the producer's pending
+                # writes; pools were zeroed long before any peer connects, so it is not passed on.
+                (_, handle, size, offset, rc_handle, rc_offset, _event, _sync) = (
+                    storage._share_cuda_()
+                )
+            except Exception as e:
+                raise IpcUnavailable(f"cannot export pool {name!r}: {e}") from None
+            pools.append(
+                IpcPool(
+                    name,
+                    bytes(handle),
+                    int(size),
+                    int(offset),
+                    bytes(rc_handle),
+                    int(rc_offset),
+                    r.storage_offset() * r.element_size(),
+                    r.numel() * r.element_size(),
+                    r.shape[1],
+                )
+            )
+    elif first.device.type == "cuda":
+        device = str(torch.cuda.get_device_properties(first.device).uuid)
+    key = next(_KEYS)
+    with _REGISTRY_LOCK:
+        _REGISTRY[key] = dict(rows)
+    return IpcExport(host_identity(), os.getpid(), key, device, tuple(pools))
+
+
+def unexport(export: IpcExport) -> None:
+    with _REGISTRY_LOCK:
+        _REGISTRY.pop(export.key, None)
+
+
+def open_pools(
+    export: IpcExport, own_rows: Mapping[str, torch.Tensor], page_bytes: Mapping[str, int]
+) -> tuple[str, dict[str, torch.Tensor]]:
+    """Open D's exported pools for writing from this process (P, whose pools are ``own_rows``).
+    Returns the data path ("local" for the same process, "cuda_ipc") and D's rows by pool name.
+    Raises IpcUnavailable when neither works."""
+    if export.host != host_identity():
+        raise IpcUnavailable("the peer runs on another host")
+    if export.pid == os.getpid():
+        with _REGISTRY_LOCK:
+            rows = _REGISTRY.get(export.key)
+        if rows is None:
+            raise IpcUnavailable("the peer's pools are no longer registered in this process")
+        first, own = next(iter(rows.values())), next(iter(own_rows.values()))
+        if first.device.type != own.device.type:
+            raise IpcUnavailable(f"pools on {first.device} and {own.device}")
+        _check_geometry(rows, page_bytes)
+        return "local", dict(rows)
+    own = next(iter(own_rows.values())).device
+    if own.type != "cuda" or not export.pools:
+        raise IpcUnavailable("another process, and no CUDA IPC export on both sides")
+    peer = _visible_index(export.device)
+    local = own.index if own.index is not None else torch.cuda.current_device()
+    if peer != local and not torch.cuda.can_device_access_peer(local, peer):
+        raise IpcUnavailable(f"GPU {local} cannot access peer GPU {peer}")
+    rows = {}
+    with torch.cuda.device(local):
+        for p in export.pools:
+            try:
+                # Opened in *this* GPU's context (the index we pass), with peer access enabled
+                # lazily by CUDA: the tensor is labelled cuda:<local> but addresses D's memory,
+                # which is what a kernel launched here needs.
+                storage = torch.UntypedStorage._new_shared_cuda(
+                    local,
+                    p.handle,
+                    p.storage_bytes,
+                    p.storage_offset,
+                    p.ref_counter_handle,
+                    p.ref_counter_offset,
+                    b"",  # no IPC event (see export_pools); torch wants bytes here
+                    False,
+                )
+            except Exception as e:
+                raise IpcUnavailable(f"cannot open pool {p.name!r}: {e}") from None
+            flat = torch.empty(0, dtype=torch.uint8, device=own)
+            flat.set_(storage, p.byte_offset, (p.nbytes,))
+            rows[p.name] = flat.view(-1, p.page_bytes)
+    _check_geometry(rows, page_bytes)
+    return "cuda_ipc", rows
+
+
+def _visible_index(uuid: str) -> int:
+    for i in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(i).uuid) == uuid:
+            return i
+    raise IpcUnavailable(f"the peer's GPU {uuid} is not visible to this process")
+
+
+def _check_geometry(rows: Mapping[str, torch.Tensor], page_bytes: Mapping[str, int]) -> None:
+    """Sanity only: the page tables were compared in the handshake already."""
+    for name, r in rows.items():
+        if r.dim() != 2 or r.dtype != torch.uint8:
+            raise IpcUnavailable(
+                f"pool {name!r}: expected uint8 page rows, got {r.dtype} {tuple(r.shape)}"
+            )
+
+
+def warm_up(own_rows: Mapping[str, torch.Tensor]) -> None:
+    """Compile the copy kernel now rather than in the first handshake or pull (page 0 onto
+    itself: a no-op)."""
+    zero = torch.zeros(1, dtype=torch.int64, device=next(iter(own_rows.values())).device)
+    for r in own_rows.values():
+        kernels.copy_pages(_wide(r), zero, _wide(r), zero)
+
+
+def _wide(rows: torch.Tensor) -> torch.Tensor:
+    """int64 words when size and address allow (a CPU copy of uint8 rows is a slow byte loop)."""
+    if rows.shape[1] % 8 or rows.data_ptr() % 8:
+        return rows
+    return rows.view(torch.int64)
+
+
+@dataclass(frozen=True)
+class DirectPlan:
+    """What a direct link copies: page id pairs per matched pool pair, in one go. It stands in for
+    a TransferPlan on both sides (``num_chunks`` and ``total_bytes`` go into PullRequest and
+    TransferDone as usual). Built straight from the id lists: no per-page objects, since a long
+    prompt has thousands of pages and this path is meant to take microseconds per request."""
+
+    pairs: tuple[tuple[str, str, list[int], list[int]], ...]
+    total_bytes: int
+    num_chunks: int = 1
+
+
+def direct_plan(
+    src: PageTable,
+    dst: PageTable,
+    src_pages: Mapping[str, Sequence[int]],
+    dst_pages: Mapping[str, Sequence[int]],
+) -> DirectPlan:
+    """Raises MapperError like build_plan for pools or ids that cannot be mapped."""
+    mapped = map_page_ids(src, dst, src_pages, dst_pages)
+    pairs = tuple((sp.name, dp.name, s, d) for sp, dp, s, d in mapped if s)
+    return DirectPlan(pairs, sum(len(s) * sp.page_bytes for sp, _, s, _ in mapped))
+
+
+_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def start_copy(
+    plan: DirectPlan,
+    src_rows: Mapping[str, torch.Tensor],
+    dst_rows: Mapping[str, torch.Tensor],
+) -> torch.cuda.Event | None:
+    """Copy every page of ``plan`` from P's rows to D's. On GPUs the kernels are queued on a side
+    stream (after the model's stream) and the returned event completes with them (cheap enough to
+    call on the event loop); on the CPU the copy is done when this returns (None): call it on the
+    copy thread."""
+    device = next(iter(src_rows.values())).device
+    if device.type != "cuda":
+        for sp, dp, s, d in plan.pairs:
+            ids = torch.from_numpy(np.array([s, d], dtype=np.int64))
+            kernels.copy_pages(_wide(src_rows[sp]), ids[0], _wide(dst_rows[dp]), ids[1])
+        return None
+    stream = _streams.get(device)
+    if stream is None:
+        stream = _streams[device] = torch.cuda.Stream(device)
+    with torch.cuda.device(device):
+        stream.wait_stream(torch.cuda.default_stream(device))
+        with torch.cuda.stream(stream):
+            for sp, dp, s, d in plan.pairs:
+                # A plain (synchronous) upload: tens of microseconds for thousands of ids, and no
+                # pinned buffer whose lifetime would have to follow the stream. numpy builds the
+                # array from the lists three times faster than torch.tensor.
+                ids = torch.from_numpy(np.array([s, d], dtype=np.int64)).to(device)
+                kernels.copy_pages(_wide(src_rows[sp]), ids[0], _wide(dst_rows[dp]), ids[1])
+            event = torch.cuda.Event()
+            event.record(stream)
+    return event
+
+
+async def wait_copy(event: torch.cuda.Event | None, timeout: float) -> bool:
+    """Wait (without blocking the loop) until the copy's event completes; False after ``timeout``."""
+    if event is None:
+        return True
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    while not event.query():
+        waited = loop.time() - start
+        if waited > timeout:
+            return False
+        # A copy takes microseconds to a few ms: keep yielding to the loop (latency) for the
+        # first 20 ms, then back off to spare the core.
+        await asyncio.sleep(0 if waited < 0.02 else 0.001)
+    return True
