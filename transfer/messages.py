@@ -240,8 +240,9 @@ def _check(value: Any, kind: Any) -> Any:
             raise TypeError(f"expected {kind.__name__}, got {_describe(value)}")
         return value
     if kind == list[int]:
-        # One pass with no per-element calls: page lists run to thousands of ints.
-        if not isinstance(value, list) or not all(type(v) is int for v in value):
+        # No Python-level loop (map/set/min/max run in C): page lists run to thousands of ints.
+        # type() is int, not isinstance: a bool is not a page id.
+        if not isinstance(value, list) or (value and set(map(type, value)) != {int}):
             raise TypeError(f"expected a list of ints, got {_describe(value)}")
         if value and (min(value) < 0 or max(value) > _INT64_MAX):
             raise TypeError(f"expected non-negative int64 values, got {_describe(value)}")
