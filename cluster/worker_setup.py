@@ -45,7 +45,8 @@ NOSET_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 
 def gpu_device() -> str:
     """This worker's GPU as a torch device: "cuda" when Ray narrowed CUDA_VISIBLE_DEVICES to it,
-    else "cuda:<index>" of the GPU Ray assigned, among the ones this process sees."""
+    else "cuda:<index>" of the GPU Ray assigned, among the ones this process sees; that GPU also
+    becomes the calling thread's current device (the actor's, which builds the engine)."""
     if os.environ.get(NOSET_VISIBLE_DEVICES) != "1":
         return "cuda"
     import ray

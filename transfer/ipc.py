@@ -25,7 +25,7 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import msgpack
@@ -33,8 +33,8 @@ import numpy as np
 import torch
 
 import kernels
-from transfer.mapper import map_page_ids
-from transfer.page_table import PageTable
+from transfer.plan import DirectPlan
+from transfer.staging import side_stream, word_rows
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +60,8 @@ def host_identity() -> str:
 
 @dataclass(frozen=True)
 class IpcPool:
-    """One pool's storage as CUDA IPC sees it (the fields of torch's ``_share_cuda_``), and where
-    the pool lies in it. ``handle`` is empty for a pool on the CPU."""
+    """One GPU pool's storage as CUDA IPC sees it (the fields of torch's ``_share_cuda_``), and
+    where the pool lies in it."""
 
     name: str
     handle: bytes
@@ -119,11 +119,11 @@ def export_pools(rows: Mapping[str, torch.Tensor], cuda_ipc: bool) -> IpcExport:
     """Export D's pool rows ([num_pages, page_bytes] uint8 views). Registered in this process (so
     a prefill side here can write them) until ``unexport``; with ``cuda_ipc`` and GPU pools, also
     as CUDA IPC handles. Raises IpcUnavailable if CUDA IPC export fails."""
-    first = next(iter(rows.values()))
-    device = "cpu"
+    first = next(iter(rows.values())).device
+    on_gpu = first.type == "cuda"
+    device = str(torch.cuda.get_device_properties(first).uuid) if on_gpu else "cpu"
     pools = []
-    if first.device.type == "cuda" and cuda_ipc:
-        device = str(torch.cuda.get_device_properties(first.device).uuid)
+    if on_gpu and cuda_ipc:
         for name, r in rows.items():
             storage = r.untyped_storage()
             try:
@@ -147,8 +147,6 @@ def export_pools(rows: Mapping[str, torch.Tensor], cuda_ipc: bool) -> IpcExport:
                     r.shape[1],
                 )
             )
-    elif first.device.type == "cuda":
-        device = str(torch.cuda.get_device_properties(first.device).uuid)
     key = next(_KEYS)
     with _REGISTRY_LOCK:
         _REGISTRY[key] = dict(rows)
@@ -161,7 +159,7 @@ def unexport(export: IpcExport) -> None:
 
 
 def open_pools(
-    export: IpcExport, own_rows: Mapping[str, torch.Tensor], page_bytes: Mapping[str, int]
+    export: IpcExport, own_rows: Mapping[str, torch.Tensor]
 ) -> tuple[str, dict[str, torch.Tensor]]:
     """Open D's exported pools for writing from this process (P, whose pools are ``own_rows``).
     Returns the data path ("local" for the same process, "cuda_ipc") and D's rows by pool name.
@@ -176,7 +174,6 @@ def open_pools(
         first, own = next(iter(rows.values())), next(iter(own_rows.values()))
         if first.device.type != own.device.type:
             raise IpcUnavailable(f"pools on {first.device} and {own.device}")
-        _check_geometry(rows, page_bytes)
         return "local", dict(rows)
     own = next(iter(own_rows.values())).device
     if own.type != "cuda" or not export.pools:
@@ -207,7 +204,6 @@ def open_pools(
             flat = torch.empty(0, dtype=torch.uint8, device=own)
             flat.set_(storage, p.byte_offset, (p.nbytes,))
             rows[p.name] = flat.view(-1, p.page_bytes)
-    _check_geometry(rows, page_bytes)
     return "cuda_ipc", rows
 
 
@@ -218,55 +214,12 @@ def _visible_index(uuid: str) -> int:
     raise IpcUnavailable(f"the peer's GPU {uuid} is not visible to this process")
 
 
-def _check_geometry(rows: Mapping[str, torch.Tensor], page_bytes: Mapping[str, int]) -> None:
-    """Sanity only: the page tables were compared in the handshake already."""
-    for name, r in rows.items():
-        if r.dim() != 2 or r.dtype != torch.uint8:
-            raise IpcUnavailable(
-                f"pool {name!r}: expected uint8 page rows, got {r.dtype} {tuple(r.shape)}"
-            )
-
-
 def warm_up(own_rows: Mapping[str, torch.Tensor]) -> None:
     """Compile the copy kernel now rather than in the first handshake or pull (page 0 onto
     itself: a no-op)."""
     zero = torch.zeros(1, dtype=torch.int64, device=next(iter(own_rows.values())).device)
     for r in own_rows.values():
-        kernels.copy_pages(_wide(r), zero, _wide(r), zero)
-
-
-def _wide(rows: torch.Tensor) -> torch.Tensor:
-    """int64 words when size and address allow (a CPU copy of uint8 rows is a slow byte loop)."""
-    if rows.shape[1] % 8 or rows.data_ptr() % 8:
-        return rows
-    return rows.view(torch.int64)
-
-
-@dataclass(frozen=True)
-class DirectPlan:
-    """What a direct link copies: page id pairs per matched pool pair, in one go. It stands in for
-    a TransferPlan on both sides (``num_chunks`` and ``total_bytes`` go into PullRequest and
-    TransferDone as usual). Built straight from the id lists: no per-page objects, since a long
-    prompt has thousands of pages and this path is meant to take microseconds per request."""
-
-    pairs: tuple[tuple[str, str, list[int], list[int]], ...]
-    total_bytes: int
-    num_chunks: int = 1
-
-
-def direct_plan(
-    src: PageTable,
-    dst: PageTable,
-    src_pages: Mapping[str, Sequence[int]],
-    dst_pages: Mapping[str, Sequence[int]],
-) -> DirectPlan:
-    """Raises MapperError like build_plan for pools or ids that cannot be mapped."""
-    mapped = map_page_ids(src, dst, src_pages, dst_pages)
-    pairs = tuple((sp.name, dp.name, s, d) for sp, dp, s, d in mapped if s)
-    return DirectPlan(pairs, sum(len(s) * sp.page_bytes for sp, _, s, _ in mapped))
-
-
-_streams: dict[torch.device, torch.cuda.Stream] = {}
+        kernels.copy_pages(word_rows(r), zero, word_rows(r), zero)
 
 
 def start_copy(
@@ -280,25 +233,30 @@ def start_copy(
     copy thread."""
     device = next(iter(src_rows.values())).device
     if device.type != "cuda":
-        for sp, dp, s, d in plan.pairs:
-            ids = torch.from_numpy(np.array([s, d], dtype=np.int64))
-            kernels.copy_pages(_wide(src_rows[sp]), ids[0], _wide(dst_rows[dp]), ids[1])
+        _copy_pairs(plan, src_rows, dst_rows, device)
         return None
-    stream = _streams.get(device)
-    if stream is None:
-        stream = _streams[device] = torch.cuda.Stream(device)
+    stream = side_stream(device, "direct")
     with torch.cuda.device(device):
         stream.wait_stream(torch.cuda.default_stream(device))
         with torch.cuda.stream(stream):
-            for sp, dp, s, d in plan.pairs:
-                # A plain (synchronous) upload: tens of microseconds for thousands of ids, and no
-                # pinned buffer whose lifetime would have to follow the stream. numpy builds the
-                # array from the lists three times faster than torch.tensor.
-                ids = torch.from_numpy(np.array([s, d], dtype=np.int64)).to(device)
-                kernels.copy_pages(_wide(src_rows[sp]), ids[0], _wide(dst_rows[dp]), ids[1])
+            _copy_pairs(plan, src_rows, dst_rows, device)
             event = torch.cuda.Event()
             event.record(stream)
     return event
+
+
+def _copy_pairs(
+    plan: DirectPlan,
+    src_rows: Mapping[str, torch.Tensor],
+    dst_rows: Mapping[str, torch.Tensor],
+    device: torch.device,
+) -> None:
+    for sp, dp, s, d in plan.pairs:
+        # A plain (synchronous) upload: tens of microseconds for thousands of ids, and no pinned
+        # buffer whose lifetime would have to follow the stream. numpy builds the array from the
+        # lists three times faster than torch.tensor.
+        ids = torch.from_numpy(np.array([s, d], dtype=np.int64)).to(device)
+        kernels.copy_pages(word_rows(src_rows[sp]), ids[0], word_rows(dst_rows[dp]), ids[1])
 
 
 async def wait_copy(event: torch.cuda.Event | None, timeout: float) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +44,7 @@ class PeerInfo:
 
 
 # P side: D's pool export (Hello.pool_export) -> (data path, D's rows), or None to stay on UCX.
-OpenPools = Callable[[bytes], Any]
+OpenPools = Callable[[bytes], Awaitable[tuple[str, dict[str, torch.Tensor]] | None]]
 
 
 class PeerLink:

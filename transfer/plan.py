@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-from transfer.mapper import Fragment, map_pages
+from transfer.mapper import Fragment, map_page_ids, map_pages
 from transfer.page_table import PageTable
 
 DIRECT_MAX_BYTES = 1 << 30  # the largest single message: one page run of 1 GiB
@@ -138,3 +138,41 @@ def chunk_bytes_for(table: PageTable, staging_tokens: int) -> int:
             f"staging_tokens ({staging_tokens}) must hold at least one page ({largest_page} tokens)"
         )
     return sum(staging_tokens // p.tokens_per_page * p.page_bytes for p in table.pools)
+
+
+@dataclass(frozen=True)
+class DirectPlan:
+    """What a direct link copies (ipc.py): page id pairs per matched pool pair, in one go. It
+    stands in for a TransferPlan on both sides (``num_chunks`` and ``total_bytes`` go into
+    PullRequest and TransferDone as usual). Built straight from the id lists: no per-page objects,
+    since a long prompt has thousands of pages."""
+
+    pairs: tuple[tuple[str, str, list[int], list[int]], ...]
+    total_bytes: int
+    num_chunks: int = 1
+
+
+def direct_plan(
+    src: PageTable,
+    dst: PageTable,
+    src_pages: Mapping[str, Sequence[int]],
+    dst_pages: Mapping[str, Sequence[int]],
+) -> DirectPlan:
+    """Raises MapperError like build_plan for pools or ids that cannot be mapped."""
+    mapped = map_page_ids(src, dst, src_pages, dst_pages)
+    pairs = tuple((sp.name, dp.name, s, d) for sp, dp, s, d in mapped if s)
+    return DirectPlan(pairs, sum(len(s) * sp.page_bytes for sp, _, s, _ in mapped))
+
+
+def plan_for_link(
+    direct: bool,
+    src: PageTable,
+    dst: PageTable,
+    src_pages: Mapping[str, Sequence[int]],
+    dst_pages: Mapping[str, Sequence[int]],
+    chunk_bytes: int,
+) -> TransferPlan | DirectPlan:
+    """The plan both sides of a link build for one pull: one copy on a direct link, chunks else."""
+    if direct:
+        return direct_plan(src, dst, src_pages, dst_pages)
+    return build_plan(src, dst, src_pages, dst_pages, chunk_bytes)

@@ -24,7 +24,6 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from transfer.ipc import DirectPlan, direct_plan
 from transfer.mapper import MapperError
 from transfer.messages import (
     ChunkReady,
@@ -37,7 +36,7 @@ from transfer.messages import (
     data_tag,
 )
 from transfer.peer import PeerLink
-from transfer.plan import Chunk, TransferPlan, build_plan
+from transfer.plan import Chunk, DirectPlan, TransferPlan, plan_for_link
 from transfer.serve import settle
 from transfer.staging import pool_region, scatter_chunk
 from transfer.stats import TransferResult, TransferStats
@@ -94,18 +93,14 @@ class PullSession:
                     f"expected {self.expected}"
                 )
             try:
-                if self.link.info.direct:
-                    self.plan = direct_plan(
-                        self.link.info.page_table, self.r.page_table, src, self.dst
-                    )
-                else:
-                    self.plan = build_plan(
-                        self.link.info.page_table,
-                        self.r.page_table,
-                        src,
-                        self.dst,
-                        self.link.info.chunk_bytes,
-                    )
+                self.plan = plan_for_link(
+                    self.link.info.direct,
+                    self.link.info.page_table,
+                    self.r.page_table,
+                    src,
+                    self.dst,
+                    self.link.info.chunk_bytes,
+                )
             except (MapperError, ValueError) as e:
                 raise PullFailed(f"cannot map the pages: {e}") from None
             await self._transfer()

@@ -25,7 +25,7 @@ import torch
 
 from kvcache.spec import PoolGroupSpec
 from transfer.config import TransceiverConfig, resolve_progress_mode
-from transfer.ipc import IpcExport, IpcUnavailable, direct_plan, open_pools, warm_up
+from transfer.ipc import IpcExport, IpcUnavailable, open_pools, warm_up
 from transfer.leases import LeaseTable
 from transfer.mapper import MapperError
 from transfer.messages import (
@@ -40,7 +40,7 @@ from transfer.messages import (
 )
 from transfer.page_table import PageTable
 from transfer.peer import PeerLink, accept
-from transfer.plan import build_plan, chunk_bytes_for
+from transfer.plan import chunk_bytes_for, plan_for_link
 from transfer.runtime import UcxRuntime, cuda_index
 from transfer.serve import ServeSession, drain, settle
 from transfer.staging import StagingBuffers, pool_rows
@@ -199,11 +199,15 @@ class KVSender:
         """D's pools for a direct link, or None (the link then uses UCX)."""
         try:
             export = IpcExport.from_wire(wire)
-            page_bytes = {p.name: p.page_bytes for p in self.page_table.pools}
-            return await self.runtime.copy(open_pools, export, self.rows, page_bytes)
         except IpcUnavailable as e:
-            # Expected across hosts and for CPU pools; worth a warning when D offered CUDA IPC.
-            offered = b"handle" in wire or self.rows_on_gpu
+            log.warning("unusable pool export from that decode worker (%s): using UCX", e)
+            return None
+        try:
+            return await self.runtime.copy(open_pools, export, self.rows)
+        except IpcUnavailable as e:
+            # Expected across hosts and between CPU processes (D offers no CUDA IPC handles then);
+            # GPU pools offered that do not open deserve a warning.
+            offered = bool(export.pools) and self.rows_on_gpu
             (log.warning if offered else log.info)(
                 "no direct copy to that decode worker (%s): using UCX", e
             )
@@ -288,12 +292,14 @@ class KVSender:
             )
         try:
             src = {g: p[req.skip_pages :] for g, p in lease.page_ids.items()}
-            if link.info.direct:
-                plan = direct_plan(self.page_table, link.info.page_table, src, req.dst_page_ids)
-            else:
-                plan = build_plan(
-                    self.page_table, link.info.page_table, src, req.dst_page_ids, req.chunk_bytes
-                )
+            plan = plan_for_link(
+                link.info.direct,
+                self.page_table,
+                link.info.page_table,
+                src,
+                req.dst_page_ids,
+                req.chunk_bytes,
+            )
         except (MapperError, ValueError) as e:
             return error("mismatch", f"cannot map the pages of {rid!r}: {e}")
         if (plan.num_chunks, plan.total_bytes) != (req.num_chunks, req.total_bytes):

@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from transfer.ipc import DirectPlan, start_copy, wait_copy
+from transfer.ipc import start_copy, wait_copy
 from transfer.messages import PullError, PullRequest, TransferDone, data_tag
 from transfer.peer import PeerLink
-from transfer.plan import Chunk, TransferPlan
+from transfer.plan import Chunk, DirectPlan, TransferPlan
 from transfer.staging import gather_chunk, pool_region
 from transfer.stats import TransferStats
 
@@ -65,8 +65,7 @@ class ServeSession:
         self._tasks: dict[int, asyncio.Task] = {}
         self._io_started: set[int] = set()  # chunks whose copy/send began (not cancellable)
         self._acked: tuple[bool, str] | None = None
-        self._copy_event: Any = None  # direct links: the copy's CUDA event while it may run
-        self._copy_running = False
+        self._copy_event: Any = None  # direct links on GPUs: completes when the copy has ended
         # On CPU (TCP) sends go one at a time, in credit order: concurrent messages share the wire
         # and all end together, so D's scatters would run after the last byte instead of under the
         # next chunk. Between GPUs (cuda_ipc) concurrent messages overlap their rendezvous latency.
@@ -89,6 +88,7 @@ class ServeSession:
             else:
                 self._grant(self.req.ready_chunks)
                 await self._serve()
+            self._take_queued_acks()
             self.serving = False
             if self._acked is not None:  # D had every byte before our send completions came in
                 self.sender.leases.release(rid, "acked", force=True)
@@ -135,12 +135,21 @@ class ServeSession:
             elif kind == "closed":
                 raise ServeFailed(f"link closed: {value}")
 
+    def _take_queued_acks(self) -> None:
+        """An ack that came in while TransferDone was still draining sits in the queue once the
+        serving loop has returned: take it, or P would wait for it until the ack deadline."""
+        while not self.events.empty():
+            kind, value = self.events.get_nowait()
+            if kind == "ack":
+                if not value[0]:
+                    raise ServeFailed(f"decode side gave up: {value[1]}")
+                self._acked = value
+
     async def _serve_direct(self) -> None:
         s, cfg, n = self.sender, self.sender.config, self.plan.num_chunks
         dst = self.link.peer_rows
         if dst is None:
             raise ServeFailed(f"link closed: {self.link.closed_reason}")
-        self._copy_running = True
         try:
             if s.rows_on_gpu:
                 # Queued from the loop (a few launches) and polled: no thread hop on the latency
@@ -151,21 +160,13 @@ class ServeSession:
             else:
                 await s.runtime.copy(start_copy, self.plan, s.rows, dst)
         except (RuntimeError, ValueError) as e:  # a launch that failed never started copying
-            self._copy_running = self._copy_event is not None
             raise ServeFailed(f"the page copy failed: {e}") from None
-        self._copy_running = False
         s.book.counters.chunks += n
         s.leases.renew(self.req.request_id, cfg.lease_s)
         done = TransferDone(
             self.req.request_id, self.req.pull_id, self._lease_declared(), self.plan.total_bytes, n
         )
         await self.link.send(done, cfg.done_deadline_s)
-        while not self.events.empty():  # D may have answered while the frame was draining
-            kind, value = self.events.get_nowait()
-            if kind == "ack":
-                if not value[0]:
-                    raise ServeFailed(f"decode side gave up: {value[1]}")
-                self._acked = value
 
     def _grant(self, chunks: list[int]) -> None:
         for i in chunks:
@@ -210,7 +211,8 @@ class ServeSession:
             # The only way to stop UCX reading the pages / staging buffers: cancel its requests.
             self.link.abort(f"serving {rid} failed: {reason}")
         settled = await settle(list(self._tasks.values()), cfg.chunk_deadline_s)
-        if self._copy_running:  # a kernel cannot be cancelled: the pages wait for it to end
+        if settled and self._copy_event is not None:
+            # A kernel cannot be cancelled: the pages wait for the copy to end (at once if it has).
             settled = await wait_copy(self._copy_event, cfg.chunk_deadline_s)
         if settled:
             self.sender.leases.release(rid, f"failed: {reason}", force=True)

@@ -48,7 +48,7 @@ def gather_chunk(chunk: Chunk, src_rows: Mapping[str, torch.Tensor], out: torch.
         for pool, offset, ids, nbytes in _page_groups(chunk, src_rows, source=True):
             rows = src_rows[pool]
             staged = out[offset : offset + nbytes].view(len(ids), rows.shape[1])
-            gather_pages_ref(_wide(rows), ids, _wide(staged))
+            gather_pages_ref(word_rows(rows), ids, word_rows(staged))
 
 
 def scatter_chunk(chunk: Chunk, staged: torch.Tensor, dst_rows: Mapping[str, torch.Tensor]) -> None:
@@ -57,10 +57,10 @@ def scatter_chunk(chunk: Chunk, staged: torch.Tensor, dst_rows: Mapping[str, tor
         for pool, offset, ids, nbytes in _page_groups(chunk, dst_rows, source=False):
             rows = dst_rows[pool]
             part = staged[offset : offset + nbytes].view(len(ids), rows.shape[1])
-            scatter_pages_ref(_wide(part), _wide(rows), ids)
+            scatter_pages_ref(word_rows(part), word_rows(rows), ids)
 
 
-def _wide(rows: torch.Tensor) -> torch.Tensor:
+def word_rows(rows: torch.Tensor) -> torch.Tensor:
     """The same bytes as int64 rows when the row size and address allow: torch's copy of uint8
     rows goes through a byte loop that is many times slower (and on CPU collapses on a busy host),
     while int64 rows are copied in words. On GPUs torch's index_select on word rows and
@@ -100,10 +100,20 @@ def _page_groups(chunk: Chunk, rows: Mapping[str, torch.Tensor], source: bool):
             yield pool, start, torch.from_numpy(np.array(ids, dtype=np.int64)), nbytes
 
 
-class _copy_stream:
-    """On CUDA: run the copies on a side stream and wait for them; on CPU: nothing to do."""
+_side_streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
 
-    _streams: dict[torch.device, torch.cuda.Stream] = {}
+
+def side_stream(device: torch.device, name: str) -> torch.cuda.Stream:
+    """The transceiver's stream ``name`` on ``device`` (made once): page copies run off the
+    model's stream, and the staging copies and the direct copies (ipc.py) each on their own."""
+    stream = _side_streams.get((device, name))
+    if stream is None:
+        stream = _side_streams[(device, name)] = torch.cuda.Stream(device)
+    return stream
+
+
+class _copy_stream:
+    """On CUDA: run the copies on the staging side stream and wait for them; on CPU: nothing."""
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.device = tensor.device
@@ -111,9 +121,7 @@ class _copy_stream:
 
     def __enter__(self) -> None:
         if self.device.type == "cuda":
-            stream = self._streams.get(self.device)
-            if stream is None:
-                stream = self._streams[self.device] = torch.cuda.Stream(self.device)
+            stream = side_stream(self.device, "staging")
             # Pages may have been written on the default stream (the model's): order after it.
             stream.wait_stream(torch.cuda.default_stream(self.device))
             self.stream = stream

@@ -17,9 +17,8 @@ from tests.transfer.conftest import KVSide, config, specs
 from tests.transfer.peer_process import run_prefill
 from tests.transfer.test_transfer_local import Pair, checked_pair, wait_until
 from tests.transfer.test_transfer_processes import Peer, as_tensor
-from transfer import KVReceiver, PageTable
-from transfer.ipc import IpcExport, IpcPool, IpcUnavailable, direct_plan, export_pools
-from transfer.mapper import MapperError
+from transfer import KVReceiver
+from transfer.ipc import IpcExport, IpcPool, IpcUnavailable, export_pools
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -142,21 +141,6 @@ def test_a_peer_in_another_process_falls_back_to_ucx() -> None:
         state = peer.close()
     assert state["free"] == state["initial_free"]
     side.assert_clean()
-
-
-def test_direct_plan_pairs_pages_across_pools_and_checks_them() -> None:
-    table = PageTable.from_specs("m", specs(two_groups=True))
-    full, extra = (p.page_bytes for p in table.pools)
-    plan = direct_plan(
-        table, table, {"full": [5, 0, 9], "extra": [2]}, {"full": [1, 2, 3], "extra": [7]}
-    )
-    # The null page moves nothing (a sliding window dropped it): its destination is left out.
-    assert plan.pairs == (("full", "full", [5, 9], [1, 3]), ("extra", "extra", [2], [7]))
-    assert plan.total_bytes == 2 * full + extra and plan.num_chunks == 1
-    with pytest.raises(MapperError, match="listed twice"):
-        direct_plan(table, table, {"full": [5, 6], "extra": []}, {"full": [1, 1], "extra": []})
-    with pytest.raises(MapperError, match="outside"):
-        direct_plan(table, table, {"full": [5], "extra": []}, {"full": [10**6], "extra": []})
 
 
 def test_pool_exports_round_trip_and_reject_garbage() -> None:

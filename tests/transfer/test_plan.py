@@ -1,13 +1,20 @@
-"""Chunking: fragments cut at page boundaries into chunks of at most one staging buffer."""
+"""Plans: fragments cut at page boundaries into chunks of at most one staging buffer, and the
+direct-copy plan of page id pairs."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.transfer.conftest import MODEL, specs
-from transfer.mapper import Fragment
+from transfer.mapper import Fragment, MapperError
 from transfer.page_table import PageTable
-from transfer.plan import DIRECT_MAX_BYTES, build_plan, chunk_bytes_for, chunk_fragments
+from transfer.plan import (
+    DIRECT_MAX_BYTES,
+    build_plan,
+    chunk_bytes_for,
+    chunk_fragments,
+    direct_plan,
+)
 
 PB = 100
 
@@ -79,3 +86,18 @@ def test_chunk_bytes_hold_staging_tokens_of_every_pool() -> None:
     assert chunk_bytes_for(table, 10) == 2 * (table.pools[0].page_bytes + table.pools[1].page_bytes)
     with pytest.raises(ValueError, match="at least one page"):
         chunk_bytes_for(table, 3)
+
+
+def test_direct_plan_pairs_pages_across_pools_and_checks_them() -> None:
+    table = PageTable.from_specs("m", specs(two_groups=True))
+    full, extra = (p.page_bytes for p in table.pools)
+    plan = direct_plan(
+        table, table, {"full": [5, 0, 9], "extra": [2]}, {"full": [1, 2, 3], "extra": [7]}
+    )
+    # The null page moves nothing (a sliding window dropped it): its destination is left out.
+    assert plan.pairs == (("full", "full", [5, 9], [1, 3]), ("extra", "extra", [2], [7]))
+    assert plan.total_bytes == 2 * full + extra and plan.num_chunks == 1
+    with pytest.raises(MapperError, match="listed twice"):
+        direct_plan(table, table, {"full": [5, 6], "extra": []}, {"full": [1, 1], "extra": []})
+    with pytest.raises(MapperError, match="outside"):
+        direct_plan(table, table, {"full": [5], "extra": []}, {"full": [10**6], "extra": []})
