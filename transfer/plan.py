@@ -1,8 +1,10 @@
-"""TransferPlan: a request's fragments cut into chunks that each fit one staging buffer.
+"""Plans: what one pull moves. TransferPlan cuts a request's fragments into chunks that each fit
+one staging buffer (the UCX path); DirectPlan pairs page ids for one copy (the direct path, ipc.py).
 
-Both sides build the plan from the same inputs (page tables, page ids, chunk size), so chunk ``i``
-means the same bytes on both. A chunk's bytes on the wire are its fragments' bytes, back to back, in
-order. Fragments are split only at page boundaries, so a staging copy always moves whole pages.
+Both sides build the plan from the same inputs (page tables, page ids, chunk size, the link's data
+path), so chunk ``i`` means the same bytes on both. A chunk's bytes on the wire are its fragments'
+bytes, back to back, in order. Fragments are split only at page boundaries, so a staging copy
+always moves whole pages.
 """
 
 from __future__ import annotations

@@ -19,29 +19,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from kvcache.spec import PoolGroupSpec
-from transfer.config import TransceiverConfig, resolve_progress_mode
+from transfer.config import TransceiverConfig
 from transfer.ipc import IpcExport, IpcUnavailable, export_pools, unexport
 from transfer.messages import Hello, Message, PullError, Reject, TransferDone, TransferTicket
-from transfer.page_table import PageTable
 from transfer.peer import PeerLink, PeerRefused, connect
-from transfer.plan import chunk_bytes_for
 from transfer.pull import PullFailed, PullSession
-from transfer.runtime import UcxRuntime, cuda_index
 from transfer.serve import settle
-from transfer.staging import StagingBuffers, pool_rows
-from transfer.stats import StatsBook, TransferResult, TransferStats
+from transfer.side import TransceiverSide
+from transfer.stats import TransferResult
 
 log = logging.getLogger(__name__)
 
 
-class KVReceiver:
+class KVReceiver(TransceiverSide):
     def __init__(
         self,
         buffers: Mapping[str, torch.Tensor],
@@ -49,28 +45,18 @@ class KVReceiver:
         model: str,
         config: TransceiverConfig,
     ) -> None:
-        """``buffers``: the KV storage per pool group; ``model``: identity for the compatibility hash."""
-        self.config = config
-        self.page_table = PageTable.from_specs(model, specs)
-        self.instance_id = uuid.uuid4().hex
-        self.rows = pool_rows(buffers, {s.name: s.page_bytes for s in specs})
-        self.chunk_bytes = chunk_bytes_for(self.page_table, config.staging_tokens)
-        self.book = StatsBook(config.max_stats_len)
-        self._export = self._export_pools() if config.direct_copy else None
+        """See TransceiverSide (transfer/side.py) for the arguments."""
+        super().__init__(buffers, specs, model, config)
+        self._export: IpcExport | None = None
         self.sessions: dict[int, PullSession] = {}
         self._links: dict[tuple[str, int], PeerLink] = {}
         self._connecting: dict[tuple[str, int], asyncio.Lock] = {}
         self._ever_connected: set[tuple[str, int]] = set()
         self._tasks: set[asyncio.Future] = set()
         self._closed = False
-        self.runtime = UcxRuntime.acquire(
-            config.ucx_env,
-            cuda_index(buffers),
-            resolve_progress_mode(config.progress_mode, cuda_index(buffers) is not None),
-        )
-        device = next(iter(buffers.values())).device
         try:
-            self.runtime.run(self._start(device), timeout=config.connect_deadline_s)
+            self._export = self._export_pools() if config.direct_copy else None
+            self.runtime.run(self._start(), timeout=config.connect_deadline_s)
         except BaseException:
             self._unexport()
             self.runtime.release()
@@ -89,8 +75,8 @@ class KVReceiver:
             unexport(self._export)
             self._export = None
 
-    async def _start(self, device: torch.device) -> None:
-        self.staging = StagingBuffers(device, self.chunk_bytes, self.config.staging_buffers)
+    async def _start(self) -> None:
+        self.staging = self._make_staging()
 
     # ---- API (any thread / any event loop) ----
     async def pull(
@@ -122,9 +108,6 @@ class KVReceiver:
             "peers": len(self._links),
             "pulls_in_flight": len(self.sessions),
         }
-
-    def drain_transfer_stats(self) -> list[TransferStats]:
-        return self.book.drain()
 
     def close(self) -> None:
         """Fail pulls in flight (their pages are safe once this returns) and drop every link."""

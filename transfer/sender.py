@@ -17,14 +17,13 @@ import asyncio
 import dataclasses
 import logging
 import time
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from kvcache.spec import PoolGroupSpec
-from transfer.config import TransceiverConfig, resolve_progress_mode
+from transfer.config import TransceiverConfig
 from transfer.ipc import IpcExport, IpcUnavailable, open_pools, warm_up
 from transfer.leases import LeaseTable
 from transfer.mapper import MapperError
@@ -38,18 +37,15 @@ from transfer.messages import (
     TransferAck,
     TransferTicket,
 )
-from transfer.page_table import PageTable
 from transfer.peer import PeerLink, accept
-from transfer.plan import chunk_bytes_for, plan_for_link
-from transfer.runtime import UcxRuntime, cuda_index
+from transfer.plan import plan_for_link
 from transfer.serve import ServeSession, drain, settle
-from transfer.staging import StagingBuffers, pool_rows
-from transfer.stats import StatsBook, TransferStats
+from transfer.side import TransceiverSide
 
 log = logging.getLogger(__name__)
 
 
-class KVSender:
+class KVSender(TransceiverSide):
     def __init__(
         self,
         buffers: Mapping[str, torch.Tensor],
@@ -66,27 +62,15 @@ class KVSender:
             model: model identity for the compatibility hash (peers must agree on it).
             release: called with a request id when its pages may be freed (see module docstring).
         """
-        self.config = config
-        self.page_table = PageTable.from_specs(model, specs)
-        self.instance_id = uuid.uuid4().hex
-        self.rows = pool_rows(buffers, {s.name: s.page_bytes for s in specs})
-        self.chunk_bytes = chunk_bytes_for(self.page_table, config.staging_tokens)
+        super().__init__(buffers, specs, model, config)
         self.leases = LeaseTable(release)
-        self.book = StatsBook(config.max_stats_len)
-        self.runtime = UcxRuntime.acquire(
-            config.ucx_env,
-            cuda_index(buffers),
-            resolve_progress_mode(config.progress_mode, cuda_index(buffers) is not None),
-        )
-        self._device = next(iter(buffers.values())).device
-        self.rows_on_gpu = self._device.type == "cuda"
-        if config.direct_copy and self.rows_on_gpu:
-            with torch.cuda.device(self._device):
-                warm_up(self.rows)
         self._links: set[PeerLink] = set()
         self._sessions: dict[int, ServeSession] = {}  # pull id -> session
         self._session_tasks: set[asyncio.Task] = set()
         try:
+            if config.direct_copy and self.rows_on_gpu:
+                with torch.cuda.device(self.device):
+                    warm_up(self.rows)
             self.host, self.port = self.runtime.run(
                 self._start(), timeout=config.connect_deadline_s
             )
@@ -95,7 +79,7 @@ class KVSender:
             raise
 
     async def _start(self) -> tuple[str, int]:
-        self.staging = StagingBuffers(self._device, self.chunk_bytes, self.config.staging_buffers)
+        self.staging = self._make_staging()
         self._server = await asyncio.start_server(
             self._on_connect, self.config.host, self.config.port
         )
@@ -141,9 +125,6 @@ class KVSender:
 
     def stats(self) -> dict[str, Any]:
         return {**self.book.snapshot(), "leases": len(self.leases), "peers": len(self._links)}
-
-    def drain_transfer_stats(self) -> list[TransferStats]:
-        return self.book.drain()
 
     def close(self) -> None:
         """Stop serving: abort links (ending their sends), stop listening, release every lease."""

@@ -1,0 +1,50 @@
+"""TransceiverSide: what both ends of the transfer build from a worker's pools (page table,
+instance id, page rows, chunk size, statistics, the process's UCX runtime). KVSender and
+KVReceiver add their role on top."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from kvcache.spec import PoolGroupSpec
+from transfer.config import TransceiverConfig, resolve_progress_mode
+from transfer.page_table import PageTable
+from transfer.plan import chunk_bytes_for
+from transfer.runtime import UcxRuntime, cuda_index
+from transfer.staging import StagingBuffers, pool_rows
+from transfer.stats import StatsBook, TransferStats
+
+
+class TransceiverSide:
+    def __init__(
+        self,
+        buffers: Mapping[str, torch.Tensor],
+        specs: Sequence[PoolGroupSpec],
+        model: str,
+        config: TransceiverConfig,
+    ) -> None:
+        """``buffers``: the KV storage per pool group (KVCacheManager.buffers); ``specs``: the pool
+        groups, in order; ``model``: identity for the compatibility hash (peers must agree).
+        Acquires the process's UCX runtime: a subclass that fails later must release it."""
+        self.config = config
+        self.page_table = PageTable.from_specs(model, specs)
+        self.instance_id = uuid.uuid4().hex
+        self.rows = pool_rows(buffers, {s.name: s.page_bytes for s in specs})
+        self.chunk_bytes = chunk_bytes_for(self.page_table, config.staging_tokens)
+        self.book = StatsBook(config.max_stats_len)
+        self.device = next(iter(buffers.values())).device
+        self.rows_on_gpu = self.device.type == "cuda"
+        gpu = cuda_index(buffers)
+        self.runtime = UcxRuntime.acquire(
+            config.ucx_env, gpu, resolve_progress_mode(config.progress_mode, gpu is not None)
+        )
+
+    def _make_staging(self) -> StagingBuffers:
+        """On the loop thread (the buffers' queue belongs to it)."""
+        return StagingBuffers(self.device, self.chunk_bytes, self.config.staging_buffers)
+
+    def drain_transfer_stats(self) -> list[TransferStats]:
+        return self.book.drain()
