@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from kernels import batch_memcpy  # noqa: E402
 from kernels.page_copy_triton import copy_pages  # noqa: E402
 
 MIB = 1 << 20
@@ -54,6 +55,8 @@ def main() -> None:
     b.view(-1)[:1].copy_(a.view(-1)[:1])  # enables peer access both ways, as IPC opening does
     a.view(-1)[:1].copy_(b.view(-1)[:1])
     gen = torch.Generator().manual_seed(0)
+    streams = [torch.cuda.Stream(device=d) for d in (0, 1)]
+    print(f"batched copy-engine memcpy available: {batch_memcpy.available()}", flush=True)
     rows = []
     for size in args.sizes_mib:
         n = size * MIB // PAGE
@@ -89,6 +92,16 @@ def main() -> None:
                 assert torch.equal(
                     b[d_dev[:4].to("cuda:1")], a[s_dev[:4].to("cuda:0")].to("cuda:1")
                 )
+            if batch_memcpy.available():
+                s_np, d_np = src_ids.numpy(), dst_ids.numpy()
+                for name, dev in (("batch_ce_pull", 1), ("batch_ce_push", 0)):
+                    stream = streams[dev]
+
+                    def run_ce(stream=stream, s_np=s_np, d_np=d_np) -> None:
+                        batch_memcpy.copy_pages_batched(a, s_np, b, d_np, stream)
+
+                    row[f"{layout}_{name}"] = timed(run_ce, args.repeats)
+                    assert torch.equal(b[d_np[:4]], a[s_np[:4]].to("cuda:1"))
         if size <= 64:  # one copy engine call per page
             s, d = layouts["scattered"]
             pairs = list(zip(s.tolist(), d.tolist()))

@@ -10,7 +10,7 @@ The parent process is the decode side (KVReceiver; cuda:1 on GPUs), a spawned ch
 same way (worker address, peer error handling). Pages are either one run (``contiguous``: chunks go
 straight between the pools) or a random permutation (``scattered``: every chunk is gathered into and
 scattered from staging buffers). "direct" is a second decode-side receiver over the same pool that
-offers it for direct copies (CUDA IPC on GPUs: P writes the pages itself). Each figure is the median
+reads P's pages itself (CUDA IPC on GPUs, checked against P's lease board: direct_read.py). Each figure is the median
 of --repeats runs after one warm-up; the variants and the raw exchange run interleaved, one of each
 per repetition, so a busy spell of a shared host hits them alike. The last run of each size is
 checked byte for byte (per-page sums on both sides).
@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     port, child_address = conn.recv()
     buf = torch.zeros(spec.buffer_shape, dtype=spec.dtype, device=device)
     receiver = KVReceiver({"full": buf}, [spec], "bench", config(args, direct_copy=False))
-    # Same pool, second receiver: it offers its pools, so P writes them directly (cuda_ipc).
+    # Same pool, second receiver: it opens P's pools and reads them directly (cuda_ipc).
     direct = (
         KVReceiver({"full": buf}, [spec], "bench", config(args)) if "direct" in args.paths else None
     )

@@ -1,20 +1,21 @@
-"""Direct page copies between pools that the prefill side can reach: the same-host data path.
+"""Direct page copies between pools of one host: the same-host data path.
 
-A decode worker exports its pools once (``export_pools``): CUDA IPC handles of the pool storage
-when the KV lives on a GPU, and in every case a key into a per-process registry, so a prefill side
-in the same process finds the very tensors. It sends the export in Hello; the prefill side opens it
-(``open_pools``) and, when that works, serves every pull on that link by writing D's pages itself
-with one page-to-page copy kernel (``kernels.copy_pages``: over NVLink for two GPUs of one host)
-instead of staging chunks through UCX. Leases, TransferDone, the declared-history check and the ack
-stay exactly as on the UCX path; only the bytes move differently.
+A prefill worker exports its pools once (``export_pools``): CUDA IPC handles of the pool storage
+when the KV lives on a GPU, and in every case a key into a per-process registry, so a decode side
+in the same process finds the very tensors. It sends the export in HelloReply; the decode side
+opens it (``open_pools``) and, when that works, reads every lease of that peer itself: one
+page-to-page copy kernel (``kernels.copy_pages``, over NVLink for two GPUs of one host) on its own
+GPU, from P's pages into its own, checked against P's lease board (lease_board.py) before and after.
+No message is on the latency path of such a pull, and P's GPU does no work for it.
 
-Why P writes rather than D reads: P holds the lease, so the copy happens strictly inside it, and
-the protocol keeps its shape (PullRequest -> TransferDone -> ack). Stores to a peer GPU are also
-posted writes over NVLink, which keep the links busier than remote loads.
+Why D reads rather than P writes: a write by P needs a round trip through both processes' event
+loops per pull (about 1 ms), far more than the copy of a typical request; D already knows its pages
+and can start at once. Reads over NVLink are slower than writes for small copies, and a kernel
+launched by D on P's GPU would time-slice with P's prefill, so D reads from its own GPU.
 
-CUDA IPC needs both GPUs visible to the prefill process (the cluster starts GPU workers with all of
-the node's GPUs visible, see cluster/builder.py) and the same OS instance (``host_identity``).
-When a pool cannot be opened the link stays on UCX, and the handshake says why in the log.
+CUDA IPC needs P's GPU visible to the decode process (the cluster starts GPU workers with all of the
+node's GPUs visible, see cluster/builder.py) and the same OS instance (``host_identity``). When a
+pool cannot be opened the link stays on UCX, and the handshake says why in the log.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -116,8 +118,8 @@ _POOL_FIELDS = {
 
 
 def export_pools(rows: Mapping[str, torch.Tensor], cuda_ipc: bool) -> IpcExport:
-    """Export D's pool rows ([num_pages, page_bytes] uint8 views). Registered in this process (so
-    a prefill side here can write them) until ``unexport``; with ``cuda_ipc`` and GPU pools, also
+    """Export P's pool rows ([num_pages, page_bytes] uint8 views). Registered in this process (so
+    a decode side here can read them) until ``unexport``; with ``cuda_ipc`` and GPU pools, also
     as CUDA IPC handles. Raises IpcUnavailable if CUDA IPC export fails."""
     first = next(iter(rows.values())).device
     on_gpu = first.type == "cuda"
@@ -128,7 +130,8 @@ def export_pools(rows: Mapping[str, torch.Tensor], cuda_ipc: bool) -> IpcExport:
             storage = r.untyped_storage()
             try:
                 # The IPC event torch also returns orders a consumer after the producer's pending
-                # writes; pools were zeroed long before any peer connects, so it is not passed on.
+                # writes; P publishes a lease only after its device work on the pages has ended,
+                # so it is not passed on.
                 (_, handle, size, offset, rc_handle, rc_offset, _event, _sync) = (
                     storage._share_cuda_()
                 )
@@ -161,8 +164,8 @@ def unexport(export: IpcExport) -> None:
 def open_pools(
     export: IpcExport, own_rows: Mapping[str, torch.Tensor]
 ) -> tuple[str, dict[str, torch.Tensor]]:
-    """Open D's exported pools for writing from this process (P, whose pools are ``own_rows``).
-    Returns the data path ("local" for the same process, "cuda_ipc") and D's rows by pool name.
+    """Open P's exported pools for reading from this process (D, whose pools are ``own_rows``).
+    Returns the data path ("local" for the same process, "cuda_ipc") and P's rows by pool name.
     Raises IpcUnavailable when neither works."""
     if export.host != host_identity():
         raise IpcUnavailable("the peer runs on another host")
@@ -174,6 +177,10 @@ def open_pools(
         first, own = next(iter(rows.values())), next(iter(own_rows.values()))
         if first.device.type != own.device.type:
             raise IpcUnavailable(f"pools on {first.device} and {own.device}")
+        if first.device != own.device and first.device.type == "cuda":
+            # A copy between scratch tensors makes torch enable peer access from our GPU to
+            # theirs, which a kernel of ours reading their pages needs.
+            torch.zeros(1, device=own.device).copy_(torch.zeros(1, device=first.device))
         return "local", dict(rows)
     own = next(iter(own_rows.values())).device
     if own.type != "cuda" or not export.pools:
@@ -227,36 +234,32 @@ def start_copy(
     src_rows: Mapping[str, torch.Tensor],
     dst_rows: Mapping[str, torch.Tensor],
 ) -> torch.cuda.Event | None:
-    """Copy every page of ``plan`` from P's rows to D's. On GPUs the kernels are queued on a side
-    stream (after the model's stream) and the returned event completes with them (cheap enough to
-    call on the event loop); on the CPU the copy is done when this returns (None): call it on the
-    copy thread."""
-    device = next(iter(src_rows.values())).device
+    """Copy every page of ``plan`` from P's rows into D's, on D's device. On GPUs the kernels are
+    queued on a side stream, after D's model stream (the destination pages may have just been
+    freed by a request whose reads are still queued), and the returned event completes with them;
+    this returns in tens of microseconds. On the CPU the copy is done when this returns (None)."""
+    device = next(iter(dst_rows.values())).device
     if device.type != "cuda":
-        _copy_pairs(plan, src_rows, dst_rows, device)
+        for sp, dp, s, d in plan.pairs:
+            ids = torch.from_numpy(np.array([s, d], dtype=np.int64))
+            kernels.copy_pages(word_rows(src_rows[sp]), ids[0], word_rows(dst_rows[dp]), ids[1])
         return None
     stream = side_stream(device, "direct")
-    with torch.cuda.device(device):
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        # Ids go up from pinned memory without blocking the host (torch's pinned allocator keeps
+        # the block until the upload has run); a pageable upload would wait for the model stream.
+        uploads = [
+            torch.from_numpy(np.array([s, d], dtype=np.int64)).pin_memory().to(
+                device, non_blocking=True
+            )
+            for _, _, s, d in plan.pairs
+        ]
         stream.wait_stream(torch.cuda.default_stream(device))
-        with torch.cuda.stream(stream):
-            _copy_pairs(plan, src_rows, dst_rows, device)
-            event = torch.cuda.Event()
-            event.record(stream)
+        for (sp, dp, _, _), ids in zip(plan.pairs, uploads):
+            kernels.copy_pages(word_rows(src_rows[sp]), ids[0], word_rows(dst_rows[dp]), ids[1])
+        event = torch.cuda.Event()
+        event.record(stream)
     return event
-
-
-def _copy_pairs(
-    plan: DirectPlan,
-    src_rows: Mapping[str, torch.Tensor],
-    dst_rows: Mapping[str, torch.Tensor],
-    device: torch.device,
-) -> None:
-    for sp, dp, s, d in plan.pairs:
-        # A plain (synchronous) upload: tens of microseconds for thousands of ids, and no pinned
-        # buffer whose lifetime would have to follow the stream. numpy builds the array from the
-        # lists three times faster than torch.tensor.
-        ids = torch.from_numpy(np.array([s, d], dtype=np.int64)).to(device)
-        kernels.copy_pages(word_rows(src_rows[sp]), ids[0], word_rows(dst_rows[dp]), ids[1])
 
 
 async def wait_copy(event: torch.cuda.Event | None, timeout: float) -> bool:
@@ -272,4 +275,18 @@ async def wait_copy(event: torch.cuda.Event | None, timeout: float) -> bool:
         # A copy takes microseconds to a few ms: keep yielding to the loop (latency) for the
         # first 20 ms, then back off to spare the core.
         await asyncio.sleep(0 if waited < 0.02 else 0.001)
+    return True
+
+
+def wait_copy_blocking(event: torch.cuda.Event | None, timeout: float) -> bool:
+    """``wait_copy`` for plain threads: spins (yielding the GIL) for the first 20 ms, then sleeps
+    1 ms between polls; False after ``timeout``."""
+    if event is None:
+        return True
+    start = time.monotonic()
+    while not event.query():
+        waited = time.monotonic() - start
+        if waited > timeout:
+            return False
+        time.sleep(0 if waited < 0.02 else 0.001)
     return True

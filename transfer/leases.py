@@ -1,8 +1,8 @@
 """LeaseTable: the prefill side's pinned requests, and the one place their pages are given back.
 
 A published request holds its pages under a lease until D acks, the lease expires, or its transfer
-fails. ``release`` calls the owner's callback exactly once per publish (it is where the worker frees
-the pages). A lease that is SERVING (a pull is reading its pages) never expires: the serving
+fails. ``release`` calls the owner's callback exactly once per publish, with the lease (it is where
+the lease leaves P's lease board and the worker frees the pages). A lease that is SERVING (a pull is reading its pages) never expires: the serving
 transfer renews it per chunk and, should it fail, releases it only after its UCX sends have ended.
 """
 
@@ -31,6 +31,8 @@ class Lease:
     page_ids: dict[str, list[int]]
     declared_prompt_len: int
     expires_at: float  # clock() time
+    slot: int = -1  # on the lease board (lease_board.py); -1: none
+    gen: int = 0  # the slot's generation for this lease
     state: LeaseState = LeaseState.PUBLISHED
     cancel_requested: bool = False
 
@@ -40,7 +42,7 @@ class LeaseTable:
 
     def __init__(
         self,
-        release_cb: Callable[[str], None],
+        release_cb: Callable[[Lease], None],
         clock: Callable[[], float] = time.monotonic,
         history: int = 10_000,
     ) -> None:
@@ -57,12 +59,16 @@ class LeaseTable:
         page_ids: dict[str, list[int]],
         declared_prompt_len: int,
         lease_s: float,
+        slot: int = -1,
+        gen: int = 0,
     ) -> Lease:
         with self._lock:
             if request_id in self._leases:
                 raise ValueError(f"request {request_id!r} is already published")
             self._ended.pop(request_id, None)
-            lease = Lease(request_id, page_ids, declared_prompt_len, self._clock() + lease_s)
+            lease = Lease(
+                request_id, page_ids, declared_prompt_len, self._clock() + lease_s, slot, gen
+            )
             self._leases[request_id] = lease
             return lease
 
@@ -121,7 +127,7 @@ class LeaseTable:
                 self._ended.popitem(last=False)
         log.debug("lease of %s ended: %s", request_id, how)
         try:
-            self._release_cb(request_id)
+            self._release_cb(lease)
         except Exception:
             log.exception("release callback failed for %s", request_id)
         return True

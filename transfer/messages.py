@@ -6,19 +6,21 @@ missing or extra field, or a field of the wrong type raises TransferProtocolErro
 anything that is not msgpack at all; nothing else ever escapes it.
 
 Conversation (D = decode worker, which pulls; P = prefill worker, which serves):
-    D -> P  Hello            page table, UCX worker address, chunk size, D's pool export (ipc.py)
-    P -> D  HelloReply       the same from P and the link's data path ("ucx", or "cuda_ipc" /
-                             "local" when P opened D's pools), or an error (compatibility hash)
+    D -> P  Hello            page table, UCX worker address, chunk size
+    P -> D  HelloReply       the same from P, plus P's pool export and lease board (ipc.py,
+                             lease_board.py) for a same-host peer, or an error (compatibility hash)
+  A pull over UCX:
     D -> P  PullRequest      request id, pull id, page ids on both sides, D's plan (chunks, bytes),
-                             and the chunks D has already posted receives for (credits; none on a
-                             direct-copy link)
+                             and the chunks D has already posted receives for (credits)
     P -> D  data chunks      over UCX, tag = data_tag(pull_id, chunk index); only credited chunks
-                             (on a direct-copy link P writes D's pages itself instead)
     D -> P  ChunkReady       more credits, as D's staging buffers free up
-    P -> D  TransferDone     declared prompt length, bytes, chunks (once every send is posted, or
-                             once the direct copy has completed)
+    P -> D  TransferDone     declared prompt length, bytes, chunks (once every send is posted)
     P -> D  PullError        instead, when P refuses or gives up the pull
     D -> P  TransferAck      ok, or the reason D failed the transfer; P releases the pages
+  A direct read (D opened P's pools, direct_read.py): D checks the lease on P's board, copies P's
+  pages into its own and checks the board again; no message until then.
+    D -> P  ReadDone         ok (bytes, time) or the reason it failed; P releases the pages
+  Either way:
     either  Reject           a message of the peer could not be decoded
 """
 
@@ -65,6 +67,10 @@ class TransferTicket:
     declared_prompt_len: int
     compat_hash: str
     lease_expires_at: float
+    # The lease's slot and generation on P's lease board (lease_board.py); -1 when it has none,
+    # and then it is pulled over UCX whatever the link.
+    lease_slot: int = -1
+    lease_gen: int = 0
 
 
 @dataclass(frozen=True)
@@ -73,7 +79,6 @@ class Hello:
     page_table: PageTable
     ucx_address: bytes
     chunk_bytes: int
-    pool_export: bytes  # ipc.IpcExport.to_wire(), or b"" when D offers no direct copy
 
 
 @dataclass(frozen=True)
@@ -83,7 +88,8 @@ class HelloReply:
     ucx_address: bytes
     chunk_bytes: int
     error: str  # "" when P accepts the peer
-    data_path: str  # "ucx", "cuda_ipc" or "local" (P copies into D's pools itself)
+    pool_export: bytes  # ipc.IpcExport.to_wire(), or b"" when P offers no direct reads
+    lease_board: str  # the path of P's lease board, or "" (with pool_export)
 
 
 @dataclass(frozen=True)
@@ -142,13 +148,35 @@ class TransferAck:
 
 
 @dataclass(frozen=True)
+class ReadDone:
+    """D read a lease's pages directly (or gave up): P may release them. ``lease_gen`` names the
+    lease, so a late one cannot release a later lease of the same request id."""
+
+    request_id: str
+    lease_gen: int
+    ok: bool
+    error: str
+    total_bytes: int
+    micros: int  # the pull as D timed it
+    data_path: str  # "cuda_ipc" or "local"
+
+
+@dataclass(frozen=True)
 class Reject:
     request_id: str  # "" when the rejected message named none
     reason: str
 
 
 Message = (
-    Hello | HelloReply | PullRequest | ChunkReady | PullError | TransferDone | TransferAck | Reject
+    Hello
+    | HelloReply
+    | PullRequest
+    | ChunkReady
+    | PullError
+    | TransferDone
+    | TransferAck
+    | ReadDone
+    | Reject
 )
 MESSAGE_TYPES: dict[str, type] = {
     cls.__name__: cls
@@ -160,6 +188,7 @@ MESSAGE_TYPES: dict[str, type] = {
         PullError,
         TransferDone,
         TransferAck,
+        ReadDone,
         Reject,
     )
 }

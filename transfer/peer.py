@@ -1,6 +1,6 @@
 """PeerLink: one connected peer, i.e. its control channel plus a UCX endpoint to its worker, and the
 handshake that makes one (Hello / HelloReply: page tables, compatibility hash, UCX addresses, and
-whether P writes D's pools directly: ``data_path``, ipc.py).
+P's pool export and lease board, with which D may read P's pages directly: ``data_path``, ipc.py).
 
 Closing a link is how transfers are cancelled: ``abort`` closes the UCX endpoint, which cancels every
 receive and send posted on it, and the control channel, so the peer learns at once. Transfers on the
@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from transfer.control import ChannelClosed, ControlChannel
+from transfer.lease_board import LeaseBoardView
 from transfer.messages import Hello, HelloReply, Message
 from transfer.page_table import PageTable
 from transfer.runtime import UcxRuntime
@@ -36,15 +37,26 @@ class PeerInfo:
     instance_id: str
     page_table: PageTable
     chunk_bytes: int  # agreed: the smaller staging buffer of the two sides
-    data_path: str = "ucx"  # "ucx", or "cuda_ipc" / "local": P copies into D's pools itself
+    # D side: "ucx", or "cuda_ipc" / "local" when D opened P's pools and reads them itself
+    # (direct_read.py). P does not know and keeps "ucx".
+    data_path: str = "ucx"
 
     @property
     def direct(self) -> bool:
         return self.data_path != "ucx"
 
 
-# P side: D's pool export (Hello.pool_export) -> (data path, D's rows), or None to stay on UCX.
-OpenPools = Callable[[bytes], Awaitable[tuple[str, dict[str, torch.Tensor]] | None]]
+@dataclass
+class DirectAccess:
+    """D side of a direct link: P's pools opened here, and P's lease board."""
+
+    data_path: str  # "cuda_ipc" or "local"
+    rows: dict[str, torch.Tensor]
+    board: LeaseBoardView
+
+
+# D side: P's HelloReply -> its pools and board opened here, or None to stay on UCX.
+OpenDirect = Callable[[HelloReply], Awaitable[DirectAccess | None]]
 
 
 class PeerLink:
@@ -54,8 +66,8 @@ class PeerLink:
         self.info = info
         self.name = name
         self.closed_reason: str | None = None
-        # P side of a direct link: D's pools opened in this process (ipc.open_pools).
-        self.peer_rows: dict[str, torch.Tensor] | None = None
+        # D side of a direct link: P's pools and lease board, opened in this process.
+        self.access: DirectAccess | None = None
         self._on_closed: list[Callable[[str], None]] = []
         loop = asyncio.get_running_loop()
         # UCX calls this from its progress thread when the endpoint fails (peer died).
@@ -93,7 +105,9 @@ class PeerLink:
         if self.closed_reason is not None:
             return
         self.closed_reason = reason
-        self.peer_rows = None  # sessions copying into them hold their own reference until done
+        # Reads in flight hold their own references to P's rows; the board stays mapped until
+        # the last of them lets go of it.
+        self.access = None
         log.info("%s: closing link (%s)", self.name, reason)
         self.channel.close(reason)
         try:
@@ -127,9 +141,11 @@ async def connect(
     hello: Hello,
     timeout: float,
     counters: TransferCounters,
+    open_direct: OpenDirect | None = None,
 ) -> PeerLink:
-    """D side: open the control connection, exchange Hello/HelloReply, connect UCX. Raises
-    PeerRefused, or ConnectionError/TimeoutError when P cannot be reached within ``timeout``."""
+    """D side: open the control connection, exchange Hello/HelloReply, connect UCX, and with
+    ``open_direct`` try P's pools for direct reads. Raises PeerRefused, or
+    ConnectionError/TimeoutError when P cannot be reached within ``timeout``."""
     name = f"link to {host}:{port}"
     reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
     channel = ControlChannel(reader, writer, name, counters)
@@ -143,14 +159,13 @@ async def connect(
             if reply.error
             else check_compatible(hello.page_table, reply.page_table)
         )
-        if not problem and reply.data_path not in ("ucx", "cuda_ipc", "local"):
-            problem = f"unknown data path {reply.data_path!r}"
-        if not problem and reply.data_path != "ucx" and not hello.pool_export:
-            problem = f"data path {reply.data_path!r} but we exported no pools"
         if problem:
             counters.refused_peers += 1
             raise PeerRefused(f"{name}: {problem}")
         endpoint = await asyncio.wait_for(runtime.create_endpoint(reply.ucx_address), timeout)
+        direct = None
+        if open_direct is not None and reply.pool_export:
+            direct = await asyncio.wait_for(open_direct(reply), timeout)
     except BaseException:
         channel.close("handshake failed")
         raise
@@ -158,9 +173,13 @@ async def connect(
         reply.instance_id,
         reply.page_table,
         min(hello.chunk_bytes, reply.chunk_bytes),
-        reply.data_path,
+        direct.data_path if direct is not None else "ucx",
     )
-    return PeerLink(channel, endpoint, info, f"{name} (instance {reply.instance_id})")
+    link = PeerLink(
+        channel, endpoint, info, f"{name} (instance {reply.instance_id}, {info.data_path})"
+    )
+    link.access = direct
+    return link
 
 
 async def accept(
@@ -170,10 +189,9 @@ async def accept(
     own: HelloReply,
     timeout: float,
     counters: TransferCounters,
-    open_pools: OpenPools | None = None,
 ) -> PeerLink | None:
-    """P side: answer one incoming Hello. Returns None (after telling the peer why) when the peer is
-    refused or the handshake fails. ``open_pools`` tries D's pool export for a direct link."""
+    """P side: answer one incoming Hello with ``own``. Returns None (after telling the peer why)
+    when the peer is refused or the handshake fails."""
     peername = writer.get_extra_info("peername")
     channel = ControlChannel(reader, writer, f"link from {peername}", counters)
     try:
@@ -186,26 +204,14 @@ async def accept(
             await channel.send(_refusal(own, problem), timeout)
             raise PeerRefused(problem)
         endpoint = await asyncio.wait_for(runtime.create_endpoint(hello.ucx_address), timeout)
-        opened = None
-        if open_pools is not None and hello.pool_export:
-            opened = await asyncio.wait_for(open_pools(hello.pool_export), timeout)
-        data_path, peer_rows = opened if opened is not None else ("ucx", None)
-        await channel.send(dataclasses.replace(own, data_path=data_path), timeout)
+        await channel.send(own, timeout)
     except (PeerRefused, ConnectionError, asyncio.TimeoutError) as e:
         log.warning("%s: handshake refused or failed: %s", channel.name, e)
         channel.close(f"handshake failed: {e}")
         return None
-    info = PeerInfo(
-        hello.instance_id, hello.page_table, min(hello.chunk_bytes, own.chunk_bytes), data_path
-    )
-    link = PeerLink(
-        channel, endpoint, info, f"link from {peername} (instance {hello.instance_id}, {data_path})"
-    )
-    link.peer_rows = peer_rows
-    return link
+    info = PeerInfo(hello.instance_id, hello.page_table, min(hello.chunk_bytes, own.chunk_bytes))
+    return PeerLink(channel, endpoint, info, f"link from {peername} (instance {hello.instance_id})")
 
 
 def _refusal(own: HelloReply, problem: str) -> HelloReply:
-    return HelloReply(
-        own.instance_id, own.page_table, own.ucx_address, own.chunk_bytes, problem, "ucx"
-    )
+    return dataclasses.replace(own, error=problem, pool_export=b"", lease_board="")

@@ -1,8 +1,9 @@
 """Plans: what one pull moves. TransferPlan cuts a request's fragments into chunks that each fit
-one staging buffer (the UCX path); DirectPlan pairs page ids for one copy (the direct path, ipc.py).
+one staging buffer (the UCX path); DirectPlan pairs page ids for one copy (a direct read by D,
+direct_read.py).
 
-Both sides build the plan from the same inputs (page tables, page ids, chunk size, the link's data
-path), so chunk ``i`` means the same bytes on both. A chunk's bytes on the wire are its fragments'
+Both sides of a UCX pull build the plan from the same inputs (page tables, page ids, chunk size), so
+chunk ``i`` means the same bytes on both. A chunk's bytes on the wire are its fragments'
 bytes, back to back, in order. Fragments are split only at page boundaries, so a staging copy
 always moves whole pages.
 """
@@ -144,10 +145,8 @@ def chunk_bytes_for(table: PageTable, staging_tokens: int) -> int:
 
 @dataclass(frozen=True)
 class DirectPlan:
-    """What a direct link copies (ipc.py): page id pairs per matched pool pair, in one go. It
-    stands in for a TransferPlan on both sides (``num_chunks`` and ``total_bytes`` go into
-    PullRequest and TransferDone as usual). Built straight from the id lists: no per-page objects,
-    since a long prompt has thousands of pages."""
+    """What a direct read copies (ipc.py): page id pairs per matched pool pair, in one go. Built
+    straight from the id lists: no per-page objects, since a long prompt has thousands of pages."""
 
     pairs: tuple[tuple[str, str, list[int], list[int]], ...]
     total_bytes: int
@@ -164,17 +163,3 @@ def direct_plan(
     mapped = map_page_ids(src, dst, src_pages, dst_pages)
     pairs = tuple((sp.name, dp.name, s, d) for sp, dp, s, d in mapped if s)
     return DirectPlan(pairs, sum(len(s) * sp.page_bytes for sp, _, s, _ in mapped))
-
-
-def plan_for_link(
-    direct: bool,
-    src: PageTable,
-    dst: PageTable,
-    src_pages: Mapping[str, Sequence[int]],
-    dst_pages: Mapping[str, Sequence[int]],
-    chunk_bytes: int,
-) -> TransferPlan | DirectPlan:
-    """The plan both sides of a link build for one pull: one copy on a direct link, chunks else."""
-    if direct:
-        return direct_plan(src, dst, src_pages, dst_pages)
-    return build_plan(src, dst, src_pages, dst_pages, chunk_bytes)

@@ -12,9 +12,8 @@ otherwise the link is aborted, the only way UCX cancels a receive (other pulls o
 too; the next pull reconnects). ``run`` returns only after every receive and page copy of this pull
 has ended. KV is never trimmed or padded: any mismatch fails the pull.
 
-On a direct link (ipc.py) D posts nothing: P writes the pages itself and answers with TransferDone
-once its copy has completed, so the pull is one round trip plus the copy. A pull that fails there
-without P's answer gave P pull_deadline_s (orders of magnitude more than any copy) to finish.
+On a direct link (D opened P's pools, ipc.py) a ticket with a lease board slot is read by D itself
+instead (direct_read.py); this session then only connects.
 """
 
 from __future__ import annotations
@@ -36,7 +35,8 @@ from transfer.messages import (
     data_tag,
 )
 from transfer.peer import PeerLink
-from transfer.plan import Chunk, DirectPlan, TransferPlan, plan_for_link
+from transfer.plan import Chunk, TransferPlan, build_plan
+from transfer.pull_checks import PullFailed, check_declared, source_pages
 from transfer.serve import settle
 from transfer.staging import pool_region, scatter_chunk
 from transfer.stats import TransferResult, TransferStats
@@ -45,10 +45,6 @@ if TYPE_CHECKING:
     from transfer.receiver import KVReceiver
 
 log = logging.getLogger(__name__)
-
-
-class PullFailed(Exception):
-    pass
 
 
 class PullSession:
@@ -68,7 +64,7 @@ class PullSession:
         self.expected = expected_prompt_len
         self.pull_id = pull_id
         self.link: PeerLink | None = None
-        self.plan: TransferPlan | DirectPlan | None = None
+        self.plan: TransferPlan | None = None
         self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self._recvs: list[asyncio.Task] = []
         self._feeder: asyncio.Task | None = None
@@ -83,18 +79,17 @@ class PullSession:
     async def run(self) -> TransferResult:
         start, rid = time.perf_counter(), self.ticket.request_id
         try:
-            src = self._check_inputs()
+            src = source_pages(self.ticket, self.r.page_table, self.dst, self.skip)
             self.link = await self.r.link_for(self.ticket)
+            read = self.r.direct_read(self.link, self.ticket, self.dst, self.skip, self.expected)
+            if read is not None:
+                self.link = None  # nothing of this session's to clean up on the link
+                return await read.run()
             self.link.add_close_listener(self._on_closed)
             self.r.sessions[self.pull_id] = self
-            if self.ticket.declared_prompt_len != self.expected:
-                raise PullFailed(
-                    f"declared history mismatch: P declares {self.ticket.declared_prompt_len} prompt tokens, "
-                    f"expected {self.expected}"
-                )
+            check_declared(self.ticket.declared_prompt_len, self.expected)
             try:
-                self.plan = plan_for_link(
-                    self.link.info.direct,
+                self.plan = build_plan(
                     self.link.info.page_table,
                     self.r.page_table,
                     src,
@@ -121,27 +116,6 @@ class PullSession:
             if self.link is not None:
                 self.link.remove_close_listener(self._on_closed)
 
-    def _check_inputs(self) -> dict[str, list[int]]:
-        t = self.ticket
-        if t.compat_hash != self.r.page_table.compat_hash:
-            raise PullFailed(
-                f"compatibility hash mismatch: the ticket's prefill worker has {t.compat_hash}, we have "
-                f"{self.r.page_table.compat_hash}"
-            )
-        if sorted(self.dst) != sorted(t.page_ids) or self.skip < 0:
-            raise PullFailed(
-                f"destination pools {sorted(self.dst)} differ from the ticket's {sorted(t.page_ids)}"
-            )
-        src = {}
-        for g, pages in t.page_ids.items():
-            if self.skip > len(pages) or len(self.dst[g]) != len(pages) - self.skip:
-                raise PullFailed(
-                    f"pool {g!r}: the ticket has {len(pages)} pages, skip_pages={self.skip}, so "
-                    f"{len(pages) - self.skip} destination pages are needed, got {len(self.dst[g])}"
-                )
-            src[g] = pages[self.skip :]
-        return src
-
     def _pull_request(self, ready: list[int]) -> PullRequest:
         assert self.link is not None and self.plan is not None
         return PullRequest(
@@ -156,22 +130,8 @@ class PullSession:
             ready,
         )
 
-    async def _transfer_direct(self) -> None:
-        """P copies into our pages and answers with TransferDone (or PullError)."""
-        assert self.link is not None and self.plan is not None
-        cfg = self.r.config
-        await self.link.send(self._pull_request([]), cfg.pull_deadline_s)
-        event = await self._next("P's direct copy and TransferDone", cfg.pull_deadline_s)
-        if not isinstance(event, TransferDone):
-            raise PullFailed(f"unexpected {event!r} on a direct-copy link")
-        self.r.book.counters.chunks += self.plan.num_chunks
-        self._check_done(event, self.plan.num_chunks)
-
     async def _transfer(self) -> None:
         assert self.link is not None and self.plan is not None
-        if self.link.info.direct:
-            await self._transfer_direct()
-            return
         cfg, plan = self.r.config, self.plan
         # Every receive straight into the pool is posted now (they need no buffer), then staged ones
         # while buffers last; the feeder credits the rest in plan order as buffers free up.
@@ -320,7 +280,7 @@ class PullSession:
             time.perf_counter() - start,
             ok,
             error,
-            self.link.info.data_path if self.link is not None else "ucx",
+            "ucx",
         )
         self.r.book.record(stats)
         return TransferResult(self.ticket.request_id, ok, error, stats)

@@ -12,6 +12,10 @@ the pages. It never raises for transfer problems: they are a failed TransferResu
 One control connection and one UCX endpoint per prefill worker are cached and shared by concurrent
 pulls; a closed link, or a ticket from another instance of the worker at that address (it
 restarted), makes the next pull connect again.
+
+With ``direct_copy``, a link to a prefill worker whose pools open here (the same process, or CUDA
+IPC on the same host) reads every ticket with a lease board slot directly (direct_read.py). Once
+such a link exists, a pull runs entirely on the caller's thread or event loop.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -26,10 +31,21 @@ import torch
 
 from kvcache.spec import PoolGroupSpec
 from transfer.config import TransceiverConfig
-from transfer.ipc import IpcExport, IpcUnavailable, export_pools, unexport
-from transfer.messages import Hello, Message, PullError, Reject, TransferDone, TransferTicket
-from transfer.peer import PeerLink, PeerRefused, connect
-from transfer.pull import PullFailed, PullSession
+from transfer.direct_read import DirectRead
+from transfer.ipc import IpcExport, IpcUnavailable, open_pools, warm_up
+from transfer.lease_board import BoardUnavailable, LeaseBoardView
+from transfer.messages import (
+    Hello,
+    HelloReply,
+    Message,
+    PullError,
+    Reject,
+    TransferDone,
+    TransferTicket,
+)
+from transfer.peer import DirectAccess, PeerLink, PeerRefused, connect
+from transfer.pull import PullSession
+from transfer.pull_checks import PullFailed
 from transfer.serve import settle
 from transfer.side import TransceiverSide
 from transfer.stats import TransferResult
@@ -47,33 +63,22 @@ class KVReceiver(TransceiverSide):
     ) -> None:
         """See TransceiverSide (transfer/side.py) for the arguments."""
         super().__init__(buffers, specs, model, config)
-        self._export: IpcExport | None = None
         self.sessions: dict[int, PullSession] = {}
         self._links: dict[tuple[str, int], PeerLink] = {}
         self._connecting: dict[tuple[str, int], asyncio.Lock] = {}
         self._ever_connected: set[tuple[str, int]] = set()
         self._tasks: set[asyncio.Future] = set()
         self._closed = False
+        self._reads_lock = threading.Lock()
+        self._reads_in_flight = 0
         try:
-            self._export = self._export_pools() if config.direct_copy else None
+            if config.direct_copy and self.rows_on_gpu:
+                with torch.cuda.device(self.device):
+                    warm_up(self.rows)  # compile the copy kernel now, not in the first pull
             self.runtime.run(self._start(), timeout=config.connect_deadline_s)
         except BaseException:
-            self._unexport()
             self.runtime.release()
             raise
-
-    def _export_pools(self) -> IpcExport:
-        """Our pools for prefill workers that can write them directly (ipc.py)."""
-        try:
-            return export_pools(self.rows, cuda_ipc=True)
-        except IpcUnavailable as e:
-            log.warning("CUDA IPC export failed (%s): only same-process peers copy directly", e)
-            return export_pools(self.rows, cuda_ipc=False)
-
-    def _unexport(self) -> None:
-        if self._export is not None:
-            unexport(self._export)
-            self._export = None
 
     async def _start(self) -> None:
         self.staging = self._make_staging()
@@ -87,7 +92,10 @@ class KVReceiver(TransceiverSide):
         expected_prompt_len: int,
     ) -> TransferResult:
         """Pull the request's KV into ``dst_page_ids`` (see module docstring). Awaitable from any
-        event loop; the work runs on the transceiver's loop thread."""
+        event loop; a direct read runs on it, any other pull on the transceiver's loop thread."""
+        read = self._fast_read(ticket, dst_page_ids, skip_pages, expected_prompt_len)
+        if read is not None:
+            return await self._counted(read.run())
         return await asyncio.wrap_future(
             self._submit(ticket, dst_page_ids, skip_pages, expected_prompt_len)
         )
@@ -100,13 +108,58 @@ class KVReceiver(TransceiverSide):
         expected_prompt_len: int,
     ) -> TransferResult:
         """``pull`` for plain threads. Every step inside has its own deadline."""
+        read = self._fast_read(ticket, dst_page_ids, skip_pages, expected_prompt_len)
+        if read is not None:
+            with self._reads_lock:
+                self._reads_in_flight += 1
+            try:
+                return read.run_blocking()
+            finally:
+                with self._reads_lock:
+                    self._reads_in_flight -= 1
         return self._submit(ticket, dst_page_ids, skip_pages, expected_prompt_len).result()
+
+    def direct_read(
+        self,
+        link: PeerLink,
+        ticket: TransferTicket,
+        dst: dict[str, list[int]],
+        skip: int,
+        expected: int,
+    ) -> DirectRead | None:
+        """A direct read of ``ticket`` over ``link``, or None when it must go over UCX (no direct
+        access to that peer, or the lease is not on its board)."""
+        access = link.access
+        if access is None or link.closed or ticket.lease_slot < 0:
+            return None
+        return DirectRead(self, link, access, ticket, dst, skip, expected)
+
+    def _fast_read(
+        self, ticket: TransferTicket, dst: Mapping[str, Sequence[int]], skip: int, expected: int
+    ) -> DirectRead | None:
+        """A direct read over an existing link, run without the transceiver's loop."""
+        if self._closed:
+            raise RuntimeError("KVReceiver is closed")
+        link = self._links.get((ticket.host, ticket.port))
+        if link is None or link.info.instance_id != ticket.instance_id:
+            return None  # first contact, or a restarted peer: the loop (re)connects
+        dst_pages = {g: [int(p) for p in ids] for g, ids in dst.items()}
+        return self.direct_read(link, ticket, dst_pages, int(skip), int(expected))
+
+    async def _counted(self, read: Any) -> TransferResult:
+        with self._reads_lock:
+            self._reads_in_flight += 1
+        try:
+            return await read
+        finally:
+            with self._reads_lock:
+                self._reads_in_flight -= 1
 
     def stats(self) -> dict[str, Any]:
         return {
             **self.book.snapshot(),
             "peers": len(self._links),
-            "pulls_in_flight": len(self.sessions),
+            "pulls_in_flight": len(self.sessions) + self._reads_in_flight,
         }
 
     def close(self) -> None:
@@ -114,7 +167,6 @@ class KVReceiver(TransceiverSide):
         try:
             self.runtime.run(self._stop(), timeout=self.config.chunk_deadline_s * 2 + 5.0)
         finally:
-            self._unexport()
             self.runtime.release()
 
     # ---- loop side ----
@@ -168,16 +220,18 @@ class KVReceiver(TransceiverSide):
 
     async def _connect(self, ticket: TransferTicket) -> PeerLink:
         hello = Hello(
-            self.instance_id,
-            self.page_table,
-            self.runtime.worker_address,
-            self.chunk_bytes,
-            self._export.to_wire() if self._export is not None else b"",
+            self.instance_id, self.page_table, self.runtime.worker_address, self.chunk_bytes
         )
         timeout = self.config.connect_deadline_s
         try:
             return await connect(
-                self.runtime, ticket.host, ticket.port, hello, timeout, self.book.counters
+                self.runtime,
+                ticket.host,
+                ticket.port,
+                hello,
+                timeout,
+                self.book.counters,
+                self._open_direct if self.config.direct_copy else None,
             )
         except PeerRefused as e:
             raise PullFailed(str(e)) from None
@@ -187,6 +241,26 @@ class KVReceiver(TransceiverSide):
             ) from None
         except OSError as e:
             raise PullFailed(f"cannot connect to {ticket.host}:{ticket.port}: {e}") from None
+
+    async def _open_direct(self, reply: HelloReply) -> DirectAccess | None:
+        """P's pools and lease board opened here for direct reads, or None (the link uses UCX)."""
+        try:
+            export = IpcExport.from_wire(reply.pool_export)
+        except IpcUnavailable as e:
+            log.warning("unusable pool export from that prefill worker (%s): using UCX", e)
+            return None
+        try:
+            data_path, rows = await self.runtime.copy(open_pools, export, self.rows)
+            board = LeaseBoardView(reply.lease_board)
+        except (IpcUnavailable, BoardUnavailable) as e:
+            # Expected across hosts and between CPU processes (P offers no CUDA IPC handles then);
+            # GPU pools offered that do not open deserve a warning.
+            offered = bool(export.pools) and self.rows_on_gpu
+            (log.warning if offered else log.info)(
+                "no direct reads from that prefill worker (%s): using UCX", e
+            )
+            return None
+        return DirectAccess(data_path, rows, board)
 
     def _on_message(self, link: PeerLink, msg: Message) -> None:
         if isinstance(msg, PullError | TransferDone):

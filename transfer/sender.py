@@ -9,6 +9,10 @@ Ownership of pages: from ``publish`` until the release callback the pages belong
 the worker must not free or reuse them, and must have finished writing them (device work done)
 before publishing. The callback runs on the transceiver's loop thread: keep it short and
 thread-safe (hand the id to the worker's own loop). Serving pulls happens in the background.
+
+With ``direct_copy`` every lease is also put on a lease board in shared memory (lease_board.py), and
+the pools are exported in the handshake (ipc.py): a decode worker that can open them reads the pages
+itself and only tells us afterwards (ReadDone), so such pulls cost this side no work at all.
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ import torch
 
 from kvcache.spec import PoolGroupSpec
 from transfer.config import TransceiverConfig
-from transfer.ipc import IpcExport, IpcUnavailable, open_pools, warm_up
-from transfer.leases import LeaseTable
+from transfer.ipc import IpcExport, IpcUnavailable, export_pools, unexport
+from transfer.lease_board import BoardUnavailable, LeaseBoard, lease_digest
+from transfer.leases import Lease, LeaseTable
 from transfer.mapper import MapperError
 from transfer.messages import (
     ChunkReady,
@@ -33,14 +38,16 @@ from transfer.messages import (
     Message,
     PullError,
     PullRequest,
+    ReadDone,
     Reject,
     TransferAck,
     TransferTicket,
 )
 from transfer.peer import PeerLink, accept
-from transfer.plan import plan_for_link
+from transfer.plan import build_plan
 from transfer.serve import ServeSession, drain, settle
 from transfer.side import TransceiverSide
+from transfer.stats import TransferStats
 
 log = logging.getLogger(__name__)
 
@@ -63,20 +70,53 @@ class KVSender(TransceiverSide):
             release: called with a request id when its pages may be freed (see module docstring).
         """
         super().__init__(buffers, specs, model, config)
-        self.leases = LeaseTable(release)
+        self._release = release
+        self.leases = LeaseTable(self._released)
         self._links: set[PeerLink] = set()
         self._sessions: dict[int, ServeSession] = {}  # pull id -> session
         self._session_tasks: set[asyncio.Task] = set()
+        self.board: LeaseBoard | None = None
+        self._export: IpcExport | None = None
         try:
-            if config.direct_copy and self.rows_on_gpu:
-                with torch.cuda.device(self.device):
-                    warm_up(self.rows)
+            if config.direct_copy:
+                self._offer_direct_reads()
             self.host, self.port = self.runtime.run(
                 self._start(), timeout=config.connect_deadline_s
             )
         except BaseException:
+            self._withdraw_direct_reads()
             self.runtime.release()
             raise
+
+    def _offer_direct_reads(self) -> None:
+        """The lease board and the pool export that let same-host decode workers read directly."""
+        try:
+            # More slots than pages: prefix sharing lets several leases hold one page. A lease
+            # that finds none free is pulled over UCX.
+            self.board = LeaseBoard(max(1024, 4 * max(p.num_pages for p in self.page_table.pools)))
+        except BoardUnavailable as e:
+            log.warning("no lease board (%s): decode workers pull over UCX", e)
+            return
+        try:
+            self._export = export_pools(self.rows, cuda_ipc=self.rows_on_gpu)
+        except IpcUnavailable as e:
+            log.warning("CUDA IPC export failed (%s): only same-process peers read directly", e)
+            self._export = export_pools(self.rows, cuda_ipc=False)
+
+    def _withdraw_direct_reads(self) -> None:
+        if self._export is not None:
+            unexport(self._export)
+            self._export = None
+        if self.board is not None:
+            self.board.close()
+            self.board = None
+
+    def _released(self, lease: Lease) -> None:
+        """The lease ended: off the board first (a direct read in flight then fails its check
+        instead of keeping pages the worker is about to reuse), then the worker frees the pages."""
+        if lease.slot >= 0 and self.board is not None:
+            self.board.retire(lease.slot)
+        self._release(lease.request_id)
 
     async def _start(self) -> tuple[str, int]:
         self.staging = self._make_staging()
@@ -106,7 +146,17 @@ class KVSender(TransceiverSide):
                 )
         if declared_prompt_len < 0:
             raise ValueError(f"publish {request_id!r}: declared_prompt_len must be >= 0")
-        self.leases.publish(request_id, pages, declared_prompt_len, self.config.lease_s)
+        board = self.board
+        placed = board.publish(declared_prompt_len, lease_digest(request_id, pages)) if board else None
+        slot, gen = placed if placed is not None else (-1, 0)
+        try:
+            self.leases.publish(
+                request_id, pages, declared_prompt_len, self.config.lease_s, slot, gen
+            )
+        except BaseException:
+            if board is not None and slot >= 0:
+                board.retire(slot)
+            raise
         return TransferTicket(
             request_id=request_id,
             host=self.host,
@@ -116,6 +166,8 @@ class KVSender(TransceiverSide):
             declared_prompt_len=declared_prompt_len,
             compat_hash=self.page_table.compat_hash,
             lease_expires_at=time.time() + self.config.lease_s,
+            lease_slot=slot,
+            lease_gen=gen,
         )
 
     def cancel(self, request_id: str) -> bool:
@@ -132,6 +184,7 @@ class KVSender(TransceiverSide):
             self.runtime.run(self._stop(), timeout=self.config.chunk_deadline_s + 5.0)
         finally:
             self.leases.release_all("transceiver closed")
+            self._withdraw_direct_reads()
             self.runtime.release()
 
     async def _stop(self) -> None:
@@ -159,40 +212,17 @@ class KVSender(TransceiverSide):
             self.runtime.worker_address,
             self.chunk_bytes,
             "",
-            "ucx",  # accept() says "cuda_ipc" / "local" when it opens D's pools
+            self._export.to_wire() if self._export is not None else b"",
+            self.board.path if self.board is not None else "",
         )
         link = await accept(
-            self.runtime,
-            reader,
-            writer,
-            own,
-            self.config.connect_deadline_s,
-            self.book.counters,
-            self._open_pools if self.config.direct_copy else None,
+            self.runtime, reader, writer, own, self.config.connect_deadline_s, self.book.counters
         )
         if link is None:
             return
         self._links.add(link)
         link.add_close_listener(lambda _reason: self._links.discard(link))
         link.start(lambda msg: self._on_message(link, msg))
-
-    async def _open_pools(self, wire: bytes) -> tuple[str, dict[str, torch.Tensor]] | None:
-        """D's pools for a direct link, or None (the link then uses UCX)."""
-        try:
-            export = IpcExport.from_wire(wire)
-        except IpcUnavailable as e:
-            log.warning("unusable pool export from that decode worker (%s): using UCX", e)
-            return None
-        try:
-            return await self.runtime.copy(open_pools, export, self.rows)
-        except IpcUnavailable as e:
-            # Expected across hosts and between CPU processes (D offers no CUDA IPC handles then);
-            # GPU pools offered that do not open deserve a warning.
-            offered = bool(export.pools) and self.rows_on_gpu
-            (log.warning if offered else log.info)(
-                "no direct copy to that decode worker (%s): using UCX", e
-            )
-            return None
 
     def _on_message(self, link: PeerLink, msg: Message) -> None:
         if isinstance(msg, PullRequest):
@@ -207,6 +237,8 @@ class KVSender(TransceiverSide):
                 session.credit(msg.chunks)
         elif isinstance(msg, TransferAck):
             self._on_ack(msg)
+        elif isinstance(msg, ReadDone):
+            self._on_read_done(msg)
         elif isinstance(msg, Reject):
             log.warning("%s rejected a message of ours: %s", link.name, msg.reason)
         else:
@@ -220,6 +252,27 @@ class KVSender(TransceiverSide):
         how = "acked" if ack.ok else f"decode side failed the transfer: {ack.error}"
         if not self.leases.release(ack.request_id, how):
             log.info("late ack for %s dropped: its lease already ended", ack.request_id)
+
+    def _on_read_done(self, msg: ReadDone) -> None:
+        """A decode worker read a lease's pages itself (direct_read.py), or gave up."""
+        lease = self.leases.get(msg.request_id)
+        if lease is None or lease.gen != msg.lease_gen or lease.slot < 0:
+            log.info("late ReadDone for %s dropped: its lease already ended", msg.request_id)
+            return
+        how = "read directly" if msg.ok else f"decode side failed the transfer: {msg.error}"
+        if self.leases.release(msg.request_id, how):
+            self.book.record(
+                TransferStats(
+                    msg.request_id,
+                    "send",
+                    msg.total_bytes if msg.ok else 0,
+                    1,
+                    msg.micros / 1e6,
+                    msg.ok,
+                    msg.error,
+                    msg.data_path,
+                )
+            )
 
     def _start_serving(self, link: PeerLink, req: PullRequest) -> None:
         problem = self._check_pull(link, req)
@@ -250,8 +303,6 @@ class KVSender(TransceiverSide):
             return error(*self.leases.why_missing(rid))
         if req.pull_id in self._sessions:
             return error("conflict", f"pull id {req.pull_id} is already in use")
-        if link.info.direct and req.ready_chunks:
-            return error("conflict", "credits on a direct-copy link, where nothing is received")
         if len(set(req.ready_chunks)) != len(req.ready_chunks) or any(
             not 0 <= i < req.num_chunks for i in req.ready_chunks
         ):
@@ -273,13 +324,8 @@ class KVSender(TransceiverSide):
             )
         try:
             src = {g: p[req.skip_pages :] for g, p in lease.page_ids.items()}
-            plan = plan_for_link(
-                link.info.direct,
-                self.page_table,
-                link.info.page_table,
-                src,
-                req.dst_page_ids,
-                req.chunk_bytes,
+            plan = build_plan(
+                self.page_table, link.info.page_table, src, req.dst_page_ids, req.chunk_bytes
             )
         except (MapperError, ValueError) as e:
             return error("mismatch", f"cannot map the pages of {rid!r}: {e}")

@@ -10,9 +10,7 @@ On failure: with sends in flight the link is aborted (UCX cancels them) and the 
 only after every send has ended; without, the credited chunks that will never be sent are completed
 with empty messages ("drained") so D's receives end without tearing the link down.
 
-On a direct link (ipc.py: D's pools are open here) there are no chunks on the wire: P copies every
-page into D's pages with one kernel, waits for it, and sends TransferDone; the ack and the lease work
-as above. A copy that is still running is never cut short: the pages stay pinned until it ends.
+(A decode worker that reads P's pools directly never sends a PullRequest: see direct_read.py.)
 """
 
 from __future__ import annotations
@@ -24,10 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from transfer.ipc import start_copy, wait_copy
 from transfer.messages import PullError, PullRequest, TransferDone, data_tag
 from transfer.peer import PeerLink
-from transfer.plan import Chunk, DirectPlan, TransferPlan
+from transfer.plan import Chunk, TransferPlan
 from transfer.staging import gather_chunk, pool_region
 from transfer.stats import TransferStats
 
@@ -54,7 +51,7 @@ class ServeSession:
         sender: KVSender,
         link: PeerLink,
         req: PullRequest,
-        plan: TransferPlan | DirectPlan,
+        plan: TransferPlan,
     ) -> None:
         self.sender = sender
         self.link = link
@@ -65,7 +62,6 @@ class ServeSession:
         self._tasks: dict[int, asyncio.Task] = {}
         self._io_started: set[int] = set()  # chunks whose copy/send began (not cancellable)
         self._acked: tuple[bool, str] | None = None
-        self._copy_event: Any = None  # direct links on GPUs: completes when the copy has ended
         # On CPU (TCP) sends go one at a time, in credit order: concurrent messages share the wire
         # and all end together, so D's scatters would run after the last byte instead of under the
         # next chunk. Between GPUs (cuda_ipc) concurrent messages overlap their rendezvous latency.
@@ -83,11 +79,8 @@ class ServeSession:
         start = time.perf_counter()
         self.link.add_close_listener(self._on_closed)
         try:
-            if self.link.info.direct:
-                await self._serve_direct()
-            else:
-                self._grant(self.req.ready_chunks)
-                await self._serve()
+            self._grant(self.req.ready_chunks)
+            await self._serve()
             self._take_queued_acks()
             self.serving = False
             if self._acked is not None:  # D had every byte before our send completions came in
@@ -145,29 +138,6 @@ class ServeSession:
                     raise ServeFailed(f"decode side gave up: {value[1]}")
                 self._acked = value
 
-    async def _serve_direct(self) -> None:
-        s, cfg, n = self.sender, self.sender.config, self.plan.num_chunks
-        dst = self.link.peer_rows
-        if dst is None:
-            raise ServeFailed(f"link closed: {self.link.closed_reason}")
-        try:
-            if s.rows_on_gpu:
-                # Queued from the loop (a few launches) and polled: no thread hop on the latency
-                # path.
-                self._copy_event = start_copy(self.plan, s.rows, dst)
-                if not await wait_copy(self._copy_event, cfg.chunk_deadline_s):
-                    raise ServeFailed(f"the page copy did not end within {cfg.chunk_deadline_s}s")
-            else:
-                await s.runtime.copy(start_copy, self.plan, s.rows, dst)
-        except (RuntimeError, ValueError) as e:  # a launch that failed never started copying
-            raise ServeFailed(f"the page copy failed: {e}") from None
-        s.book.counters.chunks += n
-        s.leases.renew(self.req.request_id, cfg.lease_s)
-        done = TransferDone(
-            self.req.request_id, self.req.pull_id, self._lease_declared(), self.plan.total_bytes, n
-        )
-        await self.link.send(done, cfg.done_deadline_s)
-
     def _grant(self, chunks: list[int]) -> None:
         for i in chunks:
             if not 0 <= i < self.plan.num_chunks or i in self._tasks:
@@ -211,9 +181,6 @@ class ServeSession:
             # The only way to stop UCX reading the pages / staging buffers: cancel its requests.
             self.link.abort(f"serving {rid} failed: {reason}")
         settled = await settle(list(self._tasks.values()), cfg.chunk_deadline_s)
-        if settled and self._copy_event is not None:
-            # A kernel cannot be cancelled: the pages wait for the copy to end (at once if it has).
-            settled = await wait_copy(self._copy_event, cfg.chunk_deadline_s)
         if settled:
             self.sender.leases.release(rid, f"failed: {reason}", force=True)
         else:

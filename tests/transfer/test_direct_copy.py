@@ -1,11 +1,14 @@
-"""The direct-copy data path (transfer/ipc.py) on CPU: a prefill side in the decode side's process
-writes D's pages itself ("local"), with the same protocol, leases, checks and accounting as UCX;
-a peer in another process falls back to UCX; pool exports decode strictly.
+"""Direct reads (transfer/direct_read.py) on CPU: a decode side in the prefill side's process reads
+P's pages itself ("local"), checked against P's lease board before and after, with the same
+leases, checks and accounting as UCX; a lease that ends during the read, or a ticket that names
+other pages, fails the pull; a lease without a board slot and a peer in another process go over UCX;
+pool exports decode strictly.
 
 The CUDA IPC variant (two processes, two GPUs) is tests/transfer/test_direct_copy_gpu.py."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import threading
 from collections.abc import Iterator
@@ -17,6 +20,7 @@ from tests.transfer.conftest import KVSide, config, specs
 from tests.transfer.peer_process import run_prefill
 from tests.transfer.test_transfer_local import Pair, checked_pair, wait_until
 from tests.transfer.test_transfer_processes import Peer, as_tensor
+import transfer.direct_read
 from transfer import KVReceiver
 from transfer.ipc import IpcExport, IpcPool, IpcUnavailable, export_pools
 
@@ -86,9 +90,66 @@ def test_an_expired_lease_is_refused_before_any_copy() -> None:
         dst = pair.d.allocate("d5", 8)
         before = pair.d.pages_of(dst)
         result = pair.receiver.pull_blocking(ticket, dst, 0, 8)
-        assert not result.ok and "(expired)" in result.error
+        assert not result.ok and "ended (expired, or released) before the read" in result.error
         assert all(torch.equal(pair.d.pages_of(dst)[g], before[g]) for g in dst)
         pair.d.free("d5")
+
+
+def test_a_lease_that_ends_during_the_read_fails_the_pull(direct: Pair, monkeypatch) -> None:
+    """P gives the pages back while D copies (here: cancelled mid-read): D's check after the copy
+    sees the lease's word change and fails the pull, since the pages may have been reused."""
+    real = transfer.direct_read.start_copy
+
+    def cancelled_mid_read(*args):
+        assert direct.sender.cancel("m1")  # P retires the lease and frees the pages
+        return real(*args)
+
+    monkeypatch.setattr(transfer.direct_read, "start_copy", cancelled_mid_read)
+    result, _, _ = pull(direct, "m1", 8)
+    assert not result.ok and "ended during the read" in result.error
+    assert direct.p.released == ["m1"]
+    direct.d.free("m1")
+
+
+def test_a_ticket_naming_other_pages_is_refused_and_p_gets_its_pages(direct: Pair) -> None:
+    ticket, src = direct.publish("t1", 8)
+    forged = dataclasses.replace(ticket, page_ids={g: ids[::-1] for g, ids in src.items()})
+    dst = direct.d.allocate("t1", 8)
+    before = direct.d.pages_of(dst)
+    result = direct.receiver.pull_blocking(forged, dst, 0, 8)
+    assert not result.ok and "differ from the ones the prefill worker leased" in result.error
+    assert all(torch.equal(direct.d.pages_of(dst)[g], before[g]) for g in dst)
+    wait_until(lambda: direct.p.released == ["t1"])  # ReadDone(ok=False) released them now
+    direct.d.free("t1")
+
+
+def test_a_lease_without_a_board_slot_goes_over_ucx_on_a_direct_link(direct: Pair) -> None:
+    first, _, _ = pull(direct, "s0", 4)  # the link is up and direct
+    assert first.ok and first.stats.path == "local"
+    ticket, src = direct.publish("s1", 12)
+    dst = direct.d.allocate("s1", 12)
+    result = direct.receiver.pull_blocking(dataclasses.replace(ticket, lease_slot=-1), dst, 0, 12)
+    assert result.ok and result.stats.path == "ucx"
+    assert all(torch.equal(direct.d.pages_of(dst)[g], direct.p.pages_of(src)[g]) for g in src)
+    wait_until(lambda: sorted(direct.p.released) == ["s0", "s1"])
+    direct.d.free("s0")
+    direct.d.free("s1")
+
+
+def test_an_awaited_pull_reads_on_the_callers_event_loop(direct: Pair) -> None:
+    pull(direct, "a0", 4)  # connects: from now on pulls of this peer skip the transceiver's loop
+    ticket, src = direct.publish("a1", 10)
+    dst = direct.d.allocate("a1", 10)
+
+    async def go():
+        return await direct.receiver.pull(ticket, dst, 0, 10)
+
+    result = asyncio.run(go())
+    assert result.ok and result.stats.path == "local"
+    assert all(torch.equal(direct.d.pages_of(dst)[g], direct.p.pages_of(src)[g]) for g in src)
+    wait_until(lambda: sorted(direct.p.released) == ["a0", "a1"])
+    direct.d.free("a0")
+    direct.d.free("a1")
 
 
 def test_concurrent_pulls_do_not_mix(direct: Pair) -> None:
@@ -121,7 +182,7 @@ def test_off_keeps_the_ucx_path() -> None:
 
 
 def test_a_peer_in_another_process_falls_back_to_ucx() -> None:
-    """On CPU there is no CUDA IPC: the export only names our process, P sees that and stays on
+    """On CPU there is no CUDA IPC: P's export only names its process, D sees that and stays on
     UCX, and the transfer is as exact as ever."""
     peer = Peer(run_prefill, 21, {}, {"direct_copy": True})
     side = KVSide(specs(), seed=22)

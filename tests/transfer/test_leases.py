@@ -19,7 +19,7 @@ class Clock:
 @pytest.fixture
 def table() -> tuple[LeaseTable, Clock, list[str]]:
     clock, released = Clock(), []
-    return LeaseTable(released.append, clock=clock), clock, released
+    return LeaseTable(lambda lease: released.append(lease.request_id), clock=clock), clock, released
 
 
 def test_expiry_releases_once_and_remembers_why(table) -> None:
@@ -74,7 +74,7 @@ def test_cancel_publish_twice_and_unknown(table) -> None:
 
 
 def test_a_failing_release_callback_still_ends_the_lease() -> None:
-    def explode(_: str) -> None:
+    def explode(_: object) -> None:
         raise RuntimeError("boom")
 
     leases = LeaseTable(explode)

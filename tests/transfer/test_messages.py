@@ -16,6 +16,7 @@ from transfer.messages import (
     HelloReply,
     PullError,
     PullRequest,
+    ReadDone,
     Reject,
     TransferAck,
     TransferDone,
@@ -29,8 +30,9 @@ from transfer.version import PROTOCOL_VERSION
 
 TABLE = PageTable.from_specs(MODEL, specs(two_groups=True))
 SAMPLES = [
-    Hello("inst", TABLE, b"\x00ucx-address", 4096, b"\x93export"),
-    HelloReply("inst", TABLE, b"addr", 1024, "compatibility hash mismatch", "ucx"),
+    Hello("inst", TABLE, b"\x00ucx-address", 4096),
+    HelloReply("inst", TABLE, b"addr", 1024, "compatibility hash mismatch", b"", ""),
+    HelloReply("inst", TABLE, b"addr", 1024, "", b"\x93export", "/dev/shm/duet-leases-1-ab"),
     PullRequest(
         "req",
         2**63 - 1,
@@ -46,12 +48,13 @@ SAMPLES = [
     PullError("req", 7, "expired", "the lease expired", True),
     TransferDone("req", 7, 22, 3072, 3),
     TransferAck("req", 7, False, "declared history mismatch"),
+    ReadDone("req", 3, True, "", 3072, 850, "cuda_ipc"),
     Reject("", "malformed message"),
 ]
 
 
 def test_every_message_type_has_a_sample() -> None:
-    assert sorted(type(m).__name__ for m in SAMPLES) == sorted(MESSAGE_TYPES)
+    assert sorted({type(m).__name__ for m in SAMPLES}) == sorted(MESSAGE_TYPES)
 
 
 @pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
@@ -125,7 +128,6 @@ def test_bad_page_table_in_hello_is_rejected() -> None:
         "page_table": wire,
         "ucx_address": b"a",
         "chunk_bytes": 1,
-        "pool_export": b"",
     }
     with pytest.raises(
         TransferProtocolError, match="Hello.page_table: page table pool field 'page_bytes'"

@@ -129,7 +129,7 @@ def test_malformed_messages_to_p_are_rejected_and_the_connection_stays_usable(pa
             reply = decode_message(read_frame(sock))
             assert isinstance(reply, Reject) and reason in reply.reason
         runtime = UcxRuntime.acquire(UCX_ENV)
-        hello = Hello("raw-client", pair.receiver.page_table, runtime.worker_address, 1 << 20, b"")
+        hello = Hello("raw-client", pair.receiver.page_table, runtime.worker_address, 1 << 20)
         runtime.release()
         sock.sendall(frame(encode_message(hello)))
         reply = decode_message(read_frame(sock))
@@ -159,7 +159,8 @@ def test_malformed_transfer_done_from_p_fails_the_pull_at_once(pair: Pair) -> No
                             runtime.worker_address,
                             hello.chunk_bytes,
                             "",
-                            "ucx",
+                            b"",
+                            "",
                         )
                     )
                 )

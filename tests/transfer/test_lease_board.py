@@ -1,0 +1,96 @@
+"""The lease board (transfer/lease_board.py): P publishes and retires slots, generations never
+repeat, a view in another process reads exactly what P wrote, a full board says so, boards of dead
+processes are removed, and paths that are not boards are refused."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+import pytest
+
+from transfer.lease_board import BoardUnavailable, LeaseBoard, LeaseBoardView, lease_digest
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _read_in_child(path: str, slot: int, conn) -> None:
+    view = LeaseBoardView(path)
+    conn.send(view.entry(slot))
+    view.close()
+
+
+def test_publish_retire_and_generations() -> None:
+    board = LeaseBoard(2)
+    view = LeaseBoardView(board.path)
+    try:
+        digest = lease_digest("r1", {"full": [3, 4], "extra": [9]})
+        slot, gen = board.publish(17, digest)
+        assert view.entry(slot) == ((gen << 1) | 1, 17, digest)
+        other = board.publish(5, lease_digest("r2", {"full": [1]}))
+        assert other is not None and other[0] != slot
+        assert board.publish(1, digest) is None  # full: that lease goes over UCX
+        board.retire(slot)
+        word, declared, got = view.entry(slot)
+        assert not word & 1 and (declared, got) == (0, b"")
+        again = board.publish(17, digest)
+        assert again is not None and again[0] == slot and again[1] > gen + 1  # no ABA
+        assert view.word(-1) == 0 and view.word(2) == 0  # out of range reads as "not live"
+    finally:
+        view.close()
+        board.close()
+    assert not os.path.exists(board.path)
+
+
+def test_digests_bind_request_and_exact_pages() -> None:
+    base = lease_digest("r", {"full": [1, 2, 3]})
+    assert lease_digest("r", {"full": [1, 2, 3]}) == base
+    assert len(base) == 16
+    for other in (
+        lease_digest("r2", {"full": [1, 2, 3]}),
+        lease_digest("r", {"full": [1, 3, 2]}),
+        lease_digest("r", {"full": [1, 2]}),
+        lease_digest("r", {"full": [1, 2, 3], "extra": []}),
+    ):
+        assert other != base
+
+
+def test_a_view_in_another_process_reads_what_p_wrote() -> None:
+    board = LeaseBoard(8)
+    try:
+        slot, gen = board.publish(1234, lease_digest("x", {"full": [7]}))
+        ctx = multiprocessing.get_context("spawn")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_read_in_child, args=(board.path, slot, child))
+        proc.start()
+        assert parent.poll(30)
+        assert parent.recv() == ((gen << 1) | 1, 1234, lease_digest("x", {"full": [7]}))
+        proc.join(30)
+    finally:
+        board.close()
+
+
+def test_boards_of_dead_processes_are_removed_and_non_boards_refused(tmp_path) -> None:
+    board = LeaseBoard(1)
+    directory = os.path.dirname(board.path)
+    ctx = multiprocessing.get_context("spawn")
+    proc = ctx.Process(target=os.getpid)
+    proc.start()
+    proc.join(30)
+    stale = os.path.join(directory, f"duet-leases-{proc.pid}-deadbeef0000")
+    open(stale, "wb").close()
+    second = LeaseBoard(1)  # making a board sweeps the stale one
+    try:
+        assert not os.path.exists(stale)
+        assert os.path.exists(board.path)  # ours: this process is alive
+    finally:
+        second.close()
+        board.close()
+    with pytest.raises(BoardUnavailable, match="not a lease board"):
+        LeaseBoardView(str(tmp_path / "something-else"))
+    fake = tmp_path / "duet-leases-1-x"
+    fake.write_bytes(b"NOTABOARD" * 4)
+    with pytest.raises(BoardUnavailable, match="not a lease board of this version"):
+        LeaseBoardView(str(fake))
+    with pytest.raises(BoardUnavailable, match="cannot open"):
+        LeaseBoardView(str(tmp_path / "duet-leases-1-missing"))

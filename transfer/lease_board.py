@@ -1,0 +1,174 @@
+"""LeaseBoard: the prefill side's leases in host shared memory, so that a decode worker of the same
+host can check one without asking (the direct read path, direct_read.py).
+
+One fixed-size slot per live lease: a word ``generation << 1 | live``, the declared prompt length,
+and a digest of the request id and its page ids. P alone writes the board; D only maps it read-only
+and reads a slot twice: before its copy (is the lease live, does it name exactly the ticket's pages,
+what prompt length does P declare) and after it (is it still the same lease). P retires a slot (new
+generation, not live) *before* it gives the pages back, and publishes the word last, so a read that
+finds the same live word on both sides of its copy read pages that nobody could have reused in
+between. A lease that ends during a copy fails that pull; nothing is ever locked, so a dead peer
+cannot wedge the other.
+
+The board is a file in /dev/shm named after P's process; P removes it on close, and removes boards
+of dead processes when it makes its own (a killed worker cannot remove its own).
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import mmap
+import os
+import tempfile
+import threading
+import uuid
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+_MAGIC = b"DUETLB01"
+_HEADER = 16  # magic, then the slot count (uint64)
+SLOT = np.dtype([("word", "<u8"), ("declared", "<i8"), ("digest", "V16")])  # 32 bytes
+_PREFIX = "duet-leases-"
+
+
+class BoardUnavailable(Exception):
+    """The board cannot be made or opened here (no shared memory, another host's path)."""
+
+
+def lease_digest(request_id: str, page_ids: Mapping[str, Sequence[int]]) -> bytes:
+    """16 bytes that bind a lease to its request and its exact page ids, pool by pool."""
+    h = hashlib.blake2b(request_id.encode(), digest_size=16)
+    for name in sorted(page_ids):
+        h.update(b"\0" + name.encode() + b"\0")
+        h.update(np.asarray(page_ids[name], dtype=np.int64).tobytes())
+    return h.digest()
+
+
+def _board_dir() -> str:
+    return "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def _remove_dead_boards(directory: str) -> None:
+    for path in glob.glob(os.path.join(directory, _PREFIX + "*")):
+        try:
+            pid = int(os.path.basename(path)[len(_PREFIX) :].split("-", 1)[0])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        except (ValueError, PermissionError):  # not ours to judge
+            continue
+
+
+class LeaseBoard:
+    """P's side: makes the board and writes it. Thread-safe (publish on the worker's thread,
+    retire on the transceiver's)."""
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 1:
+            raise ValueError("a lease board needs at least one slot")
+        directory = _board_dir()
+        _remove_dead_boards(directory)
+        self.path = os.path.join(directory, f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        size = _HEADER + num_slots * SLOT.itemsize
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as e:
+            raise BoardUnavailable(f"cannot create the lease board {self.path}: {e}") from None
+        try:
+            os.ftruncate(fd, size)
+            self._map = mmap.mmap(fd, size)
+        except OSError as e:
+            os.unlink(self.path)
+            raise BoardUnavailable(f"cannot map the lease board {self.path}: {e}") from None
+        finally:
+            os.close(fd)
+        self._map[:_HEADER] = _MAGIC + num_slots.to_bytes(8, "little")
+        self.slots = np.frombuffer(self._map, dtype=SLOT, count=num_slots, offset=_HEADER)
+        self._words, self._declared, self._digests = (self.slots[f] for f in SLOT.names)
+        self._generations = np.zeros(num_slots, dtype=np.uint64)
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._lock = threading.Lock()
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.slots)
+
+    def publish(self, declared_prompt_len: int, digest: bytes) -> tuple[int, int] | None:
+        """Make a lease visible; returns its (slot, generation), or None when every slot is in
+        use (that lease is then pulled over UCX only)."""
+        with self._lock:
+            if not self._free:
+                return None
+            slot = self._free.pop()
+            gen = int(self._generations[slot]) + 1
+            self._generations[slot] = gen
+            self._declared[slot] = declared_prompt_len
+            self._digests[slot] = digest
+            self._words[slot] = (gen << 1) | 1  # last: the slot is complete before it is live
+            return slot, gen
+
+    def retire(self, slot: int) -> None:
+        """End a lease's visibility: call before the lease's pages are given back."""
+        with self._lock:
+            gen = int(self._generations[slot]) + 1  # a generation no ticket carries
+            self._generations[slot] = gen
+            self._words[slot] = gen << 1  # one aligned 8-byte store
+            self._free.append(slot)
+
+    def close(self) -> None:
+        del self.slots, self._words, self._declared, self._digests
+        try:
+            self._map.close()
+        except BufferError:  # a view is still alive somewhere: the unlink below still frees it
+            pass
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+class LeaseBoardView:
+    """D's side: one peer's board, mapped read-only."""
+
+    def __init__(self, path: str) -> None:
+        if not os.path.basename(path).startswith(_PREFIX):
+            raise BoardUnavailable(f"{path!r} is not a lease board")
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as e:
+            raise BoardUnavailable(f"cannot open the peer's lease board: {e}") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size < _HEADER:
+                raise BoardUnavailable(f"the lease board {path} is truncated")
+            self._map = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        magic, count = self._map[:8], int.from_bytes(self._map[8:_HEADER], "little")
+        if magic != _MAGIC or size != _HEADER + count * SLOT.itemsize:
+            self._map.close()
+            raise BoardUnavailable(f"{path} is not a lease board of this version")
+        slots = np.frombuffer(self._map, dtype=SLOT, count=count, offset=_HEADER)
+        self._words, self._declared, self._digests = (slots[f] for f in SLOT.names)
+
+    def word(self, slot: int) -> int:
+        return int(self._words[slot]) if 0 <= slot < len(self._words) else 0
+
+    def entry(self, slot: int) -> tuple[int, int, bytes]:
+        """(word, declared prompt length, digest); the word first, as P wrote it last."""
+        word = self.word(slot)
+        if not word & 1:
+            return word, 0, b""
+        return word, int(self._declared[slot]), bytes(self._digests[slot])
+
+    def close(self) -> None:
+        del self._words, self._declared, self._digests
+        try:
+            self._map.close()
+        except BufferError:
+            pass
