@@ -4,6 +4,7 @@
 #   tests     GPU tests of kernels/ and transfer/ (CUDA IPC between two processes included)
 #   pagecopy  scripts/bench_page_copy.py: the direct path's copy kernel variants vs peer copy
 #   transfer  scripts/bench_transfer.py, 1 MiB .. 1 GiB: ucx and direct paths, raw ucxx, peer copy
+#   profile   scripts/profile_direct_read.py: where the time of a direct read goes, per phase
 #   cluster   scripts/gpu_cluster_check.py: 1P1D vs aggregated tokens, transfer path and figures
 #   bench     duet bench of configs/gpu_1p1d.yaml against its aggregated twin
 set -uo pipefail
@@ -20,6 +21,8 @@ for step in ${STEPS:-tests transfer cluster bench}; do
     transfer)
       python scripts/bench_transfer.py --device cuda --min-mib 1 --max-mib 1024 --repeats 5 \
         --out "$OUT/transfer_gpu.json" 2>&1 | tee "$OUT/transfer_gpu.log" | tail -14 ;;
+    profile)
+      python scripts/profile_direct_read.py 2>&1 | tee "$OUT/profile_direct_read.log" | head -6 ;;
     cluster)
       python scripts/gpu_cluster_check.py 2>&1 | tee "$OUT/gpu_cluster.log" | grep -v "^\s*$" | tail -60 ;;
     bench)

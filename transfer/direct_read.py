@@ -18,8 +18,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from transfer.ipc import start_copy, wait_copy, wait_copy_blocking
@@ -44,7 +46,7 @@ class DirectRead:
         link: PeerLink,
         access: DirectAccess,
         ticket: TransferTicket,
-        dst_page_ids: dict[str, list[int]],
+        dst_page_ids: Mapping[str, Sequence[int]],
         skip_pages: int,
         expected_prompt_len: int,
     ) -> None:
@@ -86,7 +88,9 @@ class DirectRead:
 
     def _check(self) -> None:
         t = self.ticket
-        src = source_pages(t, self.r.page_table, self.dst, self.skip)
+        # Arrays once: the digest, the checks and the upload of the ids all want them.
+        pages = {g: np.asarray(ids, dtype=np.int64) for g, ids in t.page_ids.items()}
+        src = source_pages(t, self.r.page_table, self.dst, self.skip, pages)
         word, declared, digest = self.access.board.entry(t.lease_slot)
         if word != (t.lease_gen << 1) | 1:
             raise PullFailed(
@@ -94,7 +98,7 @@ class DirectRead:
                 "read: the prefill worker no longer holds its pages"
             )
         self._word = word
-        if digest != lease_digest(t.request_id, t.page_ids):
+        if digest != lease_digest(t.request_id, pages):
             raise PullFailed(
                 f"the ticket's pages of {t.request_id!r} differ from the ones the prefill worker "
                 "leased"

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
+import numpy as np
+
 from kvcache.spec import NULL_PAGE
 from transfer.page_table import PageTable, PoolDescriptor
 
@@ -74,10 +76,11 @@ def map_page_ids(
     dst: PageTable,
     src_pages: Mapping[str, Sequence[int]],
     dst_pages: Mapping[str, Sequence[int]],
-) -> list[tuple[PoolDescriptor, PoolDescriptor, list[int], list[int]]]:
+) -> list[tuple[PoolDescriptor, PoolDescriptor, np.ndarray, np.ndarray]]:
     """(source pool, destination pool, source ids, destination ids) for every source pool, in pool
-    order, page ``src_pages[g][i]`` going to ``dst_pages[match(g)][i]``. A source entry equal to
-    the null page (a page a sliding window already dropped) moves nothing and is left out. Raises
+    order, page ``src_pages[g][i]`` going to ``dst_pages[match(g)][i]``; ids as int64 arrays (a
+    long prompt has thousands of pages: every check runs in numpy). A source entry equal to the
+    null page (a page a sliding window already dropped) moves nothing and is left out. Raises
     MapperError for unmatched pools, page lists of different lengths, page ids out of range, or a
     destination page listed twice."""
     matched = match_pools(src, dst)
@@ -92,15 +95,16 @@ def map_page_ids(
     out = []
     for pool in src.pools:
         peer = dst.pool(matched[pool.name])
-        s_ids, d_ids = list(src_pages[pool.name]), list(dst_pages[peer.name])
+        s_ids = np.asarray(src_pages[pool.name], dtype=np.int64).reshape(-1)
+        d_ids = np.asarray(dst_pages[peer.name], dtype=np.int64).reshape(-1)
         if len(s_ids) != len(d_ids):
             raise MapperError(
                 f"pool {pool.name!r}: {len(s_ids)} source pages but {len(d_ids)} destination pages"
             )
         _check_ids(s_ids, pool, "source")
-        if NULL_PAGE in s_ids:
-            kept = [(s, d) for s, d in zip(s_ids, d_ids, strict=True) if s != NULL_PAGE]
-            s_ids, d_ids = [s for s, _ in kept], [d for _, d in kept]
+        kept = s_ids != NULL_PAGE
+        if not kept.all():
+            s_ids, d_ids = s_ids[kept], d_ids[kept]
         _check_ids(d_ids, peer, "destination", distinct=True)
         out.append((pool, peer, s_ids, d_ids))
     return out
@@ -116,20 +120,19 @@ def map_pages(
     pages consecutive on both sides are merged into one fragment."""
     fragments: list[Fragment] = []
     for pool, peer, s_ids, d_ids in map_page_ids(src, dst, src_pages, dst_pages):
-        fragments.extend(_runs(pool, peer, s_ids, d_ids))
+        fragments.extend(_runs(pool, peer, s_ids.tolist(), d_ids.tolist()))
     return fragments
 
 
-def _check_ids(ids: list[int], pool: PoolDescriptor, side: str, distinct: bool = False) -> None:
-    # min/max/set run in C: a long prompt has thousands of pages, checked on both sides per pull.
-    if ids and (min(ids) < 0 or max(ids) >= pool.num_pages):
-        bad = [i for i in ids if not 0 <= i < pool.num_pages]
-        raise MapperError(
-            f"{side} pool {pool.name!r}: page ids {bad[:8]} outside [0, {pool.num_pages})"
-        )
-    if side == "destination" and NULL_PAGE in ids:
+def _check_ids(
+    ids: np.ndarray, pool: PoolDescriptor, side: str, distinct: bool = False
+) -> None:
+    if ids.size and (ids.min() < 0 or ids.max() >= pool.num_pages):
+        bad = ids[(ids < 0) | (ids >= pool.num_pages)][:8].tolist()
+        raise MapperError(f"{side} pool {pool.name!r}: page ids {bad} outside [0, {pool.num_pages})")
+    if side == "destination" and (ids == NULL_PAGE).any():
         raise MapperError(f"destination pool {pool.name!r}: the null page cannot receive data")
-    if distinct and len(set(ids)) != len(ids):
+    if distinct and ids.size > 1 and (np.diff(np.sort(ids)) == 0).any():  # a sort beats np.unique
         raise MapperError(f"{side} pool {pool.name!r}: a page id is listed twice")
 
 

@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
+
 from transfer.mapper import Fragment, map_page_ids, map_pages
 from transfer.page_table import PageTable
 
@@ -148,7 +150,7 @@ class DirectPlan:
     """What a direct read copies (ipc.py): page id pairs per matched pool pair, in one go. Built
     straight from the id lists: no per-page objects, since a long prompt has thousands of pages."""
 
-    pairs: tuple[tuple[str, str, list[int], list[int]], ...]
+    pairs: tuple[tuple[str, str, np.ndarray, np.ndarray], ...]  # int64 page ids
     total_bytes: int
     num_chunks: int = 1
 
@@ -161,5 +163,5 @@ def direct_plan(
 ) -> DirectPlan:
     """Raises MapperError like build_plan for pools or ids that cannot be mapped."""
     mapped = map_page_ids(src, dst, src_pages, dst_pages)
-    pairs = tuple((sp.name, dp.name, s, d) for sp, dp, s, d in mapped if s)
+    pairs = tuple((sp.name, dp.name, s, d) for sp, dp, s, d in mapped if s.size)
     return DirectPlan(pairs, sum(len(s) * sp.page_bytes for sp, _, s, _ in mapped))

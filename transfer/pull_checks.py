@@ -4,7 +4,7 @@ link is up, so that P can be told at once and free its pages)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from transfer.messages import TransferTicket
 from transfer.page_table import PageTable
@@ -17,11 +17,14 @@ class PullFailed(Exception):
 def source_pages(
     ticket: TransferTicket,
     own: PageTable,
-    dst: Mapping[str, list[int]],
+    dst: Mapping[str, Sequence[int]],
     skip: int,
-) -> dict[str, list[int]]:
-    """P's pages to move, one for each of ``dst`` (the ticket's pages past ``skip``); raises
-    PullFailed when the ticket cannot be pulled into ``dst`` as it stands."""
+    pages: Mapping[str, Sequence[int]] | None = None,
+) -> dict[str, Sequence[int]]:
+    """P's pages to move, one for each of ``dst`` (the ticket's pages past ``skip``; ``pages`` are
+    the ticket's pages in another form, such as arrays); raises PullFailed when the ticket cannot
+    be pulled into ``dst`` as it stands."""
+    pages = ticket.page_ids if pages is None else pages
     if ticket.compat_hash != own.compat_hash:
         raise PullFailed(
             f"compatibility hash mismatch: the ticket's prefill worker has {ticket.compat_hash}, "
@@ -32,13 +35,13 @@ def source_pages(
             f"destination pools {sorted(dst)} differ from the ticket's {sorted(ticket.page_ids)}"
         )
     src = {}
-    for g, pages in ticket.page_ids.items():
-        if skip > len(pages) or len(dst[g]) != len(pages) - skip:
+    for g, ids in pages.items():
+        if skip > len(ids) or len(dst[g]) != len(ids) - skip:
             raise PullFailed(
-                f"pool {g!r}: the ticket has {len(pages)} pages, skip_pages={skip}, so "
-                f"{len(pages) - skip} destination pages are needed, got {len(dst[g])}"
+                f"pool {g!r}: the ticket has {len(ids)} pages, skip_pages={skip}, so "
+                f"{len(ids) - skip} destination pages are needed, got {len(dst[g])}"
             )
-        src[g] = pages[skip:]
+        src[g] = ids[skip:]
     return src
 
 

@@ -27,6 +27,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvcache.spec import PoolGroupSpec
@@ -123,7 +124,7 @@ class KVReceiver(TransceiverSide):
         self,
         link: PeerLink,
         ticket: TransferTicket,
-        dst: dict[str, list[int]],
+        dst: Mapping[str, Sequence[int]],
         skip: int,
         expected: int,
     ) -> DirectRead | None:
@@ -143,7 +144,7 @@ class KVReceiver(TransceiverSide):
         link = self._links.get((ticket.host, ticket.port))
         if link is None or link.info.instance_id != ticket.instance_id:
             return None  # first contact, or a restarted peer: the loop (re)connects
-        dst_pages = {g: [int(p) for p in ids] for g, ids in dst.items()}
+        dst_pages = {g: np.asarray(ids, dtype=np.int64) for g, ids in dst.items()}
         return self.direct_read(link, ticket, dst_pages, int(skip), int(expected))
 
     async def _counted(self, read: Any) -> TransferResult:
