@@ -219,7 +219,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "page_bytes": spec.page_bytes,
         "staging_tokens": args.staging_tokens,
         "staging_buffers": args.staging_buffers,
-        "progress_mode": resolve_progress_mode(args.progress_mode, args.device == "cuda"),
+        # The first transceiver of a process sets its UCX mode: here the UCX path's receiver.
+        "progress_mode": resolve_progress_mode(args.progress_mode, args.device == "cuda", False),
         "repeats": args.repeats,
         "paths": args.paths,
         "staging_copy": diag,

@@ -37,13 +37,14 @@ def main() -> None:
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[16, 64, 256, 1024])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--profile-mib", type=int, default=16, help="the size cProfile watches")
+    parser.add_argument("--progress-mode", default="auto")
     cli = parser.parse_args()
     args = argparse.Namespace(
         device=cli.device,
         max_mib=max(cli.sizes_mib),
         staging_tokens=16384 if cli.device == "cuda" else 512,
         staging_buffers=4,
-        progress_mode="auto",
+        progress_mode=cli.progress_mode,
         proto_info=False,
     )
     spec = bench_spec(args.max_mib * MIB)

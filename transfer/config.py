@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 PROGRESS_MODES = ("auto", "thread", "thread-polling")
 
 
-def resolve_progress_mode(mode: str, cuda: bool) -> str:
-    """The ucxx progress mode for ``mode`` ("auto" picks by where the KV lives)."""
+def resolve_progress_mode(mode: str, cuda: bool, direct_copy: bool = False) -> str:
+    """The ucxx progress mode for ``mode`` ("auto" picks by where the KV lives and how it moves)."""
     if mode == "auto":
-        return "thread-polling" if cuda else "thread"
+        return "thread-polling" if cuda and not direct_copy else "thread"
     return mode
 
 
@@ -55,7 +55,11 @@ class TransceiverConfig:
     """How UCX is progressed: "thread" (its thread sleeps until the network wakes it: no idle CPU,
     but each message pays wake-ups), "thread-polling" (its thread spins: one busy core per
     process, several times less latency per message), or "auto": polling when the KV is on a
-    GPU (hosts with many cores, where latency decides NVLink throughput), sleeping on CPU."""
+    GPU and moves over UCX (latency decides NVLink throughput there), sleeping on CPU and when
+    ``direct_copy`` is on (same-host peers then read directly, without UCX messages, and a
+    spinning progress thread made each direct read about 25% slower on 2 H200s:
+    docs/benchmarks/transfer.md). Multi-host GPU clusters with direct_copy on may still prefer
+    "thread-polling" for their UCX pulls."""
     max_stats_len: int = 1000
     """Finished transfers kept for ``drain_transfer_stats``: -1 unbounded, 0 none, N the last N."""
 

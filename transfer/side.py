@@ -39,7 +39,9 @@ class TransceiverSide:
         self.rows_on_gpu = self.device.type == "cuda"
         gpu = cuda_index(buffers)
         self.runtime = UcxRuntime.acquire(
-            config.ucx_env, gpu, resolve_progress_mode(config.progress_mode, gpu is not None)
+            config.ucx_env,
+            gpu,
+            resolve_progress_mode(config.progress_mode, gpu is not None, config.direct_copy),
         )
 
     def _make_staging(self) -> StagingBuffers:

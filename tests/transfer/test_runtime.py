@@ -95,6 +95,8 @@ def test_polling_progress_moves_bytes_and_is_chosen_for_gpus_only() -> None:
     assert resolve_progress_mode("auto", cuda=True) == "thread-polling"
     assert resolve_progress_mode("auto", cuda=False) == "thread"
     assert resolve_progress_mode("thread", cuda=True) == "thread"
+    assert resolve_progress_mode("auto", cuda=True, direct_copy=True) == "thread"
+    assert resolve_progress_mode("thread-polling", cuda=True, direct_copy=True) == "thread-polling"
     with pytest.raises(ValueError, match="progress_mode must be one of"):
         TransceiverConfig(progress_mode="polling")
     script = textwrap.dedent(
