@@ -6,7 +6,8 @@ path (transfer/ipc.py), next to a torch peer copy of the same bytes in the same 
 Variants, each the median wall time of --repeats runs (launch + synchronize, like the peer copy):
 push (kernel on GPU 0 writes GPU 1's pool, as the prefill side does), pull (kernel on GPU 1 reads
 GPU 0's pool), page order as given / sorted by destination, pages in one run (contiguous) or a
-random permutation (scattered), and a few program sizes.
+random permutation (scattered), a few program sizes, and the copy engines through one
+``cudaMemcpyBatchAsync`` per request (scripts/ce_batch_copy.py; pulled by GPU 1 or pushed by GPU 0).
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from kernels import batch_memcpy  # noqa: E402
+import ce_batch_copy as batch_memcpy  # noqa: E402
 from kernels.page_copy_triton import copy_pages  # noqa: E402
 
 MIB = 1 << 20
@@ -80,6 +82,11 @@ def main() -> None:
                 "push_64k_w8": (0, src_ids, dst_ids, 65536, 8),
                 "push_4k_w4": (0, src_ids, dst_ids, 4096, 4),
                 "pull": (1, src_ids, dst_ids, 16384, 4),
+                "pull_sorted_src": (1, src_ids[torch.argsort(src_ids)], dst_ids[torch.argsort(src_ids)], 16384, 4),
+                "pull_64k_w8": (1, src_ids, dst_ids, 65536, 8),
+                "pull_32k_w4": (1, src_ids, dst_ids, 32768, 4),
+                "pull_8k_w4": (1, src_ids, dst_ids, 8192, 4),
+                "pull_4k_w2": (1, src_ids, dst_ids, 4096, 2),
             }
             for name, (dev, s, d, block, warps) in variants.items():
                 s_dev, d_dev = s.to(f"cuda:{dev}"), d.to(f"cuda:{dev}")

@@ -1,6 +1,7 @@
-"""The CUDA IPC data path between two processes (two GPUs when there are two): P opens D's pools
-from the handshake and writes D's pages with one kernel; the bytes arrive exact, P gets its pages
-back on the ack, and with direct_copy off the same pulls go through UCX.
+"""Direct reads over CUDA IPC between two processes (two GPUs when there are two): D opens P's pools
+and lease board from the handshake and reads P's pages with one kernel; the bytes arrive exact, P
+gets its pages back on ReadDone, a lease P has ended is refused by D from the board alone, and
+with direct_copy off the same pulls go through UCX.
 
 Both workers run in spawned processes: the UCX context of this test process is a CPU one
 (tests/transfer/conftest.py)."""
@@ -66,6 +67,8 @@ def prefill_proc(conn: Connection, device: str, direct: bool) -> None:
             pages = (torch.randperm(spec.num_pages - 1, generator=gen)[:n] + 1).tolist()
             ticket = sender.publish(rid, {"full": pages}, n * spec.page_size)
             conn.send((ticket, _digest(_rows(buf, spec.page_bytes), pages)))
+        elif cmd == "cancel":
+            conn.send(sender.cancel(args[0]))
         elif cmd == "state":
             conn.send((list(released), [s.path for s in sender.drain_transfer_stats()]))
         elif cmd == "close":
@@ -160,6 +163,13 @@ def test_scattered_pages_arrive_exact_between_gpus(direct: bool) -> None:
             released, paths = more, paths + new_paths
         assert len(released) == 11  # every pull acked: P has all its pages back
         assert set(paths) == {"cuda_ipc" if direct else "ucx"}
+        # A lease P ended (cancelled here) is refused; D knows it from the board (direct) or
+        # from P's answer (UCX), and its pages are untouched either way.
+        ticket, _ = p.ask("publish", "gone", 5)
+        assert p.ask("cancel", "gone")
+        [(ok, error, path, nbytes, _)] = d.ask("pull", [ticket])
+        assert not ok and nbytes == 0
+        assert ("ended (expired, or released) before the read" if direct else "unknown") in error
     finally:
         d.close()
         p.close()

@@ -1,13 +1,13 @@
-"""Page-to-page copies on the copy engines: one ``cudaMemcpyBatchAsync`` call (CUDA >= 12.8) for
-every run of pages of a request, instead of one launch per page or an SM kernel.
+"""Page-to-page copies on the copy engines, for scripts/bench_page_copy.py: one
+``cudaMemcpyBatchAsync`` call (CUDA 13 runtime) for every run of pages of a request.
 
-Why: a peer copy of scattered 256 KiB pages by an SM kernel reads the remote GPU at 0.6 of the
-copy-engine rate at 16 MiB (loads over NVLink stall warps), and it takes SMs from the model. The
-copy engines move each page at the rate of ``dst.copy_(src)`` and one batch call queues thousands
-of pages in microseconds. The torch twin is ``copy_pages_ref``.
+Measured as an alternative to the SM copy kernel of the direct path (kernels.copy_pages), since copy
+engines take no SMs from the model: on 2 H200s a batch of scattered 256 KiB pages ran at 0.36-0.54
+of a peer copy (a per-copy cost in the engines), against 0.5-0.9 for the kernel, so the transceiver
+does not use it (docs/benchmarks/transfer.md). Contiguous runs reach 0.93-0.95 at >= 256 MiB.
 
-The binding goes through ctypes to the CUDA runtime torch already loaded, so it needs no compiler.
-``available()`` says whether this runtime has the call; callers fall back to ``copy_pages``.
+The binding goes through ctypes to the CUDA runtime torch already loaded, so it needs no compiler;
+``available()`` says whether this runtime has the call.
 """
 
 from __future__ import annotations
