@@ -358,7 +358,7 @@ def main() -> None:
         nargs="+",
         choices=["ucx", "direct"],
         default=None,
-        help="data paths to time: ucx (staged chunks over UCX) and direct (P writes D's pages "
+        help="data paths to time: ucx (staged chunks over UCX) and direct (D reads P's pages "
         "through CUDA IPC); default both on GPUs, ucx on CPU",
     )
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")

@@ -7,6 +7,7 @@ other before any byte moves when they serve different models or lay KV out diffe
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Iterable, Mapping
@@ -89,7 +90,7 @@ class PageTable:
             f"no pool group {name!r} in this page table (have {[p.name for p in self.pools]})"
         )
 
-    @property
+    @functools.cached_property  # asked on every pull: JSON and sha256 are tens of microseconds
     def compat_hash(self) -> str:
         return compat_hash(self.model, self.pools)
 

@@ -33,9 +33,10 @@ class TransferConfig(Section):
     direct_copy: bool = Field(
         True,
         description=(
-            "When a prefill and a decode worker run on GPUs of one host, the prefill worker "
-            "writes the decode worker's KV pages itself through CUDA IPC (one copy kernel over "
-            "NVLink) instead of sending them through UCX. Other pairs use UCX either way."
+            "When a prefill and a decode worker run on GPUs of one host, the decode worker "
+            "reads the prefill worker's KV pages itself through CUDA IPC (one copy kernel over "
+            "NVLink, checked against the prefill worker's lease board in shared memory) instead "
+            "of receiving them through UCX. Other pairs use UCX either way."
         ),
     )
     lease_s: float = Field(
