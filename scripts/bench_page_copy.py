@@ -22,9 +22,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import ce_batch_copy as batch_memcpy  # noqa: E402
 import torch  # noqa: E402
 
-import ce_batch_copy as batch_memcpy  # noqa: E402
 from kernels.page_copy_triton import copy_pages  # noqa: E402
 
 MIB = 1 << 20
@@ -82,7 +82,13 @@ def main() -> None:
                 "push_64k_w8": (0, src_ids, dst_ids, 65536, 8),
                 "push_4k_w4": (0, src_ids, dst_ids, 4096, 4),
                 "pull": (1, src_ids, dst_ids, 16384, 4),
-                "pull_sorted_src": (1, src_ids[torch.argsort(src_ids)], dst_ids[torch.argsort(src_ids)], 16384, 4),
+                "pull_sorted_src": (
+                    1,
+                    src_ids[torch.argsort(src_ids)],
+                    dst_ids[torch.argsort(src_ids)],
+                    16384,
+                    4,
+                ),
                 "pull_64k_w8": (1, src_ids, dst_ids, 65536, 8),
                 "pull_32k_w4": (1, src_ids, dst_ids, 32768, 4),
                 "pull_8k_w4": (1, src_ids, dst_ids, 8192, 4),

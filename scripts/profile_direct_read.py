@@ -23,11 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from bench_transfer import MIB, bench_spec, choose_pages, config, prefill_main  # noqa: E402
 
 import kernels  # noqa: E402
 import transfer.direct_read as dr  # noqa: E402
 import transfer.ipc as ipc  # noqa: E402
-from bench_transfer import MIB, bench_spec, choose_pages, config, prefill_main  # noqa: E402
 from transfer import KVReceiver  # noqa: E402
 
 
@@ -102,7 +102,9 @@ def main() -> None:
             assert result.ok, result.error
         line = {k: round(statistics.median(v[1:]) * 1e3, 3) for k, v in phases.items()}
         pull_ms = statistics.median(total[1:]) * 1e3
-        print(f"{size:5d} MiB ({n} pages, {result.stats.path}): pull {pull_ms:.3f} ms, phases ms {line}")
+        print(
+            f"{size:5d} MiB ({n} pages, {result.stats.path}): pull {pull_ms:.3f} ms, phases ms {line}"
+        )
     out = io.StringIO()
     pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(30)
     print(out.getvalue())

@@ -8,9 +8,11 @@
 
 Nothing waits for P: the whole pull runs on the caller's thread (``run_blocking``) or event loop
 (``run``), with no hop to the transceiver's loop, so it costs the copy plus tens of microseconds.
-P learns of it from ReadDone; if that is lost, the lease expires as usual. A failure before the
-copy that leaves the lease live (a declared-history mismatch, say) also sends ReadDone, so both
-sides get their pages back at once. KV is never trimmed or padded: any mismatch fails the pull.
+P learns of it from ReadDone; if that is lost, the lease expires as usual. A failure once the lease
+was found live (a declared-history mismatch, a forged ticket, a cancelled pull) also sends
+ReadDone, so both sides get their pages back at once. A pull returns only when its copy has ended,
+or, past the deadline, with D's model stream ordered after it. KV is never trimmed or padded: any
+mismatch fails the pull.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class DirectRead:
         self.expected = expected_prompt_len
         self.plan: DirectPlan | None = None
         self._word = 0  # the lease's board word when the read began
+        self._event: torch.cuda.Event | None = None  # the copy's, on GPUs
         self._start = time.perf_counter()
 
     async def run(self) -> TransferResult:
@@ -76,6 +79,9 @@ class DirectRead:
             return self._finish(copied)
         except PullFailed as e:
             return self._fail(str(e))
+        except asyncio.CancelledError:  # the caller gave up: P gets its pages back now
+            self._fail("the pull was cancelled")
+            raise
 
     def run_blocking(self) -> TransferResult:
         """The read on a plain thread (it waits for the copy on this thread)."""
@@ -112,27 +118,40 @@ class DirectRead:
     def _launch(self) -> torch.cuda.Event | None:
         assert self.plan is not None
         try:
-            return start_copy(self.plan, self.access.rows, self.r.rows)
+            self._event = start_copy(self.plan, self.access.rows, self.r.rows)
         except (RuntimeError, ValueError) as e:  # a launch that failed never started copying
             raise PullFailed(f"the page copy failed: {e}") from None
+        return self._event
+
+    def _fence_unfinished_copy(self) -> None:
+        """A pull that ends before its copy did (deadline, cancel) hands back pages the copy may
+        still write: the model's stream then waits for the copy before it runs anything more, and
+        every later copy into those pages waits for the model's stream (ipc.start_copy)."""
+        event = self._event
+        if event is not None and not event.query():
+            log.error(
+                "the page copy of %s is still running after its pull ended; the model's stream "
+                "waits for it",
+                self.ticket.request_id,
+            )
+            torch.cuda.default_stream(self.r.device).wait_event(event)
 
     def _finish(self, copied: bool) -> TransferResult:
         if not copied:
             raise PullFailed(
                 f"the page copy did not end within {self.r.config.chunk_deadline_s}s "
-                "(chunk_deadline_s); the destination pages may still be written"
+                "(chunk_deadline_s)"
             )
         if self.access.board.word(self.ticket.lease_slot) != self._word:
             raise PullFailed(
                 f"the lease of request {self.ticket.request_id!r} ended during the read (expired, "
                 "or released): the pages read may have been reused"
             )
-        assert self.plan is not None
-        self.r.book.counters.chunks += 1
         return self._end(True, "")
 
     def _fail(self, reason: str) -> TransferResult:
         log.warning("direct read of %s failed: %s", self.ticket.request_id, reason)
+        self._fence_unfinished_copy()
         return self._end(False, reason)
 
     def _end(self, ok: bool, error: str) -> TransferResult:
@@ -148,7 +167,10 @@ class DirectRead:
                 int(elapsed * 1e6),
                 self.access.data_path,
             )
-            self.r.runtime.submit(self._send(done))
+            try:
+                self.r.runtime.submit(self._send(done))
+            except RuntimeError as e:  # the transceiver is closing: the lease expires instead
+                log.info("ReadDone for %s not sent: %s", done.request_id, e)
         stats = TransferStats(
             self.ticket.request_id,
             "recv",
@@ -159,7 +181,7 @@ class DirectRead:
             error,
             self.access.data_path,
         )
-        self.r.book.record(stats)
+        self.r.book.record(stats, chunks=1 if ok else 0)
         return TransferResult(self.ticket.request_id, ok, error, stats)
 
     async def _send(self, done: ReadDone) -> None:

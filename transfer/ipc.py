@@ -194,7 +194,7 @@ def open_pools(
         for p in export.pools:
             try:
                 # Opened in *this* GPU's context (the index we pass), with peer access enabled
-                # lazily by CUDA: the tensor is labelled cuda:<local> but addresses D's memory,
+                # lazily by CUDA: the tensor is labelled cuda:<local> but addresses P's memory,
                 # which is what a kernel launched here needs.
                 storage = torch.UntypedStorage._new_shared_cuda(
                     local,
@@ -258,9 +258,7 @@ def start_copy(
         with torch.cuda.stream(stream):
             for (sp, dp, _, _), ids in zip(plan.pairs, uploads):
                 ids.record_stream(stream)  # not reused for another upload before the copy ran
-                kernels.copy_pages(
-                    word_rows(src_rows[sp]), ids[0], word_rows(dst_rows[dp]), ids[1]
-                )
+                kernels.copy_pages(word_rows(src_rows[sp]), ids[0], word_rows(dst_rows[dp]), ids[1])
             event = torch.cuda.Event()
             event.record(stream)
     return event

@@ -10,12 +10,21 @@ finds the same live word on both sides of its copy read pages that nobody could 
 between. A lease that ends during a copy fails that pull; nothing is ever locked, so a dead peer
 cannot wedge the other.
 
-The board is a file in /dev/shm named after P's process; P removes it on close, and removes boards
-of dead processes when it makes its own (a killed worker cannot remove its own).
+Generations come from one counter per board, so a generation names one lease for good (a late
+ReadDone cannot release a later lease of the same request, even in the same slot). P keeps an
+exclusive flock on the board file while it lives; a new board removes the files nobody holds (a
+killed worker cannot remove its own), which works across PID namespaces, unlike a pid check.
+
+Memory order: P writes the fields, then the word, under a lock; D reads the word, the fields, and
+the word again (a torn read counts as "not live"), and its post-copy check reads the word after the
+copy's event has completed. That relies on stores becoming visible in order, as on x86-64 (TSO);
+on weakly ordered hosts a torn read only fails a pull, and reuse stays safe because P retires the
+slot before the worker frees the pages through locks and queues.
 """
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import hashlib
 import mmap
@@ -51,22 +60,28 @@ def _board_dir() -> str:
 
 
 def _remove_dead_boards(directory: str) -> None:
+    """Remove the boards whose owner is gone: a live owner holds an exclusive flock on its file."""
     for path in glob.glob(os.path.join(directory, _PREFIX + "*")):
         try:
-            pid = int(os.path.basename(path)[len(_PREFIX) :].split("-", 1)[0])
-            os.kill(pid, 0)
-        except ProcessLookupError:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: its owner lives
+            continue
+        else:
             try:
                 os.unlink(path)
             except OSError:
                 pass
-        except (ValueError, PermissionError):  # not ours to judge
-            continue
+        finally:
+            os.close(fd)
 
 
 class LeaseBoard:
-    """P's side: makes the board and writes it. Thread-safe (publish on the worker's thread,
-    retire on the transceiver's)."""
+    """P's side: makes the board and writes it. Thread-safe: publish runs on the worker's thread,
+    retire on whichever thread ends the lease, close at shutdown."""
 
     def __init__(self, num_slots: int) -> None:
         if num_slots < 1:
@@ -80,56 +95,70 @@ class LeaseBoard:
         except OSError as e:
             raise BoardUnavailable(f"cannot create the lease board {self.path}: {e}") from None
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while we live: see the docstring
             os.ftruncate(fd, size)
             self._map = mmap.mmap(fd, size)
         except OSError as e:
+            os.close(fd)
             os.unlink(self.path)
             raise BoardUnavailable(f"cannot map the lease board {self.path}: {e}") from None
-        finally:
-            os.close(fd)
+        self._fd = fd
         self._map[:_HEADER] = _MAGIC + num_slots.to_bytes(8, "little")
         self.slots = np.frombuffer(self._map, dtype=SLOT, count=num_slots, offset=_HEADER)
         self._words, self._declared, self._digests = (self.slots[f] for f in SLOT.names)
-        self._generations = np.zeros(num_slots, dtype=np.uint64)
+        self._generation = 0  # the last one handed out, on this whole board
         self._free = list(range(num_slots - 1, -1, -1))
+        self._live: dict[int, int] = {}  # slot -> generation of its live lease
         self._lock = threading.Lock()
+        self._closed = False
 
     @property
     def num_slots(self) -> int:
         return len(self.slots)
 
+    def _next_generation(self) -> int:
+        self._generation += 1
+        return self._generation
+
     def publish(self, declared_prompt_len: int, digest: bytes) -> tuple[int, int] | None:
         """Make a lease visible; returns its (slot, generation), or None when every slot is in
         use (that lease is then pulled over UCX only)."""
         with self._lock:
-            if not self._free:
+            if self._closed or not self._free:
                 return None
             slot = self._free.pop()
-            gen = int(self._generations[slot]) + 1
-            self._generations[slot] = gen
+            gen = self._next_generation()
+            self._live[slot] = gen
             self._declared[slot] = declared_prompt_len
             self._digests[slot] = digest
             self._words[slot] = (gen << 1) | 1  # last: the slot is complete before it is live
             return slot, gen
 
-    def retire(self, slot: int) -> None:
-        """End a lease's visibility: call before the lease's pages are given back."""
+    def retire(self, slot: int, gen: int) -> None:
+        """End the visibility of lease ``gen`` in ``slot``: call before its pages are given back.
+        A stale call (that lease already retired) and a call after close do nothing."""
         with self._lock:
-            gen = int(self._generations[slot]) + 1  # a generation no ticket carries
-            self._generations[slot] = gen
-            self._words[slot] = gen << 1  # one aligned 8-byte store
+            if self._closed or self._live.get(slot) != gen:
+                return
+            del self._live[slot]
+            self._words[slot] = self._next_generation() << 1  # no ticket carries it; one store
             self._free.append(slot)
 
     def close(self) -> None:
-        del self.slots, self._words, self._declared, self._digests
-        try:
-            self._map.close()
-        except BufferError:  # a view is still alive somewhere: the unlink below still frees it
-            pass
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            del self.slots, self._words, self._declared, self._digests
+            try:
+                self._map.close()
+            except BufferError:  # a view is still alive somewhere: the unlink still frees it
+                pass
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            os.close(self._fd)  # drops the flock
 
 
 class LeaseBoardView:
@@ -147,6 +176,8 @@ class LeaseBoardView:
             if size < _HEADER:
                 raise BoardUnavailable(f"the lease board {path} is truncated")
             self._map = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        except OSError as e:
+            raise BoardUnavailable(f"cannot map the peer's lease board: {e}") from None
         finally:
             os.close(fd)
         magic, count = self._map[:8], int.from_bytes(self._map[8:_HEADER], "little")
@@ -164,7 +195,10 @@ class LeaseBoardView:
         word = self.word(slot)
         if not word & 1:
             return word, 0, b""
-        return word, int(self._declared[slot]), bytes(self._digests[slot])
+        declared, digest = int(self._declared[slot]), bytes(self._digests[slot])
+        if self.word(slot) != word:  # retired (and maybe reused) while we read: not this lease
+            return 0, 0, b""
+        return word, declared, digest
 
     def close(self) -> None:
         del self._words, self._declared, self._digests

@@ -1,9 +1,11 @@
 """LeaseTable: the prefill side's pinned requests, and the one place their pages are given back.
 
-A published request holds its pages under a lease until D acks, the lease expires, or its transfer
-fails. ``release`` calls the owner's callback exactly once per publish, with the lease (it is where
-the lease leaves P's lease board and the worker frees the pages). A lease that is SERVING (a pull is reading its pages) never expires: the serving
-transfer renews it per chunk and, should it fail, releases it only after its UCX sends have ended.
+A published request holds its pages under a lease until D acks (TransferAck, or ReadDone after a
+direct read), the lease expires, or its transfer fails. ``release`` calls the owner's callback
+exactly once per publish, with the lease (it is where the lease leaves P's lease board and the
+worker frees the pages). A lease that is SERVING (a UCX pull is reading its pages) never expires:
+the serving transfer renews it per chunk and, should it fail, releases it only after its UCX sends
+have ended. A direct read never makes a lease SERVING: D checks the board after its copy instead.
 """
 
 from __future__ import annotations

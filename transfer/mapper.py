@@ -124,12 +124,12 @@ def map_pages(
     return fragments
 
 
-def _check_ids(
-    ids: np.ndarray, pool: PoolDescriptor, side: str, distinct: bool = False
-) -> None:
+def _check_ids(ids: np.ndarray, pool: PoolDescriptor, side: str, distinct: bool = False) -> None:
     if ids.size and (ids.min() < 0 or ids.max() >= pool.num_pages):
         bad = ids[(ids < 0) | (ids >= pool.num_pages)][:8].tolist()
-        raise MapperError(f"{side} pool {pool.name!r}: page ids {bad} outside [0, {pool.num_pages})")
+        raise MapperError(
+            f"{side} pool {pool.name!r}: page ids {bad} outside [0, {pool.num_pages})"
+        )
     if side == "destination" and (ids == NULL_PAGE).any():
         raise MapperError(f"destination pool {pool.name!r}: the null page cannot receive data")
     if distinct and ids.size > 1 and (np.diff(np.sort(ids)) == 0).any():  # a sort beats np.unique

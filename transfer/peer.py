@@ -163,9 +163,13 @@ async def connect(
             counters.refused_peers += 1
             raise PeerRefused(f"{name}: {problem}")
         endpoint = await asyncio.wait_for(runtime.create_endpoint(reply.ucx_address), timeout)
-        direct = None
-        if open_direct is not None and reply.pool_export:
-            direct = await asyncio.wait_for(open_direct(reply), timeout)
+        try:
+            direct = None
+            if open_direct is not None and reply.pool_export:
+                direct = await asyncio.wait_for(open_direct(reply), timeout)
+        except BaseException:
+            endpoint.abort()
+            raise
     except BaseException:
         channel.close("handshake failed")
         raise

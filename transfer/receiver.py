@@ -6,8 +6,10 @@
 
 ``dst_page_ids[g]`` are D's pages for ``ticket.page_ids[g][skip_pages:]`` (the first ``skip_pages``
 pages D already holds from its own prefix hit), one for one. ``pull`` returns only when the transfer
-is complete and checked (then P has been acked) or has failed and no receive of it can still write
-the pages. It never raises for transfer problems: they are a failed TransferResult.
+is complete and checked (over UCX, P has been acked; a direct read tells P right after) or has
+failed and nothing of it can still write the pages unordered (a direct copy past its deadline has
+the model's stream wait for it). It never raises for transfer problems: they are a failed
+TransferResult.
 
 One control connection and one UCX endpoint per prefill worker are cached and shared by concurrent
 pulls; a closed link, or a ticket from another instance of the worker at that address (it
@@ -24,6 +26,7 @@ import asyncio
 import logging
 import random
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -165,8 +168,12 @@ class KVReceiver(TransceiverSide):
 
     def close(self) -> None:
         """Fail pulls in flight (their pages are safe once this returns) and drop every link."""
+        self._closed = True  # no new pulls, direct or not
         try:
             self.runtime.run(self._stop(), timeout=self.config.chunk_deadline_s * 2 + 5.0)
+            deadline = time.monotonic() + self.config.chunk_deadline_s * 2
+            while self._reads_in_flight and time.monotonic() < deadline:
+                time.sleep(0.005)  # direct reads run on their callers' threads: let them end
         finally:
             self.runtime.release()
 
@@ -253,11 +260,12 @@ class KVReceiver(TransceiverSide):
         try:
             data_path, rows = await self.runtime.copy(open_pools, export, self.rows)
             board = LeaseBoardView(reply.lease_board)
-        except (IpcUnavailable, BoardUnavailable) as e:
+        except Exception as e:  # whatever fails here, UCX still works
             # Expected across hosts and between CPU processes (P offers no CUDA IPC handles then);
             # GPU pools offered that do not open deserve a warning.
+            expected = isinstance(e, IpcUnavailable | BoardUnavailable)
             offered = bool(export.pools) and self.rows_on_gpu
-            (log.warning if offered else log.info)(
+            (log.warning if offered or not expected else log.info)(
                 "no direct reads from that prefill worker (%s): using UCX", e
             )
             return None

@@ -114,9 +114,12 @@ class KVSender(TransceiverSide):
     def _released(self, lease: Lease) -> None:
         """The lease ended: off the board first (a direct read in flight then fails its check
         instead of keeping pages the worker is about to reuse), then the worker frees the pages."""
-        if lease.slot >= 0 and self.board is not None:
-            self.board.retire(lease.slot)
-        self._release(lease.request_id)
+        board = self.board
+        try:
+            if lease.slot >= 0 and board is not None:
+                board.retire(lease.slot, lease.gen)
+        finally:  # the pages go back whatever happened to the board
+            self._release(lease.request_id)
 
     async def _start(self) -> tuple[str, int]:
         self.staging = self._make_staging()
@@ -147,7 +150,9 @@ class KVSender(TransceiverSide):
         if declared_prompt_len < 0:
             raise ValueError(f"publish {request_id!r}: declared_prompt_len must be >= 0")
         board = self.board
-        placed = board.publish(declared_prompt_len, lease_digest(request_id, pages)) if board else None
+        placed = (
+            board.publish(declared_prompt_len, lease_digest(request_id, pages)) if board else None
+        )
         slot, gen = placed if placed is not None else (-1, 0)
         try:
             self.leases.publish(
@@ -155,7 +160,7 @@ class KVSender(TransceiverSide):
             )
         except BaseException:
             if board is not None and slot >= 0:
-                board.retire(slot)
+                board.retire(slot, gen)
             raise
         return TransferTicket(
             request_id=request_id,

@@ -50,7 +50,8 @@ class TransferResult:
 
 @dataclass
 class TransferCounters:
-    """Running totals of one side (sender or receiver). Updated on the loop thread."""
+    """Running totals of one side (sender or receiver). Updated on the loop thread, or under the
+    book's lock (``StatsBook.record``) from other threads."""
 
     transfers_ok: int = 0
     failures: int = 0
@@ -75,9 +76,12 @@ class StatsBook:
             maxlen=None if self.max_stats_len < 0 else self.max_stats_len
         )
 
-    def record(self, stats: TransferStats) -> None:
+    def record(self, stats: TransferStats, chunks: int = 0) -> None:
+        """One finished transfer; ``chunks`` are added to the chunk counter under the same lock
+        (for transfers that end off the loop thread, such as direct reads)."""
         with self._lock:
             c = self.counters
+            c.chunks += chunks
             if stats.ok:
                 c.transfers_ok += 1
                 c.bytes += stats.bytes

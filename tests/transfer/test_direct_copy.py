@@ -16,13 +16,15 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+import transfer.direct_read
+import transfer.receiver
 from tests.transfer.conftest import KVSide, config, specs
 from tests.transfer.peer_process import run_prefill
 from tests.transfer.test_transfer_local import Pair, checked_pair, wait_until
 from tests.transfer.test_transfer_processes import Peer, as_tensor
-import transfer.direct_read
 from transfer import KVReceiver
 from transfer.ipc import IpcExport, IpcPool, IpcUnavailable, export_pools
+from transfer.messages import ReadDone
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -150,6 +152,48 @@ def test_an_awaited_pull_reads_on_the_callers_event_loop(direct: Pair) -> None:
     wait_until(lambda: sorted(direct.p.released) == ["a0", "a1"])
     direct.d.free("a0")
     direct.d.free("a1")
+
+
+def test_a_late_read_done_cannot_release_a_later_lease_of_the_same_request(direct: Pair) -> None:
+    first, _ = direct.publish("again", 4)
+    assert direct.sender.cancel("again")
+    second, _ = direct.publish("again", 4)
+    assert second.lease_gen != first.lease_gen
+    late = ReadDone("again", first.lease_gen, True, "", 1, 1, "local")
+    direct.sender.runtime.run(_deliver(direct, late), timeout=5)
+    assert direct.sender.leases.get("again") is not None  # the second lease lives on
+    result = direct.receiver.pull_blocking(second, direct.d.allocate("again", 4), 0, 4)
+    assert result.ok, result.error
+    wait_until(lambda: direct.p.released == ["again", "again"])
+    direct.d.free("again")
+
+
+async def _deliver(pair: Pair, msg: ReadDone) -> None:
+    pair.sender._on_read_done(msg)  # as if it came over a link, on the transceiver's loop
+
+
+def test_a_copy_past_its_deadline_fails_the_pull_and_p_gets_its_pages(
+    direct: Pair, monkeypatch
+) -> None:
+    pull(direct, "w", 4)  # connects: the next pull runs on this thread
+    monkeypatch.setattr(transfer.direct_read, "wait_copy_blocking", lambda event, timeout: False)
+    result, _, _ = pull(direct, "late", 8)
+    assert not result.ok and "did not end within" in result.error
+    wait_until(lambda: sorted(direct.p.released) == ["late", "w"])  # ReadDone(ok=False) for late
+    direct.d.free("w")
+    direct.d.free("late")
+
+
+def test_pools_that_fail_to_open_leave_the_link_on_ucx(monkeypatch) -> None:
+    def broken(*_args):
+        raise RuntimeError("driver says no")
+
+    monkeypatch.setattr(transfer.receiver, "open_pools", broken)
+    with checked_pair(config(direct_copy=True)) as pair:
+        result, src, dst = pull(pair, "b1", 8)
+        assert result.ok and result.stats.path == "ucx"
+        assert all(torch.equal(pair.d.pages_of(dst)[g], pair.p.pages_of(src)[g]) for g in src)
+        pair.d.free("b1")
 
 
 def test_concurrent_pulls_do_not_mix(direct: Pair) -> None:

@@ -1,6 +1,6 @@
 """The lease board (transfer/lease_board.py): P publishes and retires slots, generations never
-repeat, a view in another process reads exactly what P wrote, a full board says so, boards of dead
-processes are removed, and paths that are not boards are refused."""
+repeat (stale retires do nothing), a view in another process reads exactly what P wrote, a full
+board says so, boards nobody holds are removed, and paths that are not boards are refused."""
 
 from __future__ import annotations
 
@@ -30,11 +30,15 @@ def test_publish_retire_and_generations() -> None:
         other = board.publish(5, lease_digest("r2", {"full": [1]}))
         assert other is not None and other[0] != slot
         assert board.publish(1, digest) is None  # full: that lease goes over UCX
-        board.retire(slot)
+        board.retire(slot, gen)
         word, declared, got = view.entry(slot)
         assert not word & 1 and (declared, got) == (0, b"")
+        board.retire(slot, gen)  # stale: nothing happens, the slot is not freed twice
         again = board.publish(17, digest)
         assert again is not None and again[0] == slot and again[1] > gen + 1  # no ABA
+        board.retire(slot, gen)  # the old lease's retire cannot end the new one
+        assert view.word(slot) == (again[1] << 1) | 1
+        assert board.publish(1, digest) is None  # still full: the stale retire freed nothing
         assert view.word(-1) == 0 and view.word(2) == 0  # out of range reads as "not live"
     finally:
         view.close()
@@ -70,19 +74,30 @@ def test_a_view_in_another_process_reads_what_p_wrote() -> None:
         board.close()
 
 
-def test_boards_of_dead_processes_are_removed_and_non_boards_refused(tmp_path) -> None:
+def test_generations_are_unique_across_slots_and_requests() -> None:
+    board = LeaseBoard(2)
+    try:
+        seen = set()
+        for i in range(20):
+            slot, gen = board.publish(i, lease_digest("same-request", {"full": [1]}))
+            assert gen not in seen
+            seen.add(gen)
+            board.retire(slot, gen)
+    finally:
+        board.close()
+    board.retire(0, 1)  # after close: nothing, no error
+    assert board.publish(1, b"x" * 16) is None
+
+
+def test_boards_nobody_holds_are_removed_and_non_boards_refused(tmp_path) -> None:
     board = LeaseBoard(1)
     directory = os.path.dirname(board.path)
-    ctx = multiprocessing.get_context("spawn")
-    proc = ctx.Process(target=os.getpid)
-    proc.start()
-    proc.join(30)
-    stale = os.path.join(directory, f"duet-leases-{proc.pid}-deadbeef0000")
+    stale = os.path.join(directory, "duet-leases-1-deadbeef0000")  # no owner holds its lock
     open(stale, "wb").close()
     second = LeaseBoard(1)  # making a board sweeps the stale one
     try:
         assert not os.path.exists(stale)
-        assert os.path.exists(board.path)  # ours: this process is alive
+        assert os.path.exists(board.path)  # held by its owner (this process)
     finally:
         second.close()
         board.close()
