@@ -58,7 +58,7 @@ def config(**overrides: object) -> TransceiverConfig:
         ack_deadline_s=3.0,
         ucx_env=UCX_ENV,
         # The UCX data path: most tests here run both sides in one process, which would otherwise
-        # take the direct-copy path (tests/transfer/test_direct_copy.py covers that one).
+        # take the direct-read path (tests/transfer/test_direct_read.py covers that one).
         direct_copy=False,
     )
     base.update(overrides)

@@ -4,7 +4,7 @@ leases, checks and accounting as UCX; a lease that ends during the read, or a ti
 other pages, fails the pull; a lease without a board slot and a peer in another process go over UCX;
 pool exports decode strictly.
 
-The CUDA IPC variant (two processes, two GPUs) is tests/transfer/test_direct_copy_gpu.py."""
+The CUDA IPC variant (two processes, two GPUs) is tests/transfer/test_direct_read_gpu.py."""
 
 from __future__ import annotations
 
