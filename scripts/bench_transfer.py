@@ -131,14 +131,21 @@ def median_gbps(nbytes: int, seconds: list[float]) -> float:
     return nbytes / statistics.median(seconds) / 1e9
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    device = torch.device("cuda:1" if args.device == "cuda" else "cpu")
-    spec = bench_spec(args.max_mib * MIB)
+def start_prefill(args: argparse.Namespace) -> tuple[Any, Any, bytes]:
+    """The prefill side in a spawned process: (pipe to it, the process, its UCX worker address).
+    It waits for our worker address (``conn.send``) before serving."""
     ctx = multiprocessing.get_context("spawn")
     conn, child_conn = ctx.Pipe()
     child = ctx.Process(target=prefill_main, args=(child_conn, args), daemon=True)
     child.start()
-    port, child_address = conn.recv()
+    _port, child_address = conn.recv()
+    return conn, child, child_address
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    device = torch.device("cuda:1" if args.device == "cuda" else "cpu")
+    spec = bench_spec(args.max_mib * MIB)
+    conn, child, child_address = start_prefill(args)
     buf = torch.zeros(spec.buffer_shape, dtype=spec.dtype, device=device)
     receiver = KVReceiver({"full": buf}, [spec], "bench", config(args, direct_copy=False))
     # Same pool, second receiver: it opens P's pools and reads them directly (cuda_ipc).

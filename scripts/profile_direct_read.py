@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import multiprocessing
 import pstats
 import statistics
 import sys
@@ -23,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from bench_transfer import MIB, bench_spec, choose_pages, config, prefill_main  # noqa: E402
+from bench_transfer import MIB, bench_spec, choose_pages, config, start_prefill  # noqa: E402
 
 import kernels  # noqa: E402
 import transfer.direct_read as dr  # noqa: E402
@@ -48,11 +47,7 @@ def main() -> None:
         proto_info=False,
     )
     spec = bench_spec(args.max_mib * MIB)
-    ctx = multiprocessing.get_context("spawn")
-    conn, child_conn = ctx.Pipe()
-    child = ctx.Process(target=prefill_main, args=(child_conn, args), daemon=True)
-    child.start()
-    port, _ = conn.recv()
+    conn, child, _ = start_prefill(args)
     device = torch.device("cuda:1" if cli.device == "cuda" else "cpu")
     buf = torch.zeros(spec.buffer_shape, dtype=spec.dtype, device=device)
     receiver = KVReceiver({"full": buf}, [spec], "bench", config(args))

@@ -274,15 +274,12 @@ async def wait_copy(event: torch.cuda.Event | None, timeout: float) -> bool:
         waited = loop.time() - start
         if waited > timeout:
             return False
-        # A copy takes microseconds to a few ms: keep yielding to the loop (latency) for the
-        # first 20 ms, then back off to spare the core.
-        await asyncio.sleep(0 if waited < 0.02 else 0.001)
+        await asyncio.sleep(_poll_pause(waited))
     return True
 
 
 def wait_copy_blocking(event: torch.cuda.Event | None, timeout: float) -> bool:
-    """``wait_copy`` for plain threads: spins (yielding the GIL) for the first 20 ms, then sleeps
-    1 ms between polls; False after ``timeout``."""
+    """``wait_copy`` for plain threads (each pause yields the GIL); False after ``timeout``."""
     if event is None:
         return True
     start = time.monotonic()
@@ -290,5 +287,11 @@ def wait_copy_blocking(event: torch.cuda.Event | None, timeout: float) -> bool:
         waited = time.monotonic() - start
         if waited > timeout:
             return False
-        time.sleep(0 if waited < 0.02 else 0.001)
+        time.sleep(_poll_pause(waited))
     return True
+
+
+def _poll_pause(waited: float) -> float:
+    """A copy takes microseconds to a few ms: poll back to back (latency) for the first 20 ms,
+    then every millisecond to spare the core."""
+    return 0.0 if waited < 0.02 else 0.001

@@ -1,6 +1,6 @@
 """PeerLink: one connected peer, i.e. its control channel plus a UCX endpoint to its worker, and the
 handshake that makes one (Hello / HelloReply: page tables, compatibility hash, UCX addresses, and
-P's pool export and lease board, with which D may read P's pages directly: ``data_path``, ipc.py).
+P's pool export and lease board, with which D may read P's pages directly: ``PeerLink.access``).
 
 Closing a link is how transfers are cancelled: ``abort`` closes the UCX endpoint, which cancels every
 receive and send posted on it, and the control channel, so the peer learns at once. Transfers on the
@@ -37,13 +37,6 @@ class PeerInfo:
     instance_id: str
     page_table: PageTable
     chunk_bytes: int  # agreed: the smaller staging buffer of the two sides
-    # D side: "ucx", or "cuda_ipc" / "local" when D opened P's pools and reads them itself
-    # (direct_read.py). P does not know and keeps "ucx".
-    data_path: str = "ucx"
-
-    @property
-    def direct(self) -> bool:
-        return self.data_path != "ucx"
 
 
 @dataclass
@@ -173,15 +166,9 @@ async def connect(
     except BaseException:
         channel.close("handshake failed")
         raise
-    info = PeerInfo(
-        reply.instance_id,
-        reply.page_table,
-        min(hello.chunk_bytes, reply.chunk_bytes),
-        direct.data_path if direct is not None else "ucx",
-    )
-    link = PeerLink(
-        channel, endpoint, info, f"{name} (instance {reply.instance_id}, {info.data_path})"
-    )
+    info = PeerInfo(reply.instance_id, reply.page_table, min(hello.chunk_bytes, reply.chunk_bytes))
+    path = direct.data_path if direct is not None else "ucx"
+    link = PeerLink(channel, endpoint, info, f"{name} (instance {reply.instance_id}, {path})")
     link.access = direct
     return link
 

@@ -152,7 +152,6 @@ class DirectPlan:
 
     pairs: tuple[tuple[str, str, np.ndarray, np.ndarray], ...]  # int64 page ids
     total_bytes: int
-    num_chunks: int = 1
 
 
 def direct_plan(

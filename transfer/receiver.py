@@ -23,11 +23,12 @@ such a link exists, a pull runs entirely on the caller's thread or event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -99,7 +100,8 @@ class KVReceiver(TransceiverSide):
         event loop; a direct read runs on it, any other pull on the transceiver's loop thread."""
         read = self._fast_read(ticket, dst_page_ids, skip_pages, expected_prompt_len)
         if read is not None:
-            return await self._counted(read.run())
+            with self._counting_read():
+                return await read.run()
         return await asyncio.wrap_future(
             self._submit(ticket, dst_page_ids, skip_pages, expected_prompt_len)
         )
@@ -114,13 +116,8 @@ class KVReceiver(TransceiverSide):
         """``pull`` for plain threads. Every step inside has its own deadline."""
         read = self._fast_read(ticket, dst_page_ids, skip_pages, expected_prompt_len)
         if read is not None:
-            with self._reads_lock:
-                self._reads_in_flight += 1
-            try:
+            with self._counting_read():
                 return read.run_blocking()
-            finally:
-                with self._reads_lock:
-                    self._reads_in_flight -= 1
         return self._submit(ticket, dst_page_ids, skip_pages, expected_prompt_len).result()
 
     def direct_read(
@@ -150,11 +147,13 @@ class KVReceiver(TransceiverSide):
         dst_pages = {g: np.asarray(ids, dtype=np.int64) for g, ids in dst.items()}
         return self.direct_read(link, ticket, dst_pages, int(skip), int(expected))
 
-    async def _counted(self, read: Any) -> TransferResult:
+    @contextlib.contextmanager
+    def _counting_read(self) -> Iterator[None]:
+        """A direct read on a caller's thread: counted, so ``close`` can wait for it."""
         with self._reads_lock:
             self._reads_in_flight += 1
         try:
-            return await read
+            yield
         finally:
             with self._reads_lock:
                 self._reads_in_flight -= 1

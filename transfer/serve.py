@@ -213,7 +213,7 @@ class ServeSession:
             time.perf_counter() - start,
             ok,
             error,
-            self.link.info.data_path,
+            "ucx",  # P serves only UCX pulls; direct reads are recorded on ReadDone
         )
         self.sender.book.record(stats)
 

@@ -43,12 +43,17 @@ def pull(pair: Pair, rid: str, tokens: int, expected: int | None = None):
     return result, src, dst
 
 
+def same_pages(pair: Pair, src: dict[str, list[int]], dst: dict[str, list[int]]) -> bool:
+    """D's pages ``dst`` hold exactly P's pages ``src``, pool by pool."""
+    got, want = pair.d.pages_of(dst), pair.p.pages_of(src)
+    return all(torch.equal(got[g], want[g]) for g in src)
+
+
 def test_pages_arrive_byte_exact_through_the_local_path(direct: Pair) -> None:
     result, src, dst = pull(direct, "d1", 22)  # 6 pages a group, two groups
     assert result.ok, result.error
     assert result.stats.path == "local"
-    for g in src:
-        assert torch.equal(direct.d.pages_of(dst)[g], direct.p.pages_of(src)[g])
+    assert same_pages(direct, src, dst)
     assert result.bytes == sum(len(src[g]) * s.page_bytes for g, s in zip(src, direct.p.specs))
     assert result.stats.chunks == 1  # one copy, whatever the staging size
     wait_until(lambda: direct.p.released == ["d1"])  # acked: P's pages are back
@@ -132,7 +137,7 @@ def test_a_lease_without_a_board_slot_goes_over_ucx_on_a_direct_link(direct: Pai
     dst = direct.d.allocate("s1", 12)
     result = direct.receiver.pull_blocking(dataclasses.replace(ticket, lease_slot=-1), dst, 0, 12)
     assert result.ok and result.stats.path == "ucx"
-    assert all(torch.equal(direct.d.pages_of(dst)[g], direct.p.pages_of(src)[g]) for g in src)
+    assert same_pages(direct, src, dst)
     wait_until(lambda: sorted(direct.p.released) == ["s0", "s1"])
     direct.d.free("s0")
     direct.d.free("s1")
@@ -148,7 +153,7 @@ def test_an_awaited_pull_reads_on_the_callers_event_loop(direct: Pair) -> None:
 
     result = asyncio.run(go())
     assert result.ok and result.stats.path == "local"
-    assert all(torch.equal(direct.d.pages_of(dst)[g], direct.p.pages_of(src)[g]) for g in src)
+    assert same_pages(direct, src, dst)
     wait_until(lambda: sorted(direct.p.released) == ["a0", "a1"])
     direct.d.free("a0")
     direct.d.free("a1")
@@ -192,7 +197,7 @@ def test_pools_that_fail_to_open_leave_the_link_on_ucx(monkeypatch) -> None:
     with checked_pair(config(direct_copy=True)) as pair:
         result, src, dst = pull(pair, "b1", 8)
         assert result.ok and result.stats.path == "ucx"
-        assert all(torch.equal(pair.d.pages_of(dst)[g], pair.p.pages_of(src)[g]) for g in src)
+        assert same_pages(pair, src, dst)
         pair.d.free("b1")
 
 
@@ -212,8 +217,7 @@ def test_concurrent_pulls_do_not_mix(direct: Pair) -> None:
         t.join(30)
     for rid, (_, src) in tickets.items():
         assert results[rid].ok, results[rid].error
-        got, want = direct.d.pages_of(dsts[rid]), direct.p.pages_of(src)
-        assert all(torch.equal(got[g], want[g]) for g in src)
+        assert same_pages(direct, src, dsts[rid])
         direct.d.free(rid)
     wait_until(lambda: len(direct.p.released) == n)
 
