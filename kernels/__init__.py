@@ -116,11 +116,16 @@ def scatter_pages(src: torch.Tensor, dst: torch.Tensor, page_ids: torch.Tensor) 
 
 
 def copy_pages(
-    src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor, dst_ids: torch.Tensor
+    src: torch.Tensor,
+    src_ids: torch.Tensor,
+    dst: torch.Tensor,
+    dst_ids: torch.Tensor,
+    first_row: int = 0,
 ) -> torch.Tensor:
-    """dst[dst_ids[i]] = src[src_ids[i]] for 2-D [N, E] / [M, E] page-row views. Returns dst."""
+    """dst[dst_ids[i]] = src[src_ids[i]] for 2-D [N, E] / [M, E] page-row views; a pair with an id
+    outside [first_row, N) / [first_row, M) is skipped. Returns dst."""
     if use_triton(src):
         from kernels.page_copy_triton import copy_pages as impl
-    else:
-        impl = copy_pages_ref
-    return impl(src, src_ids, dst, dst_ids)
+
+        return impl(src, src_ids, dst, dst_ids, first_row=first_row)
+    return copy_pages_ref(src, src_ids, dst, dst_ids, first_row)

@@ -22,9 +22,17 @@ def scatter_pages_ref(src: torch.Tensor, dst: torch.Tensor, page_ids: torch.Tens
 
 
 def copy_pages_ref(
-    src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor, dst_ids: torch.Tensor
+    src: torch.Tensor,
+    src_ids: torch.Tensor,
+    dst: torch.Tensor,
+    dst_ids: torch.Tensor,
+    first_row: int = 0,
 ) -> torch.Tensor:
-    """dst[dst_ids[i]] = src[src_ids[i]]; src [N, E], dst [M, E], ids [n] int64 (dst_ids distinct)."""
-    rows = torch.index_select(src, 0, src_ids.to(src.device).long())
-    dst.index_copy_(0, dst_ids.to(dst.device).long(), rows.to(dst.device))
+    """dst[dst_ids[i]] = src[src_ids[i]]; src [N, E], dst [M, E], ids [n] int64 (dst_ids distinct).
+    A pair with either id outside [first_row, N) / [first_row, M) is skipped."""
+    s, d = src_ids.to(src.device).long(), dst_ids.to(dst.device).long()
+    keep = (s >= first_row) & (s < src.shape[0]) & (d.to(s.device) >= first_row)
+    keep &= d.to(s.device) < dst.shape[0]
+    rows = torch.index_select(src, 0, s[keep])
+    dst.index_copy_(0, d[keep.to(d.device)], rows.to(dst.device))
     return dst

@@ -8,6 +8,8 @@ of BLOCK elements each, and rows whose bytes allow it are reinterpreted as int32
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -56,6 +58,9 @@ def _copy_pairs_kernel(
     stride_dst_row,
     row_elems,
     blocks_per_row,
+    first_row,
+    src_rows,
+    dst_rows,
     BLOCK: tl.constexpr,
 ):
     # Rows are contiguous here (copy_pages checks): unit column stride lets every thread move
@@ -65,7 +70,11 @@ def _copy_pairs_kernel(
     offs = (pid % blocks_per_row) * BLOCK + tl.arange(0, BLOCK)
     src_row = tl.load(src_ids_ptr + i).to(tl.int64)
     dst_row = tl.load(dst_ids_ptr + i).to(tl.int64)
-    ok = offs < row_elems
+    # A pair with an id outside [first_row, rows) is skipped: no access outside either pool, even
+    # for ids nobody has checked yet (the direct reads check them while the copy runs).
+    in_pools = (src_row >= first_row) & (src_row < src_rows)
+    in_pools = in_pools & (dst_row >= first_row) & (dst_row < dst_rows)
+    ok = offs < tl.where(in_pools, row_elems, 0)
     x = tl.load(src_ptr + src_row * stride_src_row + offs, mask=ok)
     tl.store(dst_ptr + dst_row * stride_dst_row + offs, x, mask=ok)
 
@@ -153,10 +162,12 @@ def copy_pages(
     dst_ids: torch.Tensor,
     block_bytes: int = BLOCK_BYTES,
     num_warps: int = 4,
+    first_row: int = 0,
 ) -> torch.Tensor:
     """dst[dst_ids[i]] = src[src_ids[i]]; src [N, E], dst [M, E], ids [n] (dst_ids distinct).
-    ``dst`` may be another GPU's memory mapped into this process (CUDA IPC): one launch copies
-    every page over NVLink. Returns dst."""
+    A pair with either id outside [first_row, N) / [first_row, M) is skipped. ``dst`` may be
+    another GPU's memory mapped into this process (CUDA IPC): one launch copies every page over
+    NVLink. Returns dst."""
     if src.dim() != 2 or dst.dim() != 2 or src.shape[1] != dst.shape[1] or src.dtype != dst.dtype:
         raise ValueError(
             f"copy_pages: expected 2-D [N, E] and [M, E] tensors of one dtype, got {tuple(src.shape)} "
@@ -170,19 +181,110 @@ def copy_pages(
     n = src_ids.shape[0]
     if n == 0 or src.shape[1] == 0:
         return dst
-    src_w, dst_w, row_elems, block, blocks_per_row = _tiling(src, dst, block_bytes)
-    if src_w.stride(1) != 1 or dst_w.stride(1) != 1:
-        raise ValueError("copy_pages: page rows must be contiguous")
-    _copy_pairs_kernel[(n * blocks_per_row,)](
-        src_w,
-        dst_w,
-        src_ids.to(src.device),
-        dst_ids.to(src.device),
-        src_w.stride(0),
-        dst_w.stride(0),
-        row_elems,
-        blocks_per_row,
-        BLOCK=block,
-        num_warps=num_warps,
+    # The ids go to the GPU the kernel runs on (the current one), which reads them locally even
+    # when src or dst is a peer GPU's memory.
+    device = torch.device("cuda", torch.cuda.current_device()) if src.is_cuda else src.device
+    PreparedCopy(src, dst, block_bytes, num_warps, first_row).launch(
+        src_ids.to(device), dst_ids.to(device), n
     )
     return dst
+
+
+class PreparedCopy:
+    """``copy_pages`` between one fixed pair of row tensors, for callers that launch it many times
+    (the direct reads of transfer/direct_copy.py): the tiling is worked out once, and after the
+    first launch (``launch``) the compiled kernel can be called directly (``launch_ptrs``) with raw
+    addresses on a given stream. Triton's dispatch (argument binding, specialization key, stream
+    lookup, a driver query per pointer) costs more host time than the launch itself. Page ids may
+    be in pinned host memory: the kernel reads them from there.
+
+    The compiled kernel is specialized on its arguments' values and 16-byte alignment; only the id
+    addresses change between launches, and ``launch_ptrs`` takes 16-byte aligned ones only. Pairs
+    with an id outside [first_row, rows) of either side are skipped (as in ``copy_pages``).
+    """
+
+    def __init__(
+        self,
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        block_bytes: int = BLOCK_BYTES,
+        num_warps: int = 4,
+        first_row: int = 0,
+    ) -> None:
+        if (
+            src.dim() != 2
+            or dst.dim() != 2
+            or src.shape[1] != dst.shape[1]
+            or src.dtype != dst.dtype
+        ):
+            raise ValueError(
+                f"copy_pages: expected 2-D [N, E] and [M, E] tensors of one dtype, got "
+                f"{tuple(src.shape)} {src.dtype} and {tuple(dst.shape)} {dst.dtype}"
+            )
+        self.src, self.dst, self.row_elems, self.block, self.blocks_per_row = _tiling(
+            src, dst, block_bytes
+        )
+        if self.src.stride(1) != 1 or self.dst.stride(1) != 1:
+            raise ValueError("copy_pages: page rows must be contiguous")
+        self.num_warps = num_warps
+        # The scalar arguments after the four pointers (BLOCK last: the compiled kernel's launcher
+        # takes every argument, constexprs included).
+        self._scalars = (
+            self.src.stride(0),
+            self.dst.stride(0),
+            self.row_elems,
+            self.blocks_per_row,
+            first_row,
+            self.src.shape[0],
+            self.dst.shape[0],
+            self.block,
+        )
+        self._pointers = (self.src.data_ptr(), self.dst.data_ptr())  # the rows outlive us
+        self._compiled = None  # the kernel as compiled for these rows, after a launch
+
+    @property
+    def ready(self) -> bool:
+        """Whether ``launch_ptrs`` may be called (after a first ``launch`` with aligned ids)."""
+        return self._compiled is not None
+
+    def launch(
+        self,
+        src_ids: torch.Tensor,
+        dst_ids: torch.Tensor,
+        n: int,
+        stream: torch.cuda.Stream | None = None,
+    ) -> None:
+        """Queue dst[dst_ids[i]] = src[src_ids[i]] for i < n on ``stream`` (default: the current
+        stream) of the current device, which must be the one the kernel runs on. ``n`` is given so
+        that no length is read from a device tensor."""
+        if n == 0 or self.row_elems == 0:
+            return
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            compiled = _copy_pairs_kernel[(n * self.blocks_per_row,)](
+                self.src,
+                self.dst,
+                src_ids,
+                dst_ids,
+                *self._scalars[:-1],
+                BLOCK=self.block,
+                num_warps=self.num_warps,
+            )
+        aligned = src_ids.data_ptr() % 16 == 0 and dst_ids.data_ptr() % 16 == 0
+        if aligned and hasattr(compiled, "function"):  # not under the interpreter
+            self._compiled = compiled
+
+    def launch_ptrs(self, src_ids: int, dst_ids: int, n: int, stream: int) -> None:
+        """``launch`` with the ids' addresses (device or pinned host memory, 16-byte aligned, kept
+        unchanged until the kernel has run) and a raw stream handle; only once ``ready``."""
+        if src_ids % 16 or dst_ids % 16:
+            raise ValueError("launch_ptrs: page id addresses must be 16-byte aligned")
+        if n == 0 or self.row_elems == 0:
+            return
+        assert self._compiled is not None
+        self._compiled[(n * self.blocks_per_row, 1, 1)](
+            *self._pointers,
+            src_ids,
+            dst_ids,
+            *self._scalars,
+            stream=stream,
+        )

@@ -144,14 +144,24 @@ def start_prefill(args: argparse.Namespace) -> tuple[Any, Any, bytes]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device("cuda:1" if args.device == "cuda" else "cpu")
+    if args.device == "cuda":
+        # D's GPU is the current one, as in a decode worker (cluster/worker_setup.py): a launch
+        # for another device than the current one pays a context switch.
+        torch.cuda.set_device(device)
     spec = bench_spec(args.max_mib * MIB)
     conn, child, child_address = start_prefill(args)
     buf = torch.zeros(spec.buffer_shape, dtype=spec.dtype, device=device)
+    # The first transceiver of a process sets its UCX progress mode. With the direct path alone,
+    # that is the direct receiver, as in a decode worker that reads directly (its progress thread
+    # sleeps: a spinning one slows direct reads); the other receiver then serves raw ucxx only.
+    direct_first = "ucx" not in args.paths
+    direct = None
+    if direct_first:
+        direct = KVReceiver({"full": buf}, [spec], "bench", config(args))
     receiver = KVReceiver({"full": buf}, [spec], "bench", config(args, direct_copy=False))
-    # Same pool, second receiver: it opens P's pools and reads them directly (cuda_ipc).
-    direct = (
-        KVReceiver({"full": buf}, [spec], "bench", config(args)) if "direct" in args.paths else None
-    )
+    if "direct" in args.paths and direct is None:
+        # Same pool, second receiver: it opens P's pools and reads them directly (cuda_ipc).
+        direct = KVReceiver({"full": buf}, [spec], "bench", config(args))
     runtime = receiver.runtime
     conn.send(runtime.worker_address)
     raw_ep = runtime.run(runtime.create_endpoint(child_address), timeout=30)
@@ -226,8 +236,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "page_bytes": spec.page_bytes,
         "staging_tokens": args.staging_tokens,
         "staging_buffers": args.staging_buffers,
-        # The first transceiver of a process sets its UCX mode: here the UCX path's receiver.
-        "progress_mode": resolve_progress_mode(args.progress_mode, args.device == "cuda", False),
+        "progress_mode": resolve_progress_mode(
+            args.progress_mode, args.device == "cuda", direct_first
+        ),
         "repeats": args.repeats,
         "paths": args.paths,
         "staging_copy": diag,

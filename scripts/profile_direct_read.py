@@ -1,7 +1,7 @@
 """Where the time of a direct read goes (transfer/direct_read.py), on the 2-GPU machine: P in a
 spawned process on cuda:0 (scripts/bench_transfer.py's prefill side), D here on cuda:1. Prints the
-median of each phase (checks, launch, wait for the copy, finish) per size, then a cProfile of one
-size (--profile-mib).
+median of each phase (mapping, launch, lease check, wait for the copy, finish) per size, then a
+cProfile of one pull of one size (--profile-mib).
 
     python scripts/profile_direct_read.py [--device cpu]
 """
@@ -14,19 +14,18 @@ import io
 import pstats
 import statistics
 import sys
+import threading
 import time
-import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from bench_transfer import MIB, bench_spec, choose_pages, config, start_prefill  # noqa: E402
 
-import kernels  # noqa: E402
 import transfer.direct_read as dr  # noqa: E402
-import transfer.ipc as ipc  # noqa: E402
 from transfer import KVReceiver  # noqa: E402
 
 
@@ -37,6 +36,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--profile-mib", type=int, default=16, help="the size cProfile watches")
     parser.add_argument("--progress-mode", default="auto")
+    parser.add_argument("--back-to-back", action="store_true", help="see the loop below")
+    parser.add_argument("--kernel-time", action="store_true", help="device time of the copies")
+    parser.add_argument(
+        "--spin-ms",
+        type=float,
+        default=0.0,
+        help="busy-wait this long before each pull (a warm core, as in a busy decode worker)",
+    )
     cli = parser.parse_args()
     args = argparse.Namespace(
         device=cli.device,
@@ -47,11 +54,15 @@ def main() -> None:
         proto_info=False,
     )
     spec = bench_spec(args.max_mib * MIB)
+    host_probe = plan_cost_probe(spec)
+    print(f"direct_plan of 64 pages, alone in the process: {host_probe():.1f} us", flush=True)
     conn, child, _ = start_prefill(args)
     device = torch.device("cuda:1" if cli.device == "cuda" else "cpu")
     buf = torch.zeros(spec.buffer_shape, dtype=spec.dtype, device=device)
     receiver = KVReceiver({"full": buf}, [spec], "bench", config(args))
     conn.send(receiver.runtime.worker_address)  # the child's raw-ucxx server wants it
+    print(f"direct_plan of 64 pages, receiver up: {host_probe():.1f} us", flush=True)
+    print(f"threads: {[t.name for t in threading.enumerate()]}", flush=True)
 
     phases: dict[str, list[float]] = {}
 
@@ -65,47 +76,125 @@ def main() -> None:
 
         return wrapper
 
-    dr.DirectRead._check = timed("check", dr.DirectRead._check)
+    if cli.device == "cuda":
+        torch.cuda.set_device(1)  # D's GPU is the current one, as in a decode worker
+    import transfer.direct_copy as dc
+    from kernels.page_copy_triton import PreparedCopy
+
+    dc.DirectCopier._take = timed("launch.take", dc.DirectCopier._take)
+    dc.DirectCopier._queue = timed("launch.queue", dc.DirectCopier._queue)
+    PreparedCopy.launch_ptrs = timed("launch.kernel", PreparedCopy.launch_ptrs)
+    dr.DirectRead._map = timed("map", dr.DirectRead._map)
     dr.DirectRead._launch = timed("launch", dr.DirectRead._launch)
+    dr.DirectRead._lease_problem = timed("lease", dr.DirectRead._lease_problem)
     dr.DirectRead._finish = timed("finish", dr.DirectRead._finish)
     dr.wait_copy_blocking = timed("wait", dr.wait_copy_blocking)
-    # Inside the phases: the digest, the ticket checks and the plan (check), the kernel launch
-    # itself (launch; the rest of it is the id upload and stream bookkeeping).
-    dr.lease_digest = timed("check.digest", dr.lease_digest)
-    dr.source_pages = timed("check.source_pages", dr.source_pages)
-    dr.direct_plan = timed("check.plan", dr.direct_plan)
-    ipc.kernels = types.SimpleNamespace(copy_pages=timed("launch.kernel", kernels.copy_pages))
+    # Inside the phases: the ticket checks and the plan (map), the digest (lease).
+    dr.lease_digest = timed("lease.digest", dr.lease_digest)
+    dr.source_pages = timed("map.source_pages", dr.source_pages)
+    dr.direct_plan = timed("map.plan", dr.direct_plan)
     gen = torch.Generator().manual_seed(0)
     profile = cProfile.Profile()
+    kernel_ms: list[float] = []
+    if cli.kernel_time:  # device time of each copy kernel, from events around it on its stream
+        from kernels.page_copy_triton import PreparedCopy
+
+        plain = PreparedCopy.launch_ptrs
+        pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+        def with_events(self, src_ids, dst_ids, n, stream):
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s = torch.cuda.ExternalStream(stream)
+            begin.record(s)
+            plain(self, src_ids, dst_ids, n, stream)
+            end.record(s)
+            pending.append((begin, end))
+
+        PreparedCopy.launch_ptrs = with_events
     for size in cli.sizes_mib:
         n = size * MIB // spec.page_bytes
         phases.clear()
+        kernel_ms.clear()
         total = []
-        for rep in range(cli.repeats + 1):
-            src = choose_pages(n, spec, "scattered", gen)
-            dst = choose_pages(n, spec, "scattered", gen)
-            conn.send(("publish", f"p{size}-{rep}", src))
-            ticket, _ = conn.recv()
-            last = size == cli.profile_mib and rep > 0
-            if last:
-                profile.enable()
-            start = time.perf_counter()
-            result = receiver.pull_blocking(ticket, {"full": dst}, 0, ticket.declared_prompt_len)
-            total.append(time.perf_counter() - start)
-            if last:
-                profile.disable()
-            assert result.ok, result.error
+        # Every ticket first, then the pulls back to back (--back-to-back: a warm core and GPU),
+        # or one ticket at a time, each pull right after P's answer (as bench_transfer.py does).
+        batch = cli.repeats + 1 if cli.back_to_back else 1
+        rep = 0
+        while rep < cli.repeats + 1:
+            tickets = []
+            for k in range(batch):
+                src = choose_pages(n, spec, "scattered", gen)
+                conn.send(("publish", f"p{size}-{rep + k}", src))
+                tickets.append(conn.recv()[0])
+            for ticket in tickets:
+                dst = choose_pages(n, spec, "scattered", gen)
+                last = size == cli.profile_mib and rep == cli.repeats  # one pull: cProfile slows it
+                if last:
+                    profile.enable()
+                spin_until = time.perf_counter() + cli.spin_ms / 1e3
+                while time.perf_counter() < spin_until:
+                    pass
+                start = time.perf_counter()
+                result = receiver.pull_blocking(
+                    ticket, {"full": dst}, 0, ticket.declared_prompt_len
+                )
+                total.append(time.perf_counter() - start)
+                if last:
+                    profile.disable()
+                assert result.ok, result.error
+                if cli.kernel_time:
+                    torch.cuda.synchronize(device)
+                    kernel_ms.extend(b.elapsed_time(e) for b, e in pending)
+                    pending.clear()
+                rep += 1
+        print(f"direct_plan of 64 pages, link up: {host_probe():.1f} us", flush=True)
         line = {k: round(statistics.median(v[1:]) * 1e3, 3) for k, v in phases.items()}
+        if kernel_ms:
+            line["kernel (device)"] = round(statistics.median(kernel_ms[1:]), 3)
         pull_ms = statistics.median(total[1:]) * 1e3
         print(
             f"{size:5d} MiB ({n} pages, {result.stats.path}): pull {pull_ms:.3f} ms, phases ms {line}"
         )
+    # The same plan, hot: this pull's own tables and ids, back to back in this process.
+    link = next(iter(receiver._links.values()))
+    src_ids = {"full": np.asarray(ticket.page_ids["full"], dtype=np.int64)}
+    dst_ids = {"full": np.asarray(dst, dtype=np.int64)}
+    times = []
+    for _ in range(200):
+        start = time.perf_counter()
+        dr.direct_plan(link.info.page_table, receiver.page_table, src_ids, dst_ids)
+        times.append(time.perf_counter() - start)
+    print(f"the last pull's direct_plan, hot: {statistics.median(times) * 1e6:.1f} us")
     out = io.StringIO()
     pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(30)
     print(out.getvalue())
     receiver.close()
     child.terminate()  # a diagnostic: P's pages need no orderly release
     child.join(30)
+
+
+def plan_cost_probe(spec):
+    """A timer of the plan of a 64-page pull (pure host work): compares this process's Python
+    speed before and after the transceiver's threads start."""
+    import numpy as np
+
+    from transfer.page_table import PageTable
+    from transfer.plan import direct_plan
+
+    table = PageTable.from_specs("bench", [spec])
+    rng = np.random.default_rng(0)
+    src = {"full": rng.permutation(spec.num_pages - 1)[:64] + 1}
+    dst = {"full": rng.permutation(spec.num_pages - 1)[:64] + 1}
+
+    def probe() -> float:
+        times = []
+        for _ in range(200):
+            start = time.perf_counter()
+            direct_plan(table, table, src, dst)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times) * 1e6
+
+    return probe
 
 
 if __name__ == "__main__":

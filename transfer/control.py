@@ -66,6 +66,15 @@ class ControlChannel:
             self.close(f"connection lost ({e})")
             raise ChannelClosed(f"{self.name}: {self.closed_reason}") from None
 
+    def post(self, msg: Message) -> None:
+        """Write one small message without waiting for the write buffer to drain (loop thread
+        only). For notices that nobody waits on, such as ReadDone: a lost one only delays the
+        peer until a lease expires. Raises ChannelClosed if the connection is gone."""
+        if self.closed or self.writer.is_closing():
+            raise ChannelClosed(f"{self.name}: {self.closed_reason or 'closing'}")
+        data = encode_message(msg)
+        self.writer.write(_HEADER.pack(len(data)) + data)
+
     async def receive(self, timeout: float) -> Message:
         """Read the next well-formed message (the handshake; afterwards ``start`` owns the reader).
         Malformed ones are rejected as in ``start``. Raises ChannelClosed or TimeoutError."""

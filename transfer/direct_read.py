@@ -1,10 +1,19 @@
 """DirectRead: the decode side of one pull on a direct link, where D reads P's pages itself.
 
-    check the ticket (compatibility, pages, declared == expected) -> P's lease board: the lease is
-    live, names exactly the ticket's request and pages, and P declares the expected prompt length
-    -> one copy kernel from P's pages into ours, on our GPU -> the board again: the same lease is
-    still live (otherwise P may have reused the pages during the copy, and the pull fails) ->
-    ReadDone to P in the background (P releases its pages).
+    one copy kernel from P's pages into ours, on our GPU -> while it runs, every check: the
+    ticket's pages mapped onto ours (compatibility, pools, counts, ids in range, no page twice),
+    and P's lease board (the lease is live, names exactly the ticket's request and pages, and P
+    declares the expected prompt length) -> the copy ends -> the board again: the same lease is
+    still live -> ReadDone to P in the background (P releases its pages).
+
+The checks run while the copy runs, to keep them off the latency path; that is as safe as checking
+first. The copy kernel skips any page id outside either pool or naming the null page, so unchecked
+ids cannot touch memory beyond the pools, and a failed check fails the pull once the copy has
+ended: the copy only wrote pages of ours that the failed pull gives back. Generations are never
+reused, and P publishes a lease only once its pages are final, so a lease found live at the first
+look was live since before the ticket existed, and seeing it live again after the copy proves it was
+live all through the copy. On the CPU (same process), and for pages whose pools or counts do not
+line up, everything is checked first.
 
 Nothing waits for P: the whole pull runs on the caller's thread (``run_blocking``) or event loop
 (``run``), with no hop to the transceiver's loop, so it costs the copy plus tens of microseconds.
@@ -26,12 +35,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from transfer.direct_copy import QueuedCopy
 from transfer.ipc import start_copy, wait_copy, wait_copy_blocking
 from transfer.lease_board import lease_digest
 from transfer.mapper import MapperError
 from transfer.messages import ReadDone, TransferTicket
 from transfer.peer import DirectAccess, PeerLink
-from transfer.plan import DirectPlan, direct_plan
+from transfer.plan import DirectPlan, direct_plan, unchecked_direct_pairs
 from transfer.pull_checks import PullFailed, check_declared, source_pages
 from transfer.stats import TransferResult, TransferStats
 
@@ -60,23 +70,22 @@ class DirectRead:
         self.skip = skip_pages
         self.expected = expected_prompt_len
         self.plan: DirectPlan | None = None
-        self._word = 0  # the lease's board word when the read began
-        self._event: torch.cuda.Event | None = None  # the copy's, on GPUs
-        self._start = time.perf_counter()
+        self._pages: dict[str, np.ndarray] = {}  # the ticket's page ids
+        self._word = 0  # the lease's board word, once found live
+        self._copy: QueuedCopy | None = None  # on GPUs, once queued
+        self._began = time.perf_counter()
 
     async def run(self) -> TransferResult:
         """The read, waiting for the copy without blocking the caller's event loop."""
         try:
-            self._check()
             if self.r.rows_on_gpu:
-                event = self._launch()
-                copied = await wait_copy(event, self.r.config.chunk_deadline_s)
+                problem = self._start()
             else:  # a CPU copy takes the core: off the loop, on the transceiver's copy thread
-                await asyncio.get_running_loop().run_in_executor(
-                    self.r.runtime.copy_executor, self._launch
+                problem = await asyncio.get_running_loop().run_in_executor(
+                    self.r.runtime.copy_executor, self._start
                 )
-                copied = True
-            return self._finish(copied)
+            copied = await wait_copy(self._event(), self.r.config.chunk_deadline_s)
+            return self._finish(copied, problem)
         except PullFailed as e:
             return self._fail(str(e))
         except asyncio.CancelledError:  # the caller gave up: P gets its pages back now
@@ -86,48 +95,95 @@ class DirectRead:
     def run_blocking(self) -> TransferResult:
         """The read on a plain thread (it waits for the copy on this thread)."""
         try:
-            self._check()
-            copied = wait_copy_blocking(self._launch(), self.r.config.chunk_deadline_s)
-            return self._finish(copied)
+            problem = self._start()
+            copied = wait_copy_blocking(self._event(), self.r.config.chunk_deadline_s)
+            return self._finish(copied, problem)
         except PullFailed as e:
             return self._fail(str(e))
 
-    def _check(self) -> None:
+    def _start(self) -> str | None:
+        """Copy (queued on GPUs, done on the CPU) and check, in the order the module docstring
+        gives; returns why the read cannot be accepted, or None. Raises PullFailed only when the
+        copy could not be queued."""
         t = self.ticket
-        # Arrays once: the digest, the checks and the upload of the ids all want them.
-        pages = {g: np.asarray(ids, dtype=np.int64) for g, ids in t.page_ids.items()}
-        src = source_pages(t, self.r.page_table, self.dst, self.skip, pages)
-        word, declared, digest = self.access.board.entry(t.lease_slot)
-        if word != (t.lease_gen << 1) | 1:
-            raise PullFailed(
-                f"the lease of request {t.request_id!r} ended (expired, or released) before the "
-                "read: the prefill worker no longer holds its pages"
+        # Arrays once: the copy, the checks and the digest all want them.
+        try:
+            self._pages = {g: np.asarray(ids, dtype=np.int64) for g, ids in t.page_ids.items()}
+        except (OverflowError, TypeError, ValueError) as e:
+            raise PullFailed(f"the ticket's page ids are not page ids: {e}") from None
+        pairs = None
+        if self.r.rows_on_gpu:
+            pairs = unchecked_direct_pairs(
+                self.link.info.page_table, self.r.page_table, self._pages, self.dst, self.skip
             )
-        self._word = word
-        if digest != lease_digest(t.request_id, pages):
-            raise PullFailed(
-                f"the ticket's pages of {t.request_id!r} differ from the ones the prefill worker "
-                "leased"
-            )
-        check_declared(declared, self.expected)
+        if pairs is None:  # the CPU, or pages that do not line up: check first
+            problem = self._checks()
+            if problem is None:
+                assert self.plan is not None
+                self._launch(self.plan)
+            return problem
+        self._launch(DirectPlan(pairs, 0))
+        return self._checks()  # while the copy runs
+
+    def _event(self) -> torch.cuda.Event | None:
+        return self._copy.event if self._copy is not None else None
+
+    def _checks(self) -> str | None:
+        """Every check of the read (the mapping, then the lease); the board is read even when the
+        mapping fails, so that P, told by ReadDone, gets its pages back at once."""
+        try:
+            self._map()
+            problem = None
+        except PullFailed as e:
+            problem = str(e)
+        lease = self._lease_problem()
+        return problem or lease
+
+    def _map(self) -> None:
+        """The plan of the read, checked against both page tables (ids in range, pools matched,
+        no page twice); raises PullFailed."""
+        src = source_pages(self.ticket, self.r.page_table, self.dst, self.skip, self._pages)
         try:
             self.plan = direct_plan(self.link.info.page_table, self.r.page_table, src, self.dst)
         except (MapperError, ValueError) as e:
             raise PullFailed(f"cannot map the pages: {e}") from None
 
-    def _launch(self) -> torch.cuda.Event | None:
-        assert self.plan is not None
+    def _lease_problem(self) -> str | None:
+        """Why P's board does not vouch for this read, or None (and the lease's word is kept)."""
+        t = self.ticket
+        word, declared, digest = self.access.board.entry(t.lease_slot)
+        if word != (t.lease_gen << 1) | 1:
+            return (
+                f"the lease of request {t.request_id!r} ended (expired, or released) before the "
+                "read: the prefill worker no longer holds its pages"
+            )
+        self._word = word
+        if digest != lease_digest(t.request_id, self._pages):
+            return (
+                f"the ticket's pages of {t.request_id!r} differ from the ones the prefill worker "
+                "leased"
+            )
         try:
-            self._event = start_copy(self.plan, self.access.rows, self.r.rows)
-        except (RuntimeError, ValueError) as e:  # a launch that failed never started copying
+            check_declared(declared, self.expected)
+        except PullFailed as e:
+            return str(e)
+        return None
+
+    def _launch(self, plan: DirectPlan) -> None:
+        copier = self.r.direct_copier
+        try:
+            if copier is None:  # CPU pools: the copy is done when this returns
+                start_copy(plan, self.access.rows, self.r.rows)
+            else:
+                self._copy = copier.start(plan, self.access.copies, self.access.rows, self.r.rows)
+        except (RuntimeError, ValueError) as e:  # D's stream is ordered after anything queued
             raise PullFailed(f"the page copy failed: {e}") from None
-        return self._event
 
     def _fence_unfinished_copy(self) -> None:
         """A pull that ends before its copy did (deadline, cancel) hands back pages the copy may
         still write: the model's stream then waits for the copy before it runs anything more, and
         every later copy into those pages waits for the model's stream (ipc.start_copy)."""
-        event = self._event
+        event = self._event()
         if event is not None and not event.query():
             log.error(
                 "the page copy of %s is still running after its pull ended; the model's stream "
@@ -136,12 +192,14 @@ class DirectRead:
             )
             torch.cuda.default_stream(self.r.device).wait_event(event)
 
-    def _finish(self, copied: bool) -> TransferResult:
+    def _finish(self, copied: bool, problem: str | None) -> TransferResult:
         if not copied:
             raise PullFailed(
                 f"the page copy did not end within {self.r.config.chunk_deadline_s}s "
                 "(chunk_deadline_s)"
             )
+        if problem is not None:
+            raise PullFailed(problem)
         if self.access.board.word(self.ticket.lease_slot) != self._word:
             raise PullFailed(
                 f"the lease of request {self.ticket.request_id!r} ended during the read (expired, "
@@ -155,7 +213,9 @@ class DirectRead:
         return self._end(False, reason)
 
     def _end(self, ok: bool, error: str) -> TransferResult:
-        elapsed = time.perf_counter() - self._start
+        elapsed = time.perf_counter() - self._began
+        if self._copy is not None:
+            self._copy.release()
         nbytes = self.plan.total_bytes if (ok and self.plan is not None) else 0
         if self._word:  # the lease was live when we looked: tell P it may release it now
             done = ReadDone(
@@ -168,7 +228,7 @@ class DirectRead:
                 self.access.data_path,
             )
             try:
-                self.r.runtime.submit(self._send(done))
+                self.r.runtime.call_soon(self.link.post, done)
             except RuntimeError as e:  # the transceiver is closing: the lease expires instead
                 log.info("ReadDone for %s not sent: %s", done.request_id, e)
         stats = TransferStats(
@@ -183,13 +243,3 @@ class DirectRead:
         )
         self.r.book.record(stats, chunks=1 if ok else 0)
         return TransferResult(self.ticket.request_id, ok, error, stats)
-
-    async def _send(self, done: ReadDone) -> None:
-        try:
-            await self.link.send(done, self.r.config.done_deadline_s)
-        except (ConnectionError, asyncio.TimeoutError) as e:
-            log.info(
-                "ReadDone for %s not sent (%s): P releases the pages at lease expiry",
-                done.request_id,
-                e,
-            )

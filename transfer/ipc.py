@@ -35,10 +35,15 @@ import numpy as np
 import torch
 
 import kernels
+from kvcache.spec import NULL_PAGE
 from transfer.plan import DirectPlan
 from transfer.staging import side_stream, word_rows
 
 log = logging.getLogger(__name__)
+
+# The copies skip any page id below this (the null page, which never moves) or past a pool: a
+# direct read may queue its copy before its ids are checked (direct_read.py).
+FIRST_ROW = NULL_PAGE + 1
 
 _REGISTRY: dict[int, dict[str, torch.Tensor]] = {}  # export key -> rows, this process only
 _REGISTRY_LOCK = threading.Lock()
@@ -237,12 +242,15 @@ def start_copy(
     """Copy every page of ``plan`` from P's rows into D's, on D's device. On GPUs the kernels are
     queued on a side stream, after D's model stream (the destination pages may have just been
     freed by a request whose reads are still queued), and the returned event completes with them;
-    this returns in tens of microseconds. On the CPU the copy is done when this returns (None)."""
+    this returns in tens of microseconds. On the CPU the copy is done when this returns (None).
+    Pairs with an id outside the pools, or the null page, are skipped (FIRST_ROW)."""
     device = next(iter(dst_rows.values())).device
     if device.type != "cuda":
         for sp, dp, s, d in plan.pairs:
             ids = torch.from_numpy(np.stack([s, d]))
-            kernels.copy_pages(word_rows(src_rows[sp]), ids[0], word_rows(dst_rows[dp]), ids[1])
+            kernels.copy_pages(
+                word_rows(src_rows[sp]), ids[0], word_rows(dst_rows[dp]), ids[1], FIRST_ROW
+            )
         return None
     stream = side_stream(device, "direct")
     ids_stream = side_stream(device, "direct-ids")
@@ -258,7 +266,9 @@ def start_copy(
         with torch.cuda.stream(stream):
             for (sp, dp, _, _), ids in zip(plan.pairs, uploads):
                 ids.record_stream(stream)  # not reused for another upload before the copy ran
-                kernels.copy_pages(word_rows(src_rows[sp]), ids[0], word_rows(dst_rows[dp]), ids[1])
+                kernels.copy_pages(
+                    word_rows(src_rows[sp]), ids[0], word_rows(dst_rows[dp]), ids[1], FIRST_ROW
+                )
             event = torch.cuda.Event()
             event.record(stream)
     return event
@@ -279,7 +289,9 @@ async def wait_copy(event: torch.cuda.Event | None, timeout: float) -> bool:
 
 
 def wait_copy_blocking(event: torch.cuda.Event | None, timeout: float) -> bool:
-    """``wait_copy`` for plain threads (each pause yields the GIL); False after ``timeout``."""
+    """``wait_copy`` for plain threads; False after ``timeout``. It keeps the GIL for the first
+    200 us (most copies end by then): a pause would hand the GIL to another thread of the process,
+    such as the transceiver's loop, and the pull would wait for that thread's whole turn."""
     if event is None:
         return True
     start = time.monotonic()
@@ -287,7 +299,8 @@ def wait_copy_blocking(event: torch.cuda.Event | None, timeout: float) -> bool:
         waited = time.monotonic() - start
         if waited > timeout:
             return False
-        time.sleep(_poll_pause(waited))
+        if waited > 0.0002:
+            time.sleep(_poll_pause(waited))
     return True
 
 

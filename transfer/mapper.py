@@ -10,6 +10,7 @@ MapperError that says so, never copied wrongly.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
@@ -33,8 +34,10 @@ class Fragment(NamedTuple):
     nbytes: int
 
 
+@functools.lru_cache(maxsize=64)  # asked on every pull, for the few page tables a worker meets
 def match_pools(src: PageTable, dst: PageTable) -> dict[str, str]:
-    """Source pool name -> destination pool name, matched by equal ``pool_role``."""
+    """Source pool name -> destination pool name, matched by equal ``pool_role`` (shared between
+    callers: read only)."""
     by_role: dict[tuple[str, ...], PoolDescriptor] = {}
     for pool in dst.pools:
         if pool.pool_role in by_role:
@@ -101,9 +104,8 @@ def map_page_ids(
             raise MapperError(
                 f"pool {pool.name!r}: {len(s_ids)} source pages but {len(d_ids)} destination pages"
             )
-        _check_ids(s_ids, pool, "source")
-        kept = s_ids != NULL_PAGE
-        if not kept.all():
+        if s_ids.size and _check_ids(s_ids, pool, "source") <= NULL_PAGE:  # null pages listed
+            kept = s_ids != NULL_PAGE
             s_ids, d_ids = s_ids[kept], d_ids[kept]
         _check_ids(d_ids, peer, "destination", distinct=True)
         out.append((pool, peer, s_ids, d_ids))
@@ -124,16 +126,28 @@ def map_pages(
     return fragments
 
 
-def _check_ids(ids: np.ndarray, pool: PoolDescriptor, side: str, distinct: bool = False) -> None:
-    if ids.size and (ids.min() < 0 or ids.max() >= pool.num_pages):
+def _check_ids(ids: np.ndarray, pool: PoolDescriptor, side: str, distinct: bool = False) -> int:
+    """Raises MapperError for bad ids; returns the smallest id (0 for none). On every pull's
+    latency path: one min and one max, and the costlier tests only when they can fail."""
+    if not ids.size:
+        return 0
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= pool.num_pages:
         bad = ids[(ids < 0) | (ids >= pool.num_pages)][:8].tolist()
         raise MapperError(
             f"{side} pool {pool.name!r}: page ids {bad} outside [0, {pool.num_pages})"
         )
-    if side == "destination" and (ids == NULL_PAGE).any():
+    if side == "destination" and low <= NULL_PAGE <= high and (ids == NULL_PAGE).any():
         raise MapperError(f"destination pool {pool.name!r}: the null page cannot receive data")
-    if distinct and ids.size > 1 and (np.diff(np.sort(ids)) == 0).any():  # a sort beats np.unique
+    if distinct and ids.size > 1 and _has_repeats(ids):
         raise MapperError(f"{side} pool {pool.name!r}: a page id is listed twice")
+    return low
+
+
+def _has_repeats(ids: np.ndarray) -> bool:
+    if ids.size <= 512:  # a set of a few hundred ints beats a numpy sort's call overhead
+        return len(set(ids.tolist())) != ids.size
+    return bool((np.diff(np.sort(ids)) == 0).any())  # a sort beats np.unique
 
 
 def _runs(

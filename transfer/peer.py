@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -46,6 +46,9 @@ class DirectAccess:
     data_path: str  # "cuda_ipc" or "local"
     rows: dict[str, torch.Tensor]
     board: LeaseBoardView
+    # Prepared copy launches from P's pools into ours, by (P's pool, our pool): made on first use
+    # (transfer/direct_copy.py).
+    copies: dict[tuple[str, str], Any] = field(default_factory=dict)
 
 
 # D side: P's HelloReply -> its pools and board opened here, or None to stay on UCX.
@@ -86,6 +89,16 @@ class PeerLink:
         if self.closed:
             raise ChannelClosed(f"{self.name}: {self.closed_reason}")
         await self.channel.send(msg, timeout)
+
+    def post(self, msg: Message) -> None:
+        """ControlChannel.post on this link (loop thread only); on a closed link the message is
+        dropped, which only delays the peer until its lease expires."""
+        try:
+            if self.closed:
+                raise ChannelClosed(f"{self.name}: {self.closed_reason}")
+            self.channel.post(msg)
+        except ChannelClosed as e:
+            log.info("%s not sent (%s)", type(msg).__name__, e)
 
     async def send_data(self, buf: torch.Tensor, tag: int) -> None:
         await self.endpoint.send(_ucx_buffer(buf), tag=tag, force_tag=True)

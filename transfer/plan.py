@@ -16,7 +16,7 @@ from functools import cached_property
 
 import numpy as np
 
-from transfer.mapper import Fragment, map_page_ids, map_pages
+from transfer.mapper import Fragment, MapperError, map_page_ids, map_pages, match_pools
 from transfer.page_table import PageTable
 
 DIRECT_MAX_BYTES = 1 << 30  # the largest single message: one page run of 1 GiB
@@ -152,6 +152,33 @@ class DirectPlan:
 
     pairs: tuple[tuple[str, str, np.ndarray, np.ndarray], ...]  # int64 page ids
     total_bytes: int
+
+
+def unchecked_direct_pairs(
+    src: PageTable,
+    dst: PageTable,
+    src_pages: Mapping[str, np.ndarray],
+    dst_pages: Mapping[str, np.ndarray],
+    skip: int,
+) -> tuple[tuple[str, str, np.ndarray, np.ndarray], ...] | None:
+    """The id pairs of a direct read before any id is checked: pools matched, counts equal, page
+    ``skip + i`` of source pool ``g`` going to page ``i`` of its destination pool. Only for a copy
+    whose kernel skips ids outside the pools (and the null page); the caller runs ``direct_plan``
+    while that copy runs and fails the read if it raises. None when the pools or counts do not
+    line up (``direct_plan`` then says why)."""
+    try:
+        matched = match_pools(src, dst)
+    except MapperError:
+        return None
+    if len(src_pages) != len(matched) or len(dst_pages) != len(matched) or skip < 0:
+        return None
+    pairs = []
+    for sp, dp in matched.items():
+        s, d = src_pages.get(sp), dst_pages.get(dp)
+        if s is None or d is None or len(s) - skip != len(d):
+            return None
+        pairs.append((sp, dp, s[skip:], d))
+    return tuple(pairs)
 
 
 def direct_plan(

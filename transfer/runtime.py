@@ -105,6 +105,11 @@ class UcxRuntime:
         """Schedule ``coro`` on the loop thread; safe from any thread."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
+    def call_soon(self, fn: Any, *args: Any) -> None:
+        """Run the plain function ``fn(*args)`` on the loop thread soon; safe from any thread, and
+        cheaper than ``submit`` (no task, no future). Raises RuntimeError once the loop is closed."""
+        self.loop.call_soon_threadsafe(fn, *args)
+
     def run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
         """Run ``coro`` on the loop and wait for it (not from the loop thread itself)."""
         if threading.current_thread() is self._thread:

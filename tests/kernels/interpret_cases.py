@@ -111,7 +111,15 @@ def _page_copy(dtype: torch.dtype, row_elems: int, column_offset: int) -> CaseFn
         kernels.copy_pages(pool, ids, copied, torch.tensor([8, 0, 3, 4]))
         want = torch.zeros_like(copied)
         want[torch.tensor([8, 0, 3, 4])] = pool[ids]
-        return max(err, _err(dst, expected), _err(copied, want))
+        # Ids outside [first_row, rows) on either side are skipped, as in the reference.
+        masked = torch.zeros((9, row_elems), dtype=dtype)
+        src_ids, dst_ids = torch.tensor([5, 12, 0, 7, -3]), torch.tensor([1, 2, 3, 9, 4])
+        kernels.copy_pages(pool, src_ids, masked, dst_ids, first_row=1)
+        want_masked = kernels.copy_pages_ref(
+            pool, src_ids, torch.zeros_like(masked), dst_ids, first_row=1
+        )
+        assert int(want_masked[[2, 3, 4]].count_nonzero()) == 0
+        return max(err, _err(dst, expected), _err(copied, want), _err(masked, want_masked))
 
     return run
 

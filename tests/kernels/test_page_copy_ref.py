@@ -32,3 +32,15 @@ def test_copy_ref_moves_rows_between_pools_of_different_sizes() -> None:
     assert result is dst
     assert torch.equal(dst[7], src[4]) and torch.equal(dst[2], src[1])
     assert int(dst[[0, 1, 3, 4, 5, 6, 8]].count_nonzero()) == 0
+
+
+def test_copy_ref_skips_pairs_outside_the_pools() -> None:
+    src = torch.arange(1, 5 * 8 + 1, dtype=torch.uint8).view(5, 8)
+    dst = torch.zeros((6, 8), dtype=torch.uint8)
+    # Kept: 3->2. Skipped: a source past the pool, a destination past it, negative ids, and with
+    # first_row=1 anything touching row 0.
+    copy_pages_ref(
+        src, torch.tensor([3, 5, 1, -1, 0, 2]), dst, torch.tensor([2, 1, 6, 3, 4, 0]), first_row=1
+    )
+    assert torch.equal(dst[2], src[3])
+    assert int(dst[[0, 1, 3, 4, 5]].count_nonzero()) == 0

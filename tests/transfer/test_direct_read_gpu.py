@@ -8,6 +8,7 @@ Both workers run in spawned processes: the UCX context of this test process is a
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import multiprocessing
 import time
@@ -170,6 +171,20 @@ def test_scattered_pages_arrive_exact_between_gpus(direct: bool) -> None:
         [(ok, error, path, nbytes, _)] = d.ask("pull", [ticket])
         assert not ok and nbytes == 0
         assert ("ended (expired, or released) before the read" if direct else "unknown") in error
+        # A ticket naming a page outside P's pool: the direct copy, queued before the ids are
+        # checked, skips that page and the pull fails on the check; P gets its pages back.
+        ticket, _ = p.ask("publish", "forged", 4)
+        forged = dataclasses.replace(
+            ticket, page_ids={"full": [10**6] + ticket.page_ids["full"][1:]}
+        )
+        [(ok, error, _, nbytes, _)] = d.ask("pull", [forged])
+        assert not ok and nbytes == 0
+        assert "outside" in error, error
+        if direct:
+            deadline = time.monotonic() + 30
+            while "forged" not in p.ask("state")[0] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert "forged" in p.ask("state")[0]
     finally:
         d.close()
         p.close()

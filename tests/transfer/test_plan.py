@@ -3,6 +3,7 @@ direct-copy plan of page id pairs."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from tests.transfer.conftest import MODEL, specs
@@ -14,6 +15,7 @@ from transfer.plan import (
     chunk_bytes_for,
     chunk_fragments,
     direct_plan,
+    unchecked_direct_pairs,
 )
 
 PB = 100
@@ -104,3 +106,31 @@ def test_direct_plan_pairs_pages_across_pools_and_checks_them() -> None:
         direct_plan(table, table, {"full": [5, 6], "extra": []}, {"full": [1, 1], "extra": []})
     with pytest.raises(MapperError, match="outside"):
         direct_plan(table, table, {"full": [5], "extra": []}, {"full": [10**6], "extra": []})
+
+
+def test_unchecked_pairs_line_up_pools_and_counts_only() -> None:
+    table = PageTable.from_specs("m", specs(two_groups=True))
+    src = {"full": np.array([4, 5, 0, 9]), "extra": np.array([8, 2])}
+    dst = {"full": np.array([1, 2, 3]), "extra": np.array([7])}
+    pairs = unchecked_direct_pairs(table, table, src, dst, skip=1)
+    assert [(sp, dp, s.tolist(), d.tolist()) for sp, dp, s, d in pairs] == [
+        ("full", "full", [5, 0, 9], [1, 2, 3]),  # the null page is the kernel's to skip
+        ("extra", "extra", [2], [7]),
+    ]
+    # Ids are not checked here (the copy kernel skips ids outside the pools) ...
+    far = unchecked_direct_pairs(
+        table,
+        table,
+        {"full": np.array([10**6]), "extra": src["extra"][:0]},
+        {"full": np.array([3]), "extra": dst["extra"][:0]},
+        0,
+    )
+    assert far is not None
+    # ... but pools and counts that do not line up give None (direct_plan then says why).
+    assert unchecked_direct_pairs(table, table, src, dst, skip=0) is None
+    assert unchecked_direct_pairs(table, table, {"full": src["full"]}, dst, skip=1) is None
+    assert (
+        unchecked_direct_pairs(table, table, src, {"full": dst["full"], "x": dst["extra"]}, 1)
+        is None
+    )
+    assert unchecked_direct_pairs(table, table, src, dst, skip=-1) is None

@@ -1,0 +1,83 @@
+"""DirectCopier (transfer/direct_copy.py) on a GPU, in one process: copies from pinned id slots are
+exact, slots are reused only once their pull has ended and their copy has completed, and a pull that
+finds no free slot still copies exactly through the upload path. Cross-process reads are in
+test_direct_read_gpu.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+PAGE = 64 << 10
+
+
+def _pools() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    # P's pool on GPU 0 and ours on the last GPU: over NVLink when there are two.
+    gen = torch.Generator(device="cuda:0").manual_seed(3)
+    src = torch.randint(0, 256, (300, PAGE), dtype=torch.uint8, device="cuda:0", generator=gen)
+    dst_device = f"cuda:{torch.cuda.device_count() - 1}"
+    dst = torch.zeros((300, PAGE), dtype=torch.uint8, device=dst_device)
+    # Peer access both ways, as opening IPC pools gives: our GPU's kernel reads P's memory.
+    dst.view(-1)[:1].copy_(src.view(-1)[:1])
+    src.view(-1)[:1].copy_(dst.view(-1)[:1])
+    return {"full": src}, {"full": dst}
+
+
+def _plan(n: int, rng: np.random.Generator, taken: set[int] | None = None):
+    """A plan of ``n`` scattered pages; with ``taken``, onto destination pages no other plan of the
+    test writes (copies in flight together must not overwrite each other's pages)."""
+    from transfer.plan import DirectPlan
+
+    s = rng.permutation(299)[:n].astype(np.int64) + 1
+    free = np.array(sorted(set(range(1, 300)) - (taken or set())), dtype=np.int64)
+    d = rng.permutation(free)[:n]
+    if taken is not None:
+        taken.update(d.tolist())
+    return DirectPlan((("full", "full", s, d),), n * PAGE), s, d
+
+
+def _exact(src: dict, dst: dict, s: np.ndarray, d: np.ndarray) -> bool:
+    got = dst["full"][torch.from_numpy(d).to(dst["full"].device)]
+    return torch.equal(got.cpu(), src["full"][torch.from_numpy(s).cuda(0)].cpu())
+
+
+def test_copies_are_exact_and_slots_wait_for_their_pulls() -> None:
+    from transfer.direct_copy import DirectCopier
+
+    src, dst = _pools()
+    device = dst["full"].device
+    copier = DirectCopier(device, capacity=300, slots=2)
+    copies: dict = {}
+    rng = np.random.default_rng(4)
+    held = []
+    taken: set[int] = set()
+    for n in (5, 120):  # both slots held by pulls that have not ended
+        plan, s, d = _plan(n, rng, taken)
+        queued = copier.start(plan, copies, src, dst)
+        held.append((queued, s, d))
+    plan, s, d = _plan(33, rng, taken)
+    fallback = copier.start(plan, copies, src, dst)  # no slot free: ids are uploaded
+    fallback.event.synchronize()
+    assert _exact(src, dst, s, d)
+    for queued, s, d in held:
+        queued.event.synchronize()
+        assert _exact(src, dst, s, d)
+    assert copier._take(1) is None  # done copying, but their pulls have not ended
+    first = held[0][0]._slot
+    held[0][0].release()
+    slot = copier._take(1)
+    assert slot is not None and slot is first
+    slot.held = False
+    for n in (1, 7, 299):  # slots reused, the prepared launch called directly
+        plan, s, d = _plan(n, rng)
+        queued = copier.start(plan, copies, src, dst)
+        queued.event.synchronize()
+        queued.release()
+        assert _exact(src, dst, s, d)
+    assert set(copies) == {("full", "full")}
