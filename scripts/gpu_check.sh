@@ -29,7 +29,8 @@ for step in ${STEPS:-tests transfer cluster bench}; do
     probe)
       python scripts/probe_read_path.py 2>&1 | tee "$OUT/probe_read_path.log" | tail -40 ;;
     profile)
-      python scripts/profile_direct_read.py 2>&1 | tee "$OUT/profile_direct_read.log" | head -6 ;;
+      # (no `head` here: closing the pipe early kills the script before its larger sizes)
+      python scripts/profile_direct_read.py 2>&1 | tee "$OUT/profile_direct_read.log" | grep "MiB (" ;;
     cluster)
       python scripts/gpu_cluster_check.py 2>&1 | tee "$OUT/gpu_cluster.log" | grep -v "^\s*$" | tail -60 ;;
     bench)
