@@ -48,7 +48,9 @@ def _copy_rows_kernel(
     tl.store(dst_ptr + dst_row * stride_dst_row + offs * stride_dst_col, x, mask=ok)
 
 
-@triton.jit
+# The bounds are not specialized on: one compiled kernel serves pools of any size, so the one a
+# decode side compiles at start-up (transfer/ipc.py warm_up) is the one its direct reads use.
+@triton.jit(do_not_specialize=["first_row", "src_rows", "dst_rows"])
 def _copy_pairs_kernel(
     src_ptr,
     dst_ptr,

@@ -72,6 +72,9 @@ class DirectCopier:
         self._handle = self.stream.cuda_stream
         self._model = torch.cuda.default_stream(device)
         self._model_mark = torch.cuda.Event()
+        # Recorded once here: torch makes an event's CUDA handle on its first record, which two
+        # pulls' first records must not race on.
+        self._model_mark.record(self._model)
         self._slots = [_Slot(self.capacity) for _ in range(slots)]
         self._lock = threading.Lock()
         self._next = 0
@@ -155,5 +158,6 @@ class DirectCopier:
 
 
 def slot_capacity(rows: Mapping[str, torch.Tensor]) -> int:
-    """Ids one pull can need at most: every page of every destination pool."""
-    return int(np.sum([r.shape[0] for r in rows.values()]))
+    """Ids one pull can need at most: every page of every destination pool, plus one per pool
+    (each pool's ids start at an even offset)."""
+    return int(np.sum([r.shape[0] + 1 for r in rows.values()]))

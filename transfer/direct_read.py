@@ -80,10 +80,13 @@ class DirectRead:
         try:
             if self.r.rows_on_gpu:
                 problem = self._start()
-            else:  # a CPU copy takes the core: off the loop, on the transceiver's copy thread
-                problem = await asyncio.get_running_loop().run_in_executor(
-                    self.r.runtime.copy_executor, self._start
-                )
+            else:  # checked here; the copy takes the core: off the loop, on the copy thread
+                problem = self._start(copy=False)
+                if problem is None:
+                    assert self.plan is not None
+                    await asyncio.get_running_loop().run_in_executor(
+                        self.r.runtime.copy_executor, self._launch, self.plan
+                    )
             copied = await wait_copy(self._event(), self.r.config.chunk_deadline_s)
             return self._finish(copied, problem)
         except PullFailed as e:
@@ -91,6 +94,9 @@ class DirectRead:
         except asyncio.CancelledError:  # the caller gave up: P gets its pages back now
             self._fail("the pull was cancelled")
             raise
+        except Exception as e:  # a bug or a device error: still fence the copy and tell P
+            log.exception("direct read of %s failed unexpectedly", self.ticket.request_id)
+            return self._fail(f"internal error: {type(e).__name__}: {e}")
 
     def run_blocking(self) -> TransferResult:
         """The read on a plain thread (it waits for the copy on this thread)."""
@@ -100,11 +106,14 @@ class DirectRead:
             return self._finish(copied, problem)
         except PullFailed as e:
             return self._fail(str(e))
+        except Exception as e:  # a bug or a device error: still fence the copy and tell P
+            log.exception("direct read of %s failed unexpectedly", self.ticket.request_id)
+            return self._fail(f"internal error: {type(e).__name__}: {e}")
 
-    def _start(self) -> str | None:
-        """Copy (queued on GPUs, done on the CPU) and check, in the order the module docstring
-        gives; returns why the read cannot be accepted, or None. Raises PullFailed only when the
-        copy could not be queued."""
+    def _start(self, copy: bool = True) -> str | None:
+        """Copy (queued on GPUs, done on the CPU unless ``copy`` is False) and check, in the order
+        the module docstring gives; returns why the read cannot be accepted, or None. Raises
+        PullFailed only when the copy could not be queued (P is told all the same)."""
         t = self.ticket
         # Arrays once: the copy, the checks and the digest all want them.
         try:
@@ -118,11 +127,15 @@ class DirectRead:
             )
         if pairs is None:  # the CPU, or pages that do not line up: check first
             problem = self._checks()
-            if problem is None:
+            if problem is None and copy:
                 assert self.plan is not None
                 self._launch(self.plan)
             return problem
-        self._launch(DirectPlan(pairs, 0))
+        try:
+            self._launch(DirectPlan(pairs, 0))
+        except PullFailed:
+            self._lease_problem()  # a live lease is then released by ReadDone(ok=False)
+            raise
         return self._checks()  # while the copy runs
 
     def _event(self) -> torch.cuda.Event | None:
@@ -173,6 +186,7 @@ class DirectRead:
         copier = self.r.direct_copier
         try:
             if copier is None:  # CPU pools: the copy is done when this returns
+                assert not self.r.rows_on_gpu, "GPU direct reads go through the DirectCopier"
                 start_copy(plan, self.access.rows, self.r.rows)
             else:
                 self._copy = copier.start(plan, self.access.copies, self.access.rows, self.r.rows)

@@ -231,7 +231,7 @@ def warm_up(own_rows: Mapping[str, torch.Tensor]) -> None:
     itself: a no-op)."""
     zero = torch.zeros(1, dtype=torch.int64, device=next(iter(own_rows.values())).device)
     for r in own_rows.values():
-        kernels.copy_pages(word_rows(r), zero, word_rows(r), zero)
+        kernels.copy_pages(word_rows(r), zero, word_rows(r), zero, FIRST_ROW)
 
 
 def start_copy(
@@ -264,11 +264,15 @@ def start_copy(
         stream.wait_stream(ids_stream)
         stream.wait_stream(torch.cuda.default_stream(device))
         with torch.cuda.stream(stream):
-            for (sp, dp, _, _), ids in zip(plan.pairs, uploads):
-                ids.record_stream(stream)  # not reused for another upload before the copy ran
-                kernels.copy_pages(
-                    word_rows(src_rows[sp]), ids[0], word_rows(dst_rows[dp]), ids[1], FIRST_ROW
-                )
+            try:
+                for (sp, dp, _, _), ids in zip(plan.pairs, uploads):
+                    ids.record_stream(stream)  # not reused for another upload before the copy ran
+                    kernels.copy_pages(
+                        word_rows(src_rows[sp]), ids[0], word_rows(dst_rows[dp]), ids[1], FIRST_ROW
+                    )
+            except BaseException:  # D's model stream waits for whatever was queued
+                torch.cuda.default_stream(device).wait_stream(stream)
+                raise
             event = torch.cuda.Event()
             event.record(stream)
     return event

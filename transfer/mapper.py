@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import NamedTuple
 
 import numpy as np
@@ -35,9 +36,9 @@ class Fragment(NamedTuple):
 
 
 @functools.lru_cache(maxsize=64)  # asked on every pull, for the few page tables a worker meets
-def match_pools(src: PageTable, dst: PageTable) -> dict[str, str]:
-    """Source pool name -> destination pool name, matched by equal ``pool_role`` (shared between
-    callers: read only)."""
+def match_pools(src: PageTable, dst: PageTable) -> Mapping[str, str]:
+    """Source pool name -> destination pool name, matched by equal ``pool_role`` (one read-only
+    mapping shared by every caller)."""
     by_role: dict[tuple[str, ...], PoolDescriptor] = {}
     for pool in dst.pools:
         if pool.pool_role in by_role:
@@ -53,7 +54,7 @@ def match_pools(src: PageTable, dst: PageTable) -> dict[str, str]:
             )
         _check_servable(pool, peer)
         matched[pool.name] = peer.name
-    return matched
+    return MappingProxyType(matched)
 
 
 def _check_servable(src: PoolDescriptor, dst: PoolDescriptor) -> None:

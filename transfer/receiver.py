@@ -265,6 +265,21 @@ class KVReceiver(TransceiverSide):
                 "no direct reads from that prefill worker (%s): using UCX", e
             )
             return None
+        # The copy kernel skips ids beyond the rows it was given: rows that do not hold every page
+        # P's page table promises would turn a good id into a silently skipped page.
+        short = [
+            p.name
+            for p in reply.page_table.pools
+            if p.name not in rows
+            or rows[p.name].shape[0] < p.num_pages
+            or rows[p.name].shape[1] != p.page_bytes
+        ]
+        if short:
+            log.warning(
+                "that prefill worker's pools %s are smaller than its page table: using UCX", short
+            )
+            board.close()
+            return None
         return DirectAccess(data_path, rows, board)
 
     def _on_message(self, link: PeerLink, msg: Message) -> None:

@@ -165,32 +165,35 @@ def test_copy_pages_matches_reference_exactly(row_bytes: int, peer: bool) -> Non
 
 
 def test_prepared_copy_reads_pinned_ids_and_repeats_exactly() -> None:
-    """The launch the direct reads use: ids in pinned host memory, read by the kernel itself, the
-    compiled kernel called again on a side stream with other ids each time."""
+    """The launch the direct reads use: ids in pinned host memory, read by the kernel itself; the
+    first launch through Triton's dispatch, the later ones through the compiled kernel with raw
+    addresses on a side stream, each with other ids."""
     from kernels.page_copy_triton import PreparedCopy
 
     gen = torch.Generator(device="cuda").manual_seed(8)
     src = torch.randint(0, 256, (64, 32 << 10), dtype=torch.uint8, device="cuda", generator=gen)
     dst = torch.zeros((80, 32 << 10), dtype=torch.uint8, device="cuda")
-    copy = PreparedCopy(src.view(torch.int64), dst.view(torch.int64))
+    copy = PreparedCopy(src.view(torch.int64), dst.view(torch.int64), first_row=1)
     ids = torch.empty((2, 64), dtype=torch.int64, pin_memory=True)
     stream = torch.cuda.Stream()
     expected = torch.zeros_like(dst)
     cpu_gen = torch.Generator().manual_seed(9)
-    for n in (1, 30, 7, 63):
+    for k, n in enumerate((1, 30, 7, 63)):
         ids[0, :n] = torch.randperm(63, generator=cpu_gen)[:n] + 1
         ids[1, :n] = torch.randperm(79, generator=cpu_gen)[:n] + 1
-        copy.launch(ids[0, :n], ids[1, :n], n, stream)
+        if k == 0:
+            copy.launch(ids[0, :n], ids[1, :n], n, stream)
+            assert copy.ready
+        else:
+            copy.launch_ptrs(ids[0].data_ptr(), ids[1].data_ptr(), n, stream.cuda_stream)
         stream.synchronize()  # before the ids are rewritten
         expected[ids[1, :n].cuda()] = src[ids[0, :n].cuda()]
         assert torch.equal(dst, expected), n
-    assert copy._compiled is not None  # the later launches took the direct path
-    # Ids outside [first_row, rows) are skipped by the compiled kernel too.
-    guarded = PreparedCopy(src.view(torch.int64), dst.view(torch.int64), first_row=1)
-    ids[0, :4] = torch.tensor([0, 64, 5, -2])
-    ids[1, :4] = torch.tensor([3, 4, 80, 0])
-    before = dst.clone()
-    guarded.launch(ids[0, :4], ids[1, :4], 4, stream)
-    guarded.launch_ptrs(ids[0].data_ptr(), ids[1].data_ptr(), 4, stream.cuda_stream)
+    # Pairs with an id outside [first_row, rows) are skipped; the others in the launch are copied.
+    ids[0, :6] = torch.tensor([0, 64, 5, -2, 9, 3])
+    ids[1, :6] = torch.tensor([3, 4, 80, 0, 0, 6])
+    copy.launch_ptrs(ids[0].data_ptr(), ids[1].data_ptr(), 6, stream.cuda_stream)
     stream.synchronize()
-    assert torch.equal(dst, before)
+    expected[6] = src[3]
+    assert torch.equal(dst, expected)
+    assert int(dst[0].count_nonzero()) == 0  # the null page is never written

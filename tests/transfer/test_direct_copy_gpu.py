@@ -23,9 +23,11 @@ def _pools() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     src = torch.randint(0, 256, (300, PAGE), dtype=torch.uint8, device="cuda:0", generator=gen)
     dst_device = f"cuda:{torch.cuda.device_count() - 1}"
     dst = torch.zeros((300, PAGE), dtype=torch.uint8, device=dst_device)
-    # Peer access both ways, as opening IPC pools gives: our GPU's kernel reads P's memory.
-    dst.view(-1)[:1].copy_(src.view(-1)[:1])
-    src.view(-1)[:1].copy_(dst.view(-1)[:1])
+    # Peer access both ways, as opening IPC pools gives (our GPU's kernel reads P's memory); through
+    # scratch tensors, so that the pools' null page stays untouched.
+    a, b = torch.zeros(1, device=src.device), torch.zeros(1, device=dst_device)
+    b.copy_(a)
+    a.copy_(b)
     return {"full": src}, {"full": dst}
 
 
@@ -81,3 +83,25 @@ def test_copies_are_exact_and_slots_wait_for_their_pulls() -> None:
         queued.release()
         assert _exact(src, dst, s, d)
     assert set(copies) == {("full", "full")}
+    assert int(dst["full"][0].count_nonzero()) == 0  # the null page was never written
+
+
+def test_a_launch_that_fails_midway_releases_its_slot() -> None:
+    from transfer.direct_copy import DirectCopier
+    from transfer.plan import DirectPlan
+
+    src, dst = _pools()
+    other = torch.zeros((10, PAGE // 2), dtype=torch.uint8, device=dst["full"].device)
+    rows_d = {"full": dst["full"], "half": other}
+    copier = DirectCopier(dst["full"].device, capacity=400, slots=1)
+    rng = np.random.default_rng(5)
+    plan, s, d = _plan(12, rng)
+    # The second pair's pools differ in page size: preparing its launch fails after the first
+    # pair's copy was queued.
+    bad = DirectPlan(plan.pairs + (("full", "half", s[:2], d[:2] % 10),), plan.total_bytes)
+    with pytest.raises(ValueError):
+        copier.start(bad, {}, src, rows_d)
+    torch.cuda.synchronize(dst["full"].device)  # the model stream was ordered after the copy
+    assert _exact(src, dst, s, d)
+    slot = copier._take(1)
+    assert slot is not None  # released, and its copy done
