@@ -3,7 +3,9 @@ path (transfer/ipc.py), next to a torch peer copy of the same bytes in the same 
 
     python scripts/bench_page_copy.py --out results.json      # needs 2 GPUs
 
-Variants, each the median wall time of --repeats runs (launch + synchronize, like the peer copy):
+Variants, each the median wall time of --repeats runs (launch + synchronize, like the peer copy;
+the Python launch is in it, so small sizes understate the kernel: scripts/probe_read_path.py times
+the device alone):
 push (kernel on GPU 0 writes GPU 1's pool, as the prefill side does), pull (kernel on GPU 1 reads
 GPU 0's pool), page order as given / sorted by destination, pages in one run (contiguous) or a
 random permutation (scattered), a few program sizes, and the copy engines through one

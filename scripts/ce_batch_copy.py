@@ -3,8 +3,9 @@
 
 Measured as an alternative to the SM copy kernel of the direct path (kernels.copy_pages), since copy
 engines take no SMs from the model: on 2 H200s a batch of scattered 256 KiB pages ran at 0.36-0.54
-of a peer copy (a per-copy cost in the engines), against 0.5-0.9 for the kernel, so the transceiver
-does not use it (docs/benchmarks/transfer.md). Contiguous runs reach 0.93-0.95 at >= 256 MiB.
+of a peer copy (a per-copy cost in the engines), while the kernel's device time matches a peer
+copy's (scripts/probe_read_path.py), so the transceiver does not use it (docs/benchmarks/
+transfer.md). Contiguous runs reach 0.93-0.95 at >= 256 MiB.
 
 The binding goes through ctypes to the CUDA runtime torch already loaded, so it needs no compiler;
 ``available()`` says whether this runtime has the call.
