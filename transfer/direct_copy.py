@@ -157,7 +157,11 @@ class DirectCopier:
         slot.used = True
 
 
+MAX_SLOT_IDS = 1 << 16  # 65536 pages: far beyond one request; larger pulls upload their ids
+
+
 def slot_capacity(rows: Mapping[str, torch.Tensor]) -> int:
     """Ids one pull can need at most: every page of every destination pool, plus one per pool
-    (each pool's ids start at an even offset)."""
-    return int(np.sum([r.shape[0] + 1 for r in rows.values()]))
+    (each pool's ids start at an even offset), capped at MAX_SLOT_IDS so that pools of millions of
+    small pages do not pin tens of megabytes of host memory."""
+    return min(MAX_SLOT_IDS, int(np.sum([r.shape[0] + 1 for r in rows.values()])))
