@@ -170,25 +170,16 @@ def copy_pages(
     A pair with either id outside [first_row, N) / [first_row, M) is skipped. ``dst`` may be
     another GPU's memory mapped into this process (CUDA IPC): one launch copies every page over
     NVLink. Returns dst."""
-    if src.dim() != 2 or dst.dim() != 2 or src.shape[1] != dst.shape[1] or src.dtype != dst.dtype:
-        raise ValueError(
-            f"copy_pages: expected 2-D [N, E] and [M, E] tensors of one dtype, got {tuple(src.shape)} "
-            f"{src.dtype} and {tuple(dst.shape)} {dst.dtype}"
-        )
     if src_ids.dim() != 1 or src_ids.shape != dst_ids.shape:
         raise ValueError(
             f"copy_pages: src_ids and dst_ids must be 1-D of one length, got {tuple(src_ids.shape)} "
             f"and {tuple(dst_ids.shape)}"
         )
-    n = src_ids.shape[0]
-    if n == 0 or src.shape[1] == 0:
-        return dst
+    copy = PreparedCopy(src, dst, block_bytes, num_warps, first_row)  # checks the pools
     # The ids go to the GPU the kernel runs on (the current one), which reads them locally even
     # when src or dst is a peer GPU's memory.
     device = torch.device("cuda", torch.cuda.current_device()) if src.is_cuda else src.device
-    PreparedCopy(src, dst, block_bytes, num_warps, first_row).launch(
-        src_ids.to(device), dst_ids.to(device), n
-    )
+    copy.launch(src_ids.to(device), dst_ids.to(device), src_ids.shape[0])
     return dst
 
 

@@ -14,11 +14,12 @@ stream context managers and Triton's dispatch: ~60 us, docs/benchmarks/transfer.
 A slot is held by its pull until the pull ends (``release``) and, after that, until the copy that
 read it has completed (its event): ids are never rewritten under a running kernel, even when a pull
 gives up on its copy, and a pull never waits on an event re-recorded for someone else's copy. A pull
-that finds no free slot big enough falls back to ipc.start_copy (ids uploaded to the GPU).
+that finds no free slot big enough uploads its ids to the GPU instead (slower, same copy).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from transfer.ipc import FIRST_ROW, start_copy
+from transfer.ipc import FIRST_ROW
 from transfer.plan import DirectPlan
 from transfer.staging import side_stream, word_rows
 
@@ -70,6 +71,9 @@ class DirectCopier:
         self.capacity = capacity + capacity % 2
         self.stream = side_stream(device, "direct")
         self._handle = self.stream.cuda_stream
+        # The fallback's id uploads, on a stream of their own: a pageable upload returns once the
+        # ids are staged, and on the copy stream it would wait behind the model's step first.
+        self._ids_stream = side_stream(device, "direct-ids")
         self._model = torch.cuda.default_stream(device)
         self._model_mark = torch.cuda.Event()
         # Recorded once here: torch makes an event's CUDA handle on its first record, which two
@@ -92,25 +96,22 @@ class DirectCopier:
         whatever of the plan was queued."""
         need = sum(len(s) + len(s) % 2 for _, _, s, _ in plan.pairs)
         slot = self._take(need)
-        if slot is None:
-            event = start_copy(plan, src_rows, dst_rows)
-            assert event is not None  # on GPUs
-            return QueuedCopy(event)
-        try:
-            if torch.cuda.current_device() != self.device.index:
-                with torch.cuda.device(self.device):
-                    self._queue(slot, plan, copies, src_rows, dst_rows)
-            else:
+        same_device = torch.cuda.current_device() == self.device.index
+        with contextlib.nullcontext() if same_device else torch.cuda.device(self.device):
+            try:
+                if slot is None:
+                    return QueuedCopy(self._queue_uploaded(plan, copies, src_rows, dst_rows))
                 self._queue(slot, plan, copies, src_rows, dst_rows)
-        except BaseException:
-            # A launch failed after others were queued: the slot's next use and D's model stream
-            # are ordered after them.
-            slot.event.record(self.stream)
-            slot.used = True
-            slot.held = False
-            self._model.wait_event(slot.event)
-            raise
-        return QueuedCopy(slot.event, slot)
+                return QueuedCopy(slot.event, slot)
+            except BaseException:
+                # A launch failed after others were queued: D's model stream (and the slot's
+                # next use) are ordered after them.
+                failed = slot.event if slot is not None else torch.cuda.Event()
+                failed.record(self.stream)
+                self._model.wait_event(failed)
+                if slot is not None:
+                    slot.used, slot.held = True, False
+                raise
 
     def _take(self, need: int) -> _Slot | None:
         if need > self.capacity:
@@ -132,22 +133,13 @@ class DirectCopier:
         src_rows: Mapping[str, torch.Tensor],
         dst_rows: Mapping[str, torch.Tensor],
     ) -> None:
-        from kernels.page_copy_triton import PreparedCopy  # GPU only: triton is imported here
-
-        # A concurrent pull may record the mark again before this wait: it then waits for a later
-        # point of the model stream, which orders it after everything this pull needs as well.
-        self._model_mark.record(self._model)
-        self.stream.wait_event(self._model_mark)
+        self._after_model()
         at = 0
         for sp, dp, s, d in plan.pairs:
             n = len(s)
             slot.host[0, at : at + n] = s
             slot.host[1, at : at + n] = d
-            copy = copies.get((sp, dp))
-            if copy is None:
-                copy = copies[(sp, dp)] = PreparedCopy(
-                    word_rows(src_rows[sp]), word_rows(dst_rows[dp]), first_row=FIRST_ROW
-                )
+            copy = _prepared(copies, sp, dp, src_rows, dst_rows)
             if copy.ready:
                 copy.launch_ptrs(slot.src_at + 8 * at, slot.dst_at + 8 * at, n, self._handle)
             else:  # the first launch of this pool pair compiles (or finds) the kernel
@@ -155,6 +147,55 @@ class DirectCopier:
             at += n + n % 2
         slot.event.record(self.stream)
         slot.used = True
+
+    def _queue_uploaded(
+        self,
+        plan: DirectPlan,
+        copies: dict[tuple[str, str], PreparedCopy],
+        src_rows: Mapping[str, torch.Tensor],
+        dst_rows: Mapping[str, torch.Tensor],
+    ) -> torch.cuda.Event:
+        """The same copy with the ids uploaded to the GPU (no slot free, or too many ids)."""
+        with torch.cuda.stream(self._ids_stream):
+            uploads = [
+                torch.from_numpy(np.stack([s, d])).to(self.device) for _, _, s, d in plan.pairs
+            ]
+        self.stream.wait_stream(self._ids_stream)
+        self._after_model()
+        for (sp, dp, s, _), ids in zip(plan.pairs, uploads):
+            ids.record_stream(self.stream)  # not reused for another upload before the copy ran
+            _prepared(copies, sp, dp, src_rows, dst_rows).launch(
+                ids[0], ids[1], len(s), self.stream
+            )
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def _after_model(self) -> None:
+        """Order the copy stream after D's model stream: the destination pages may have been
+        freed by a request whose reads are still queued there. A concurrent pull may record the
+        mark again before this wait: it then waits for a later point of the model stream, which
+        orders it after everything this pull needs as well."""
+        self._model_mark.record(self._model)
+        self.stream.wait_event(self._model_mark)
+
+
+def _prepared(
+    copies: dict[tuple[str, str], PreparedCopy],
+    src_pool: str,
+    dst_pool: str,
+    src_rows: Mapping[str, torch.Tensor],
+    dst_rows: Mapping[str, torch.Tensor],
+) -> PreparedCopy:
+    """The prepared launch from ``src_pool`` to ``dst_pool``, made on first use."""
+    copy = copies.get((src_pool, dst_pool))
+    if copy is None:
+        from kernels.page_copy_triton import PreparedCopy  # GPU only: triton is imported here
+
+        copy = copies[(src_pool, dst_pool)] = PreparedCopy(
+            word_rows(src_rows[src_pool]), word_rows(dst_rows[dst_pool]), first_row=FIRST_ROW
+        )
+    return copy
 
 
 MAX_SLOT_IDS = 1 << 16  # 65536 pages: far beyond one request; larger pulls upload their ids

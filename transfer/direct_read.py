@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from transfer.direct_copy import QueuedCopy
-from transfer.ipc import start_copy, wait_copy, wait_copy_blocking
+from transfer.ipc import copy_on_cpu, wait_copy, wait_copy_blocking
 from transfer.lease_board import lease_digest
 from transfer.mapper import MapperError
 from transfer.messages import ReadDone, TransferTicket
@@ -95,8 +95,7 @@ class DirectRead:
             self._fail("the pull was cancelled")
             raise
         except Exception as e:  # a bug or a device error: still fence the copy and tell P
-            log.exception("direct read of %s failed unexpectedly", self.ticket.request_id)
-            return self._fail(f"internal error: {type(e).__name__}: {e}")
+            return self._internal_error(e)
 
     def run_blocking(self) -> TransferResult:
         """The read on a plain thread (it waits for the copy on this thread)."""
@@ -107,8 +106,7 @@ class DirectRead:
         except PullFailed as e:
             return self._fail(str(e))
         except Exception as e:  # a bug or a device error: still fence the copy and tell P
-            log.exception("direct read of %s failed unexpectedly", self.ticket.request_id)
-            return self._fail(f"internal error: {type(e).__name__}: {e}")
+            return self._internal_error(e)
 
     def _start(self, copy: bool = True) -> str | None:
         """Copy (queued on GPUs, done on the CPU unless ``copy`` is False) and check, in the order
@@ -187,7 +185,7 @@ class DirectRead:
         try:
             if copier is None:  # CPU pools: the copy is done when this returns
                 assert not self.r.rows_on_gpu, "GPU direct reads go through the DirectCopier"
-                start_copy(plan, self.access.rows, self.r.rows)
+                copy_on_cpu(plan, self.access.rows, self.r.rows)
             else:
                 self._copy = copier.start(plan, self.access.copies, self.access.rows, self.r.rows)
         except (RuntimeError, ValueError) as e:  # D's stream is ordered after anything queued
@@ -196,7 +194,7 @@ class DirectRead:
     def _fence_unfinished_copy(self) -> None:
         """A pull that ends before its copy did (deadline, cancel) hands back pages the copy may
         still write: the model's stream then waits for the copy before it runs anything more, and
-        every later copy into those pages waits for the model's stream (ipc.start_copy)."""
+        every later copy into those pages waits for the model's stream (DirectCopier)."""
         event = self._event()
         if event is not None and not event.query():
             log.error(
@@ -220,6 +218,10 @@ class DirectRead:
                 "or released): the pages read may have been reused"
             )
         return self._end(True, "")
+
+    def _internal_error(self, e: Exception) -> TransferResult:
+        log.exception("direct read of %s failed unexpectedly", self.ticket.request_id)
+        return self._fail(f"internal error: {type(e).__name__}: {e}")
 
     def _fail(self, reason: str) -> TransferResult:
         log.warning("direct read of %s failed: %s", self.ticket.request_id, reason)

@@ -10,8 +10,8 @@ No message is on the latency path of such a pull, and P's GPU does no work for i
 
 Why D reads rather than P writes: a write by P needs a round trip through both processes' event
 loops per pull (about 1 ms), far more than the copy of a typical request; D already knows its pages
-and can start at once. Reads over NVLink are slower than writes for small copies, and a kernel
-launched by D on P's GPU would time-slice with P's prefill, so D reads from its own GPU.
+and can start at once. A kernel launched by D on P's GPU would time-slice with P's prefill, so D
+reads from its own GPU (the read kernel runs at a peer copy's speed: docs/benchmarks/transfer.md).
 
 CUDA IPC needs P's GPU visible to the decode process (the cluster starts GPU workers with all of the
 node's GPUs visible, see cluster/builder.py) and the same OS instance (``host_identity``). When a
@@ -37,7 +37,7 @@ import torch
 import kernels
 from kvcache.spec import NULL_PAGE
 from transfer.plan import DirectPlan
-from transfer.staging import side_stream, word_rows
+from transfer.staging import word_rows
 
 log = logging.getLogger(__name__)
 
@@ -234,48 +234,19 @@ def warm_up(own_rows: Mapping[str, torch.Tensor]) -> None:
         kernels.copy_pages(word_rows(r), zero, word_rows(r), zero, FIRST_ROW)
 
 
-def start_copy(
+def copy_on_cpu(
     plan: DirectPlan,
     src_rows: Mapping[str, torch.Tensor],
     dst_rows: Mapping[str, torch.Tensor],
-) -> torch.cuda.Event | None:
-    """Copy every page of ``plan`` from P's rows into D's, on D's device. On GPUs the kernels are
-    queued on a side stream, after D's model stream (the destination pages may have just been
-    freed by a request whose reads are still queued), and the returned event completes with them;
-    this returns in tens of microseconds. On the CPU the copy is done when this returns (None).
-    Pairs with an id outside the pools, or the null page, are skipped (FIRST_ROW)."""
-    device = next(iter(dst_rows.values())).device
-    if device.type != "cuda":
-        for sp, dp, s, d in plan.pairs:
-            ids = torch.from_numpy(np.stack([s, d]))
-            kernels.copy_pages(
-                word_rows(src_rows[sp]), ids[0], word_rows(dst_rows[dp]), ids[1], FIRST_ROW
-            )
-        return None
-    stream = side_stream(device, "direct")
-    ids_stream = side_stream(device, "direct-ids")
-    with torch.cuda.device(device):
-        with torch.cuda.stream(ids_stream):
-            # A pageable upload returns once the ids are staged; on a stream of its own it waits
-            # for nothing else (on the copy stream it would wait for other pulls' copies, and
-            # after the model stream for a whole step). Pinned uploads measured slower here:
-            # torch's pinned allocator often allocates anew when the last block was used by a copy.
-            uploads = [torch.from_numpy(np.stack([s, d])).to(device) for _, _, s, d in plan.pairs]
-        stream.wait_stream(ids_stream)
-        stream.wait_stream(torch.cuda.default_stream(device))
-        with torch.cuda.stream(stream):
-            try:
-                for (sp, dp, _, _), ids in zip(plan.pairs, uploads):
-                    ids.record_stream(stream)  # not reused for another upload before the copy ran
-                    kernels.copy_pages(
-                        word_rows(src_rows[sp]), ids[0], word_rows(dst_rows[dp]), ids[1], FIRST_ROW
-                    )
-            except BaseException:  # D's model stream waits for whatever was queued
-                torch.cuda.default_stream(device).wait_stream(stream)
-                raise
-            event = torch.cuda.Event()
-            event.record(stream)
-    return event
+) -> None:
+    """Copy every page of ``plan`` from P's rows into D's, both in host memory (the same process);
+    done when this returns. Copies on GPUs go through transfer/direct_copy.py. Pairs with an id
+    outside the pools, or the null page, are skipped (FIRST_ROW)."""
+    for sp, dp, s, d in plan.pairs:
+        ids = torch.from_numpy(np.stack([s, d]))
+        kernels.copy_pages(
+            word_rows(src_rows[sp]), ids[0], word_rows(dst_rows[dp]), ids[1], FIRST_ROW
+        )
 
 
 async def wait_copy(event: torch.cuda.Event | None, timeout: float) -> bool:

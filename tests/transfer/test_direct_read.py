@@ -105,13 +105,13 @@ def test_an_expired_lease_is_refused_before_any_copy() -> None:
 def test_a_lease_that_ends_during_the_read_fails_the_pull(direct: Pair, monkeypatch) -> None:
     """P gives the pages back while D copies (here: cancelled mid-read): D's check after the copy
     sees the lease's word change and fails the pull, since the pages may have been reused."""
-    real = transfer.direct_read.start_copy
+    real = transfer.direct_read.copy_on_cpu
 
     def cancelled_mid_read(*args):
         assert direct.sender.cancel("m1")  # P retires the lease and frees the pages
         return real(*args)
 
-    monkeypatch.setattr(transfer.direct_read, "start_copy", cancelled_mid_read)
+    monkeypatch.setattr(transfer.direct_read, "copy_on_cpu", cancelled_mid_read)
     result, _, _ = pull(direct, "m1", 8)
     assert not result.ok and "ended during the read" in result.error
     assert direct.p.released == ["m1"]
