@@ -125,19 +125,18 @@ def _copy_rows(
     )
 
 
+def _check_rows(a: torch.Tensor, b: torch.Tensor, what: str, shapes: str) -> None:
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1] or a.dtype != b.dtype:
+        raise ValueError(
+            f"{what}: expected 2-D {shapes} tensors of one dtype, got {tuple(a.shape)} "
+            f"{a.dtype} and {tuple(b.shape)} {b.dtype}"
+        )
+
+
 def _check(
     rows: torch.Tensor, pool: torch.Tensor, page_ids: torch.Tensor, what: str
 ) -> torch.Tensor:
-    if (
-        rows.dim() != 2
-        or pool.dim() != 2
-        or rows.shape[1] != pool.shape[1]
-        or rows.dtype != pool.dtype
-    ):
-        raise ValueError(
-            f"{what}: expected 2-D [n, E] and [N, E] tensors of one dtype, got {tuple(rows.shape)} "
-            f"{rows.dtype} and {tuple(pool.shape)} {pool.dtype}"
-        )
+    _check_rows(rows, pool, what, "[n, E] and [N, E]")
     if page_ids.dim() != 1 or page_ids.shape[0] != rows.shape[0]:
         raise ValueError(f"{what}: page_ids must be [{rows.shape[0]}], got {tuple(page_ids.shape)}")
     return page_ids.to(pool.device)
@@ -204,16 +203,7 @@ class PreparedCopy:
         num_warps: int = 4,
         first_row: int = 0,
     ) -> None:
-        if (
-            src.dim() != 2
-            or dst.dim() != 2
-            or src.shape[1] != dst.shape[1]
-            or src.dtype != dst.dtype
-        ):
-            raise ValueError(
-                f"copy_pages: expected 2-D [N, E] and [M, E] tensors of one dtype, got "
-                f"{tuple(src.shape)} {src.dtype} and {tuple(dst.shape)} {dst.dtype}"
-            )
+        _check_rows(src, dst, "copy_pages", "[N, E] and [M, E]")
         self.src, self.dst, self.row_elems, self.block, self.blocks_per_row = _tiling(
             src, dst, block_bytes
         )
