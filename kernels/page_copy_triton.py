@@ -9,6 +9,7 @@ of BLOCK elements each, and rows whose bytes allow it are reinterpreted as int32
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 import triton
@@ -224,11 +225,27 @@ class PreparedCopy:
         )
         self._pointers = (self.src.data_ptr(), self.dst.data_ptr())  # the rows outlive us
         self._compiled = None  # the kernel as compiled for these rows, after a launch
+        self._native: Any = None  # its C launch handle (kernels/native_launch.py), or False
 
     @property
     def ready(self) -> bool:
         """Whether ``launch_ptrs`` may be called (after a first ``launch`` with aligned ids)."""
         return self._compiled is not None
+
+    def native(self) -> Any | None:
+        """This copy's handle for the C launcher (``native_launch.module().queue``, which takes
+        16-byte aligned ids), or None: before the first launch, or without the C launcher."""
+        if self._native is None and self._compiled is not None:
+            from kernels import native_launch
+
+            names = list(_copy_pairs_kernel.arg_names)
+            # The ids' addresses are the C launcher's to fill in, per call.
+            values = dict(zip(names, (*self._pointers, 0, 0, *self._scalars)))
+            handle = native_launch.prepared_launch(
+                self._compiled, names, values, "src_ids_ptr", "dst_ids_ptr", self.blocks_per_row
+            )
+            self._native = False if handle is None else handle
+        return self._native or None
 
     def launch(
         self,

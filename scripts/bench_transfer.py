@@ -14,6 +14,12 @@ reads P's pages itself (CUDA IPC on GPUs, checked against P's lease board: direc
 of --repeats runs after one warm-up; the variants and the raw exchange run interleaved, one of each
 per repetition, so a busy spell of a shared host hits them alike. The last run of each size is
 checked byte for byte (per-page sums on both sides).
+
+On GPUs the peer copy is timed two ways: back to back (``peer_copy``, GPUs and caller always busy)
+and, inside the interleaved loop, right after the same pipe round trip to P that precedes each pull
+(``peer_copy_gap``: idle GPUs and a caller that just woke up, as for the pulls). ``--hot`` also
+times every variant's pulls back to back (``*_hot``, tickets published first). Like-for-like ratios
+are a pull against ``peer_copy_gap`` and a hot pull against ``peer_copy``; every ratio is printed.
 """
 
 from __future__ import annotations
@@ -113,6 +119,8 @@ def prefill_main(conn: Any, args: argparse.Namespace) -> None:
                     page_sums(buf, spec, pages),
                 )
             )
+        elif cmd == "ping":  # the same round trip as a publish, before a timed peer copy
+            conn.send("pong")
         elif cmd == "stop":
             raw_task.result(timeout=60)
             sender.close()
@@ -186,6 +194,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         row: dict[str, Any] = {"bytes": size}
         times: dict[str, list[float]] = {f"{name}_{layout}": [] for name, _, layout in variants}
         times["raw_ucxx"] = []
+        if args.device == "cuda":
+            times["peer_copy_gap"] = []
+            peer = peer_buffers(size)
         failed: dict[str, str] = {}
         # Interleaved: each repetition runs every variant and the raw exchange back to back, so a
         # busy spell of a shared host hits them alike (one warm-up repetition first).
@@ -210,6 +221,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         times["raw_ucxx"].append(elapsed)
                 except Exception as e:
                     failed["raw_ucxx"] = f"{type(e).__name__}: {e}"
+            if args.device == "cuda":  # after a round trip to P, as each pull is
+                conn.send(("ping",))
+                conn.recv()
+                elapsed = peer_copy_once(*peer)
+                if rep:
+                    times["peer_copy_gap"].append(elapsed)
+        if args.hot:  # every ticket first, then the pulls back to back
+            for name, rec, layout in variants:
+                key = f"{name}_{layout}"
+                if key not in failed:
+                    times[f"{key}_hot"] = hot_pulls(conn, rec, spec, n, layout, gen, args.repeats)
         for key, ts in times.items():
             if key in failed:
                 row[f"{key}_error"] = failed[key]
@@ -218,7 +240,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.device == "cuda":
             row["peer_copy_gbps"] = median_gbps(size, peer_copy_times(size, args.repeats))
         for key in [k for k in row if k.startswith(("ours_", "direct_")) and k.endswith("_gbps")]:
-            for base in ("raw_ucxx", "peer_copy"):
+            for base in ("raw_ucxx", "peer_copy", "peer_copy_gap"):
                 if f"{base}_gbps" in row:
                     row[key.replace("_gbps", f"_vs_{base}")] = row[key] / row[f"{base}_gbps"]
         rows.append(row)
@@ -241,6 +263,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ),
         "repeats": args.repeats,
         "paths": args.paths,
+        "hot": args.hot,
         "staging_copy": diag,
         "rows": rows,
     }
@@ -323,20 +346,62 @@ async def send_stop(ep: Any) -> None:
     await ep.send(torch.zeros(1, dtype=torch.int64).numpy(), tag=REQ_TAG, force_tag=True)
 
 
-def peer_copy_times(size: int, repeats: int) -> list[float]:
-    src = torch.randint(0, 255, (size,), dtype=torch.uint8, device="cuda:0")
-    dst = torch.empty(size, dtype=torch.uint8, device="cuda:1")
-    times = []
+def hot_pulls(
+    conn: Any,
+    receiver: KVReceiver,
+    spec: PoolGroupSpec,
+    n: int,
+    layout: str,
+    gen: torch.Generator,
+    repeats: int,
+) -> list[float]:
+    """Pulls back to back, as a busy decode worker's: P publishes every ticket first, so no pull
+    waits on P's answer (the default runs wait for it before each pull). Like the peer copies of
+    ``peer_copy_times``, which run back to back too."""
+    tickets = []
     for rep in range(repeats + 1):
-        torch.cuda.synchronize("cuda:0")
-        torch.cuda.synchronize("cuda:1")
+        conn.send(
+            (
+                "publish",
+                f"{receiver.instance_id}-hot-{layout}-{n}-{rep}",
+                choose_pages(n, spec, layout, gen),
+            )
+        )
+        tickets.append(conn.recv()[0])
+    times = []
+    for rep, ticket in enumerate(tickets):
+        dst = choose_pages(n, spec, layout, gen)
         start = time.perf_counter()
-        dst.copy_(src)
-        torch.cuda.synchronize("cuda:1")
-        torch.cuda.synchronize("cuda:0")
+        result = receiver.pull_blocking(ticket, {"full": dst}, 0, ticket.declared_prompt_len)
+        elapsed = time.perf_counter() - start
+        if not result.ok:
+            raise RuntimeError(f"transfer failed: {result.error}")
         if rep:
-            times.append(time.perf_counter() - start)
+            times.append(elapsed)
     return times
+
+
+def peer_buffers(size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    src = torch.randint(0, 255, (size,), dtype=torch.uint8, device="cuda:0")
+    return src, torch.empty(size, dtype=torch.uint8, device="cuda:1")
+
+
+def peer_copy_once(src: torch.Tensor, dst: torch.Tensor) -> float:
+    """One torch peer copy GPU0 -> GPU1 (copy engines), from idle GPUs to both done."""
+    torch.cuda.synchronize("cuda:0")
+    torch.cuda.synchronize("cuda:1")
+    start = time.perf_counter()
+    dst.copy_(src)
+    torch.cuda.synchronize("cuda:1")
+    torch.cuda.synchronize("cuda:0")
+    return time.perf_counter() - start
+
+
+def peer_copy_times(size: int, repeats: int) -> list[float]:
+    """Peer copies back to back (the hot baseline; ``peer_copy_gap`` is the one timed after a
+    round trip to P, like each pull)."""
+    buffers = peer_buffers(size)
+    return [peer_copy_once(*buffers) for _ in range(repeats + 1)][1:]
 
 
 def format_row(row: dict[str, Any]) -> str:
@@ -378,6 +443,11 @@ def main() -> None:
         default=None,
         help="data paths to time: ucx (staged chunks over UCX) and direct (D reads P's pages "
         "through CUDA IPC); default both on GPUs, ucx on CPU",
+    )
+    parser.add_argument(
+        "--hot",
+        action="store_true",
+        help="also time each variant's pulls back to back (every ticket published first)",
     )
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args()

@@ -4,7 +4,8 @@
 #   tests     GPU tests of kernels/ and transfer/ (CUDA IPC between two processes included)
 #   pagecopy  scripts/bench_page_copy.py: the direct path's copy kernel variants vs peer copy
 #   transfer  scripts/bench_transfer.py, 1 MiB .. 1 GiB: ucx and direct paths, raw ucxx, peer copy
-#   direct    the same with the direct path alone (its process then runs as a direct decode worker)
+#   direct    the same with the direct path alone (its process then runs as a direct decode worker),
+#             and its pulls also timed back to back (--hot)
 #   probe     scripts/probe_read_path.py: host cost of each launch step, device time of copy variants
 #   profile   scripts/profile_direct_read.py: where the time of a direct read goes, per phase
 #   cluster   scripts/gpu_cluster_check.py: 1P1D vs aggregated tokens, transfer path and figures
@@ -24,7 +25,7 @@ for step in ${STEPS:-tests transfer cluster bench}; do
       python scripts/bench_transfer.py --device cuda --min-mib 1 --max-mib 1024 --repeats 5 \
         --out "$OUT/transfer_gpu.json" 2>&1 | tee "$OUT/transfer_gpu.log" | tail -14 ;;
     direct)
-      python scripts/bench_transfer.py --device cuda --paths direct --min-mib 1 --max-mib 1024 \
+      python scripts/bench_transfer.py --device cuda --paths direct --hot --min-mib 1 --max-mib 1024 \
         --repeats 9 --out "$OUT/transfer_gpu_direct.json" 2>&1 | tee "$OUT/transfer_gpu_direct.log" | tail -14 ;;
     probe)
       python scripts/probe_read_path.py 2>&1 | tee "$OUT/probe_read_path.log" | tail -40 ;;

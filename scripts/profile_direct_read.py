@@ -44,6 +44,12 @@ def main() -> None:
         default=0.0,
         help="busy-wait this long before each pull (a warm core, as in a busy decode worker)",
     )
+    parser.add_argument(
+        "--sleep-ms",
+        type=float,
+        default=0.0,
+        help="sleep this long before each pull (the process's other threads finish their work)",
+    )
     cli = parser.parse_args()
     args = argparse.Namespace(
         device=cli.device,
@@ -86,6 +92,7 @@ def main() -> None:
     PreparedCopy.launch_ptrs = timed("launch.kernel", PreparedCopy.launch_ptrs)
     dr.DirectRead._map = timed("map", dr.DirectRead._map)
     dr.DirectRead._launch = timed("launch", dr.DirectRead._launch)
+    dr.DirectRead._launch_native = timed("launch.native", dr.DirectRead._launch_native)
     dr.DirectRead._lease_problem = timed("lease", dr.DirectRead._lease_problem)
     dr.DirectRead._finish = timed("finish", dr.DirectRead._finish)
     dr.wait_copy_blocking = timed("wait", dr.wait_copy_blocking)
@@ -93,6 +100,9 @@ def main() -> None:
     dr.lease_digest = timed("lease.digest", dr.lease_digest)
     dr.source_pages = timed("map.source_pages", dr.source_pages)
     dr.direct_plan = timed("map.plan", dr.direct_plan)
+    copier = receiver.direct_copier
+    if copier is not None and copier._native is not None:  # the C launcher's own call
+        copier._native = _TimedModule(copier._native, queue=timed("launch.c", copier._native.queue))
     gen = torch.Generator().manual_seed(0)
     profile = cProfile.Profile()
     kernel_ms: list[float] = []
@@ -111,11 +121,26 @@ def main() -> None:
             pending.append((begin, end))
 
         PreparedCopy.launch_ptrs = with_events
+        if copier is not None and copier._native is not None:  # the C launcher's copies
+            c_queue = copier._native.queue
+
+            def queue_with_events(*args):
+                # The begin event precedes the wait for D's model stream (idle here) and the kernel.
+                begin = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                begin.record(copier.stream)
+                out = c_queue(*args)
+                end.record(copier.stream)
+                pending.append((begin, end))
+                return out
+
+            copier._native.queue = queue_with_events
     for size in cli.sizes_mib:
         n = size * MIB // spec.page_bytes
         phases.clear()
         kernel_ms.clear()
         total = []
+        c_steps: list[tuple[float, ...]] = []
         # Every ticket first, then the pulls back to back (--back-to-back: a warm core and GPU),
         # or one ticket at a time, each pull right after P's answer (as bench_transfer.py does).
         batch = cli.repeats + 1 if cli.back_to_back else 1
@@ -131,6 +156,8 @@ def main() -> None:
                 last = size == cli.profile_mib and rep == cli.repeats  # one pull: cProfile slows it
                 if last:
                     profile.enable()
+                if cli.sleep_ms:
+                    time.sleep(cli.sleep_ms / 1e3)
                 spin_until = time.perf_counter() + cli.spin_ms / 1e3
                 while time.perf_counter() < spin_until:
                     pass
@@ -142,6 +169,8 @@ def main() -> None:
                 if last:
                     profile.disable()
                 assert result.ok, result.error
+                if copier is not None and copier._native is not None:
+                    c_steps.append(copier._native.timings())
                 if cli.kernel_time:
                     torch.cuda.synchronize(device)
                     kernel_ms.extend(b.elapsed_time(e) for b, e in pending)
@@ -155,6 +184,13 @@ def main() -> None:
         print(
             f"{size:5d} MiB ({n} pages, {result.stats.path}): pull {pull_ms:.3f} ms, phases ms {line}"
         )
+        if c_steps:
+            steps = [round(statistics.median(x), 1) for x in zip(*c_steps[1:])]
+            print(
+                f"      C launcher in a pull, us (ids, context, model wait, launch, event): {steps}"
+            )
+            if not cli.kernel_time:  # (its copies would be counted as the next pulls')
+                print(f"      the same launch, hot: {hot_launch(receiver, ticket, dst):.1f} us")
     # The same plan, hot: this pull's own tables and ids, back to back in this process.
     link = next(iter(receiver._links.values()))
     src_ids = {"full": np.asarray(ticket.page_ids["full"], dtype=np.int64)}
@@ -171,6 +207,40 @@ def main() -> None:
     receiver.close()
     child.terminate()  # a diagnostic: P's pages need no orderly release
     child.join(30)
+
+
+def hot_launch(receiver, ticket, dst) -> float:
+    """Host time of DirectCopier.start_pages for the last pull's pages, called back to back (each
+    copy waited for outside the timing, so every call finds a free slot)."""
+    copier = receiver.direct_copier
+    link = next(iter(receiver._links.values()))
+    times = []
+    for _ in range(50):
+        start = time.perf_counter()
+        queued = copier.start_pages(
+            link.access,
+            link.info.page_table,
+            receiver.page_table,
+            ticket.page_ids,
+            {"full": dst},
+            0,
+            receiver.rows,
+        )
+        times.append(time.perf_counter() - start)
+        queued.event.synchronize()
+        queued.release()
+    return statistics.median(times[5:]) * 1e6
+
+
+class _TimedModule:
+    """A module with some functions replaced (C modules' attributes cannot be set)."""
+
+    def __init__(self, module, **functions):
+        self._module = module
+        self.__dict__.update(functions)
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
 
 
 def plan_cost_probe(spec):

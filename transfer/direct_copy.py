@@ -11,6 +11,13 @@ stream context managers and Triton's dispatch: ~60 us, docs/benchmarks/transfer.
 - each pool pair's launch is prepared once (kernels.page_copy_triton.PreparedCopy) and called
   with the stream explicitly.
 
+With the C launcher (kernels/native_launch.py, ``start_pages``) all of that is one C call that
+holds the GIL: the ids are copied into the slot straight from the caller's lists or arrays, the
+model-stream mark is recorded and waited on, the kernels are launched with cuLaunchKernel and the
+slot's event is recorded; only then does it scan the ids (bounds, repeats) for the checks, which
+run while the copy does. ``start`` is the same copy launched from Python, for machines without a
+C compiler and for pools the C launcher cannot serve.
+
 A slot is held by its pull until the pull ends (``release``) and, after that, until the copy that
 read it has completed (its event): ids are never rewritten under a running kernel, even when a pull
 gives up on its copy, and a pull never waits on an event re-recorded for someone else's copy. A pull
@@ -20,41 +27,96 @@ that finds no free slot big enough uploads its ids to the GPU instead (slower, s
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from kernels import native_launch
 from transfer.ipc import FIRST_ROW
-from transfer.plan import DirectPlan
+from transfer.mapper import MapperError, match_pools
+from transfer.page_table import PageTable
+from transfer.plan import DirectPlan, IdPair
 from transfer.staging import side_stream, word_rows
 
 if TYPE_CHECKING:
     from kernels.page_copy_triton import PreparedCopy
+    from transfer.peer import DirectAccess
 
 SLOTS = 8  # concurrent direct reads with pinned ids; more fall back to uploads
 
 
 class _Slot:
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, stream: torch.cuda.Stream) -> None:
         self.ids = torch.empty((2, capacity), dtype=torch.int64, pin_memory=True)
         self.host = self.ids.numpy()  # the same memory, written without torch's dispatch
         # Where the source and destination ids start (the kernel reads them from here).
         self.src_at, self.dst_at = self.ids[0].data_ptr(), self.ids[1].data_ptr()
         self.event = torch.cuda.Event()
+        # Recorded once now: torch makes the CUDA event on its first record, and the C launcher
+        # records it by handle.
+        self.event.record(stream)
+        self.handle = self.event.cuda_event
+        native = native_launch.module()
+        # Whether the event completed: cuEventQuery straight from C when we can (torch's query
+        # lets go of the GIL, and another thread may then keep a spinning pull waiting).
+        self._query = (
+            functools.partial(native.query, self.handle) if native is not None else self.event.query
+        )
         self.held = False  # by a pull that has not ended yet
-        self.used = False  # the event was recorded at least once
+        # A copy was recorded on the event and not yet seen complete: a pull that waited for its
+        # copy leaves the slot free of any driver call for the next one.
+        self.busy = False
+
+    def query(self) -> bool:
+        if self._query():
+            self.busy = False
+            return True
+        return False
+
+
+class _Route:
+    """How the copies from one peer's pools into ours launch through the C launcher: (source
+    pool, destination pool, C handle) per matched pool pair, in P's pool order."""
+
+    def __init__(self, pairs: tuple[tuple[str, str, Any], ...]) -> None:
+        self.pairs = pairs
+        self.names = frozenset(sp for sp, _, _ in pairs)
 
 
 class QueuedCopy:
-    """A direct read's copy once queued: ``event`` completes with it; ``release`` when the pull
-    ends (the copy itself may still run)."""
+    """A direct read's copy once queued: ``query()`` (or ``event``) completes with it; ``release``
+    when the pull ends (the copy itself may still run). From the C launcher (``stats`` given),
+    ``ids()`` gives the page ids the copy read, as views of its slot, with what the launcher found
+    out about them."""
 
-    def __init__(self, event: torch.cuda.Event, slot: _Slot | None = None) -> None:
+    def __init__(
+        self,
+        event: torch.cuda.Event,
+        slot: _Slot | None = None,
+        route: _Route | None = None,
+        stats: tuple[tuple[int, ...], ...] = (),
+    ) -> None:
         self.event = event
         self._slot = slot
+        self._route = route
+        self._stats = stats
+        self.query = slot.query if slot is not None else event.query
+        self.native = route is not None  # queued by the C launcher
+
+    def ids(self) -> dict[tuple[str, str], IdPair]:
+        """The ids per (source pool, destination pool), read from the slot: only until
+        ``release``."""
+        assert self._slot is not None and self._route is not None
+        out, at, host = {}, 0, self._slot.host
+        for (sp, dp, _), stats in zip(self._route.pairs, self._stats):
+            n = stats[0]
+            out[(sp, dp)] = IdPair(host[0, at : at + n], host[1, at : at + n], *stats[1:])
+            at += n + n % 2
+        return out
 
     def release(self) -> None:
         if self._slot is not None:
@@ -79,9 +141,95 @@ class DirectCopier:
         # Recorded once here: torch makes an event's CUDA handle on its first record, which two
         # pulls' first records must not race on.
         self._model_mark.record(self._model)
-        self._slots = [_Slot(self.capacity) for _ in range(slots)]
+        self._slots = [_Slot(self.capacity, self.stream) for _ in range(slots)]
         self._lock = threading.Lock()
         self._next = 0
+        self._native = native_launch.module()
+        self._context = 0 if self._native is None else self._native.primary_context(device.index)
+        self._zero_ids: torch.Tensor | None = None  # for the first, compiling launch of a route
+
+    def start_pages(
+        self,
+        access: DirectAccess,
+        src_table: PageTable,
+        dst_table: PageTable,
+        src_ids: Mapping[str, Sequence[int]],
+        dst_ids: Mapping[str, Sequence[int]],
+        skip: int,
+        dst_rows: Mapping[str, torch.Tensor],
+    ) -> QueuedCopy | None:
+        """The whole launch of a direct read in one C call, from the page ids as the caller has
+        them (lists or arrays): page ``skip + i`` of each of P's pools ``src_ids`` into page ``i``
+        of its matched pool of ours in ``dst_ids``, ids unchecked (the kernel skips ids outside
+        the pools and the null page). None when this path cannot serve the read (no C launcher,
+        pools or counts that do not line up, ids that are not ints, no free slot): the caller
+        then takes ``start``. Raises RuntimeError if a launch fails (as ``start``)."""
+        if self._native is None:
+            return None
+        route = access.route
+        if route is None:
+            route = access.route = self._route(access, src_table, dst_table, dst_rows)
+        if route is False or len(src_ids) != len(route.pairs) or src_ids.keys() != route.names:
+            return None
+        slot = self._take(0)
+        if slot is None:
+            return None
+        items = []
+        for sp, dp, handle in route.pairs:
+            d = dst_ids.get(dp)
+            if d is None:
+                slot.held = False
+                return None
+            items.append((handle, src_ids[sp], d, skip))
+        try:
+            counts = self._native.queue(
+                self._context,
+                self._handle,
+                self._model.cuda_stream,
+                self._model_mark.cuda_event,
+                slot.handle,
+                slot.src_at,
+                slot.dst_at,
+                self.capacity,
+                tuple(items),
+            )
+        except (TypeError, OverflowError, ValueError):  # ids that are not ints: nothing queued
+            slot.held = False
+            return None
+        except BaseException:
+            self._failed(slot)
+            raise
+        if counts is None:
+            slot.held = False
+            return None
+        slot.busy = True
+        return QueuedCopy(slot.event, slot, route, counts)
+
+    def _route(
+        self,
+        access: DirectAccess,
+        src_table: PageTable,
+        dst_table: PageTable,
+        dst_rows: Mapping[str, torch.Tensor],
+    ) -> _Route | bool:
+        """The C launcher's route for one peer, made on its first read (False: not servable)."""
+        try:
+            matched = match_pools(src_table, dst_table)
+        except MapperError:
+            return False
+        if self._zero_ids is None:  # two 16-byte aligned ids (the compiled kernel assumes it)
+            self._zero_ids = torch.zeros(4, dtype=torch.int64, device=self.device)
+        pairs = []
+        with torch.cuda.device(self.device):
+            for sp, dp in matched.items():
+                copy = _prepared(access.copies, sp, dp, access.rows, dst_rows)
+                if not copy.ready:  # compile (or find) the kernel: ids 0 name the null page
+                    copy.launch(self._zero_ids[0:1], self._zero_ids[2:3], 1, self.stream)
+                handle = copy.native()
+                if handle is None:  # no C launcher for it (kernels.native_launch logged why)
+                    return False
+                pairs.append((sp, dp, handle))
+        return _Route(tuple(pairs))
 
     def start(
         self,
@@ -104,14 +252,17 @@ class DirectCopier:
                 self._queue(slot, plan, copies, src_rows, dst_rows)
                 return QueuedCopy(slot.event, slot)
             except BaseException:
-                # A launch failed after others were queued: D's model stream (and the slot's
-                # next use) are ordered after them.
-                failed = slot.event if slot is not None else torch.cuda.Event()
-                failed.record(self.stream)
-                self._model.wait_event(failed)
-                if slot is not None:
-                    slot.used, slot.held = True, False
+                self._failed(slot)
                 raise
+
+    def _failed(self, slot: _Slot | None) -> None:
+        """A launch failed after others were queued: D's model stream (and the slot's next use)
+        are ordered after them."""
+        failed = slot.event if slot is not None else torch.cuda.Event()
+        failed.record(self.stream)
+        self._model.wait_event(failed)
+        if slot is not None:
+            slot.busy, slot.held = True, False
 
     def _take(self, need: int) -> _Slot | None:
         if need > self.capacity:
@@ -119,7 +270,7 @@ class DirectCopier:
         with self._lock:
             for k in range(len(self._slots)):
                 slot = self._slots[(self._next + k) % len(self._slots)]
-                if not slot.held and (not slot.used or slot.event.query()):
+                if not slot.held and (not slot.busy or slot.query()):
                     slot.held = True
                     self._next = (self._next + k + 1) % len(self._slots)
                     return slot
@@ -146,7 +297,7 @@ class DirectCopier:
                 copy.launch(slot.ids[0, at : at + n], slot.ids[1, at : at + n], n, self.stream)
             at += n + n % 2
         slot.event.record(self.stream)
-        slot.used = True
+        slot.busy = True
 
     def _queue_uploaded(
         self,

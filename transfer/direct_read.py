@@ -15,6 +15,11 @@ look was live since before the ticket existed, and seeing it live again after th
 live all through the copy. On the CPU (same process), and for pages whose pools or counts do not
 line up, everything is checked first.
 
+On GPUs the copy is queued by one C call (DirectCopier.start_pages, kernels/native_launch.py)
+straight from the page ids as the caller has them; the checks then read the ids back from the
+pinned slot the kernel reads, with the bounds and repeats the C call found while queueing. Without
+a C compiler the same copy is queued from Python (DirectCopier.start), only slower.
+
 Nothing waits for P: the whole pull runs on the caller's thread (``run_blocking``) or event loop
 (``run``), with no hop to the transceiver's loop, so it costs the copy plus tens of microseconds.
 P learns of it from ReadDone; if that is lost, the lease expires as usual. A failure once the lease
@@ -41,7 +46,7 @@ from transfer.lease_board import lease_digest
 from transfer.mapper import MapperError
 from transfer.messages import ReadDone, TransferTicket
 from transfer.peer import DirectAccess, PeerLink
-from transfer.plan import DirectPlan, direct_plan, unchecked_direct_pairs
+from transfer.plan import DirectPlan, checked_direct_plan, direct_plan, unchecked_direct_pairs
 from transfer.pull_checks import PullFailed, check_declared, source_pages
 from transfer.stats import TransferResult, TransferStats
 
@@ -87,7 +92,7 @@ class DirectRead:
                     await asyncio.get_running_loop().run_in_executor(
                         self.r.runtime.copy_executor, self._launch, self.plan
                     )
-            copied = await wait_copy(self._event(), self.r.config.chunk_deadline_s)
+            copied = await wait_copy(self._copy, self.r.config.chunk_deadline_s)
             return self._finish(copied, problem)
         except PullFailed as e:
             return self._fail(str(e))
@@ -101,7 +106,7 @@ class DirectRead:
         """The read on a plain thread (it waits for the copy on this thread)."""
         try:
             problem = self._start()
-            copied = wait_copy_blocking(self._event(), self.r.config.chunk_deadline_s)
+            copied = wait_copy_blocking(self._copy, self.r.config.chunk_deadline_s)
             return self._finish(copied, problem)
         except PullFailed as e:
             return self._fail(str(e))
@@ -113,11 +118,10 @@ class DirectRead:
         the module docstring gives; returns why the read cannot be accepted, or None. Raises
         PullFailed only when the copy could not be queued (P is told all the same)."""
         t = self.ticket
+        if self.r.rows_on_gpu and self._launch_native():
+            return self._checks()  # while the copy runs
         # Arrays once: the copy, the checks and the digest all want them.
-        try:
-            self._pages = {g: np.asarray(ids, dtype=np.int64) for g, ids in t.page_ids.items()}
-        except (OverflowError, TypeError, ValueError) as e:
-            raise PullFailed(f"the ticket's page ids are not page ids: {e}") from None
+        self._pages = _arrays(t)
         pairs = None
         if self.r.rows_on_gpu:
             pairs = unchecked_direct_pairs(
@@ -136,8 +140,26 @@ class DirectRead:
             raise
         return self._checks()  # while the copy runs
 
-    def _event(self) -> torch.cuda.Event | None:
-        return self._copy.event if self._copy is not None else None
+    def _launch_native(self) -> bool:
+        """The copy queued by the C launcher straight from the ids as given (DirectCopier.
+        start_pages); False when that path cannot serve this read."""
+        copier = self.r.direct_copier
+        assert copier is not None, "GPU direct reads go through the DirectCopier"
+        try:
+            self._copy = copier.start_pages(
+                self.access,
+                self.link.info.page_table,
+                self.r.page_table,
+                self.ticket.page_ids,
+                self.dst,
+                self.skip,
+                self.r.rows,
+            )
+        except RuntimeError as e:  # D's stream is ordered after anything queued
+            self._pages = _arrays(self.ticket)  # for the digest
+            self._lease_problem()  # a live lease is then released by ReadDone(ok=False)
+            raise PullFailed(f"the page copy failed: {e}") from None
+        return self._copy is not None
 
     def _checks(self) -> str | None:
         """Every check of the read (the mapping, then the lease); the board is read even when the
@@ -152,10 +174,21 @@ class DirectRead:
 
     def _map(self) -> None:
         """The plan of the read, checked against both page tables (ids in range, pools matched,
-        no page twice); raises PullFailed."""
+        no page twice); raises PullFailed. After the C launcher, the ids checked are the ones the
+        copy read, from its slot."""
+        read = self._copy.ids() if self._copy is not None and self._copy.native else None
+        if not self._pages:
+            # The digest's ids: the ticket's, which the slot holds whole when nothing is skipped.
+            whole = read is not None and self.skip == 0
+            self._pages = (
+                {sp: p.src for (sp, _), p in read.items()} if whole else _arrays(self.ticket)
+            )
         src = source_pages(self.ticket, self.r.page_table, self.dst, self.skip, self._pages)
         try:
-            self.plan = direct_plan(self.link.info.page_table, self.r.page_table, src, self.dst)
+            if read is not None:
+                self.plan = checked_direct_plan(self.link.info.page_table, self.r.page_table, read)
+            else:
+                self.plan = direct_plan(self.link.info.page_table, self.r.page_table, src, self.dst)
         except (MapperError, ValueError) as e:
             raise PullFailed(f"cannot map the pages: {e}") from None
 
@@ -195,7 +228,7 @@ class DirectRead:
         """A pull that ends before its copy did (deadline, cancel) hands back pages the copy may
         still write: the model's stream then waits for the copy before it runs anything more, and
         every later copy into those pages waits for the model's stream (DirectCopier)."""
-        event = self._event()
+        event = self._copy.event if self._copy is not None else None
         if event is not None and not event.query():
             log.error(
                 "the page copy of %s is still running after its pull ended; the model's stream "
@@ -228,25 +261,23 @@ class DirectRead:
         self._fence_unfinished_copy()
         return self._end(False, reason)
 
+    def _post_done(self, ok: bool, error: str, nbytes: int, elapsed: float) -> None:
+        t = self.ticket
+        done = ReadDone(
+            t.request_id, t.lease_gen, ok, error, nbytes, int(elapsed * 1e6), self.access.data_path
+        )
+        self.link.post(done)
+
     def _end(self, ok: bool, error: str) -> TransferResult:
         elapsed = time.perf_counter() - self._began
         if self._copy is not None:
             self._copy.release()
         nbytes = self.plan.total_bytes if (ok and self.plan is not None) else 0
         if self._word:  # the lease was live when we looked: tell P it may release it now
-            done = ReadDone(
-                self.ticket.request_id,
-                self.ticket.lease_gen,
-                ok,
-                error,
-                nbytes,
-                int(elapsed * 1e6),
-                self.access.data_path,
-            )
-            try:
-                self.r.runtime.call_soon(self.link.post, done)
+            try:  # (built on the loop thread: the caller's is on the latency path)
+                self.r.runtime.call_soon(self._post_done, ok, error, nbytes, elapsed)
             except RuntimeError as e:  # the transceiver is closing: the lease expires instead
-                log.info("ReadDone for %s not sent: %s", done.request_id, e)
+                log.info("ReadDone for %s not sent: %s", self.ticket.request_id, e)
         stats = TransferStats(
             self.ticket.request_id,
             "recv",
@@ -259,3 +290,11 @@ class DirectRead:
         )
         self.r.book.record(stats, chunks=1 if ok else 0)
         return TransferResult(self.ticket.request_id, ok, error, stats)
+
+
+def _arrays(ticket: TransferTicket) -> dict[str, np.ndarray]:
+    """The ticket's page ids as int64 arrays (the checks and the digest want them so)."""
+    try:
+        return {g: np.asarray(ids, dtype=np.int64) for g, ids in ticket.page_ids.items()}
+    except (OverflowError, TypeError, ValueError) as e:
+        raise PullFailed(f"the ticket's page ids are not page ids: {e}") from None

@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import msgpack
 import numpy as np
@@ -249,7 +250,13 @@ def copy_on_cpu(
         )
 
 
-async def wait_copy(event: torch.cuda.Event | None, timeout: float) -> bool:
+class Completion(Protocol):
+    """A queued copy's end: a CUDA event, or transfer.direct_copy.QueuedCopy."""
+
+    def query(self) -> bool: ...
+
+
+async def wait_copy(event: Completion | None, timeout: float) -> bool:
     """Wait (without blocking the loop) until the copy's event completes; False after ``timeout``."""
     if event is None:
         return True
@@ -263,7 +270,7 @@ async def wait_copy(event: torch.cuda.Event | None, timeout: float) -> bool:
     return True
 
 
-def wait_copy_blocking(event: torch.cuda.Event | None, timeout: float) -> bool:
+def wait_copy_blocking(event: Completion | None, timeout: float) -> bool:
     """``wait_copy`` for plain threads; False after ``timeout``. It keeps the GIL for the first
     200 us (most copies end by then): a pause would hand the GIL to another thread of the process,
     such as the transceiver's loop, and the pull would wait for that thread's whole turn."""

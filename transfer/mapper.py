@@ -101,16 +101,24 @@ def map_page_ids(
         peer = dst.pool(matched[pool.name])
         s_ids = np.asarray(src_pages[pool.name], dtype=np.int64).reshape(-1)
         d_ids = np.asarray(dst_pages[peer.name], dtype=np.int64).reshape(-1)
-        if len(s_ids) != len(d_ids):
-            raise MapperError(
-                f"pool {pool.name!r}: {len(s_ids)} source pages but {len(d_ids)} destination pages"
-            )
-        if s_ids.size and _check_ids(s_ids, pool, "source") <= NULL_PAGE:  # null pages listed
-            kept = s_ids != NULL_PAGE
-            s_ids, d_ids = s_ids[kept], d_ids[kept]
-        _check_ids(d_ids, peer, "destination", distinct=True)
-        out.append((pool, peer, s_ids, d_ids))
+        out.append((pool, peer, *checked_ids(pool, peer, s_ids, d_ids)))
     return out
+
+
+def checked_ids(
+    pool: PoolDescriptor, peer: PoolDescriptor, s_ids: np.ndarray, d_ids: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The ids of one matched pool pair (int64 arrays), checked as ``map_page_ids`` says, without
+    the source's null pages (and their destination pages)."""
+    if len(s_ids) != len(d_ids):
+        raise MapperError(
+            f"pool {pool.name!r}: {len(s_ids)} source pages but {len(d_ids)} destination pages"
+        )
+    if s_ids.size and _check_ids(s_ids, pool, "source") <= NULL_PAGE:  # null pages listed
+        kept = s_ids != NULL_PAGE
+        s_ids, d_ids = s_ids[kept], d_ids[kept]
+    _check_ids(d_ids, peer, "destination", distinct=True)
+    return s_ids, d_ids
 
 
 def map_pages(

@@ -49,6 +49,8 @@ class DirectAccess:
     # Prepared copy launches from P's pools into ours, by (P's pool, our pool): made on first use
     # (transfer/direct_copy.py).
     copies: dict[tuple[str, str], Any] = field(default_factory=dict)
+    # Their C launches (DirectCopier.start_pages): made on the first read, False if unservable.
+    route: Any = None
 
 
 # D side: P's HelloReply -> its pools and board opened here, or None to stay on UCX.

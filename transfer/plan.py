@@ -13,11 +13,20 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import NamedTuple
 
 import numpy as np
 
-from transfer.mapper import Fragment, MapperError, map_page_ids, map_pages, match_pools
-from transfer.page_table import PageTable
+from kvcache.spec import NULL_PAGE
+from transfer.mapper import (
+    Fragment,
+    MapperError,
+    checked_ids,
+    map_page_ids,
+    map_pages,
+    match_pools,
+)
+from transfer.page_table import PageTable, PoolDescriptor
 
 DIRECT_MAX_BYTES = 1 << 30  # the largest single message: one page run of 1 GiB
 
@@ -188,6 +197,55 @@ def direct_plan(
     dst_pages: Mapping[str, Sequence[int]],
 ) -> DirectPlan:
     """Raises MapperError like build_plan for pools or ids that cannot be mapped."""
-    mapped = map_page_ids(src, dst, src_pages, dst_pages)
+    return _direct(map_page_ids(src, dst, src_pages, dst_pages))
+
+
+class IdPair(NamedTuple):
+    """One matched pool pair's ids as a copy read them (the C launcher's slot,
+    transfer/direct_copy.py), with the bounds and repeats the launcher found: ``repeats`` is 1 or
+    0, or -1 when it could not tell."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    src_low: int
+    src_high: int
+    dst_low: int
+    dst_high: int
+    repeats: int
+
+    def plainly_valid(self, src: PoolDescriptor, dst: PoolDescriptor) -> bool:
+        """Whether ``checked_ids`` would pass these ids unchanged: every id in its pool, no null
+        page on either side, no destination page twice."""
+        return (
+            self.repeats == 0
+            and NULL_PAGE < self.src_low
+            and self.src_high < src.num_pages
+            and NULL_PAGE < self.dst_low
+            and self.dst_high < dst.num_pages
+        )
+
+
+def checked_direct_plan(
+    src: PageTable, dst: PageTable, pairs: Mapping[tuple[str, str], IdPair]
+) -> DirectPlan:
+    """``direct_plan`` of ids already paired by matched pools (as a copy read them), for every
+    matched pair. Ids the launcher found plainly valid skip the array checks; any others go
+    through them, which say what is wrong. Raises MapperError as ``direct_plan`` does."""
+    matched = match_pools(src, dst)
+    if len(pairs) != len(matched) or any(matched.get(sp) != dp for sp, dp in pairs):
+        raise MapperError(f"pool pairs {sorted(pairs)} are not the matched ones {dict(matched)}")
+    mapped = []
+    for (a, b), ids in pairs.items():
+        sp, dp = src.pool(a), dst.pool(b)
+        if ids.plainly_valid(sp, dp):
+            mapped.append((sp, dp, ids.src, ids.dst))
+        else:
+            mapped.append((sp, dp, *checked_ids(sp, dp, ids.src, ids.dst)))
+    return _direct(mapped)
+
+
+def _direct(
+    mapped: list[tuple[PoolDescriptor, PoolDescriptor, np.ndarray, np.ndarray]],
+) -> DirectPlan:
     pairs = tuple((sp.name, dp.name, s, d) for sp, dp, s, d in mapped if s.size)
     return DirectPlan(pairs, sum(len(s) * sp.page_bytes for sp, _, s, _ in mapped))

@@ -30,7 +30,6 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from kvcache.spec import PoolGroupSpec
@@ -148,8 +147,9 @@ class KVReceiver(TransceiverSide):
         link = self._links.get((ticket.host, ticket.port))
         if link is None or link.info.instance_id != ticket.instance_id:
             return None  # first contact, or a restarted peer: the loop (re)connects
-        dst_pages = {g: np.asarray(ids, dtype=np.int64) for g, ids in dst.items()}
-        return self.direct_read(link, ticket, dst_pages, int(skip), int(expected))
+        # The ids stay as the caller gave them: the copy takes them as they are, and the checks
+        # convert them while it runs.
+        return self.direct_read(link, ticket, dst, int(skip), int(expected))
 
     def _counting_read(self) -> _ReadCount:
         """A direct read on a caller's thread: counted, so ``close`` can wait for it."""

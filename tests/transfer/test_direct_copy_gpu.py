@@ -105,3 +105,72 @@ def test_a_launch_that_fails_midway_releases_its_slot() -> None:
     assert _exact(src, dst, s, d)
     slot = copier._take(1)
     assert slot is not None  # released, and its copy done
+
+
+def _access(src: dict[str, torch.Tensor]):
+    """P's side of a link as D holds it (no lease board: start_pages does not read it), and both
+    page tables (one 64 KiB-page pool of 300 pages)."""
+    from kvcache.spec import PoolGroupSpec
+    from transfer.page_table import PageTable
+    from transfer.peer import DirectAccess
+
+    # 4 layers x K,V x 16 tokens x 2 heads x 64 x 4 bytes = 64 KiB a page.
+    spec = PoolGroupSpec("full", (0, 1, 2, 3), 300, 16, 2, 64, torch.float32)
+    table = PageTable.from_specs("m", [spec])
+    assert table.pools[0].page_bytes == PAGE
+    return DirectAccess("cuda_ipc", src, None), table  # type: ignore[arg-type]
+
+
+def test_start_pages_copies_from_lists_and_arrays_through_the_c_launcher() -> None:
+    from kernels import native_launch
+    from transfer.direct_copy import DirectCopier
+
+    assert native_launch.module() is not None, "the C launcher must build on the GPU machine"
+    src, dst = _pools()
+    access, table = _access(src)
+    copier = DirectCopier(dst["full"].device, capacity=300, slots=2)
+    rng = np.random.default_rng(6)
+    for n, skip, as_list in ((1, 0, True), (64, 3, False), (298, 1, True), (17, 0, False)):
+        _, s, d = _plan(n, rng)
+        s_given = np.concatenate([np.arange(1, skip + 1), s])  # the ticket's first pages skipped
+        s_arg = s_given.tolist() if as_list else s_given
+        d_arg = d.tolist() if as_list else d
+        queued = copier.start_pages(
+            access, table, table, {"full": s_arg}, {"full": d_arg}, skip, dst
+        )
+        assert queued is not None and queued._slot is not None
+        ids = queued.ids()[("full", "full")]
+        assert ids[0].tolist() == s.tolist() and ids[1].tolist() == d.tolist()
+        while not queued.query():
+            pass
+        assert queued.event.query()  # the same event, as torch sees it
+        queued.release()
+        assert _exact(src, dst, s, d)
+    assert access.route and len(access.route.pairs) == 1
+    assert int(dst["full"][0].count_nonzero()) == 0
+
+
+def test_start_pages_declines_what_it_cannot_serve_and_skips_bad_ids() -> None:
+    from transfer.direct_copy import DirectCopier
+
+    src, dst = _pools()
+    access, table = _access(src)
+    copier = DirectCopier(dst["full"].device, capacity=300, slots=1)
+    start = lambda s, d, skip=0, pools="full": copier.start_pages(  # noqa: E731
+        access, table, table, {pools: s}, {"full": d}, skip, dst
+    )
+    assert start([1, 2, 3], [4, 5]) is None  # counts differ
+    assert start([1, 2], [4, 5], skip=1) is None
+    assert start([1, "x"], [4, 5]) is None  # not ints: the caller's checks say why
+    assert start([1, 2], [4, 5], pools="other") is None  # pools that do not line up
+    assert copier._take(1) is not None  # every refusal gave its slot back
+    copier._slots[0].held = False
+    before = dst["full"].clone()
+    # Out of either pool, or the null page: skipped by the kernel; the good pair is copied.
+    queued = start([1, 5000, 7, -3, 0], [9, 10, 300, 11, 12])
+    assert queued is not None
+    queued.event.synchronize()
+    queued.release()
+    changed = (dst["full"] != before).any(dim=1).nonzero().flatten().tolist()
+    assert changed == [9]
+    assert torch.equal(dst["full"][9].cpu(), src["full"][1].cpu())

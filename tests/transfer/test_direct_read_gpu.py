@@ -68,6 +68,8 @@ def prefill_proc(conn: Connection, device: str, direct: bool) -> None:
             pages = (torch.randperm(spec.num_pages - 1, generator=gen)[:n] + 1).tolist()
             ticket = sender.publish(rid, {"full": pages}, n * spec.page_size)
             conn.send((ticket, _digest(_rows(buf, spec.page_bytes), pages)))
+        elif cmd == "digest":  # of some of P's pages, in order
+            conn.send(_digest(_rows(buf, spec.page_bytes), args[0]))
         elif cmd == "cancel":
             conn.send(sender.cancel(args[0]))
         elif cmd == "state":
@@ -89,19 +91,20 @@ def decode_proc(conn: Connection, device: str, direct: bool) -> None:
     gen = torch.Generator().manual_seed(2)
     while True:
         cmd, *args = conn.recv()
-        if cmd == "pull":  # several tickets, pulled concurrently
+        if cmd == "pull":  # several tickets, pulled concurrently (past their first skip pages)
             tickets = args[0]
+            skip = args[1] if len(args) > 1 else 0
             dsts = []
             free = (torch.randperm(spec.num_pages - 1, generator=gen) + 1).tolist()
             for t in tickets:
-                n = len(t.page_ids["full"])
+                n = len(t.page_ids["full"]) - skip
                 dsts.append(free[:n])
                 free = free[n:]
             with ThreadPoolExecutor(len(tickets)) as pool:
                 results = list(
                     pool.map(
-                        lambda t, dst: receiver.pull_blocking(
-                            t, {"full": dst}, 0, t.declared_prompt_len
+                        lambda t, dst, skip=skip: receiver.pull_blocking(
+                            t, {"full": dst}, skip, t.declared_prompt_len
                         ),
                         tickets,
                         dsts,
@@ -180,11 +183,17 @@ def test_scattered_pages_arrive_exact_between_gpus(direct: bool) -> None:
         [(ok, error, _, nbytes, _)] = d.ask("pull", [forged])
         assert not ok and nbytes == 0
         assert "outside" in error, error
-        if direct:
-            deadline = time.monotonic() + 30
-            while "forged" not in p.ask("state")[0] and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert "forged" in p.ask("state")[0]
+        # Pages D already has (a prefix cache hit) are skipped: only the rest moves.
+        ticket, _ = p.ask("publish", "skipped", 12)
+        [(ok, error, _, nbytes, digest)] = d.ask("pull", [ticket], 5)
+        assert ok, error
+        assert nbytes == 7 * _spec().page_bytes
+        assert digest == p.ask("digest", ticket.page_ids["full"][5:])
+        deadline = time.monotonic() + 30
+        ended = ("forged", "skipped") if direct else ("skipped",)
+        while not set(ended) <= set(p.ask("state")[0]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert set(ended) <= set(p.ask("state")[0])
     finally:
         d.close()
         p.close()

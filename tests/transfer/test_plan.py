@@ -11,7 +11,9 @@ from transfer.mapper import Fragment, MapperError
 from transfer.page_table import PageTable
 from transfer.plan import (
     DIRECT_MAX_BYTES,
+    IdPair,
     build_plan,
+    checked_direct_plan,
     chunk_bytes_for,
     chunk_fragments,
     direct_plan,
@@ -134,3 +136,58 @@ def test_unchecked_pairs_line_up_pools_and_counts_only() -> None:
         is None
     )
     assert unchecked_direct_pairs(table, table, src, dst, skip=-1) is None
+
+
+def _pair(s: list[int], d: list[int], repeats: int | None = None) -> IdPair:
+    """Ids with the bounds a launcher would report (``repeats`` as it would, unless given)."""
+    sa, da = np.array(s, dtype=np.int64), np.array(d, dtype=np.int64)
+    if repeats is None:
+        repeats = int(len(set(d)) != len(d))
+    return IdPair(
+        sa, da, min(s, default=0), max(s, default=0), min(d, default=0), max(d, default=0), repeats
+    )
+
+
+def test_checked_plan_of_launched_ids_agrees_with_direct_plan() -> None:
+    table = PageTable.from_specs("m", specs(two_groups=True))
+    cases = [
+        ({"full": [5, 6, 9], "extra": [2]}, {"full": [1, 2, 3], "extra": [7]}),  # plainly valid
+        ({"full": [5, 0, 9], "extra": [2]}, {"full": [1, 2, 3], "extra": [7]}),  # a null page
+        ({"full": [], "extra": [2]}, {"full": [], "extra": [7]}),
+    ]
+    for s, d in cases:
+        want = direct_plan(table, table, s, d)
+        got = checked_direct_plan(
+            table, table, {(g, g): _pair(s[g], d[g]) for g in ("full", "extra")}
+        )
+        assert got.total_bytes == want.total_bytes
+        assert [(a, b, x.tolist(), y.tolist()) for a, b, x, y in got.pairs] == [
+            (a, b, x.tolist(), y.tolist()) for a, b, x, y in want.pairs
+        ]
+
+
+@pytest.mark.parametrize(
+    "s, d, repeats, error",
+    [
+        ([5, 6], [1, 1], None, "listed twice"),
+        ([5, 6], [1, 1], -1, "listed twice"),  # the launcher could not tell: the arrays do
+        ([5], [10**6], None, "outside"),
+        ([10**6], [3], None, "outside"),
+        ([5], [0], None, "null page"),
+    ],
+)
+def test_checked_plan_refuses_what_direct_plan_refuses(s, d, repeats, error) -> None:
+    table = PageTable.from_specs("m", specs(two_groups=True))
+    pairs = {("full", "full"): _pair(s, d, repeats), ("extra", "extra"): _pair([], [])}
+    with pytest.raises(MapperError, match=error):
+        checked_direct_plan(table, table, pairs)
+
+
+def test_checked_plan_wants_exactly_the_matched_pool_pairs() -> None:
+    table = PageTable.from_specs("m", specs(two_groups=True))
+    with pytest.raises(MapperError, match="matched"):
+        checked_direct_plan(table, table, {("full", "full"): _pair([5], [1])})
+    with pytest.raises(MapperError, match="matched"):
+        checked_direct_plan(
+            table, table, {("full", "extra"): _pair([5], [1]), ("extra", "full"): _pair([], [])}
+        )

@@ -1,0 +1,109 @@
+"""kernels/native_launch.py: the C launcher builds with the machine's compiler and loads; its id
+filling (the part that runs without a GPU) is exact for lists and arrays and refuses what does not
+fit or is not an int; the PTX parameter reader counts what it should and refuses what it cannot
+account for. Launches themselves are tested on a GPU (test_gpu_kernels.py,
+tests/transfer/test_direct_copy_gpu.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kernels import native_launch
+
+# Skipped only where nothing can build it; with a compiler and Python's headers it must build.
+pytestmark = pytest.mark.skipif(
+    native_launch.toolchain_problem() is not None, reason=str(native_launch.toolchain_problem())
+)
+
+PTX = """
+.visible .entry _copy_pairs_kernel(
+	.param .u64 .ptr .global .align 1 _copy_pairs_kernel_param_0,
+	.param .u64 .ptr .global .align 1 _copy_pairs_kernel_param_1,
+	.param .u32 _copy_pairs_kernel_param_2,
+	.param .u64 .ptr .global .align 1 _copy_pairs_kernel_param_3,
+	.param .u64 .ptr .global .align 1 _copy_pairs_kernel_param_4
+)
+.maxntid 128, 1, 1
+{
+"""
+
+
+@pytest.fixture(scope="module")
+def mod():
+    m = native_launch.module()
+    assert m is not None, "the C launcher did not build (see the log)"
+    return m
+
+
+def test_fill_copies_lists_and_arrays_from_skip(mod) -> None:
+    out = np.full(8, -7, dtype=np.int64)
+    assert mod.fill_ids(out.ctypes.data, 8, [5, 6, 7, 2**40], 1) == 3
+    assert out[:4].tolist() == [6, 7, 2**40, -7]
+    ids = np.arange(100, 110, dtype=np.int64)
+    assert mod.fill_ids(out.ctypes.data, 8, ids, 2) == 8
+    assert out.tolist() == list(range(102, 110))
+    strided = np.arange(20, dtype=np.int64)[::4]  # not contiguous: read item by item
+    assert mod.fill_ids(out.ctypes.data, 8, strided, 0) == 5
+    assert out[:5].tolist() == [0, 4, 8, 12, 16]
+    narrow = np.array([3, 1], dtype=np.int32)
+    assert mod.fill_ids(out.ctypes.data, 8, narrow, 0) == 2
+    assert out[:2].tolist() == [3, 1]
+
+
+def test_fill_refuses_what_does_not_fit_and_non_ints(mod) -> None:
+    out = np.zeros(4, dtype=np.int64)
+    assert mod.fill_ids(out.ctypes.data, 4, list(range(5)), 0) is None  # no room
+    assert mod.fill_ids(out.ctypes.data, 4, [1, 2], 3) is None  # skip past the end
+    assert mod.fill_ids(out.ctypes.data, 4, [1, 2], -1) is None
+    with pytest.raises(TypeError):
+        mod.fill_ids(out.ctypes.data, 4, [1, "2"], 0)
+    with pytest.raises(OverflowError):
+        mod.fill_ids(out.ctypes.data, 4, [2**70], 0)
+    # Refusals wrote nothing; the non-int stopped the fill after its first id.
+    assert out.tolist() == [1, 0, 0, 0]
+
+
+def test_scan_finds_bounds_and_repeats(mod) -> None:
+    def scan(src: list[int], dst: list[int]) -> tuple[int, ...]:
+        a, b = np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64)
+        return mod.scan_ids(a.ctypes.data, b.ctypes.data, len(src))
+
+    assert scan([], []) == (0, 0, 0, 0, 0, 0)
+    assert scan([7, 3, 9], [4, 8, 2]) == (3, 3, 9, 2, 8, 0)
+    assert scan([1, 2, 3], [4, 8, 4])[5] == 1
+    rng = np.random.default_rng(0)
+    many = rng.permutation(100_000)[:5000] + 1  # past the pairwise loop: the bitmap
+    assert scan(many.tolist(), many.tolist()) == (
+        5000,
+        many.min(),
+        many.max(),
+        many.min(),
+        many.max(),
+        0,
+    )
+    twice = many.copy()
+    twice[4000] = twice[17]
+    assert scan(many.tolist(), twice.tolist())[5] == 1
+    wide = [1, 2**40] + list(range(3, 101))  # a range too wide for the bitmap: not known
+    assert scan(wide, wide)[5] == -1
+    assert scan([-5, 3], [-2, -9])[1:5] == (-5, 3, -9, -2)
+
+
+def test_ptx_parameters_reads_sizes_and_refuses_structs() -> None:
+    assert native_launch.ptx_parameters(PTX, "_copy_pairs_kernel") == [8, 8, 4, 8, 8]
+    with pytest.raises(ValueError, match="no entry"):
+        native_launch.ptx_parameters(PTX, "other_kernel")
+    struct = PTX.replace(".param .u32 _copy", ".param .align 8 .b8 _copy")
+    with pytest.raises(ValueError, match="unexpected PTX parameter"):
+        native_launch.ptx_parameters(struct, "_copy_pairs_kernel")
+
+
+def test_disabled_by_environment(monkeypatch) -> None:
+    monkeypatch.setenv("DUET_NATIVE_LAUNCH", "0")
+    native_launch.module.cache_clear()
+    try:
+        assert native_launch.module() is None
+    finally:
+        monkeypatch.undo()
+        native_launch.module.cache_clear()
