@@ -18,6 +18,7 @@ import importlib.util
 import logging
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -65,7 +66,8 @@ def _build() -> Path:
     # half-written file.
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         out = Path(tmp) / target.name
-        cmd = [cc, "-O2", "-shared", "-fPIC", f"-I{include}", str(SOURCE), "-o", str(out), "-ldl"]
+        cmd = [*shlex.split(cc), "-O2", "-shared", "-fPIC", f"-I{include}", str(SOURCE)]
+        cmd += ["-o", str(out), "-ldl"]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
@@ -85,7 +87,17 @@ def _cache_dir() -> Path:
             return home
     except OSError:
         pass
-    return Path(tempfile.gettempdir()) / f"duet-{os.getuid()}"
+    return _private_dir(Path(tempfile.gettempdir()) / f"duet-{os.getuid()}")
+
+
+def _private_dir(path: Path) -> Path:
+    """``path``, made (mode 0700) if missing; refused unless it is ours and only ours: a shared
+    temp dir must not hand us someone else's library to load."""
+    path.mkdir(mode=0o700, exist_ok=True)
+    info = path.lstat()
+    if not path.is_dir() or path.is_symlink() or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise RuntimeError(f"{path} is not a private folder of this user")
+    return path
 
 
 def _compiler() -> str | None:
@@ -135,25 +147,29 @@ def prepared_launch(
         log.warning("the C launcher cannot launch %s (%s); using Triton's", compiled, e)
         return None
     out, src_index, dst_index = [], -1, -1
-    for name in params:
-        if name is None:  # a scratch pointer Triton appends: unused by this kernel (checked)
-            out.append(0)
-            continue
-        if name == src_ids:
-            src_index = len(out)
-        if name == dst_ids:
-            dst_index = len(out)
-        out.append(int(values.get(name, 0)))
-    md = compiled.metadata
-    return mod.prepare(
-        int(compiled.function),
-        32 * int(md.num_warps),
-        int(md.shared),
-        blocks_per_item,
-        tuple(out),
-        src_index,
-        dst_index,
-    )
+    try:
+        for name in params:
+            if name is None:  # a scratch pointer Triton appends: unused by this kernel (checked)
+                out.append(0)
+                continue
+            if name == src_ids:
+                src_index = len(out)
+            if name == dst_ids:
+                dst_index = len(out)
+            out.append(int(values[name]))  # every argument the kernel takes has a value
+        md = compiled.metadata
+        return mod.prepare(
+            int(compiled.function),
+            32 * int(md.num_warps),
+            int(md.shared),
+            blocks_per_item,
+            tuple(out),
+            src_index,
+            dst_index,
+        )
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        log.warning("the C launcher cannot bind %s (%r); using Triton's", compiled, e)
+        return None
 
 
 def _parameters(compiled: Any, arg_names: list[str]) -> list[str | None]:

@@ -240,7 +240,7 @@ class PreparedCopy:
 
             names = list(_copy_pairs_kernel.arg_names)
             # The ids' addresses are the C launcher's to fill in, per call.
-            values = dict(zip(names, (*self._pointers, 0, 0, *self._scalars)))
+            values = dict(zip(names, (*self._pointers, 0, 0, *self._scalars), strict=True))
             handle = native_launch.prepared_launch(
                 self._compiled, names, values, "src_ids_ptr", "dst_ids_ptr", self.blocks_per_row
             )

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -45,6 +46,8 @@ from transfer.staging import side_stream, word_rows
 if TYPE_CHECKING:
     from kernels.page_copy_triton import PreparedCopy
     from transfer.peer import DirectAccess
+
+log = logging.getLogger(__name__)
 
 SLOTS = 8  # concurrent direct reads with pinned ids; more fall back to uploads
 
@@ -217,18 +220,24 @@ class DirectCopier:
             matched = match_pools(src_table, dst_table)
         except MapperError:
             return False
-        if self._zero_ids is None:  # two 16-byte aligned ids (the compiled kernel assumes it)
-            self._zero_ids = torch.zeros(4, dtype=torch.int64, device=self.device)
         pairs = []
-        with torch.cuda.device(self.device):
-            for sp, dp in matched.items():
-                copy = _prepared(access.copies, sp, dp, access.rows, dst_rows)
-                if not copy.ready:  # compile (or find) the kernel: ids 0 name the null page
-                    copy.launch(self._zero_ids[0:1], self._zero_ids[2:3], 1, self.stream)
-                handle = copy.native()
-                if handle is None:  # no C launcher for it (kernels.native_launch logged why)
-                    return False
-                pairs.append((sp, dp, handle))
+        try:
+            with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+                if self._zero_ids is None:
+                    # Two 16-byte aligned ids (the compiled kernel assumes it), zeroed on the copy
+                    # stream: the launch below must not read them before they are zero.
+                    self._zero_ids = torch.zeros(4, dtype=torch.int64, device=self.device)
+                for sp, dp in matched.items():
+                    copy = _prepared(access.copies, sp, dp, access.rows, dst_rows)
+                    if not copy.ready:  # compile (or find) the kernel: ids 0 name the null page
+                        copy.launch(self._zero_ids[0:1], self._zero_ids[2:3], 1, self.stream)
+                    handle = copy.native()
+                    if handle is None:  # no C launcher for it (kernels.native_launch logged why)
+                        return False
+                    pairs.append((sp, dp, handle))
+        except Exception:  # the Python path serves this peer (and reports any error per pull)
+            log.exception("no C launch for the direct reads of this peer")
+            return False
         return _Route(tuple(pairs))
 
     def start(

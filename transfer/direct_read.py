@@ -270,9 +270,12 @@ class DirectRead:
 
     def _end(self, ok: bool, error: str) -> TransferResult:
         elapsed = time.perf_counter() - self._began
+        nbytes = self.plan.total_bytes if (ok and self.plan is not None) else 0
+        chunks = 1 if self.plan is not None else 0
         if self._copy is not None:
             self._copy.release()
-        nbytes = self.plan.total_bytes if (ok and self.plan is not None) else 0
+            # The plan and the digest's ids may be views of the slot, which the next pull reuses.
+            self.plan, self._pages = None, {}
         if self._word:  # the lease was live when we looked: tell P it may release it now
             try:  # (built on the loop thread: the caller's is on the latency path)
                 self.r.runtime.call_soon(self._post_done, ok, error, nbytes, elapsed)
@@ -282,7 +285,7 @@ class DirectRead:
             self.ticket.request_id,
             "recv",
             nbytes,
-            1 if self.plan is not None else 0,
+            chunks,
             elapsed,
             ok,
             error,

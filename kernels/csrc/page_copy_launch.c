@@ -26,6 +26,7 @@ typedef int CUdevice;
 #define CUDA_SUCCESS 0
 #define CUDA_ERROR_NOT_READY 600
 #define MAX_PARAMS 32
+#define MAX_ITEMS 64  // pool pairs of one read
 
 static CUresult (*cu_launch)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                              unsigned, CUstream, void **, void **);
@@ -81,7 +82,12 @@ static PyObject *timings(PyObject *self, PyObject *unused) {
     for (int i = 1; i < MARKS; i++) {
         double us = (marks[i].tv_sec - marks[i - 1].tv_sec) * 1e6 +
                     (marks[i].tv_nsec - marks[i - 1].tv_nsec) / 1e3;
-        PyTuple_SET_ITEM(out, i - 1, PyFloat_FromDouble(us));
+        PyObject *value = PyFloat_FromDouble(us);
+        if (value == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(out, i - 1, value);
     }
     return out;
 }
@@ -138,15 +144,25 @@ static PyObject *prepare(PyObject *self, PyObject *args) {
 
 // ---- page ids into pinned memory ----
 
+// Whether a buffer format is a native-order 8-byte signed int ("q" or "l", maybe prefixed by
+// "@", "=" or, on this little-endian machine, "<").
+static int native_int64(const char *format) {
+    if (format == NULL) return 0;
+    if (*format == '@' || *format == '=') format++;
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    else if (*format == '<') format++;
+#endif
+    return (format[0] == 'q' || format[0] == 'l') && format[1] == 0;
+}
+
 // ids[skip:] written as int64 at out (room for cap ids); the count, or -1 (exception set), or
 // -2 when they do not fit. ids: a 1-D int64 buffer (numpy) or a sequence of ints.
 static Py_ssize_t fill(int64_t *out, Py_ssize_t cap, PyObject *ids, Py_ssize_t skip) {
     if (PyObject_CheckBuffer(ids)) {
         Py_buffer view;
         if (PyObject_GetBuffer(ids, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) == 0) {
-            char f = view.format ? view.format[strlen(view.format) - 1] : 'B';
             Py_ssize_t n = view.len / (view.itemsize ? view.itemsize : 1);
-            int ok = view.ndim == 1 && view.itemsize == 8 && (f == 'q' || f == 'l');
+            int ok = view.ndim == 1 && view.itemsize == 8 && native_int64(view.format);
             if (ok) {
                 Py_ssize_t count = n - skip;
                 if (count >= 0 && count <= cap)
@@ -158,6 +174,11 @@ static Py_ssize_t fill(int64_t *out, Py_ssize_t cap, PyObject *ids, Py_ssize_t s
         } else {
             PyErr_Clear();  // not a contiguous buffer: read it as a sequence
         }
+    }
+    if (!PyList_Check(ids) && !PyTuple_Check(ids)) {  // no dicts, sets or strings
+        PyErr_Format(PyExc_TypeError, "page ids must be a list, tuple or int64 array, not %s",
+                     Py_TYPE(ids)->tp_name);
+        return -1;
     }
     PyObject *seq = PySequence_Fast(ids, "page ids must be a sequence of ints");
     if (seq == NULL) return -1;
@@ -194,9 +215,10 @@ static int repeats(const int64_t *ids, Py_ssize_t n, int64_t low, int64_t high) 
                 if (ids[i] == ids[j]) return 1;
         return 0;
     }
-    uint64_t span = (uint64_t)(high - low) + 1;
-    if (span > ((uint64_t)1 << 27)) return -1;  // over 16 MiB of bitmap
-    size_t bytes = (size_t)(span / 8 + 1);
+    // Unsigned arithmetic: high - low may not fit an int64 (ids are unchecked here).
+    uint64_t range = (uint64_t)high - (uint64_t)low;
+    if (range >= ((uint64_t)1 << 27) || range >= (uint64_t)n * 64) return -1;  // too sparse here
+    size_t bytes = (size_t)(range / 8 + 1);
     if (bytes > seen_bytes) {
         uint8_t *grown = realloc(seen, bytes);
         if (grown == NULL) return -1;
@@ -237,8 +259,9 @@ static PyObject *id_stats(const int64_t *src, const int64_t *dst, Py_ssize_t n) 
 // recorded now on `model_stream` (when mark is non-zero), every item's kernel, and `done`.
 // Returns, per item, (id count, smallest and largest source id, smallest and largest destination
 // id, whether a destination id repeats: 1, 0, or -1 for "not known"), worked out once the copy
-// is queued; or None when an item's counts differ or the ids do not fit (nothing is queued then). Raises RuntimeError when a CUDA call fails (what was queued
-// before it stays queued).
+// is queued; or None when an item's counts differ or the ids do not fit (nothing is queued
+// then). Ids that are not ints raise TypeError or OverflowError, also before anything is queued.
+// Raises RuntimeError when a CUDA call fails (what was queued before it stays queued).
 static PyObject *queue(PyObject *self, PyObject *args) {
     unsigned long long ctx, stream, model, model_mark, done, slot_src, slot_dst;
     Py_ssize_t cap;
@@ -249,34 +272,37 @@ static PyObject *queue(PyObject *self, PyObject *args) {
     if (!driver_loaded()) return NULL;
     mark(0);
     Py_ssize_t count = PyTuple_GET_SIZE(items), at = 0;
-    PyObject *counts = PyTuple_New(count);
-    if (counts == NULL) return NULL;
-    Launch *launches[MAX_PARAMS];
-    if (count > MAX_PARAMS) {
+    if (count > MAX_ITEMS) {
         PyErr_SetString(PyExc_ValueError, "queue: too many pool pairs");
-        goto fail;
+        return NULL;
     }
+    Launch *launches[MAX_ITEMS];
+    Py_ssize_t ns[MAX_ITEMS];
     for (Py_ssize_t k = 0; k < count; k++) {
         PyObject *item = PyTuple_GET_ITEM(items, k), *capsule, *src, *dst;
         Py_ssize_t skip;
-        if (!PyArg_ParseTuple(item, "OOOn", &capsule, &src, &dst, &skip)) goto fail;
+        if (!PyArg_ParseTuple(item, "OOOn", &capsule, &src, &dst, &skip)) return NULL;
         launches[k] = PyCapsule_GetPointer(capsule, LAUNCH);
-        if (launches[k] == NULL) goto fail;
-        if (skip < 0) goto mismatch;
+        if (launches[k] == NULL) return NULL;
+        if (skip < 0) Py_RETURN_NONE;
         Py_ssize_t s = fill((int64_t *)(uintptr_t)slot_src + at, cap - at, src, skip);
-        if (s == -1) goto fail;
+        if (s == -1) return NULL;
         Py_ssize_t d = fill((int64_t *)(uintptr_t)slot_dst + at, cap - at, dst, 0);
-        if (d == -1) goto fail;
-        if (s < 0 || d < 0 || s != d) goto mismatch;
-        PyTuple_SET_ITEM(counts, k, PyLong_FromSsize_t(s));
+        if (d == -1) return NULL;
+        if (s < 0 || d < 0 || s != d) Py_RETURN_NONE;
+        if ((uint64_t)s * launches[k]->blocks_per_item > 0x7fffffffu) {
+            PyErr_SetString(PyExc_ValueError, "queue: the grid would exceed 2^31 - 1 programs");
+            return NULL;
+        }
+        ns[k] = s;
         at += s + (s & 1);
     }
     mark(1);
     CUcontext previous = NULL;
-    if (!cuda_ok(cu_get_ctx(&previous), "cuCtxGetCurrent")) goto fail;
+    if (!cuda_ok(cu_get_ctx(&previous), "cuCtxGetCurrent")) return NULL;
     if (previous != (CUcontext)(uintptr_t)ctx &&
         !cuda_ok(cu_set_ctx((CUcontext)(uintptr_t)ctx), "cuCtxSetCurrent"))
-        goto fail;
+        return NULL;
     mark(2);
     int ok = 1;
     if (model_mark != 0) {
@@ -289,41 +315,36 @@ static PyObject *queue(PyObject *self, PyObject *args) {
     at = 0;
     for (Py_ssize_t k = 0; ok && k < count; k++) {
         Launch *l = launches[k];
-        Py_ssize_t n = PyLong_AsSsize_t(PyTuple_GET_ITEM(counts, k));
-        if (n > 0) {
+        if (ns[k] > 0) {
             l->values[l->src_index] = slot_src + 8 * (uint64_t)at;
             l->values[l->dst_index] = slot_dst + 8 * (uint64_t)at;
-            ok = cuda_ok(cu_launch(l->function, (unsigned)n * l->blocks_per_item, 1, 1,
+            ok = cuda_ok(cu_launch(l->function, (unsigned)(ns[k] * l->blocks_per_item), 1, 1,
                                    l->threads, 1, 1, l->shared, (CUstream)(uintptr_t)stream,
                                    l->params, NULL),
                          "cuLaunchKernel");
         }
-        at += n + (n & 1);
+        at += ns[k] + (ns[k] & 1);
     }
     mark(4);
     ok = ok && cuda_ok(cu_record((CUevent)(uintptr_t)done, (CUstream)(uintptr_t)stream),
                        "cuEventRecord (copy stream)");
     mark(5);
     if (previous != (CUcontext)(uintptr_t)ctx) cu_set_ctx(previous);
-    if (!ok) goto fail;
+    if (!ok) return NULL;
+    PyObject *out = PyTuple_New(count);
+    if (out == NULL) return NULL;
     at = 0;
     for (Py_ssize_t k = 0; k < count; k++) {
-        PyObject *n = PyTuple_GET_ITEM(counts, k);
-        Py_ssize_t m = PyLong_AsSsize_t(n);
         PyObject *stats = id_stats((int64_t *)(uintptr_t)slot_src + at,
-                                   (int64_t *)(uintptr_t)slot_dst + at, m);
-        if (stats == NULL) goto fail;
-        PyTuple_SET_ITEM(counts, k, stats);  // the count's reference goes with it
-        Py_DECREF(n);
-        at += m + (m & 1);
+                                   (int64_t *)(uintptr_t)slot_dst + at, ns[k]);
+        if (stats == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(out, k, stats);
+        at += ns[k] + (ns[k] & 1);
     }
-    return counts;
-mismatch:
-    Py_DECREF(counts);
-    Py_RETURN_NONE;
-fail:
-    Py_DECREF(counts);
-    return NULL;
+    return out;
 }
 
 // query(event) -> bool: whether everything the event waits for has run.

@@ -43,12 +43,23 @@ def test_fill_copies_lists_and_arrays_from_skip(mod) -> None:
     ids = np.arange(100, 110, dtype=np.int64)
     assert mod.fill_ids(out.ctypes.data, 8, ids, 2) == 8
     assert out.tolist() == list(range(102, 110))
-    strided = np.arange(20, dtype=np.int64)[::4]  # not contiguous: read item by item
-    assert mod.fill_ids(out.ctypes.data, 8, strided, 0) == 5
-    assert out[:5].tolist() == [0, 4, 8, 12, 16]
-    narrow = np.array([3, 1], dtype=np.int32)
-    assert mod.fill_ids(out.ctypes.data, 8, narrow, 0) == 2
-    assert out[:2].tolist() == [3, 1]
+    # Other arrays (strided, narrower ints) are refused: the caller takes the Python path.
+    for other in (np.arange(20, dtype=np.int64)[::4], np.array([3, 1], dtype=np.int32)):
+        with pytest.raises(TypeError):
+            mod.fill_ids(out.ctypes.data, 8, other, 0)
+
+
+def test_fill_reads_only_native_int64_arrays_and_plain_sequences(mod) -> None:
+    out = np.zeros(4, dtype=np.int64)
+    swapped = np.array([1, 2, 3], dtype=">i8")  # not memcpy'd: read value by value
+    with pytest.raises(TypeError):  # an array of another byte order is neither
+        mod.fill_ids(out.ctypes.data, 4, swapped, 0)
+    assert mod.fill_ids(out.ctypes.data, 4, np.array([4, 5], dtype="<i8"), 0) == 2
+    assert out[:2].tolist() == [4, 5]
+    assert mod.fill_ids(out.ctypes.data, 4, (7, 8, 9), 1) == 2  # a tuple
+    for bad in ({1: 2}, {3}, b"\x01\x02", "12", range(3)):
+        with pytest.raises(TypeError):
+            mod.fill_ids(out.ctypes.data, 4, bad, 0)
 
 
 def test_fill_refuses_what_does_not_fit_and_non_ints(mod) -> None:
@@ -88,6 +99,9 @@ def test_scan_finds_bounds_and_repeats(mod) -> None:
     wide = [1, 2**40] + list(range(3, 101))  # a range too wide for the bitmap: not known
     assert scan(wide, wide)[5] == -1
     assert scan([-5, 3], [-2, -9])[1:5] == (-5, 3, -9, -2)
+    # Unchecked ids at the int64 extremes: the span does not fit an int64 (no bitmap for it).
+    extremes = [-(2**63), 2**63 - 1] + list(range(1, 70))
+    assert scan(extremes, extremes) == (71, -(2**63), 2**63 - 1, -(2**63), 2**63 - 1, -1)
 
 
 def test_ptx_parameters_reads_sizes_and_refuses_structs() -> None:

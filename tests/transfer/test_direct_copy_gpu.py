@@ -109,15 +109,27 @@ def test_a_launch_that_fails_midway_releases_its_slot() -> None:
 
 def _access(src: dict[str, torch.Tensor]):
     """P's side of a link as D holds it (no lease board: start_pages does not read it), and both
-    page tables (one 64 KiB-page pool of 300 pages)."""
+    page tables (a 64 KiB-page pool of 300 pages per pool in ``src``)."""
     from kvcache.spec import PoolGroupSpec
     from transfer.page_table import PageTable
     from transfer.peer import DirectAccess
 
     # 4 layers x K,V x 16 tokens x 2 heads x 64 x 4 bytes = 64 KiB a page.
-    spec = PoolGroupSpec("full", (0, 1, 2, 3), 300, 16, 2, 64, torch.float32)
-    table = PageTable.from_specs("m", [spec])
-    assert table.pools[0].page_bytes == PAGE
+    specs = [
+        PoolGroupSpec(
+            name,
+            (4 * k, 4 * k + 1, 4 * k + 2, 4 * k + 3),
+            300,
+            16,
+            2,
+            64,
+            torch.float32,
+            pool_role=frozenset({f"key_{name}", f"value_{name}"}),
+        )
+        for k, name in enumerate(src)
+    ]
+    table = PageTable.from_specs("m", specs)
+    assert {p.page_bytes for p in table.pools} == {PAGE}
     return DirectAccess("cuda_ipc", src, None), table  # type: ignore[arg-type]
 
 
@@ -141,9 +153,8 @@ def test_start_pages_copies_from_lists_and_arrays_through_the_c_launcher() -> No
         assert queued is not None and queued._slot is not None
         ids = queued.ids()[("full", "full")]
         assert ids[0].tolist() == s.tolist() and ids[1].tolist() == d.tolist()
-        while not queued.query():
-            pass
-        assert queued.event.query()  # the same event, as torch sees it
+        queued.event.synchronize()
+        assert queued.query()  # the same event, through the C launcher's query
         queued.release()
         assert _exact(src, dst, s, d)
     assert access.route and len(access.route.pairs) == 1
@@ -174,3 +185,45 @@ def test_start_pages_declines_what_it_cannot_serve_and_skips_bad_ids() -> None:
     changed = (dst["full"] != before).any(dim=1).nonzero().flatten().tolist()
     assert changed == [9]
     assert torch.equal(dst["full"][9].cpu(), src["full"][1].cpu())
+
+
+def test_start_pages_pairs_several_pools_with_odd_counts() -> None:
+    """Two pool pairs in one read: each pair's ids start at an even slot index, and the stats come
+    back per pair."""
+    from transfer.direct_copy import DirectCopier
+
+    src, dst = _pools()
+    src["other"] = torch.flip(src["full"], dims=(0,)).contiguous()
+    dst["other"] = torch.zeros_like(dst["full"])
+    access, table = _access(src)
+    copier = DirectCopier(dst["full"].device, capacity=700, slots=1)
+    rng = np.random.default_rng(8)
+    _, s1, d1 = _plan(7, rng)
+    _, s2, d2 = _plan(5, rng)
+    d2[1] = d2[3]  # a repeated destination page: copied twice, reported by the stats
+    queued = copier.start_pages(
+        access,
+        table,
+        table,
+        {"full": s1, "other": s2.tolist()},
+        {"full": d1.tolist(), "other": d2},
+        0,
+        dst,
+    )
+    assert queued is not None
+    queued.event.synchronize()
+    ids = queued.ids()
+    a, b = ids[("full", "full")], ids[("other", "other")]
+    assert a.src.tolist() == s1.tolist() and a.dst.tolist() == d1.tolist() and a.repeats == 0
+    assert b.src.tolist() == s2.tolist() and b.dst.tolist() == d2.tolist() and b.repeats == 1
+    assert (a.src_low, a.src_high, a.dst_low, a.dst_high) == (
+        s1.min(),
+        s1.max(),
+        d1.min(),
+        d1.max(),
+    )
+    queued.release()
+    assert _exact(src, dst, s1, d1)
+    kept = [0, 2, 4]  # page d2[1] == d2[3] got one of two sources
+    got = dst["other"][torch.from_numpy(d2[kept]).to(dst["other"].device)].cpu()
+    assert torch.equal(got, src["other"][torch.from_numpy(s2[kept]).cuda(0)].cpu())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kernels import native_launch
 from tests.transfer.conftest import MODEL, specs
 from transfer.mapper import Fragment, MapperError
 from transfer.page_table import PageTable
@@ -191,3 +192,45 @@ def test_checked_plan_wants_exactly_the_matched_pool_pairs() -> None:
         checked_direct_plan(
             table, table, {("full", "extra"): _pair([5], [1]), ("extra", "full"): _pair([], [])}
         )
+
+
+@pytest.mark.skipif(native_launch.toolchain_problem() is not None, reason="no C toolchain")
+@pytest.mark.parametrize(
+    "s, d",
+    [
+        ([5, 6, 7], [1, 2, 3]),
+        ([5, 6, 255], [1, 2, 255]),  # the last page of each pool
+        ([5, 6, 256], [1, 2, 3]),  # a source page past the pool
+        ([5, 6, 7], [1, 2, 256]),  # a destination page past the pool
+        ([5, 0, 7], [1, 2, 3]),  # a source null page: dropped
+        ([5, 6, 7], [1, 0, 3]),  # the null page as a destination
+        ([5, 6, -1], [1, 2, 3]),
+        ([5, 6, 7], [4, 2, 4]),  # a destination page twice
+        ([], []),
+    ],
+)
+def test_launcher_stats_give_the_checks_direct_plan_gives(s: list[int], d: list[int]) -> None:
+    """The C launcher's stats (kernels/csrc), through IdPair, accept and refuse exactly what
+    direct_plan does, at the pools' edges."""
+    mod = native_launch.module()
+    assert mod is not None
+    table = PageTable.from_specs("m", specs(two_groups=True))  # 256 pages a pool
+    slot = np.zeros((2, 8), dtype=np.int64)
+    n = mod.fill_ids(slot[0].ctypes.data, 8, s, 0)
+    assert mod.fill_ids(slot[1].ctypes.data, 8, d, 0) == n == len(s)
+    stats = mod.scan_ids(slot[0].ctypes.data, slot[1].ctypes.data, n)
+    pair = IdPair(slot[0, :n], slot[1, :n], *stats[1:])
+    empty = IdPair(slot[0, :0], slot[1, :0], 0, 0, 0, 0, 0)
+    pairs = {("full", "full"): pair, ("extra", "extra"): empty}
+    try:
+        want = direct_plan(table, table, {"full": s, "extra": []}, {"full": d, "extra": []})
+    except MapperError as e:
+        with pytest.raises(MapperError) as got:
+            checked_direct_plan(table, table, pairs)
+        assert str(got.value) == str(e)
+        return
+    got = checked_direct_plan(table, table, pairs)
+    assert got.total_bytes == want.total_bytes
+    assert [(a, b, x.tolist(), y.tolist()) for a, b, x, y in got.pairs] == [
+        (a, b, x.tolist(), y.tolist()) for a, b, x, y in want.pairs
+    ]
