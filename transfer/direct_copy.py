@@ -53,7 +53,7 @@ SLOTS = 8  # concurrent direct reads with pinned ids; more fall back to uploads
 
 
 class _Slot:
-    def __init__(self, capacity: int, stream: torch.cuda.Stream) -> None:
+    def __init__(self, capacity: int, stream: torch.cuda.Stream, native: Any) -> None:
         self.ids = torch.empty((2, capacity), dtype=torch.int64, pin_memory=True)
         self.host = self.ids.numpy()  # the same memory, written without torch's dispatch
         # Where the source and destination ids start (the kernel reads them from here).
@@ -63,7 +63,6 @@ class _Slot:
         # records it by handle.
         self.event.record(stream)
         self.handle = self.event.cuda_event
-        native = native_launch.module()
         # Whether the event completed: cuEventQuery straight from C when we can (torch's query
         # lets go of the GIL, and another thread may then keep a spinning pull waiting).
         self._query = (
@@ -144,11 +143,17 @@ class DirectCopier:
         # Recorded once here: torch makes an event's CUDA handle on its first record, which two
         # pulls' first records must not race on.
         self._model_mark.record(self._model)
-        self._slots = [_Slot(self.capacity, self.stream) for _ in range(slots)]
+        self._native = native_launch.module()
+        self._context = 0
+        if self._native is not None:
+            try:
+                self._context = self._native.primary_context(device.index)
+            except RuntimeError:  # a driver the C launcher cannot use: the Python path
+                log.exception("the C launcher cannot reach the CUDA driver")
+                self._native = None
+        self._slots = [_Slot(self.capacity, self.stream, self._native) for _ in range(slots)]
         self._lock = threading.Lock()
         self._next = 0
-        self._native = native_launch.module()
-        self._context = 0 if self._native is None else self._native.primary_context(device.index)
         self._zero_ids: torch.Tensor | None = None  # for the first, compiling launch of a route
 
     def start_pages(
