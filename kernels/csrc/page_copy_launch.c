@@ -156,7 +156,8 @@ static int native_int64(const char *format) {
 }
 
 // ids[skip:] written as int64 at out (room for cap ids); the count, or -1 (exception set), or
-// -2 when they do not fit. ids: a 1-D int64 buffer (numpy) or a sequence of ints.
+// -2 when they do not fit. ids: a contiguous 1-D native int64 buffer (numpy), or a list or tuple
+// of ints (anything else raises TypeError, and the caller takes the Python path).
 static Py_ssize_t fill(int64_t *out, Py_ssize_t cap, PyObject *ids, Py_ssize_t skip) {
     if (PyObject_CheckBuffer(ids)) {
         Py_buffer view;
@@ -227,7 +228,7 @@ static int repeats(const int64_t *ids, Py_ssize_t n, int64_t low, int64_t high) 
     }
     memset(seen, 0, bytes);
     for (Py_ssize_t i = 0; i < n; i++) {
-        uint64_t k = (uint64_t)(ids[i] - low);
+        uint64_t k = (uint64_t)ids[i] - (uint64_t)low;  // <= range: every id is in [low, high]
         if (seen[k >> 3] & (1u << (k & 7))) return 1;
         seen[k >> 3] |= (uint8_t)(1u << (k & 7));
     }

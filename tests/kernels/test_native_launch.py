@@ -121,3 +121,50 @@ def test_disabled_by_environment(monkeypatch) -> None:
     finally:
         monkeypatch.undo()
         native_launch.module.cache_clear()
+
+
+def _compiled(signature: dict[str, str], ptx_params: list[str], **metadata):
+    """A stand-in for a Triton CompiledKernel: the parts _parameters reads."""
+    from types import SimpleNamespace
+
+    decls = ",\n".join(f"\t.param .{t} k_param_{i}" for i, t in enumerate(ptx_params))
+    md = {"name": "k", "global_scratch_size": 0, "profile_scratch_size": 0, "num_ctas": 1}
+    return SimpleNamespace(
+        metadata=SimpleNamespace(**{**md, **metadata}),
+        src=SimpleNamespace(signature=signature),
+        asm={"ptx": f".visible .entry k(\n{decls}\n)\n{{"},
+    )
+
+
+def test_parameters_follow_triton_signature_and_ptx() -> None:
+    names = ["src", "ids", "rows", "one", "BLOCK"]
+    sig = {"src": "*i32", "ids": "*i64", "rows": "i32", "one": "constexpr", "BLOCK": "constexpr"}
+    # Two trailing scratch pointers (Triton >= 3.5), or none.
+    for extra in ([], ["u64"], ["u64", "u64"]):
+        params = native_launch._parameters(_compiled(sig, ["u64", "u64", "u32", *extra]), names)
+        assert params == ["src", "ids", "rows", *[None] * len(extra)]
+    bad = [
+        (_compiled(sig, ["u64", "u64"]), "PTX has 2 parameters"),
+        (_compiled(sig, ["u64", "u64", "u32", "u64", "u64", "u64"]), "PTX has 6"),
+        (_compiled(sig, ["u64", "u64", "u64"]), "argument rows"),  # an i32 passed as 8 bytes
+        (_compiled(sig, ["u64", "u64", "u32", "u32"]), "not pointers"),
+        (_compiled(sig, ["u64", "u64", "u32"], global_scratch_size=64), "global_scratch"),
+        (_compiled(sig, ["u64", "u64", "u32"], num_ctas=2), "clusters"),
+    ]
+    for compiled, error in bad:
+        with pytest.raises(ValueError, match=error):
+            native_launch._parameters(compiled, names)
+
+
+def test_prepared_launch_binds_every_kept_argument_or_refuses(mod) -> None:
+    names = ["src", "ids", "rows", "BLOCK"]
+    sig = {"src": "*i32", "ids": "*i64", "rows": "i32", "BLOCK": "constexpr"}
+    compiled = _compiled(sig, ["u64", "u64", "u32", "u64", "u64"], num_warps=4, shared=0)
+    compiled.function = 0x1234  # a CUfunction handle; prepare only stores it
+    values = {"src": 0x7000, "ids": 0, "rows": 300, "BLOCK": 1024}
+    handle = native_launch.prepared_launch(compiled, names, values, "ids", "ids", 16)
+    assert handle is not None
+    missing = {k: v for k, v in values.items() if k != "rows"}
+    assert native_launch.prepared_launch(compiled, names, missing, "ids", "ids", 16) is None
+    # An id argument the kernel does not take: nothing to fill in per call.
+    assert native_launch.prepared_launch(compiled, names, values, "nope", "ids", 16) is None
