@@ -25,9 +25,7 @@ are a pull against ``peer_copy_gap`` and a hot pull against ``peer_copy``; every
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import multiprocessing
 import os
 import statistics
 import sys
@@ -36,118 +34,35 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from transfer_baselines import (  # noqa: E402
+    peer_buffers,
+    peer_copy_once,
+    peer_copy_times,
+    raw_once,
+    send_stop,
+)
+from transfer_bench_setup import (  # noqa: E402
+    MIB,
+    bench_spec,
+    choose_pages,
+    config,
+    page_sums,
+    start_prefill,
+)
 
 from kvcache.spec import PoolGroupSpec  # noqa: E402
-from transfer import KVReceiver, KVSender, TransceiverConfig  # noqa: E402
+from transfer import KVReceiver  # noqa: E402
 from transfer.config import PROGRESS_MODES, resolve_progress_mode  # noqa: E402
 from transfer.mapper import Fragment  # noqa: E402
 from transfer.plan import Chunk  # noqa: E402
-from transfer.runtime import UcxRuntime  # noqa: E402
 from transfer.staging import gather_chunk, pool_rows, scatter_chunk  # noqa: E402
-
-MIB = 1 << 20
-REQ_TAG, DATA_TAG = 0x5EED0001, 0x5EED0002
-
-
-def bench_spec(max_bytes: int) -> PoolGroupSpec:
-    """32 layers, 2 KV heads of 64, 16 tokens a page, bf16: one page is exactly 256 KiB."""
-    pages = max_bytes // (256 * 1024) + 2
-    return PoolGroupSpec("full", tuple(range(32)), pages, 16, 2, 64, torch.bfloat16)
-
-
-def page_sums(buf: torch.Tensor, spec: PoolGroupSpec, pages: list[int]) -> list[int]:
-    rows = buf.view(-1).view(torch.uint8).view(spec.num_pages, spec.page_bytes)
-    return rows[torch.tensor(pages, device=buf.device)].sum(dim=1, dtype=torch.int64).tolist()
-
-
-def config(args: argparse.Namespace, direct_copy: bool = True) -> TransceiverConfig:
-    env = {
-        "UCX_TLS": "tcp,self" if args.device == "cpu" else "tcp,cuda_copy,cuda_ipc",
-        "UCX_NET_DEVICES": "lo",
-    }
-    if args.proto_info:
-        env["UCX_PROTO_INFO"] = "y"  # UCX prints the protocol and transport of each message kind
-    return TransceiverConfig(
-        staging_tokens=args.staging_tokens,
-        staging_buffers=args.staging_buffers,
-        progress_mode=args.progress_mode,
-        direct_copy=direct_copy,
-        lease_s=120,
-        pull_deadline_s=60,
-        chunk_deadline_s=60,
-        done_deadline_s=60,
-        ucx_env=env,
-    )
-
-
-# ---- prefill side (child process) ----
-def prefill_main(conn: Any, args: argparse.Namespace) -> None:
-    device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
-    spec = bench_spec(args.max_mib * MIB)
-    buf = torch.randint(-30000, 30000, spec.buffer_shape, dtype=torch.int16, device=device).view(
-        torch.bfloat16
-    )
-    sender = KVSender({"full": buf}, [spec], "bench", config(args), release=lambda rid: None)
-    runtime = sender.runtime
-    raw = torch.randint(0, 255, (args.max_mib * MIB,), dtype=torch.uint8, device=device)
-    conn.send((sender.port, runtime.worker_address))
-    parent_address = conn.recv()
-
-    async def raw_server() -> None:
-        ep = await runtime.create_endpoint(parent_address)
-        size = torch.zeros(1, dtype=torch.int64)
-        while True:
-            await runtime.ctx.recv(size.numpy(), tag=REQ_TAG)
-            n = int(size[0])
-            if n == 0:
-                return
-            data = raw[:n]
-            await ep.send(
-                data.numpy() if data.device.type == "cpu" else data, tag=DATA_TAG, force_tag=True
-            )
-
-    raw_task = runtime.submit(raw_server())
-    while True:
-        cmd, *rest = conn.recv()
-        if cmd == "publish":
-            rid, pages = rest
-            conn.send(
-                (
-                    sender.publish(rid, {"full": pages}, len(pages) * spec.page_size),
-                    page_sums(buf, spec, pages),
-                )
-            )
-        elif cmd == "ping":  # the same round trip as a publish, before a timed peer copy
-            conn.send("pong")
-        elif cmd == "stop":
-            raw_task.result(timeout=60)
-            sender.close()
-            conn.send("stopped")
-            return
-
-
-# ---- decode side (parent process) ----
-def choose_pages(n: int, spec: PoolGroupSpec, layout: str, gen: torch.Generator) -> list[int]:
-    if layout == "contiguous":
-        return list(range(1, n + 1))
-    return (torch.randperm(spec.num_pages - 1, generator=gen)[:n] + 1).tolist()
 
 
 def median_gbps(nbytes: int, seconds: list[float]) -> float:
     return nbytes / statistics.median(seconds) / 1e9
-
-
-def start_prefill(args: argparse.Namespace) -> tuple[Any, Any, bytes]:
-    """The prefill side in a spawned process: (pipe to it, the process, its UCX worker address).
-    It waits for our worker address (``conn.send``) before serving."""
-    ctx = multiprocessing.get_context("spawn")
-    conn, child_conn = ctx.Pipe()
-    child = ctx.Process(target=prefill_main, args=(child_conn, args), daemon=True)
-    child.start()
-    _port, child_address = conn.recv()
-    return conn, child, child_address
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -315,35 +230,10 @@ def one_pull(
     dst = choose_pages(n, spec, layout, gen)
     conn.send(("publish", f"{receiver.instance_id}-{layout}-{n}-{rep}", src))
     ticket, src_sums = conn.recv()
-    start = time.perf_counter()
-    result = receiver.pull_blocking(ticket, {"full": dst}, 0, ticket.declared_prompt_len)
-    elapsed = time.perf_counter() - start
-    if not result.ok:
-        raise RuntimeError(f"transfer failed: {result.error}")
+    elapsed, result = timed_pull(receiver, ticket, dst)
     if check and page_sums(buf, spec, dst) != src_sums:
         raise RuntimeError(f"{layout} {n} pages: the received bytes differ from the sent ones")
     return elapsed, result
-
-
-def raw_once(runtime: UcxRuntime, ep: Any, dst: torch.Tensor, size: int) -> float:
-    """A request message and one ucxx send of ``size`` bytes back, timed from the caller's thread
-    like a pull."""
-
-    async def go() -> None:
-        out = dst[:size]
-        recv = asyncio.ensure_future(
-            runtime.ctx.recv(out.numpy() if out.device.type == "cpu" else out, tag=DATA_TAG)
-        )
-        await ep.send(torch.tensor([size], dtype=torch.int64).numpy(), tag=REQ_TAG, force_tag=True)
-        await recv
-
-    start = time.perf_counter()
-    runtime.run(go(), timeout=120)
-    return time.perf_counter() - start
-
-
-async def send_stop(ep: Any) -> None:
-    await ep.send(torch.zeros(1, dtype=torch.int64).numpy(), tag=REQ_TAG, force_tag=True)
 
 
 def hot_pulls(
@@ -368,40 +258,19 @@ def hot_pulls(
             )
         )
         tickets.append(conn.recv()[0])
-    times = []
-    for rep, ticket in enumerate(tickets):
-        dst = choose_pages(n, spec, layout, gen)
-        start = time.perf_counter()
-        result = receiver.pull_blocking(ticket, {"full": dst}, 0, ticket.declared_prompt_len)
-        elapsed = time.perf_counter() - start
-        if not result.ok:
-            raise RuntimeError(f"transfer failed: {result.error}")
-        if rep:
-            times.append(elapsed)
-    return times
+    times = [timed_pull(receiver, t, choose_pages(n, spec, layout, gen))[0] for t in tickets]
+    return times[1:]
 
 
-def peer_buffers(size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    src = torch.randint(0, 255, (size,), dtype=torch.uint8, device="cuda:0")
-    return src, torch.empty(size, dtype=torch.uint8, device="cuda:1")
-
-
-def peer_copy_once(src: torch.Tensor, dst: torch.Tensor) -> float:
-    """One torch peer copy GPU0 -> GPU1 (copy engines), from idle GPUs to both done."""
-    torch.cuda.synchronize("cuda:0")
-    torch.cuda.synchronize("cuda:1")
+def timed_pull(receiver: KVReceiver, ticket: Any, dst: list[int]) -> tuple[float, Any]:
+    """Wall time of one pull of the whole ticket into ``dst``, and its result (raises if it
+    failed)."""
     start = time.perf_counter()
-    dst.copy_(src)
-    torch.cuda.synchronize("cuda:1")
-    torch.cuda.synchronize("cuda:0")
-    return time.perf_counter() - start
-
-
-def peer_copy_times(size: int, repeats: int) -> list[float]:
-    """Peer copies back to back (the hot baseline; ``peer_copy_gap`` is the one timed after a
-    round trip to P, like each pull)."""
-    buffers = peer_buffers(size)
-    return [peer_copy_once(*buffers) for _ in range(repeats + 1)][1:]
+    result = receiver.pull_blocking(ticket, {"full": dst}, 0, ticket.declared_prompt_len)
+    elapsed = time.perf_counter() - start
+    if not result.ok:
+        raise RuntimeError(f"transfer failed: {result.error}")
+    return elapsed, result
 
 
 def format_row(row: dict[str, Any]) -> str:

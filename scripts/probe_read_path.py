@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from bench_transfer import bench_spec  # noqa: E402
+from transfer_bench_setup import bench_spec  # noqa: E402
 
 from kernels.page_copy_triton import PreparedCopy  # noqa: E402
 from transfer.direct_copy import DirectCopier  # noqa: E402

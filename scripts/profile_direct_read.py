@@ -1,5 +1,5 @@
 """Where the time of a direct read goes (transfer/direct_read.py), on the 2-GPU machine: P in a
-spawned process on cuda:0 (scripts/bench_transfer.py's prefill side), D here on cuda:1. Prints the
+spawned process on cuda:0 (scripts/transfer_bench_setup.py's prefill side), D here on cuda:1. Prints the
 median of each phase (mapping, launch, lease check, wait for the copy, finish) per size, then a
 cProfile of one pull of one size (--profile-mib).
 
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from bench_transfer import MIB, bench_spec, choose_pages, config, start_prefill  # noqa: E402
+from transfer_bench_setup import MIB, bench_spec, choose_pages, config, start_prefill  # noqa: E402
 
 import transfer.direct_read as dr  # noqa: E402
 from transfer import KVReceiver  # noqa: E402

@@ -177,18 +177,17 @@ class DirectCopier:
         route = access.route
         if route is None:
             route = access.route = self._route(access, src_table, dst_table, dst_rows)
-        if route is False or len(src_ids) != len(route.pairs) or src_ids.keys() != route.names:
-            return None
-        slot = self._take(0)
-        if slot is None:
+        if route is False or src_ids.keys() != route.names:
             return None
         items = []
         for sp, dp, handle in route.pairs:
             d = dst_ids.get(dp)
             if d is None:
-                slot.held = False
                 return None
             items.append((handle, src_ids[sp], d, skip))
+        slot = self._take(0)
+        if slot is None:
+            return None
         try:
             counts = self._native.queue(
                 self._context,

@@ -1,0 +1,111 @@
+"""The two processes of the transfer benchmarks (bench_transfer.py, profile_direct_read.py,
+probe_read_path.py) and their KV geometry: the prefill side (KVSender, plus a raw ucxx server) runs
+in a spawned child on cuda:0 or the CPU and answers commands on a pipe; the caller is the decode
+side."""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+from typing import Any
+
+import torch
+from transfer_baselines import DATA_TAG, REQ_TAG
+
+from kvcache.spec import PoolGroupSpec
+from transfer import KVSender, TransceiverConfig
+
+MIB = 1 << 20
+
+
+def bench_spec(max_bytes: int) -> PoolGroupSpec:
+    """32 layers, 2 KV heads of 64, 16 tokens a page, bf16: one page is exactly 256 KiB."""
+    pages = max_bytes // (256 * 1024) + 2
+    return PoolGroupSpec("full", tuple(range(32)), pages, 16, 2, 64, torch.bfloat16)
+
+
+def page_sums(buf: torch.Tensor, spec: PoolGroupSpec, pages: list[int]) -> list[int]:
+    rows = buf.view(-1).view(torch.uint8).view(spec.num_pages, spec.page_bytes)
+    return rows[torch.tensor(pages, device=buf.device)].sum(dim=1, dtype=torch.int64).tolist()
+
+
+def config(args: argparse.Namespace, direct_copy: bool = True) -> TransceiverConfig:
+    env = {
+        "UCX_TLS": "tcp,self" if args.device == "cpu" else "tcp,cuda_copy,cuda_ipc",
+        "UCX_NET_DEVICES": "lo",
+    }
+    if args.proto_info:
+        env["UCX_PROTO_INFO"] = "y"  # UCX prints the protocol and transport of each message kind
+    return TransceiverConfig(
+        staging_tokens=args.staging_tokens,
+        staging_buffers=args.staging_buffers,
+        progress_mode=args.progress_mode,
+        direct_copy=direct_copy,
+        lease_s=120,
+        pull_deadline_s=60,
+        chunk_deadline_s=60,
+        done_deadline_s=60,
+        ucx_env=env,
+    )
+
+
+def prefill_main(conn: Any, args: argparse.Namespace) -> None:
+    device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
+    spec = bench_spec(args.max_mib * MIB)
+    buf = torch.randint(-30000, 30000, spec.buffer_shape, dtype=torch.int16, device=device).view(
+        torch.bfloat16
+    )
+    sender = KVSender({"full": buf}, [spec], "bench", config(args), release=lambda rid: None)
+    runtime = sender.runtime
+    raw = torch.randint(0, 255, (args.max_mib * MIB,), dtype=torch.uint8, device=device)
+    conn.send((sender.port, runtime.worker_address))
+    parent_address = conn.recv()
+
+    async def raw_server() -> None:
+        ep = await runtime.create_endpoint(parent_address)
+        size = torch.zeros(1, dtype=torch.int64)
+        while True:
+            await runtime.ctx.recv(size.numpy(), tag=REQ_TAG)
+            n = int(size[0])
+            if n == 0:
+                return
+            data = raw[:n]
+            await ep.send(
+                data.numpy() if data.device.type == "cpu" else data, tag=DATA_TAG, force_tag=True
+            )
+
+    raw_task = runtime.submit(raw_server())
+    while True:
+        cmd, *rest = conn.recv()
+        if cmd == "publish":
+            rid, pages = rest
+            conn.send(
+                (
+                    sender.publish(rid, {"full": pages}, len(pages) * spec.page_size),
+                    page_sums(buf, spec, pages),
+                )
+            )
+        elif cmd == "ping":  # the same round trip as a publish, before a timed peer copy
+            conn.send("pong")
+        elif cmd == "stop":
+            raw_task.result(timeout=60)
+            sender.close()
+            conn.send("stopped")
+            return
+
+
+def choose_pages(n: int, spec: PoolGroupSpec, layout: str, gen: torch.Generator) -> list[int]:
+    if layout == "contiguous":
+        return list(range(1, n + 1))
+    return (torch.randperm(spec.num_pages - 1, generator=gen)[:n] + 1).tolist()
+
+
+def start_prefill(args: argparse.Namespace) -> tuple[Any, Any, bytes]:
+    """The prefill side in a spawned process: (pipe to it, the process, its UCX worker address).
+    It waits for our worker address (``conn.send``) before serving."""
+    ctx = multiprocessing.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    child = ctx.Process(target=prefill_main, args=(child_conn, args), daemon=True)
+    child.start()
+    _port, child_address = conn.recv()
+    return conn, child, child_address
