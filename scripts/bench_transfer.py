@@ -10,10 +10,10 @@ The parent process is the decode side (KVReceiver; cuda:1 on GPUs), a spawned ch
 same way (worker address, peer error handling). Pages are either one run (``contiguous``: chunks go
 straight between the pools) or a random permutation (``scattered``: every chunk is gathered into and
 scattered from staging buffers). "direct" is a second decode-side receiver over the same pool that
-reads P's pages itself (CUDA IPC on GPUs, checked against P's lease board: direct_read.py). Each figure is the median
-of --repeats runs after one warm-up; the variants and the raw exchange run interleaved, one of each
-per repetition, so a busy spell of a shared host hits them alike. The last run of each size is
-checked byte for byte (per-page sums on both sides).
+reads P's pages itself (CUDA IPC on GPUs, shared memory on the CPU, checked against P's lease
+board: direct_read.py). Each figure is the median of --repeats runs after one warm-up; the variants
+and the raw exchange run interleaved, one of each per repetition, so a busy spell of a shared host
+hits them alike. The last run of each size is checked byte for byte (per-page sums on both sides).
 
 On GPUs the peer copy is timed two ways: back to back (``peer_copy``, GPUs and caller always busy)
 and, inside the interleaved loop, right after the same pipe round trip to P that precedes each pull
@@ -311,7 +311,7 @@ def main() -> None:
         choices=["ucx", "direct"],
         default=None,
         help="data paths to time: ucx (staged chunks over UCX) and direct (D reads P's pages "
-        "through CUDA IPC); default both on GPUs, ucx on CPU",
+        "through CUDA IPC, or shared memory on the CPU); default both",
     )
     parser.add_argument(
         "--hot",
@@ -323,7 +323,7 @@ def main() -> None:
     if args.max_mib is None:
         args.max_mib = 256 if args.device == "cpu" else 1024
     if args.paths is None:
-        args.paths = ["ucx"] if args.device == "cpu" else ["ucx", "direct"]
+        args.paths = ["ucx", "direct"]
     if args.staging_tokens is None:
         args.staging_tokens = 512 if args.device == "cpu" else 16384
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")

@@ -34,10 +34,11 @@ class TransceiverConfig:
     """Send / receive a chunk that is one page run on both sides straight from / into the pool,
     without a staging copy. (Runs longer than a staging buffer always go straight.)"""
     direct_copy: bool = True
-    """P offers its pools (CUDA IPC) and its lease board in the handshake; a decode side that can
-    open them (two GPUs of one host, or one process) reads each request's pages itself with one
-    copy kernel instead of receiving them through UCX (transfer/direct_read.py). Links where it
-    cannot fall back to UCX on their own."""
+    """P offers its pools (CUDA IPC on GPUs; on the CPU, the pools moved into /dev/shm) and its
+    lease board in the handshake; a decode side that can open them (two GPUs of one host, two
+    processes of one host on the CPU, or one process) reads each request's pages itself with one
+    copy instead of receiving them through UCX (transfer/direct_read.py). Links where it cannot
+    fall back to UCX on their own."""
     lease_s: float = 30.0
     """How long P keeps a published request's pages for D; renewed while the pull progresses."""
     connect_deadline_s: float = 10.0

@@ -12,8 +12,8 @@ ids cannot touch memory beyond the pools, and a failed check fails the pull once
 ended: the copy only wrote pages of ours that the failed pull gives back. Generations are never
 reused, and P publishes a lease only once its pages are final, so a lease found live at the first
 look was live since before the ticket existed, and seeing it live again after the copy proves it was
-live all through the copy. On the CPU (same process), and for pages whose pools or counts do not
-line up, everything is checked first.
+live all through the copy. On the CPU (P in this process, or its pools in shared memory), and for
+pages whose pools or counts do not line up, everything is checked first.
 
 On GPUs the copy is queued by one C call (DirectCopier.start_pages, kernels/native_launch.py)
 straight from the page ids as the caller has them; the checks then read the ids back from the

@@ -1,12 +1,13 @@
 """Direct page copies between pools of one host: the same-host data path.
 
 A prefill worker exports its pools once (``export_pools``): CUDA IPC handles of the pool storage
-when the KV lives on a GPU, and in every case a key into a per-process registry, so a decode side
-in the same process finds the very tensors. It sends the export in HelloReply; the decode side
-opens it (``open_pools``) and, when that works, reads every lease of that peer itself: one
-page-to-page copy kernel (``kernels.copy_pages``, over NVLink for two GPUs of one host) on its own
-GPU, from P's pages into its own, checked against P's lease board (lease_board.py) before and after.
-No message is on the latency path of such a pull, and P's GPU does no work for it.
+when the KV lives on a GPU, the names of shared-memory files holding it when it lives in host
+memory, and in every case a key into a per-process registry, so a decode side in the same process
+finds the very tensors. It sends the export in HelloReply; the decode side opens it
+(``open_pools``) and, when that works, reads every lease of that peer itself: one page-to-page copy
+(``kernels.copy_pages``, a kernel over NVLink for two GPUs of one host; plain copies of page runs on the
+CPU) from P's pages into its own, checked against P's lease board (lease_board.py) before and
+after. No message is on the latency path of such a pull, and P does no work for it.
 
 Why D reads rather than P writes: a write by P needs a round trip through both processes' event
 loops per pull (about 1 ms), far more than the copy of a typical request; D already knows its pages
@@ -14,8 +15,11 @@ and can start at once. A kernel launched by D on P's GPU would time-slice with P
 reads from its own GPU (the read kernel runs at a peer copy's speed: docs/benchmarks/transfer.md).
 
 CUDA IPC needs P's GPU visible to the decode process (the cluster starts GPU workers with all of the
-node's GPUs visible, see cluster/builder.py) and the same OS instance (``host_identity``). When a
-pool cannot be opened the link stays on UCX, and the handshake says why in the log.
+node's GPUs visible, see cluster/builder.py) and the same OS instance (``host_identity``). Host
+pools are moved into shared memory when P exports them (torch's file_descriptor sharing: an
+unlinked /dev/shm file per storage, which D opens through /proc/<pid>/fd, so the same user on the
+same host), which needs room in /dev/shm; without it, or when a pool cannot be opened, the link
+stays on UCX and the handshake says why in the log.
 """
 
 from __future__ import annotations
@@ -46,6 +50,9 @@ log = logging.getLogger(__name__)
 # direct read may queue its copy before its ids are checked (direct_read.py).
 FIRST_ROW = NULL_PAGE + 1
 
+SHM_DIR = "/dev/shm"  # where torch's sharing of host memory puts its files (shm_open)
+SHM_HEADROOM = 256 << 20
+
 _REGISTRY: dict[int, dict[str, torch.Tensor]] = {}  # export key -> rows, this process only
 _REGISTRY_LOCK = threading.Lock()
 _KEYS = itertools.count(1)
@@ -68,8 +75,10 @@ def host_identity() -> str:
 
 @dataclass(frozen=True)
 class IpcPool:
-    """One GPU pool's storage as CUDA IPC sees it (the fields of torch's ``_share_cuda_``), and
-    where the pool lies in it."""
+    """One pool's storage as another process opens it, and where the pool lies in it. GPU pools:
+    the fields of torch's ``_share_cuda_``. Host pools: ``handle`` is the number of P's file
+    descriptor of the shared-memory file (torch's ``_share_fd_cpu_``), opened through /proc; both
+    offsets are 0 and ``ref_counter_handle`` is empty."""
 
     name: str
     handle: bytes
@@ -88,7 +97,7 @@ class IpcExport:
     pid: int
     key: int  # into the exporting process's registry
     device: str  # "cpu", or the GPU's UUID
-    pools: tuple[IpcPool, ...]
+    pools: tuple[IpcPool, ...]  # empty when only a process of our own may read them
 
     def to_wire(self) -> bytes:
         pools = [[getattr(p, f) for f in _POOL_FIELDS] for p in self.pools]
@@ -123,43 +132,95 @@ _POOL_FIELDS = {
 }
 
 
-def export_pools(rows: Mapping[str, torch.Tensor], cuda_ipc: bool) -> IpcExport:
+def export_pools(rows: Mapping[str, torch.Tensor], share: bool) -> IpcExport:
     """Export P's pool rows ([num_pages, page_bytes] uint8 views). Registered in this process (so
-    a decode side here can read them) until ``unexport``; with ``cuda_ipc`` and GPU pools, also
-    as CUDA IPC handles. Raises IpcUnavailable if CUDA IPC export fails."""
+    a decode side here can read them) until ``unexport``; with ``share``, also for other
+    processes of this host: CUDA IPC handles of GPU pools, shared-memory files for host pools
+    (which moves the pools' storage there, in place: tensors viewing it keep working, raw
+    addresses taken before do not). Raises IpcUnavailable if that fails."""
     first = next(iter(rows.values())).device
     on_gpu = first.type == "cuda"
     device = str(torch.cuda.get_device_properties(first).uuid) if on_gpu else "cpu"
-    pools = []
-    if on_gpu and cuda_ipc:
-        for name, r in rows.items():
-            storage = r.untyped_storage()
-            try:
-                # The IPC event torch also returns orders a consumer after the producer's pending
-                # writes; P publishes a lease only after its device work on the pages has ended,
-                # so it is not passed on.
-                (_, handle, size, offset, rc_handle, rc_offset, _event, _sync) = (
-                    storage._share_cuda_()
-                )
-            except Exception as e:
-                raise IpcUnavailable(f"cannot export pool {name!r}: {e}") from None
-            pools.append(
-                IpcPool(
-                    name,
-                    bytes(handle),
-                    int(size),
-                    int(offset),
-                    bytes(rc_handle),
-                    int(rc_offset),
-                    r.storage_offset() * r.element_size(),
-                    r.numel() * r.element_size(),
-                    r.shape[1],
-                )
-            )
+    pools: tuple[IpcPool, ...] = ()
+    if share:
+        pools = _share_gpu_pools(rows) if on_gpu else _share_host_pools(rows)
     key = next(_KEYS)
     with _REGISTRY_LOCK:
         _REGISTRY[key] = dict(rows)
-    return IpcExport(host_identity(), os.getpid(), key, device, tuple(pools))
+    return IpcExport(host_identity(), os.getpid(), key, device, pools)
+
+
+def _where(name: str, r: torch.Tensor) -> tuple[str, int, int, int]:
+    """The name, byte offset in its storage, bytes and page bytes of one pool."""
+    return name, r.storage_offset() * r.element_size(), r.numel() * r.element_size(), r.shape[1]
+
+
+def _share_gpu_pools(rows: Mapping[str, torch.Tensor]) -> tuple[IpcPool, ...]:
+    pools = []
+    for name, r in rows.items():
+        storage = r.untyped_storage()
+        try:
+            # The IPC event torch also returns orders a consumer after the producer's pending
+            # writes; P publishes a lease only after its device work on the pages has ended, so it
+            # is not passed on.
+            (_, handle, size, offset, rc_handle, rc_offset, _event, _sync) = storage._share_cuda_()
+        except Exception as e:
+            raise IpcUnavailable(f"cannot export pool {name!r}: {e}") from None
+        name, byte_offset, nbytes, page_bytes = _where(name, r)
+        pools.append(
+            IpcPool(
+                name,
+                bytes(handle),
+                int(size),
+                int(offset),
+                bytes(rc_handle),
+                int(rc_offset),
+                byte_offset,
+                nbytes,
+                page_bytes,
+            )
+        )
+    return tuple(pools)
+
+
+def _share_host_pools(rows: Mapping[str, torch.Tensor]) -> tuple[IpcPool, ...]:
+    # Pools may share one storage: each storage moves once.
+    storages = {r.untyped_storage().data_ptr(): r.untyped_storage() for r in rows.values()}
+    unshared = sum(s.nbytes() for s in storages.values() if not s.is_shared())
+    free = _shm_free_bytes()
+    # tmpfs pages are only taken when written: a copy into a file larger than the room left
+    # would end in SIGBUS, not in an error, so the room is checked first (with a margin for
+    # whatever else of this host writes there meanwhile).
+    if unshared and unshared + SHM_HEADROOM > free:
+        raise IpcUnavailable(
+            f"{unshared / 2**20:.0f} MiB of host pools do not fit in {SHM_DIR} "
+            f"({free / 2**20:.0f} MiB free, {SHM_HEADROOM / 2**20:.0f} MiB kept spare)"
+        )
+    fds = {}
+    for storage in storages.values():
+        try:
+            # torch's file_descriptor sharing: the file is unlinked at once and lives as long as
+            # an fd or a mapping of it, so nothing is left in /dev/shm when P dies, and no
+            # manager process is started (one would inherit our fds).
+            fd, size = storage._share_fd_cpu_()
+        except Exception as e:  # e.g. shared already by file name
+            raise IpcUnavailable(f"cannot move host pools to shared memory: {e}") from None
+        # The storage's address changed: key by the new one.
+        fds[storage.data_ptr()] = (int(fd), int(size))
+    pools = []
+    for name, r in rows.items():
+        fd, size = fds[r.untyped_storage().data_ptr()]
+        name, byte_offset, nbytes, page_bytes = _where(name, r)
+        pools.append(IpcPool(name, b"%d" % fd, size, 0, b"", 0, byte_offset, nbytes, page_bytes))
+    return tuple(pools)
+
+
+def _shm_free_bytes() -> int:
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError as e:
+        raise IpcUnavailable(f"no {SHM_DIR}: {e}") from None
+    return st.f_bavail * st.f_frsize
 
 
 def unexport(export: IpcExport) -> None:
@@ -171,26 +232,55 @@ def open_pools(
     export: IpcExport, own_rows: Mapping[str, torch.Tensor]
 ) -> tuple[str, dict[str, torch.Tensor]]:
     """Open P's exported pools for reading from this process (D, whose pools are ``own_rows``).
-    Returns the data path ("local" for the same process, "cuda_ipc") and P's rows by pool name.
-    Raises IpcUnavailable when neither works."""
+    Returns the data path ("local" for the same process, "cuda_ipc" or "host_shm" for another
+    one) and P's rows by pool name. Raises IpcUnavailable when none works."""
     if export.host != host_identity():
         raise IpcUnavailable("the peer runs on another host")
+    own = next(iter(own_rows.values())).device
     if export.pid == os.getpid():
         with _REGISTRY_LOCK:
             rows = _REGISTRY.get(export.key)
         if rows is None:
             raise IpcUnavailable("the peer's pools are no longer registered in this process")
-        first, own = next(iter(rows.values())), next(iter(own_rows.values()))
-        if first.device.type != own.device.type:
-            raise IpcUnavailable(f"pools on {first.device} and {own.device}")
-        if first.device != own.device and first.device.type == "cuda":
+        first = next(iter(rows.values()))
+        if first.device.type != own.type:
+            raise IpcUnavailable(f"pools on {first.device} and {own}")
+        if first.device != own and first.device.type == "cuda":
             # A copy between scratch tensors makes torch enable peer access from our GPU to
             # theirs, which a kernel of ours reading their pages needs.
-            torch.zeros(1, device=own.device).copy_(torch.zeros(1, device=first.device))
+            torch.zeros(1, device=own).copy_(torch.zeros(1, device=first.device))
         return "local", dict(rows)
-    own = next(iter(own_rows.values())).device
-    if own.type != "cuda" or not export.pools:
-        raise IpcUnavailable("another process, and no CUDA IPC export on both sides")
+    if not export.pools:
+        raise IpcUnavailable("another process, and its pools are not shared")
+    if (export.device == "cpu") != (own.type == "cpu"):
+        raise IpcUnavailable(f"pools on {export.device} and {own}")
+    if own.type == "cpu":
+        return "host_shm", _open_host_pools(export)
+    return "cuda_ipc", _open_gpu_pools(export, own)
+
+
+def _open_host_pools(export: IpcExport) -> dict[str, torch.Tensor]:
+    rows = {}
+    for p in export.pools:
+        # The path is ours, from P's pid and an fd number: the export names no file itself.
+        path = f"/proc/{export.pid}/fd/{int(p.handle) if p.handle.isdigit() else -1}"
+        try:
+            if not os.readlink(path).startswith(SHM_DIR + "/"):
+                raise IpcUnavailable(f"pool {p.name!r}: {path} is not a shared-memory file")
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError as e:  # P is gone, or this process may not open its files
+            raise IpcUnavailable(f"cannot open pool {p.name!r}: {e}") from None
+        try:
+            storage = torch.UntypedStorage._new_shared_fd_cpu(fd, p.storage_bytes)
+        except Exception as e:
+            raise IpcUnavailable(f"cannot map pool {p.name!r}: {e}") from None
+        finally:
+            os.close(fd)  # the mapping keeps the file
+        rows[p.name] = _pool_view(storage, p, torch.device("cpu"))
+    return rows
+
+
+def _open_gpu_pools(export: IpcExport, own: torch.device) -> dict[str, torch.Tensor]:
     peer = _visible_index(export.device)
     local = own.index if own.index is not None else torch.cuda.current_device()
     if peer != local and not torch.cuda.can_device_access_peer(local, peer):
@@ -214,10 +304,25 @@ def open_pools(
                 )
             except Exception as e:
                 raise IpcUnavailable(f"cannot open pool {p.name!r}: {e}") from None
-            flat = torch.empty(0, dtype=torch.uint8, device=own)
-            flat.set_(storage, p.byte_offset, (p.nbytes,))
-            rows[p.name] = flat.view(-1, p.page_bytes)
-    return "cuda_ipc", rows
+            rows[p.name] = _pool_view(storage, p, own)
+    return rows
+
+
+def _pool_view(storage: torch.UntypedStorage, p: IpcPool, device: torch.device) -> torch.Tensor:
+    """Pool ``p``'s [num_pages, page_bytes] rows in the opened storage."""
+    if (
+        p.page_bytes <= 0
+        or p.nbytes % p.page_bytes
+        or p.byte_offset < 0
+        or p.byte_offset + p.nbytes > storage.nbytes()
+    ):
+        raise IpcUnavailable(
+            f"pool {p.name!r}: {p.nbytes} bytes of {p.page_bytes}-byte pages at {p.byte_offset} "
+            f"do not lie in its {storage.nbytes()}-byte storage"
+        )
+    flat = torch.empty(0, dtype=torch.uint8, device=device)
+    flat.set_(storage, p.byte_offset, (p.nbytes,))
+    return flat.view(-1, p.page_bytes)
 
 
 def _visible_index(uuid: str) -> int:
@@ -240,14 +345,32 @@ def copy_on_cpu(
     src_rows: Mapping[str, torch.Tensor],
     dst_rows: Mapping[str, torch.Tensor],
 ) -> None:
-    """Copy every page of ``plan`` from P's rows into D's, both in host memory (the same process);
-    done when this returns. Copies on GPUs go through transfer/direct_copy.py. Pairs with an id
-    outside the pools, or the null page, are skipped (FIRST_ROW)."""
+    """Copy every page of ``plan`` from P's rows into D's, both in host memory (P's in this
+    process, or shared with it); done when this returns. Copies on GPUs go through
+    transfer/direct_copy.py. Pairs with an id outside the pools, or the null page, are skipped
+    (FIRST_ROW).
+
+    One plain copy per run of pages consecutive on both sides, straight from P's rows into D's: an
+    indexed copy would gather into a temporary first, and a fresh temporary of a large request
+    costs more in page faults than the copy itself."""
     for sp, dp, s, d in plan.pairs:
-        ids = torch.from_numpy(np.stack([s, d]))
-        kernels.copy_pages(
-            word_rows(src_rows[sp]), ids[0], word_rows(dst_rows[dp]), ids[1], FIRST_ROW
-        )
+        src, dst = src_rows[sp], dst_rows[dp]
+        keep = (s >= FIRST_ROW) & (s < src.shape[0]) & (d >= FIRST_ROW) & (d < dst.shape[0])
+        if not keep.all():
+            s, d = s[keep], d[keep]
+        for a, b, n in _runs(s, d):
+            dst[b : b + n].copy_(src[a : a + n])
+
+
+def _runs(s: np.ndarray, d: np.ndarray) -> list[tuple[int, int, int]]:
+    """(first source id, first destination id, length) of each run of pairs where both ids go up
+    by one."""
+    if len(s) == 0:
+        return []
+    breaks = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    lengths = np.diff(np.concatenate((starts, [len(s)])))
+    return list(zip(s[starts].tolist(), d[starts].tolist(), lengths.tolist(), strict=True))
 
 
 class Completion(Protocol):

@@ -158,7 +158,7 @@ class ReadDone:
     error: str
     total_bytes: int
     micros: int  # the pull as D timed it
-    data_path: str  # "cuda_ipc" or "local"
+    data_path: str  # "cuda_ipc", "host_shm" or "local"
 
 
 @dataclass(frozen=True)

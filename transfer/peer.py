@@ -43,7 +43,7 @@ class PeerInfo:
 class DirectAccess:
     """D side of a direct link: P's pools opened here, and P's lease board."""
 
-    data_path: str  # "cuda_ipc" or "local"
+    data_path: str  # "cuda_ipc", "host_shm" or "local"
     rows: dict[str, torch.Tensor]
     board: LeaseBoardView
     # Prepared copy launches from P's pools into ours, by (P's pool, our pool): made on first use

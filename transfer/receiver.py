@@ -15,8 +15,8 @@ One control connection and one UCX endpoint per prefill worker are cached and sh
 pulls; a closed link, or a ticket from another instance of the worker at that address (it
 restarted), makes the next pull connect again.
 
-With ``direct_copy``, a link to a prefill worker whose pools open here (the same process, or CUDA
-IPC on the same host) reads every ticket with a lease board slot directly (direct_read.py). Once
+With ``direct_copy``, a link to a prefill worker whose pools open here (the same process, CUDA IPC
+or shared host memory on the same host) reads every ticket with a lease board slot directly (direct_read.py). Once
 such a link exists, a pull runs entirely on the caller's thread or event loop.
 """
 
@@ -36,7 +36,7 @@ from kvcache.spec import PoolGroupSpec
 from transfer.config import TransceiverConfig
 from transfer.direct_copy import DirectCopier, slot_capacity
 from transfer.direct_read import DirectRead
-from transfer.ipc import IpcExport, IpcUnavailable, open_pools, warm_up
+from transfer.ipc import IpcExport, IpcUnavailable, host_identity, open_pools, warm_up
 from transfer.lease_board import BoardUnavailable, LeaseBoardView
 from transfer.messages import (
     Hello,
@@ -257,10 +257,10 @@ class KVReceiver(TransceiverSide):
             data_path, rows = await self.runtime.copy(open_pools, export, self.rows)
             board = LeaseBoardView(reply.lease_board)
         except Exception as e:  # whatever fails here, UCX still works
-            # Expected across hosts and between CPU processes (P offers no CUDA IPC handles then);
-            # GPU pools offered that do not open deserve a warning.
+            # Expected across hosts (and when P could not share its pools); pools offered that do
+            # not open here deserve a warning.
             expected = isinstance(e, IpcUnavailable | BoardUnavailable)
-            offered = bool(export.pools) and self.rows_on_gpu
+            offered = bool(export.pools) and export.host == host_identity()
             (log.warning if offered or not expected else log.info)(
                 "no direct reads from that prefill worker (%s): using UCX", e
             )

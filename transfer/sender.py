@@ -98,10 +98,13 @@ class KVSender(TransceiverSide):
             log.warning("no lease board (%s): decode workers pull over UCX", e)
             return
         try:
-            self._export = export_pools(self.rows, cuda_ipc=self.rows_on_gpu)
+            self._export = export_pools(self.rows, share=True)
         except IpcUnavailable as e:
-            log.warning("CUDA IPC export failed (%s): only same-process peers read directly", e)
-            self._export = export_pools(self.rows, cuda_ipc=False)
+            log.warning(
+                "pools not shared with other processes (%s): only same-process peers read directly",
+                e,
+            )
+            self._export = export_pools(self.rows, share=False)
 
     def _withdraw_direct_reads(self) -> None:
         if self._export is not None:

@@ -187,7 +187,7 @@ def test_metrics_and_perf_metrics(running, client, model_name) -> None:
     for rec in records:
         assert rec["prefill"] is not None and rec["decode"] is not None
         assert rec["transfer_bytes"] > 0
-        assert rec["transfer_path"] == "ucx"  # two CPU processes: no direct copy between them
+        assert rec["transfer_path"] == "host_shm"  # two CPU processes of one host: shared memory
         assert (
             rec["prefill"]["first_token_time"]
             <= rec["decode"]["transfer_end"]

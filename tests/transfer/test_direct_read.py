@@ -1,10 +1,11 @@
 """Direct reads (transfer/direct_read.py) on CPU: a decode side in the prefill side's process reads
 P's pages itself ("local"), checked against P's lease board before and after, with the same
 leases, checks and accounting as UCX; a lease that ends during the read, or a ticket that names
-other pages, fails the pull; a lease without a board slot and a peer in another process go over UCX;
-pool exports decode strictly.
+other pages, fails the pull; a lease without a board slot goes over UCX; pool exports decode
+strictly, and host pools open from their shared-memory files.
 
-The CUDA IPC variant (two processes, two GPUs) is tests/transfer/test_direct_read_gpu.py."""
+Between two processes: on the CPU tests/transfer/test_direct_read_shm.py, over CUDA IPC (two GPUs)
+tests/transfer/test_direct_read_gpu.py."""
 
 from __future__ import annotations
 
@@ -17,12 +18,10 @@ import pytest
 import torch
 
 import transfer.direct_read
+import transfer.ipc
 import transfer.receiver
 from tests.transfer.conftest import KVSide, config, specs
-from tests.transfer.peer_process import run_prefill
 from tests.transfer.test_transfer_local import Pair, checked_pair, wait_until
-from tests.transfer.test_transfer_processes import Peer, as_tensor
-from transfer import KVReceiver
 from transfer.ipc import IpcExport, IpcPool, IpcUnavailable, export_pools
 from transfer.messages import ReadDone
 
@@ -246,37 +245,17 @@ def test_off_keeps_the_ucx_path() -> None:
         pair.d.free("u1")
 
 
-def test_a_peer_in_another_process_falls_back_to_ucx() -> None:
-    """On CPU there is no CUDA IPC: P's export only names its process, D sees that and stays on
-    UCX, and the transfer is as exact as ever."""
-    peer = Peer(run_prefill, 21, {}, {"direct_copy": True})
-    side = KVSide(specs(), seed=22)
-    side.scramble_free_queue()
-    receiver = KVReceiver(side.kv.buffers, side.specs, "tiny-test-model", config(direct_copy=True))
-    try:
-        ticket, sent = peer.ask("publish", "x1", 10)
-        dst = side.allocate("x1", 10)
-        result = receiver.pull_blocking(ticket, dst, 0, 10)
-        assert result.ok, result.error
-        assert result.stats.path == "ucx"
-        got = side.pages_of(dst)["full"]
-        assert torch.equal(got, as_tensor(sent["full"], got))
-        side.free("x1")
-    finally:
-        receiver.close()
-        state = peer.close()
-    assert state["free"] == state["initial_free"]
-    side.assert_clean()
-
-
 def test_pool_exports_round_trip_and_reject_garbage() -> None:
     side = KVSide(specs(), seed=4)
     rows = {
         g: b.view(-1).view(torch.uint8).view(b.shape[0], -1) for g, b in side.kv.buffers.items()
     }
-    export = export_pools(rows, cuda_ipc=True)  # CPU pools: registry only, no handles
+    export = export_pools(rows, share=False)  # this process only: the registry, no files
     assert export.device == "cpu" and export.pools == ()
     assert IpcExport.from_wire(export.to_wire()) == export
+    shared = export_pools(rows, share=True)  # host pools: their shared-memory files
+    assert [p.name for p in shared.pools] == list(rows)
+    assert IpcExport.from_wire(shared.to_wire()) == shared
     pool = IpcPool("full", b"h", 1, 0, b"r", 0, 0, 1, 1)
     with_pool = dataclasses.replace(export, pools=(pool,))
     assert IpcExport.from_wire(with_pool.to_wire()) == with_pool
@@ -286,3 +265,34 @@ def test_pool_exports_round_trip_and_reject_garbage() -> None:
     wrong_type = dataclasses.replace(with_pool, pools=(dataclasses.replace(pool, nbytes="1"),))
     with pytest.raises(IpcUnavailable, match="nbytes"):
         IpcExport.from_wire(wrong_type.to_wire())
+
+
+def test_host_pools_open_from_their_files_and_refuse_what_does_not_fit(monkeypatch) -> None:
+    side = KVSide(specs(), seed=5)
+    rows = {
+        g: b.view(-1).view(torch.uint8).view(b.shape[0], -1) for g, b in side.kv.buffers.items()
+    }
+    export = export_pools(rows, share=True)
+    opened = transfer.ipc._open_host_pools(export)  # as another process of this host would
+    assert torch.equal(opened["full"], rows["full"])
+    rows["full"][3].fill_(7)  # one memory: a write by P is what D reads
+    assert bool((opened["full"][3] == 7).all())
+    pool = export.pools[0]
+    for bad in (
+        dataclasses.replace(pool, handle=b"x"),  # not an fd number
+        dataclasses.replace(pool, handle=b"99999"),  # no such fd
+        dataclasses.replace(pool, nbytes=pool.storage_bytes + pool.page_bytes),  # past its file
+        dataclasses.replace(pool, page_bytes=0),
+    ):
+        with pytest.raises(IpcUnavailable):
+            transfer.ipc._open_host_pools(dataclasses.replace(export, pools=(bad,)))
+    other = KVSide(specs(), seed=6)
+    monkeypatch.setattr(transfer.ipc, "_shm_free_bytes", lambda: 1 << 20)
+    with pytest.raises(IpcUnavailable, match="do not fit"):
+        export_pools(
+            {
+                g: b.view(-1).view(torch.uint8).view(b.shape[0], -1)
+                for g, b in other.kv.buffers.items()
+            },
+            share=True,
+        )
