@@ -22,9 +22,10 @@ a C compiler the same copy is queued from Python (DirectCopier.start), only slow
 
 Nothing waits for P: the whole pull runs on the caller's thread (``run_blocking``) or event loop
 (``run``), with no hop to the transceiver's loop, so it costs the copy plus tens of microseconds.
-P learns of it from ReadDone; if that is lost, the lease expires as usual. A failure once the lease
-was found live (a declared-history mismatch, a forged ticket, a cancelled pull) also sends
-ReadDone, so both sides get their pages back at once. A pull returns only when its copy has ended,
+P learns of it from a record on our done board for that link (done_board.py; ReadDone when P did
+not open it); if that is lost, the lease expires as usual. A failure once the lease was found live
+(a declared-history mismatch, a forged ticket, a cancelled pull) sends ReadDone with the reason,
+so both sides get their pages back at once. A pull returns only when its copy has ended,
 or, past the deadline, with D's model stream ordered after it. KV is never trimmed or padded: any
 mismatch fails the pull.
 """
@@ -277,10 +278,16 @@ class DirectRead:
             # The plan and the digest's ids may be views of the slot, which the next pull reuses.
             self.plan, self._pages = None, {}
         if self._word:  # the lease was live when we looked: tell P it may release it now
-            try:  # (built on the loop thread: the caller's is on the latency path)
-                self.r.runtime.call_soon(self._post_done, ok, error, nbytes, elapsed)
-            except RuntimeError as e:  # the transceiver is closing: the lease expires instead
-                log.info("ReadDone for %s not sent: %s", self.ticket.request_id, e)
+            t, done = self.ticket, self.access.done
+            if ok and done is not None:  # a few stores: nothing wakes our loop (done_board.py)
+                done.post(
+                    t.lease_slot, t.lease_gen, nbytes, int(elapsed * 1e6), self.access.data_path
+                )
+            else:
+                try:  # (built on the loop thread: the caller's is on the latency path)
+                    self.r.runtime.call_soon(self._post_done, ok, error, nbytes, elapsed)
+                except RuntimeError as e:  # the transceiver is closing: the lease expires instead
+                    log.info("ReadDone for %s not sent: %s", t.request_id, e)
         stats = TransferStats(
             self.ticket.request_id,
             "recv",

@@ -11,9 +11,8 @@ between. A lease that ends during a copy fails that pull; nothing is ever locked
 cannot wedge the other.
 
 Generations come from one counter per board, so a generation names one lease for good (a late
-ReadDone cannot release a later lease of the same request, even in the same slot). P keeps an
-exclusive flock on the board file while it lives; a new board removes the files nobody holds (a
-killed worker cannot remove its own), which works across PID namespaces, unlike a pid check.
+ReadDone cannot release a later lease of the same request, even in the same slot). The file's
+making, mapping and clean-up after killed workers are transfer/shared_file.py's.
 
 Memory order: P writes the fields, then the word, under a lock; D reads the word, the fields, and
 the word again (a torn read counts as "not live"), and its post-copy check reads the word after the
@@ -24,17 +23,13 @@ slot before the worker frees the pages through locks and queues.
 
 from __future__ import annotations
 
-import fcntl
-import glob
 import hashlib
-import mmap
-import os
-import tempfile
 import threading
-import uuid
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+
+from transfer.shared_file import SharedFile, SharedFileUnavailable, map_readonly
 
 _MAGIC = b"DUETLB01"
 _HEADER = 16  # magic, then the slot count (uint64)
@@ -42,8 +37,7 @@ SLOT = np.dtype([("word", "<u8"), ("declared", "<i8"), ("digest", "V16")])  # 32
 _PREFIX = "duet-leases-"
 
 
-class BoardUnavailable(Exception):
-    """The board cannot be made or opened here (no shared memory, another host's path)."""
+BoardUnavailable = SharedFileUnavailable  # the board cannot be made or opened here
 
 
 def lease_digest(request_id: str, page_ids: Mapping[str, Sequence[int]]) -> bytes:
@@ -55,30 +49,6 @@ def lease_digest(request_id: str, page_ids: Mapping[str, Sequence[int]]) -> byte
     return h.digest()
 
 
-def _board_dir() -> str:
-    return "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-
-
-def _remove_dead_boards(directory: str) -> None:
-    """Remove the boards whose owner is gone: a live owner holds an exclusive flock on its file."""
-    for path in glob.glob(os.path.join(directory, _PREFIX + "*")):
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # held: its owner lives
-            continue
-        else:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-        finally:
-            os.close(fd)
-
-
 class LeaseBoard:
     """P's side: makes the board and writes it. Thread-safe: publish runs on the worker's thread,
     retire on whichever thread ends the lease, close at shutdown."""
@@ -86,23 +56,9 @@ class LeaseBoard:
     def __init__(self, num_slots: int) -> None:
         if num_slots < 1:
             raise ValueError("a lease board needs at least one slot")
-        directory = _board_dir()
-        _remove_dead_boards(directory)
-        self.path = os.path.join(directory, f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
-        size = _HEADER + num_slots * SLOT.itemsize
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        except OSError as e:
-            raise BoardUnavailable(f"cannot create the lease board {self.path}: {e}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while we live: see the docstring
-            os.ftruncate(fd, size)
-            self._map = mmap.mmap(fd, size)
-        except OSError as e:
-            os.close(fd)
-            os.unlink(self.path)
-            raise BoardUnavailable(f"cannot map the lease board {self.path}: {e}") from None
-        self._fd = fd
+        self._file = SharedFile(_PREFIX, _HEADER + num_slots * SLOT.itemsize)
+        self.path = self._file.path
+        self._map = self._file.map
         self._map[:_HEADER] = _MAGIC + num_slots.to_bytes(8, "little")
         self.slots = np.frombuffer(self._map, dtype=SLOT, count=num_slots, offset=_HEADER)
         self._words, self._declared, self._digests = (self.slots[f] for f in SLOT.names)
@@ -150,36 +106,18 @@ class LeaseBoard:
                 return
             self._closed = True
             del self.slots, self._words, self._declared, self._digests
-            try:
-                self._map.close()
-            except BufferError:  # a view is still alive somewhere: the unlink still frees it
-                pass
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-            os.close(self._fd)  # drops the flock
+            self._file.close()
 
 
 class LeaseBoardView:
     """D's side: one peer's board, mapped read-only."""
 
     def __init__(self, path: str) -> None:
-        if not os.path.basename(path).startswith(_PREFIX):
-            raise BoardUnavailable(f"{path!r} is not a lease board")
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError as e:
-            raise BoardUnavailable(f"cannot open the peer's lease board: {e}") from None
-        try:
-            size = os.fstat(fd).st_size
-            if size < _HEADER:
-                raise BoardUnavailable(f"the lease board {path} is truncated")
-            self._map = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-        except OSError as e:
-            raise BoardUnavailable(f"cannot map the peer's lease board: {e}") from None
-        finally:
-            os.close(fd)
+        self._map = map_readonly(path, _PREFIX, "lease board")
+        size = len(self._map)
+        if size < _HEADER:
+            self._map.close()
+            raise BoardUnavailable(f"the lease board {path} is truncated")
         magic, count = self._map[:8], int.from_bytes(self._map[8:_HEADER], "little")
         if magic != _MAGIC or size != _HEADER + count * SLOT.itemsize:
             self._map.close()

@@ -1,11 +1,11 @@
 """LeaseTable: the prefill side's pinned requests, and the one place their pages are given back.
 
-A published request holds its pages under a lease until D acks (TransferAck, or ReadDone after a
-direct read), the lease expires, or its transfer fails. ``release`` calls the owner's callback
-exactly once per publish, with the lease (it is where the lease leaves P's lease board and the
-worker frees the pages). A lease that is SERVING (a UCX pull is reading its pages) never expires:
-the serving transfer renews it per chunk and, should it fail, releases it only after its UCX sends
-have ended. A direct read never makes a lease SERVING: D checks the board after its copy instead.
+A published request holds its pages under a lease until D acks (TransferAck, or the end of a
+direct read: read_ends.py), the lease expires, or its transfer fails. ``release`` calls the owner's
+callback exactly once per publish, with the lease (it is where the lease leaves P's lease board
+and the worker frees the pages). A lease that is SERVING (a UCX pull is reading its pages) never
+expires: the serving transfer renews it per chunk and, should it fail, releases it only after its
+UCX sends have ended. A direct read never makes a lease SERVING: D checks the board after its copy instead.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ class LeaseTable:
         self._clock = clock
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
+        self._by_slot: dict[int, Lease] = {}  # the live leases with a lease board slot
         self._ended: OrderedDict[str, str] = OrderedDict()  # request id -> how its lease ended
         self._history = history
 
@@ -72,6 +73,8 @@ class LeaseTable:
                 request_id, page_ids, declared_prompt_len, self._clock() + lease_s, slot, gen
             )
             self._leases[request_id] = lease
+            if slot >= 0:
+                self._by_slot[slot] = lease
             return lease
 
     def __len__(self) -> int:
@@ -80,6 +83,11 @@ class LeaseTable:
     def get(self, request_id: str) -> Lease | None:
         with self._lock:
             return self._leases.get(request_id)
+
+    def by_slot(self, slot: int) -> Lease | None:
+        """The live lease in lease board slot ``slot``, if any."""
+        with self._lock:
+            return self._by_slot.get(slot)
 
     def why_missing(self, request_id: str) -> tuple[str, str]:
         """(code, reason) for a request that has no lease: expired, released, or unknown."""
@@ -124,6 +132,8 @@ class LeaseTable:
             if lease is None or (lease.state is LeaseState.SERVING and not force):
                 return False
             del self._leases[request_id]
+            if self._by_slot.get(lease.slot) is lease:
+                del self._by_slot[lease.slot]
             self._ended[request_id] = how
             while len(self._ended) > self._history:
                 self._ended.popitem(last=False)

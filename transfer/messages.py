@@ -6,9 +6,10 @@ missing or extra field, or a field of the wrong type raises TransferProtocolErro
 anything that is not msgpack at all; nothing else ever escapes it.
 
 Conversation (D = decode worker, which pulls; P = prefill worker, which serves):
-    D -> P  Hello            page table, UCX worker address, chunk size
+    D -> P  Hello            page table, UCX worker address, chunk size, D's done board
     P -> D  HelloReply       the same from P, plus P's pool export and lease board (ipc.py,
-                             lease_board.py) for a same-host peer, or an error (compatibility hash)
+                             lease_board.py) for a same-host peer and whether it opened D's done
+                             board (done_board.py), or an error (compatibility hash)
   A pull over UCX:
     D -> P  PullRequest      request id, pull id, page ids on both sides, D's plan (chunks, bytes),
                              and the chunks D has already posted receives for (credits)
@@ -19,7 +20,9 @@ Conversation (D = decode worker, which pulls; P = prefill worker, which serves):
     D -> P  TransferAck      ok, or the reason D failed the transfer; P releases the pages
   A direct read (D opened P's pools, direct_read.py): D checks the lease on P's board, copies P's
   pages into its own and checks the board again; no message until then.
-    D -> P  ReadDone         ok (bytes, time) or the reason it failed; P releases the pages
+    (no message)             a read that succeeded is a record on D's done board, which P polls
+    D -> P  ReadDone         a read that failed, with the reason (or any read, when P did not
+                             open the done board); P releases the pages
   Either way:
     either  Reject           a message of the peer could not be decoded
 """
@@ -79,6 +82,8 @@ class Hello:
     page_table: PageTable
     ucx_address: bytes
     chunk_bytes: int
+    # The path of D's done board for this link (done_board.py), or "" (D then sends ReadDone).
+    done_board: str = ""
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,8 @@ class HelloReply:
     error: str  # "" when P accepts the peer
     pool_export: bytes  # ipc.IpcExport.to_wire(), or b"" when P offers no direct reads
     lease_board: str  # the path of P's lease board, or "" (with pool_export)
+    # P mapped D's done board (Hello.done_board) and reads direct reads' ends from it.
+    done_board_open: bool = False
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from transfer.control import ChannelClosed, ControlChannel
+from transfer.done_board import DoneBoard, DoneBoardUnavailable, DoneBoardView
 from transfer.lease_board import LeaseBoardView
 from transfer.messages import Hello, HelloReply, Message
 from transfer.page_table import PageTable
@@ -51,6 +52,8 @@ class DirectAccess:
     copies: dict[tuple[str, str], Any] = field(default_factory=dict)
     # Their C launches (DirectCopier.start_pages): made on the first read, False if unservable.
     route: Any = None
+    # Our done board for this link, when P opened it (a read that succeeded is posted there).
+    done: DoneBoard | None = None
 
 
 # D side: P's HelloReply -> its pools and board opened here, or None to stay on UCX.
@@ -66,6 +69,8 @@ class PeerLink:
         self.closed_reason: str | None = None
         # D side of a direct link: P's pools and lease board, opened in this process.
         self.access: DirectAccess | None = None
+        # P side: the peer's done board, mapped here (done_board.py).
+        self.done: DoneBoardView | None = None
         self._on_closed: list[Callable[[str], None]] = []
         loop = asyncio.get_running_loop()
         # UCX calls this from its progress thread when the endpoint fails (peer died).
@@ -150,10 +155,12 @@ async def connect(
     timeout: float,
     counters: TransferCounters,
     open_direct: OpenDirect | None = None,
+    done: DoneBoard | None = None,
 ) -> PeerLink:
     """D side: open the control connection, exchange Hello/HelloReply, connect UCX, and with
-    ``open_direct`` try P's pools for direct reads. Raises PeerRefused, or
-    ConnectionError/TimeoutError when P cannot be reached within ``timeout``."""
+    ``open_direct`` try P's pools for direct reads; ``done`` is the done board ``hello`` names,
+    kept in the link's access when P opened it. Raises PeerRefused, or ConnectionError/
+    TimeoutError when P cannot be reached within ``timeout``."""
     name = f"link to {host}:{port}"
     reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
     channel = ControlChannel(reader, writer, name, counters)
@@ -175,6 +182,8 @@ async def connect(
             direct = None
             if open_direct is not None and reply.pool_export:
                 direct = await asyncio.wait_for(open_direct(reply), timeout)
+            if direct is not None and reply.done_board_open:
+                direct.done = done
         except BaseException:
             endpoint.abort()
             raise
@@ -196,8 +205,9 @@ async def accept(
     timeout: float,
     counters: TransferCounters,
 ) -> PeerLink | None:
-    """P side: answer one incoming Hello with ``own``. Returns None (after telling the peer why)
-    when the peer is refused or the handshake fails."""
+    """P side: answer one incoming Hello with ``own``, mapping the peer's done board when it
+    names one and ``own`` offers direct reads (``link.done``). Returns None (after telling the
+    peer why) when the peer is refused or the handshake fails."""
     peername = writer.get_extra_info("peername")
     channel = ControlChannel(reader, writer, f"link from {peername}", counters)
     try:
@@ -210,13 +220,31 @@ async def accept(
             await channel.send(_refusal(own, problem), timeout)
             raise PeerRefused(problem)
         endpoint = await asyncio.wait_for(runtime.create_endpoint(hello.ucx_address), timeout)
-        await channel.send(own, timeout)
+        done = _open_done(hello.done_board, channel.name) if own.pool_export else None
+        try:
+            await channel.send(dataclasses.replace(own, done_board_open=done is not None), timeout)
+        except BaseException:
+            if done is not None:
+                done.close()
+            raise
     except (PeerRefused, ConnectionError, asyncio.TimeoutError) as e:
         log.warning("%s: handshake refused or failed: %s", channel.name, e)
         channel.close(f"handshake failed: {e}")
         return None
     info = PeerInfo(hello.instance_id, hello.page_table, min(hello.chunk_bytes, own.chunk_bytes))
-    return PeerLink(channel, endpoint, info, f"link from {peername} (instance {hello.instance_id})")
+    link = PeerLink(channel, endpoint, info, f"link from {peername} (instance {hello.instance_id})")
+    link.done = done
+    return link
+
+
+def _open_done(path: str, name: str) -> DoneBoardView | None:
+    if not path:
+        return None
+    try:
+        return DoneBoardView(path)
+    except DoneBoardUnavailable as e:  # another host, say: the peer then sends ReadDone
+        log.info("%s: not reading the peer's done board (%s)", name, e)
+        return None
 
 
 def _refusal(own: HelloReply, problem: str) -> HelloReply:

@@ -36,6 +36,7 @@ from kvcache.spec import PoolGroupSpec
 from transfer.config import TransceiverConfig
 from transfer.direct_copy import DirectCopier, slot_capacity
 from transfer.direct_read import DirectRead
+from transfer.done_board import DoneBoard, DoneBoardUnavailable
 from transfer.ipc import IpcExport, IpcUnavailable, host_identity, open_pools, warm_up
 from transfer.lease_board import BoardUnavailable, LeaseBoardView
 from transfer.messages import (
@@ -223,12 +224,18 @@ class KVReceiver(TransceiverSide):
             return link
 
     async def _connect(self, ticket: TransferTicket) -> PeerLink:
+        done = self._new_done_board() if self.config.direct_copy else None
         hello = Hello(
-            self.instance_id, self.page_table, self.runtime.worker_address, self.chunk_bytes
+            self.instance_id,
+            self.page_table,
+            self.runtime.worker_address,
+            self.chunk_bytes,
+            done.path if done is not None else "",
         )
         timeout = self.config.connect_deadline_s
+        link: PeerLink | None = None
         try:
-            return await connect(
+            link = await connect(
                 self.runtime,
                 ticket.host,
                 ticket.port,
@@ -236,6 +243,7 @@ class KVReceiver(TransceiverSide):
                 timeout,
                 self.book.counters,
                 self._open_direct if self.config.direct_copy else None,
+                done,
             )
         except PeerRefused as e:
             raise PullFailed(str(e)) from None
@@ -245,6 +253,21 @@ class KVReceiver(TransceiverSide):
             ) from None
         except OSError as e:
             raise PullFailed(f"cannot connect to {ticket.host}:{ticket.port}: {e}") from None
+        finally:
+            used = link is not None and link.access is not None and link.access.done is done
+            if done is not None and not used:
+                done.close()  # the handshake failed, or P reads no board of ours
+        if done is not None and used:
+            link.add_close_listener(lambda _reason: done.close())  # a later post does nothing
+        return link
+
+    @staticmethod
+    def _new_done_board() -> DoneBoard | None:
+        try:
+            return DoneBoard()
+        except DoneBoardUnavailable as e:
+            log.info("no done board (%s): direct reads end with ReadDone messages", e)
+            return None
 
     async def _open_direct(self, reply: HelloReply) -> DirectAccess | None:
         """P's pools and lease board opened here for direct reads, or None (the link uses UCX)."""

@@ -12,7 +12,8 @@ thread-safe (hand the id to the worker's own loop). Serving pulls happens in the
 
 With ``direct_copy`` every lease is also put on a lease board in shared memory (lease_board.py), and
 the pools are exported in the handshake (ipc.py): a decode worker that can open them reads the pages
-itself and only tells us afterwards (ReadDone), so such pulls cost this side no work at all.
+itself and only tells us afterwards (a record on its done board, or ReadDone: read_ends.py), so
+such pulls cost this side no work at all.
 """
 
 from __future__ import annotations
@@ -45,9 +46,9 @@ from transfer.messages import (
 )
 from transfer.peer import PeerLink, accept
 from transfer.plan import build_plan
+from transfer.read_ends import ReadEnds
 from transfer.serve import ServeSession, drain, settle
 from transfer.side import TransceiverSide
-from transfer.stats import TransferStats
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class KVSender(TransceiverSide):
         super().__init__(buffers, specs, model, config)
         self._release = release
         self.leases = LeaseTable(self._released)
+        self.read_ends = ReadEnds(self.leases, self.book)
         self._links: set[PeerLink] = set()
         self._sessions: dict[int, ServeSession] = {}  # pull id -> session
         self._session_tasks: set[asyncio.Task] = set()
@@ -130,6 +132,7 @@ class KVSender(TransceiverSide):
             self._on_connect, self.config.host, self.config.port
         )
         self._reaper = asyncio.ensure_future(self._reap())
+        self._read_ends_task = asyncio.ensure_future(self.read_ends.run())
         host, port = self._server.sockets[0].getsockname()[:2]
         return host, port
 
@@ -197,6 +200,7 @@ class KVSender(TransceiverSide):
 
     async def _stop(self) -> None:
         self._reaper.cancel()
+        self._read_ends_task.cancel()
         self._server.close()
         for link in list(self._links):
             link.abort("sender closing")
@@ -230,6 +234,7 @@ class KVSender(TransceiverSide):
             return
         self._links.add(link)
         link.add_close_listener(lambda _reason: self._links.discard(link))
+        self.read_ends.add_link(link)
         link.start(lambda msg: self._on_message(link, msg))
 
     def _on_message(self, link: PeerLink, msg: Message) -> None:
@@ -246,7 +251,7 @@ class KVSender(TransceiverSide):
         elif isinstance(msg, TransferAck):
             self._on_ack(msg)
         elif isinstance(msg, ReadDone):
-            self._on_read_done(msg)
+            self.read_ends.on_read_done(msg)
         elif isinstance(msg, Reject):
             log.warning("%s rejected a message of ours: %s", link.name, msg.reason)
         else:
@@ -260,27 +265,6 @@ class KVSender(TransceiverSide):
         how = "acked" if ack.ok else f"decode side failed the transfer: {ack.error}"
         if not self.leases.release(ack.request_id, how):
             log.info("late ack for %s dropped: its lease already ended", ack.request_id)
-
-    def _on_read_done(self, msg: ReadDone) -> None:
-        """A decode worker read a lease's pages itself (direct_read.py), or gave up."""
-        lease = self.leases.get(msg.request_id)
-        if lease is None or lease.gen != msg.lease_gen or lease.slot < 0:
-            log.info("late ReadDone for %s dropped: its lease already ended", msg.request_id)
-            return
-        how = "read directly" if msg.ok else f"decode side failed the transfer: {msg.error}"
-        if self.leases.release(msg.request_id, how):
-            self.book.record(
-                TransferStats(
-                    msg.request_id,
-                    "send",
-                    msg.total_bytes if msg.ok else 0,
-                    1,
-                    msg.micros / 1e6,
-                    msg.ok,
-                    msg.error,
-                    msg.data_path,
-                )
-            )
 
     def _start_serving(self, link: PeerLink, req: PullRequest) -> None:
         problem = self._check_pull(link, req)

@@ -33,10 +33,11 @@ class TransferConfig(Section):
     direct_copy: bool = Field(
         True,
         description=(
-            "When a prefill and a decode worker run on GPUs of one host, the decode worker "
-            "reads the prefill worker's KV pages itself through CUDA IPC (one copy kernel over "
-            "NVLink, checked against the prefill worker's lease board in shared memory) instead "
-            "of receiving them through UCX. Other pairs use UCX either way."
+            "When a prefill and a decode worker run on one host, the decode worker reads the "
+            "prefill worker's KV pages itself (GPUs: through CUDA IPC, one copy kernel over "
+            "NVLink; CPU: through shared memory, the prefill worker's pools moved into /dev/shm "
+            "at start), checked against the prefill worker's lease board in shared memory, "
+            "instead of receiving them through UCX. Other pairs use UCX either way."
         ),
     )
     lease_s: float = Field(

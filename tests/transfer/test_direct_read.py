@@ -18,7 +18,9 @@ import pytest
 import torch
 
 import transfer.direct_read
+import transfer.done_board
 import transfer.ipc
+import transfer.peer
 import transfer.receiver
 from tests.transfer.conftest import KVSide, config, specs
 from tests.transfer.test_transfer_local import Pair, checked_pair, wait_until
@@ -173,7 +175,7 @@ def test_a_late_read_done_cannot_release_a_later_lease_of_the_same_request(direc
 
 
 async def _deliver(pair: Pair, msg: ReadDone) -> None:
-    pair.sender._on_read_done(msg)  # as if it came over a link, on the transceiver's loop
+    pair.sender.read_ends.on_read_done(msg)  # as if it came over a link, on the transceiver's loop
 
 
 def test_a_copy_past_its_deadline_fails_the_pull_and_p_gets_its_pages(
@@ -296,3 +298,40 @@ def test_host_pools_open_from_their_files_and_refuse_what_does_not_fit(monkeypat
             },
             share=True,
         )
+
+
+def test_a_read_that_succeeds_sends_no_message_and_one_that_fails_says_why(
+    direct: Pair, monkeypatch
+) -> None:
+    """Success is a record on D's done board, which P polls; a failure is ReadDone with the
+    reason, which P records."""
+    posted: list[object] = []
+    real_post = transfer.peer.PeerLink.post
+    monkeypatch.setattr(
+        transfer.peer.PeerLink, "post", lambda self, msg: (posted.append(msg), real_post(self, msg))
+    )
+    result, _, _ = pull(direct, "n1", 12)
+    assert result.ok, result.error
+    wait_until(lambda: direct.p.released == ["n1"])
+    assert posted == []
+    direct.d.free("n1")
+    result, _, _ = pull(direct, "n2", 12, expected=13)
+    assert not result.ok
+    wait_until(lambda: direct.p.released == ["n1", "n2"])
+    assert [type(m).__name__ for m in posted] == ["ReadDone"]
+    failed = [s for s in direct.sender.drain_transfer_stats() if not s.ok]
+    assert len(failed) == 1 and "declared history mismatch" in failed[0].error
+    direct.d.free("n2")
+
+
+def test_without_p_reading_the_done_board_reads_end_with_read_done(monkeypatch) -> None:
+    def refuse(path: str) -> None:
+        raise transfer.done_board.DoneBoardUnavailable("not here")
+
+    monkeypatch.setattr(transfer.peer, "DoneBoardView", refuse)
+    with checked_pair(config(direct_copy=True)) as pair:
+        result, src, dst = pull(pair, "r1", 12)
+        assert result.ok and result.stats.path == "local"
+        assert same_pages(pair, src, dst)
+        wait_until(lambda: pair.p.released == ["r1"])  # by ReadDone
+        pair.d.free("r1")

@@ -31,8 +31,9 @@ from transfer.version import PROTOCOL_VERSION
 TABLE = PageTable.from_specs(MODEL, specs(two_groups=True))
 SAMPLES = [
     Hello("inst", TABLE, b"\x00ucx-address", 4096),
+    Hello("inst", TABLE, b"\x00ucx-address", 4096, "/dev/shm/duet-done-1-ab"),
     HelloReply("inst", TABLE, b"addr", 1024, "compatibility hash mismatch", b"", ""),
-    HelloReply("inst", TABLE, b"addr", 1024, "", b"\x93export", "/dev/shm/duet-leases-1-ab"),
+    HelloReply("inst", TABLE, b"addr", 1024, "", b"\x93export", "/dev/shm/duet-leases-1-ab", True),
     PullRequest(
         "req",
         2**63 - 1,
@@ -128,6 +129,7 @@ def test_bad_page_table_in_hello_is_rejected() -> None:
         "page_table": wire,
         "ucx_address": b"a",
         "chunk_bytes": 1,
+        "done_board": "",
     }
     with pytest.raises(
         TransferProtocolError, match="Hello.page_table: page table pool field 'page_bytes'"

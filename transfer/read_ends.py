@@ -1,0 +1,86 @@
+"""ReadEnds: the prefill side's view of how direct reads end (direct_read.py), and the lease
+releases that follow: ReadDone messages, and the records of decode workers' done boards
+(done_board.py), which it polls on the loop thread while leases are live.
+
+Polling costs P a timer and a read of one word per linked decode worker every ``POLL_S``; it saves
+every direct read a wake-up of D's event loop and a message (docs/benchmarks/transfer.md). With
+no lease live it slows to ``IDLE_POLL_S``, so a lease published meanwhile is released at most that
+much later; leases last seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from transfer.leases import LeaseTable
+from transfer.messages import ReadDone
+from transfer.peer import PeerLink
+from transfer.stats import StatsBook, TransferStats
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.001
+IDLE_POLL_S = 0.05
+
+
+class ReadEnds:
+    """Loop thread only."""
+
+    def __init__(self, leases: LeaseTable, book: StatsBook) -> None:
+        self.leases = leases
+        self.book = book
+        self._links: set[PeerLink] = set()
+
+    def add_link(self, link: PeerLink) -> None:
+        """Read ``link``'s done board (if the handshake opened one) until the link closes."""
+        if link.done is None:
+            return
+        self._links.add(link)
+
+        def closed(_reason: str) -> None:  # what D wrote before it went is still honoured
+            self._links.discard(link)
+            board, link.done = link.done, None
+            if board is not None:
+                self._drain(link.name, board)
+                board.close()
+
+        link.add_close_listener(closed)
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(POLL_S if len(self.leases) else IDLE_POLL_S)
+            for link in list(self._links):
+                if link.done is not None:
+                    self._drain(link.name, link.done)
+
+    def _drain(self, name: str, board) -> None:  # noqa: ANN001  (a DoneBoardView)
+        records, lost = board.drain()
+        if lost:
+            log.warning("%s: %d done-board records were overwritten unread", name, lost)
+        for slot, gen, nbytes, micros, path in records:
+            lease = self.leases.by_slot(slot)
+            if lease is None or lease.gen != gen:
+                log.info("late done-board record for slot %d dropped: its lease ended", slot)
+                continue
+            self.finished(lease.request_id, gen, True, "", nbytes, micros, path)
+
+    def on_read_done(self, msg: ReadDone) -> None:
+        self.finished(
+            msg.request_id, msg.lease_gen, msg.ok, msg.error, msg.total_bytes, msg.micros,
+            msg.data_path,
+        )  # fmt: skip
+
+    def finished(
+        self, rid: str, gen: int, ok: bool, error: str, nbytes: int, micros: int, path: str
+    ) -> None:
+        """A decode worker read lease ``gen`` of ``rid`` itself, or gave up: release it."""
+        lease = self.leases.get(rid)
+        if lease is None or lease.gen != gen or lease.slot < 0:
+            log.info("late end of a direct read of %s dropped: its lease already ended", rid)
+            return
+        how = "read directly" if ok else f"decode side failed the transfer: {error}"
+        if self.leases.release(rid, how):
+            self.book.record(
+                TransferStats(rid, "send", nbytes if ok else 0, 1, micros / 1e6, ok, error, path)
+            )
