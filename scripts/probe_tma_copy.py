@@ -12,16 +12,17 @@ does), median of --repeats; a variant that fails to compile prints its error and
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from probe_read_path import device_ms as device_ms_on  # noqa: E402
 
 from kernels.page_copy_triton import PreparedCopy  # noqa: E402
 
@@ -104,27 +105,16 @@ def _plain_looped(
         tl.store(dst_ptr + d * row_elems + offs, x)
 
 
-def device_ms(fn, repeats: int) -> float:
-    out = []
-    for rep in range(repeats + 1):
-        torch.cuda.synchronize(1)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(2_000_000)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        if rep:
-            out.append(a.elapsed_time(b))
-    return statistics.median(out)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[16, 64, 256, 1024])
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args()
     torch.cuda.set_device(1)
+
+    def device_ms(fn, repeats: int) -> float:
+        return device_ms_on(fn, repeats, 1)
+
     triton.set_allocator(
         lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda:1")
     )

@@ -6,7 +6,6 @@ a clear result within the deadline, and a P whose pools cannot be shared is pull
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 
 import pytest
@@ -15,7 +14,7 @@ import torch
 from tests.transfer.conftest import KVSide, config, specs
 from tests.transfer.peer_process import run_prefill
 from tests.transfer.test_transfer_local import wait_until
-from tests.transfer.test_transfer_processes import Peer, as_tensor
+from tests.transfer.test_transfer_processes import Peer, as_tensor, concurrent_pulls
 from transfer import KVReceiver, TransferResult
 
 pytestmark = pytest.mark.timeout(120)
@@ -73,27 +72,8 @@ def test_concurrent_reads_do_not_mix(decode_side) -> None:
     side, receiver = decode_side
     peer = start_peer(33)
     try:
-        sizes = {f"c{i}": 4 + 4 * (i % 7) for i in range(30)}
-        published = {rid: peer.ask("publish", rid, n) for rid, n in sizes.items()}
-        dsts = {rid: side.allocate(rid, n) for rid, n in sizes.items()}
-        results: dict[str, TransferResult] = {}
-
-        def run(rid: str) -> None:
-            results[rid] = receiver.pull_blocking(published[rid][0], dsts[rid], 0, sizes[rid])
-
-        threads = [threading.Thread(target=run, args=(rid,)) for rid in sizes]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert len(results) == len(sizes)
-        assert all(r.ok and r.stats.path == "host_shm" for r in results.values()), [
-            r.error for r in results.values() if not r.ok
-        ]
-        for rid, (_, sent) in published.items():
-            for group, got in side.pages_of(dsts[rid]).items():
-                assert torch.equal(got, as_tensor(sent[group], got)), (rid, group)
-            side.free(rid)
+        results = concurrent_pulls(peer, side, receiver, "c", 30)
+        assert {r.stats.path for r in results.values()} == {"host_shm"}
         wait_until(lambda: released_all(peer))
     finally:
         peer.close()

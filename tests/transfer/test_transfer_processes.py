@@ -108,10 +108,13 @@ def test_request_larger_than_the_staging_buffer_goes_in_chunks(
     assert prefill_peer.ask("state")["stats"]["expired_leases"] == 0  # acks freed them
 
 
-def test_fifty_concurrent_transfers_between_processes(prefill_peer: Peer, decode_side) -> None:
-    side, receiver = decode_side
-    sizes = {f"y{i}": 4 + 4 * (i % 7) for i in range(50)}
-    published = {rid: prefill_peer.ask("publish", rid, n) for rid, n in sizes.items()}
+def concurrent_pulls(
+    peer: Peer, side: KVSide, receiver: KVReceiver, prefix: str, count: int
+) -> dict[str, TransferResult]:
+    """``count`` requests of 4 to 28 tokens published by ``peer``, pulled all at once from as
+    many threads; every one must arrive exact in its own pages (then freed). Returns the results."""
+    sizes = {f"{prefix}{i}": 4 + 4 * (i % 7) for i in range(count)}
+    published = {rid: peer.ask("publish", rid, n) for rid, n in sizes.items()}
     dsts = {rid: side.allocate(rid, n) for rid, n in sizes.items()}
     results: dict[str, TransferResult] = {}
 
@@ -123,12 +126,19 @@ def test_fifty_concurrent_transfers_between_processes(prefill_peer: Peer, decode
         t.start()
     for t in threads:
         t.join(60)
+    assert len(results) == count
     assert all(r.ok for r in results.values()), [r.error for r in results.values() if not r.ok]
     for rid, (_, sent) in published.items():
-        got = side.pages_of(dsts[rid])["full"]
-        assert torch.equal(got, as_tensor(sent["full"], got)), rid
+        for group, got in side.pages_of(dsts[rid]).items():
+            assert torch.equal(got, as_tensor(sent[group], got)), (rid, group)
         side.free(rid)
-    wait_until(lambda: set(sizes) <= set(prefill_peer.ask("state")["released"]))
+    return results
+
+
+def test_fifty_concurrent_transfers_between_processes(prefill_peer: Peer, decode_side) -> None:
+    side, receiver = decode_side
+    results = concurrent_pulls(prefill_peer, side, receiver, "y", 50)
+    wait_until(lambda: set(results) <= set(prefill_peer.ask("state")["released"]))
 
 
 def test_prefill_process_killed_mid_transfer(prefill_peer: Peer) -> None:
