@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import os
+
 import torch
 
 from kvcache.spec import PoolGroupSpec
@@ -12,8 +15,35 @@ def allocate_buffers(specs: list[PoolGroupSpec], device: torch.device) -> dict[s
 
     Zeroed, not empty: kernels read whole pages and mask by length, and masked garbage that happens to
     be NaN would still poison ``0 * v`` in the weighted sum.
+
+    Host pools live in anonymous shared memory (``shared_zeros``), so that a decode worker of the
+    same host can read a prefill worker's pages (transfer/ipc.py) without the pools being copied.
     """
+    if device.type == "cpu":
+        return {s.name: shared_zeros(s.buffer_shape, s.dtype, s.name) for s in specs}
     return {s.name: torch.zeros(s.buffer_shape, dtype=s.dtype, device=device) for s in specs}
+
+
+def shared_zeros(shape: tuple[int, ...], dtype: torch.dtype, name: str) -> torch.Tensor:
+    """A zeroed host tensor in a memfd file (Linux): shared memory another process of this user can
+    map through /proc/<pid>/fd, with no name in /dev/shm and no limit but the host's memory (a
+    /dev/shm file would compete with Ray's object store for that mount). Pages are taken when
+    first written, as for any zeroed allocation. Plain host memory where memfd is missing."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0 or not hasattr(os, "memfd_create"):
+        return torch.zeros(shape, dtype=dtype)
+    try:
+        fd = os.memfd_create(f"duet-kv-{name}", os.MFD_CLOEXEC)
+    except OSError:
+        return torch.zeros(shape, dtype=dtype)
+    try:
+        os.ftruncate(fd, nbytes)
+        storage = torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)  # maps it; keeps a dup
+    except (OSError, RuntimeError):
+        return torch.zeros(shape, dtype=dtype)
+    finally:
+        os.close(fd)
+    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
 
 
 def layer_views(

@@ -34,7 +34,7 @@ class TransceiverConfig:
     """Send / receive a chunk that is one page run on both sides straight from / into the pool,
     without a staging copy. (Runs longer than a staging buffer always go straight.)"""
     direct_copy: bool = True
-    """P offers its pools (CUDA IPC on GPUs; on the CPU, the pools moved into /dev/shm) and its
+    """P offers its pools (CUDA IPC on GPUs; on the CPU, the pools' shared-memory files) and its
     lease board in the handshake; a decode side that can open them (two GPUs of one host, two
     processes of one host on the CPU, or one process) reads each request's pages itself with one
     copy instead of receiving them through UCX (transfer/direct_read.py). Links where it cannot

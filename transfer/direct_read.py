@@ -4,7 +4,7 @@
     ticket's pages mapped onto ours (compatibility, pools, counts, ids in range, no page twice),
     and P's lease board (the lease is live, names exactly the ticket's request and pages, and P
     declares the expected prompt length) -> the copy ends -> the board again: the same lease is
-    still live -> ReadDone to P in the background (P releases its pages).
+    still live -> a record on our done board, which P polls (P releases its pages).
 
 The checks run while the copy runs, to keep them off the latency path; that is as safe as checking
 first. The copy kernel skips any page id outside either pool or naming the null page, so unchecked
@@ -83,6 +83,7 @@ class DirectRead:
 
     async def run(self) -> TransferResult:
         """The read, waiting for the copy without blocking the caller's event loop."""
+        host_copy: asyncio.Future | None = None
         try:
             if self.r.rows_on_gpu:
                 problem = self._start()
@@ -90,14 +91,18 @@ class DirectRead:
                 problem = self._start(copy=False)
                 if problem is None:
                     assert self.plan is not None
-                    await asyncio.get_running_loop().run_in_executor(
+                    host_copy = asyncio.get_running_loop().run_in_executor(
                         self.r.runtime.copy_executor, self._launch, self.plan
                     )
+                    await asyncio.shield(host_copy)
             copied = await wait_copy(self._copy, self.r.config.chunk_deadline_s)
             return self._finish(copied, problem)
         except PullFailed as e:
             return self._fail(str(e))
         except asyncio.CancelledError:  # the caller gave up: P gets its pages back now
+            if host_copy is not None and not host_copy.done():
+                # Not before the copy into our pages has ended: the caller frees them next.
+                await asyncio.wait([host_copy])
             self._fail("the pull was cancelled")
             raise
         except Exception as e:  # a bug or a device error: still fence the copy and tell P

@@ -10,9 +10,9 @@ on the caller's thread: no wake-up of D's event loop, which would take the GIL f
 P logs; so does a link whose P could not open the board.
 
 The board is a ring of records and a count of records ever written, stored after the record
-(D writes under a lock; P reads the count, the records, then the count again, and drops any
-record that may have been overwritten meanwhile). A record P never sees only delays that lease
-until it expires. Generations name one lease for good, so a stale record releases nothing.
+(D writes under a lock; P reads the count, the records, then the count again, and drops, counted
+as lost, any record D may have been overwriting meanwhile). A record P never sees only delays
+that lease until it expires. Generations name one lease for good, so a stale record releases nothing.
 Memory order is lease_board.py's: stores become visible in order (x86-64).
 """
 
@@ -94,8 +94,9 @@ class DoneBoardView:
         first = max(self._seen, count - cap)
         lost = first - self._seen
         got = self._records[np.arange(first, count) % cap].copy() if count > first else None
-        # Records D may have overwritten while we copied them are not trusted.
-        valid_from = max(first, int(self._count[0]) - cap)
+        # Not trusted: records D may have overwritten while we copied them, including the one it
+        # may be writing now (record n is written into n - cap's place before the count says n + 1).
+        valid_from = max(first, int(self._count[0]) - cap + 1)
         lost += valid_from - first
         self._seen = count
         if got is None:

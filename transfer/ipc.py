@@ -16,10 +16,11 @@ reads from its own GPU (the read kernel runs at a peer copy's speed: docs/benchm
 
 CUDA IPC needs P's GPU visible to the decode process (the cluster starts GPU workers with all of the
 node's GPUs visible, see cluster/builder.py) and the same OS instance (``host_identity``). Host
-pools are moved into shared memory when P exports them (torch's file_descriptor sharing: an
-unlinked /dev/shm file per storage, which D opens through /proc/<pid>/fd, so the same user on the
-same host), which needs room in /dev/shm; without it, or when a pool cannot be opened, the link
-stays on UCX and the handshake says why in the log.
+pools are shared as files: memfd files from the start for the pools of kvcache.allocate_buffers,
+anything else moved into an unlinked /dev/shm file when P exports it (which needs room there). D
+opens them through /proc/<pid>/fd (the same user, host and PID namespace), checks that each is the
+very file P exported, and maps it read-only. When a pool cannot be shared or opened the link stays
+on UCX, and the handshake says why in the log.
 """
 
 from __future__ import annotations
@@ -27,10 +28,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import mmap
 import os
+import re
 import socket
+import stat
 import threading
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -52,6 +57,9 @@ FIRST_ROW = NULL_PAGE + 1
 
 SHM_DIR = "/dev/shm"  # where torch's sharing of host memory puts its files (shm_open)
 SHM_HEADROOM = 256 << 20
+
+# A host pool's handle: P's fd number, the file's device and inode, P's PID namespace.
+_HOST_HANDLE = re.compile(rb"(\d+):(\d+):(\d+):(\d+)")
 
 _REGISTRY: dict[int, dict[str, torch.Tensor]] = {}  # export key -> rows, this process only
 _REGISTRY_LOCK = threading.Lock()
@@ -76,9 +84,10 @@ def host_identity() -> str:
 @dataclass(frozen=True)
 class IpcPool:
     """One pool's storage as another process opens it, and where the pool lies in it. GPU pools:
-    the fields of torch's ``_share_cuda_``. Host pools: ``handle`` is the number of P's file
-    descriptor of the shared-memory file (torch's ``_share_fd_cpu_``), opened through /proc; both
-    offsets are 0 and ``ref_counter_handle`` is empty."""
+    the fields of torch's ``_share_cuda_``. Host pools: ``handle`` is ``fd:dev:inode:pidns``, P's
+    file descriptor of the pool's shared-memory file (torch's ``_share_fd_cpu_``), which D opens
+    through /proc and checks by device and inode, and P's PID namespace; both offsets are 0 and
+    ``ref_counter_handle`` is empty."""
 
     name: str
     handle: bytes
@@ -135,9 +144,10 @@ _POOL_FIELDS = {
 def export_pools(rows: Mapping[str, torch.Tensor], share: bool) -> IpcExport:
     """Export P's pool rows ([num_pages, page_bytes] uint8 views). Registered in this process (so
     a decode side here can read them) until ``unexport``; with ``share``, also for other
-    processes of this host: CUDA IPC handles of GPU pools, shared-memory files for host pools
-    (which moves the pools' storage there, in place: tensors viewing it keep working, raw
-    addresses taken before do not). Raises IpcUnavailable if that fails."""
+    processes of this host: CUDA IPC handles of GPU pools, shared-memory files for host pools.
+    Host pools that are not in one already (kvcache's are memfd files) are moved into /dev/shm in
+    place: tensors viewing them keep working, raw addresses taken before do not, and nothing may
+    write them meanwhile. Raises IpcUnavailable if sharing fails."""
     first = next(iter(rows.values())).device
     on_gpu = first.type == "cuda"
     device = str(torch.cuda.get_device_properties(first).uuid) if on_gpu else "cpu"
@@ -184,35 +194,46 @@ def _share_gpu_pools(rows: Mapping[str, torch.Tensor]) -> tuple[IpcPool, ...]:
 
 
 def _share_host_pools(rows: Mapping[str, torch.Tensor]) -> tuple[IpcPool, ...]:
-    # Pools may share one storage: each storage moves once.
+    # Pools may share one storage: each storage is shared once.
     storages = {r.untyped_storage().data_ptr(): r.untyped_storage() for r in rows.values()}
+    # The pools of kvcache.allocate_buffers are memfd files already; others (tests, tools) are
+    # moved into /dev/shm here, in place. tmpfs pages are only taken when written: a copy into a
+    # file larger than the room left would end in SIGBUS, not in an error, so the room is checked
+    # first (with a margin for whatever else of this host writes there meanwhile).
     unshared = sum(s.nbytes() for s in storages.values() if not s.is_shared())
-    free = _shm_free_bytes()
-    # tmpfs pages are only taken when written: a copy into a file larger than the room left
-    # would end in SIGBUS, not in an error, so the room is checked first (with a margin for
-    # whatever else of this host writes there meanwhile).
-    if unshared and unshared + SHM_HEADROOM > free:
-        raise IpcUnavailable(
-            f"{unshared / 2**20:.0f} MiB of host pools do not fit in {SHM_DIR} "
-            f"({free / 2**20:.0f} MiB free, {SHM_HEADROOM / 2**20:.0f} MiB kept spare)"
-        )
-    fds = {}
+    if unshared:
+        free = _shm_free_bytes()
+        if unshared + SHM_HEADROOM > free:
+            raise IpcUnavailable(
+                f"{unshared / 2**20:.0f} MiB of host pools do not fit in {SHM_DIR} "
+                f"({free / 2**20:.0f} MiB free, {SHM_HEADROOM / 2**20:.0f} MiB kept spare)"
+            )
+    namespace = _pid_namespace()
+    handles = {}
     for storage in storages.values():
         try:
-            # torch's file_descriptor sharing: the file is unlinked at once and lives as long as
-            # an fd or a mapping of it, so nothing is left in /dev/shm when P dies, and no
-            # manager process is started (one would inherit our fds).
+            # torch's file_descriptor sharing: an unlinked file that lives as long as an fd or a
+            # mapping of it (nothing is left behind when P dies, and no manager process starts).
             fd, size = storage._share_fd_cpu_()
+            st = os.fstat(fd)
         except Exception as e:  # e.g. shared already by file name
-            raise IpcUnavailable(f"cannot move host pools to shared memory: {e}") from None
-        # The storage's address changed: key by the new one.
-        fds[storage.data_ptr()] = (int(fd), int(size))
+            raise IpcUnavailable(f"cannot share host pools: {e}") from None
+        # Keyed by the storage's address after the move.
+        handles[storage.data_ptr()] = (f"{fd}:{st.st_dev}:{st.st_ino}:{namespace}".encode(), size)
     pools = []
     for name, r in rows.items():
-        fd, size = fds[r.untyped_storage().data_ptr()]
+        handle, size = handles[r.untyped_storage().data_ptr()]
         name, byte_offset, nbytes, page_bytes = _where(name, r)
-        pools.append(IpcPool(name, b"%d" % fd, size, 0, b"", 0, byte_offset, nbytes, page_bytes))
+        pools.append(IpcPool(name, handle, int(size), 0, b"", 0, byte_offset, nbytes, page_bytes))
     return tuple(pools)
+
+
+def _pid_namespace() -> int:
+    """This process's PID namespace (0 if unknown): /proc/<pid> names P only inside P's."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 def _shm_free_bytes() -> int:
@@ -260,23 +281,38 @@ def open_pools(
 
 
 def _open_host_pools(export: IpcExport) -> dict[str, torch.Tensor]:
+    """P's host pools mapped read-only here: a bug of ours cannot write P's KV."""
     rows = {}
     for p in export.pools:
-        # The path is ours, from P's pid and an fd number: the export names no file itself.
-        path = f"/proc/{export.pid}/fd/{int(p.handle) if p.handle.isdigit() else -1}"
+        m = _HOST_HANDLE.fullmatch(p.handle)
+        if m is None:
+            raise IpcUnavailable(f"pool {p.name!r}: malformed host pool handle")
+        fd_no, dev, ino, namespace = map(int, m.groups())
+        if namespace != _pid_namespace():
+            raise IpcUnavailable("the peer runs in another PID namespace")
+        path = f"/proc/{export.pid}/fd/{fd_no}"  # ours to build: the export names no file
         try:
-            if not os.readlink(path).startswith(SHM_DIR + "/"):
-                raise IpcUnavailable(f"pool {p.name!r}: {path} is not a shared-memory file")
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as e:  # P is gone, or this process may not open its files
             raise IpcUnavailable(f"cannot open pool {p.name!r}: {e}") from None
         try:
-            storage = torch.UntypedStorage._new_shared_fd_cpu(fd, p.storage_bytes)
-        except Exception as e:
+            st = os.fstat(fd)
+            # The very file P exported (another process may hold that fd number now), whole.
+            if (
+                not stat.S_ISREG(st.st_mode)
+                or (st.st_dev, st.st_ino) != (dev, ino)
+                or st.st_size != p.storage_bytes
+            ):
+                raise IpcUnavailable(f"pool {p.name!r}: {path} is not the file the peer exported")
+            mapped = mmap.mmap(fd, p.storage_bytes, prot=mmap.PROT_READ)
+        except (OSError, ValueError) as e:
             raise IpcUnavailable(f"cannot map pool {p.name!r}: {e}") from None
         finally:
             os.close(fd)  # the mapping keeps the file
-        rows[p.name] = _pool_view(storage, p, torch.device("cpu"))
+        with warnings.catch_warnings():  # read-only on purpose: D only reads P's pages
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(mapped, dtype=torch.uint8)
+        rows[p.name] = _pool_view(flat.untyped_storage(), p, torch.device("cpu"))
     return rows
 
 

@@ -2,10 +2,11 @@
 releases that follow: ReadDone messages, and the records of decode workers' done boards
 (done_board.py), which it polls on the loop thread while leases are live.
 
-Polling costs P a timer and a read of one word per linked decode worker every ``POLL_S``; it saves
-every direct read a wake-up of D's event loop and a message (docs/benchmarks/transfer.md). With
-no lease live it slows to ``IDLE_POLL_S``, so a lease published meanwhile is released at most that
-much later; leases last seconds.
+While a lease is live and a decode worker with a done board is linked, P's loop wakes every
+``POLL_S`` and reads one word per such link (a few microseconds of the GIL); that saves every direct
+read a wake-up of D's event loop and a message (docs/benchmarks/transfer.md). Otherwise it wakes
+every ``IDLE_POLL_S``, so a lease published meanwhile is released at most that much later; leases
+last seconds.
 """
 
 from __future__ import annotations
@@ -38,21 +39,32 @@ class ReadEnds:
             return
         self._links.add(link)
 
-        def closed(_reason: str) -> None:  # what D wrote before it went is still honoured
+        def closed(reason: str) -> None:  # what D wrote before it went is still honoured
             self._links.discard(link)
             board, link.done = link.done, None
-            if board is not None:
-                self._drain(link.name, board)
+            if board is None:
+                return
+            try:
+                if not reason.startswith("reading its done board failed"):
+                    self._drain(link.name, board)
+            finally:
                 board.close()
 
         link.add_close_listener(closed)
 
     async def run(self) -> None:
         while True:
-            await asyncio.sleep(POLL_S if len(self.leases) else IDLE_POLL_S)
+            busy = self._links and len(self.leases)
+            await asyncio.sleep(POLL_S if busy else IDLE_POLL_S)
             for link in list(self._links):
-                if link.done is not None:
-                    self._drain(link.name, link.done)
+                board = link.done
+                if board is None:
+                    continue
+                try:
+                    self._drain(link.name, board)
+                except Exception as e:  # a bug: that link's reads would only ever expire
+                    log.exception("%s: reading its done board failed", link.name)
+                    link.abort(f"reading its done board failed: {e}")  # D connects anew
 
     def _drain(self, name: str, board) -> None:  # noqa: ANN001  (a DoneBoardView)
         records, lost = board.drain()

@@ -13,6 +13,7 @@ import fcntl
 import glob
 import mmap
 import os
+import stat
 import tempfile
 import uuid
 
@@ -50,19 +51,28 @@ class SharedFile:
     def __init__(self, prefix: str, size: int) -> None:
         directory = shared_dir()
         _remove_dead(directory, prefix)
-        self.path = os.path.join(directory, f"{prefix}{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        name = f"{prefix}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.path = os.path.join(directory, name)
+        # Made under a name the clean-up does not match, and locked, before it takes its own: a
+        # clean-up running meanwhile cannot take it for a dead worker's.
+        scratch = os.path.join(directory, "." + name)
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.open(scratch, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError as e:
-            raise SharedFileUnavailable(f"cannot create {self.path}: {e}") from None
+            raise SharedFileUnavailable(f"cannot create {scratch}: {e}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while we live: see above
             os.ftruncate(fd, size)
             self.map = mmap.mmap(fd, size)
+            os.rename(scratch, self.path)
         except OSError as e:
             os.close(fd)
-            os.unlink(self.path)
-            raise SharedFileUnavailable(f"cannot map {self.path}: {e}") from None
+            for path in (scratch, self.path):
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+            raise SharedFileUnavailable(f"cannot make {self.path}: {e}") from None
         self._fd = fd
 
     def close(self) -> None:
@@ -83,12 +93,15 @@ def map_readonly(path: str, prefix: str, what: str) -> mmap.mmap:
     """The peer's file at ``path``, mapped read-only; its name must start with ``prefix``."""
     if not os.path.basename(path).startswith(prefix):
         raise SharedFileUnavailable(f"{path!r} is not a {what}")
-    try:
-        fd = os.open(path, os.O_RDONLY)
+    try:  # (non-blocking: a FIFO by that name must not hang the loop thread)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
         raise SharedFileUnavailable(f"cannot open the peer's {what}: {e}") from None
     try:
-        return mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            raise SharedFileUnavailable(f"{path!r} is not a {what} of this user")
+        return mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
     except (OSError, ValueError) as e:  # ValueError: an empty file
         raise SharedFileUnavailable(f"cannot map the peer's {what}: {e}") from None
     finally:

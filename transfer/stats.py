@@ -21,7 +21,7 @@ class TransferStats:
     latency_s: float
     ok: bool
     error: str = ""
-    path: str = "ucx"  # the link's data path: "ucx", "cuda_ipc" or "local" (ipc.py)
+    path: str = "ucx"  # the link's data path: "ucx", "cuda_ipc", "host_shm" or "local" (ipc.py)
 
     @property
     def gbps(self) -> float:

@@ -35,9 +35,9 @@ class TransferConfig(Section):
         description=(
             "When a prefill and a decode worker run on one host, the decode worker reads the "
             "prefill worker's KV pages itself (GPUs: through CUDA IPC, one copy kernel over "
-            "NVLink; CPU: through shared memory, the prefill worker's pools moved into /dev/shm "
-            "at start), checked against the prefill worker's lease board in shared memory, "
-            "instead of receiving them through UCX. Other pairs use UCX either way."
+            "NVLink; CPU: through shared memory, the pools being memfd files), checked against "
+            "the prefill worker's lease board in shared memory, instead of receiving them "
+            "through UCX. Other pairs use UCX either way."
         ),
     )
     lease_s: float = Field(

@@ -31,13 +31,15 @@ def run_prefill(
     conn: Connection, seed: int, spec_kwargs: dict[str, Any], cfg_kwargs: dict[str, Any]
 ) -> None:
     """Commands: ("publish", request_id, num_tokens) -> (ticket, page bytes); ("state",); ("close",).
-    ``cfg_kwargs["shm_full"]`` makes this process see /dev/shm as full (its pools then cannot be
-    shared with other processes)."""
+    ``cfg_kwargs["no_sharing"]`` makes sharing the pools with other processes fail here."""
     cfg_kwargs = dict(cfg_kwargs)
-    if cfg_kwargs.pop("shm_full", False):
+    if cfg_kwargs.pop("no_sharing", False):
         import transfer.ipc
 
-        transfer.ipc._shm_free_bytes = lambda: 0
+        def refuse(rows: object) -> None:
+            raise transfer.ipc.IpcUnavailable("sharing refused by the test")
+
+        transfer.ipc._share_host_pools = refuse
     side = KVSide(specs(**spec_kwargs), seed)
     side.scramble_free_queue()
     sender = KVSender(side.kv.buffers, side.specs, MODEL, config(**cfg_kwargs), side.release)

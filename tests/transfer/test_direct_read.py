@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -24,7 +25,7 @@ import transfer.peer
 import transfer.receiver
 from tests.transfer.conftest import KVSide, config, specs
 from tests.transfer.test_transfer_local import Pair, checked_pair, wait_until
-from transfer.ipc import IpcExport, IpcPool, IpcUnavailable, export_pools
+from transfer.ipc import IpcExport, IpcPool, IpcUnavailable, export_pools, unexport
 from transfer.messages import ReadDone
 
 pytestmark = pytest.mark.timeout(60)
@@ -258,6 +259,8 @@ def test_pool_exports_round_trip_and_reject_garbage() -> None:
     shared = export_pools(rows, share=True)  # host pools: their shared-memory files
     assert [p.name for p in shared.pools] == list(rows)
     assert IpcExport.from_wire(shared.to_wire()) == shared
+    unexport(export)
+    unexport(shared)
     pool = IpcPool("full", b"h", 1, 0, b"r", 0, 0, 1, 1)
     with_pool = dataclasses.replace(export, pools=(pool,))
     assert IpcExport.from_wire(with_pool.to_wire()) == with_pool
@@ -269,35 +272,53 @@ def test_pool_exports_round_trip_and_reject_garbage() -> None:
         IpcExport.from_wire(wrong_type.to_wire())
 
 
-def test_host_pools_open_from_their_files_and_refuse_what_does_not_fit(monkeypatch) -> None:
+def uint8_rows(buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {g: b.view(-1).view(torch.uint8).view(b.shape[0], -1) for g, b in buffers.items()}
+
+
+def test_host_pools_open_read_only_from_the_very_files_p_exported() -> None:
     side = KVSide(specs(), seed=5)
-    rows = {
-        g: b.view(-1).view(torch.uint8).view(b.shape[0], -1) for g, b in side.kv.buffers.items()
-    }
+    rows = uint8_rows(side.kv.buffers)
+    before = rows["full"].data_ptr()
     export = export_pools(rows, share=True)
-    opened = transfer.ipc._open_host_pools(export)  # as another process of this host would
-    assert torch.equal(opened["full"], rows["full"])
-    rows["full"][3].fill_(7)  # one memory: a write by P is what D reads
-    assert bool((opened["full"][3] == 7).all())
-    pool = export.pools[0]
-    for bad in (
-        dataclasses.replace(pool, handle=b"x"),  # not an fd number
-        dataclasses.replace(pool, handle=b"99999"),  # no such fd
-        dataclasses.replace(pool, nbytes=pool.storage_bytes + pool.page_bytes),  # past its file
-        dataclasses.replace(pool, page_bytes=0),
-    ):
-        with pytest.raises(IpcUnavailable):
-            transfer.ipc._open_host_pools(dataclasses.replace(export, pools=(bad,)))
-    other = KVSide(specs(), seed=6)
+    try:
+        assert rows["full"].data_ptr() == before  # kvcache's pools are memfd files: no move
+        opened = transfer.ipc._open_host_pools(export)  # as another process of this host would
+        assert torch.equal(opened["full"], rows["full"])
+        rows["full"][3].fill_(7)  # one memory: a write by P is what D reads
+        assert bool((opened["full"][3] == 7).all())
+        pool = export.pools[0]
+        fd, dev, ino, ns = pool.handle.split(b":")
+        for bad in (
+            dataclasses.replace(pool, handle=b"x"),  # malformed
+            dataclasses.replace(pool, handle=b"99999:%s:%s:%s" % (dev, ino, ns)),  # no such fd
+            dataclasses.replace(pool, handle=b"%s:%s:%d:%s" % (fd, dev, int(ino) + 1, ns)),
+            dataclasses.replace(pool, handle=b"%s:%s:%s:%d" % (fd, dev, ino, int(ns) + 1)),
+            dataclasses.replace(pool, storage_bytes=pool.storage_bytes * 2),  # not that file
+            dataclasses.replace(pool, nbytes=pool.storage_bytes + pool.page_bytes),  # past it
+            dataclasses.replace(pool, page_bytes=0),
+        ):
+            with pytest.raises(IpcUnavailable):
+                transfer.ipc._open_host_pools(dataclasses.replace(export, pools=(bad,)))
+        assert torch.equal(opened["full"], rows["full"])  # nothing above grew or wrote the file
+    finally:
+        unexport(export)
+
+
+def test_other_host_pools_move_to_dev_shm_when_they_fit(monkeypatch) -> None:
+    spec = specs()[0]
+    rows = uint8_rows({"full": torch.zeros(spec.buffer_shape, dtype=spec.dtype)})
     monkeypatch.setattr(transfer.ipc, "_shm_free_bytes", lambda: 1 << 20)
     with pytest.raises(IpcUnavailable, match="do not fit"):
-        export_pools(
-            {
-                g: b.view(-1).view(torch.uint8).view(b.shape[0], -1)
-                for g, b in other.kv.buffers.items()
-            },
-            share=True,
-        )
+        export_pools(rows, share=True)
+    monkeypatch.setattr(transfer.ipc, "_shm_free_bytes", lambda: 1 << 40)  # whatever the host has
+    rows["full"][2].fill_(5)
+    export = export_pools(rows, share=True)  # moved in place: the tensor keeps its bytes
+    try:
+        assert rows["full"].is_shared() and bool((rows["full"][2] == 5).all())
+        assert torch.equal(transfer.ipc._open_host_pools(export)["full"], rows["full"])
+    finally:
+        unexport(export)
 
 
 def test_a_read_that_succeeds_sends_no_message_and_one_that_fails_says_why(
@@ -334,4 +355,35 @@ def test_without_p_reading_the_done_board_reads_end_with_read_done(monkeypatch) 
         assert result.ok and result.stats.path == "local"
         assert same_pages(pair, src, dst)
         wait_until(lambda: pair.p.released == ["r1"])  # by ReadDone
+        assert pair.sender.stats()["expired_leases"] == 0
         pair.d.free("r1")
+
+
+def test_a_cancelled_host_read_returns_only_after_its_copy_ended(direct: Pair, monkeypatch) -> None:
+    """The caller frees its pages once the pull returns: on the CPU the copy runs on the copy
+    thread, and a cancel must not return while it still writes them."""
+    pull(direct, "c0", 4)[0]  # the link is up and direct: the next pull runs on our loop
+    direct.d.free("c0")
+    real = transfer.direct_read.copy_on_cpu
+    ended = threading.Event()
+
+    def slow_copy(*args):
+        time.sleep(0.3)
+        real(*args)
+        ended.set()
+
+    monkeypatch.setattr(transfer.direct_read, "copy_on_cpu", slow_copy)
+    ticket, _ = direct.publish("c1", 8)
+    dst = direct.d.allocate("c1", 8)
+
+    async def cancel_mid_copy() -> bool:
+        task = asyncio.ensure_future(direct.receiver.pull(ticket, dst, 0, 8))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return ended.is_set()
+
+    assert asyncio.run(cancel_mid_copy())
+    direct.d.free("c1")
+    wait_until(lambda: "c1" in direct.p.released)  # ReadDone(ok=False)

@@ -60,7 +60,9 @@ def test_scattered_pages_arrive_exact_and_p_gets_them_back(decode_side) -> None:
         for i, tokens in enumerate((3, 22, 200)):  # 1 page, 6 pages, 50 pages (25 UCX chunks)
             result = pull_exact(peer, side, receiver, f"s{i}", tokens)
             assert result.stats.path == "host_shm" and result.stats.chunks == 1
-        wait_until(lambda: released_all(peer))  # ReadDone, not lease expiry
+        (link,) = receiver._links.values()
+        assert link.access is not None and link.access.done is not None  # P reads our board
+        wait_until(lambda: released_all(peer))  # by the done board, not lease expiry
         stats = peer.ask("state")["stats"]
         assert stats["expired_leases"] == 0 and stats["transfers_ok"] == 3
     finally:
@@ -75,6 +77,7 @@ def test_concurrent_reads_do_not_mix(decode_side) -> None:
         results = concurrent_pulls(peer, side, receiver, "c", 30)
         assert {r.stats.path for r in results.values()} == {"host_shm"}
         wait_until(lambda: released_all(peer))
+        assert peer.ask("state")["stats"]["expired_leases"] == 0
     finally:
         peer.close()
 
@@ -98,7 +101,7 @@ def test_declared_history_mismatch_fails_and_both_sides_get_their_pages(decode_s
 
 def test_expired_lease_is_refused_from_the_board(decode_side) -> None:
     side, receiver = decode_side
-    peer = start_peer(35, lease_s=0.3)
+    peer = start_peer(35, lease_s=1.5)
     try:
         pull_exact(peer, side, receiver, "e0", 8)  # the link exists: the next pull is direct
         ticket, _ = peer.ask("publish", "e1", 8)
@@ -138,7 +141,7 @@ def test_a_killed_prefill_process_ends_the_pull_and_the_next_one_succeeds(decode
 
 def test_pools_that_cannot_be_shared_are_pulled_over_ucx(decode_side) -> None:
     side, receiver = decode_side
-    peer = start_peer(38, shm_full=True)
+    peer = start_peer(38, no_sharing=True)
     try:
         result = pull_exact(peer, side, receiver, "u1", 22)
         assert result.stats.path == "ucx"

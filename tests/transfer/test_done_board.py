@@ -28,14 +28,14 @@ def test_records_arrive_in_order_once() -> None:
     assert not os.path.exists(board.path)
 
 
-def test_a_reader_that_falls_behind_loses_the_oldest_records_only() -> None:
+def test_a_reader_that_falls_a_ring_behind_loses_the_oldest_records_only() -> None:
     board = DoneBoard(capacity=4)
     view = DoneBoardView(board.path)
     try:
         for gen in range(1, 11):  # ten records in a ring of four
             board.post(gen, gen, 0, 0, "local")
-        records, lost = view.drain()
-        assert [r[1] for r in records] == [7, 8, 9, 10] and lost == 6
+        records, lost = view.drain()  # record 7's place is the next one D writes: not trusted
+        assert [r[1] for r in records] == [8, 9, 10] and lost == 7
         board.post(1, 99, 0, 0, "local")
         assert view.drain() == ([(1, 99, 0, 0, "local")], 0)
     finally:
@@ -70,3 +70,18 @@ def test_post_after_close_does_nothing_and_foreign_files_are_refused(tmp_path) -
         DoneBoardView(str(tmp_path / "duet-done-missing"))
     with pytest.raises(ValueError):
         DoneBoard(capacity=0)
+
+
+def test_a_record_being_overwritten_is_lost_not_returned() -> None:
+    board = DoneBoard(capacity=4)
+    view = DoneBoardView(board.path)
+    try:
+        for gen in range(1, 5):  # the ring is full: records 1..4
+            board.post(gen, gen, 0, 0, "local")
+        # D is writing record 5 into record 1's place and has not counted it yet while P reads.
+        board._records[0] = (999, 7, 0, 0, 0)
+        records, lost = view.drain()
+        assert [r[1] for r in records] == [2, 3, 4] and lost == 1
+    finally:
+        view.close()
+        board.close()
