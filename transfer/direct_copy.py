@@ -171,7 +171,8 @@ class DirectCopier:
         of its matched pool of ours in ``dst_ids``, ids unchecked (the kernel skips ids outside
         the pools and the null page). None when this path cannot serve the read (no C launcher,
         pools or counts that do not line up, ids that are not ints, no free slot): the caller
-        then takes ``start``. Raises RuntimeError if a launch fails (as ``start``)."""
+        then takes ``start``. Raises RuntimeError if a launch fails (as ``start``), or if an id
+        of a pool's second launched part is not an int (its first part is queued by then)."""
         if self._native is None:
             return None
         route = access.route

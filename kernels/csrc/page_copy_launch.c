@@ -27,6 +27,7 @@ typedef int CUdevice;
 #define CUDA_ERROR_NOT_READY 600
 #define MAX_PARAMS 32
 #define MAX_ITEMS 64  // pool pairs of one read
+#define HEAD_PAGES 64  // pages of each pool pair launched before the rest's ids are converted
 
 static CUresult (*cu_launch)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                              unsigned, CUstream, void **, void **);
@@ -155,50 +156,68 @@ static int native_int64(const char *format) {
     return (format[0] == 'q' || format[0] == 'l') && format[1] == 0;
 }
 
-// ids[skip:] written as int64 at out (room for cap ids); the count, or -1 (exception set), or
-// -2 when they do not fit. ids: a contiguous 1-D native int64 buffer (numpy), or a list or tuple
-// of ints (anything else raises TypeError, and the caller takes the Python path).
-static Py_ssize_t fill(int64_t *out, Py_ssize_t cap, PyObject *ids, Py_ssize_t skip) {
-    if (PyObject_CheckBuffer(ids)) {
-        Py_buffer view;
-        if (PyObject_GetBuffer(ids, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) == 0) {
-            Py_ssize_t n = view.len / (view.itemsize ? view.itemsize : 1);
-            int ok = view.ndim == 1 && view.itemsize == 8 && native_int64(view.format);
-            if (ok) {
-                Py_ssize_t count = n - skip;
-                if (count >= 0 && count <= cap)
-                    memcpy(out, (int64_t *)view.buf + skip, (size_t)count * 8);
-                PyBuffer_Release(&view);
-                return count < 0 ? -2 : (count > cap ? -2 : count);
-            }
-            PyBuffer_Release(&view);
-        } else {
-            PyErr_Clear();  // not a contiguous buffer: read it as a sequence
-        }
+// Page ids are a contiguous 1-D native int64 buffer (numpy), or a list or tuple of ints; anything
+// else raises TypeError (and the caller takes the Python path).
+
+// The buffer view of ids when it is one of native int64s (release it), else 0 with no error set.
+static int int64_view(PyObject *ids, Py_buffer *view) {
+    if (!PyObject_CheckBuffer(ids)) return 0;
+    if (PyObject_GetBuffer(ids, view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) != 0) {
+        PyErr_Clear();  // not a contiguous buffer: read it as a sequence
+        return 0;
     }
-    if (!PyList_Check(ids) && !PyTuple_Check(ids)) {  // no dicts, sets or strings
-        PyErr_Format(PyExc_TypeError, "page ids must be a list, tuple or int64 array, not %s",
-                     Py_TYPE(ids)->tp_name);
-        return -1;
+    if (view->ndim == 1 && view->itemsize == 8 && native_int64(view->format)) return 1;
+    PyBuffer_Release(view);
+    return 0;
+}
+
+static int check_sequence(PyObject *ids) {
+    if (PyList_Check(ids) || PyTuple_Check(ids)) return 0;  // no dicts, sets or strings
+    PyErr_Format(PyExc_TypeError, "page ids must be a list, tuple or int64 array, not %s",
+                 Py_TYPE(ids)->tp_name);
+    return -1;
+}
+
+// *count = len(ids) - skip, nothing converted; 0, or -1 with an exception set.
+static int id_count(PyObject *ids, Py_ssize_t skip, Py_ssize_t *count) {
+    Py_buffer view;
+    if (int64_view(ids, &view)) {
+        *count = view.len / 8 - skip;
+        PyBuffer_Release(&view);
+        return 0;
     }
-    PyObject *seq = PySequence_Fast(ids, "page ids must be a sequence of ints");
-    if (seq == NULL) return -1;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), count = n - skip;
-    if (count < 0 || count > cap) {
-        Py_DECREF(seq);
-        return -2;
+    if (check_sequence(ids) < 0) return -1;
+    *count = PySequence_Fast_GET_SIZE(ids) - skip;  // a list or a tuple
+    return 0;
+}
+
+// ids[skip + from : skip + to] written as int64 at out[from:to] (the caller checked the count);
+// 0, or -1 with an exception set (TypeError or OverflowError for an id that is not an int64).
+static int fill_range(int64_t *out, PyObject *ids, Py_ssize_t skip, Py_ssize_t from,
+                      Py_ssize_t to) {
+    Py_buffer view;
+    if (int64_view(ids, &view)) {
+        memcpy(out + from, (int64_t *)view.buf + skip + from, (size_t)(to - from) * 8);
+        PyBuffer_Release(&view);
+        return 0;
     }
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    for (Py_ssize_t i = 0; i < count; i++) {
+    if (check_sequence(ids) < 0) return -1;
+    PyObject **items = PySequence_Fast_ITEMS(ids);
+    for (Py_ssize_t i = from; i < to; i++) {
         long long v = PyLong_AsLongLong(items[skip + i]);
-        if (v == -1 && PyErr_Occurred()) {
-            Py_DECREF(seq);
-            return -1;
-        }
+        if (v == -1 && PyErr_Occurred()) return -1;
         out[i] = v;
     }
-    Py_DECREF(seq);
-    return count;
+    return 0;
+}
+
+// ids[skip:] written as int64 at out (room for cap ids); the count, or -1 (exception set), or
+// -2 when they do not fit.
+static Py_ssize_t fill(int64_t *out, Py_ssize_t cap, PyObject *ids, Py_ssize_t skip) {
+    Py_ssize_t count;
+    if (id_count(ids, skip, &count) < 0) return -1;
+    if (count < 0 || count > cap) return -2;
+    return fill_range(out, ids, skip, 0, count) < 0 ? -1 : count;
 }
 
 // ---- what the checks want to know of the ids, found while the copy runs ----
@@ -252,17 +271,34 @@ static PyObject *id_stats(const int64_t *src, const int64_t *dst, Py_ssize_t n) 
                          (long long)d_hi, repeats(dst, n, d_lo, d_hi));
 }
 
+// Launches the kernel of item l for ids [from, to) of its run at `at` in the slot.
+static int launch_part(Launch *l, uint64_t slot_src, uint64_t slot_dst, Py_ssize_t at,
+                       Py_ssize_t from, Py_ssize_t to, uint64_t stream) {
+    if (to <= from) return 1;
+    l->values[l->src_index] = slot_src + 8 * (uint64_t)(at + from);
+    l->values[l->dst_index] = slot_dst + 8 * (uint64_t)(at + from);
+    return cuda_ok(cu_launch(l->function, (unsigned)((to - from) * l->blocks_per_item), 1, 1,
+                             l->threads, 1, 1, l->shared, (CUstream)(uintptr_t)stream, l->params,
+                             NULL),
+                   "cuLaunchKernel");
+}
+
 // queue(context, stream, model_stream, mark, done, slot_src, slot_dst, capacity, items)
 //   items: tuple of (launch capsule, source ids, destination ids, skip)
 // Writes each item's source ids[skip:] and destination ids into the slot (pinned host memory that
 // the kernel reads: source ids at slot_src, destination ids at slot_dst, each item's run starting
-// at an even index so every run stays 16-byte aligned), then, on `stream`: a wait for `mark`
+// at an even index so every run stays 16-byte aligned), and queues on `stream`: a wait for `mark`
 // recorded now on `model_stream` (when mark is non-zero), every item's kernel, and `done`.
+// A long read is launched in two parts: the first HEAD_PAGES pages of each item as soon as their
+// ids are in the slot, the rest once theirs are, so the copy starts while most ids are still
+// being converted (8192 ids from Python lists take tens of microseconds).
 // Returns, per item, (id count, smallest and largest source id, smallest and largest destination
 // id, whether a destination id repeats: 1, 0, or -1 for "not known"), worked out once the copy
 // is queued; or None when an item's counts differ or the ids do not fit (nothing is queued
-// then). Ids that are not ints raise TypeError or OverflowError, also before anything is queued.
-// Raises RuntimeError when a CUDA call fails (what was queued before it stays queued).
+// then). Ids of the first part that are not int64s raise TypeError or OverflowError, before
+// anything is queued. Raises RuntimeError when a CUDA call fails, or when an id of a second part
+// is not an int64: what was queued before stays queued, and `done` is recorded after it when it
+// can be.
 static PyObject *queue(PyObject *self, PyObject *args) {
     unsigned long long ctx, stream, model, model_mark, done, slot_src, slot_dst;
     Py_ssize_t cap;
@@ -278,25 +314,31 @@ static PyObject *queue(PyObject *self, PyObject *args) {
         return NULL;
     }
     Launch *launches[MAX_ITEMS];
-    Py_ssize_t ns[MAX_ITEMS];
-    for (Py_ssize_t k = 0; k < count; k++) {
-        PyObject *item = PyTuple_GET_ITEM(items, k), *capsule, *src, *dst;
-        Py_ssize_t skip;
-        if (!PyArg_ParseTuple(item, "OOOn", &capsule, &src, &dst, &skip)) return NULL;
+    PyObject *srcs[MAX_ITEMS], *dsts[MAX_ITEMS];  // borrowed from items
+    Py_ssize_t ns[MAX_ITEMS], skips[MAX_ITEMS], runs[MAX_ITEMS], heads[MAX_ITEMS];
+    for (Py_ssize_t k = 0; k < count; k++) {  // counts only: nothing converted yet
+        PyObject *item = PyTuple_GET_ITEM(items, k), *capsule;
+        if (!PyArg_ParseTuple(item, "OOOn", &capsule, &srcs[k], &dsts[k], &skips[k])) return NULL;
         launches[k] = PyCapsule_GetPointer(capsule, LAUNCH);
         if (launches[k] == NULL) return NULL;
-        if (skip < 0) Py_RETURN_NONE;
-        Py_ssize_t s = fill((int64_t *)(uintptr_t)slot_src + at, cap - at, src, skip);
-        if (s == -1) return NULL;
-        Py_ssize_t d = fill((int64_t *)(uintptr_t)slot_dst + at, cap - at, dst, 0);
-        if (d == -1) return NULL;
-        if (s < 0 || d < 0 || s != d) Py_RETURN_NONE;
+        if (skips[k] < 0) Py_RETURN_NONE;
+        Py_ssize_t s, d;
+        if (id_count(srcs[k], skips[k], &s) < 0 || id_count(dsts[k], 0, &d) < 0) return NULL;
+        if (s < 0 || s != d || s > cap - at) Py_RETURN_NONE;
         if ((uint64_t)s * launches[k]->blocks_per_item > 0x7fffffffu) {
             PyErr_SetString(PyExc_ValueError, "queue: the grid would exceed 2^31 - 1 programs");
             return NULL;
         }
         ns[k] = s;
+        runs[k] = at;
+        heads[k] = s < HEAD_PAGES ? s : HEAD_PAGES;
         at += s + (s & 1);
+    }
+    int64_t *src_ids = (int64_t *)(uintptr_t)slot_src, *dst_ids = (int64_t *)(uintptr_t)slot_dst;
+    for (Py_ssize_t k = 0; k < count; k++) {  // the first part's ids
+        if (fill_range(src_ids + runs[k], srcs[k], skips[k], 0, heads[k]) < 0 ||
+            fill_range(dst_ids + runs[k], dsts[k], 0, 0, heads[k]) < 0)
+            return NULL;
     }
     mark(1);
     CUcontext previous = NULL;
@@ -313,20 +355,36 @@ static PyObject *queue(PyObject *self, PyObject *args) {
                      "cuStreamWaitEvent");
     }
     mark(3);
-    at = 0;
-    for (Py_ssize_t k = 0; ok && k < count; k++) {
-        Launch *l = launches[k];
-        if (ns[k] > 0) {
-            l->values[l->src_index] = slot_src + 8 * (uint64_t)at;
-            l->values[l->dst_index] = slot_dst + 8 * (uint64_t)at;
-            ok = cuda_ok(cu_launch(l->function, (unsigned)(ns[k] * l->blocks_per_item), 1, 1,
-                                   l->threads, 1, 1, l->shared, (CUstream)(uintptr_t)stream,
-                                   l->params, NULL),
-                         "cuLaunchKernel");
+    for (Py_ssize_t k = 0; ok && k < count; k++)
+        ok = launch_part(launches[k], slot_src, slot_dst, runs[k], 0, heads[k], stream);
+    int bad_ids = 0;
+    for (Py_ssize_t k = 0; ok && k < count; k++) {  // the rest, while the first part copies
+        if (ns[k] == heads[k]) continue;
+        if (fill_range(src_ids + runs[k], srcs[k], skips[k], heads[k], ns[k]) < 0 ||
+            fill_range(dst_ids + runs[k], dsts[k], 0, heads[k], ns[k]) < 0) {
+            ok = 0;
+            bad_ids = 1;
+            break;
         }
-        at += ns[k] + (ns[k] & 1);
+        ok = launch_part(launches[k], slot_src, slot_dst, runs[k], heads[k], ns[k], stream);
     }
     mark(4);
+    if (bad_ids) {  // the first part is queued: `done` still follows it (the caller fences)
+        PyObject *type, *value, *trace;
+        PyErr_Fetch(&type, &value, &trace);
+        cu_record((CUevent)(uintptr_t)done, (CUstream)(uintptr_t)stream);
+        if (previous != (CUcontext)(uintptr_t)ctx) cu_set_ctx(previous);
+        PyObject *why = value != NULL ? PyObject_Str(value) : NULL;
+        PyErr_Format(PyExc_RuntimeError,
+                     "queue: a page id after the first %d of a pool is not an int64 (%S); the "
+                     "copy of the first ones stays queued",
+                     HEAD_PAGES, why != NULL ? why : Py_None);
+        Py_XDECREF(why);
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(trace);
+        return NULL;
+    }
     ok = ok && cuda_ok(cu_record((CUevent)(uintptr_t)done, (CUstream)(uintptr_t)stream),
                        "cuEventRecord (copy stream)");
     mark(5);
@@ -334,16 +392,13 @@ static PyObject *queue(PyObject *self, PyObject *args) {
     if (!ok) return NULL;
     PyObject *out = PyTuple_New(count);
     if (out == NULL) return NULL;
-    at = 0;
     for (Py_ssize_t k = 0; k < count; k++) {
-        PyObject *stats = id_stats((int64_t *)(uintptr_t)slot_src + at,
-                                   (int64_t *)(uintptr_t)slot_dst + at, ns[k]);
+        PyObject *stats = id_stats(src_ids + runs[k], dst_ids + runs[k], ns[k]);
         if (stats == NULL) {
             Py_DECREF(out);
             return NULL;
         }
         PyTuple_SET_ITEM(out, k, stats);
-        at += ns[k] + (ns[k] & 1);
     }
     return out;
 }

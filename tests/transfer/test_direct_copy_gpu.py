@@ -188,8 +188,9 @@ def test_start_pages_declines_what_it_cannot_serve_and_skips_bad_ids() -> None:
 
 
 def test_start_pages_pairs_several_pools_with_odd_counts() -> None:
-    """Two pool pairs in one read: each pair's ids start at an even slot index, and the stats come
-    back per pair."""
+    """Two pool pairs in one read, each longer than the first launched part (HEAD_PAGES): each
+    pair's ids start at an even slot index, both parts of both pairs copy exactly, and the stats
+    come back per pair."""
     from transfer.direct_copy import DirectCopier
 
     src, dst = _pools()
@@ -198,8 +199,8 @@ def test_start_pages_pairs_several_pools_with_odd_counts() -> None:
     access, table = _access(src)
     copier = DirectCopier(dst["full"].device, capacity=700, slots=1)
     rng = np.random.default_rng(8)
-    _, s1, d1 = _plan(7, rng)
-    _, s2, d2 = _plan(5, rng)
+    _, s1, d1 = _plan(151, rng)
+    _, s2, d2 = _plan(71, rng)
     d2[1] = d2[3]  # a repeated destination page: copied twice, reported by the stats
     queued = copier.start_pages(
         access,
@@ -224,6 +225,27 @@ def test_start_pages_pairs_several_pools_with_odd_counts() -> None:
     )
     queued.release()
     assert _exact(src, dst, s1, d1)
-    kept = [0, 2, 4]  # page d2[1] == d2[3] got one of two sources
+    kept = [i for i in range(71) if i not in (1, 3)]  # page d2[1] == d2[3] got one of two
     got = dst["other"][torch.from_numpy(d2[kept]).to(dst["other"].device)].cpu()
     assert torch.equal(got, src["other"][torch.from_numpy(s2[kept]).cuda(0)].cpu())
+
+
+def test_an_id_that_is_not_an_int_after_the_first_part_fails_the_launch_fenced() -> None:
+    """The first HEAD_PAGES pages are launched before the rest's ids are read: a bad id among the
+    rest raises RuntimeError (the pull fails), the slot stays fenced behind what was queued, and
+    D's model stream waits for it."""
+    from transfer.direct_copy import DirectCopier
+
+    src, dst = _pools()
+    access, table = _access(src)
+    copier = DirectCopier(dst["full"].device, capacity=300, slots=1)
+    rng = np.random.default_rng(9)
+    _, s, d = _plan(100, rng)
+    bad = s.tolist()
+    bad[80] = "x"
+    with pytest.raises(RuntimeError, match="not an int64"):
+        copier.start_pages(access, table, table, {"full": bad}, {"full": d.tolist()}, 0, dst)
+    slot = copier._slots[0]
+    assert slot.busy and not slot.held
+    slot.event.synchronize()
+    assert _exact(src, dst, s[:64], d[:64])  # the first part was copied
