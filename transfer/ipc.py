@@ -33,6 +33,7 @@ import os
 import re
 import socket
 import stat
+import sys
 import threading
 import time
 import warnings
@@ -430,17 +431,21 @@ async def wait_copy(event: Completion | None, timeout: float) -> bool:
 
 
 def wait_copy_blocking(event: Completion | None, timeout: float) -> bool:
-    """``wait_copy`` for plain threads; False after ``timeout``. It keeps the GIL for the first
-    200 us (most copies end by then): a pause would hand the GIL to another thread of the process,
-    such as the transceiver's loop, and the pull would wait for that thread's whole turn."""
+    """``wait_copy`` for plain threads; False after ``timeout``. It keeps the GIL for the
+    interpreter's switch interval (5 ms: copies of up to about 1.5 GiB end by then): a pause would
+    hand the GIL to another thread of the process, and the pull would wait for that thread's whole
+    turn (0.03-0.06 of a peer copy's speed at 128-512 MiB on 2 H200s: docs/benchmarks/
+    transfer.md). A thread that wants the GIL meanwhile gets it after that interval anyway, as it
+    would from any Python code running here."""
     if event is None:
         return True
     start = time.monotonic()
+    spin = sys.getswitchinterval()
     while not event.query():
         waited = time.monotonic() - start
         if waited > timeout:
             return False
-        if waited > 0.0002:
+        if waited > spin:
             time.sleep(_poll_pause(waited))
     return True
 
