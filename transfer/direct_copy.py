@@ -13,8 +13,9 @@ stream context managers and Triton's dispatch: ~60 us, docs/benchmarks/transfer.
 
 With the C launcher (kernels/native_launch.py, ``start_pages``) all of that is one C call that
 holds the GIL: the ids are copied into the slot straight from the caller's lists or arrays, the
-model-stream mark is recorded and waited on, the kernels are launched with cuLaunchKernel and the
-slot's event is recorded; only then does it scan the ids (bounds, repeats) for the checks, which
+model-stream mark is recorded and waited on, the kernels are launched with cuLaunchKernel (a long
+read in two parts, the first launched before the rest's ids are converted) and the slot's event is
+recorded; only then does it scan the ids (bounds, repeats) for the checks, which
 run while the copy does. ``start`` is the same copy launched from Python, for machines without a
 C compiler and for pools the C launcher cannot serve.
 

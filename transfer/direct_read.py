@@ -41,8 +41,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from transfer.copy_wait import wait_copy, wait_copy_blocking
 from transfer.direct_copy import QueuedCopy
-from transfer.ipc import copy_on_cpu, wait_copy, wait_copy_blocking
+from transfer.host_copy import copy_on_cpu
 from transfer.lease_board import lease_digest
 from transfer.mapper import MapperError
 from transfer.messages import ReadDone, TransferTicket

@@ -12,8 +12,8 @@ P logs; so does a link whose P could not open the board.
 The board is a ring of records and a count of records ever written, stored after the record
 (D writes under a lock; P reads the count, the records, then the count again, and drops, counted
 as lost, any record D may have been overwriting meanwhile). A record P never sees only delays
-that lease until it expires. Generations name one lease for good, so a stale record releases nothing.
-Memory order is lease_board.py's: stores become visible in order (x86-64).
+that lease until it expires. Generations name one lease for good, so a stale record releases
+nothing. Memory order is lease_board.py's: stores become visible in order (x86-64).
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ when the KV lives on a GPU, the names of shared-memory files holding it when it 
 memory, and in every case a key into a per-process registry, so a decode side in the same process
 finds the very tensors. It sends the export in HelloReply; the decode side opens it
 (``open_pools``) and, when that works, reads every lease of that peer itself: one page-to-page copy
-(``kernels.copy_pages``, a kernel over NVLink for two GPUs of one host; plain copies of page runs on the
-CPU) from P's pages into its own, checked against P's lease board (lease_board.py) before and
-after. No message is on the latency path of such a pull, and P does no work for it.
+(a kernel over NVLink for two GPUs of one host, direct_copy.py; plain copies of page runs on the
+CPU, host_copy.py) from P's pages into its own, checked against P's lease board (lease_board.py)
+before and after. No message is on the latency path of such a pull, and P does no work for it.
 
 Why D reads rather than P writes: a write by P needs a round trip through both processes' event
 loops per pull (about 1 ms), far more than the copy of a typical request; D already knows its pages
@@ -25,7 +25,6 @@ on UCX, and the handshake says why in the log.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import mmap
@@ -33,21 +32,16 @@ import os
 import re
 import socket
 import stat
-import sys
 import threading
-import time
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
 
 import msgpack
-import numpy as np
 import torch
 
 import kernels
 from kvcache.spec import NULL_PAGE
-from transfer.plan import DirectPlan
 from transfer.staging import word_rows
 
 log = logging.getLogger(__name__)
@@ -375,82 +369,3 @@ def warm_up(own_rows: Mapping[str, torch.Tensor]) -> None:
     zero = torch.zeros(1, dtype=torch.int64, device=next(iter(own_rows.values())).device)
     for r in own_rows.values():
         kernels.copy_pages(word_rows(r), zero, word_rows(r), zero, FIRST_ROW)
-
-
-def copy_on_cpu(
-    plan: DirectPlan,
-    src_rows: Mapping[str, torch.Tensor],
-    dst_rows: Mapping[str, torch.Tensor],
-) -> None:
-    """Copy every page of ``plan`` from P's rows into D's, both in host memory (P's in this
-    process, or shared with it); done when this returns. Copies on GPUs go through
-    transfer/direct_copy.py. Pairs with an id outside the pools, or the null page, are skipped
-    (FIRST_ROW).
-
-    One plain copy per run of pages consecutive on both sides, straight from P's rows into D's: an
-    indexed copy would gather into a temporary first, and a fresh temporary of a large request
-    costs more in page faults than the copy itself."""
-    for sp, dp, s, d in plan.pairs:
-        src, dst = src_rows[sp], dst_rows[dp]
-        keep = (s >= FIRST_ROW) & (s < src.shape[0]) & (d >= FIRST_ROW) & (d < dst.shape[0])
-        if not keep.all():
-            s, d = s[keep], d[keep]
-        for a, b, n in _runs(s, d):
-            dst[b : b + n].copy_(src[a : a + n])
-
-
-def _runs(s: np.ndarray, d: np.ndarray) -> list[tuple[int, int, int]]:
-    """(first source id, first destination id, length) of each run of pairs where both ids go up
-    by one."""
-    if len(s) == 0:
-        return []
-    breaks = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1
-    starts = np.concatenate(([0], breaks))
-    lengths = np.diff(np.concatenate((starts, [len(s)])))
-    return list(zip(s[starts].tolist(), d[starts].tolist(), lengths.tolist(), strict=True))
-
-
-class Completion(Protocol):
-    """A queued copy's end: a CUDA event, or transfer.direct_copy.QueuedCopy."""
-
-    def query(self) -> bool: ...
-
-
-async def wait_copy(event: Completion | None, timeout: float) -> bool:
-    """Wait (without blocking the loop) until the copy's event completes; False after ``timeout``."""
-    if event is None:
-        return True
-    loop = asyncio.get_running_loop()
-    start = loop.time()
-    while not event.query():
-        waited = loop.time() - start
-        if waited > timeout:
-            return False
-        await asyncio.sleep(_poll_pause(waited))
-    return True
-
-
-def wait_copy_blocking(event: Completion | None, timeout: float) -> bool:
-    """``wait_copy`` for plain threads; False after ``timeout``. It keeps the GIL for the
-    interpreter's switch interval (5 ms: copies of up to about 1.5 GiB end by then): a pause would
-    hand the GIL to another thread of the process, and the pull would wait for that thread's whole
-    turn (0.03-0.06 of a peer copy's speed at 128-512 MiB on 2 H200s: docs/benchmarks/
-    transfer.md). A thread that wants the GIL meanwhile gets it after that interval anyway, as it
-    would from any Python code running here."""
-    if event is None:
-        return True
-    start = time.monotonic()
-    spin = sys.getswitchinterval()
-    while not event.query():
-        waited = time.monotonic() - start
-        if waited > timeout:
-            return False
-        if waited > spin:
-            time.sleep(_poll_pause(waited))
-    return True
-
-
-def _poll_pause(waited: float) -> float:
-    """A copy takes microseconds to a few ms: poll back to back (latency) for the first 20 ms,
-    then every millisecond to spare the core."""
-    return 0.0 if waited < 0.02 else 0.001

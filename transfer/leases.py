@@ -5,7 +5,8 @@ direct read: read_ends.py), the lease expires, or its transfer fails. ``release`
 callback exactly once per publish, with the lease (it is where the lease leaves P's lease board
 and the worker frees the pages). A lease that is SERVING (a UCX pull is reading its pages) never
 expires: the serving transfer renews it per chunk and, should it fail, releases it only after its
-UCX sends have ended. A direct read never makes a lease SERVING: D checks the board after its copy instead.
+UCX sends have ended. A direct read never makes a lease SERVING: D checks the board after its copy
+instead.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from transfer.done_board import DoneBoardView
 from transfer.leases import LeaseTable
 from transfer.messages import ReadDone
 from transfer.peer import PeerLink
@@ -66,16 +67,16 @@ class ReadEnds:
                     log.exception("%s: reading its done board failed", link.name)
                     link.abort(f"reading its done board failed: {e}")  # D connects anew
 
-    def _drain(self, name: str, board) -> None:  # noqa: ANN001  (a DoneBoardView)
+    def _drain(self, name: str, board: DoneBoardView) -> None:
         records, lost = board.drain()
         if lost:
             log.warning("%s: %d done-board records were overwritten unread", name, lost)
         for slot, gen, nbytes, micros, path in records:
             lease = self.leases.by_slot(slot)
-            if lease is None or lease.gen != gen:
+            if lease is None:
                 log.info("late done-board record for slot %d dropped: its lease ended", slot)
                 continue
-            self.finished(lease.request_id, gen, True, "", nbytes, micros, path)
+            self.finished(lease.request_id, gen, True, "", nbytes, micros, path)  # checks gen
 
     def on_read_done(self, msg: ReadDone) -> None:
         self.finished(

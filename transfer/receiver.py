@@ -16,8 +16,9 @@ pulls; a closed link, or a ticket from another instance of the worker at that ad
 restarted), makes the next pull connect again.
 
 With ``direct_copy``, a link to a prefill worker whose pools open here (the same process, CUDA IPC
-or shared host memory on the same host) reads every ticket with a lease board slot directly (direct_read.py). Once
-such a link exists, a pull runs entirely on the caller's thread or event loop.
+or shared host memory on the same host) reads every ticket with a lease board slot directly
+(direct_read.py). Once such a link exists, a pull runs entirely on the caller's thread or event
+loop.
 """
 
 from __future__ import annotations
@@ -254,10 +255,12 @@ class KVReceiver(TransceiverSide):
         except OSError as e:
             raise PullFailed(f"cannot connect to {ticket.host}:{ticket.port}: {e}") from None
         finally:
-            used = link is not None and link.access is not None and link.access.done is done
-            if done is not None and not used:
+            if done is not None and (
+                link is None or link.access is None or link.access.done is not done
+            ):
                 done.close()  # the handshake failed, or P reads no board of ours
-        if done is not None and used:
+                done = None
+        if done is not None:
             link.add_close_listener(lambda _reason: done.close())  # a later post does nothing
         return link
 

@@ -105,7 +105,7 @@ _side_streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
 
 def side_stream(device: torch.device, name: str) -> torch.cuda.Stream:
     """The transceiver's stream ``name`` on ``device`` (made once): page copies run off the
-    model's stream, and the staging copies and the direct copies (ipc.py) each on their own."""
+    model's stream, and the staging copies and the direct copies (direct_copy.py) each on their own."""
     stream = _side_streams.get((device, name))
     if stream is None:
         stream = _side_streams[(device, name)] = torch.cuda.Stream(device)

@@ -1,0 +1,55 @@
+"""Waiting for a direct read's queued copy: from an event loop without blocking it, or on a plain
+thread (direct_read.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from typing import Protocol
+
+
+class Completion(Protocol):
+    """A queued copy's end: a CUDA event, or transfer.direct_copy.QueuedCopy."""
+
+    def query(self) -> bool: ...
+
+
+async def wait_copy(event: Completion | None, timeout: float) -> bool:
+    """Wait (without blocking the loop) until the copy's event completes; False after ``timeout``."""
+    if event is None:
+        return True
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    while not event.query():
+        waited = loop.time() - start
+        if waited > timeout:
+            return False
+        await asyncio.sleep(_poll_pause(waited))
+    return True
+
+
+def wait_copy_blocking(event: Completion | None, timeout: float) -> bool:
+    """``wait_copy`` for plain threads; False after ``timeout``. It keeps the GIL for the
+    interpreter's switch interval (5 ms: copies of up to about 1.5 GiB end by then): a pause would
+    hand the GIL to another thread of the process, and the pull would wait for that thread's whole
+    turn (0.03-0.06 of a peer copy's speed at 128-512 MiB on 2 H200s: docs/benchmarks/
+    transfer.md). A thread that wants the GIL meanwhile gets it after that interval anyway, as it
+    would from any Python code running here."""
+    if event is None:
+        return True
+    start = time.monotonic()
+    spin = sys.getswitchinterval()
+    while not event.query():
+        waited = time.monotonic() - start
+        if waited > timeout:
+            return False
+        if waited > spin:
+            time.sleep(_poll_pause(waited))
+    return True
+
+
+def _poll_pause(waited: float) -> float:
+    """A copy takes microseconds to a few ms: poll back to back (latency) for the first 20 ms,
+    then every millisecond to spare the core."""
+    return 0.0 if waited < 0.02 else 0.001
