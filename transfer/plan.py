@@ -157,7 +157,8 @@ def chunk_bytes_for(table: PageTable, staging_tokens: int) -> int:
 @dataclass(frozen=True)
 class DirectPlan:
     """What a direct read copies (direct_copy.py, host_copy.py): page id pairs per matched pool
-    pair, in one go. Built straight from the id lists: no per-page objects, since a long prompt has thousands of pages."""
+    pair, in one go. Built straight from the id lists: no per-page objects, since a long prompt
+    has thousands of pages."""
 
     pairs: tuple[tuple[str, str, np.ndarray, np.ndarray], ...]  # int64 page ids
     total_bytes: int
