@@ -1,5 +1,6 @@
 """The C launcher of the direct reads' page copies (csrc/page_copy_launch.c): built on first use with
-the machine's C compiler and cached (native_build.py).
+the machine's C compiler, as Triton builds its own launchers, and cached under
+``$DUET_CACHE_DIR`` (default ``~/.cache/duet``, or a per-user temp folder when home is read-only).
 
 ``module()`` returns the loaded extension, or None when it cannot be had (no compiler, no Python
 headers, a failed build); callers then keep the Python launch path, which does the same work more
@@ -11,19 +12,24 @@ parameters it cannot account for exactly, rather than guess an ABI.
 from __future__ import annotations
 
 import functools
+import hashlib
+import importlib.machinery
+import importlib.util
 import logging
 import os
 import re
+import shlex
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from kernels.native_build import build_and_load, toolchain_problem
-
 log = logging.getLogger(__name__)
-
-__all__ = ["module", "prepared_launch", "ptx_parameters", "toolchain_problem"]
 
 NAME = "duet_page_copy_launch"
 SOURCE = Path(__file__).parent / "csrc" / "page_copy_launch.c"
@@ -37,10 +43,86 @@ def module() -> ModuleType | None:
     if os.environ.get("DUET_NATIVE_LAUNCH", "1") == "0":
         return None
     try:
-        return build_and_load(NAME, SOURCE, ldflags=["-ldl"])
+        return _load(_build())
     except Exception as e:  # any failure leaves the Python path in place
         log.warning("the C page-copy launcher is not available (%s); using the Python path", e)
         return None
+
+
+def _build() -> Path:
+    source = SOURCE.read_bytes()
+    tag = hashlib.sha256(source + sys.version.encode()).hexdigest()[:16]
+    cache = _cache_dir()
+    target = cache / f"{NAME}-{tag}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
+    if target.exists():
+        return target
+    missing = toolchain_problem()
+    if missing is not None:
+        raise RuntimeError(missing)
+    cc = _compiler()
+    include = sysconfig.get_paths()["include"]
+    cache.mkdir(parents=True, exist_ok=True)
+    # Built beside the target and renamed into place: processes starting together never load a
+    # half-written file.
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        out = Path(tmp) / target.name
+        cmd = [*shlex.split(cc), "-O2", "-shared", "-fPIC", f"-I{include}", str(SOURCE)]
+        cmd += ["-o", str(out), "-ldl"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(out, target)
+    return target
+
+
+def _cache_dir() -> Path:
+    """``$DUET_CACHE_DIR``, else ~/.cache/duet, else a per-user folder under the temp dir (a
+    worker whose home is read-only)."""
+    if "DUET_CACHE_DIR" in os.environ:
+        return Path(os.environ["DUET_CACHE_DIR"])
+    home = Path.home() / ".cache" / "duet"
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        if os.access(home, os.W_OK):
+            return home
+    except OSError:
+        pass
+    return _private_dir(Path(tempfile.gettempdir()) / f"duet-{os.getuid()}")
+
+
+def _private_dir(path: Path) -> Path:
+    """``path``, made (mode 0700) if missing; refused unless it is ours and only ours: a shared
+    temp dir must not hand us someone else's library to load."""
+    path.mkdir(mode=0o700, exist_ok=True)
+    info = path.lstat()
+    if not path.is_dir() or path.is_symlink() or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise RuntimeError(f"{path} is not a private folder of this user")
+    return path
+
+
+def _compiler() -> str | None:
+    return (
+        os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc") or shutil.which("clang")
+    )
+
+
+def toolchain_problem() -> str | None:
+    """Why this machine cannot build the extension (no C compiler, no Python headers), or None."""
+    if _compiler() is None:
+        return "no C compiler (set CC)"
+    include = sysconfig.get_paths()["include"]
+    if not (Path(include) / "Python.h").exists():
+        return f"no Python.h under {include}"
+    return None
+
+
+def _load(path: Path) -> ModuleType:
+    loader = importlib.machinery.ExtensionFileLoader(NAME, str(path))
+    spec = importlib.util.spec_from_file_location(NAME, path, loader=loader)
+    assert spec is not None
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    return mod
 
 
 def prepared_launch(

@@ -9,8 +9,7 @@ The parent process is the decode side (KVReceiver; cuda:1 on GPUs), a spawned ch
 "raw" is a request message plus one ucxx send of the same number of bytes, over endpoints made the
 same way (worker address, peer error handling). Pages are either one run (``contiguous``: chunks go
 straight between the pools) or a random permutation (``scattered``: every chunk is gathered into and
-scattered from staging buffers). "puts" (CPU) is a second decode-side receiver over the same pool,
-registered with UCX, into which P writes every page run with one-sided puts (rma.py). "direct" is a second decode-side receiver over the same pool that
+scattered from staging buffers). "direct" is a second decode-side receiver over the same pool that
 reads P's pages itself (CUDA IPC on GPUs, shared memory on the CPU, checked against P's lease
 board: direct_read.py). Each figure is the median of --repeats runs after one warm-up; the variants
 and the raw exchange run interleaved, one of each per repetition, so a busy spell of a shared host
@@ -78,19 +77,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # The first transceiver of a process sets its UCX progress mode. With the direct path alone,
     # that is the direct receiver, as in a decode worker that reads directly (its progress thread
     # sleeps: a spinning one slows direct reads); the other receiver then serves raw ucxx only.
-    direct_first = "ucx" not in args.paths and "puts" not in args.paths
+    direct_first = "ucx" not in args.paths
     direct = None
     if direct_first:
         direct = KVReceiver({"full": buf}, [spec], "bench", config(args))
-    receiver = KVReceiver(
-        {"full": buf}, [spec], "bench", config(args, direct_copy=False, ucx_rma=False)
-    )
-    puts = None
-    if "puts" in args.paths:
-        # Same pool, registered with UCX: P writes the pages into it with one-sided puts (rma.py).
-        puts = KVReceiver(
-            {"full": buf}, [spec], "bench", config(args, direct_copy=False)
-        )
+    receiver = KVReceiver({"full": buf}, [spec], "bench", config(args, direct_copy=False))
     if "direct" in args.paths and direct is None:
         # Same pool, second receiver: it opens P's pools and reads them directly (cuda_ipc).
         direct = KVReceiver({"full": buf}, [spec], "bench", config(args))
@@ -108,11 +99,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     variants = [
         (name, rec, layout)
-        for name, rec in (
-            ("ours", receiver if "ucx" in args.paths else None),
-            ("puts", puts),
-            ("direct", direct),
-        )
+        for name, rec in (("ours", receiver if "ucx" in args.paths else None), ("direct", direct))
         if rec is not None
         for layout in args.layouts
     ]
@@ -167,9 +154,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 row[f"{key}_gbps"] = median_gbps(size, ts)
         if args.device == "cuda":
             row["peer_copy_gbps"] = median_gbps(size, peer_copy_times(size, args.repeats))
-        for key in [
-            k for k in row if k.startswith(("ours_", "puts_", "direct_")) and k.endswith("_gbps")
-        ]:
+        for key in [k for k in row if k.startswith(("ours_", "direct_")) and k.endswith("_gbps")]:
             for base in ("raw_ucxx", "peer_copy", "peer_copy_gap"):
                 if f"{base}_gbps" in row:
                     row[key.replace("_gbps", f"_vs_{base}")] = row[key] / row[f"{base}_gbps"]
@@ -180,9 +165,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     conn.recv()
     child.join(60)
     raw_ep.abort()
-    for other in (direct, puts):
-        if other is not None:
-            other.close()
+    if direct is not None:
+        direct.close()
     receiver.close()
     return {
         "device": args.device,
@@ -324,11 +308,10 @@ def main() -> None:
     parser.add_argument(
         "--paths",
         nargs="+",
-        choices=["ucx", "puts", "direct"],
+        choices=["ucx", "direct"],
         default=None,
-        help="data paths to time: ucx (staged chunks over UCX), puts (P writes D's registered "
-        "host pools with one-sided UCX puts; CPU only) and direct (D reads P's pages through "
-        "CUDA IPC, or shared memory on the CPU); default all three on CPU, ucx and direct on GPUs",
+        help="data paths to time: ucx (staged chunks over UCX) and direct (D reads P's pages "
+        "through CUDA IPC, or shared memory on the CPU); default both",
     )
     parser.add_argument(
         "--hot",
@@ -340,7 +323,7 @@ def main() -> None:
     if args.max_mib is None:
         args.max_mib = 256 if args.device == "cpu" else 1024
     if args.paths is None:
-        args.paths = ["ucx", "puts", "direct"] if args.device == "cpu" else ["ucx", "direct"]
+        args.paths = ["ucx", "direct"]
     if args.staging_tokens is None:
         args.staging_tokens = 512 if args.device == "cpu" else 16384
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")

@@ -29,9 +29,7 @@ def page_sums(buf: torch.Tensor, spec: PoolGroupSpec, pages: list[int]) -> list[
     return rows[torch.tensor(pages, device=buf.device)].sum(dim=1, dtype=torch.int64).tolist()
 
 
-def config(
-    args: argparse.Namespace, direct_copy: bool = True, ucx_rma: bool = True
-) -> TransceiverConfig:
+def config(args: argparse.Namespace, direct_copy: bool = True) -> TransceiverConfig:
     env = {
         "UCX_TLS": "tcp,self" if args.device == "cpu" else "tcp,cuda_copy,cuda_ipc",
         "UCX_NET_DEVICES": "lo",
@@ -43,7 +41,6 @@ def config(
         staging_buffers=args.staging_buffers,
         progress_mode=args.progress_mode,
         direct_copy=direct_copy,
-        ucx_rma=ucx_rma,
         lease_s=120,
         pull_deadline_s=60,
         chunk_deadline_s=60,

@@ -39,10 +39,6 @@ class TransceiverConfig:
     processes of one host on the CPU, or one process) reads each request's pages itself with one
     copy instead of receiving them through UCX (transfer/direct_read.py). Links where it cannot
     fall back to UCX on their own."""
-    ucx_rma: bool = True
-    """Pulls over UCX between host-memory pools skip the staging copies: D registers its pools
-    with UCX and P writes each page run straight into them with one-sided puts, then flushes
-    (transfer/rma.py). Off, or where it cannot be set up, chunks are gathered, sent and scattered."""
     lease_s: float = 30.0
     """How long P keeps a published request's pages for D; renewed while the pull progresses."""
     connect_deadline_s: float = 10.0

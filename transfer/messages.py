@@ -6,12 +6,10 @@ missing or extra field, or a field of the wrong type raises TransferProtocolErro
 anything that is not msgpack at all; nothing else ever escapes it.
 
 Conversation (D = decode worker, which pulls; P = prefill worker, which serves):
-    D -> P  Hello            page table, UCX worker address, chunk size, D's done board, D's
-                             pools registered for puts
+    D -> P  Hello            page table, UCX worker address, chunk size, D's done board
     P -> D  HelloReply       the same from P, plus P's pool export and lease board (ipc.py,
                              lease_board.py) for a same-host peer and whether it opened D's done
-                             board (done_board.py) and D's pools for puts, or an error
-                             (compatibility hash)
+                             board (done_board.py), or an error (compatibility hash)
   A pull over UCX:
     D -> P  PullRequest      request id, pull id, page ids on both sides, D's plan (chunks, bytes),
                              and the chunks D has already posted receives for (credits)
@@ -20,8 +18,6 @@ Conversation (D = decode worker, which pulls; P = prefill worker, which serves):
     P -> D  TransferDone     declared prompt length, bytes, chunks (once every send is posted)
     P -> D  PullError        instead, when P refuses or gives up the pull
     D -> P  TransferAck      ok, or the reason D failed the transfer; P releases the pages
-  A pull with puts (host pools, Hello.rma / HelloReply.rma_open, rma.py): PullRequest.put, no
-  credits; P writes every page run into D's pools, flushes, then TransferDone; D acks as above.
   A direct read (D opened P's pools, direct_read.py): D checks the lease on P's board, copies P's
   pages into its own and checks the board again; no message until then.
     (no message)             a read that succeeded is a record on D's done board, which P polls
@@ -88,8 +84,6 @@ class Hello:
     chunk_bytes: int
     # The path of D's done board for this link (done_board.py), or "" (D then sends ReadDone).
     done_board: str = ""
-    # D's host pools registered for one-sided puts (rma.RmaRegions.to_wire()), or b"".
-    rma: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -103,16 +97,13 @@ class HelloReply:
     lease_board: str  # the path of P's lease board, or "" (with pool_export)
     # P mapped D's done board (Hello.done_board) and reads direct reads' ends from it.
     done_board_open: bool = False
-    # P unpacked D's remote keys (Hello.rma): pulls on this link may ask for puts.
-    rma_open: bool = False
 
 
 @dataclass(frozen=True)
 class PullRequest:
     """``src_page_ids`` are the ticket's pages (P checks them against what it published);
     ``dst_page_ids`` are D's pages for ``src_page_ids[g][skip_pages:]``. ``num_chunks`` and
-    ``total_bytes`` are D's plan, which P must reproduce exactly. ``put``: P writes the pages
-    into D's registered pools itself (rma.py) instead of sending chunks; no credits then."""
+    ``total_bytes`` are D's plan, which P must reproduce exactly."""
 
     request_id: str
     pull_id: int
@@ -123,7 +114,6 @@ class PullRequest:
     num_chunks: int
     total_bytes: int
     ready_chunks: list[int]
-    put: bool = False
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,6 @@
 """PeerLink: one connected peer, i.e. its control channel plus a UCX endpoint to its worker, and the
 handshake that makes one (Hello / HelloReply: page tables, compatibility hash, UCX addresses, and
-P's pool export and lease board, with which D may read P's pages directly: ``PeerLink.access``; and
-D's pools registered for P's one-sided puts: ``PeerLink.rma``).
+P's pool export and lease board, with which D may read P's pages directly: ``PeerLink.access``).
 
 Closing a link is how transfers are cancelled: ``abort`` closes the UCX endpoint, which cancels every
 receive and send posted on it, and the control channel, so the peer learns at once. Transfers on the
@@ -24,7 +23,6 @@ from transfer.done_board import DoneBoard, DoneBoardUnavailable, DoneBoardView
 from transfer.lease_board import LeaseBoardView
 from transfer.messages import Hello, HelloReply, Message
 from transfer.page_table import PageTable
-from transfer.rma import RmaTarget, RmaUnavailable
 from transfer.runtime import UcxRuntime
 from transfer.stats import TransferCounters
 
@@ -73,9 +71,6 @@ class PeerLink:
         self.access: DirectAccess | None = None
         # P side: the peer's done board, mapped here (done_board.py).
         self.done: DoneBoardView | None = None
-        # P side: the peer's pools, open for our puts (rma.py); D side: whether P opened ours.
-        self.rma: RmaTarget | None = None
-        self.rma_open = False
         self._on_closed: list[Callable[[str], None]] = []
         loop = asyncio.get_running_loop()
         # UCX calls this from its progress thread when the endpoint fails (peer died).
@@ -196,11 +191,9 @@ async def connect(
         channel.close("handshake failed")
         raise
     info = PeerInfo(reply.instance_id, reply.page_table, min(hello.chunk_bytes, reply.chunk_bytes))
-    rma_open = bool(hello.rma) and reply.rma_open
-    path = direct.data_path if direct is not None else "ucx puts" if rma_open else "ucx"
+    path = direct.data_path if direct is not None else "ucx"
     link = PeerLink(channel, endpoint, info, f"{name} (instance {reply.instance_id}, {path})")
     link.access = direct
-    link.rma_open = rma_open
     return link
 
 
@@ -211,12 +204,10 @@ async def accept(
     own: HelloReply,
     timeout: float,
     counters: TransferCounters,
-    puts: bool = False,
 ) -> PeerLink | None:
     """P side: answer one incoming Hello with ``own``, mapping the peer's done board when it
-    names one and ``own`` offers direct reads (``link.done``), and with ``puts`` opening the
-    pools the peer registered for puts (``link.rma``). Returns None (after telling the peer why)
-    when the peer is refused or the handshake fails."""
+    names one and ``own`` offers direct reads (``link.done``). Returns None (after telling the
+    peer why) when the peer is refused or the handshake fails."""
     peername = writer.get_extra_info("peername")
     channel = ControlChannel(reader, writer, f"link from {peername}", counters)
     try:
@@ -230,18 +221,11 @@ async def accept(
             raise PeerRefused(problem)
         endpoint = await asyncio.wait_for(runtime.create_endpoint(hello.ucx_address), timeout)
         done = _open_done(hello.done_board, channel.name) if own.pool_export else None
-        rma = _open_rma(runtime, endpoint, hello, channel.name) if puts else None
         try:
-            reply = dataclasses.replace(
-                own, done_board_open=done is not None, rma_open=rma is not None
-            )
-            await channel.send(reply, timeout)
+            await channel.send(dataclasses.replace(own, done_board_open=done is not None), timeout)
         except BaseException:
             if done is not None:
                 done.close()
-            if rma is not None:
-                rma.close()
-            endpoint.abort()
             raise
     except (PeerRefused, ConnectionError, asyncio.TimeoutError) as e:
         log.warning("%s: handshake refused or failed: %s", channel.name, e)
@@ -250,22 +234,7 @@ async def accept(
     info = PeerInfo(hello.instance_id, hello.page_table, min(hello.chunk_bytes, own.chunk_bytes))
     link = PeerLink(channel, endpoint, info, f"link from {peername} (instance {hello.instance_id})")
     link.done = done
-    if rma is not None:
-        link.rma = rma
-        link.add_close_listener(lambda _reason: rma.close())
     return link
-
-
-def _open_rma(runtime: UcxRuntime, endpoint: Any, hello: Hello, name: str) -> RmaTarget | None:
-    if not hello.rma:
-        return None
-    try:
-        return RmaTarget.open(
-            runtime.worker_handle, endpoint.ucp_endpoint, hello.rma, hello.page_table
-        )
-    except RmaUnavailable as e:
-        log.warning("%s: not writing into the peer's pools (%s): staged chunks", name, e)
-        return None
 
 
 def _open_done(path: str, name: str) -> DoneBoardView | None:

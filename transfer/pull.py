@@ -12,10 +12,6 @@ otherwise the link is aborted, the only way UCX cancels a receive (other pulls o
 too; the next pull reconnects). ``run`` returns only after every receive and page copy of this pull
 has ended. KV is never trimmed or padded: any mismatch fails the pull.
 
-On a link where P opened our registered pools (rma.py) the pull carries no credits: P writes every
-page run itself and sends TransferDone once the bytes are in; a pull that fails before P's answer
-aborts the link, so no put lands after ``run`` returns.
-
 On a direct link (D opened P's pools, ipc.py) a ticket with a lease board slot is read by D itself
 instead (direct_read.py); this session then only connects.
 """
@@ -23,7 +19,6 @@ instead (direct_read.py); this session then only connects.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -76,8 +71,6 @@ class PullSession:
         self._credits: list[int] = []  # posted, not yet announced to P
         self._refusal: PullError | None = None
         self._failed = False
-        # A pull with puts whose end P has not told us: P may still be writing our pages.
-        self._puts_pending = False
         self._on_closed = lambda reason: self.events.put_nowait(("closed", reason))
 
     def deliver(self, msg: PullError | TransferDone | Reject) -> None:
@@ -140,9 +133,6 @@ class PullSession:
     async def _transfer(self) -> None:
         assert self.link is not None and self.plan is not None
         cfg, plan = self.r.config, self.plan
-        if self.link.rma_open:
-            await self._transfer_by_puts()
-            return
         # Every receive straight into the pool is posted now (they need no buffer), then staged ones
         # while buffers last; the feeder credits the rest in plan order as buffers free up.
         pending = [c for c in plan.chunks if not self._post_direct(c)]
@@ -174,21 +164,6 @@ class PullSession:
                 raise PullFailed(f"unexpected {type(event).__name__} during the transfer")
         self._check_done(done, arrived)
 
-    async def _transfer_by_puts(self) -> None:
-        """P writes every page run into our pools (rma.py) and says TransferDone once they are in."""
-        assert self.link is not None and self.plan is not None
-        cfg, plan = self.r.config, self.plan
-        request = self._pull_request([])
-        self._puts_pending = True
-        await self.link.send(dataclasses.replace(request, put=True), cfg.pull_deadline_s)
-        # P's budget for the puts is chunk_deadline_s per chunk of the plan, after its answer.
-        timeout = cfg.pull_deadline_s + cfg.chunk_deadline_s * max(1, plan.num_chunks)
-        event = await self._next("P's puts and TransferDone", timeout)
-        if not isinstance(event, TransferDone):
-            raise PullFailed(f"unexpected {type(event).__name__} during the transfer")
-        self.r.book.counters.chunks += plan.num_chunks
-        self._check_done(event, plan.num_chunks)
-
     def _check_done(self, done: TransferDone, arrived: int) -> None:
         assert self.plan is not None
         if (done.num_chunks, done.total_bytes) != (arrived, self.plan.total_bytes):
@@ -208,8 +183,6 @@ class PullSession:
             kind, value = await asyncio.wait_for(self.events.get(), timeout)
         except asyncio.TimeoutError:
             raise PullFailed(f"timed out after {timeout}s waiting for {what}") from None
-        if kind == "msg":  # P answered: it writes nothing of this pull any more
-            self._puts_pending = False
         if kind == "closed":
             raise PullFailed(f"link to the prefill worker closed: {value}")
         if kind == "recv_failed":
@@ -293,10 +266,6 @@ class PullSession:
             await settle(self._recvs, cfg.chunk_deadline_s)  # P is completing them
         if any(not t.done() for t in self._recvs) and link is not None:
             link.abort(f"pull of {rid} failed with receives posted: {reason}")
-        if self._puts_pending and link is not None:
-            # The only way to stop P's puts landing in pages we are about to give back: close our
-            # endpoint (ucxx returns once it is closed; rma.py says why that fences host memory).
-            link.abort(f"pull of {rid} failed with P's puts possibly in flight: {reason}")
         if not await settle(self._recvs, cfg.chunk_deadline_s):
             log.error("receives of %s did not end after the link was aborted", rid)
         log.warning("pull of %s failed: %s", rid, reason)
@@ -311,7 +280,7 @@ class PullSession:
             time.perf_counter() - start,
             ok,
             error,
-            "ucx_put" if self.link is not None and self.link.rma_open else "ucx",
+            "ucx",
         )
         self.r.book.record(stats)
         return TransferResult(self.ticket.request_id, ok, error, stats)

@@ -11,9 +11,6 @@ failed and nothing of it can still write the pages unordered (a direct copy past
 the model's stream wait for it). It never raises for transfer problems: they are a failed
 TransferResult.
 
-Over UCX between host-memory pools, D registers its pools (rma.py) and P writes each page run
-straight into them (``TransceiverConfig.ucx_rma``); otherwise chunks are staged and sent.
-
 One control connection and one UCX endpoint per prefill worker are cached and shared by concurrent
 pulls; a closed link, or a ticket from another instance of the worker at that address (it
 restarted), makes the next pull connect again.
@@ -55,7 +52,6 @@ from transfer.messages import (
 from transfer.peer import DirectAccess, PeerLink, PeerRefused, connect
 from transfer.pull import PullSession
 from transfer.pull_checks import PullFailed
-from transfer.rma import RmaRegions, RmaUnavailable
 from transfer.serve import settle
 from transfer.side import TransceiverSide
 from transfer.stats import TransferResult
@@ -84,22 +80,13 @@ class KVReceiver(TransceiverSide):
         # Launches the copies of direct reads on our GPU (None on the CPU, where they are plain
         # copies).
         self.direct_copier: DirectCopier | None = None
-        # Our host pools, registered for P's one-sided puts (rma.py); None: staged chunks.
-        self.rma: RmaRegions | None = None
         try:
-            if config.ucx_rma and not self.rows_on_gpu:
-                try:
-                    self.rma = RmaRegions.register(self.runtime.context_handle, self.rows)
-                except RmaUnavailable as e:
-                    log.warning("pools not registered for puts (%s): staged chunks over UCX", e)
             if config.direct_copy and self.rows_on_gpu:
                 with torch.cuda.device(self.device):
                     warm_up(self.rows)  # compile the copy kernel now, not in the first pull
                     self.direct_copier = DirectCopier(self.device, slot_capacity(self.rows))
             self.runtime.run(self._start(), timeout=config.connect_deadline_s)
         except BaseException:
-            if self.rma is not None:
-                self.rma.close()
             self.runtime.release()
             raise
 
@@ -186,8 +173,6 @@ class KVReceiver(TransceiverSide):
             while self._reads_in_flight and time.monotonic() < deadline:
                 time.sleep(0.005)  # direct reads run on their callers' threads: let them end
         finally:
-            if self.rma is not None:  # every link is closed: no peer writes into them any more
-                self.rma.close()
             self.runtime.release()
 
     # ---- loop side ----
@@ -247,7 +232,6 @@ class KVReceiver(TransceiverSide):
             self.runtime.worker_address,
             self.chunk_bytes,
             done.path if done is not None else "",
-            self.rma.to_wire() if self.rma is not None else b"",
         )
         timeout = self.config.connect_deadline_s
         link: PeerLink | None = None

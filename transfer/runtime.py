@@ -101,16 +101,6 @@ class UcxRuntime:
             config_dict=options, progress_mode=self.progress_mode, enable_python_future=True
         )
 
-    @property
-    def context_handle(self) -> int:
-        """The ucp_context_h of this process's UCX context, as an int (transfer/rma.py)."""
-        return int(self.ctx.context.handle)
-
-    @property
-    def worker_handle(self) -> int:
-        """The ucp_worker_h of this process's UCX worker, as an int (transfer/rma.py)."""
-        return int(self.ctx.worker.handle)
-
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Schedule ``coro`` on the loop thread; safe from any thread."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop)

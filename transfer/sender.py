@@ -187,13 +187,7 @@ class KVSender(TransceiverSide):
         return self.leases.cancel(request_id)
 
     def stats(self) -> dict[str, Any]:
-        sessions = list(self._sessions.values())  # one C-level copy: safe from any thread
-        return {
-            **self.book.snapshot(),
-            "leases": len(self.leases),
-            "peers": len(self._links),
-            "puts_in_flight": sum(1 for s in sessions if s.putting),
-        }
+        return {**self.book.snapshot(), "leases": len(self.leases), "peers": len(self._links)}
 
     def close(self) -> None:
         """Stop serving: abort links (ending their sends), stop listening, release every lease."""
@@ -234,13 +228,7 @@ class KVSender(TransceiverSide):
             self.board.path if self.board is not None else "",
         )
         link = await accept(
-            self.runtime,
-            reader,
-            writer,
-            own,
-            self.config.connect_deadline_s,
-            self.book.counters,
-            puts=self.config.ucx_rma and not self.rows_on_gpu,
+            self.runtime, reader, writer, own, self.config.connect_deadline_s, self.book.counters
         )
         if link is None:
             return
@@ -307,13 +295,6 @@ class KVSender(TransceiverSide):
             return error(*self.leases.why_missing(rid))
         if req.pull_id in self._sessions:
             return error("conflict", f"pull id {req.pull_id} is already in use")
-        if req.put and (link.rma is None or req.ready_chunks):
-            return error(
-                "conflict",
-                "puts asked for on a link without D's registered pools"
-                if link.rma is None
-                else "a pull with puts carries no credits",
-            )
         if len(set(req.ready_chunks)) != len(req.ready_chunks) or any(
             not 0 <= i < req.num_chunks for i in req.ready_chunks
         ):

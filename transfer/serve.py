@@ -10,11 +10,6 @@ On failure: with sends in flight the link is aborted (UCX cancels them) and the 
 only after every send has ended; without, the credited chunks that will never be sent are completed
 with empty messages ("drained") so D's receives end without tearing the link down.
 
-A pull with puts (PullRequest.put, rma.py) has no credits and no chunks on the wire: P writes every
-page run into D's pools, waits for the flush (chunk_deadline_s per chunk of the plan), then sends
-TransferDone. Failing with the flush still in flight aborts the link and waits for the flush to end
-before the pages are released.
-
 (A decode worker that reads P's pools directly never sends a PullRequest: see direct_read.py.)
 """
 
@@ -30,7 +25,6 @@ import torch
 from transfer.messages import PullError, PullRequest, TransferDone, data_tag
 from transfer.peer import PeerLink
 from transfer.plan import Chunk, TransferPlan
-from transfer.rma import PutBatch, RmaUnavailable
 from transfer.staging import gather_chunk, pool_region
 from transfer.stats import TransferStats
 
@@ -68,17 +62,11 @@ class ServeSession:
         self._tasks: dict[int, asyncio.Task] = {}
         self._io_started: set[int] = set()  # chunks whose copy/send began (not cancellable)
         self._acked: tuple[bool, str] | None = None
-        self._batch: PutBatch | None = None  # a pull with puts: its puts and flush
         # On CPU (TCP) sends go one at a time, in credit order: concurrent messages share the wire
         # and all end together, so D's scatters would run after the last byte instead of under the
         # next chunk. Between GPUs (cuda_ipc) concurrent messages overlap their rendezvous latency.
         self._send_slot = asyncio.Semaphore(self.plan.num_chunks if sender.rows_on_gpu else 1)
         self._on_closed = lambda reason: self.events.put_nowait(("closed", reason))
-
-    @property
-    def putting(self) -> bool:
-        """Our puts into D's pools are posted and their flush has not ended."""
-        return self._batch is not None and not self._batch.ended
 
     def credit(self, chunks: list[int]) -> None:
         self.events.put_nowait(("credit", chunks))
@@ -107,9 +95,6 @@ class ServeSession:
             self.link.remove_close_listener(self._on_closed)
 
     async def _serve(self) -> None:
-        if self.req.put:
-            await self._put_all()
-            return
         cfg, n = self.sender.config, self.plan.num_chunks
         sent, done_sent = 0, False
         while True:
@@ -142,28 +127,6 @@ class ServeSession:
                 self._acked = value
             elif kind == "closed":
                 raise ServeFailed(f"link closed: {value}")
-
-    async def _put_all(self) -> None:
-        """Write every page run into D's pools, wait for the flush, then send TransferDone."""
-        s, n, rma = self.sender, self.plan.num_chunks, self.link.rma
-        if rma is None or self.link.closed:
-            raise ServeFailed("the link closed before the puts")
-        try:
-            self._batch = rma.put(rma.ops(s.rows, self.plan))
-        except (ValueError, RmaUnavailable) as e:
-            raise ServeFailed(f"cannot write into D's pools: {e}") from None
-        timeout = s.config.chunk_deadline_s * max(1, n)
-        ended = await self._batch.wait(timeout)
-        if ended is None:
-            raise ServeFailed(f"the puts did not end within {timeout}s (chunk_deadline_s per chunk)")
-        if not ended[0]:
-            raise ServeFailed(f"writing into D's pools failed: {ended[1]}")
-        s.book.counters.chunks += n
-        s.leases.renew(self.req.request_id, s.config.lease_s)
-        done = TransferDone(
-            self.req.request_id, self.req.pull_id, self._lease_declared(), self.plan.total_bytes, n
-        )
-        await self.link.send(done, s.config.done_deadline_s)
 
     def _take_queued_acks(self) -> None:
         """An ack that came in while TransferDone was still draining sits in the queue once the
@@ -214,13 +177,10 @@ class ServeSession:
         for i in unsent:
             self._tasks[i].cancel()
         in_flight = [i for i, t in self._tasks.items() if not t.done() and i in self._io_started]
-        batch = self._batch
-        if in_flight or self.link.closed or (batch is not None and not batch.ended):
+        if in_flight or self.link.closed:
             # The only way to stop UCX reading the pages / staging buffers: cancel its requests.
             self.link.abort(f"serving {rid} failed: {reason}")
         settled = await settle(list(self._tasks.values()), cfg.chunk_deadline_s)
-        if batch is not None:  # the aborted endpoint ends the flush (with an error)
-            settled = settled and await batch.wait(cfg.chunk_deadline_s) is not None
         if settled:
             self.sender.leases.release(rid, f"failed: {reason}", force=True)
         else:
@@ -253,8 +213,7 @@ class ServeSession:
             time.perf_counter() - start,
             ok,
             error,
-            # P serves only UCX pulls; direct reads are recorded on ReadDone
-            "ucx_put" if self.req.put else "ucx",
+            "ucx",  # P serves only UCX pulls; direct reads are recorded on ReadDone
         )
         self.sender.book.record(stats)
 

@@ -30,14 +30,6 @@ class TransferConfig(Section):
             "kvcache.page_size. Longer prompts go in several pipelined chunks."
         ),
     )
-    ucx_rma: bool = Field(
-        True,
-        description=(
-            "Pulls over UCX between KV pools in host memory skip the staging copies: the decode "
-            "worker registers its pools with UCX and the prefill worker writes each page run "
-            "straight into them (one-sided puts). Off, chunks are gathered, sent and scattered."
-        ),
-    )
     direct_copy: bool = Field(
         True,
         description=(

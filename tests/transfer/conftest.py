@@ -45,26 +45,9 @@ def specs(
     return out
 
 
-# The UCX data path a test module runs on (the ``ucx_path`` fixture switches it): staged chunks, or
-# P's one-sided puts into D's registered pools (transfer/rma.py).
-UCX_PATHS = {"staged": False, "puts": True}  # name -> TransceiverConfig.ucx_rma
-_ucx_rma = [True]
-
-
-@pytest.fixture(params=list(UCX_PATHS))
-def ucx_path(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Runs a test once per UCX data path; ``config()`` builds that path's config meanwhile."""
-    _ucx_rma[0] = UCX_PATHS[request.param]
-    try:
-        yield request.param
-    finally:
-        _ucx_rma[0] = True
-
-
 def config(**overrides: object) -> TransceiverConfig:
     """Short deadlines so failure tests end quickly; staging of 8 tokens (2 pages) by default."""
     base: dict[str, object] = dict(
-        ucx_rma=_ucx_rma[0],
         staging_tokens=8,
         staging_buffers=2,
         lease_s=10.0,

@@ -138,7 +138,7 @@ def test_a_lease_without_a_board_slot_goes_over_ucx_on_a_direct_link(direct: Pai
     ticket, src = direct.publish("s1", 12)
     dst = direct.d.allocate("s1", 12)
     result = direct.receiver.pull_blocking(dataclasses.replace(ticket, lease_slot=-1), dst, 0, 12)
-    assert result.ok and result.stats.path == "ucx_put"
+    assert result.ok and result.stats.path == "ucx"
     assert same_pages(direct, src, dst)
     wait_until(lambda: sorted(direct.p.released) == ["s0", "s1"])
     direct.d.free("s0")
@@ -198,7 +198,7 @@ def test_pools_that_fail_to_open_leave_the_link_on_ucx(monkeypatch) -> None:
     monkeypatch.setattr(transfer.receiver, "open_pools", broken)
     with checked_pair(config(direct_copy=True)) as pair:
         result, src, dst = pull(pair, "b1", 8)
-        assert result.ok and result.stats.path == "ucx_put"
+        assert result.ok and result.stats.path == "ucx"
         assert same_pages(pair, src, dst)
         pair.d.free("b1")
 
@@ -215,7 +215,7 @@ def test_pools_smaller_than_their_page_table_leave_the_link_on_ucx(monkeypatch) 
     monkeypatch.setattr(transfer.receiver, "open_pools", truncated)
     with checked_pair(config(direct_copy=True)) as pair:
         result, src, dst = pull(pair, "t1", 8)
-        assert result.ok and result.stats.path == "ucx_put"
+        assert result.ok and result.stats.path == "ucx"
         assert same_pages(pair, src, dst)
         pair.d.free("t1")
 
@@ -244,7 +244,7 @@ def test_concurrent_pulls_do_not_mix(direct: Pair) -> None:
 def test_off_keeps_the_ucx_path() -> None:
     with checked_pair(config(direct_copy=False)) as pair:
         result, _, _ = pull(pair, "u1", 8)
-        assert result.ok and result.stats.path == "ucx_put"
+        assert result.ok and result.stats.path == "ucx"
         pair.d.free("u1")
 
 

@@ -144,7 +144,7 @@ def test_pools_that_cannot_be_shared_are_pulled_over_ucx(decode_side) -> None:
     peer = start_peer(38, no_sharing=True)
     try:
         result = pull_exact(peer, side, receiver, "u1", 22)
-        assert result.stats.path == "ucx_put"
+        assert result.stats.path == "ucx"
     finally:
         state = peer.close()
     assert state["free"] == state["initial_free"]

@@ -130,7 +130,6 @@ def test_bad_page_table_in_hello_is_rejected() -> None:
         "ucx_address": b"a",
         "chunk_bytes": 1,
         "done_board": "",
-        "rma": b"",
     }
     with pytest.raises(
         TransferProtocolError, match="Hello.page_table: page table pool field 'page_bytes'"

@@ -22,7 +22,7 @@ from transfer.messages import Hello, HelloReply, PullRequest, Reject, decode_mes
 from transfer.runtime import UcxRuntime
 from transfer.version import PROTOCOL_VERSION
 
-pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("ucx_path")]
+pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import torch
 from tests.transfer.conftest import MODEL, KVSide, config, specs
 from transfer import KVReceiver, KVSender, TransceiverConfig
 
-pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("ucx_path")]
+pytestmark = pytest.mark.timeout(60)
 
 
 class Pair:

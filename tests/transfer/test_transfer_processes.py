@@ -1,6 +1,5 @@
 """Two OS processes over real UCX on 127.0.0.1: byte-exact transfers into other pages, chunking,
-50 concurrent pulls, and a peer killed in the middle of a transfer (on either side). Each runs on
-both UCX data paths: staged chunks, and P's one-sided puts into D's registered pools (rma.py)."""
+50 concurrent pulls, and a peer killed in the middle of a transfer (on either side)."""
 
 from __future__ import annotations
 
@@ -8,7 +7,6 @@ import multiprocessing
 import os
 import signal
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.transfer.conftest import MODEL, UCX_PATHS, KVSide, config, specs
+from tests.transfer.conftest import MODEL, KVSide, config, specs
 from tests.transfer.peer_process import run_decode, run_prefill
 from tests.transfer.test_transfer_local import wait_until
 from transfer import KVReceiver, KVSender, TransferResult
@@ -71,17 +69,13 @@ def prefill_peer() -> Iterator[Peer]:
 
 
 @pytest.fixture
-def decode_side(ucx_path: str) -> Iterator[tuple[KVSide, KVReceiver]]:
+def decode_side() -> Iterator[tuple[KVSide, KVReceiver]]:
     side = KVSide(specs(), seed=12)
     side.scramble_free_queue()
-    receiver = KVReceiver(side.kv.buffers, side.specs, MODEL, config(ucx_rma=UCX_PATHS[ucx_path]))
+    receiver = KVReceiver(side.kv.buffers, side.specs, MODEL, config())
     yield side, receiver
     receiver.close()
     side.assert_clean()
-
-
-def path_of(receiver: KVReceiver) -> str:
-    return "ucx_put" if receiver.config.ucx_rma else "ucx"
 
 
 def pull_and_check(
@@ -92,30 +86,25 @@ def pull_and_check(
     assert dst != ticket.page_ids
     result = receiver.pull_blocking(ticket, dst, 0, num_tokens)
     assert result.ok, result.error
-    assert result.stats.path == path_of(receiver)
     got = side.pages_of(dst)["full"]
     assert torch.equal(got, as_tensor(sent["full"], got))
     side.free(rid)
     return result
 
 
-def test_random_kv_in_scattered_pages_arrives_byte_exact(
-    prefill_peer: Peer, decode_side, ucx_path: str
-) -> None:
+def test_random_kv_in_scattered_pages_arrives_byte_exact(prefill_peer: Peer, decode_side) -> None:
     side, receiver = decode_side
-    result = pull_and_check(prefill_peer, side, receiver, f"x1{ucx_path}", 6)  # 2 pages, 1 chunk
+    result = pull_and_check(prefill_peer, side, receiver, "x1", 6)  # 2 pages, one chunk
     assert result.stats.chunks == 1
 
 
 def test_request_larger_than_the_staging_buffer_goes_in_chunks(
-    prefill_peer: Peer, decode_side, ucx_path: str
+    prefill_peer: Peer, decode_side
 ) -> None:
     side, receiver = decode_side
-    # 50 pages, 2 per chunk (with puts the plan's chunks are counted, its runs written at once)
-    result = pull_and_check(prefill_peer, side, receiver, f"x2{ucx_path}", 200)
+    result = pull_and_check(prefill_peer, side, receiver, "x2", 200)  # 50 pages, 2 per chunk
     assert result.stats.chunks == 25
-    rids = {f"x1{ucx_path}", f"x2{ucx_path}"}
-    wait_until(lambda: rids <= set(prefill_peer.ask("state")["released"]))
+    wait_until(lambda: {"x1", "x2"} <= set(prefill_peer.ask("state")["released"]))
     assert prefill_peer.ask("state")["stats"]["expired_leases"] == 0  # acks freed them
 
 
@@ -146,40 +135,25 @@ def concurrent_pulls(
     return results
 
 
-def test_fifty_concurrent_transfers_between_processes(
-    prefill_peer: Peer, decode_side, ucx_path: str
-) -> None:
+def test_fifty_concurrent_transfers_between_processes(prefill_peer: Peer, decode_side) -> None:
     side, receiver = decode_side
-    results = concurrent_pulls(prefill_peer, side, receiver, f"y{ucx_path}", 50)
-    assert {r.stats.path for r in results.values()} == {path_of(receiver)}
+    results = concurrent_pulls(prefill_peer, side, receiver, "y", 50)
     wait_until(lambda: set(results) <= set(prefill_peer.ask("state")["released"]))
 
 
-def test_prefill_process_killed_mid_transfer(prefill_peer: Peer, ucx_path: str) -> None:
+def test_prefill_process_killed_mid_transfer(prefill_peer: Peer) -> None:
     side = KVSide(specs(**BIG), seed=13)
-    cfg = config(**BIG_CFG, ucx_rma=UCX_PATHS[ucx_path])
-    receiver = KVReceiver(side.kv.buffers, side.specs, MODEL, cfg)
+    receiver = KVReceiver(side.kv.buffers, side.specs, MODEL, config(**BIG_CFG))
     victim = Peer(run_prefill, 14, BIG, BIG_CFG)
     try:
-        if ucx_path == "puts":  # the link up first: the pull below then goes straight to P
-            ticket, _ = victim.ask("publish", "warm", 16)
-            assert receiver.pull_blocking(ticket, side.allocate("warm", 16), 0, 16).ok
-            side.free("warm")
         ticket, _ = victim.ask("publish", "doomed", 1024 * 16)  # 1024 pages of 48 KiB, 256 chunks
-        if ucx_path == "puts":
-            # Puts end too fast to catch mid-way: freeze P so the pull is surely in flight when it
-            # dies (D sees TransferDone or nothing, whenever P dies during its puts).
-            os.kill(victim.proc.pid, signal.SIGSTOP)  # only the process this test started
         dst = side.allocate("doomed", 1024 * 16)
         out: list[TransferResult] = []
         thread = threading.Thread(
             target=lambda: out.append(receiver.pull_blocking(ticket, dst, 0, 1024 * 16))
         )
         thread.start()
-        if ucx_path == "staged":
-            wait_until(lambda: receiver.stats()["chunks"] >= 1)
-        else:
-            wait_until(lambda: receiver.stats()["pulls_in_flight"] >= 1)
+        wait_until(lambda: receiver.stats()["chunks"] >= 1)
         victim.kill()
         thread.join(config().chunk_deadline_s + 10)
         assert out and not out[0].ok
@@ -197,46 +171,17 @@ def test_prefill_process_killed_mid_transfer(prefill_peer: Peer, ucx_path: str) 
     small_side.assert_clean()
 
 
-def _freeze_mid_puts(victim: Peer, sender: KVSender, side: KVSide, attempts: int = 5) -> str:
-    """Start pulls of 48 MiB by ``victim`` until one is caught with P's puts in flight, and freeze
-    the victim there (SIGSTOP): P's flush then cannot end until the victim dies. Returns the
-    request id of that pull; the pulls that ended first are complete and released."""
-    for attempt in range(attempts):
-        rid = f"orphan{attempt}"
-        ticket = sender.publish(rid, side.allocate(rid, 1024 * 16), 1024 * 16)
-        assert victim.ask("pull", ticket) == "started"
-        deadline = time.monotonic() + 10.0
-        while not sender.stats()["puts_in_flight"] and rid not in side.released:
-            assert time.monotonic() < deadline, "the pull neither started its puts nor ended"
-            time.sleep(0.0005)  # the puts last tens of milliseconds: look often
-        if sender.stats()["puts_in_flight"] >= 1:
-            os.kill(victim.proc.pid, signal.SIGSTOP)  # only the process this test started
-            if sender.stats()["puts_in_flight"] >= 1:
-                return rid
-            os.kill(victim.proc.pid, signal.SIGCONT)
-        wait_until(lambda: rid in side.released)
-    raise AssertionError(f"no pull of {attempts} was caught with its puts in flight")
-
-
-def test_decode_process_killed_mid_transfer_gives_p_its_pages_back(ucx_path: str) -> None:
+def test_decode_process_killed_mid_transfer_gives_p_its_pages_back() -> None:
     side = KVSide(specs(**BIG), seed=16)
     side.scramble_free_queue()
     sender = KVSender(side.kv.buffers, side.specs, MODEL, config(**BIG_CFG), side.release)
-    victim = Peer(run_decode, 17, BIG, dict(BIG_CFG, ucx_rma=UCX_PATHS[ucx_path]))
+    victim = Peer(run_decode, 17, BIG, BIG_CFG)
     try:
-        if ucx_path == "staged":
-            rid = "orphan"
-            ticket = sender.publish(rid, side.allocate(rid, 1024 * 16), 1024 * 16)
-            assert victim.ask("pull", ticket) == "started"
-            wait_until(lambda: sender.stats()["chunks"] >= 1)
-        else:
-            rid = _freeze_mid_puts(victim, sender, side)
-        done_before = len(side.released)
+        ticket = sender.publish("orphan", side.allocate("orphan", 1024 * 16), 1024 * 16)
+        assert victim.ask("pull", ticket) == "started"
+        wait_until(lambda: sender.stats()["chunks"] >= 1)
         victim.kill()
-        wait_until(
-            lambda: len(side.released) > done_before, timeout=config().chunk_deadline_s + 10
-        )
-        assert side.released[-1] == rid
+        wait_until(lambda: side.released == ["orphan"], timeout=config().chunk_deadline_s + 10)
         # P releases the pages before it records the failure (serve.py): wait for both.
         wait_until(lambda: sender.stats()["failures"] == 1)
         # The next transfer succeeds (a new decode side in this process).
