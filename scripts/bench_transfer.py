@@ -25,10 +25,12 @@ are a pull against ``peer_copy_gap`` and a hot pull against ``peer_copy``; every
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -85,6 +87,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "direct" in args.paths and direct is None:
         # Same pool, second receiver: it opens P's pools and reads them directly (cuda_ipc).
         direct = KVReceiver({"full": buf}, [spec], "bench", config(args))
+    # --async: the direct reads also pulled on an event loop, as a decode worker's actor does:
+    # polling the copy without yielding the loop first (the default loop_spin_s), and yielding at
+    # once (loop_spin_s=0, a second receiver over the same pool).
+    loop = asyncio.new_event_loop() if args.async_pulls else None
+    direct_yield = None
+    if loop is not None and direct is not None:
+        direct_yield = KVReceiver({"full": buf}, [spec], "bench", config(args, loop_spin_s=0.0))
     runtime = receiver.runtime
     conn.send(runtime.worker_address)
     raw_ep = runtime.run(runtime.create_endpoint(child_address), timeout=30)
@@ -98,16 +107,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         flush=True,
     )
     variants = [
-        (name, rec, layout)
-        for name, rec in (("ours", receiver if "ucx" in args.paths else None), ("direct", direct))
+        (name, rec, layout, on_loop)
+        for name, rec, on_loop in (
+            ("ours", receiver if "ucx" in args.paths else None, None),
+            ("direct", direct, None),
+            ("direct_async", direct if loop is not None else None, loop),
+            ("direct_yield", direct_yield, loop),
+        )
         if rec is not None
         for layout in args.layouts
     ]
+    stop_load = threading.Event()
+    load = threading.Thread(target=gil_load, args=(stop_load,), daemon=True)
+    if args.gil_load:
+        load.start()
     rows: list[dict[str, Any]] = []
     for size in sizes:
         n = size // spec.page_bytes
         row: dict[str, Any] = {"bytes": size}
-        times: dict[str, list[float]] = {f"{name}_{layout}": [] for name, _, layout in variants}
+        times: dict[str, list[float]] = {f"{name}_{layout}": [] for name, _, layout, _ in variants}
         times["raw_ucxx"] = []
         if args.device == "cuda":
             times["peer_copy_gap"] = []
@@ -117,12 +135,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # busy spell of a shared host hits them alike (one warm-up repetition first).
         for rep in range(args.repeats + 1):
             last = rep == args.repeats
-            for name, rec, layout in variants:
+            for name, rec, layout, on_loop in variants:
                 key = f"{name}_{layout}"
                 if key in failed:
                     continue
                 try:
-                    elapsed, result = one_pull(conn, rec, buf, spec, n, layout, gen, rep, last)
+                    elapsed, result = one_pull(
+                        conn, rec, buf, spec, n, layout, gen, f"{name}-{rep}", last, on_loop
+                    )
                 except Exception as e:  # keep the other figures of this run
                     failed[key] = f"{type(e).__name__}: {e}"
                     continue
@@ -143,10 +163,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if rep:
                     times["peer_copy_gap"].append(elapsed)
         if args.hot:  # every ticket first, then the pulls back to back
-            for name, rec, layout in variants:
+            for name, rec, layout, on_loop in variants:
                 key = f"{name}_{layout}"
                 if key not in failed:
-                    times[f"{key}_hot"] = hot_pulls(conn, rec, spec, n, layout, gen, args.repeats)
+                    times[f"{key}_hot"] = hot_pulls(
+                        conn, rec, spec, n, layout, gen, args.repeats, name, on_loop
+                    )
         for key, ts in times.items():
             if key in failed:
                 row[f"{key}_error"] = failed[key]
@@ -158,16 +180,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for base in ("raw_ucxx", "peer_copy", "peer_copy_gap"):
                 if f"{base}_gbps" in row:
                     row[key.replace("_gbps", f"_vs_{base}")] = row[key] / row[f"{base}_gbps"]
+        for key in [k for k in row if k.startswith("direct_") and k.endswith("_gbps")]:
+            for kind in ("async", "yield"):  # an awaited pull against the blocking one, same run
+                blocking = key.replace(f"direct_{kind}_", "direct_")
+                if key.startswith(f"direct_{kind}_") and blocking in row:
+                    row[key.replace("_gbps", "_vs_blocking")] = row[key] / row[blocking]
         rows.append(row)
         print(format_row(row), flush=True)
+    stop_load.set()
+    if load.is_alive():
+        load.join(10)
     runtime.run(send_stop(raw_ep), timeout=30)
     conn.send(("stop",))
     conn.recv()
     child.join(60)
     raw_ep.abort()
-    if direct is not None:
-        direct.close()
+    for other in (direct, direct_yield):
+        if other is not None:
+            other.close()
     receiver.close()
+    if loop is not None:
+        loop.close()
     return {
         "device": args.device,
         "page_bytes": spec.page_bytes,
@@ -179,6 +212,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "repeats": args.repeats,
         "paths": args.paths,
         "hot": args.hot,
+        "async": args.async_pulls,
+        "gil_load": args.gil_load,
         "staging_copy": diag,
         "rows": rows,
     }
@@ -221,16 +256,18 @@ def one_pull(
     n: int,
     layout: str,
     gen: torch.Generator,
-    rep: int,
+    run_name: str,
     check: bool,
+    loop: asyncio.AbstractEventLoop | None = None,
 ) -> tuple[float, Any]:
-    """Wall time of one pull as the caller sees it, and its result; with ``check``, the received
-    pages are compared with the sent ones (per-page sums on both sides)."""
+    """Wall time of one pull as the caller sees it (awaited on ``loop`` if given), and its result;
+    with ``check``, the received pages are compared with the sent ones (per-page sums on both
+    sides)."""
     src = choose_pages(n, spec, layout, gen)
     dst = choose_pages(n, spec, layout, gen)
-    conn.send(("publish", f"{receiver.instance_id}-{layout}-{n}-{rep}", src))
+    conn.send(("publish", f"{receiver.instance_id}-{layout}-{n}-{run_name}", src))
     ticket, src_sums = conn.recv()
-    elapsed, result = timed_pull(receiver, ticket, dst)
+    elapsed, result = timed_pull(receiver, ticket, dst, loop)
     if check and page_sums(buf, spec, dst) != src_sums:
         raise RuntimeError(f"{layout} {n} pages: the received bytes differ from the sent ones")
     return elapsed, result
@@ -244,6 +281,8 @@ def hot_pulls(
     layout: str,
     gen: torch.Generator,
     repeats: int,
+    name: str,
+    loop: asyncio.AbstractEventLoop | None = None,
 ) -> list[float]:
     """Pulls back to back, as a busy decode worker's: P publishes every ticket first, so no pull
     waits on P's answer (the default runs wait for it before each pull). Like the peer copies of
@@ -253,24 +292,42 @@ def hot_pulls(
         conn.send(
             (
                 "publish",
-                f"{receiver.instance_id}-hot-{layout}-{n}-{rep}",
+                f"{receiver.instance_id}-hot-{name}-{layout}-{n}-{rep}",
                 choose_pages(n, spec, layout, gen),
             )
         )
         tickets.append(conn.recv()[0])
-    times = [timed_pull(receiver, t, choose_pages(n, spec, layout, gen))[0] for t in tickets]
+    times = [timed_pull(receiver, t, choose_pages(n, spec, layout, gen), loop)[0] for t in tickets]
     return times[1:]
 
 
-def timed_pull(receiver: KVReceiver, ticket: Any, dst: list[int]) -> tuple[float, Any]:
-    """Wall time of one pull of the whole ticket into ``dst``, and its result (raises if it
-    failed)."""
+def timed_pull(
+    receiver: KVReceiver,
+    ticket: Any,
+    dst: list[int],
+    loop: asyncio.AbstractEventLoop | None = None,
+) -> tuple[float, Any]:
+    """Wall time of one pull of the whole ticket into ``dst`` (``pull`` awaited on ``loop``, else
+    ``pull_blocking``), and its result (raises if it failed)."""
+    pages, n = {"full": dst}, ticket.declared_prompt_len
     start = time.perf_counter()
-    result = receiver.pull_blocking(ticket, {"full": dst}, 0, ticket.declared_prompt_len)
+    if loop is None:
+        result = receiver.pull_blocking(ticket, pages, 0, n)
+    else:
+        result = loop.run_until_complete(receiver.pull(ticket, pages, 0, n))
     elapsed = time.perf_counter() - start
     if not result.ok:
         raise RuntimeError(f"transfer failed: {result.error}")
     return elapsed, result
+
+
+def gil_load(stop: threading.Event) -> None:
+    """A thread that runs Python without pause until ``stop``, as a worker's engine thread can:
+    the worst case for a pull that lets go of the GIL while it waits."""
+    x = 0
+    while not stop.is_set():
+        for _ in range(1000):
+            x += 1
 
 
 def format_row(row: dict[str, Any]) -> str:
@@ -317,6 +374,18 @@ def main() -> None:
         "--hot",
         action="store_true",
         help="also time each variant's pulls back to back (every ticket published first)",
+    )
+    parser.add_argument(
+        "--async",
+        dest="async_pulls",
+        action="store_true",
+        help="also await the direct reads on an event loop, as a decode worker does: polling "
+        "without yielding first (direct_async) and yielding at once (direct_yield)",
+    )
+    parser.add_argument(
+        "--gil-load",
+        action="store_true",
+        help="run a thread that executes Python without pause meanwhile (a busy engine thread)",
     )
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args()

@@ -6,6 +6,8 @@
 #   transfer  scripts/bench_transfer.py, 1 MiB .. 1 GiB: ucx and direct paths, raw ucxx, peer copy
 #   direct    the same with the direct path alone (its process then runs as a direct decode worker),
 #             and its pulls also timed back to back (--hot)
+#   async     the direct path's pulls also awaited on an event loop (spinning first / yielding at
+#             once), 16 MiB .. 1 GiB; asyncload: the same next to a thread that runs Python nonstop
 #   probe     scripts/probe_read_path.py: host cost of each launch step, device time of copy variants
 #   profile   scripts/profile_direct_read.py: where the time of a direct read goes, per phase
 #   cluster   scripts/gpu_cluster_check.py: 1P1D vs aggregated tokens, transfer path and figures
@@ -27,6 +29,10 @@ for step in ${STEPS:-tests transfer cluster bench}; do
     direct)
       python scripts/bench_transfer.py --device cuda --paths direct --hot --min-mib 1 --max-mib 1024 \
         --repeats 9 --out "$OUT/transfer_gpu_direct.json" 2>&1 | tee "$OUT/transfer_gpu_direct.log" | tail -14 ;;
+    async|asyncload)
+      python scripts/bench_transfer.py --device cuda --paths direct --async --min-mib 16 \
+        --max-mib 1024 --repeats 9 $([ $step = asyncload ] && echo --gil-load) \
+        --out "$OUT/transfer_gpu_$step.json" 2>&1 | tee "$OUT/transfer_gpu_$step.log" | tail -8 ;;
     probe)
       python scripts/probe_read_path.py 2>&1 | tee "$OUT/probe_read_path.log" | tail -40 ;;
     profile)

@@ -15,17 +15,21 @@ class Completion(Protocol):
     def query(self) -> bool: ...
 
 
-async def wait_copy(event: Completion | None, timeout: float) -> bool:
-    """Wait (without blocking the loop) until the copy's event completes; False after ``timeout``."""
+async def wait_copy(event: Completion | None, timeout: float, spin_s: float = 0.0) -> bool:
+    """Wait until the copy's event completes; False after ``timeout``. For the first ``spin_s``
+    seconds it polls without yielding the loop, as ``wait_copy_blocking`` does: every yield goes
+    through the loop's selector, which lets go of the GIL, and a busy thread of the process (a
+    worker's engine) may then keep it for a whole switch interval while the copy has long ended.
+    After that it polls between the loop's other work."""
     if event is None:
         return True
-    loop = asyncio.get_running_loop()
-    start = loop.time()
+    start = time.monotonic()
     while not event.query():
-        waited = loop.time() - start
+        waited = time.monotonic() - start
         if waited > timeout:
             return False
-        await asyncio.sleep(_poll_pause(waited))
+        if waited > spin_s:
+            await asyncio.sleep(_poll_pause(waited))
     return True
 
 

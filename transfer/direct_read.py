@@ -96,7 +96,8 @@ class DirectRead:
                         self.r.runtime.copy_executor, self._launch, self.plan
                     )
                     await asyncio.shield(host_copy)
-            copied = await wait_copy(self._copy, self.r.config.chunk_deadline_s)
+            cfg = self.r.config
+            copied = await wait_copy(self._copy, cfg.chunk_deadline_s, cfg.loop_spin_s)
             return self._finish(copied, problem)
         except PullFailed as e:
             return self._fail(str(e))

@@ -24,14 +24,22 @@ def copy_on_cpu(
 
     One plain copy per run of pages consecutive on both sides, straight from P's rows into D's: an
     indexed copy would gather into a temporary first, and a fresh temporary of a large request
-    costs more in page faults than the copy itself."""
+    costs more in page faults than the copy itself. All the runs go in one call, which lets go of
+    the GIL once: a call per run would ask for the GIL back after every page, and a busy thread of
+    the process (a worker's engine) keeps it for a switch interval each time (5 ms a page:
+    docs/benchmarks/transfer.md)."""
+    srcs: list[torch.Tensor] = []
+    dsts: list[torch.Tensor] = []
     for sp, dp, s, d in plan.pairs:
         src, dst = src_rows[sp], dst_rows[dp]
         keep = (s >= FIRST_ROW) & (s < src.shape[0]) & (d >= FIRST_ROW) & (d < dst.shape[0])
         if not keep.all():
             s, d = s[keep], d[keep]
         for a, b, n in _runs(s, d):
-            dst[b : b + n].copy_(src[a : a + n])
+            srcs.append(src[a : a + n])
+            dsts.append(dst[b : b + n])
+    if dsts:
+        torch._foreach_copy_(dsts, srcs)
 
 
 def _runs(s: np.ndarray, d: np.ndarray) -> list[tuple[int, int, int]]:

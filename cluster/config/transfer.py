@@ -30,6 +30,15 @@ class TransferConfig(Section):
             "kvcache.page_size. Longer prompts go in several pipelined chunks."
         ),
     )
+    loop_spin_s: float = Field(
+        0.005,
+        ge=0,
+        description=(
+            "How long a decode worker's event loop polls a direct read's copy before it yields to "
+            "its other work (seconds). Yielding at once lets the engine thread hold the GIL for "
+            "a switch interval after the copy has ended; 0 never holds the loop."
+        ),
+    )
     direct_copy: bool = Field(
         True,
         description=(
