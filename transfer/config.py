@@ -43,8 +43,9 @@ class TransceiverConfig:
     """A direct read awaited on an event loop (a decode worker's) polls its copy without yielding
     the loop for up to this long (default: the interpreter's switch interval; copies of up to
     about 1.5 GiB on H200s end by then), then between the loop's other work. Yielding at once lets
-    a busy engine thread take the GIL for a switch interval while the copy has ended; 0 yields
-    from the first poll (the loop never waits on a copy)."""
+    a busy engine thread take the GIL for a switch interval while the copy has ended. A copy
+    queued behind a model step in flight is never spun for (it starts when the step ends); 0
+    yields from the first poll (the loop never waits on a copy)."""
     lease_s: float = 30.0
     """How long P keeps a published request's pages for D; renewed while the pull progresses."""
     connect_deadline_s: float = 10.0

@@ -337,6 +337,11 @@ class DirectCopier:
         event.record(self.stream)
         return event
 
+    def behind_model(self) -> bool:
+        """Whether the copies queued last still wait for D's model stream (a model step in
+        flight): they then start when that step ends, however long it runs."""
+        return not self._model_mark.query()
+
     def _after_model(self) -> None:
         """Order the copy stream after D's model stream: the destination pages may have been
         freed by a request whose reads are still queued there. A concurrent pull may record the

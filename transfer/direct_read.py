@@ -96,8 +96,12 @@ class DirectRead:
                         self.r.runtime.copy_executor, self._launch, self.plan
                     )
                     await asyncio.shield(host_copy)
-            cfg = self.r.config
-            copied = await wait_copy(self._copy, cfg.chunk_deadline_s, cfg.loop_spin_s)
+            cfg, copier = self.r.config, self.r.direct_copier
+            # Spin only for a copy that runs now: one queued behind a model step would hold the
+            # loop (and the GIL the engine thread wants for its next step) for nothing.
+            behind = self._copy is not None and copier is not None and copier.behind_model()
+            spin = 0.0 if behind else cfg.loop_spin_s
+            copied = await wait_copy(self._copy, cfg.chunk_deadline_s, spin)
             return self._finish(copied, problem)
         except PullFailed as e:
             return self._fail(str(e))

@@ -8,6 +8,7 @@ Both workers run in spawned processes: the UCX context of this test process is a
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import multiprocessing
@@ -117,10 +118,32 @@ def decode_proc(conn: Connection, device: str, direct: bool) -> None:
                     for r, d in zip(results, dsts)
                 ]
             )
+        elif cmd == "awaited":  # one pull awaited next to another task; which ended first
+            ticket, model_busy = args
+            if model_busy:  # a model step in flight on D's stream: the copy queues behind it
+                torch.cuda._sleep(200_000_000)
+            dst = (torch.randperm(spec.num_pages - 1, generator=gen) + 1).tolist()
+            dst = dst[: len(ticket.page_ids["full"])]
+            conn.send(asyncio.run(_awaited_next_to_other_work(receiver, ticket, dst)))
         elif cmd == "close":
             receiver.close()
             conn.send("closed")
             return
+
+
+async def _awaited_next_to_other_work(receiver: Any, ticket: Any, dst: list[int]) -> tuple:
+    order: list[str] = []
+
+    async def pull() -> Any:
+        result = await receiver.pull(ticket, {"full": dst}, 0, ticket.declared_prompt_len)
+        order.append("pull")
+        return result
+
+    async def other() -> None:
+        order.append("other")
+
+    result, _ = await asyncio.gather(pull(), other())
+    return result.ok, result.error, order
 
 
 class Proc:
@@ -194,6 +217,27 @@ def test_scattered_pages_arrive_exact_between_gpus(direct: bool) -> None:
         while not set(ended) <= set(p.ask("state")[0]) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert set(ended) <= set(p.ask("state")[0])
+    finally:
+        d.close()
+        p.close()
+
+
+def test_an_awaited_read_holds_its_loop_only_for_a_copy_that_runs_now() -> None:
+    """A decode worker awaits its reads on its event loop: the wait polls without yielding
+    (loop_spin_s) when the copy runs at once, and yields from the start when the copy is queued
+    behind a model step in flight, which would hold the loop for nothing."""
+    d_device = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
+    p = Proc(prefill_proc, "cuda:0", True)
+    d = Proc(decode_proc, d_device, True)
+    try:
+        first, _ = p.ask("publish", "link", 4)  # the link up, so the next pulls are direct reads
+        [(ok, error, path, _, _)] = d.ask("pull", [first])
+        assert ok and path == "cuda_ipc", error
+        for model_busy, order in ((False, ["pull", "other"]), (True, ["other", "pull"])):
+            ticket, _ = p.ask("publish", f"awaited-{model_busy}", 16)
+            ok, error, got = d.ask("awaited", ticket, model_busy)
+            assert ok, error
+            assert got == order, (model_busy, got)
     finally:
         d.close()
         p.close()
