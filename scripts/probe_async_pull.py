@@ -24,7 +24,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from transfer_bench_setup import MIB, bench_spec, choose_pages, config, start_prefill  # noqa: E402
+from transfer_bench_setup import (  # noqa: E402
+    MIB,
+    bench_spec,
+    choose_pages,
+    config,
+    probe_settings,
+    start_prefill,
+)
 
 from transfer import KVReceiver  # noqa: E402
 
@@ -35,14 +42,7 @@ def main() -> None:
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[16, 64, 256])
     parser.add_argument("--repeats", type=int, default=15)
     cli = parser.parse_args()
-    args = argparse.Namespace(
-        device=cli.device,
-        max_mib=max(cli.sizes_mib),
-        staging_tokens=16384 if cli.device == "cuda" else 512,
-        staging_buffers=4,
-        progress_mode="auto",
-        proto_info=False,
-    )
+    args = probe_settings(cli.device, cli.sizes_mib)
     spec = bench_spec(args.max_mib * MIB)
     conn, child, _ = start_prefill(args)
     device = torch.device("cuda:1" if cli.device == "cuda" else "cpu")

@@ -23,7 +23,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from transfer_bench_setup import MIB, bench_spec, choose_pages, config, start_prefill  # noqa: E402
+from transfer_bench_setup import (  # noqa: E402
+    MIB,
+    bench_spec,
+    choose_pages,
+    config,
+    probe_settings,
+    start_prefill,
+)
 
 import transfer.direct_read as dr  # noqa: E402
 from transfer import KVReceiver  # noqa: E402
@@ -51,14 +58,7 @@ def main() -> None:
         help="sleep this long before each pull (the process's other threads finish their work)",
     )
     cli = parser.parse_args()
-    args = argparse.Namespace(
-        device=cli.device,
-        max_mib=max(cli.sizes_mib),
-        staging_tokens=16384 if cli.device == "cuda" else 512,
-        staging_buffers=4,
-        progress_mode=cli.progress_mode,
-        proto_info=False,
-    )
+    args = probe_settings(cli.device, cli.sizes_mib, cli.progress_mode)
     spec = bench_spec(args.max_mib * MIB)
     host_probe = plan_cost_probe(spec)
     print(f"direct_plan of 64 pages, alone in the process: {host_probe():.1f} us", flush=True)

@@ -24,6 +24,19 @@ def bench_spec(max_bytes: int) -> PoolGroupSpec:
     return PoolGroupSpec("full", tuple(range(32)), pages, 16, 2, 64, torch.bfloat16)
 
 
+def probe_settings(device: str, sizes_mib: list[int], progress_mode: str = "auto") -> Any:
+    """The settings ``config`` and ``start_prefill`` read, for the probes that do not take the
+    benchmark's options (the benchmark's defaults)."""
+    return argparse.Namespace(
+        device=device,
+        max_mib=max(sizes_mib),
+        staging_tokens=16384 if device == "cuda" else 512,
+        staging_buffers=4,
+        progress_mode=progress_mode,
+        proto_info=False,
+    )
+
+
 def page_sums(buf: torch.Tensor, spec: PoolGroupSpec, pages: list[int]) -> list[int]:
     rows = buf.view(-1).view(torch.uint8).view(spec.num_pages, spec.page_bytes)
     return rows[torch.tensor(pages, device=buf.device)].sum(dim=1, dtype=torch.int64).tolist()
