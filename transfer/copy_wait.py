@@ -1,5 +1,5 @@
-"""Waiting for a direct read's queued copy: from an event loop without blocking it, or on a plain
-thread (direct_read.py)."""
+"""Waiting for a direct read's queued copy: from an event loop (holding it for at most a bounded
+spin, then between its other work), or on a plain thread (direct_read.py)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ async def wait_copy(event: Completion | None, timeout: float, spin_s: float = 0.
         waited = time.monotonic() - start
         if waited > timeout:
             return False
-        if waited > spin_s:
+        if waited >= spin_s:
             await asyncio.sleep(_poll_pause(waited))
     return True
 

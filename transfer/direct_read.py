@@ -83,7 +83,9 @@ class DirectRead:
         self._began = time.perf_counter()
 
     async def run(self) -> TransferResult:
-        """The read, waiting for the copy without blocking the caller's event loop."""
+        """The read on the caller's event loop: the checks, then the wait for the copy, which
+        holds the loop for at most ``loop_spin_s`` (copy_wait.py) and then polls between its
+        other work; a host copy runs on the copy thread."""
         host_copy: asyncio.Future | None = None
         try:
             if self.r.rows_on_gpu:
@@ -99,8 +101,9 @@ class DirectRead:
             cfg, copier = self.r.config, self.r.direct_copier
             # Spin only for a copy that runs now: one queued behind a model step would hold the
             # loop (and the GIL the engine thread wants for its next step) for nothing.
-            behind = self._copy is not None and copier is not None and copier.behind_model()
-            spin = 0.0 if behind else cfg.loop_spin_s
+            spin = cfg.loop_spin_s
+            if spin and self._copy is not None and copier is not None and copier.behind_model():
+                spin = 0.0
             copied = await wait_copy(self._copy, cfg.chunk_deadline_s, spin)
             return self._finish(copied, problem)
         except PullFailed as e:

@@ -260,9 +260,10 @@ def test_server_and_stats() -> None:
 def test_loop_spin_reaches_the_transceiver() -> None:
     from cluster.transfer_setup import transceiver_config
 
-    assert [i.split(":")[0] for i in issues_of({"transfer": {"loop_spin_s": -1}})] == [
-        "transfer.loop_spin_s"
-    ]
+    for bad in (-1, float("inf"), 10.0):  # 10.0: the default chunk_deadline_s
+        assert [i.split(":")[0] for i in issues_of({"transfer": {"loop_spin_s": bad}})] == [
+            "transfer.loop_spin_s"
+        ], bad
     config = config_from_dict({"transfer": {"loop_spin_s": 0}})
     assert transceiver_config(config).loop_spin_s == 0.0
     assert transceiver_config(config_from_dict({})).loop_spin_s == 0.005

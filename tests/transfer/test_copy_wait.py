@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
+from transfer import TransceiverConfig
 from transfer.copy_wait import wait_copy
 
 
@@ -51,3 +54,10 @@ def test_a_wait_past_its_timeout_reports_it() -> None:
 
 def test_no_copy_needs_no_wait() -> None:
     assert asyncio.run(wait_copy(None, timeout=1.0, spin_s=1.0)) is True
+
+
+def test_the_spin_is_bounded_below_the_copy_deadline() -> None:
+    for bad in (-0.001, float("inf"), float("nan"), 10.0):
+        with pytest.raises(ValueError, match="loop_spin_s"):
+            TransceiverConfig(loop_spin_s=bad, chunk_deadline_s=10.0)
+    assert TransceiverConfig(loop_spin_s=0.0).loop_spin_s == 0.0

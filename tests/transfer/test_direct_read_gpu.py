@@ -119,9 +119,15 @@ def decode_proc(conn: Connection, device: str, direct: bool) -> None:
                 ]
             )
         elif cmd == "awaited":  # one pull awaited next to another task; which ended first
-            ticket, model_busy = args
-            if model_busy:  # a model step in flight on D's stream: the copy queues behind it
-                torch.cuda._sleep(200_000_000)
+            ticket, spin_s, busy_stream = args
+            receiver.config = dataclasses.replace(receiver.config, loop_spin_s=spin_s)
+            # ~50 ms of GPU work queued first: on D's model stream (a model step in flight, which
+            # the copy is ordered after) or on the copy's own stream (a copy that runs late, but
+            # not behind the model).
+            copier = receiver.direct_copier
+            stream = {"model": torch.cuda.current_stream(), "copy": copier.stream}[busy_stream]
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(100_000_000)
             dst = (torch.randperm(spec.num_pages - 1, generator=gen) + 1).tolist()
             dst = dst[: len(ticket.page_ids["full"])]
             conn.send(asyncio.run(_awaited_next_to_other_work(receiver, ticket, dst)))
@@ -143,7 +149,7 @@ async def _awaited_next_to_other_work(receiver: Any, ticket: Any, dst: list[int]
         order.append("other")
 
     result, _ = await asyncio.gather(pull(), other())
-    return result.ok, result.error, order
+    return result.ok, result.error, result.stats.path, order
 
 
 class Proc:
@@ -224,8 +230,10 @@ def test_scattered_pages_arrive_exact_between_gpus(direct: bool) -> None:
 
 def test_an_awaited_read_holds_its_loop_only_for_a_copy_that_runs_now() -> None:
     """A decode worker awaits its reads on its event loop: the wait polls without yielding
-    (loop_spin_s) when the copy runs at once, and yields from the start when the copy is queued
-    behind a model step in flight, which would hold the loop for nothing."""
+    (loop_spin_s) while the copy may run, and yields from the start when the copy is queued behind
+    a model step in flight, which would hold the loop for nothing. Every copy here is held back
+    ~50 ms by GPU work queued before it, and the spin (1 s) outlasts that: the loop's other task
+    runs first exactly when the wait yields."""
     d_device = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
     p = Proc(prefill_proc, "cuda:0", True)
     d = Proc(decode_proc, d_device, True)
@@ -233,11 +241,16 @@ def test_an_awaited_read_holds_its_loop_only_for_a_copy_that_runs_now() -> None:
         first, _ = p.ask("publish", "link", 4)  # the link up, so the next pulls are direct reads
         [(ok, error, path, _, _)] = d.ask("pull", [first])
         assert ok and path == "cuda_ipc", error
-        for model_busy, order in ((False, ["pull", "other"]), (True, ["other", "pull"])):
-            ticket, _ = p.ask("publish", f"awaited-{model_busy}", 16)
-            ok, error, got = d.ask("awaited", ticket, model_busy)
-            assert ok, error
-            assert got == order, (model_busy, got)
+        cases = [
+            (1.0, "copy", ["pull", "other"]),  # the copy runs late, not behind the model: spin
+            (1.0, "model", ["other", "pull"]),  # behind a model step: yield at once
+            (0.0, "copy", ["other", "pull"]),  # no spin configured: yield at once
+        ]
+        for spin_s, busy_stream, order in cases:
+            ticket, _ = p.ask("publish", f"awaited-{spin_s}-{busy_stream}", 16)
+            ok, error, path, got = d.ask("awaited", ticket, spin_s, busy_stream)
+            assert ok and path == "cuda_ipc", error
+            assert got == order, (spin_s, busy_stream, got)
     finally:
         d.close()
         p.close()
