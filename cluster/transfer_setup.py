@@ -34,7 +34,6 @@ def transceiver_config(config: ClusterConfig) -> TransceiverConfig:
         port=t.port,
         staging_tokens=t.staging_tokens,
         direct_copy=t.direct_copy,
-        loop_spin_s=t.loop_spin_s,
         lease_s=t.lease_s,
         connect_deadline_s=t.connect_deadline_s,
         pull_deadline_s=t.pull_deadline_s,

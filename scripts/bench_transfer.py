@@ -87,13 +87,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "direct" in args.paths and direct is None:
         # Same pool, second receiver: it opens P's pools and reads them directly (cuda_ipc).
         direct = KVReceiver({"full": buf}, [spec], "bench", config(args))
-    # --async: the direct reads also pulled on an event loop, as a decode worker's actor does:
-    # polling the copy without yielding the loop first (the default loop_spin_s), and yielding at
-    # once (loop_spin_s=0, a second receiver over the same pool).
+    # --async: the direct reads also awaited on an event loop, as a decode worker's actor does.
     loop = asyncio.new_event_loop() if args.async_pulls else None
-    direct_yield = None
-    if loop is not None and direct is not None:
-        direct_yield = KVReceiver({"full": buf}, [spec], "bench", config(args, loop_spin_s=0.0))
     runtime = receiver.runtime
     conn.send(runtime.worker_address)
     raw_ep = runtime.run(runtime.create_endpoint(child_address), timeout=30)
@@ -112,7 +107,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ("ours", receiver if "ucx" in args.paths else None, None),
             ("direct", direct, None),
             ("direct_async", direct if loop is not None else None, loop),
-            ("direct_yield", direct_yield, loop),
         )
         if rec is not None
         for layout in args.layouts
@@ -180,11 +174,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for base in ("raw_ucxx", "peer_copy", "peer_copy_gap"):
                 if f"{base}_gbps" in row:
                     row[key.replace("_gbps", f"_vs_{base}")] = row[key] / row[f"{base}_gbps"]
-        for key in [k for k in row if k.startswith("direct_") and k.endswith("_gbps")]:
-            for kind in ("async", "yield"):  # an awaited pull against the blocking one, same run
-                blocking = key.replace(f"direct_{kind}_", "direct_")
-                if key.startswith(f"direct_{kind}_") and blocking in row:
-                    row[key.replace("_gbps", "_vs_blocking")] = row[key] / row[blocking]
+        for key in [k for k in row if k.startswith("direct_async_") and k.endswith("_gbps")]:
+            blocking = key.replace("direct_async_", "direct_")  # an awaited pull, same run
+            if blocking in row:
+                row[key.replace("_gbps", "_vs_blocking")] = row[key] / row[blocking]
         rows.append(row)
         print(format_row(row), flush=True)
     stop_load.set()
@@ -195,9 +188,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     conn.recv()
     child.join(60)
     raw_ep.abort()
-    for other in (direct, direct_yield):
-        if other is not None:
-            other.close()
+    if direct is not None:
+        direct.close()
     receiver.close()
     if loop is not None:
         loop.close()
@@ -379,8 +371,7 @@ def main() -> None:
         "--async",
         dest="async_pulls",
         action="store_true",
-        help="also await the direct reads on an event loop, as a decode worker does: polling "
-        "without yielding first (direct_async) and yielding at once (direct_yield)",
+        help="also await the direct reads on an event loop, as a decode worker does (direct_async)",
     )
     parser.add_argument(
         "--gil-load",

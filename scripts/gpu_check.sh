@@ -6,8 +6,8 @@
 #   transfer  scripts/bench_transfer.py, 1 MiB .. 1 GiB: ucx and direct paths, raw ucxx, peer copy
 #   direct    the same with the direct path alone (its process then runs as a direct decode worker),
 #             and its pulls also timed back to back (--hot)
-#   async     the direct path's pulls also awaited on an event loop (spinning first / yielding at
-#             once), 16 MiB .. 1 GiB; asyncload: the same next to a thread that runs Python nonstop
+#   async     the direct path's pulls also awaited on an event loop, 16 MiB .. 1 GiB; asyncload: the
+#             same next to a thread that runs Python nonstop
 #   probe     scripts/probe_read_path.py: host cost of each launch step, device time of copy variants
 #   profile   scripts/profile_direct_read.py: where the time of a direct read goes, per phase
 #   cluster   scripts/gpu_cluster_check.py: 1P1D vs aggregated tokens, transfer path and figures

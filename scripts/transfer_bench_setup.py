@@ -42,9 +42,7 @@ def page_sums(buf: torch.Tensor, spec: PoolGroupSpec, pages: list[int]) -> list[
     return rows[torch.tensor(pages, device=buf.device)].sum(dim=1, dtype=torch.int64).tolist()
 
 
-def config(
-    args: argparse.Namespace, direct_copy: bool = True, **overrides: Any
-) -> TransceiverConfig:
+def config(args: argparse.Namespace, direct_copy: bool = True) -> TransceiverConfig:
     env = {
         "UCX_TLS": "tcp,self" if args.device == "cpu" else "tcp,cuda_copy,cuda_ipc",
         "UCX_NET_DEVICES": "lo",
@@ -61,7 +59,6 @@ def config(
         chunk_deadline_s=60,
         done_deadline_s=60,
         ucx_env=env,
-        **overrides,
     )
 
 

@@ -39,13 +39,6 @@ class TransceiverConfig:
     processes of one host on the CPU, or one process) reads each request's pages itself with one
     copy instead of receiving them through UCX (transfer/direct_read.py). Links where it cannot
     fall back to UCX on their own."""
-    loop_spin_s: float = 0.005
-    """A direct read awaited on an event loop (a decode worker's) polls its copy without yielding
-    the loop for up to this long (default 5 ms, CPython's default switch interval; copies of up
-    to about 1.5 GiB on H200s end by then), then between the loop's other work. Yielding at once lets
-    a busy engine thread take the GIL for a switch interval while the copy has ended. A copy
-    queued behind a model step in flight is never spun for (it starts when the step ends); 0
-    yields from the first poll (the loop never waits on a copy)."""
     lease_s: float = 30.0
     """How long P keeps a published request's pages for D; renewed while the pull progresses."""
     connect_deadline_s: float = 10.0
@@ -81,11 +74,6 @@ class TransceiverConfig:
             "done_deadline_s": self.done_deadline_s,
             "ack_deadline_s": self.ack_deadline_s,
         }
-        if not 0 <= self.loop_spin_s < self.chunk_deadline_s:  # also refuses nan and inf
-            raise ValueError(
-                f"loop_spin_s must be >= 0 and below chunk_deadline_s ({self.chunk_deadline_s}s), "
-                f"got {self.loop_spin_s}"
-            )
         bad = {k: v for k, v in deadlines.items() if not v > 0}
         if bad:
             raise ValueError(f"deadlines must be > 0 seconds, got {bad}")

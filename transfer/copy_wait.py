@@ -1,5 +1,5 @@
-"""Waiting for a direct read's queued copy: from an event loop (holding it for at most a bounded
-spin, then between its other work), or on a plain thread (direct_read.py)."""
+"""Waiting for a direct read's queued copy: from an event loop without blocking it, or on a plain
+thread (direct_read.py)."""
 
 from __future__ import annotations
 
@@ -15,21 +15,17 @@ class Completion(Protocol):
     def query(self) -> bool: ...
 
 
-async def wait_copy(event: Completion | None, timeout: float, spin_s: float = 0.0) -> bool:
-    """Wait until the copy's event completes; False after ``timeout``. For the first ``spin_s``
-    seconds it polls without yielding the loop, as ``wait_copy_blocking`` does: every yield goes
-    through the loop's selector, which lets go of the GIL, and a busy thread of the process (a
-    worker's engine) may then keep it for a whole switch interval while the copy has long ended.
-    After that it polls between the loop's other work."""
+async def wait_copy(event: Completion | None, timeout: float) -> bool:
+    """Wait (without blocking the loop) until the copy's event completes; False after ``timeout``."""
     if event is None:
         return True
-    start = time.monotonic()
+    loop = asyncio.get_running_loop()
+    start = loop.time()
     while not event.query():
-        waited = time.monotonic() - start
+        waited = loop.time() - start
         if waited > timeout:
             return False
-        if waited >= spin_s:
-            await asyncio.sleep(_poll_pause(waited))
+        await asyncio.sleep(_poll_pause(waited))
     return True
 
 

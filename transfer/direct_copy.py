@@ -337,17 +337,6 @@ class DirectCopier:
         event.record(self.stream)
         return event
 
-    def behind_model(self) -> bool:
-        """Whether the copies queued last still wait for D's model stream (a model step in
-        flight): they then start when that step ends, however long it runs. A concurrent pull may
-        have recorded the mark again since, at a later point of the model stream: the answer can
-        then be True for a copy that already runs (it only costs that pull its spin), never False
-        for one that waits."""
-        native = self._native
-        if native is not None:  # cuEventQuery from C: torch's query lets go of the GIL
-            return not native.query(self._model_mark.cuda_event)
-        return not self._model_mark.query()
-
     def _after_model(self) -> None:
         """Order the copy stream after D's model stream: the destination pages may have been
         freed by a request whose reads are still queued there. A concurrent pull may record the

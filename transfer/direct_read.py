@@ -83,9 +83,7 @@ class DirectRead:
         self._began = time.perf_counter()
 
     async def run(self) -> TransferResult:
-        """The read on the caller's event loop: the checks, then the wait for the copy, which
-        holds the loop for at most ``loop_spin_s`` (copy_wait.py) and then polls between its
-        other work; a host copy runs on the copy thread."""
+        """The read, waiting for the copy without blocking the caller's event loop."""
         host_copy: asyncio.Future | None = None
         try:
             if self.r.rows_on_gpu:
@@ -98,13 +96,7 @@ class DirectRead:
                         self.r.runtime.copy_executor, self._launch, self.plan
                     )
                     await asyncio.shield(host_copy)
-            cfg, copier = self.r.config, self.r.direct_copier
-            # Spin only for a copy that runs now: one queued behind a model step would hold the
-            # loop (and the GIL the engine thread wants for its next step) for nothing.
-            spin = cfg.loop_spin_s
-            if spin and self._copy is not None and copier is not None and copier.behind_model():
-                spin = 0.0
-            copied = await wait_copy(self._copy, cfg.chunk_deadline_s, spin)
+            copied = await wait_copy(self._copy, self.r.config.chunk_deadline_s)
             return self._finish(copied, problem)
         except PullFailed as e:
             return self._fail(str(e))

@@ -30,16 +30,6 @@ class TransferConfig(Section):
             "kvcache.page_size. Longer prompts go in several pipelined chunks."
         ),
     )
-    loop_spin_s: float = Field(
-        0.005,
-        ge=0,
-        allow_inf_nan=False,
-        description=(
-            "How long a decode worker's event loop polls a direct read's copy before it yields to "
-            "its other work (seconds). Yielding at once lets the engine thread hold the GIL for "
-            "a switch interval after the copy has ended; 0 never holds the loop."
-        ),
-    )
     direct_copy: bool = Field(
         True,
         description=(
@@ -128,14 +118,6 @@ class TransferConfig(Section):
                     f"must be >= connect_deadline_s and pull_deadline_s ({longest}): a shorter "
                     f"lease can expire while the decode worker is still within its deadline, "
                     f"got {self.lease_s}",
-                )
-            )
-        if self.loop_spin_s >= self.chunk_deadline_s:
-            issues.append(
-                (
-                    "loop_spin_s",
-                    f"must be below chunk_deadline_s ({self.chunk_deadline_s}): the loop would "
-                    f"spin until the copy's deadline, got {self.loop_spin_s}",
                 )
             )
         check_fields(issues)

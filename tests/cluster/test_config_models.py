@@ -255,15 +255,3 @@ def test_server_and_stats() -> None:
         "stats.max_stats_len: must be >= -1, got -2",
         "stats.interval_s: must be > 0, got 0",
     ]
-
-
-def test_loop_spin_reaches_the_transceiver() -> None:
-    from cluster.transfer_setup import transceiver_config
-
-    for bad in (-1, float("inf"), 10.0):  # 10.0: the default chunk_deadline_s
-        assert [i.split(":")[0] for i in issues_of({"transfer": {"loop_spin_s": bad}})] == [
-            "transfer.loop_spin_s"
-        ], bad
-    config = config_from_dict({"transfer": {"loop_spin_s": 0}})
-    assert transceiver_config(config).loop_spin_s == 0.0
-    assert transceiver_config(config_from_dict({})).loop_spin_s == 0.005

@@ -8,7 +8,6 @@ Both workers run in spawned processes: the UCX context of this test process is a
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import hashlib
 import multiprocessing
@@ -118,38 +117,10 @@ def decode_proc(conn: Connection, device: str, direct: bool) -> None:
                     for r, d in zip(results, dsts)
                 ]
             )
-        elif cmd == "awaited":  # one pull awaited next to another task; which ended first
-            ticket, spin_s, busy_stream = args
-            receiver.config = dataclasses.replace(receiver.config, loop_spin_s=spin_s)
-            # ~50 ms of GPU work queued first: on D's model stream (a model step in flight, which
-            # the copy is ordered after) or on the copy's own stream (a copy that runs late, but
-            # not behind the model).
-            copier = receiver.direct_copier
-            stream = {"model": torch.cuda.current_stream(), "copy": copier.stream}[busy_stream]
-            with torch.cuda.stream(stream):
-                torch.cuda._sleep(100_000_000)
-            dst = (torch.randperm(spec.num_pages - 1, generator=gen) + 1).tolist()
-            dst = dst[: len(ticket.page_ids["full"])]
-            conn.send(asyncio.run(_awaited_next_to_other_work(receiver, ticket, dst)))
         elif cmd == "close":
             receiver.close()
             conn.send("closed")
             return
-
-
-async def _awaited_next_to_other_work(receiver: Any, ticket: Any, dst: list[int]) -> tuple:
-    order: list[str] = []
-
-    async def pull() -> Any:
-        result = await receiver.pull(ticket, {"full": dst}, 0, ticket.declared_prompt_len)
-        order.append("pull")
-        return result
-
-    async def other() -> None:
-        order.append("other")
-
-    result, _ = await asyncio.gather(pull(), other())
-    return result.ok, result.error, result.stats.path, order
 
 
 class Proc:
@@ -223,34 +194,6 @@ def test_scattered_pages_arrive_exact_between_gpus(direct: bool) -> None:
         while not set(ended) <= set(p.ask("state")[0]) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert set(ended) <= set(p.ask("state")[0])
-    finally:
-        d.close()
-        p.close()
-
-
-def test_an_awaited_read_holds_its_loop_only_for_a_copy_that_runs_now() -> None:
-    """A decode worker awaits its reads on its event loop: the wait polls without yielding
-    (loop_spin_s) while the copy may run, and yields from the start when the copy is queued behind
-    a model step in flight, which would hold the loop for nothing. Every copy here is held back
-    ~50 ms by GPU work queued before it, and the spin (1 s) outlasts that: the loop's other task
-    runs first exactly when the wait yields."""
-    d_device = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
-    p = Proc(prefill_proc, "cuda:0", True)
-    d = Proc(decode_proc, d_device, True)
-    try:
-        first, _ = p.ask("publish", "link", 4)  # the link up, so the next pulls are direct reads
-        [(ok, error, path, _, _)] = d.ask("pull", [first])
-        assert ok and path == "cuda_ipc", error
-        cases = [
-            (1.0, "copy", ["pull", "other"]),  # the copy runs late, not behind the model: spin
-            (1.0, "model", ["other", "pull"]),  # behind a model step: yield at once
-            (0.0, "copy", ["other", "pull"]),  # no spin configured: yield at once
-        ]
-        for spin_s, busy_stream, order in cases:
-            ticket, _ = p.ask("publish", f"awaited-{spin_s}-{busy_stream}", 16)
-            ok, error, path, got = d.ask("awaited", ticket, spin_s, busy_stream)
-            assert ok and path == "cuda_ipc", error
-            assert got == order, (spin_s, busy_stream, got)
     finally:
         d.close()
         p.close()
