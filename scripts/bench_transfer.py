@@ -112,8 +112,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for layout in args.layouts
     ]
     stop_load = threading.Event()
-    load = threading.Thread(target=gil_load, args=(stop_load,), daemon=True)
-    if args.gil_load:
+    load = (
+        threading.Thread(target=gil_load, args=(stop_load,), daemon=True) if args.gil_load else None
+    )
+    if load is not None:
         load.start()
     rows: list[dict[str, Any]] = []
     for size in sizes:
@@ -180,8 +182,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 row[key.replace("_gbps", "_vs_blocking")] = row[key] / row[blocking]
         rows.append(row)
         print(format_row(row), flush=True)
-    stop_load.set()
-    if load.is_alive():
+    if load is not None:
+        stop_load.set()
         load.join(10)
     runtime.run(send_stop(raw_ep), timeout=30)
     conn.send(("stop",))
