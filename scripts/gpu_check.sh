@@ -8,6 +8,8 @@
 #             and its pulls also timed back to back (--hot)
 #   async     the direct path's pulls also awaited on an event loop, 16 MiB .. 1 GiB; asyncload: the
 #             same next to a thread that runs Python nonstop
+#   cpuhost   the CPU benchmark (host pools, both paths) on this host's cores, CPU_RUNS times
+#             (default 3): the staged UCX path where copies do not compete with UCX for 2 cores
 #   probe     scripts/probe_read_path.py: host cost of each launch step, device time of copy variants
 #   profile   scripts/profile_direct_read.py: where the time of a direct read goes, per phase
 #   cluster   scripts/gpu_cluster_check.py: 1P1D vs aggregated tokens, transfer path and figures
@@ -33,6 +35,12 @@ for step in ${STEPS:-tests transfer cluster bench}; do
       python scripts/bench_transfer.py --device cuda --paths direct --async --min-mib 16 \
         --max-mib 1024 --repeats 9 $([ $step = asyncload ] && echo --gil-load) \
         --out "$OUT/transfer_gpu_$step.json" 2>&1 | tee "$OUT/transfer_gpu_$step.log" | tail -8 ;;
+    cpuhost)
+      echo "$(nproc) cores" | tee "$OUT/transfer_cpu_host.log"
+      for run in $(seq "${CPU_RUNS:-3}"); do
+        python scripts/bench_transfer.py --device cpu --repeats 9 \
+          --out "$OUT/transfer_cpu_host_run$run.json" 2>&1 | tee -a "$OUT/transfer_cpu_host.log" | tail -10
+      done ;;
     probe)
       python scripts/probe_read_path.py 2>&1 | tee "$OUT/probe_read_path.log" | tail -40 ;;
     profile)
