@@ -35,11 +35,36 @@ def copy_on_cpu(
         keep = (s >= FIRST_ROW) & (s < src.shape[0]) & (d >= FIRST_ROW) & (d < dst.shape[0])
         if not keep.all():
             s, d = s[keep], d[keep]
+        src_words, dst_words = _flat_words(src), _flat_words(dst)
+        words = src_words is not None and dst_words is not None
+        row = src.shape[1] // 8
         for a, b, n in _runs(s, d):
-            srcs.append(src[a : a + n])
-            dsts.append(dst[b : b + n])
+            if not words or n * src.shape[1] >= PARALLEL_RUN_BYTES:
+                srcs.append(src[a : a + n])
+                dsts.append(dst[b : b + n])
+                continue
+            for off in range(0, n * row, SERIAL_WORDS):  # short runs: serial pieces
+                take = min(SERIAL_WORDS, n * row - off)
+                srcs.append(src_words[a * row + off : a * row + off + take])
+                dsts.append(dst_words[b * row + off : b * row + off + take])
     if dsts:
         torch._foreach_copy_(dsts, srcs)
+
+
+# torch runs a copy of more than its grain size (32768 elements) as a parallel region over all of
+# its threads. For a short run that region costs more than the bytes once there are many threads:
+# scattered 256 KiB pages read at 2.7 GB/s on 32 cores against 16+ GB/s for one long run
+# (docs/benchmarks/transfer.md, ninth pass). So runs shorter than PARALLEL_RUN_BYTES are copied in
+# pieces of at most SERIAL_WORDS words, each on the calling thread; long runs keep the parallel copy.
+PARALLEL_RUN_BYTES = 4 << 20
+SERIAL_WORDS = 32768
+
+
+def _flat_words(rows: torch.Tensor) -> torch.Tensor | None:
+    """The rows' bytes as one flat int64 view, or None when the rows are not whole words."""
+    if not rows.is_contiguous() or rows.shape[1] % 8 or rows.data_ptr() % 8:
+        return None
+    return rows.view(-1).view(torch.int64)
 
 
 def _runs(s: np.ndarray, d: np.ndarray) -> list[tuple[int, int, int]]:
