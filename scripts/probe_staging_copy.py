@@ -85,9 +85,7 @@ def main() -> None:
                         ids = warm
                     else:
                         ids, cold_left = cold_left[:per_chunk], cold_left[per_chunk:]
-                    call = (
-                        (fn, pool, ids, staged) if kind == "gather" else (fn, staged, pool, ids)
-                    )
+                    call = (fn, pool, ids, staged) if kind == "gather" else (fn, staged, pool, ids)
                     start = time.perf_counter()
                     if where == "main":
                         call[0](*call[1:])

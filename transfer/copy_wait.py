@@ -1,5 +1,6 @@
 """Waiting for a direct read's queued copy: from an event loop without blocking it, or on a plain
-thread (direct_read.py)."""
+thread (direct_read.py); and waiting out work that writes a caller's pages after the caller gave up
+(``outlast_cancels``)."""
 
 from __future__ import annotations
 
@@ -53,3 +54,15 @@ def _poll_pause(waited: float) -> float:
     """A copy takes microseconds to a few ms: poll back to back (latency) for the first 20 ms,
     then every millisecond to spare the core."""
     return 0.0 if waited < 0.02 else 0.001
+
+
+async def outlast_cancels(fut: asyncio.Future) -> None:
+    """Wait until ``fut`` is done even when the waiting task is cancelled again meanwhile. For a
+    pull the caller cancelled: the caller frees the pages it gave as soon as we return, so nothing
+    may still write them then, however many cancels arrive. ``fut`` must end on its own (every
+    step of a pull has a deadline). The caller re-raises its own CancelledError afterwards."""
+    while not fut.done():
+        try:
+            await asyncio.wait([fut])
+        except asyncio.CancelledError:
+            continue

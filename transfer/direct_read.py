@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from transfer.copy_wait import wait_copy, wait_copy_blocking
+from transfer.copy_wait import outlast_cancels, wait_copy, wait_copy_blocking
 from transfer.direct_copy import QueuedCopy
 from transfer.host_copy import copy_on_cpu
 from transfer.lease_board import lease_digest
@@ -101,9 +101,9 @@ class DirectRead:
         except PullFailed as e:
             return self._fail(str(e))
         except asyncio.CancelledError:  # the caller gave up: P gets its pages back now
-            if host_copy is not None and not host_copy.done():
+            if host_copy is not None:
                 # Not before the copy into our pages has ended: the caller frees them next.
-                await asyncio.wait([host_copy])
+                await outlast_cancels(host_copy)
             self._fail("the pull was cancelled")
             raise
         except Exception as e:  # a bug or a device error: still fence the copy and tell P
@@ -265,7 +265,10 @@ class DirectRead:
 
     def _fail(self, reason: str) -> TransferResult:
         log.warning("direct read of %s failed: %s", self.ticket.request_id, reason)
-        self._fence_unfinished_copy()
+        try:
+            self._fence_unfinished_copy()
+        except Exception:  # a broken device, say: still give the slot back and tell P
+            log.exception("fencing the copy of %s failed", self.ticket.request_id)
         return self._end(False, reason)
 
     def _post_done(self, ok: bool, error: str, nbytes: int, elapsed: float) -> None:

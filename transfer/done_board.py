@@ -81,7 +81,11 @@ class DoneBoardView:
         self._map = map_readonly(path, _PREFIX, "done board")
         size = len(self._map)
         capacity = int.from_bytes(self._map[8:16], "little") if size >= _HEADER else 0
-        if self._map[:8] != _MAGIC or size != _HEADER + capacity * RECORD.itemsize:
+        if (
+            self._map[:8] != _MAGIC
+            or capacity < 1  # (an empty ring would report a lost record at every poll)
+            or size != _HEADER + capacity * RECORD.itemsize
+        ):
             self._map.close()
             raise DoneBoardUnavailable(f"{path} is not a done board of this version")
         self._count = np.frombuffer(self._map, dtype="<u8", count=1, offset=16)

@@ -177,7 +177,16 @@ async def connect(
         if problem:
             counters.refused_peers += 1
             raise PeerRefused(f"{name}: {problem}")
-        endpoint = await asyncio.wait_for(runtime.create_endpoint(reply.ucx_address), timeout)
+        bad_address = ucx_address_problem(reply.ucx_address, runtime.worker_address)
+        if bad_address:
+            counters.refused_peers += 1
+            raise PeerRefused(f"{name}: {bad_address}")
+        try:
+            endpoint = await asyncio.wait_for(runtime.create_endpoint(reply.ucx_address), timeout)
+        except (asyncio.TimeoutError, ConnectionError):
+            raise
+        except Exception as e:  # ucxx's own errors: an address UCX could not use
+            raise PeerRefused(f"{name}: UCX endpoint to the peer failed: {e!r}") from None
         try:
             direct = None
             if open_direct is not None and reply.pool_export:
@@ -214,7 +223,9 @@ async def accept(
         hello = await channel.receive(timeout)
         if not isinstance(hello, Hello):
             raise PeerRefused(f"expected Hello, got {type(hello).__name__}")
-        problem = check_compatible(own.page_table, hello.page_table)
+        problem = check_compatible(own.page_table, hello.page_table) or ucx_address_problem(
+            hello.ucx_address, runtime.worker_address
+        )
         if problem:
             counters.refused_peers += 1
             await channel.send(_refusal(own, problem), timeout)
@@ -226,15 +237,33 @@ async def accept(
         except BaseException:
             if done is not None:
                 done.close()
+            endpoint.abort()
             raise
-    except (PeerRefused, ConnectionError, asyncio.TimeoutError) as e:
-        log.warning("%s: handshake refused or failed: %s", channel.name, e)
-        channel.close(f"handshake failed: {e}")
+    except Exception as e:  # refused, unreachable, or an address ucxx could not use
+        log.warning("%s: handshake refused or failed: %r", channel.name, e)
+        channel.close(f"handshake failed: {e!r}")
         return None
     info = PeerInfo(hello.instance_id, hello.page_table, min(hello.chunk_bytes, own.chunk_bytes))
     link = PeerLink(channel, endpoint, info, f"link from {peername} (instance {hello.instance_id})")
     link.done = done
     return link
+
+
+def ucx_address_problem(theirs: bytes, ours: bytes) -> str:
+    """Why a peer's UCX worker address must not be handed to UCX, or "". UCX parses it on trust
+    and aborts the whole process on a header it does not expect (an assertion, not an error), so
+    the header's format version must be ours and the address must hold more than the header."""
+    if len(theirs) < _UCX_ADDRESS_MIN_BYTES:
+        return f"the peer's UCX worker address is {len(theirs)} bytes, too short to be one"
+    if theirs[0] & 0x0F != ours[0] & 0x0F:
+        return (
+            f"the peer's UCX worker address has format version {theirs[0] & 0x0F}, ours "
+            f"{ours[0] & 0x0F}: the peers run incompatible UCX builds or settings"
+        )
+    return ""
+
+
+_UCX_ADDRESS_MIN_BYTES = 9  # the header byte and the 64-bit worker id that follows it
 
 
 def _open_done(path: str, name: str) -> DoneBoardView | None:

@@ -23,6 +23,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from transfer.copy_wait import outlast_cancels
 from transfer.mapper import MapperError
 from transfer.messages import (
     ChunkReady,
@@ -71,10 +72,17 @@ class PullSession:
         self._credits: list[int] = []  # posted, not yet announced to P
         self._refusal: PullError | None = None
         self._failed = False
+        self._cancelled = False
         self._on_closed = lambda reason: self.events.put_nowait(("closed", reason))
 
     def deliver(self, msg: PullError | TransferDone | Reject) -> None:
         self.events.put_nowait(("msg", msg))
+
+    def cancel(self) -> None:
+        """The caller gave up (loop thread): the pull fails at its next step, ending its receives
+        as any failure does, so nothing writes the caller's pages once ``run`` has returned."""
+        self._cancelled = True
+        self.events.put_nowait(("cancelled", None))
 
     async def run(self) -> TransferResult:
         start, rid = time.perf_counter(), self.ticket.request_id
@@ -87,6 +95,8 @@ class PullSession:
                 return await read.run()
             self.link.add_close_listener(self._on_closed)
             self.r.sessions[self.pull_id] = self
+            if self._cancelled:
+                raise PullFailed("the pull was cancelled")
             check_declared(self.ticket.declared_prompt_len, self.expected)
             try:
                 self.plan = build_plan(
@@ -111,6 +121,10 @@ class PullSession:
             return self._result(
                 start, ok=False, error=f"connection to the prefill worker failed: {e}"
             )
+        except asyncio.CancelledError:  # our task itself was cancelled: clean up all the same
+            await outlast_cancels(asyncio.ensure_future(self._clean_up("the pull was cancelled")))
+            self._result(start, ok=False, error="the pull was cancelled")
+            raise
         finally:
             self.r.sessions.pop(self.pull_id, None)
             if self.link is not None:
@@ -183,6 +197,8 @@ class PullSession:
             kind, value = await asyncio.wait_for(self.events.get(), timeout)
         except asyncio.TimeoutError:
             raise PullFailed(f"timed out after {timeout}s waiting for {what}") from None
+        if kind == "cancelled":
+            raise PullFailed("the pull was cancelled")
         if kind == "closed":
             raise PullFailed(f"link to the prefill worker closed: {value}")
         if kind == "recv_failed":

@@ -35,6 +35,7 @@ import torch
 
 from kvcache.spec import PoolGroupSpec
 from transfer.config import TransceiverConfig
+from transfer.copy_wait import outlast_cancels
 from transfer.direct_copy import DirectCopier, slot_capacity
 from transfer.direct_read import DirectRead
 from transfer.done_board import DoneBoard, DoneBoardUnavailable
@@ -107,9 +108,15 @@ class KVReceiver(TransceiverSide):
         if read is not None:
             with self._counting_read():
                 return await read.run()
-        return await asyncio.wrap_future(
-            self._submit(ticket, dst_page_ids, skip_pages, expected_prompt_len)
-        )
+        session, done = self._submit(ticket, dst_page_ids, skip_pages, expected_prompt_len)
+        pulled = asyncio.wrap_future(done)
+        try:
+            return await asyncio.shield(pulled)
+        except asyncio.CancelledError:
+            # The session fails the pull (ending its receives) before we hand the pages back.
+            self.runtime.call_soon(session.cancel)
+            await outlast_cancels(pulled)
+            raise
 
     def pull_blocking(
         self,
@@ -123,7 +130,7 @@ class KVReceiver(TransceiverSide):
         if read is not None:
             with self._counting_read():
                 return read.run_blocking()
-        return self._submit(ticket, dst_page_ids, skip_pages, expected_prompt_len).result()
+        return self._submit(ticket, dst_page_ids, skip_pages, expected_prompt_len)[1].result()
 
     def direct_read(
         self,
@@ -178,7 +185,8 @@ class KVReceiver(TransceiverSide):
     # ---- loop side ----
     def _submit(
         self, ticket: TransferTicket, dst: Mapping[str, Sequence[int]], skip: int, expected: int
-    ) -> Any:
+    ) -> tuple[PullSession, Any]:
+        """The pull's session and the future of its result, run on the loop thread."""
         if self._closed:
             raise RuntimeError("KVReceiver is closed")
         dst_pages = {g: [int(p) for p in ids] for g, ids in dst.items()}
@@ -187,7 +195,7 @@ class KVReceiver(TransceiverSide):
         fut = self.runtime.submit(session.run())
         self._tasks.add(fut)
         fut.add_done_callback(self._tasks.discard)
-        return fut
+        return session, fut
 
     async def _stop(self) -> None:
         self._closed = True
@@ -203,26 +211,37 @@ class KVReceiver(TransceiverSide):
         lock = self._connecting.setdefault(key, asyncio.Lock())
         async with lock:
             link = self._links.get(key)
-            if link is not None and not link.closed and link.info.instance_id == ticket.instance_id:
-                return link
-            if link is not None:
-                link.abort("replaced: the peer restarted or the link failed")
-            if key in self._ever_connected:
-                self.book.counters.reconnects += 1
-            self._ever_connected.add(key)
-            link = await self._connect(ticket)
+            if link is None or link.closed:
+                if key in self._ever_connected:
+                    self.book.counters.reconnects += 1
+                self._ever_connected.add(key)
+                link = self._keep(key, await self._connect(ticket))
+            elif link.info.instance_id != ticket.instance_id:
+                # A ticket of another instance than our open link's: a stale one from before a
+                # restart (the link is fine, and reads in flight on it need it), or a restart
+                # the link has not noticed yet. A fresh connection to the address tells which.
+                fresh = await self._connect(ticket)
+                if fresh.info.instance_id == link.info.instance_id:
+                    fresh.abort("the peer is still the instance our link knows")
+                else:
+                    self.book.counters.reconnects += 1
+                    link.abort("replaced: the peer restarted")
+                    link = self._keep(key, fresh)
             if link.info.instance_id != ticket.instance_id:
-                link.abort("ticket from another instance")
                 raise PullFailed(
                     f"stale ticket: instance {ticket.instance_id} published it, but {key[0]}:{key[1]} now runs "
                     f"instance {link.info.instance_id} (the prefill worker restarted; its pages are gone)"
                 )
-            self._links[key] = link
-            link.add_close_listener(
-                lambda _r: self._links.pop(key, None) if self._links.get(key) is link else None
-            )
-            link.start(lambda msg: self._on_message(link, msg))
             return link
+
+    def _keep(self, key: tuple[str, int], link: PeerLink) -> PeerLink:
+        """Cache ``link`` as the one to ``key`` and start reading its messages."""
+        self._links[key] = link
+        link.add_close_listener(
+            lambda _r: self._links.pop(key, None) if self._links.get(key) is link else None
+        )
+        link.start(lambda msg: self._on_message(link, msg))
+        return link
 
     async def _connect(self, ticket: TransferTicket) -> PeerLink:
         done = self._new_done_board() if self.config.direct_copy else None

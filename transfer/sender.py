@@ -19,6 +19,7 @@ such pulls cost this side no work at all.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import time
@@ -53,6 +54,9 @@ from transfer.side import TransceiverSide
 log = logging.getLogger(__name__)
 
 
+ENDED_PULLS_KEPT = 4096  # ended pulls whose late credits are still completed (pull ids are random)
+
+
 class KVSender(TransceiverSide):
     def __init__(
         self,
@@ -76,6 +80,10 @@ class KVSender(TransceiverSide):
         self.read_ends = ReadEnds(self.leases, self.book)
         self._links: set[PeerLink] = set()
         self._sessions: dict[int, ServeSession] = {}  # pull id -> session
+        # Pulls refused or ended, by (link, pull id) -> their chunk count: D may still credit
+        # chunks of them (its receives freed staging buffers before it read our answer), and each
+        # such receive must be completed, or D waits for it and then aborts the link.
+        self._ended: collections.OrderedDict[tuple[PeerLink, int], int] = collections.OrderedDict()
         self._session_tasks: set[asyncio.Task] = set()
         self.board: LeaseBoard | None = None
         self._export: IpcExport | None = None
@@ -242,12 +250,15 @@ class KVSender(TransceiverSide):
             self._start_serving(link, msg)
         elif isinstance(msg, ChunkReady):
             session = self._sessions.get(msg.pull_id)
-            if session is None or session.link is not link:
+            if session is not None and session.link is link:
+                session.credit(msg.chunks)
+            elif (link, msg.pull_id) in self._ended:
+                chunks = self._ended[(link, msg.pull_id)]
+                self.drain_late(link, msg.pull_id, [i for i in msg.chunks if 0 <= i < chunks])
+            else:
                 log.info(
                     "credit for pull %d of %s dropped: no such pull", msg.pull_id, msg.request_id
                 )
-            else:
-                session.credit(msg.chunks)
         elif isinstance(msg, TransferAck):
             self._on_ack(msg)
         elif isinstance(msg, ReadDone):
@@ -269,6 +280,9 @@ class KVSender(TransceiverSide):
     def _start_serving(self, link: PeerLink, req: PullRequest) -> None:
         problem = self._check_pull(link, req)
         if isinstance(problem, PullError):
+            # (A conflict is a pull id in use by another pull: its late credits are not ours.)
+            if problem.code != "conflict":
+                self._mark_ended(link, req)
             asyncio.ensure_future(self._refuse(link, req, problem))
             return
         session = ServeSession(self, link, req, problem)
@@ -279,8 +293,25 @@ class KVSender(TransceiverSide):
         def finished(t: asyncio.Task) -> None:
             self._session_tasks.discard(t)
             self._sessions.pop(req.pull_id, None)
+            self._mark_ended(link, req)
 
         task.add_done_callback(finished)
+
+    def _mark_ended(self, link: PeerLink, req: PullRequest) -> None:
+        self._ended[(link, req.pull_id)] = req.num_chunks
+        while len(self._ended) > ENDED_PULLS_KEPT:
+            self._ended.popitem(last=False)
+
+    def drain_late(self, link: PeerLink, pull_id: int, chunks: list[int]) -> None:
+        """Complete D's receives for ``chunks`` of a pull that has ended or is failing."""
+        if chunks and not link.closed:
+            asyncio.ensure_future(self._drain(link, pull_id, chunks))
+
+    async def _drain(self, link: PeerLink, pull_id: int, chunks: list[int]) -> None:
+        try:
+            await asyncio.wait_for(drain(link, pull_id, chunks), self.config.chunk_deadline_s)
+        except Exception as e:  # ucxx errors are not all ConnectionErrors
+            link.abort(f"completing the receives of ended pull {pull_id} failed: {e!r}")
 
     def _check_pull(self, link: PeerLink, req: PullRequest) -> Any:
         """The plan for ``req``, or the PullError to answer with (lease state unchanged then)."""
@@ -345,5 +376,5 @@ class KVSender(TransceiverSide):
                 drain(link, req.pull_id, req.ready_chunks), self.config.chunk_deadline_s
             )
             await link.send(dataclasses.replace(err, drained=True), self.config.done_deadline_s)
-        except (ConnectionError, asyncio.TimeoutError) as e:
-            link.abort(f"refusing the pull of {err.request_id} failed: {e}")
+        except Exception as e:  # ucxx errors are not all ConnectionErrors
+            link.abort(f"refusing the pull of {err.request_id} failed: {e!r}")

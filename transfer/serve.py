@@ -2,13 +2,16 @@
 
 D grants credits (PullRequest.ready_chunks, then ChunkReady): the chunks it has posted receives for.
 P gathers and sends exactly those, so a send never waits for a receive D could not post, and the
-staging buffers of the two sides cannot deadlock. Once every chunk's send is posted P sends
+staging buffers of the two sides cannot deadlock. Once every chunk's copy or send has begun P sends
 TransferDone (it travels while the last bytes do); the pages are released when every send has
 completed and D has acked, or at the ack deadline. Every wait is bounded by chunk_deadline_s.
 
 On failure: with sends in flight the link is aborted (UCX cancels them) and the pages are released
 only after every send has ended; without, the credited chunks that will never be sent are completed
-with empty messages ("drained") so D's receives end without tearing the link down.
+with empty messages ("drained") so D's receives end without tearing the link down. A drained
+receive looks like data to D (ucxx does not report a short message), so a chunk is drained only
+while TransferDone is unsent: D completes a pull only after TransferDone, and the PullError that
+follows the drain fails it instead.
 
 (A decode worker that reads P's pools directly never sends a PullRequest: see direct_read.py.)
 """
@@ -62,6 +65,7 @@ class ServeSession:
         self._tasks: dict[int, asyncio.Task] = {}
         self._io_started: set[int] = set()  # chunks whose copy/send began (not cancellable)
         self._acked: tuple[bool, str] | None = None
+        self._failing = False  # credits from now on are completed empty at once
         # On CPU (TCP) sends go one at a time, in credit order: concurrent messages share the wire
         # and all end together, so D's scatters would run after the last byte instead of under the
         # next chunk. Between GPUs (cuda_ipc) concurrent messages overlap their rendezvous latency.
@@ -69,7 +73,13 @@ class ServeSession:
         self._on_closed = lambda reason: self.events.put_nowait(("closed", reason))
 
     def credit(self, chunks: list[int]) -> None:
-        self.events.put_nowait(("credit", chunks))
+        if self._failing:
+            self.sender.drain_late(self.link, self.req.pull_id, self._ungranted(chunks))
+        else:
+            self.events.put_nowait(("credit", chunks))
+
+    def _ungranted(self, chunks: list[int]) -> list[int]:
+        return [i for i in chunks if 0 <= i < self.plan.num_chunks and i not in self._tasks]
 
     def ack(self, ok: bool, error: str) -> None:
         self.events.put_nowait(("ack", (ok, error)))
@@ -98,7 +108,7 @@ class ServeSession:
         cfg, n = self.sender.config, self.plan.num_chunks
         sent, done_sent = 0, False
         while True:
-            if not done_sent and len(self._tasks) == n:
+            if not done_sent and len(self._io_started) == n:  # nothing left to drain
                 declared = self._lease_declared()
                 done = TransferDone(
                     self.req.request_id, self.req.pull_id, declared, self.plan.total_bytes, n
@@ -115,6 +125,8 @@ class ServeSession:
                 ) from None
             if kind == "credit":
                 self._grant(value)
+            elif kind == "started":
+                pass  # the loop's head sends TransferDone once every chunk has started
             elif kind == "sent":
                 sent += 1
                 self.sender.book.counters.chunks += 1
@@ -152,14 +164,14 @@ class ServeSession:
         try:
             if chunk.direct(s.config.zero_copy, s.staging.buffer_bytes):
                 frag = chunk.fragments[0]
-                self._io_started.add(chunk.index)
+                self._started(chunk.index)
                 async with self._send_slot:
                     await self.link.send_data(
                         pool_region(s.rows[frag.src_pool], frag.src_offset, frag.nbytes), tag
                     )
             else:
                 buf = await s.staging.acquire()  # the only cancellable wait of this task
-                self._io_started.add(chunk.index)
+                self._started(chunk.index)
                 try:
                     staged = buf[: chunk.nbytes]
                     await s.runtime.copy(gather_chunk, chunk, s.rows, staged)
@@ -171,11 +183,21 @@ class ServeSession:
         except Exception as e:
             self.events.put_nowait(("send_failed", (chunk.index, e)))
 
+    def _started(self, index: int) -> None:
+        """From here on chunk ``index`` is never drained (nor its task cancelled)."""
+        self._io_started.add(index)
+        self.events.put_nowait(("started", index))
+
     async def _fail(self, reason: str, start: float) -> None:
         rid, cfg = self.req.request_id, self.sender.config
+        self._failing = True
         unsent = [i for i, t in self._tasks.items() if not t.done() and i not in self._io_started]
         for i in unsent:
             self._tasks[i].cancel()
+        while not self.events.empty():  # credits that came in but were not granted yet
+            kind, value = self.events.get_nowait()
+            if kind == "credit":
+                unsent += self._ungranted(value)
         in_flight = [i for i, t in self._tasks.items() if not t.done() and i in self._io_started]
         if in_flight or self.link.closed:
             # The only way to stop UCX reading the pages / staging buffers: cancel its requests.
@@ -189,12 +211,14 @@ class ServeSession:
             )
         if not self.link.closed:
             try:
-                await drain(self.link, self.req.pull_id, unsent)
+                await asyncio.wait_for(
+                    drain(self.link, self.req.pull_id, unsent), cfg.chunk_deadline_s
+                )
                 await self.link.send(
                     PullError(rid, self.req.pull_id, "failed", reason, True), cfg.done_deadline_s
                 )
-            except ConnectionError:
-                pass
+            except Exception as e:  # ucxx errors are not all ConnectionErrors
+                self.link.abort(f"ending the failed pull of {rid} failed: {e!r}")
         log.warning("serving %s failed: %s", rid, reason)
         self._record(start, ok=False, error=reason)
 

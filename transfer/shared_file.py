@@ -63,6 +63,10 @@ class SharedFile:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while we live: see above
             os.ftruncate(fd, size)
+            # Every page taken now: tmpfs hands pages out on first write, and a write the full
+            # mount cannot serve is a SIGBUS that kills the worker, not an error. Here it is
+            # ENOSPC, and the link falls back to UCX or ReadDone.
+            os.posix_fallocate(fd, 0, size)
             self.map = mmap.mmap(fd, size)
             os.rename(scratch, self.path)
         except OSError as e:

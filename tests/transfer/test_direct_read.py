@@ -361,7 +361,8 @@ def test_without_p_reading_the_done_board_reads_end_with_read_done(monkeypatch) 
 
 def test_a_cancelled_host_read_returns_only_after_its_copy_ended(direct: Pair, monkeypatch) -> None:
     """The caller frees its pages once the pull returns: on the CPU the copy runs on the copy
-    thread, and a cancel must not return while it still writes them."""
+    thread, and a cancel must not return while it still writes them, nor a second cancel (a
+    timeout, then a shutdown) while the first one waits for the copy."""
     pull(direct, "c0", 4)[0]  # the link is up and direct: the next pull runs on our loop
     direct.d.free("c0")
     real = transfer.direct_read.copy_on_cpu
@@ -380,10 +381,13 @@ def test_a_cancelled_host_read_returns_only_after_its_copy_ended(direct: Pair, m
         task = asyncio.ensure_future(direct.receiver.pull(ticket, dst, 0, 8))
         await asyncio.sleep(0.05)
         task.cancel()
+        await asyncio.sleep(0.05)
+        task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         return ended.is_set()
 
     assert asyncio.run(cancel_mid_copy())
     direct.d.free("c1")
-    wait_until(lambda: "c1" in direct.p.released)  # ReadDone(ok=False)
+    wait_until(lambda: "c1" in direct.p.released, timeout=2.0)  # ReadDone(ok=False), no expiry
+    assert direct.sender.stats()["expired_leases"] == 0

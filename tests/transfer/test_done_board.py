@@ -68,6 +68,10 @@ def test_post_after_close_does_nothing_and_foreign_files_are_refused(tmp_path) -
         DoneBoardView(str(fake))
     with pytest.raises(DoneBoardUnavailable, match="cannot open"):
         DoneBoardView(str(tmp_path / "duet-done-missing"))
+    empty = tmp_path / "duet-done-empty"  # the right magic, but a ring of no records
+    empty.write_bytes(b"DUETDB01" + bytes(24))
+    with pytest.raises(DoneBoardUnavailable, match="not a done board of this version"):
+        DoneBoardView(str(empty))
     with pytest.raises(ValueError):
         DoneBoard(capacity=0)
 

@@ -109,3 +109,21 @@ def test_boards_nobody_holds_are_removed_and_non_boards_refused(tmp_path) -> Non
         LeaseBoardView(str(fake))
     with pytest.raises(BoardUnavailable, match="cannot open"):
         LeaseBoardView(str(tmp_path / "duet-leases-1-missing"))
+
+
+def test_a_board_whose_pages_shared_memory_cannot_give_is_unavailable(monkeypatch) -> None:
+    """tmpfs gives a file's pages on first write, and a full mount answers that write with a
+    SIGBUS: so the board takes all its pages when made, and a full mount is an error then."""
+    import errno
+    import glob
+
+    from transfer.shared_file import shared_dir
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    before = set(glob.glob(os.path.join(shared_dir(), "*")))
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(BoardUnavailable, match="No space left"):
+        LeaseBoard(8)
+    assert set(glob.glob(os.path.join(shared_dir(), "*"))) <= before  # nothing left behind

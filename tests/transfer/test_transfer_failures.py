@@ -4,6 +4,7 @@ and a prefill worker restarting on the same port."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import socket
 import struct
@@ -236,3 +237,164 @@ def test_prefill_worker_restart_on_the_same_port() -> None:
     assert sorted(p.released) == ["after", "before", "stale"]
     p.assert_clean()
     d.assert_clean()
+
+
+class Sides:
+    """P and D with configs of their own, for failures that need them to differ."""
+
+    def __init__(self, p_cfg, d_cfg, scramble: bool = True) -> None:
+        self.p, self.d = KVSide(specs(), seed=7), KVSide(specs(), seed=8)
+        if scramble:  # else requests get one run of pages: chunks go straight from / into pools
+            self.p.scramble_free_queue()
+            self.d.scramble_free_queue()
+        self.sender = KVSender(self.p.kv.buffers, self.p.specs, MODEL, p_cfg, self.p.release)
+        self.receiver = KVReceiver(self.d.kv.buffers, self.d.specs, MODEL, d_cfg)
+        self.held: list = []
+
+    def hold_p_staging(self) -> None:
+        """Take every staging buffer of P: its staged chunks cannot start until released."""
+
+        async def grab():
+            return [
+                await self.sender.staging.acquire() for _ in range(self.sender.staging.max_buffers)
+            ]
+
+        self.held = self.sender.runtime.run(grab(), timeout=5)
+
+    def release_p_staging(self) -> None:
+        for buf in self.held:
+            self.sender.runtime.loop.call_soon_threadsafe(self.sender.staging.release, buf)
+        self.held = []
+
+    def close(self) -> None:
+        self.release_p_staging()
+        self.receiver.close()
+        self.sender.close()
+        self.p.assert_clean()
+        self.d.assert_clean()
+
+
+def test_chunks_p_gave_up_on_fail_the_pull_and_never_pass_for_data() -> None:
+    """P completes the receives of chunks it gives up on with empty messages, which D cannot tell
+    from data: so P sends TransferDone only once every chunk has begun, and a pull whose chunks
+    P could not start fails on D instead of completing with the bytes D had before."""
+    sides = Sides(
+        config(zero_copy=False, chunk_deadline_s=1.0, staging_tokens=32),  # P stages its chunk
+        config(zero_copy=True, staging_tokens=32),  # D receives it straight into its pool
+        scramble=False,
+    )
+    try:
+        sides.hold_p_staging()
+        ticket = sides.sender.publish("victim", sides.p.allocate("victim", 16), 16)
+        dst = sides.d.allocate("victim", 16)
+        result = sides.receiver.pull_blocking(ticket, dst, 0, 16)
+        assert not result.ok and "no progress" in result.error
+        sides.d.free("victim")
+        wait_until(lambda: "victim" in sides.p.released)
+        sides.release_p_staging()
+        ticket = sides.sender.publish("next", sides.p.allocate("next", 16), 16)
+        dst = sides.d.allocate("next", 16)
+        assert sides.receiver.pull_blocking(ticket, dst, 0, 16).ok
+        assert torch.equal(sides.d.pages_of(dst)["full"], sides.p.pages_of(ticket.page_ids)["full"])
+        sides.d.free("next")
+        wait_until(lambda: "next" in sides.p.released)
+    finally:
+        sides.close()
+
+
+def test_a_refused_pull_longer_than_d_staging_keeps_the_link() -> None:
+    """D posts receives for as many chunks as it has staging buffers; when P refuses, the drained
+    receives free those buffers and D may credit more chunks before it reads the refusal. P
+    completes those late credits too, so D ends the pull at once and the link stays up."""
+    sides = Sides(config(zero_copy=False, lease_s=0.4), config(zero_copy=False))
+    try:
+        pages = sides.p.allocate("late", 32)  # 8 pages: 4 chunks, against 2 staging buffers
+        ticket = sides.sender.publish("late", pages, 32)
+        wait_until(lambda: "late" in sides.p.released, timeout=5.0)  # expired
+        result = sides.receiver.pull_blocking(ticket, sides.d.allocate("late", 32), 0, 32)
+        assert not result.ok and "(expired)" in result.error
+        sides.d.free("late")
+        assert sides.receiver.stats()["reconnects"] == 0
+        ticket = sides.sender.publish("next", sides.p.allocate("next", 32), 32)
+        dst = sides.d.allocate("next", 32)
+        assert sides.receiver.pull_blocking(ticket, dst, 0, 32).ok
+        assert torch.equal(sides.d.pages_of(dst)["full"], sides.p.pages_of(ticket.page_ids)["full"])
+        assert sides.receiver.stats()["reconnects"] == 0  # no link was aborted
+        sides.d.free("next")
+        wait_until(lambda: "next" in sides.p.released)
+    finally:
+        sides.close()
+
+
+def test_a_cancelled_pull_returns_only_once_nothing_writes_its_pages() -> None:
+    """The caller frees its pages when an awaited pull is cancelled: the pull fails (ending its
+    receives) before the cancel reaches the caller, so chunks P sends later land nowhere."""
+    sides = Sides(
+        config(zero_copy=False, staging_buffers=1), config(zero_copy=False, staging_buffers=1)
+    )
+    try:
+        sides.hold_p_staging()
+        ticket = sides.sender.publish("victim", sides.p.allocate("victim", 16), 16)  # 2 chunks
+        dst = sides.d.allocate("victim", 16)
+
+        async def cancelled() -> bool:
+            task = asyncio.ensure_future(sides.receiver.pull(ticket, dst, 0, 16))
+            await asyncio.sleep(0.3)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            return True
+
+        assert asyncio.run(cancelled())
+        assert sides.receiver.staging.in_use == 0 and not sides.receiver.sessions
+        for g, ids in dst.items():  # the caller reuses the pages
+            sides.d.kv.buffers[g][ids] = 0
+        sides.release_p_staging()  # P could send the chunks now
+        wait_until(lambda: "victim" in sides.p.released)  # D's negative ack or P's failure
+        time.sleep(0.3)
+        assert bool((sides.d.pages_of(dst)["full"] == 0).all())
+        sides.d.free("victim")
+        assert sides.receiver.stats()["failures"] == 1
+    finally:
+        sides.close()
+
+
+@pytest.mark.parametrize(
+    "address, refused",
+    [
+        (b"\xff", "too short"),  # UCX would abort the process on this header (an assertion)
+        (b"\xff" * 64, "format version 15"),
+        (b"\x00" * 64, ""),  # a header UCX reads, then fails to use: an error, not a crash
+    ],
+)
+def test_a_hello_with_a_bad_ucx_address_is_refused_and_p_lives_on(
+    pair: Pair, address: bytes, refused: str
+) -> None:
+    hello = Hello("hostile", pair.receiver.page_table, address, 1 << 20)
+    with socket.create_connection((pair.sender.host, pair.sender.port), timeout=5) as sock:
+        sock.settimeout(10)
+        sock.sendall(frame(encode_message(hello)))
+        if refused:
+            reply = decode_message(read_frame(sock))
+            assert isinstance(reply, HelloReply) and refused in reply.error
+        else:  # P closes the connection without a link
+            assert sock.recv(4, socket.MSG_WAITALL) == b""
+    assert pair.sender.stats()["peers"] == 0
+    pull_next_ok(pair, "after-bad-address")
+
+
+def test_a_stale_ticket_fails_alone_and_leaves_the_open_link_up(pair: Pair) -> None:
+    """After a prefill worker restarts, the router may still hold tickets of the old instance.
+    Such a ticket fails as stale; the open link to the current instance, which reads in flight
+    may be using, stays up."""
+    pull_next_ok(pair, "first")
+    (link,) = pair.receiver._links.values()
+    ticket, _ = pair.publish("old", 8)
+    stale = dataclasses.replace(ticket, instance_id="instance-before-restart")
+    result = pair.receiver.pull_blocking(stale, pair.d.allocate("old", 8), 0, 8)
+    assert not result.ok and "stale ticket" in result.error
+    pair.d.free("old")
+    assert not link.closed and pair.receiver.stats()["reconnects"] == 0
+    assert pair.sender.cancel("old")
+    pull_next_ok(pair, "after-stale")
+    assert pair.receiver._links[(pair.sender.host, pair.sender.port)] is link
