@@ -56,13 +56,21 @@ def _poll_pause(waited: float) -> float:
     return 0.0 if waited < 0.02 else 0.001
 
 
-async def outlast_cancels(fut: asyncio.Future) -> None:
-    """Wait until ``fut`` is done even when the waiting task is cancelled again meanwhile. For a
-    pull the caller cancelled: the caller frees the pages it gave as soon as we return, so nothing
-    may still write them then, however many cancels arrive. ``fut`` must end on its own (every
-    step of a pull has a deadline). The caller re-raises its own CancelledError afterwards."""
+async def outlast_cancels(fut: asyncio.Future, timeout: float | None = None) -> bool:
+    """Wait until ``fut`` is done even when the waiting task is cancelled again meanwhile; False
+    if it was not done within ``timeout``. For a pull the caller cancelled: the caller frees the
+    pages it gave as soon as we return, so nothing may still write them then, however many
+    cancels arrive (every step of a pull has a deadline, so ``fut`` ends on its own; ``timeout``
+    only bounds a wait on a transceiver that stopped working). The caller re-raises its own
+    CancelledError afterwards."""
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout is None else loop.time() + timeout
     while not fut.done():
+        left = None if deadline is None else deadline - loop.time()
+        if left is not None and left <= 0:
+            return False
         try:
-            await asyncio.wait([fut])
+            await asyncio.wait([fut], timeout=left)
         except asyncio.CancelledError:
             continue
+    return True

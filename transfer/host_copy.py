@@ -36,7 +36,8 @@ def copy_on_cpu(
         if not keep.all():
             s, d = s[keep], d[keep]
         src_words, dst_words = _flat_words(src), _flat_words(dst)
-        words = src_words is not None and dst_words is not None
+        # (Matched pools have equal pages; rows of unequal size take the checked copy_ path.)
+        words = src_words is not None and dst_words is not None and src.shape[1] == dst.shape[1]
         row = src.shape[1] // 8
         for a, b, n in _runs(s, d):
             if not words or n * src.shape[1] >= PARALLEL_RUN_BYTES:

@@ -177,7 +177,7 @@ async def connect(
         if problem:
             counters.refused_peers += 1
             raise PeerRefused(f"{name}: {problem}")
-        bad_address = ucx_address_problem(reply.ucx_address, runtime.worker_address)
+        bad_address = ucx_address_problem(reply.ucx_address)
         if bad_address:
             counters.refused_peers += 1
             raise PeerRefused(f"{name}: {bad_address}")
@@ -224,7 +224,7 @@ async def accept(
         if not isinstance(hello, Hello):
             raise PeerRefused(f"expected Hello, got {type(hello).__name__}")
         problem = check_compatible(own.page_table, hello.page_table) or ucx_address_problem(
-            hello.ucx_address, runtime.worker_address
+            hello.ucx_address
         )
         if problem:
             counters.refused_peers += 1
@@ -249,21 +249,24 @@ async def accept(
     return link
 
 
-def ucx_address_problem(theirs: bytes, ours: bytes) -> str:
+def ucx_address_problem(theirs: bytes) -> str:
     """Why a peer's UCX worker address must not be handed to UCX, or "". UCX parses it on trust
-    and aborts the whole process on a header it does not expect (an assertion, not an error), so
-    the header's format version must be ours and the address must hold more than the header."""
+    and aborts the whole process on a header it does not expect (an assertion, not an error): the
+    low 4 bits of the first byte are the address format, v1 (0) or v2 (1, UCX_ADDRESS_VERSION=v2),
+    the high 4 bits flags or a release number. Anything else, or an address no longer than its
+    header, is refused here. (Garbage past the header makes UCX fail the endpoint: an error.)"""
     if len(theirs) < _UCX_ADDRESS_MIN_BYTES:
         return f"the peer's UCX worker address is {len(theirs)} bytes, too short to be one"
-    if theirs[0] & 0x0F != ours[0] & 0x0F:
+    if theirs[0] & 0x0F not in _UCX_ADDRESS_FORMATS:
         return (
-            f"the peer's UCX worker address has format version {theirs[0] & 0x0F}, ours "
-            f"{ours[0] & 0x0F}: the peers run incompatible UCX builds or settings"
+            f"the peer's UCX worker address has format {theirs[0] & 0x0F}, which this UCX does "
+            f"not read (it reads {sorted(_UCX_ADDRESS_FORMATS)})"
         )
     return ""
 
 
 _UCX_ADDRESS_MIN_BYTES = 9  # the header byte and the 64-bit worker id that follows it
+_UCX_ADDRESS_FORMATS = frozenset({0, 1})  # ucp/wireup/address.c: v1 and v2
 
 
 def _open_done(path: str, name: str) -> DoneBoardView | None:

@@ -7,9 +7,9 @@
     declared prompt length == expected -> ack.
 
 Receives posted for a pull that fails must end before the pages may be reused: P completes those
-it will not send with empty messages when it refuses or gives up cleanly (PullError.drained);
-otherwise the link is aborted, the only way UCX cancels a receive (other pulls on that link fail
-too; the next pull reconnects). ``run`` returns only after every receive and page copy of this pull
+it will not send with empty messages when it refuses or gives up cleanly (PullError.drained; also
+when D gave up first, on D's negative ack); otherwise the link is aborted, the only way UCX cancels
+a receive (other pulls on that link fail too; the next pull reconnects). ``run`` returns only after every receive and page copy of this pull
 has ended. KV is never trimmed or padded: any mismatch fails the pull.
 
 On a direct link (D opened P's pools, ipc.py) a ticket with a lease board slot is read by D itself
@@ -19,6 +19,7 @@ instead (direct_read.py); this session then only connects.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -73,6 +74,10 @@ class PullSession:
         self._refusal: PullError | None = None
         self._failed = False
         self._cancelled = False
+        self._reading = False  # a direct read of this session's runs
+        # Done once nothing of this pull can write the caller's pages any more: when ``run``
+        # ends, or at a cancel that came before any receive was posted (any thread may wait).
+        self.quiet: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._on_closed = lambda reason: self.events.put_nowait(("closed", reason))
 
     def deliver(self, msg: PullError | TransferDone | Reject) -> None:
@@ -80,9 +85,17 @@ class PullSession:
 
     def cancel(self) -> None:
         """The caller gave up (loop thread): the pull fails at its next step, ending its receives
-        as any failure does, so nothing writes the caller's pages once ``run`` has returned."""
+        as any failure does. Before any receive is posted (connecting, say) nothing can write the
+        caller's pages, so the pull is quiet at once: the check before the first receive and this
+        run on the same thread."""
         self._cancelled = True
         self.events.put_nowait(("cancelled", None))
+        if not self._recvs and not self._reading:
+            self._quiet()
+
+    def _quiet(self) -> None:
+        if not self.quiet.done():
+            self.quiet.set_result(None)
 
     async def run(self) -> TransferResult:
         start, rid = time.perf_counter(), self.ticket.request_id
@@ -92,6 +105,7 @@ class PullSession:
             read = self.r.direct_read(self.link, self.ticket, self.dst, self.skip, self.expected)
             if read is not None:
                 self.link = None  # nothing of this session's to clean up on the link
+                self._reading = True
                 return await read.run()
             self.link.add_close_listener(self._on_closed)
             self.r.sessions[self.pull_id] = self
@@ -129,6 +143,7 @@ class PullSession:
             self.r.sessions.pop(self.pull_id, None)
             if self.link is not None:
                 self.link.remove_close_listener(self._on_closed)
+            self._quiet()
 
     def _pull_request(self, ready: list[int]) -> PullRequest:
         assert self.link is not None and self.plan is not None
@@ -278,6 +293,8 @@ class PullSession:
                 await link.send(TransferAck(rid, self.pull_id, False, reason), cfg.done_deadline_s)
             except ConnectionError:
                 pass
+            if self._refusal is None:
+                await self._await_answer(cfg.chunk_deadline_s)
         if self._refusal is not None and self._refusal.drained:
             await settle(self._recvs, cfg.chunk_deadline_s)  # P is completing them
         if any(not t.done() for t in self._recvs) and link is not None:
@@ -285,6 +302,25 @@ class PullSession:
         if not await settle(self._recvs, cfg.chunk_deadline_s):
             log.error("receives of %s did not end after the link was aborted", rid)
         log.warning("pull of %s failed: %s", rid, reason)
+
+    async def _await_answer(self, timeout: float) -> None:
+        """After our negative ack, while receives are posted: P fails the pull it serves on that
+        ack, completes the receives of chunks it never started and says so (PullError), or aborts
+        the link if sends were in flight. Waiting for that (up to ``timeout``) rather than
+        aborting the link at once keeps the other pulls on the link alive when one fails on our
+        side (a cancel, a check)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while any(not t.done() for t in self._recvs):
+            try:
+                kind, value = await asyncio.wait_for(self.events.get(), deadline - loop.time())
+            except asyncio.TimeoutError:
+                return
+            if kind == "closed":
+                return
+            if kind == "msg" and isinstance(value, PullError):
+                self._refusal = value
+                return
 
     def _result(self, start: float, ok: bool, error: str = "") -> TransferResult:
         plan = self.plan

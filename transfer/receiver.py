@@ -74,6 +74,8 @@ class KVReceiver(TransceiverSide):
         self._links: dict[tuple[str, int], PeerLink] = {}
         self._connecting: dict[tuple[str, int], asyncio.Lock] = {}
         self._ever_connected: set[tuple[str, int]] = set()
+        # (address, the instance there) -> instances whose tickets a probe found stale
+        self._stale: dict[tuple[tuple[str, int], str], set[str]] = {}
         self._tasks: set[asyncio.Future] = set()
         self._closed = False
         self._reads_lock = threading.Lock()
@@ -109,14 +111,27 @@ class KVReceiver(TransceiverSide):
             with self._counting_read():
                 return await read.run()
         session, done = self._submit(ticket, dst_page_ids, skip_pages, expected_prompt_len)
-        pulled = asyncio.wrap_future(done)
         try:
-            return await asyncio.shield(pulled)
+            return await asyncio.shield(asyncio.wrap_future(done))
         except asyncio.CancelledError:
             # The session fails the pull (ending its receives) before we hand the pages back.
-            self.runtime.call_soon(session.cancel)
-            await outlast_cancels(pulled)
+            try:
+                self.runtime.call_soon(session.cancel)
+            except RuntimeError:  # the transceiver's loop is closed: nothing of the pull runs
+                raise asyncio.CancelledError from None
+            if not await outlast_cancels(asyncio.wrap_future(session.quiet), self._quiet_within_s):
+                log.error(
+                    "cancelled pull of %s did not end within %.0fs; its pages may still be written",
+                    ticket.request_id,
+                    self._quiet_within_s,
+                )
             raise
+
+    @property
+    def _quiet_within_s(self) -> float:
+        """The longest a pull takes to end after a cancel: a connect, or its failure's steps."""
+        cfg = self.config
+        return cfg.connect_deadline_s + cfg.done_deadline_s + 4 * cfg.chunk_deadline_s
 
     def pull_blocking(
         self,
@@ -216,23 +231,33 @@ class KVReceiver(TransceiverSide):
                     self.book.counters.reconnects += 1
                 self._ever_connected.add(key)
                 link = self._keep(key, await self._connect(ticket))
-            elif link.info.instance_id != ticket.instance_id:
+            elif link.info.instance_id != ticket.instance_id and not self._known_stale(
+                key, link, ticket
+            ):
                 # A ticket of another instance than our open link's: a stale one from before a
                 # restart (the link is fine, and reads in flight on it need it), or a restart
-                # the link has not noticed yet. A fresh connection to the address tells which.
-                fresh = await self._connect(ticket)
-                if fresh.info.instance_id == link.info.instance_id:
-                    fresh.abort("the peer is still the instance our link knows")
+                # the link has not noticed yet. A bare handshake with the address tells which.
+                probe = await self._connect(ticket, direct=False)
+                probe.abort("probe")
+                if probe.info.instance_id == link.info.instance_id:
+                    stale = self._stale.setdefault((key, link.info.instance_id), set())
+                    if len(stale) < 1024:
+                        stale.add(ticket.instance_id)
                 else:
                     self.book.counters.reconnects += 1
                     link.abort("replaced: the peer restarted")
-                    link = self._keep(key, fresh)
+                    link = self._keep(key, await self._connect(ticket))
             if link.info.instance_id != ticket.instance_id:
                 raise PullFailed(
                     f"stale ticket: instance {ticket.instance_id} published it, but {key[0]}:{key[1]} now runs "
                     f"instance {link.info.instance_id} (the prefill worker restarted; its pages are gone)"
                 )
             return link
+
+    def _known_stale(self, key: tuple[str, int], link: PeerLink, ticket: TransferTicket) -> bool:
+        """Whether a probe already found ``link``'s instance at ``key`` after a ticket of
+        ``ticket``'s instance (a router may hold many tickets of a restarted worker)."""
+        return ticket.instance_id in self._stale.get((key, link.info.instance_id), ())
 
     def _keep(self, key: tuple[str, int], link: PeerLink) -> PeerLink:
         """Cache ``link`` as the one to ``key`` and start reading its messages."""
@@ -243,8 +268,11 @@ class KVReceiver(TransceiverSide):
         link.start(lambda msg: self._on_message(link, msg))
         return link
 
-    async def _connect(self, ticket: TransferTicket) -> PeerLink:
-        done = self._new_done_board() if self.config.direct_copy else None
+    async def _connect(self, ticket: TransferTicket, direct: bool = True) -> PeerLink:
+        """A new link to the ticket's prefill worker; ``direct=False``: without opening its pools
+        or offering a done board (a probe of who answers there)."""
+        direct = direct and self.config.direct_copy
+        done = self._new_done_board() if direct else None
         hello = Hello(
             self.instance_id,
             self.page_table,
@@ -262,7 +290,7 @@ class KVReceiver(TransceiverSide):
                 hello,
                 timeout,
                 self.book.counters,
-                self._open_direct if self.config.direct_copy else None,
+                self._open_direct if direct else None,
                 done,
             )
         except PeerRefused as e:

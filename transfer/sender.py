@@ -241,7 +241,7 @@ class KVSender(TransceiverSide):
         if link is None:
             return
         self._links.add(link)
-        link.add_close_listener(lambda _reason: self._links.discard(link))
+        link.add_close_listener(lambda _reason: self._forget(link))
         self.read_ends.add_link(link)
         link.start(lambda msg: self._on_message(link, msg))
 
@@ -297,7 +297,14 @@ class KVSender(TransceiverSide):
 
         task.add_done_callback(finished)
 
+    def _forget(self, link: PeerLink) -> None:
+        self._links.discard(link)
+        for key in [k for k in self._ended if k[0] is link]:
+            del self._ended[key]
+
     def _mark_ended(self, link: PeerLink, req: PullRequest) -> None:
+        if link.closed:
+            return
         self._ended[(link, req.pull_id)] = req.num_chunks
         while len(self._ended) > ENDED_PULLS_KEPT:
             self._ended.popitem(last=False)
@@ -305,7 +312,9 @@ class KVSender(TransceiverSide):
     def drain_late(self, link: PeerLink, pull_id: int, chunks: list[int]) -> None:
         """Complete D's receives for ``chunks`` of a pull that has ended or is failing."""
         if chunks and not link.closed:
-            asyncio.ensure_future(self._drain(link, pull_id, chunks))
+            task = asyncio.ensure_future(self._drain(link, pull_id, chunks))
+            self._session_tasks.add(task)  # (close() waits for these too)
+            task.add_done_callback(self._session_tasks.discard)
 
     async def _drain(self, link: PeerLink, pull_id: int, chunks: list[int]) -> None:
         try:

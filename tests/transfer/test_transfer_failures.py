@@ -16,6 +16,7 @@ import msgpack
 import pytest
 import torch
 
+import transfer.sender
 from tests.transfer.conftest import MODEL, UCX_ENV, KVSide, config, specs
 from tests.transfer.test_transfer_local import Pair, wait_until
 from transfer import KVReceiver, KVSender
@@ -302,10 +303,17 @@ def test_chunks_p_gave_up_on_fail_the_pull_and_never_pass_for_data() -> None:
         sides.close()
 
 
-def test_a_refused_pull_longer_than_d_staging_keeps_the_link() -> None:
+def test_a_refused_pull_longer_than_d_staging_keeps_the_link(monkeypatch) -> None:
     """D posts receives for as many chunks as it has staging buffers; when P refuses, the drained
     receives free those buffers and D may credit more chunks before it reads the refusal. P
     completes those late credits too, so D ends the pull at once and the link stays up."""
+    real_drain = transfer.sender.drain
+
+    async def drain_then_pause(link, pull_id, chunks) -> None:
+        await real_drain(link, pull_id, chunks)
+        await asyncio.sleep(0.5)  # D credits the chunks the drained receives made room for
+
+    monkeypatch.setattr(transfer.sender, "drain", drain_then_pause)
     sides = Sides(config(zero_copy=False, lease_s=0.4), config(zero_copy=False))
     try:
         pages = sides.p.allocate("late", 32)  # 8 pages: 4 chunks, against 2 staging buffers
@@ -328,7 +336,8 @@ def test_a_refused_pull_longer_than_d_staging_keeps_the_link() -> None:
 
 def test_a_cancelled_pull_returns_only_once_nothing_writes_its_pages() -> None:
     """The caller frees its pages when an awaited pull is cancelled: the pull fails (ending its
-    receives) before the cancel reaches the caller, so chunks P sends later land nowhere."""
+    receives) before the cancel reaches the caller, so chunks P sends later land nowhere. P
+    completes the receives it never started, so another pull on the link goes on."""
     sides = Sides(
         config(zero_copy=False, staging_buffers=1), config(zero_copy=False, staging_buffers=1)
     )
@@ -336,6 +345,16 @@ def test_a_cancelled_pull_returns_only_once_nothing_writes_its_pages() -> None:
         sides.hold_p_staging()
         ticket = sides.sender.publish("victim", sides.p.allocate("victim", 16), 16)  # 2 chunks
         dst = sides.d.allocate("victim", 16)
+        other = sides.sender.publish("other", sides.p.allocate("other", 8), 8)
+        other_dst = sides.d.allocate("other", 8)
+        results = {}
+
+        def pull_other() -> None:
+            time.sleep(0.1)  # after the victim took D's staging buffer
+            results["other"] = sides.receiver.pull_blocking(other, other_dst, 0, 8)
+
+        bystander = threading.Thread(target=pull_other)
+        bystander.start()
 
         async def cancelled() -> bool:
             task = asyncio.ensure_future(sides.receiver.pull(ticket, dst, 0, 16))
@@ -346,14 +365,21 @@ def test_a_cancelled_pull_returns_only_once_nothing_writes_its_pages() -> None:
             return True
 
         assert asyncio.run(cancelled())
-        assert sides.receiver.staging.in_use == 0 and not sides.receiver.sessions
+        assert "victim" not in [s.ticket.request_id for s in sides.receiver.sessions.values()]
         for g, ids in dst.items():  # the caller reuses the pages
             sides.d.kv.buffers[g][ids] = 0
         sides.release_p_staging()  # P could send the chunks now
         wait_until(lambda: "victim" in sides.p.released)  # D's negative ack or P's failure
-        time.sleep(0.3)
+        bystander.join(30)
+        assert results["other"].ok, results["other"].error
+        assert torch.equal(
+            sides.d.pages_of(other_dst)["full"], sides.p.pages_of(other.page_ids)["full"]
+        )
         assert bool((sides.d.pages_of(dst)["full"] == 0).all())
+        assert sides.receiver.stats()["reconnects"] == 0  # the cancel did not cost the link
         sides.d.free("victim")
+        sides.d.free("other")
+        wait_until(lambda: "other" in sides.p.released)
         assert sides.receiver.stats()["failures"] == 1
     finally:
         sides.close()
@@ -363,7 +389,7 @@ def test_a_cancelled_pull_returns_only_once_nothing_writes_its_pages() -> None:
     "address, refused",
     [
         (b"\xff", "too short"),  # UCX would abort the process on this header (an assertion)
-        (b"\xff" * 64, "format version 15"),
+        (b"\xff" * 64, "has format 15"),
         (b"\x00" * 64, ""),  # a header UCX reads, then fails to use: an error, not a crash
     ],
 )
@@ -398,3 +424,54 @@ def test_a_stale_ticket_fails_alone_and_leaves_the_open_link_up(pair: Pair) -> N
     assert pair.sender.cancel("old")
     pull_next_ok(pair, "after-stale")
     assert pair.receiver._links[(pair.sender.host, pair.sender.port)] is link
+
+
+def test_a_pull_cancelled_while_connecting_returns_at_once(pair: Pair) -> None:
+    """Before a pull has posted a receive nothing of it can write the caller's pages, so a cancel
+    then reaches the caller at once; the session still ends by its own deadline."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()  # connections are queued, never answered
+    try:
+        ticket, _ = pair.publish("unreachable", 8)
+        ticket = dataclasses.replace(ticket, port=silent.getsockname()[1])
+        dst = pair.d.allocate("unreachable", 8)
+
+        async def cancel_while_connecting() -> int:
+            task = asyncio.ensure_future(pair.receiver.pull(ticket, dst, 0, 8))
+            await asyncio.sleep(0.2)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            return pair.receiver.stats()["failures"]
+
+        assert asyncio.run(cancel_while_connecting()) == 0  # the session is still connecting
+        wait_until(lambda: pair.receiver.stats()["failures"] == 1)  # its connect deadline
+        pair.d.free("unreachable")
+        wait_until(lambda: "unreachable" in pair.p.released)  # its lease expired meanwhile
+    finally:
+        silent.close()
+    pull_next_ok(pair, "after-unreachable")
+
+
+def test_stale_tickets_of_one_instance_cost_one_probe(pair: Pair, monkeypatch) -> None:
+    """A router may hold many tickets of a restarted worker: the first one's probe finds the open
+    link's instance at the address, and the others fail without another handshake."""
+    pull_next_ok(pair, "first")
+    connects = []
+    real_connect = pair.receiver._connect
+
+    async def counted(ticket, direct=True):
+        connects.append(direct)
+        return await real_connect(ticket, direct)
+
+    monkeypatch.setattr(pair.receiver, "_connect", counted)
+    for i in range(3):
+        ticket, _ = pair.publish(f"old{i}", 8)
+        stale = dataclasses.replace(ticket, instance_id="instance-before-restart")
+        result = pair.receiver.pull_blocking(stale, pair.d.allocate(f"old{i}", 8), 0, 8)
+        assert not result.ok and "stale ticket" in result.error
+        pair.d.free(f"old{i}")
+        assert pair.sender.cancel(f"old{i}")
+    assert connects == [False]  # one bare probe, no pools opened
+    pull_next_ok(pair, "after-stale")
