@@ -72,6 +72,7 @@ class PullSession:
         self._feeder: asyncio.Task | None = None
         self._credits: list[int] = []  # posted, not yet announced to P
         self._refusal: PullError | None = None
+        self._rejected = False  # P rejected a message of ours: it will not answer a negative ack
         self._failed = False
         self._cancelled = False
         self._reading = False  # a direct read of this session's runs
@@ -90,7 +91,7 @@ class PullSession:
         run on the same thread."""
         self._cancelled = True
         self.events.put_nowait(("cancelled", None))
-        if not self._recvs and not self._reading:
+        if not self._recvs and not self._reading and (self._feeder is None or self._feeder.done()):
             self._quiet()
 
     def _quiet(self) -> None:
@@ -102,6 +103,8 @@ class PullSession:
         try:
             src = source_pages(self.ticket, self.r.page_table, self.dst, self.skip)
             self.link = await self.r.link_for(self.ticket)
+            if self._cancelled:  # (``cancel`` may have called the pull quiet: nothing may start)
+                raise PullFailed("the pull was cancelled")  # (the negative ack frees P's pages)
             read = self.r.direct_read(self.link, self.ticket, self.dst, self.skip, self.expected)
             if read is not None:
                 self.link = None  # nothing of this session's to clean up on the link
@@ -222,6 +225,7 @@ class PullSession:
             self._refusal = value
             raise PullFailed(f"prefill worker refused the pull ({value.code}): {value.reason}")
         if isinstance(value, Reject):
+            self._rejected = True
             raise PullFailed(f"protocol error: {value.reason}")
         return value
 
@@ -293,7 +297,7 @@ class PullSession:
                 await link.send(TransferAck(rid, self.pull_id, False, reason), cfg.done_deadline_s)
             except ConnectionError:
                 pass
-            if self._refusal is None:
+            if self._refusal is None and not self._rejected:
                 await self._await_answer(cfg.chunk_deadline_s)
         if self._refusal is not None and self._refusal.drained:
             await settle(self._recvs, cfg.chunk_deadline_s)  # P is completing them

@@ -131,7 +131,8 @@ class KVReceiver(TransceiverSide):
     def _quiet_within_s(self) -> float:
         """The longest a pull takes to end after a cancel: a connect, or its failure's steps."""
         cfg = self.config
-        return cfg.connect_deadline_s + cfg.done_deadline_s + 4 * cfg.chunk_deadline_s
+        waits = max(cfg.connect_deadline_s, cfg.pull_deadline_s) + cfg.done_deadline_s
+        return waits + 4 * cfg.chunk_deadline_s + 5.0
 
     def pull_blocking(
         self,
@@ -262,9 +263,13 @@ class KVReceiver(TransceiverSide):
     def _keep(self, key: tuple[str, int], link: PeerLink) -> PeerLink:
         """Cache ``link`` as the one to ``key`` and start reading its messages."""
         self._links[key] = link
-        link.add_close_listener(
-            lambda _r: self._links.pop(key, None) if self._links.get(key) is link else None
-        )
+
+        def closed(_reason: str) -> None:
+            if self._links.get(key) is link:
+                del self._links[key]
+            self._stale.pop((key, link.info.instance_id), None)
+
+        link.add_close_listener(closed)
         link.start(lambda msg: self._on_message(link, msg))
         return link
 

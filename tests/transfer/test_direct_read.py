@@ -391,3 +391,36 @@ def test_a_cancelled_host_read_returns_only_after_its_copy_ended(direct: Pair, m
     direct.d.free("c1")
     wait_until(lambda: "c1" in direct.p.released, timeout=2.0)  # ReadDone(ok=False), no expiry
     assert direct.sender.stats()["expired_leases"] == 0
+
+
+def test_a_pull_cancelled_while_connecting_reads_nothing_afterwards(
+    direct: Pair, monkeypatch
+) -> None:
+    """A cancel before the link is up returns at once (nothing can write the pages yet), so the
+    pull must not start a direct read once the link comes up: the caller already has the pages
+    back. P hears of it (the negative ack) and frees its own."""
+    real_connect = transfer.receiver.connect
+
+    async def slow_connect(*args, **kwargs):
+        await asyncio.sleep(0.5)
+        return await real_connect(*args, **kwargs)
+
+    monkeypatch.setattr(transfer.receiver, "connect", slow_connect)
+    ticket, _ = direct.publish("c1", 8)
+    dst = direct.d.allocate("c1", 8)
+
+    async def cancel_while_connecting() -> None:
+        task = asyncio.ensure_future(direct.receiver.pull(ticket, dst, 0, 8))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_while_connecting())
+    for g, ids in dst.items():  # the caller reuses the pages
+        direct.d.kv.buffers[g][ids] = 0
+    wait_until(lambda: direct.receiver.stats()["failures"] == 1)  # the link came up meanwhile
+    wait_until(lambda: "c1" in direct.p.released, timeout=2.0)  # by the negative ack
+    assert all(not direct.d.pages_of(dst)[g].any() for g in dst)
+    assert direct.receiver.stats()["transfers_ok"] == 0
+    direct.d.free("c1")
