@@ -24,7 +24,7 @@ import transfer.ipc
 import transfer.peer
 import transfer.receiver
 from tests.transfer.conftest import KVSide, config, specs
-from tests.transfer.test_transfer_local import Pair, checked_pair, wait_until
+from tests.transfer.test_transfer_local import Pair, cancel_pull, checked_pair, wait_until
 from transfer.ipc import IpcExport, IpcPool, IpcUnavailable, export_pools, unexport
 from transfer.messages import ReadDone
 
@@ -377,17 +377,8 @@ def test_a_cancelled_host_read_returns_only_after_its_copy_ended(direct: Pair, m
     ticket, _ = direct.publish("c1", 8)
     dst = direct.d.allocate("c1", 8)
 
-    async def cancel_mid_copy() -> bool:
-        task = asyncio.ensure_future(direct.receiver.pull(ticket, dst, 0, 8))
-        await asyncio.sleep(0.05)
-        task.cancel()
-        await asyncio.sleep(0.05)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        return ended.is_set()
-
-    assert asyncio.run(cancel_mid_copy())
+    cancel_pull(direct.receiver, ticket, dst, 8, after_s=0.05, cancels=2)
+    assert ended.is_set()
     direct.d.free("c1")
     wait_until(lambda: "c1" in direct.p.released, timeout=2.0)  # ReadDone(ok=False), no expiry
     assert direct.sender.stats()["expired_leases"] == 0
@@ -409,14 +400,7 @@ def test_a_pull_cancelled_while_connecting_reads_nothing_afterwards(
     ticket, _ = direct.publish("c1", 8)
     dst = direct.d.allocate("c1", 8)
 
-    async def cancel_while_connecting() -> None:
-        task = asyncio.ensure_future(direct.receiver.pull(ticket, dst, 0, 8))
-        await asyncio.sleep(0.1)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-
-    asyncio.run(cancel_while_connecting())
+    cancel_pull(direct.receiver, ticket, dst, 8, after_s=0.1)
     for g, ids in dst.items():  # the caller reuses the pages
         direct.d.kv.buffers[g][ids] = 0
     wait_until(lambda: direct.receiver.stats()["failures"] == 1)  # the link came up meanwhile

@@ -18,7 +18,7 @@ import torch
 
 import transfer.sender
 from tests.transfer.conftest import MODEL, UCX_ENV, KVSide, config, specs
-from tests.transfer.test_transfer_local import Pair, wait_until
+from tests.transfer.test_transfer_local import Pair, cancel_pull, wait_until
 from transfer import KVReceiver, KVSender
 from transfer.messages import Hello, HelloReply, PullRequest, Reject, decode_message, encode_message
 from transfer.runtime import UcxRuntime
@@ -356,15 +356,7 @@ def test_a_cancelled_pull_returns_only_once_nothing_writes_its_pages() -> None:
         bystander = threading.Thread(target=pull_other)
         bystander.start()
 
-        async def cancelled() -> bool:
-            task = asyncio.ensure_future(sides.receiver.pull(ticket, dst, 0, 16))
-            await asyncio.sleep(0.3)
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-            return True
-
-        assert asyncio.run(cancelled())
+        cancel_pull(sides.receiver, ticket, dst, 16, after_s=0.3)
         assert "victim" not in [s.ticket.request_id for s in sides.receiver.sessions.values()]
         for g, ids in dst.items():  # the caller reuses the pages
             sides.d.kv.buffers[g][ids] = 0
@@ -437,15 +429,8 @@ def test_a_pull_cancelled_while_connecting_returns_at_once(pair: Pair) -> None:
         ticket = dataclasses.replace(ticket, port=silent.getsockname()[1])
         dst = pair.d.allocate("unreachable", 8)
 
-        async def cancel_while_connecting() -> int:
-            task = asyncio.ensure_future(pair.receiver.pull(ticket, dst, 0, 8))
-            await asyncio.sleep(0.2)
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-            return pair.receiver.stats()["failures"]
-
-        assert asyncio.run(cancel_while_connecting()) == 0  # the session is still connecting
+        cancel_pull(pair.receiver, ticket, dst, 8, after_s=0.2)
+        assert pair.receiver.stats()["failures"] == 0  # the session is still connecting
         wait_until(lambda: pair.receiver.stats()["failures"] == 1)  # its connect deadline
         pair.d.free("unreachable")
         wait_until(lambda: "unreachable" in pair.p.released)  # its lease expired meanwhile

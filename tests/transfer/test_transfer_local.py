@@ -3,6 +3,7 @@ byte-exact transfers, chunking, skip_pages, concurrency, and the checks that fai
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import threading
@@ -52,6 +53,21 @@ def checked_pair(cfg: TransceiverConfig, two_groups: bool = False) -> Iterator[P
 def pair() -> Iterator[Pair]:
     with checked_pair(config()) as made:
         yield made
+
+
+def cancel_pull(receiver, ticket, dst, tokens: int, after_s: float, cancels: int = 1) -> None:
+    """Await ``receiver.pull`` on a new event loop and cancel it ``cancels`` times, the first
+    after ``after_s``; returns once the cancel reached the caller, as it must (CancelledError)."""
+
+    async def run() -> None:
+        task = asyncio.ensure_future(receiver.pull(ticket, dst, 0, tokens))
+        for _ in range(cancels):
+            await asyncio.sleep(after_s)
+            task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(run())
 
 
 def wait_until(cond, timeout: float = 10.0) -> None:
