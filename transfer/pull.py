@@ -9,8 +9,9 @@
 Receives posted for a pull that fails must end before the pages may be reused: P completes those
 it will not send with empty messages when it refuses or gives up cleanly (PullError.drained; also
 when D gave up first, on D's negative ack); otherwise the link is aborted, the only way UCX cancels
-a receive (other pulls on that link fail too; the next pull reconnects). ``run`` returns only after every receive and page copy of this pull
-has ended. KV is never trimmed or padded: any mismatch fails the pull.
+a receive (other pulls on that link fail too; the next pull reconnects). ``run`` returns only
+after every receive and page copy of this pull has ended, and so does a cancelled ``pull``
+(receiver.py; ``quiet``). KV is never trimmed or padded: any mismatch fails the pull.
 
 On a direct link (D opened P's pools, ipc.py) a ticket with a lease board slot is read by D itself
 instead (direct_read.py); this session then only connects.
@@ -75,7 +76,7 @@ class PullSession:
         self._rejected = False  # P rejected a message of ours: it will not answer a negative ack
         self._failed = False
         self._cancelled = False
-        self._reading = False  # a direct read of this session's runs
+        self._reading = False  # this session runs a direct read
         # Done once nothing of this pull can write the caller's pages any more: when ``run``
         # ends, or at a cancel that came before any receive was posted (any thread may wait).
         self.quiet: concurrent.futures.Future[None] = concurrent.futures.Future()
@@ -103,7 +104,9 @@ class PullSession:
         try:
             src = source_pages(self.ticket, self.r.page_table, self.dst, self.skip)
             self.link = await self.r.link_for(self.ticket)
-            if self._cancelled:  # (``cancel`` may have called the pull quiet: nothing may start)
+            # ``cancel`` may have called the pull quiet while we connected: start nothing now.
+            # (No await from here to the first receive: a later cancel sees it posted.)
+            if self._cancelled:
                 raise PullFailed("the pull was cancelled")  # (the negative ack frees P's pages)
             read = self.r.direct_read(self.link, self.ticket, self.dst, self.skip, self.expected)
             if read is not None:
@@ -112,8 +115,6 @@ class PullSession:
                 return await read.run()
             self.link.add_close_listener(self._on_closed)
             self.r.sessions[self.pull_id] = self
-            if self._cancelled:
-                raise PullFailed("the pull was cancelled")
             check_declared(self.ticket.declared_prompt_len, self.expected)
             try:
                 self.plan = build_plan(
