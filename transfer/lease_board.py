@@ -16,9 +16,11 @@ making, mapping and clean-up after killed workers are transfer/shared_file.py's.
 
 Memory order: P writes the fields, then the word, under a lock; D reads the word, the fields, and
 the word again (a torn read counts as "not live"), and its post-copy check reads the word after the
-copy's event has completed. That relies on stores becoming visible in order, as on x86-64 (TSO);
-on weakly ordered hosts a torn read only fails a pull, and reuse stays safe because P retires the
-slot before the worker frees the pages through locks and queues.
+copy has ended (its CUDA event, or the copy call's return). That relies on x86-64's ordering
+(TSO): stores become visible in order, and D's read of the word is not moved before the copy's
+reads of the pages. A weakly ordered host (aarch64) would need a fence on both sides, which this
+Python code does not issue: there a torn read only fails a pull, but the post-copy check is not
+proven to catch a page reused while the copy read it.
 """
 
 from __future__ import annotations
