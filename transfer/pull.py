@@ -139,6 +139,11 @@ class PullSession:
             return self._result(
                 start, ok=False, error=f"connection to the prefill worker failed: {e}"
             )
+        except Exception as e:  # a bug, or a device error: end the receives and tell P all the same
+            log.exception("pull of %s failed unexpectedly", rid)
+            error = f"internal error: {e!r}"
+            await self._clean_up(error)
+            return self._result(start, ok=False, error=error)
         except asyncio.CancelledError:  # our task itself was cancelled: clean up all the same
             await outlast_cancels(asyncio.ensure_future(self._clean_up("the pull was cancelled")))
             self._result(start, ok=False, error="the pull was cancelled")
@@ -304,7 +309,9 @@ class PullSession:
             await settle(self._recvs, cfg.chunk_deadline_s)  # P is completing them
         if any(not t.done() for t in self._recvs) and link is not None:
             link.abort(f"pull of {rid} failed with receives posted: {reason}")
-        if not await settle(self._recvs, cfg.chunk_deadline_s):
+        # An aborted receive ends at once, but its page copy may wait for the copy thread, and
+        # the pages are the caller's once we return: wait long before giving up on it.
+        if not await settle(self._recvs, 4 * cfg.chunk_deadline_s):
             log.error("receives of %s did not end after the link was aborted", rid)
         log.warning("pull of %s failed: %s", rid, reason)
 

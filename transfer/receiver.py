@@ -132,7 +132,7 @@ class KVReceiver(TransceiverSide):
         """The longest a pull takes to end after a cancel: a connect, or its failure's steps."""
         cfg = self.config
         waits = max(cfg.connect_deadline_s, cfg.pull_deadline_s) + cfg.done_deadline_s
-        return waits + 4 * cfg.chunk_deadline_s + 5.0
+        return waits + 7 * cfg.chunk_deadline_s + 5.0  # (_clean_up: a feeder, an answer, receives)
 
     def pull_blocking(
         self,
@@ -262,6 +262,9 @@ class KVReceiver(TransceiverSide):
 
     def _keep(self, key: tuple[str, int], link: PeerLink) -> PeerLink:
         """Cache ``link`` as the one to ``key`` and start reading its messages."""
+        if self._closed:  # made by a pull that was connecting while we closed: nobody closes it
+            link.abort("receiver closed")
+            raise PullFailed("the receiver is closed")
         self._links[key] = link
 
         def closed(_reason: str) -> None:

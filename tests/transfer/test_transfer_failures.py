@@ -16,6 +16,8 @@ import msgpack
 import pytest
 import torch
 
+import transfer.pull
+import transfer.receiver
 import transfer.sender
 from tests.transfer.conftest import MODEL, UCX_ENV, KVSide, config, specs
 from tests.transfer.test_transfer_local import Pair, cancel_pull, wait_until
@@ -460,3 +462,52 @@ def test_stale_tickets_of_one_instance_cost_one_probe(pair: Pair, monkeypatch) -
         assert pair.sender.cancel(f"old{i}")
     assert connects == [False]  # one bare probe, no pools opened
     pull_next_ok(pair, "after-stale")
+
+
+def test_an_unexpected_error_after_receives_are_posted_still_ends_them(monkeypatch) -> None:
+    """A bug or a device error in the middle of a pull fails that pull like any failure: its
+    receives end (D's staging buffers come back), P is told, and the next pull works."""
+    sides = Sides(config(zero_copy=False), config(zero_copy=False))
+
+    def broken(self, ready):
+        raise RuntimeError("boom")
+
+    try:
+        ticket = sides.sender.publish("victim", sides.p.allocate("victim", 16), 16)
+        with monkeypatch.context() as patch:
+            patch.setattr(transfer.pull.PullSession, "_pull_request", broken)
+            result = sides.receiver.pull_blocking(ticket, sides.d.allocate("victim", 16), 0, 16)
+        assert not result.ok and "internal error" in result.error and "boom" in result.error
+        assert sides.receiver.staging.in_use == 0
+        sides.d.free("victim")
+        wait_until(lambda: "victim" in sides.p.released, timeout=2.0)  # the negative ack
+        ticket = sides.sender.publish("next", sides.p.allocate("next", 16), 16)
+        dst = sides.d.allocate("next", 16)
+        assert sides.receiver.pull_blocking(ticket, dst, 0, 16).ok
+        sides.d.free("next")
+        wait_until(lambda: "next" in sides.p.released)
+    finally:
+        sides.close()
+
+
+def test_a_link_a_cancelled_pull_makes_after_close_is_not_kept(monkeypatch) -> None:
+    """close() aborts the links it has; a pull cancelled while connecting may finish its
+    handshake afterwards, and that link must not outlive the receiver."""
+    real_connect = transfer.receiver.connect
+
+    async def slow_connect(*args, **kwargs):
+        await asyncio.sleep(0.5)
+        return await real_connect(*args, **kwargs)
+
+    monkeypatch.setattr(transfer.receiver, "connect", slow_connect)
+    pair = Pair(config())
+    try:
+        ticket, _ = pair.publish("c1", 8)
+        dst = pair.d.allocate("c1", 8)
+        cancel_pull(pair.receiver, ticket, dst, 8, after_s=0.1)
+        pair.receiver.close()
+        wait_until(lambda: pair.sender.stats()["peers"] == 0)
+        assert not pair.receiver._links
+        pair.d.free("c1")
+    finally:
+        pair.sender.close()
