@@ -8,7 +8,9 @@ completed and D has acked, or at the ack deadline. Every wait is bounded by chun
 
 On failure: with sends in flight the link is aborted (UCX cancels them) and the pages are released
 only after every send has ended; without, the credited chunks that will never be sent are completed
-with empty messages ("drained") so D's receives end without tearing the link down. A drained
+with empty messages ("drained") so D's receives end without tearing the link down. When D failed
+the pull first (its negative ack), D ignores every byte of it: chunks not yet handed to UCX then go
+as empty messages, posted sends may finish, and the link stays up. A drained
 receive looks like data to D (ucxx does not report a short message), so a chunk is drained only
 while TransferDone is unsent: D completes a pull only after TransferDone, and the PullError that
 follows the drain fails it instead.
@@ -66,6 +68,9 @@ class ServeSession:
         self._io_started: set[int] = set()  # chunks whose copy/send began (not cancellable)
         self._acked: tuple[bool, str] | None = None
         self._failing = False  # credits from now on are completed empty at once
+        # D failed the pull first (its negative ack): D ignores every byte of it from then on,
+        # so a chunk whose send is not posted yet goes as an empty message instead.
+        self._d_gave_up = False
         # On CPU (TCP) sends go one at a time, in credit order: concurrent messages share the wire
         # and all end together, so D's scatters would run after the last byte instead of under the
         # next chunk. Between GPUs (cuda_ipc) concurrent messages overlap their rendezvous latency.
@@ -135,6 +140,7 @@ class ServeSession:
                 raise ServeFailed(f"sending chunk {value[0]} failed: {value[1]}")
             elif kind == "ack":
                 if not value[0]:
+                    self._d_gave_up = True
                     raise ServeFailed(f"decode side gave up: {value[1]}")
                 self._acked = value
             elif kind == "closed":
@@ -167,7 +173,10 @@ class ServeSession:
                 self._started(chunk.index)
                 async with self._send_slot:
                     await self.link.send_data(
-                        pool_region(s.rows[frag.src_pool], frag.src_offset, frag.nbytes), tag
+                        self._payload(
+                            pool_region(s.rows[frag.src_pool], frag.src_offset, frag.nbytes)
+                        ),
+                        tag,
                     )
             else:
                 buf = await s.staging.acquire()  # the only cancellable wait of this task
@@ -176,12 +185,17 @@ class ServeSession:
                     staged = buf[: chunk.nbytes]
                     await s.runtime.copy(gather_chunk, chunk, s.rows, staged)
                     async with self._send_slot:
-                        await self.link.send_data(staged, tag)
+                        await self.link.send_data(self._payload(staged), tag)
                 finally:
                     s.staging.release(buf)
             self.events.put_nowait(("sent", chunk.index))
         except Exception as e:
             self.events.put_nowait(("send_failed", (chunk.index, e)))
+
+    def _payload(self, data: torch.Tensor) -> torch.Tensor:
+        """What a chunk's send carries: its bytes, or nothing once D has given up (see
+        ``_d_gave_up``; D's receive must still end)."""
+        return _EMPTY if self._d_gave_up else data
 
     def _started(self, index: int) -> None:
         """From here on chunk ``index`` is never drained (nor its task cancelled)."""
@@ -199,10 +213,13 @@ class ServeSession:
             if kind == "credit":
                 unsent += self._ungranted(value)
         in_flight = [i for i, t in self._tasks.items() if not t.done() and i in self._io_started]
-        if in_flight or self.link.closed:
+        if self.link.closed or (in_flight and not self._d_gave_up):
             # The only way to stop UCX reading the pages / staging buffers: cancel its requests.
             self.link.abort(f"serving {rid} failed: {reason}")
         settled = await settle(list(self._tasks.values()), cfg.chunk_deadline_s)
+        if not settled and not self.link.closed:  # D gave up, but a send did not end
+            self.link.abort(f"serving {rid} failed: {reason}; a send did not end")
+            settled = await settle(list(self._tasks.values()), cfg.chunk_deadline_s)
         if settled:
             self.sender.leases.release(rid, f"failed: {reason}", force=True)
         else:

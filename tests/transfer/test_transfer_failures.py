@@ -19,6 +19,7 @@ import torch
 import transfer.pull
 import transfer.receiver
 import transfer.sender
+import transfer.serve
 from tests.transfer.conftest import MODEL, UCX_ENV, KVSide, config, specs
 from tests.transfer.test_transfer_local import Pair, cancel_pull, wait_until
 from transfer import KVReceiver, KVSender
@@ -511,3 +512,42 @@ def test_a_link_a_cancelled_pull_makes_after_close_is_not_kept(monkeypatch) -> N
         pair.d.free("c1")
     finally:
         pair.sender.close()
+
+
+def test_a_pull_d_gives_up_while_p_gathers_costs_no_link(monkeypatch) -> None:
+    """D cancels while P still copies a chunk into staging (nothing of it handed to UCX yet): P
+    sends that chunk empty and ends the pull without aborting the link, so another pull on it
+    goes on."""
+    real_gather = transfer.serve.gather_chunk
+    gathers = []
+
+    def slow_first_gather(*args):
+        gathers.append(1)
+        if len(gathers) == 1:
+            time.sleep(0.6)  # the victim's first chunk, still being copied at the cancel
+        return real_gather(*args)
+
+    monkeypatch.setattr(transfer.serve, "gather_chunk", slow_first_gather)
+    sides = Sides(config(zero_copy=False, staging_buffers=1), config(zero_copy=False))
+    try:
+        ticket = sides.sender.publish("victim", sides.p.allocate("victim", 16), 16)
+        dst = sides.d.allocate("victim", 16)
+        other = sides.sender.publish("other", sides.p.allocate("other", 8), 8)
+        other_dst = sides.d.allocate("other", 8)
+        results = {}
+
+        def pull_other() -> None:
+            time.sleep(0.1)
+            results["other"] = sides.receiver.pull_blocking(other, other_dst, 0, 8)
+
+        bystander = threading.Thread(target=pull_other)
+        bystander.start()
+        cancel_pull(sides.receiver, ticket, dst, 16, after_s=0.3)
+        bystander.join(30)
+        assert results["other"].ok, results["other"].error
+        assert sides.receiver.stats()["reconnects"] == 0
+        sides.d.free("victim")
+        sides.d.free("other")
+        wait_until(lambda: {"victim", "other"} <= set(sides.p.released))
+    finally:
+        sides.close()
