@@ -187,7 +187,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         load.join(10)
     runtime.run(send_stop(raw_ep), timeout=30)
     conn.send(("stop",))
-    conn.recv()
+    prefill_stats = conn.recv()
     child.join(60)
     raw_ep.abort()
     if direct is not None:
@@ -200,6 +200,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "page_bytes": spec.page_bytes,
         "staging_tokens": args.staging_tokens,
         "staging_buffers": args.staging_buffers,
+        "prestage": args.prestage,
+        "prefill_stats": prefill_stats,
         "progress_mode": resolve_progress_mode(
             args.progress_mode, args.device == "cuda", direct_first
         ),
@@ -355,6 +357,12 @@ def main() -> None:
     parser.add_argument("--progress-mode", choices=list(PROGRESS_MODES), default="auto")
     parser.add_argument("--proto-info", action="store_true", help="set UCX_PROTO_INFO=y")
     parser.add_argument("--staging-buffers", type=int, default=4)
+    parser.add_argument(
+        "--prestage",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="P gathers each request's first chunk at publish time (transfer/prestage.py)",
+    )
     parser.add_argument("--layouts", nargs="+", default=["contiguous", "scattered"])
     parser.add_argument(
         "--paths",

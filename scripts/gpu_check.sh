@@ -10,6 +10,9 @@
 #             same next to a thread that runs Python nonstop
 #   cpuhost   the CPU benchmark (host pools, both paths) on this host's cores, CPU_RUNS times
 #             (default 3): the staged UCX path where copies do not compete with UCX for 2 cores
+#   cpuab     the CPU benchmark's staged UCX path (scattered pages, 16-256 MiB) on this host's cores,
+#             alternating chunk sizes (CPU_TOKENS, default "1024 512") and prestaging on / off,
+#             CPU_RUNS rounds (default 2)
 #   probe     scripts/probe_read_path.py: host cost of each launch step, device time of copy variants
 #   profile   scripts/profile_direct_read.py: where the time of a direct read goes, per phase
 #   cluster   scripts/gpu_cluster_check.py: 1P1D vs aggregated tokens, transfer path and figures
@@ -40,6 +43,18 @@ for step in ${STEPS:-tests transfer cluster bench}; do
       for run in $(seq "${CPU_RUNS:-3}"); do
         python scripts/bench_transfer.py --device cpu --repeats 9 \
           --out "$OUT/transfer_cpu_host_run$run.json" 2>&1 | tee -a "$OUT/transfer_cpu_host.log" | tail -10
+      done ;;
+    cpuab)
+      for run in $(seq "${CPU_RUNS:-2}"); do
+        for tokens in ${CPU_TOKENS:-1024 512}; do
+          for pre in prestage no-prestage; do
+            echo "run $run, $tokens tokens a chunk, --$pre" | tee -a "$OUT/transfer_cpu_ab.log"
+            python scripts/bench_transfer.py --device cpu --paths ucx --layouts scattered \
+              --min-mib 16 --max-mib 256 --repeats 9 --staging-tokens "$tokens" --$pre \
+              --out "$OUT/transfer_cpu_ab_${tokens}_${pre}_run$run.json" 2>&1 \
+              | tee -a "$OUT/transfer_cpu_ab.log" | tail -5
+          done
+        done
       done ;;
     probe)
       python scripts/probe_read_path.py 2>&1 | tee "$OUT/probe_read_path.log" | tail -40 ;;

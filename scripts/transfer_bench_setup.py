@@ -54,6 +54,7 @@ def config(args: argparse.Namespace, direct_copy: bool = True) -> TransceiverCon
         staging_buffers=args.staging_buffers,
         progress_mode=args.progress_mode,
         direct_copy=direct_copy,
+        prestage=getattr(args, "prestage", True),
         lease_s=120,
         pull_deadline_s=60,
         chunk_deadline_s=60,
@@ -102,8 +103,9 @@ def prefill_main(conn: Any, args: argparse.Namespace) -> None:
             conn.send("pong")
         elif cmd == "stop":
             raw_task.result(timeout=60)
+            stats = sender.stats()
             sender.close()
-            conn.send("stopped")
+            conn.send(stats)
             return
 
 

@@ -30,6 +30,10 @@ class TransceiverConfig:
     staging_buffers: int = 4
     """Staging buffers per side, shared by concurrent transfers; made on first use. Also the number
     of staged chunks one transfer can have in flight."""
+    prestage: bool = True
+    """While some decode worker pulls from this prefill worker over UCX, gather each published
+    request's first staged chunk at publish time (transfer/prestage.py): the pull then starts
+    sending at once instead of after a copy. Holds at most half of the staging buffers."""
     zero_copy: bool = True
     """Send / receive a chunk that is one page run on both sides straight from / into the pool,
     without a staging copy. (Runs longer than a staging buffer always go straight.)"""

@@ -47,6 +47,7 @@ from transfer.messages import (
 )
 from transfer.peer import PeerLink, accept
 from transfer.plan import build_plan
+from transfer.prestage import Prestager
 from transfer.read_ends import ReadEnds
 from transfer.serve import ServeSession, drain, settle
 from transfer.side import TransceiverSide
@@ -85,6 +86,7 @@ class KVSender(TransceiverSide):
         # such receive must be completed, or D waits for it and then aborts the link.
         self._ended: collections.OrderedDict[tuple[PeerLink, int], int] = collections.OrderedDict()
         self._session_tasks: set[asyncio.Task] = set()
+        self._ucx_pullers: set[PeerLink] = set()  # links that sent a PullRequest (prestage.py)
         self.board: LeaseBoard | None = None
         self._export: IpcExport | None = None
         try:
@@ -133,9 +135,21 @@ class KVSender(TransceiverSide):
                 board.retire(lease.slot, lease.gen)
         finally:  # the pages go back whatever happened to the board
             self._release(lease.request_id)
+            if self.config.prestage:  # (always: an offer may be queued behind this release)
+                self._on_loop(self.prestage.drop, lease.request_id)
+
+    def _on_loop(self, fn: Callable[..., None], *args: Any) -> None:
+        if self.runtime.on_loop():
+            fn(*args)
+        else:
+            try:
+                self.runtime.call_soon(fn, *args)
+            except RuntimeError:  # the loop is gone (closing): so are the staging buffers
+                pass
 
     async def _start(self) -> tuple[str, int]:
         self.staging = self._make_staging()
+        self.prestage = Prestager(self)
         self._server = await asyncio.start_server(
             self._on_connect, self.config.host, self.config.port
         )
@@ -176,6 +190,8 @@ class KVSender(TransceiverSide):
             if board is not None and slot >= 0:
                 board.retire(slot, gen)
             raise
+        if self.config.prestage and self._ucx_pullers:
+            self._on_loop(self.prestage.offer, request_id, pages)
         return TransferTicket(
             request_id=request_id,
             host=self.host,
@@ -213,6 +229,7 @@ class KVSender(TransceiverSide):
         for link in list(self._links):
             link.abort("sender closing")
         await settle(list(self._session_tasks), self.config.chunk_deadline_s)
+        await self.prestage.close(self.config.chunk_deadline_s)
         await self._server.wait_closed()
 
     # ---- loop side ----
@@ -247,6 +264,8 @@ class KVSender(TransceiverSide):
 
     def _on_message(self, link: PeerLink, msg: Message) -> None:
         if isinstance(msg, PullRequest):
+            if not link.closed:
+                self._ucx_pullers.add(link)
             self._start_serving(link, msg)
         elif isinstance(msg, ChunkReady):
             session = self._sessions.get(msg.pull_id)
@@ -299,6 +318,7 @@ class KVSender(TransceiverSide):
 
     def _forget(self, link: PeerLink) -> None:
         self._links.discard(link)
+        self._ucx_pullers.discard(link)
         for key in [k for k in self._ended if k[0] is link]:
             del self._ended[key]
 

@@ -75,6 +75,10 @@ class ServeSession:
         # and all end together, so D's scatters would run after the last byte instead of under the
         # next chunk. Between GPUs (cuda_ipc) concurrent messages overlap their rendezvous latency.
         self._send_slot = asyncio.Semaphore(self.plan.num_chunks if sender.rows_on_gpu else 1)
+        # Chunk 0 gathered at publish time (prestage.py), if it is this plan's chunk 0.
+        self._prestaged = (
+            sender.prestage.take(req.request_id, plan.chunks[0]) if plan.chunks else None
+        )
         self._on_closed = lambda reason: self.events.put_nowait(("closed", reason))
 
     def credit(self, chunks: list[int]) -> None:
@@ -108,6 +112,8 @@ class ServeSession:
             await self._fail(str(e), start)
         finally:
             self.link.remove_close_listener(self._on_closed)
+            if self._prestaged is not None:  # chunk 0 was never sent
+                self.sender.prestage.give_back(self._prestaged)
 
     async def _serve(self) -> None:
         cfg, n = self.sender.config, self.plan.num_chunks
@@ -179,15 +185,25 @@ class ServeSession:
                         tag,
                     )
             else:
-                buf = await s.staging.acquire()  # the only cancellable wait of this task
+                pre = None
+                if chunk.index == 0:
+                    pre, self._prestaged = self._prestaged, None
+                # (acquire: the only cancellable wait of this task)
+                buf = pre.buf if pre is not None else await s.staging.acquire()
                 self._started(chunk.index)
                 try:
                     staged = buf[: chunk.nbytes]
-                    await s.runtime.copy(gather_chunk, chunk, s.rows, staged)
+                    if pre is None or not await pre.ready():
+                        await s.runtime.copy(gather_chunk, chunk, s.rows, staged)
+                    else:
+                        s.book.counters.prestaged_chunks += 1
                     async with self._send_slot:
                         await self.link.send_data(self._payload(staged), tag)
                 finally:
-                    s.staging.release(buf)
+                    if pre is not None:
+                        s.prestage.give_back(pre)
+                    else:
+                        s.staging.release(buf)
             self.events.put_nowait(("sent", chunk.index))
         except Exception as e:
             self.events.put_nowait(("send_failed", (chunk.index, e)))

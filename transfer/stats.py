@@ -61,6 +61,7 @@ class TransferCounters:
     rejected_messages: int = 0
     refused_peers: int = 0
     reconnects: int = 0
+    prestaged_chunks: int = 0  # P: first chunks sent as gathered at publish (prestage.py)
 
 
 @dataclass

@@ -1,0 +1,146 @@
+"""Prestager: the prefill side gathers a published request's first staged chunk before D asks.
+
+Without it, a UCX pull's first chunk is gathered only once the PullRequest has arrived, and nothing
+hides that copy: the wire stays idle until it ends (1-2.5 ms of a 16 MiB pull on the CPU,
+docs/benchmarks/transfer.md). The plan's chunk 0 holds the first bytes of the ticket's pages in
+stream order whatever D's pages are (plan.py: fragments in pool then page order, cut in order), so
+P can gather them at publish time, while the ticket travels to the decode worker. The serving
+session sends that buffer when its chunk 0 is exactly those source bytes, compared range by range,
+and gathers as usual otherwise (D skips cached pages, a run long enough to go straight, another
+chunk size).
+
+It runs only while some peer pulls over UCX (a decode worker that reads P's pools directly never
+needs it), and holds at most half of the staging buffers, so serving pulls keep the other half. A
+buffer goes back once its gather has ended: when the session has sent it, when the lease ends
+(direct read, expiry, cancel) or at close. Loop thread only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from transfer.leases import LeaseState
+from transfer.mapper import MapperError, map_pages
+from transfer.plan import Chunk, chunk_fragments
+from transfer.staging import gather_chunk
+
+if TYPE_CHECKING:
+    from transfer.sender import KVSender
+
+log = logging.getLogger(__name__)
+
+Ranges = tuple[tuple[str, int, int], ...]  # (source pool, byte offset, bytes), merged
+
+
+@dataclass
+class Prestaged:
+    buf: torch.Tensor
+    ranges: Ranges
+    nbytes: int
+    gather: asyncio.Future[None]  # never cancelled: its end means the copy thread is done with buf
+
+    async def ready(self) -> bool:
+        """Wait for the gather; False if it failed (the caller then gathers itself)."""
+        try:
+            await asyncio.shield(self.gather)
+        except Exception:
+            log.warning("prestaging a chunk failed; it is gathered again", exc_info=True)
+            return False
+        return True
+
+
+def source_ranges(chunk: Chunk) -> Ranges:
+    """The chunk's source bytes in wire order, adjacent runs merged: two chunks with the same
+    ranges put the same bytes in a staging buffer."""
+    out: list[list] = []
+    for f in chunk.fragments:
+        last = out[-1] if out else None
+        if last is not None and last[0] == f.src_pool and last[1] + last[2] == f.src_offset:
+            last[2] += f.nbytes
+        else:
+            out.append([f.src_pool, f.src_offset, f.nbytes])
+    return tuple((pool, offset, nbytes) for pool, offset, nbytes in out)
+
+
+class Prestager:
+    def __init__(self, sender: KVSender) -> None:
+        self.s = sender
+        self.limit = sender.staging.max_buffers // 2
+        self._held: dict[str, Prestaged] = {}
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def offer(self, request_id: str, pages: Mapping[str, Sequence[int]]) -> None:
+        """Gather ``request_id``'s first chunk now, if it is still waiting for its pull, needs
+        staging, and a buffer is to spare."""
+        s = self.s
+        lease = s.leases.get(request_id)
+        if (
+            request_id in self._held
+            or len(self._held) >= self.limit
+            or lease is None
+            or lease.state is not LeaseState.PUBLISHED
+            or lease.page_ids != pages
+        ):
+            return
+        chunk = self._first_chunk(pages)
+        if chunk is None or chunk.direct(s.config.zero_copy, s.staging.buffer_bytes):
+            return
+        buf = s.staging.try_acquire()
+        if buf is None:
+            return
+        gather = asyncio.ensure_future(
+            s.runtime.copy(gather_chunk, chunk, s.rows, buf[: chunk.nbytes])
+        )
+        self._held[request_id] = Prestaged(buf, source_ranges(chunk), chunk.nbytes, gather)
+
+    def _first_chunk(self, pages: Mapping[str, Sequence[int]]) -> Chunk | None:
+        """Chunk 0 of a plan from these pages to any others: only the first pages of each pool
+        can be in it, so only those are mapped (onto themselves)."""
+        table, size = self.s.page_table, self.s.chunk_bytes
+        head = {p.name: list(pages[p.name][: size // p.page_bytes + 1]) for p in table.pools}
+        try:
+            fragments = map_pages(table, table, head, head)
+            plan = chunk_fragments(fragments, size, {p.name: p.page_bytes for p in table.pools})
+        except (MapperError, ValueError):
+            return None  # the pull will say what is wrong with these pages
+        return plan.chunks[0] if plan.chunks else None
+
+    def take(self, request_id: str, chunk: Chunk) -> Prestaged | None:
+        """The buffer prestaged for ``request_id`` if it holds ``chunk``'s bytes; any other buffer
+        of that request goes back. The caller gives the one it got back with ``give_back``."""
+        held = self._held.pop(request_id, None)
+        if held is None:
+            return None
+        if held.nbytes == chunk.nbytes and held.ranges == source_ranges(chunk):
+            return held
+        self.give_back(held)
+        return None
+
+    def drop(self, request_id: str) -> None:
+        """The lease ended: its buffer goes back (once its gather has ended)."""
+        held = self._held.pop(request_id, None)
+        if held is not None:
+            self.give_back(held)
+
+    def give_back(self, held: Prestaged) -> None:
+        if held.gather.done():
+            self.s.staging.release(held.buf)
+        else:
+            held.gather.add_done_callback(lambda _: self.s.staging.release(held.buf))
+
+    async def close(self, timeout: float) -> None:
+        """Every buffer back, once the gathers in flight have ended (at most ``timeout``)."""
+        held, self._held = list(self._held.values()), {}
+        pending = [h.gather for h in held if not h.gather.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=timeout)
+        for h in held:
+            self.give_back(h)
