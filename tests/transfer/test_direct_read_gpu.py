@@ -1,7 +1,7 @@
 """Direct reads over CUDA IPC between two processes (two GPUs when there are two): D opens P's pools
 and lease board from the handshake and reads P's pages with one kernel; the bytes arrive exact, P
 gets its pages back on ReadDone, a lease P has ended is refused by D from the board alone, and
-with direct_copy off the same pulls go through UCX.
+with direct_copy off the same pulls go through UCX (first chunks prestaged on the GPU).
 
 Both workers run in spawned processes: the UCX context of this test process is a CPU one
 (tests/transfer/conftest.py)."""
@@ -74,6 +74,8 @@ def prefill_proc(conn: Connection, device: str, direct: bool) -> None:
             conn.send(sender.cancel(args[0]))
         elif cmd == "state":
             conn.send((list(released), [s.path for s in sender.drain_transfer_stats()]))
+        elif cmd == "prestaged":
+            conn.send(sender.stats()["prestaged_chunks"])
         elif cmd == "close":
             sender.close()
             conn.send("closed")
@@ -167,6 +169,8 @@ def test_scattered_pages_arrive_exact_between_gpus(direct: bool) -> None:
             released, paths = more, paths + new_paths
         assert len(released) == 11  # every pull acked: P has all its pages back
         assert set(paths) == {"cuda_ipc" if direct else "ucx"}
+        # Over UCX, P gathered first chunks at publish time once D had pulled (prestage.py).
+        assert (p.ask("prestaged") > 0) != direct
         # A lease P ended (cancelled here) is refused; D knows it from the board (direct) or
         # from P's answer (UCX), and its pages are untouched either way.
         ticket, _ = p.ask("publish", "gone", 5)
