@@ -55,8 +55,14 @@ class ControlChannel:
         """Write one message; raises ChannelClosed if the connection is gone or the write stalls."""
         if self.closed:
             raise ChannelClosed(f"{self.name}: {self.closed_reason}")
+        if self.writer.is_closing():
+            self.close("connection lost")
+            raise ChannelClosed(f"{self.name}: {self.closed_reason}")
         data = encode_message(msg)
         self.writer.write(_HEADER.pack(len(data)) + data)
+        transport = self.writer.transport
+        if transport.get_write_buffer_size() <= transport.get_write_buffer_limits()[1]:
+            return  # not paused: drain() would return at once, after wait_for's extra task
         try:
             await asyncio.wait_for(self.writer.drain(), timeout)
         except asyncio.TimeoutError:

@@ -26,6 +26,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from transfer.copy_wait import outlast_cancels
+from transfer.deadline import next_item
 from transfer.mapper import MapperError
 from transfer.messages import (
     ChunkReady,
@@ -218,7 +219,7 @@ class PullSession:
     async def _next(self, what: str, timeout: float) -> Any:
         """The next event: "chunk", or a message from P; raises PullFailed for failures."""
         try:
-            kind, value = await asyncio.wait_for(self.events.get(), timeout)
+            kind, value = await next_item(self.events, timeout)
         except asyncio.TimeoutError:
             raise PullFailed(f"timed out after {timeout}s waiting for {what}") from None
         if kind == "cancelled":
@@ -325,7 +326,7 @@ class PullSession:
         deadline = loop.time() + timeout
         while any(not t.done() for t in self._recvs):
             try:
-                kind, value = await asyncio.wait_for(self.events.get(), deadline - loop.time())
+                kind, value = await next_item(self.events, deadline - loop.time())
             except asyncio.TimeoutError:
                 return
             if kind == "closed":

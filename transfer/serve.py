@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from transfer.deadline import next_item
 from transfer.messages import PullError, PullRequest, TransferDone, data_tag
 from transfer.peer import PeerLink
 from transfer.plan import Chunk, TransferPlan
@@ -129,7 +130,7 @@ class ServeSession:
             if sent == n:
                 return
             try:
-                kind, value = await asyncio.wait_for(self.events.get(), cfg.chunk_deadline_s)
+                kind, value = await next_item(self.events, cfg.chunk_deadline_s)
             except asyncio.TimeoutError:
                 raise ServeFailed(
                     f"no progress for {cfg.chunk_deadline_s}s (chunk_deadline_s) with {sent}/{n} chunks sent"
