@@ -192,7 +192,7 @@ def main() -> None:
             if not cli.kernel_time:  # (its copies would be counted as the next pulls')
                 print(f"      the same launch, hot: {hot_launch(receiver, ticket, dst):.1f} us")
     # The same plan, hot: this pull's own tables and ids, back to back in this process.
-    link = next(iter(receiver._links.values()))
+    link = next(iter(receiver.links.open.values()))
     src_ids = {"full": np.asarray(ticket.page_ids["full"], dtype=np.int64)}
     dst_ids = {"full": np.asarray(dst, dtype=np.int64)}
     times = []
@@ -213,7 +213,7 @@ def hot_launch(receiver, ticket, dst) -> float:
     """Host time of DirectCopier.start_pages for the last pull's pages, called back to back (each
     copy waited for outside the timing, so every call finds a free slot)."""
     copier = receiver.direct_copier
-    link = next(iter(receiver._links.values()))
+    link = next(iter(receiver.links.open.values()))
     times = []
     for _ in range(50):
         start = time.perf_counter()

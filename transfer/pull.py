@@ -104,7 +104,7 @@ class PullSession:
         start, rid = time.perf_counter(), self.ticket.request_id
         try:
             src = source_pages(self.ticket, self.r.page_table, self.dst, self.skip)
-            self.link = await self.r.link_for(self.ticket)
+            self.link = await self.r.links.link_for(self.ticket)
             # ``cancel`` may have called the pull quiet while we connected: start nothing now.
             # (No await from here to the first receive: a later cancel sees it posted.)
             if self._cancelled:

@@ -12,8 +12,7 @@ the model's stream wait for it). It never raises for transfer problems: they are
 TransferResult.
 
 One control connection and one UCX endpoint per prefill worker are cached and shared by concurrent
-pulls; a closed link, or a ticket from another instance of the worker at that address (it
-restarted), makes the next pull connect again.
+pulls (links.py).
 
 With ``direct_copy``, a link to a prefill worker whose pools open here (the same process, CUDA IPC
 or shared host memory on the same host) reads every ticket with a lease board slot directly
@@ -38,21 +37,17 @@ from transfer.config import TransceiverConfig
 from transfer.copy_wait import outlast_cancels
 from transfer.direct_copy import DirectCopier, slot_capacity
 from transfer.direct_read import DirectRead
-from transfer.done_board import DoneBoard, DoneBoardUnavailable
-from transfer.ipc import IpcExport, IpcUnavailable, host_identity, open_pools, warm_up
-from transfer.lease_board import BoardUnavailable, LeaseBoardView
+from transfer.ipc import warm_up
+from transfer.links import PeerLinks
 from transfer.messages import (
-    Hello,
-    HelloReply,
     Message,
     PullError,
     Reject,
     TransferDone,
     TransferTicket,
 )
-from transfer.peer import DirectAccess, PeerLink, PeerRefused, connect
+from transfer.peer import PeerLink
 from transfer.pull import PullSession
-from transfer.pull_checks import PullFailed
 from transfer.serve import settle
 from transfer.side import TransceiverSide
 from transfer.stats import TransferResult
@@ -71,13 +66,9 @@ class KVReceiver(TransceiverSide):
         """See TransceiverSide (transfer/side.py) for the arguments."""
         super().__init__(buffers, specs, model, config)
         self.sessions: dict[int, PullSession] = {}
-        self._links: dict[tuple[str, int], PeerLink] = {}
-        self._connecting: dict[tuple[str, int], asyncio.Lock] = {}
-        self._ever_connected: set[tuple[str, int]] = set()
-        # (address, the instance there) -> instances whose tickets a probe found stale
-        self._stale: dict[tuple[tuple[str, int], str], set[str]] = {}
+        self.links = PeerLinks(self, self._on_message)
         self._tasks: set[asyncio.Future] = set()
-        self._closed = False
+        self.closed = False
         self._reads_lock = threading.Lock()
         self._reads_in_flight = 0
         # Launches the copies of direct reads on our GPU (None on the CPU, where they are plain
@@ -167,9 +158,9 @@ class KVReceiver(TransceiverSide):
         self, ticket: TransferTicket, dst: Mapping[str, Sequence[int]], skip: int, expected: int
     ) -> DirectRead | None:
         """A direct read over an existing link, run without the transceiver's loop."""
-        if self._closed:
+        if self.closed:
             raise RuntimeError("KVReceiver is closed")
-        link = self._links.get((ticket.host, ticket.port))
+        link = self.links.open.get((ticket.host, ticket.port))
         if link is None or link.info.instance_id != ticket.instance_id:
             return None  # first contact, or a restarted peer: the loop (re)connects
         # The ids stay as the caller gave them: the copy takes them as they are, and the checks
@@ -183,13 +174,13 @@ class KVReceiver(TransceiverSide):
     def stats(self) -> dict[str, Any]:
         return {
             **self.book.snapshot(),
-            "peers": len(self._links),
+            "peers": len(self.links.open),
             "pulls_in_flight": len(self.sessions) + self._reads_in_flight,
         }
 
     def close(self) -> None:
         """Fail pulls in flight (their pages are safe once this returns) and drop every link."""
-        self._closed = True  # no new pulls, direct or not
+        self.closed = True  # no new pulls, direct or not
         try:
             self.runtime.run(self._stop(), timeout=self.config.chunk_deadline_s * 2 + 5.0)
             deadline = time.monotonic() + self.config.chunk_deadline_s * 2
@@ -203,7 +194,7 @@ class KVReceiver(TransceiverSide):
         self, ticket: TransferTicket, dst: Mapping[str, Sequence[int]], skip: int, expected: int
     ) -> tuple[PullSession, Any]:
         """The pull's session and the future of its result, run on the loop thread."""
-        if self._closed:
+        if self.closed:
             raise RuntimeError("KVReceiver is closed")
         dst_pages = {g: [int(p) for p in ids] for g, ids in dst.items()}
         pull_id = random.getrandbits(63)
@@ -214,154 +205,11 @@ class KVReceiver(TransceiverSide):
         return session, fut
 
     async def _stop(self) -> None:
-        self._closed = True
-        for link in list(self._links.values()):
-            link.abort("receiver closing")
+        self.closed = True
+        self.links.abort_all("receiver closing")
         await settle(
             [asyncio.wrap_future(f) for f in list(self._tasks)], self.config.chunk_deadline_s * 2
         )
-
-    async def link_for(self, ticket: TransferTicket) -> PeerLink:
-        """The cached link to the ticket's prefill worker, (re)connected if needed."""
-        key = (ticket.host, ticket.port)
-        lock = self._connecting.setdefault(key, asyncio.Lock())
-        async with lock:
-            link = self._links.get(key)
-            if link is None or link.closed:
-                if key in self._ever_connected:
-                    self.book.counters.reconnects += 1
-                self._ever_connected.add(key)
-                link = self._keep(key, await self._connect(ticket))
-            elif link.info.instance_id != ticket.instance_id and not self._known_stale(
-                key, link, ticket
-            ):
-                # A ticket of another instance than our open link's: a stale one from before a
-                # restart (the link is fine, and reads in flight on it need it), or a restart
-                # the link has not noticed yet. A bare handshake with the address tells which.
-                probe = await self._connect(ticket, direct=False)
-                probe.abort("probe")
-                if probe.info.instance_id == link.info.instance_id:
-                    stale = self._stale.setdefault((key, link.info.instance_id), set())
-                    if len(stale) < 1024:
-                        stale.add(ticket.instance_id)
-                else:
-                    self.book.counters.reconnects += 1
-                    link.abort("replaced: the peer restarted")
-                    link = self._keep(key, await self._connect(ticket))
-            if link.info.instance_id != ticket.instance_id:
-                raise PullFailed(
-                    f"stale ticket: instance {ticket.instance_id} published it, but {key[0]}:{key[1]} now runs "
-                    f"instance {link.info.instance_id} (the prefill worker restarted; its pages are gone)"
-                )
-            return link
-
-    def _known_stale(self, key: tuple[str, int], link: PeerLink, ticket: TransferTicket) -> bool:
-        """Whether a probe already found ``link``'s instance at ``key`` after a ticket of
-        ``ticket``'s instance (a router may hold many tickets of a restarted worker)."""
-        return ticket.instance_id in self._stale.get((key, link.info.instance_id), ())
-
-    def _keep(self, key: tuple[str, int], link: PeerLink) -> PeerLink:
-        """Cache ``link`` as the one to ``key`` and start reading its messages."""
-        if self._closed:  # made by a pull that was connecting while we closed: nobody closes it
-            link.abort("receiver closed")
-            raise PullFailed("the receiver is closed")
-        self._links[key] = link
-
-        def closed(_reason: str) -> None:
-            if self._links.get(key) is link:
-                del self._links[key]
-            self._stale.pop((key, link.info.instance_id), None)
-
-        link.add_close_listener(closed)
-        link.start(lambda msg: self._on_message(link, msg))
-        return link
-
-    async def _connect(self, ticket: TransferTicket, direct: bool = True) -> PeerLink:
-        """A new link to the ticket's prefill worker; ``direct=False``: without opening its pools
-        or offering a done board (a probe of who answers there)."""
-        direct = direct and self.config.direct_copy
-        done = self._new_done_board() if direct else None
-        hello = Hello(
-            self.instance_id,
-            self.page_table,
-            self.runtime.worker_address,
-            self.chunk_bytes,
-            done.path if done is not None else "",
-        )
-        timeout = self.config.connect_deadline_s
-        link: PeerLink | None = None
-        try:
-            link = await connect(
-                self.runtime,
-                ticket.host,
-                ticket.port,
-                hello,
-                timeout,
-                self.book.counters,
-                self._open_direct if direct else None,
-                done,
-            )
-        except PeerRefused as e:
-            raise PullFailed(str(e)) from None
-        except asyncio.TimeoutError:
-            raise PullFailed(
-                f"connecting to {ticket.host}:{ticket.port} timed out after {timeout}s"
-            ) from None
-        except OSError as e:
-            raise PullFailed(f"cannot connect to {ticket.host}:{ticket.port}: {e}") from None
-        finally:
-            if done is not None and (
-                link is None or link.access is None or link.access.done is not done
-            ):
-                done.close()  # the handshake failed, or P reads no board of ours
-                done = None
-        if done is not None:
-            link.add_close_listener(lambda _reason: done.close())  # a later post does nothing
-        return link
-
-    @staticmethod
-    def _new_done_board() -> DoneBoard | None:
-        try:
-            return DoneBoard()
-        except DoneBoardUnavailable as e:
-            log.info("no done board (%s): direct reads end with ReadDone messages", e)
-            return None
-
-    async def _open_direct(self, reply: HelloReply) -> DirectAccess | None:
-        """P's pools and lease board opened here for direct reads, or None (the link uses UCX)."""
-        try:
-            export = IpcExport.from_wire(reply.pool_export)
-        except IpcUnavailable as e:
-            log.warning("unusable pool export from that prefill worker (%s): using UCX", e)
-            return None
-        try:
-            data_path, rows = await self.runtime.copy(open_pools, export, self.rows)
-            board = LeaseBoardView(reply.lease_board)
-        except Exception as e:  # whatever fails here, UCX still works
-            # Expected across hosts (and when P could not share its pools); pools offered that do
-            # not open here deserve a warning.
-            expected = isinstance(e, IpcUnavailable | BoardUnavailable)
-            offered = bool(export.pools) and export.host == host_identity()
-            (log.warning if offered or not expected else log.info)(
-                "no direct reads from that prefill worker (%s): using UCX", e
-            )
-            return None
-        # The copy kernel skips ids beyond the rows it was given: rows that do not hold every page
-        # P's page table promises would turn a good id into a silently skipped page.
-        short = [
-            p.name
-            for p in reply.page_table.pools
-            if p.name not in rows
-            or rows[p.name].shape[0] < p.num_pages
-            or rows[p.name].shape[1] != p.page_bytes
-        ]
-        if short:
-            log.warning(
-                "that prefill worker's pools %s are smaller than its page table: using UCX", short
-            )
-            board.close()
-            return None
-        return DirectAccess(data_path, rows, board)
 
     def _on_message(self, link: PeerLink, msg: Message) -> None:
         if isinstance(msg, PullError | TransferDone):

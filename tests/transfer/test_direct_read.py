@@ -21,8 +21,8 @@ import torch
 import transfer.direct_read
 import transfer.done_board
 import transfer.ipc
+import transfer.links
 import transfer.peer
-import transfer.receiver
 from tests.transfer.conftest import KVSide, config, specs
 from tests.transfer.test_transfer_local import Pair, cancel_pull, checked_pair, wait_until
 from transfer.ipc import IpcExport, IpcPool, IpcUnavailable, export_pools, unexport
@@ -195,7 +195,7 @@ def test_pools_that_fail_to_open_leave_the_link_on_ucx(monkeypatch) -> None:
     def broken(*_args):
         raise RuntimeError("driver says no")
 
-    monkeypatch.setattr(transfer.receiver, "open_pools", broken)
+    monkeypatch.setattr(transfer.links, "open_pools", broken)
     with checked_pair(config(direct_copy=True)) as pair:
         result, src, dst = pull(pair, "b1", 8)
         assert result.ok and result.stats.path == "ucx"
@@ -206,13 +206,13 @@ def test_pools_that_fail_to_open_leave_the_link_on_ucx(monkeypatch) -> None:
 def test_pools_smaller_than_their_page_table_leave_the_link_on_ucx(monkeypatch) -> None:
     # The copy kernel skips ids past the rows it is given, so rows shorter than P's page table
     # would turn good ids into skipped pages: such pools are not used for direct reads.
-    real = transfer.receiver.open_pools
+    real = transfer.links.open_pools
 
     def truncated(export, own_rows):
         path, rows = real(export, own_rows)
         return path, {name: r[: r.shape[0] // 2] for name, r in rows.items()}
 
-    monkeypatch.setattr(transfer.receiver, "open_pools", truncated)
+    monkeypatch.setattr(transfer.links, "open_pools", truncated)
     with checked_pair(config(direct_copy=True)) as pair:
         result, src, dst = pull(pair, "t1", 8)
         assert result.ok and result.stats.path == "ucx"
@@ -390,13 +390,13 @@ def test_a_pull_cancelled_while_connecting_reads_nothing_afterwards(
     """A cancel before the link is up returns at once (nothing can write the pages yet), so the
     pull must not start a direct read once the link comes up: the caller already has the pages
     back. P hears of it (the negative ack) and frees its own."""
-    real_connect = transfer.receiver.connect
+    real_connect = transfer.links.connect
 
     async def slow_connect(*args, **kwargs):
         await asyncio.sleep(0.5)
         return await real_connect(*args, **kwargs)
 
-    monkeypatch.setattr(transfer.receiver, "connect", slow_connect)
+    monkeypatch.setattr(transfer.links, "connect", slow_connect)
     ticket, _ = direct.publish("c1", 8)
     dst = direct.d.allocate("c1", 8)
 

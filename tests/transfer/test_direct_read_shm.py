@@ -60,7 +60,7 @@ def test_scattered_pages_arrive_exact_and_p_gets_them_back(decode_side) -> None:
         for i, tokens in enumerate((3, 22, 200)):  # 1 page, 6 pages, 50 pages (25 UCX chunks)
             result = pull_exact(peer, side, receiver, f"s{i}", tokens)
             assert result.stats.path == "host_shm" and result.stats.chunks == 1
-        (link,) = receiver._links.values()
+        (link,) = receiver.links.open.values()
         assert link.access is not None and link.access.done is not None  # P reads our board
         wait_until(lambda: released_all(peer))  # by the done board, not lease expiry
         stats = peer.ask("state")["stats"]

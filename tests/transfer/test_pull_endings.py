@@ -15,8 +15,8 @@ import time
 import pytest
 import torch
 
+import transfer.links
 import transfer.pull
-import transfer.receiver
 import transfer.sender
 import transfer.serve
 from tests.transfer import test_transfer_failures as failures
@@ -217,13 +217,13 @@ def test_an_unexpected_error_after_receives_are_posted_still_ends_them(monkeypat
 def test_a_link_a_cancelled_pull_makes_after_close_is_not_kept(monkeypatch) -> None:
     """close() aborts the links it has; a pull cancelled while connecting may finish its
     handshake afterwards, and that link must not outlive the receiver."""
-    real_connect = transfer.receiver.connect
+    real_connect = transfer.links.connect
 
     async def slow_connect(*args, **kwargs):
         await asyncio.sleep(0.5)
         return await real_connect(*args, **kwargs)
 
-    monkeypatch.setattr(transfer.receiver, "connect", slow_connect)
+    monkeypatch.setattr(transfer.links, "connect", slow_connect)
     pair = Pair(config())
     try:
         ticket, _ = pair.publish("c1", 8)
@@ -231,7 +231,7 @@ def test_a_link_a_cancelled_pull_makes_after_close_is_not_kept(monkeypatch) -> N
         cancel_pull(pair.receiver, ticket, dst, 8, after_s=0.1)
         pair.receiver.close()
         wait_until(lambda: pair.sender.stats()["peers"] == 0)
-        assert not pair.receiver._links
+        assert not pair.receiver.links.open
         pair.d.free("c1")
     finally:
         pair.sender.close()

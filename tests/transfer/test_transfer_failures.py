@@ -267,7 +267,7 @@ def test_a_stale_ticket_fails_alone_and_leaves_the_open_link_up(pair: Pair) -> N
     Such a ticket fails as stale; the open link to the current instance, which reads in flight
     may be using, stays up."""
     pull_next_ok(pair, "first")
-    (link,) = pair.receiver._links.values()
+    (link,) = pair.receiver.links.open.values()
     ticket, _ = pair.publish("old", 8)
     stale = dataclasses.replace(ticket, instance_id="instance-before-restart")
     result = pair.receiver.pull_blocking(stale, pair.d.allocate("old", 8), 0, 8)
@@ -276,7 +276,7 @@ def test_a_stale_ticket_fails_alone_and_leaves_the_open_link_up(pair: Pair) -> N
     assert not link.closed and pair.receiver.stats()["reconnects"] == 0
     assert pair.sender.cancel("old")
     pull_next_ok(pair, "after-stale")
-    assert pair.receiver._links[(pair.sender.host, pair.sender.port)] is link
+    assert pair.receiver.links.open[(pair.sender.host, pair.sender.port)] is link
 
 
 def test_stale_tickets_of_one_instance_cost_one_probe(pair: Pair, monkeypatch) -> None:
@@ -284,13 +284,13 @@ def test_stale_tickets_of_one_instance_cost_one_probe(pair: Pair, monkeypatch) -
     link's instance at the address, and the others fail without another handshake."""
     pull_next_ok(pair, "first")
     connects = []
-    real_connect = pair.receiver._connect
+    real_connect = pair.receiver.links.connect
 
     async def counted(ticket, direct=True):
         connects.append(direct)
         return await real_connect(ticket, direct)
 
-    monkeypatch.setattr(pair.receiver, "_connect", counted)
+    monkeypatch.setattr(pair.receiver.links, "connect", counted)
     for i in range(3):
         ticket, _ = pair.publish(f"old{i}", 8)
         stale = dataclasses.replace(ticket, instance_id="instance-before-restart")
