@@ -4,7 +4,8 @@ Runs the benchmark's prefill process (scripts/transfer_bench_setup.py) and a dec
 like scripts/bench_transfer.py on the CPU, with timestamps (time.perf_counter: CLOCK_MONOTONIC,
 shared by the two processes) around the steps of a pull: the control messages, every UCX send and
 receive, the staging copies as the loop awaits them and as the copy thread runs them. Scattered
-pages, staged UCX path, P prestaging (transfer/prestage.py) as configured. Prints the pull's and
+pages (or contiguous ones), staged UCX path, P prestaging (transfer/prestage.py) unless
+--no-prestage. Prints the pull's and
 raw ucxx's median wall times, then the timeline of a few pulls in ms from the caller's start.
 The wrappers are installed on the classes at run time; nothing in transfer/ changes.
 Usage: python scripts/trace_pull.py [--size-mib 16] [--staging-tokens 512] [--pulls 12]
@@ -110,10 +111,13 @@ def main() -> None:
     parser.add_argument("--size-mib", type=int, default=16)
     parser.add_argument("--staging-tokens", type=int, default=512)
     parser.add_argument("--pulls", type=int, default=12)
+    parser.add_argument("--layout", choices=["scattered", "contiguous"], default="scattered")
+    parser.add_argument("--no-prestage", dest="prestage", action="store_false")
     parser.add_argument("--show", type=int, default=3, help="timelines printed (the last pulls)")
     args = parser.parse_args()
     settings = probe_settings("cpu", [args.size_mib])
     settings.staging_tokens = args.staging_tokens
+    settings.prestage = args.prestage
     install()
     p_marks = os.path.join(tempfile.mkdtemp(prefix="duet-trace-"), "prefill.json")
     ctx = multiprocessing.get_context("spawn")
@@ -132,7 +136,7 @@ def main() -> None:
     n = args.size_mib * MIB // spec.page_bytes
     ours, raw, starts = [], [], []
     for i in range(args.pulls):
-        src, dst = (choose_pages(n, spec, "scattered", gen) for _ in range(2))
+        src, dst = (choose_pages(n, spec, args.layout, gen) for _ in range(2))
         conn.send(("publish", f"trace-{i}", src))
         ticket, _sums = conn.recv()
         starts.append(len(MARKS))
@@ -156,7 +160,7 @@ def main() -> None:
         theirs = [("P", name, t) for name, t in json.load(f)]
     ours_ms, raw_ms = statistics.median(ours) * 1e3, statistics.median(raw) * 1e3
     print(
-        f"{args.size_mib} MiB, {args.staging_tokens} tokens a chunk: pull {ours_ms:.2f} ms, "
+        f"{args.size_mib} MiB {args.layout}, {args.staging_tokens} tokens a chunk: pull {ours_ms:.2f} ms, "
         f"raw ucxx {raw_ms:.2f} ms (ratio {raw_ms / ours_ms:.2f}), medians of {len(ours)}"
     )
     for i in range(args.pulls - args.show, args.pulls):
