@@ -100,10 +100,13 @@ class LeaseTable:
             return "expired", f"the lease of request {request_id!r} {ended}"
         return "unknown", f"request {request_id!r} was already released ({ended})"
 
-    def begin_serving(self, request_id: str) -> Lease:
-        """Move a PUBLISHED lease to SERVING. Raises KeyError (no lease) or ValueError (busy)."""
+    def begin_serving(self, request_id: str, expected: Lease | None = None) -> Lease:
+        """Move a PUBLISHED lease to SERVING. Raises KeyError (no lease) or ValueError (busy, or
+        not ``expected``: the request was released and published again meanwhile)."""
         with self._lock:
             lease = self._leases[request_id]
+            if expected is not None and lease is not expected:
+                raise ValueError(f"request {request_id!r} was published again meanwhile")
             if lease.state is not LeaseState.PUBLISHED:
                 raise ValueError(
                     f"request {request_id!r} is {lease.state.value}, not waiting for a pull"

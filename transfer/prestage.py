@@ -9,10 +9,15 @@ session sends that buffer when its chunk 0 is exactly those source bytes, compar
 and gathers as usual otherwise (D skips cached pages, a run long enough to go straight, another
 chunk size).
 
-It runs only while some peer pulls over UCX (a decode worker that reads P's pools directly never
-needs it), and holds at most half of the staging buffers, so serving pulls keep the other half. A
-buffer goes back once its gather has ended: when the session has sent it, when the lease ends
-(direct read, expiry, cancel) or at close. Loop thread only.
+A prestaged buffer belongs to one lease (the Lease object, not the request id: a request id can be
+published again over the same pages with other bytes once its lease ended), and a session takes it
+only for that lease. It runs only while some peer pulls over UCX (a decode worker that reads P's
+pools directly never needs it), and at most half of the staging buffers are out for it at a time,
+held or taken by a session that has not sent them yet, so serving pulls keep the other half. A
+buffer goes back once its gather has ended: when the session has sent it, when the pull did not
+credit chunk 0 at once (it would sit pinned), when the lease ends (direct read, expiry, cancel) or
+at close. (So a lease that is read directly or never pulled keeps its buffer until it ends, at
+most ``lease_s``: pulls that find no prestaged chunk then have the other half.) Loop thread only.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from transfer.leases import LeaseState
+from transfer.leases import Lease, LeaseState
 from transfer.mapper import MapperError, map_pages
 from transfer.plan import Chunk, chunk_fragments
 from transfer.staging import gather_chunk
@@ -40,6 +45,7 @@ Ranges = tuple[tuple[str, int, int], ...]  # (source pool, byte offset, bytes), 
 
 @dataclass
 class Prestaged:
+    lease: Lease  # the publish it was gathered for
     buf: torch.Tensor
     ranges: Ranges
     nbytes: int
@@ -73,22 +79,29 @@ class Prestager:
         self.s = sender
         self.limit = sender.staging.max_buffers // 2
         self._held: dict[str, Prestaged] = {}
+        self._out = 0  # buffers taken from staging and not given back (held or in a session)
+        self._closed = False
 
     def __len__(self) -> int:
         return len(self._held)
+
+    @property
+    def out(self) -> int:
+        return self._out
 
     def offer(self, request_id: str, pages: Mapping[str, Sequence[int]]) -> None:
         """Gather ``request_id``'s first chunk now, if it is still waiting for its pull, needs
         staging, and a buffer is to spare."""
         s = self.s
         lease = s.leases.get(request_id)
-        if (
-            request_id in self._held
-            or len(self._held) >= self.limit
-            or lease is None
-            or lease.state is not LeaseState.PUBLISHED
-            or lease.page_ids != pages
-        ):
+        if lease is None or lease.state is not LeaseState.PUBLISHED or lease.page_ids != pages:
+            return
+        old = self._held.get(request_id)
+        if old is not None:
+            if old.lease is lease:
+                return
+            self.drop(old.lease)  # an earlier publish of this request id: not these bytes
+        if self._closed or self._out >= self.limit:
             return
         chunk = self._first_chunk(pages)
         if chunk is None or chunk.direct(s.config.zero_copy, s.staging.buffer_bytes):
@@ -96,10 +109,11 @@ class Prestager:
         buf = s.staging.try_acquire()
         if buf is None:
             return
+        self._out += 1
         gather = asyncio.ensure_future(
             s.runtime.copy(gather_chunk, chunk, s.rows, buf[: chunk.nbytes])
         )
-        self._held[request_id] = Prestaged(buf, source_ranges(chunk), chunk.nbytes, gather)
+        self._held[request_id] = Prestaged(lease, buf, source_ranges(chunk), chunk.nbytes, gather)
 
     def _first_chunk(self, pages: Mapping[str, Sequence[int]]) -> Chunk | None:
         """Chunk 0 of a plan from these pages to any others: only the first pages of each pool
@@ -113,31 +127,41 @@ class Prestager:
             return None  # the pull will say what is wrong with these pages
         return plan.chunks[0] if plan.chunks else None
 
-    def take(self, request_id: str, chunk: Chunk) -> Prestaged | None:
-        """The buffer prestaged for ``request_id`` if it holds ``chunk``'s bytes; any other buffer
-        of that request goes back. The caller gives the one it got back with ``give_back``."""
-        held = self._held.pop(request_id, None)
+    def take(self, lease: Lease, chunk: Chunk, credited: bool) -> Prestaged | None:
+        """The buffer prestaged for ``lease`` if it holds ``chunk``'s bytes and the pull credited
+        that chunk at once (``credited``); any other buffer of that request goes back. The caller
+        gives the one it got back with ``give_back``."""
+        held = self._held.pop(lease.request_id, None)
         if held is None:
             return None
-        if held.nbytes == chunk.nbytes and held.ranges == source_ranges(chunk):
+        if (
+            held.lease is lease
+            and credited
+            and held.nbytes == chunk.nbytes
+            and held.ranges == source_ranges(chunk)
+        ):
             return held
         self.give_back(held)
         return None
 
-    def drop(self, request_id: str) -> None:
-        """The lease ended: its buffer goes back (once its gather has ended)."""
-        held = self._held.pop(request_id, None)
-        if held is not None:
+    def drop(self, lease: Lease) -> None:
+        """``lease`` ended: its buffer goes back (once its gather has ended)."""
+        held = self._held.get(lease.request_id)
+        if held is not None and held.lease is lease:
+            del self._held[lease.request_id]
             self.give_back(held)
 
     def give_back(self, held: Prestaged) -> None:
+        self._out -= 1
         if held.gather.done():
             self.s.staging.release(held.buf)
         else:
             held.gather.add_done_callback(lambda _: self.s.staging.release(held.buf))
 
     async def close(self, timeout: float) -> None:
-        """Every buffer back, once the gathers in flight have ended (at most ``timeout``)."""
+        """Every buffer back, once the gathers in flight have ended (at most ``timeout``); no
+        offers after this."""
+        self._closed = True
         held, self._held = list(self._held.values()), {}
         pending = [h.gather for h in held if not h.gather.done()]
         if pending:

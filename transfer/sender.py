@@ -130,13 +130,16 @@ class KVSender(TransceiverSide):
         """The lease ended: off the board first (a direct read in flight then fails its check
         instead of keeping pages the worker is about to reuse), then the worker frees the pages."""
         board = self.board
+        if self.config.prestage:
+            # Before the pages go back (the worker may reuse them at once); always, since an offer
+            # may be queued behind this release. (take() checks the lease too: this is for the
+            # buffer.)
+            self._on_loop(self.prestage.drop, lease)
         try:
             if lease.slot >= 0 and board is not None:
                 board.retire(lease.slot, lease.gen)
         finally:  # the pages go back whatever happened to the board
             self._release(lease.request_id)
-            if self.config.prestage:  # (always: an offer may be queued behind this release)
-                self._on_loop(self.prestage.drop, lease.request_id)
 
     def _on_loop(self, fn: Callable[..., None], *args: Any) -> None:
         if self.runtime.on_loop():
@@ -304,7 +307,8 @@ class KVSender(TransceiverSide):
                 self._mark_ended(link, req)
             asyncio.ensure_future(self._refuse(link, req, problem))
             return
-        session = ServeSession(self, link, req, problem)
+        plan, lease = problem
+        session = ServeSession(self, link, req, plan, lease)
         self._sessions[req.pull_id] = session
         task = asyncio.ensure_future(session.run())
         self._session_tasks.add(task)
@@ -343,7 +347,8 @@ class KVSender(TransceiverSide):
             link.abort(f"completing the receives of ended pull {pull_id} failed: {e!r}")
 
     def _check_pull(self, link: PeerLink, req: PullRequest) -> Any:
-        """The plan for ``req``, or the PullError to answer with (lease state unchanged then)."""
+        """(the plan for ``req``, its lease, now SERVING), or the PullError to answer with (lease
+        state unchanged then)."""
         rid = req.request_id
 
         def error(code: str, reason: str) -> PullError:
@@ -388,10 +393,10 @@ class KVSender(TransceiverSide):
                 f"D's {req.num_chunks} / {req.total_bytes}",
             )
         try:
-            self.leases.begin_serving(rid)
+            self.leases.begin_serving(rid, lease)
         except (KeyError, ValueError) as e:
             return error("busy", str(e))
-        return plan
+        return plan, lease
 
     async def _refuse(self, link: PeerLink, req: PullRequest, err: PullError) -> None:
         """Answer a refused pull. D posted receives for its first chunks before asking: complete

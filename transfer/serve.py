@@ -35,6 +35,7 @@ from transfer.staging import gather_chunk, pool_region
 from transfer.stats import TransferStats
 
 if TYPE_CHECKING:
+    from transfer.leases import Lease
     from transfer.sender import KVSender
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class ServeSession:
         link: PeerLink,
         req: PullRequest,
         plan: TransferPlan,
+        lease: Lease,
     ) -> None:
         self.sender = sender
         self.link = link
@@ -78,7 +80,9 @@ class ServeSession:
         self._send_slot = asyncio.Semaphore(self.plan.num_chunks if sender.rows_on_gpu else 1)
         # Chunk 0 gathered at publish time (prestage.py), if it is this plan's chunk 0.
         self._prestaged = (
-            sender.prestage.take(req.request_id, plan.chunks[0]) if plan.chunks else None
+            sender.prestage.take(lease, plan.chunks[0], 0 in req.ready_chunks)
+            if plan.chunks
+            else None
         )
         self._on_closed = lambda reason: self.events.put_nowait(("closed", reason))
 
@@ -113,8 +117,9 @@ class ServeSession:
             await self._fail(str(e), start)
         finally:
             self.link.remove_close_listener(self._on_closed)
-            if self._prestaged is not None:  # chunk 0 was never sent
-                self.sender.prestage.give_back(self._prestaged)
+            pre, self._prestaged = self._prestaged, None
+            if pre is not None:  # chunk 0 was never sent
+                self.sender.prestage.give_back(pre)
 
     async def _serve(self) -> None:
         cfg, n = self.sender.config, self.plan.num_chunks

@@ -47,6 +47,16 @@ def test_a_lease_being_served_does_not_expire_and_only_force_releases_it(table) 
     )
 
 
+def test_serving_a_lease_that_was_published_again_is_refused(table) -> None:
+    leases, _clock, _released = table
+    old = leases.publish("a", {"full": [1]}, 3, lease_s=5)
+    assert leases.release("a", "cancelled")
+    leases.publish("a", {"full": [1]}, 3, lease_s=5)  # the same id, other bytes
+    with pytest.raises(ValueError, match="published again"):
+        leases.begin_serving("a", old)
+    assert leases.get("a").state is LeaseState.PUBLISHED
+
+
 def test_renewal_and_the_ack_deadline(table) -> None:
     leases, clock, released = table
     leases.publish("a", {"full": [1]}, 3, lease_s=1)

@@ -3,6 +3,8 @@ sent when it is the pull's chunk 0, gathered again when it is not, and its buffe
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -114,3 +116,85 @@ def test_source_ranges_merge_adjacent_runs_only() -> None:
         ("full", 8 * page, 2 * page),
         ("other", 10 * page, page),
     )
+
+
+def test_a_request_published_again_never_gets_the_old_gather() -> None:
+    """A cancelled request's pages may be rewritten and published again under the same id while
+    the cancelling thread is still inside the release callback: the new pull must send the new
+    bytes, not a buffer gathered for the old lease."""
+    in_callback, go_on = threading.Event(), threading.Event()
+    with checked_pair(config(staging_buffers=2)) as made:
+        release = made.p.release
+
+        def slow_release(rid: str) -> None:
+            if rid == "r" and not in_callback.is_set():
+                in_callback.set()
+                go_on.wait(10)  # the canceller is descheduled here; the worker keeps the pages
+                return
+            release(rid)
+
+        made.sender._release = slow_release
+        first_pull(made)
+        ticket, src = made.publish("r", 22)
+        wait_until(lambda: held(made) == 1)
+        canceller = threading.Thread(target=made.sender.cancel, args=("r",))
+        canceller.start()
+        try:
+            assert in_callback.wait(5)
+            pool = made.p.kv.buffers["full"]
+            pool[src["full"]] = torch.randn(
+                (len(src["full"]), *pool.shape[1:]), generator=made.p.gen
+            ).to(pool.dtype)
+            again = made.sender.publish("r", src, 22)
+            dst = made.d.allocate("r", 22)
+            result = made.receiver.pull_blocking(again, dst, 0, 22)
+            assert result.ok, result.error
+            assert torch.equal(made.d.pages_of(dst)["full"], made.p.pages_of(src)["full"])
+        finally:
+            go_on.set()
+            canceller.join(10)
+        wait_until(lambda: made.p.released == ["warm", "r"])
+        made.d.free("r")
+        wait_until(lambda: made.sender.staging.in_use == 0)
+
+
+def test_a_pull_that_cannot_credit_chunk_0_at_once_gives_the_buffer_back() -> None:
+    """A session whose chunk 0 is not credited yet would keep the prestaged buffer pinned while
+    D waits for its own staging: it gives it back (and the buffers out for prestaging never pass
+    half of P's)."""
+    with checked_pair(config(staging_buffers=2)) as made:
+        first_pull(made)
+        ticket, src = made.publish("a", 22)
+        wait_until(lambda: held(made) == 1)
+        d_buffers = made.receiver.runtime.run(_take_all(made.receiver.staging), timeout=5)
+        dst = made.d.allocate("a", 22)
+        result: list = []
+        puller = threading.Thread(
+            target=lambda: result.append(made.receiver.pull_blocking(ticket, dst, 0, 22))
+        )
+        puller.start()
+        # (P's session is waiting for chunk 0's credit, holding no staging buffer)
+        wait_until(lambda: held(made) == 0 and made.sender.staging.in_use == 0)
+        made.publish("c", 22)  # a buffer is free for another request meanwhile
+        wait_until(lambda: held(made) == 1)
+        assert made.sender.prestage.out <= made.sender.prestage.limit
+        made.receiver.runtime.run(_give_all(made.receiver.staging, d_buffers), timeout=5)
+        puller.join(30)
+        assert result and result[0].ok, result
+        assert torch.equal(made.d.pages_of(dst)["full"], made.p.pages_of(src)["full"])
+        assert made.sender.stats()["prestaged_chunks"] == 0
+        assert made.sender.cancel("c")
+        made.d.free("a")
+        wait_until(lambda: made.sender.staging.in_use == 0)
+
+
+async def _take_all(staging) -> list:
+    taken = []
+    while (buf := staging.try_acquire()) is not None:
+        taken.append(buf)
+    return taken
+
+
+async def _give_all(staging, buffers: list) -> None:
+    for buf in buffers:
+        staging.release(buf)
