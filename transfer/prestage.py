@@ -89,9 +89,10 @@ class Prestager:
     def out(self) -> int:
         return self._out
 
-    def offer(self, request_id: str, pages: Mapping[str, Sequence[int]]) -> None:
-        """Gather ``request_id``'s first chunk now, if it is still waiting for its pull, needs
-        staging, and a buffer is to spare."""
+    def offer(self, request_id: str, pages: Mapping[str, Sequence[int]], chunk_bytes: int) -> None:
+        """Gather ``request_id``'s first chunk, cut at ``chunk_bytes`` (a UCX puller's agreed
+        chunk size, at most our staging buffer's), now, if the request is still waiting for its
+        pull, needs staging, and a buffer is to spare."""
         s = self.s
         lease = s.leases.get(request_id)
         if lease is None or lease.state is not LeaseState.PUBLISHED or lease.page_ids != pages:
@@ -103,7 +104,7 @@ class Prestager:
             self.drop(old.lease)  # an earlier publish of this request id: not these bytes
         if self._closed or self._out >= self.limit:
             return
-        chunk = self._first_chunk(pages)
+        chunk = self._first_chunk(pages, min(chunk_bytes, s.staging.buffer_bytes))
         if chunk is None or chunk.direct(s.config.zero_copy, s.staging.buffer_bytes):
             return
         buf = s.staging.try_acquire()
@@ -115,10 +116,10 @@ class Prestager:
         )
         self._held[request_id] = Prestaged(lease, buf, source_ranges(chunk), chunk.nbytes, gather)
 
-    def _first_chunk(self, pages: Mapping[str, Sequence[int]]) -> Chunk | None:
+    def _first_chunk(self, pages: Mapping[str, Sequence[int]], size: int) -> Chunk | None:
         """Chunk 0 of a plan from these pages to any others: only the first pages of each pool
         can be in it, so only those are mapped (onto themselves)."""
-        table, size = self.s.page_table, self.s.chunk_bytes
+        table = self.s.page_table
         head = {p.name: list(pages[p.name][: size // p.page_bytes + 1]) for p in table.pools}
         try:
             fragments = map_pages(table, table, head, head)
@@ -152,11 +153,16 @@ class Prestager:
             self.give_back(held)
 
     def give_back(self, held: Prestaged) -> None:
-        self._out -= 1
+        """``held``'s buffer back to staging once its gather has ended (it counts as out until
+        then)."""
         if held.gather.done():
-            self.s.staging.release(held.buf)
+            self._release(held.buf)
         else:
-            held.gather.add_done_callback(lambda _: self.s.staging.release(held.buf))
+            held.gather.add_done_callback(lambda _: self._release(held.buf))
+
+    def _release(self, buf: torch.Tensor) -> None:
+        self._out -= 1
+        self.s.staging.release(buf)
 
     async def close(self, timeout: float) -> None:
         """Every buffer back, once the gathers in flight have ended (at most ``timeout``); no

@@ -299,12 +299,15 @@ class PullSession:
             self._feeder.cancel()  # it only waits for buffers or sends credits: safe to cancel
             await settle([self._feeder], self.r.config.chunk_deadline_s)
         link, rid, cfg = self.link, self.ticket.request_id, self.r.config
-        if link is not None and not link.closed:
+        # P refused the pull or failed it (PullError): it has ended its side, and a negative ack
+        # would only find the request's lease by its id, which may be a newer publish of it by
+        # then (the worker's router gives the pages of a failed request back).
+        if link is not None and not link.closed and self._refusal is None:
             try:  # first, so P frees its pages now rather than at lease expiry
                 await link.send(TransferAck(rid, self.pull_id, False, reason), cfg.done_deadline_s)
             except ConnectionError:
                 pass
-            if self._refusal is None and not self._rejected:
+            if not self._rejected:
                 await self._await_answer(cfg.chunk_deadline_s)
         if self._refusal is not None and self._refusal.drained:
             await settle(self._recvs, cfg.chunk_deadline_s)  # P is completing them

@@ -86,7 +86,10 @@ class KVSender(TransceiverSide):
         # such receive must be completed, or D waits for it and then aborts the link.
         self._ended: collections.OrderedDict[tuple[PeerLink, int], int] = collections.OrderedDict()
         self._session_tasks: set[asyncio.Task] = set()
-        self._ucx_pullers: set[PeerLink] = set()  # links that sent a PullRequest (prestage.py)
+        # Links that sent a PullRequest, and the agreed chunk size of the latest (prestage.py;
+        # read by publish on other threads: a set's truth and an int are safe to read there).
+        self._ucx_pullers: set[PeerLink] = set()
+        self._puller_chunk_bytes = self.chunk_bytes
         self.board: LeaseBoard | None = None
         self._export: IpcExport | None = None
         try:
@@ -142,8 +145,13 @@ class KVSender(TransceiverSide):
             self._release(lease.request_id)
 
     def _on_loop(self, fn: Callable[..., None], *args: Any) -> None:
+        """``fn(*args)`` on the loop thread: now if we are on it, else soon. Its errors are
+        logged, never raised into the caller (a publish, a lease release)."""
         if self.runtime.on_loop():
-            fn(*args)
+            try:
+                fn(*args)
+            except Exception:
+                log.exception("%s failed", getattr(fn, "__name__", fn))
         else:
             try:
                 self.runtime.call_soon(fn, *args)
@@ -194,7 +202,8 @@ class KVSender(TransceiverSide):
                 board.retire(slot, gen)
             raise
         if self.config.prestage and self._ucx_pullers:
-            self._on_loop(self.prestage.offer, request_id, pages)
+            # Cut with a UCX puller's chunk size (the agreed one: the smaller of the two sides').
+            self._on_loop(self.prestage.offer, request_id, pages, self._puller_chunk_bytes)
         return TransferTicket(
             request_id=request_id,
             host=self.host,
@@ -269,6 +278,7 @@ class KVSender(TransceiverSide):
         if isinstance(msg, PullRequest):
             if not link.closed:
                 self._ucx_pullers.add(link)
+                self._puller_chunk_bytes = link.info.chunk_bytes
             self._start_serving(link, msg)
         elif isinstance(msg, ChunkReady):
             session = self._sessions.get(msg.pull_id)

@@ -8,8 +8,9 @@ import threading
 import pytest
 import torch
 
-from tests.transfer.conftest import config
+from tests.transfer.conftest import MODEL, config
 from tests.transfer.test_transfer_local import Pair, checked_pair, wait_until
+from transfer import KVReceiver
 from transfer.mapper import Fragment
 from transfer.plan import Chunk
 from transfer.prestage import source_ranges
@@ -198,3 +199,24 @@ async def _take_all(staging) -> list:
 async def _give_all(staging, buffers: list) -> None:
     for buf in buffers:
         staging.release(buf)
+
+
+def test_the_chunk_size_agreed_with_a_smaller_decode_side_is_the_one_prestaged() -> None:
+    p_cfg, d_cfg = config(staging_tokens=16, staging_buffers=2), config(staging_tokens=8)
+    made = Pair(p_cfg)
+    made.receiver.close()
+    made.receiver = KVReceiver(made.d.kv.buffers, made.d.specs, MODEL, d_cfg)
+    try:
+        first_pull(made)
+        ticket, src = made.publish("small", 22)  # 6 pages: chunks of 2 pages (D's size)
+        wait_until(lambda: held(made) == 1)
+        dst = made.d.allocate("small", 22)
+        result = made.receiver.pull_blocking(ticket, dst, 0, 22)
+        assert result.ok and result.stats.chunks == 3, result
+        assert torch.equal(made.d.pages_of(dst)["full"], made.p.pages_of(src)["full"])
+        assert made.sender.stats()["prestaged_chunks"] == 1
+        made.d.free("small")
+    finally:
+        made.close()
+    made.p.assert_clean()
+    made.d.assert_clean()

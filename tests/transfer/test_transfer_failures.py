@@ -300,3 +300,20 @@ def test_stale_tickets_of_one_instance_cost_one_probe(pair: Pair, monkeypatch) -
         assert pair.sender.cancel(f"old{i}")
     assert connects == [False]  # one bare probe, no pools opened
     pull_next_ok(pair, "after-stale")
+
+
+def test_a_refused_pull_leaves_the_request_for_its_right_ticket(pair: Pair) -> None:
+    """P refuses a ticket whose pages differ from the published ones (a stale or forged ticket
+    of that request id): it has nothing to give back for it, so D sends no negative ack, which
+    could only find the lease by request id and end the right ticket's lease."""
+    pull_next_ok(pair, "first")
+    ticket, src = pair.publish("r", 8)
+    forged = dataclasses.replace(ticket, page_ids={"full": list(reversed(src["full"]))})
+    dst = pair.d.allocate("r", 8)
+    result = pair.receiver.pull_blocking(forged, dst, 0, 8)
+    assert not result.ok and "differ from the published ones" in result.error
+    result = pair.receiver.pull_blocking(ticket, dst, 0, 8)
+    assert result.ok, result.error
+    assert torch.equal(pair.d.pages_of(dst)["full"], pair.p.pages_of(src)["full"])
+    wait_until(lambda: pair.p.released[-1:] == ["r"])
+    pair.d.free("r")
