@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from transfer.leases import Lease, LeaseState
-from transfer.mapper import MapperError, map_pages
-from transfer.plan import Chunk, chunk_fragments
+from transfer.mapper import MapperError
+from transfer.plan import Chunk, build_plan
 from transfer.staging import gather_chunk
 
 if TYPE_CHECKING:
@@ -47,8 +47,7 @@ Ranges = tuple[tuple[str, int, int], ...]  # (source pool, byte offset, bytes), 
 class Prestaged:
     lease: Lease  # the publish it was gathered for
     buf: torch.Tensor
-    ranges: Ranges
-    nbytes: int
+    ranges: Ranges  # (equal ranges: equal bytes, in the same order)
     gather: asyncio.Future[None]  # never cancelled: its end means the copy thread is done with buf
 
     async def ready(self) -> bool:
@@ -114,7 +113,7 @@ class Prestager:
         gather = asyncio.ensure_future(
             s.runtime.copy(gather_chunk, chunk, s.rows, buf[: chunk.nbytes])
         )
-        self._held[request_id] = Prestaged(lease, buf, source_ranges(chunk), chunk.nbytes, gather)
+        self._held[request_id] = Prestaged(lease, buf, source_ranges(chunk), gather)
 
     def _first_chunk(self, pages: Mapping[str, Sequence[int]], size: int) -> Chunk | None:
         """Chunk 0 of a plan from these pages to any others: only the first pages of each pool
@@ -122,8 +121,7 @@ class Prestager:
         table = self.s.page_table
         head = {p.name: list(pages[p.name][: size // p.page_bytes + 1]) for p in table.pools}
         try:
-            fragments = map_pages(table, table, head, head)
-            plan = chunk_fragments(fragments, size, {p.name: p.page_bytes for p in table.pools})
+            plan = build_plan(table, table, head, head, size)
         except (MapperError, ValueError):
             return None  # the pull will say what is wrong with these pages
         return plan.chunks[0] if plan.chunks else None
@@ -135,12 +133,7 @@ class Prestager:
         held = self._held.pop(lease.request_id, None)
         if held is None:
             return None
-        if (
-            held.lease is lease
-            and credited
-            and held.nbytes == chunk.nbytes
-            and held.ranges == source_ranges(chunk)
-        ):
+        if held.lease is lease and credited and held.ranges == source_ranges(chunk):
             return held
         self.give_back(held)
         return None
