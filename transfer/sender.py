@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -29,11 +28,11 @@ from typing import Any
 import torch
 
 from kvcache.spec import PoolGroupSpec
+from transfer.admit import admit, refuse
 from transfer.config import TransceiverConfig
 from transfer.ipc import IpcExport, IpcUnavailable, export_pools, unexport
 from transfer.lease_board import BoardUnavailable, LeaseBoard, lease_digest
 from transfer.leases import Lease, LeaseTable
-from transfer.mapper import MapperError
 from transfer.messages import (
     ChunkReady,
     HelloReply,
@@ -46,7 +45,6 @@ from transfer.messages import (
     TransferTicket,
 )
 from transfer.peer import PeerLink, accept
-from transfer.plan import build_plan
 from transfer.prestage import Prestager
 from transfer.read_ends import ReadEnds
 from transfer.serve import ServeSession, drain, settle
@@ -310,14 +308,21 @@ class KVSender(TransceiverSide):
             log.info("late ack for %s dropped: its lease already ended", ack.request_id)
 
     def _start_serving(self, link: PeerLink, req: PullRequest) -> None:
-        problem = self._check_pull(link, req)
-        if isinstance(problem, PullError):
+        answer = admit(
+            self.leases,
+            self.page_table,
+            self.book.counters,
+            link,
+            req,
+            req.pull_id in self._sessions,
+        )
+        if isinstance(answer, PullError):
             # (A conflict is a pull id in use by another pull: its late credits are not ours.)
-            if problem.code != "conflict":
+            if answer.code != "conflict":
                 self._mark_ended(link, req)
-            asyncio.ensure_future(self._refuse(link, req, problem))
+            asyncio.ensure_future(refuse(link, req, answer, self.config))
             return
-        plan, lease = problem
+        plan, lease = answer
         session = ServeSession(self, link, req, plan, lease)
         self._sessions[req.pull_id] = session
         task = asyncio.ensure_future(session.run())
@@ -355,70 +360,3 @@ class KVSender(TransceiverSide):
             await asyncio.wait_for(drain(link, pull_id, chunks), self.config.chunk_deadline_s)
         except Exception as e:  # ucxx errors are not all ConnectionErrors
             link.abort(f"completing the receives of ended pull {pull_id} failed: {e!r}")
-
-    def _check_pull(self, link: PeerLink, req: PullRequest) -> Any:
-        """(the plan for ``req``, its lease, now SERVING), or the PullError to answer with (lease
-        state unchanged then)."""
-        rid = req.request_id
-
-        def error(code: str, reason: str) -> PullError:
-            return PullError(rid, req.pull_id, code, reason, False)
-
-        self.book.counters.expired_leases += len(self.leases.expire_due())
-        lease = self.leases.get(rid)
-        if lease is None:
-            return error(*self.leases.why_missing(rid))
-        if req.pull_id in self._sessions:
-            return error("conflict", f"pull id {req.pull_id} is already in use")
-        if len(set(req.ready_chunks)) != len(req.ready_chunks) or any(
-            not 0 <= i < req.num_chunks for i in req.ready_chunks
-        ):
-            return error(
-                "conflict", f"invalid credits {req.ready_chunks[:8]} for {req.num_chunks} chunks"
-            )
-        if req.src_page_ids != lease.page_ids:
-            return error(
-                "mismatch", f"the ticket's pages of {rid!r} differ from the published ones"
-            )
-        if not 0 <= req.skip_pages or any(req.skip_pages > len(p) for p in lease.page_ids.values()):
-            return error(
-                "mismatch", f"skip_pages {req.skip_pages} exceeds the published pages of {rid!r}"
-            )
-        if req.chunk_bytes != link.info.chunk_bytes:
-            return error(
-                "mismatch",
-                f"chunk size {req.chunk_bytes} differs from the agreed {link.info.chunk_bytes}",
-            )
-        try:
-            src = {g: p[req.skip_pages :] for g, p in lease.page_ids.items()}
-            plan = build_plan(
-                self.page_table, link.info.page_table, src, req.dst_page_ids, req.chunk_bytes
-            )
-        except (MapperError, ValueError) as e:
-            return error("mismatch", f"cannot map the pages of {rid!r}: {e}")
-        if (plan.num_chunks, plan.total_bytes) != (req.num_chunks, req.total_bytes):
-            return error(
-                "mismatch",
-                f"plans differ: ours {plan.num_chunks} chunks / {plan.total_bytes} bytes, "
-                f"D's {req.num_chunks} / {req.total_bytes}",
-            )
-        try:
-            self.leases.begin_serving(rid, lease)
-        except (KeyError, ValueError) as e:
-            return error("busy", str(e))
-        return plan, lease
-
-    async def _refuse(self, link: PeerLink, req: PullRequest, err: PullError) -> None:
-        """Answer a refused pull. D posted receives for its first chunks before asking: complete
-        them with empty messages, unless the pull id is taken (they would hit the other pull's)."""
-        log.info("pull of %s refused: %s", err.request_id, err.reason)
-        try:
-            if err.code == "conflict":
-                await link.send(err, self.config.done_deadline_s)
-                return
-            await asyncio.wait_for(
-                drain(link, req.pull_id, req.ready_chunks), self.config.chunk_deadline_s
-            )
-            await link.send(dataclasses.replace(err, drained=True), self.config.done_deadline_s)
-        except Exception as e:  # ucxx errors are not all ConnectionErrors
-            link.abort(f"refusing the pull of {err.request_id} failed: {e!r}")
