@@ -45,6 +45,7 @@ from transfer_baselines import (  # noqa: E402
     peer_copy_times,
     raw_once,
     send_stop,
+    staging_copy_ms,
 )
 from transfer_bench_setup import (  # noqa: E402
     MIB,
@@ -58,9 +59,6 @@ from transfer_bench_setup import (  # noqa: E402
 from kvcache.spec import PoolGroupSpec  # noqa: E402
 from transfer import KVReceiver  # noqa: E402
 from transfer.config import PROGRESS_MODES, resolve_progress_mode  # noqa: E402
-from transfer.mapper import Fragment  # noqa: E402
-from transfer.plan import Chunk  # noqa: E402
-from transfer.staging import gather_chunk, pool_rows, scatter_chunk  # noqa: E402
 
 
 def median_gbps(nbytes: int, seconds: list[float]) -> float:
@@ -95,7 +93,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     raw_dst = torch.empty(args.max_mib * MIB, dtype=torch.uint8, device=device)
     gen = torch.Generator().manual_seed(0)
     sizes = [MIB << i for i in range(32) if args.min_mib * MIB <= MIB << i <= args.max_mib * MIB]
-    diag = staging_copy_ms(buf, spec, receiver.chunk_bytes, gen)
+    diag = staging_copy_ms(
+        buf,
+        spec.page_bytes,
+        choose_pages(receiver.chunk_bytes // spec.page_bytes, spec, "scattered", gen),
+    )
     print(
         f"one staged chunk ({receiver.chunk_bytes / MIB:.0f} MiB, scattered pages) on {device}: "
         f"gather {diag['gather_ms']:.3f} ms, scatter {diag['scatter_ms']:.3f} ms",
@@ -213,35 +215,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "staging_copy": diag,
         "rows": rows,
     }
-
-
-def staging_copy_ms(
-    buf: torch.Tensor, spec: PoolGroupSpec, chunk_bytes: int, gen: torch.Generator
-) -> dict[str, float]:
-    """Median time of gathering / scattering one full chunk of scattered pages on this device."""
-    rows = pool_rows({"full": buf}, {"full": spec.page_bytes})
-    n = chunk_bytes // spec.page_bytes
-    pages = choose_pages(n, spec, "scattered", gen)
-    chunk = Chunk(
-        0,
-        tuple(
-            Fragment("full", "full", p * spec.page_bytes, p * spec.page_bytes, spec.page_bytes)
-            for p in pages
-        ),
-    )
-    staged = torch.empty(chunk.nbytes, dtype=torch.uint8, device=buf.device)
-    out = {}
-    for name, fn, fn_args in [
-        ("gather_ms", gather_chunk, (chunk, rows, staged)),
-        ("scatter_ms", scatter_chunk, (chunk, staged, rows)),
-    ]:
-        times = []
-        for _ in range(6):
-            start = time.perf_counter()
-            fn(*fn_args)
-            times.append(time.perf_counter() - start)
-        out[name] = statistics.median(times[1:]) * 1e3
-    return out
 
 
 def one_pull(

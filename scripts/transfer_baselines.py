@@ -1,16 +1,21 @@
 """The baselines of scripts/bench_transfer.py, timed in the same run as the pulls: raw ucxx (a
 request message, then one send of the same bytes back, between the same two processes) and, on two
-GPUs, a torch peer copy GPU0 -> GPU1 on the copy engines."""
+GPUs, a torch peer copy GPU0 -> GPU1 on the copy engines; also what one staged chunk's gather and
+scatter cost alone on the device."""
 
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
 from typing import Any
 
 import torch
 
+from transfer.mapper import Fragment
+from transfer.plan import Chunk
 from transfer.runtime import UcxRuntime
+from transfer.staging import gather_chunk, pool_rows, scatter_chunk
 
 REQ_TAG, DATA_TAG = 0x5EED0001, 0x5EED0002  # the raw exchange's request and data tags
 
@@ -57,3 +62,25 @@ def peer_copy_times(size: int, repeats: int) -> list[float]:
     round trip to P, like each pull)."""
     buffers = peer_buffers(size)
     return [peer_copy_once(*buffers) for _ in range(repeats + 1)][1:]
+
+
+def staging_copy_ms(buf: torch.Tensor, page_bytes: int, pages: list[int]) -> dict[str, float]:
+    """Median time of gathering / scattering one chunk of ``pages`` of the pool ``buf``."""
+    rows = pool_rows({"full": buf}, {"full": page_bytes})
+    chunk = Chunk(
+        0,
+        tuple(Fragment("full", "full", p * page_bytes, p * page_bytes, page_bytes) for p in pages),
+    )
+    staged = torch.empty(chunk.nbytes, dtype=torch.uint8, device=buf.device)
+    out = {}
+    for name, fn, fn_args in [
+        ("gather_ms", gather_chunk, (chunk, rows, staged)),
+        ("scatter_ms", scatter_chunk, (chunk, staged, rows)),
+    ]:
+        times = []
+        for _ in range(6):
+            start = time.perf_counter()
+            fn(*fn_args)
+            times.append(time.perf_counter() - start)
+        out[name] = statistics.median(times[1:]) * 1e3
+    return out
