@@ -1,11 +1,12 @@
 """Waiting for a direct read's queued copy: from an event loop without blocking it, or on a plain
-thread (direct_read.py); and waiting out work that writes a caller's pages after the caller gave up
-(``outlast_cancels``)."""
+thread (direct_read.py); waiting out work that writes a caller's pages after the caller gave up
+(``outlast_cancels``); and the copies that outlived their pull (``LateCopies``)."""
 
 from __future__ import annotations
 
 import asyncio
 import sys
+import threading
 import time
 from typing import Protocol
 
@@ -74,3 +75,35 @@ async def outlast_cancels(fut: asyncio.Future, timeout: float | None = None) -> 
         except asyncio.CancelledError:
             continue
     return True
+
+
+class LateCopies:
+    """D's direct copies that were still running when their pull ended (past its deadline, or
+    cancelled): their pages went back to the caller, and may be handed to another pull. Our
+    streams are ordered after such a copy (DirectRead fences the model's stream behind it), but UCX
+    writes a chunk straight into pool memory outside any stream of ours, so a pull that receives
+    that way first waits for these (pull.py). Thread-safe: reads end on callers' threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: list[Completion] = []
+
+    def add(self, copy: Completion) -> None:
+        with self._lock:
+            self._running.append(copy)
+
+    def pending(self) -> bool:
+        """Whether some are still running (the ended ones are dropped)."""
+        with self._lock:
+            self._running = [c for c in self._running if not c.query()]
+            return bool(self._running)
+
+    async def wait(self, timeout: float) -> bool:
+        """Wait (without blocking the loop) until every copy added so far has ended; False after
+        ``timeout``."""
+        with self._lock:
+            running = list(self._running)
+        for copy in running:
+            if not await wait_copy(copy, timeout):
+                return False
+        return True

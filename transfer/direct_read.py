@@ -39,7 +39,6 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from transfer.copy_wait import outlast_cancels, wait_copy, wait_copy_blocking
 from transfer.direct_copy import QueuedCopy
@@ -233,8 +232,7 @@ class DirectRead:
 
     def _fence_unfinished_copy(self) -> None:
         """A pull that ends before its copy did (deadline, cancel) hands back pages the copy may
-        still write: the model's stream then waits for the copy before it runs anything more, and
-        every later copy into those pages waits for the model's stream (DirectCopier)."""
+        still write: everything that may write them next waits for the copy (fence_late_copy)."""
         event = self._copy.event if self._copy is not None else None
         if event is not None and not event.query():
             log.error(
@@ -242,7 +240,7 @@ class DirectRead:
                 "waits for it",
                 self.ticket.request_id,
             )
-            torch.cuda.default_stream(self.r.device).wait_event(event)
+            self.r.fence_late_copy(event)
 
     def _finish(self, copied: bool, problem: str | None) -> TransferResult:
         if not copied:

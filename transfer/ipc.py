@@ -42,6 +42,7 @@ import torch
 
 import kernels
 from kvcache.spec import NULL_PAGE
+from transfer.device_memory import DriverQueryFailed, allocation_end
 from transfer.staging import word_rows
 
 log = logging.getLogger(__name__)
@@ -335,8 +336,23 @@ def _open_gpu_pools(export: IpcExport, own: torch.device) -> dict[str, torch.Ten
                 )
             except Exception as e:
                 raise IpcUnavailable(f"cannot open pool {p.name!r}: {e}") from None
+            _check_mapped(storage, p)
             rows[p.name] = _pool_view(storage, p, own)
     return rows
+
+
+def _check_mapped(storage: torch.UntypedStorage, p: IpcPool) -> None:
+    """The storage P claims must lie in the allocation its handle mapped here: the sizes come from
+    P, and a read beyond the mapping would fault our GPU context."""
+    try:
+        end = allocation_end(storage.data_ptr())
+    except DriverQueryFailed as e:
+        raise IpcUnavailable(f"pool {p.name!r}: {e}") from None
+    if storage.data_ptr() + p.storage_bytes > end:
+        raise IpcUnavailable(
+            f"pool {p.name!r}: the peer's {p.storage_bytes}-byte storage does not lie in the "
+            f"allocation its handle maps ({end - storage.data_ptr()} bytes from the storage's start)"
+        )
 
 
 def _pool_view(storage: torch.UntypedStorage, p: IpcPool, device: torch.device) -> torch.Tensor:

@@ -78,6 +78,11 @@ class LeaseBoard:
         self._generation += 1
         return self._generation
 
+    def fresh_generation(self) -> int:
+        """A generation no lease of this board has had or will have (for a lease without a slot)."""
+        with self._lock:
+            return self._next_generation()
+
     def publish(self, declared_prompt_len: int, digest: bytes) -> tuple[int, int] | None:
         """Make a lease visible; returns its (slot, generation), or None when every slot is in
         use (that lease is then pulled over UCX only)."""

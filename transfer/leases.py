@@ -128,12 +128,17 @@ class LeaseTable:
                 lease.state = LeaseState.AWAITING_ACK
                 lease.expires_at = self._clock() + ack_deadline_s
 
-    def release(self, request_id: str, how: str, force: bool = False) -> bool:
-        """End the lease and call the release callback; False if it had ended already, or if it is
-        SERVING and ``force`` is not set (only the serving transfer may end a SERVING lease)."""
+    def release(
+        self, request_id: str, how: str, force: bool = False, expected: Lease | None = None
+    ) -> bool:
+        """End the lease and call the release callback; False if it had ended already, if it is
+        SERVING and ``force`` is not set (only the serving transfer may end a SERVING lease), or if
+        it is not ``expected`` (the request was released and published again meanwhile)."""
         with self._lock:
             lease = self._leases.get(request_id)
             if lease is None or (lease.state is LeaseState.SERVING and not force):
+                return False
+            if expected is not None and lease is not expected:
                 return False
             del self._leases[request_id]
             if self._by_slot.get(lease.slot) is lease:

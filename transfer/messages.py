@@ -148,10 +148,14 @@ class TransferDone:
 
 @dataclass(frozen=True)
 class TransferAck:
+    """D is done with a ticket: ``ok`` after a complete pull, else why it gave up (also when it
+    never sent the PullRequest). ``lease_gen`` is the ticket's: P releases only that lease."""
+
     request_id: str
     pull_id: int
     ok: bool
     error: str
+    lease_gen: int
 
 
 @dataclass(frozen=True)

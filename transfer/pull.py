@@ -129,7 +129,8 @@ class PullSession:
                 raise PullFailed(f"cannot map the pages: {e}") from None
             await self._transfer()
             await self.link.send(
-                TransferAck(rid, self.pull_id, True, ""), self.r.config.done_deadline_s
+                TransferAck(rid, self.pull_id, True, "", self.ticket.lease_gen),
+                self.r.config.done_deadline_s,
             )
             return self._result(start, ok=True)
         except PullFailed as e:
@@ -172,6 +173,16 @@ class PullSession:
     async def _transfer(self) -> None:
         assert self.link is not None and self.plan is not None
         cfg, plan = self.r.config, self.plan
+        if self.r.late_copies.pending() and any(
+            c.direct(cfg.zero_copy, self.r.staging.buffer_bytes) for c in plan.chunks
+        ):
+            # UCX would write pool memory unordered with a late direct copy into those pages.
+            self.r.book.bump("late_copy_waits")
+            if not await self.r.late_copies.wait(cfg.chunk_deadline_s):
+                raise PullFailed(
+                    "a page copy of an earlier pull that outlived its deadline still writes our "
+                    f"pages after {cfg.chunk_deadline_s}s (chunk_deadline_s)"
+                )
         # Every receive straight into the pool is posted now (they need no buffer), then staged ones
         # while buffers last; the feeder credits the rest in plan order as buffers free up.
         pending = [c for c in plan.chunks if not self._post_direct(c)]
@@ -304,7 +315,8 @@ class PullSession:
         # then (the worker's router gives the pages of a failed request back).
         if link is not None and not link.closed and self._refusal is None:
             try:  # first, so P frees its pages now rather than at lease expiry
-                await link.send(TransferAck(rid, self.pull_id, False, reason), cfg.done_deadline_s)
+                ack = TransferAck(rid, self.pull_id, False, reason, self.ticket.lease_gen)
+                await link.send(ack, cfg.done_deadline_s)
             except ConnectionError:
                 pass
             if not self._rejected:

@@ -34,7 +34,7 @@ import torch
 
 from kvcache.spec import PoolGroupSpec
 from transfer.config import TransceiverConfig
-from transfer.copy_wait import outlast_cancels
+from transfer.copy_wait import LateCopies, outlast_cancels
 from transfer.direct_copy import DirectCopier, slot_capacity
 from transfer.direct_read import DirectRead
 from transfer.ipc import warm_up
@@ -74,6 +74,7 @@ class KVReceiver(TransceiverSide):
         # Launches the copies of direct reads on our GPU (None on the CPU, where they are plain
         # copies).
         self.direct_copier: DirectCopier | None = None
+        self.late_copies = LateCopies()  # direct copies that outlived their pull (GPU only)
         try:
             if config.direct_copy and self.rows_on_gpu:
                 with torch.cuda.device(self.device):
@@ -138,6 +139,15 @@ class KVReceiver(TransceiverSide):
             with self._counting_read():
                 return read.run_blocking()
         return self._submit(ticket, dst_page_ids, skip_pages, expected_prompt_len)[1].result()
+
+    def fence_late_copy(self, event: torch.cuda.Event) -> None:
+        """A copy into our pages is still running although its pull ended (past its deadline, or
+        cancelled), and the caller gets the pages back now: the model's stream (and every page copy
+        of ours, which orders itself after that stream) waits for it, and so does the next pull that
+        lets UCX write into pool memory (LateCopies)."""
+        torch.cuda.default_stream(self.device).wait_event(event)
+        self.late_copies.add(event)
+        self.book.bump("late_copies")
 
     def direct_read(
         self,

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -32,7 +33,7 @@ from transfer.admit import admit, refuse
 from transfer.config import TransceiverConfig
 from transfer.ipc import IpcExport, IpcUnavailable, export_pools, unexport
 from transfer.lease_board import BoardUnavailable, LeaseBoard, lease_digest
-from transfer.leases import Lease, LeaseTable
+from transfer.leases import Lease, LeaseState, LeaseTable
 from transfer.messages import (
     ChunkReady,
     HelloReply,
@@ -54,6 +55,11 @@ log = logging.getLogger(__name__)
 
 
 ENDED_PULLS_KEPT = 4096  # ended pulls whose late credits are still completed (pull ids are random)
+
+
+class EndedPull(NamedTuple):
+    num_chunks: int
+    lease: Lease | None  # the lease it served; None for a refused pull
 
 
 class KVSender(TransceiverSide):
@@ -79,16 +85,21 @@ class KVSender(TransceiverSide):
         self.read_ends = ReadEnds(self.leases, self.book)
         self._links: set[PeerLink] = set()
         self._sessions: dict[int, ServeSession] = {}  # pull id -> session
-        # Pulls refused or ended, by (link, pull id) -> their chunk count: D may still credit
-        # chunks of them (its receives freed staging buffers before it read our answer), and each
-        # such receive must be completed, or D waits for it and then aborts the link.
-        self._ended: collections.OrderedDict[tuple[PeerLink, int], int] = collections.OrderedDict()
+        # Pulls refused or ended, by (link, pull id) -> their chunk count and the lease they
+        # served (None when refused): D may still credit chunks of them (its receives freed
+        # staging buffers before it read our answer), and each such receive must be completed, or
+        # D waits for it and then aborts the link; and D's ack of a pull may come after its
+        # session ended, when only that pull's own lease may be released by it.
+        self._ended: collections.OrderedDict[tuple[PeerLink, int], EndedPull] = (
+            collections.OrderedDict()
+        )
         self._session_tasks: set[asyncio.Task] = set()
         # Links that sent a PullRequest, and the agreed chunk size of the latest (prestage.py;
         # read by publish on other threads: a set's truth and an int are safe to read there).
         self._ucx_pullers: set[PeerLink] = set()
         self._puller_chunk_bytes = self.chunk_bytes
         self.board: LeaseBoard | None = None
+        self._generations = itertools.count(1)  # leases' generations when there is no board
         self._export: IpcExport | None = None
         try:
             if config.direct_copy:
@@ -190,7 +201,9 @@ class KVSender(TransceiverSide):
         placed = (
             board.publish(declared_prompt_len, lease_digest(request_id, pages)) if board else None
         )
-        slot, gen = placed if placed is not None else (-1, 0)
+        # Every lease gets a generation of its own, which acks name (with no board slot, one that
+        # no board slot's lease has either).
+        slot, gen = placed if placed is not None else (-1, self._fresh_generation())
         try:
             self.leases.publish(
                 request_id, pages, declared_prompt_len, self.config.lease_s, slot, gen
@@ -214,6 +227,10 @@ class KVSender(TransceiverSide):
             lease_slot=slot,
             lease_gen=gen,
         )
+
+    def _fresh_generation(self) -> int:
+        board = self.board
+        return board.fresh_generation() if board is not None else next(self._generations)
 
     def cancel(self, request_id: str) -> bool:
         """The request is abandoned: free its pages now, unless a pull is reading them (False; the
@@ -283,14 +300,14 @@ class KVSender(TransceiverSide):
             if session is not None and session.link is link:
                 session.credit(msg.chunks)
             elif (link, msg.pull_id) in self._ended:
-                chunks = self._ended[(link, msg.pull_id)]
+                chunks = self._ended[(link, msg.pull_id)].num_chunks
                 self.drain_late(link, msg.pull_id, [i for i in msg.chunks if 0 <= i < chunks])
             else:
                 log.info(
                     "credit for pull %d of %s dropped: no such pull", msg.pull_id, msg.request_id
                 )
         elif isinstance(msg, TransferAck):
-            self._on_ack(msg)
+            self._on_ack(link, msg)
         elif isinstance(msg, ReadDone):
             self.read_ends.on_read_done(msg)
         elif isinstance(msg, Reject):
@@ -298,14 +315,35 @@ class KVSender(TransceiverSide):
         else:
             log.warning("%s: unexpected %s dropped", link.name, type(msg).__name__)
 
-    def _on_ack(self, ack: TransferAck) -> None:
+    def _on_ack(self, link: PeerLink, ack: TransferAck) -> None:
         session = self._sessions.get(ack.pull_id)
-        if session is not None and session.serving and session.req.request_id == ack.request_id:
-            session.ack(ack.ok, ack.error)  # sends may still be completing: the session releases
+        if (
+            session is not None
+            and session.link is link
+            and session.req.request_id == ack.request_id
+        ):
+            if session.serving:
+                session.ack(ack.ok, ack.error)  # sends may still be completing: it releases
+                return
+            lease: Lease | None = session.lease
+        elif (link, ack.pull_id) in self._ended:
+            lease = self._ended[(link, ack.pull_id)].lease  # None: we refused it, nothing to end
+        else:
+            # A pull D gave up before asking for it (cancelled while connecting, or failed by a
+            # check of D's own): it may end the lease it holds a ticket for while no pull has it.
+            lease = self.leases.get(ack.request_id)
+            if lease is not None and (ack.ok or lease.state is not LeaseState.PUBLISHED):
+                lease = None
+        if lease is None or lease.request_id != ack.request_id or lease.gen != ack.lease_gen:
+            log.info(
+                "ack of pull %d of %s dropped: no lease of it here that this pull may end",
+                ack.pull_id,
+                ack.request_id,
+            )
             return
         how = "acked" if ack.ok else f"decode side failed the transfer: {ack.error}"
-        if not self.leases.release(ack.request_id, how):
-            log.info("late ack for %s dropped: its lease already ended", ack.request_id)
+        if not self.leases.release(ack.request_id, how, expected=lease):
+            log.info("late ack for %s dropped: the lease it acks already ended", ack.request_id)
 
     def _start_serving(self, link: PeerLink, req: PullRequest) -> None:
         answer = admit(
@@ -319,7 +357,7 @@ class KVSender(TransceiverSide):
         if isinstance(answer, PullError):
             # (A conflict is a pull id in use by another pull: its late credits are not ours.)
             if answer.code != "conflict":
-                self._mark_ended(link, req)
+                self._mark_ended(link, req, None)
             asyncio.ensure_future(refuse(link, req, answer, self.config))
             return
         plan, lease = answer
@@ -331,7 +369,7 @@ class KVSender(TransceiverSide):
         def finished(t: asyncio.Task) -> None:
             self._session_tasks.discard(t)
             self._sessions.pop(req.pull_id, None)
-            self._mark_ended(link, req)
+            self._mark_ended(link, req, lease)
 
         task.add_done_callback(finished)
 
@@ -341,10 +379,10 @@ class KVSender(TransceiverSide):
         for key in [k for k in self._ended if k[0] is link]:
             del self._ended[key]
 
-    def _mark_ended(self, link: PeerLink, req: PullRequest) -> None:
+    def _mark_ended(self, link: PeerLink, req: PullRequest, lease: Lease | None) -> None:
         if link.closed:
             return
-        self._ended[(link, req.pull_id)] = req.num_chunks
+        self._ended[(link, req.pull_id)] = EndedPull(req.num_chunks, lease)
         while len(self._ended) > ENDED_PULLS_KEPT:
             self._ended.popitem(last=False)
 

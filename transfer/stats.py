@@ -62,6 +62,8 @@ class TransferCounters:
     refused_peers: int = 0
     reconnects: int = 0
     prestaged_chunks: int = 0  # P: first chunks sent as gathered at publish (prestage.py)
+    late_copies: int = 0  # D: direct copies still running when their pull ended (fenced)
+    late_copy_waits: int = 0  # D: UCX pulls into pool memory that first waited for one
 
 
 @dataclass
@@ -90,6 +92,11 @@ class StatsBook:
                 c.failures += 1
             if self.max_stats_len != 0:
                 self._recent.append(stats)
+
+    def bump(self, counter: str) -> None:
+        """Add one to ``counter``, from any thread."""
+        with self._lock:
+            setattr(self.counters, counter, getattr(self.counters, counter) + 1)
 
     def drain(self) -> list[TransferStats]:
         """The transfers recorded since the last drain (oldest first)."""

@@ -68,6 +68,11 @@ def prefill_proc(conn: Connection, device: str, direct: bool) -> None:
             pages = (torch.randperm(spec.num_pages - 1, generator=gen)[:n] + 1).tolist()
             ticket = sender.publish(rid, {"full": pages}, n * spec.page_size)
             conn.send((ticket, _digest(_rows(buf, spec.page_bytes), pages)))
+        elif cmd == "publish_run":  # pages first .. first + n - 1: one run
+            rid, first, n = args
+            pages = list(range(first, first + n))
+            ticket = sender.publish(rid, {"full": pages}, n * spec.page_size)
+            conn.send((ticket, _digest(_rows(buf, spec.page_bytes), pages)))
         elif cmd == "digest":  # of some of P's pages, in order
             conn.send(_digest(_rows(buf, spec.page_bytes), args[0]))
         elif cmd == "cancel":
@@ -119,6 +124,25 @@ def decode_proc(conn: Connection, device: str, direct: bool) -> None:
                     for r, d in zip(results, dsts)
                 ]
             )
+        elif cmd == "pull_run":  # into pages first .. first + n - 1, after a late copy into them
+            ticket, first, late = args
+            n = len(ticket.page_ids["full"])
+            rows = _rows(buf, spec.page_bytes)
+            if late:
+                # A copy into those pages that outlived its pull (as a direct read past its
+                # deadline does): it writes them once a ~1 s sleep on another stream ends, and is
+                # fenced as DirectRead fences it.
+                stream = torch.cuda.Stream(device)
+                with torch.cuda.stream(stream):
+                    torch.cuda._sleep(2_000_000_000)
+                    rows[first : first + n].fill_(0xAB)
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                receiver.fence_late_copy(event)
+            dst = list(range(first, first + n))
+            r = receiver.pull_blocking(ticket, {"full": dst}, 0, n * spec.page_size)
+            waits = receiver.stats()["late_copy_waits"]
+            conn.send((r.ok, r.error, r.stats.path, _digest(rows, dst), waits))
         elif cmd == "close":
             receiver.close()
             conn.send("closed")
@@ -198,6 +222,28 @@ def test_scattered_pages_arrive_exact_between_gpus(direct: bool) -> None:
         while not set(ended) <= set(p.ask("state")[0]) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert set(ended) <= set(p.ask("state")[0])
+    finally:
+        d.close()
+        p.close()
+
+
+def test_ucx_writing_straight_into_pages_waits_for_a_late_copy_into_them() -> None:
+    """A direct copy that outlived its pull writes pages the caller got back; UCX writes a chunk
+    straight into pool memory outside our streams, so the next pull into those pages that lets it
+    do so waits for that copy first (receiver.late_copies): the pull's bytes are the last."""
+    d_device = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
+    p = Proc(prefill_proc, "cuda:0", False)
+    d = Proc(decode_proc, d_device, False)
+    try:
+        # One run of 8 pages on both sides: one chunk, which UCX moves from P's pool straight
+        # into ours. The first pull makes the link and UCX's mappings of both pools.
+        for rid, first, late in (("warm", 40, False), ("straight", 50, True)):
+            ticket, want = p.ask("publish_run", rid, first, 8)
+            ok, error, path, digest, waits = d.ask("pull_run", ticket, 100, late)
+            assert ok, error
+            assert path == "ucx"
+            assert waits == int(late)  # the chunk went straight into the pool, after the copy
+            assert digest == want, f"{rid}: the pulled pages differ from P's"
     finally:
         d.close()
         p.close()

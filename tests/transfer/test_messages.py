@@ -48,7 +48,7 @@ SAMPLES = [
     ChunkReady("req", 7, [0, 1, 2]),
     PullError("req", 7, "expired", "the lease expired", True),
     TransferDone("req", 7, 22, 3072, 3),
-    TransferAck("req", 7, False, "declared history mismatch"),
+    TransferAck("req", 7, False, "declared history mismatch", 3),
     ReadDone("req", 3, True, "", 3072, 850, "cuda_ipc"),
     Reject("", "malformed message"),
 ]
@@ -67,7 +67,7 @@ def envelope(type_name: str, body: object, version: object = PROTOCOL_VERSION) -
     return msgpack.packb({"v": version, "type": type_name, "body": body}, use_bin_type=True)
 
 
-ACK_BODY = {"request_id": "r", "pull_id": 3, "ok": True, "error": ""}
+ACK_BODY = {"request_id": "r", "pull_id": 3, "ok": True, "error": "", "lease_gen": 3}
 
 
 @pytest.mark.parametrize(
