@@ -48,7 +48,8 @@ def gather_chunk(chunk: Chunk, src_rows: Mapping[str, torch.Tensor], out: torch.
         for pool, offset, ids, nbytes in _page_groups(chunk, src_rows, source=True):
             rows = src_rows[pool]
             staged = out[offset : offset + nbytes].view(len(ids), rows.shape[1])
-            gather_pages_ref(word_rows(rows), ids, word_rows(staged))
+            rows, staged = _as_words(rows, staged)
+            gather_pages_ref(rows, ids, staged)
 
 
 def scatter_chunk(chunk: Chunk, staged: torch.Tensor, dst_rows: Mapping[str, torch.Tensor]) -> None:
@@ -57,7 +58,8 @@ def scatter_chunk(chunk: Chunk, staged: torch.Tensor, dst_rows: Mapping[str, tor
         for pool, offset, ids, nbytes in _page_groups(chunk, dst_rows, source=False):
             rows = dst_rows[pool]
             part = staged[offset : offset + nbytes].view(len(ids), rows.shape[1])
-            scatter_pages_ref(word_rows(part), word_rows(rows), ids)
+            part, rows = _as_words(part, rows)
+            scatter_pages_ref(part, rows, ids)
 
 
 def word_rows(rows: torch.Tensor) -> torch.Tensor:
@@ -69,6 +71,13 @@ def word_rows(rows: torch.Tensor) -> torch.Tensor:
     if rows.shape[1] % 8 or rows.data_ptr() % 8:
         return rows
     return rows.view(torch.int64)
+
+
+def _as_words(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both as word rows when both can be, else both as byte rows (a copy across dtypes would
+    convert values)."""
+    wa, wb = word_rows(a), word_rows(b)
+    return (wa, wb) if wa.dtype == wb.dtype else (a, b)
 
 
 def _page_groups(chunk: Chunk, rows: Mapping[str, torch.Tensor], source: bool):

@@ -20,7 +20,9 @@ def pools(seed: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     return buffers, pool_rows(buffers, {s.name: s.page_bytes for s in group_specs})
 
 
-def test_gather_then_scatter_moves_exactly_the_chunk_pages() -> None:
+@pytest.mark.parametrize("shift", [0, 3], ids=["words", "bytes"])
+def test_gather_then_scatter_moves_exactly_the_chunk_pages(shift) -> None:
+    """From a staging buffer at a word address, and at one that is not (then copied as bytes)."""
     src, src_rows = pools(1)
     dst, dst_rows = pools(2)
     before = {g: t.clone() for g, t in dst.items()}
@@ -34,9 +36,10 @@ def test_gather_then_scatter_moves_exactly_the_chunk_pages() -> None:
             Fragment("extra", "extra", 5 * pe, 6 * pe, pe),  # page 5 -> 6
         ),
     )
-    staged = torch.empty(chunk.nbytes + 17, dtype=torch.uint8)  # a staging buffer may be larger
+    buf = torch.empty(chunk.nbytes + 17, dtype=torch.uint8)  # a staging buffer may be larger
+    staged = buf[shift : shift + chunk.nbytes]
     gather_chunk(chunk, src_rows, staged)
-    scatter_chunk(chunk, staged[: chunk.nbytes], dst_rows)
+    scatter_chunk(chunk, staged, dst_rows)
     assert torch.equal(dst["full"][[10, 11, 1]], src["full"][[3, 4, 7]])
     assert torch.equal(dst["extra"][6], src["extra"][5])
     untouched = [i for i in range(16) if i not in (10, 11, 1)]
