@@ -17,7 +17,9 @@ Conversation (D = decode worker, which pulls; P = prefill worker, which serves):
     D -> P  ChunkReady       more credits, as D's staging buffers free up
     P -> D  TransferDone     declared prompt length, bytes, chunks (once every send is posted)
     P -> D  PullError        instead, when P refuses or gives up the pull
-    D -> P  TransferAck      ok, or the reason D failed the transfer; P releases the pages
+    D -> P  TransferAck      ok, or the reason D failed the transfer; P releases that pull's lease
+                             (also sent for a ticket D gave up before its PullRequest: then P
+                             releases the lease the ticket's generation names, if no pull has it)
   A direct read (D opened P's pools, direct_read.py): D checks the lease on P's board, copies P's
   pages into its own and checks the board again; no message until then.
     (no message)             a read that succeeded is a record on D's done board, which P polls
