@@ -123,11 +123,10 @@ class DirectRead:
         """Copy (queued on GPUs, done on the CPU unless ``copy`` is False) and check, in the order
         the module docstring gives; returns why the read cannot be accepted, or None. Raises
         PullFailed only when the copy could not be queued (P is told all the same)."""
-        t = self.ticket
         if self.r.rows_on_gpu and self._launch_native():
             return self._checks()  # while the copy runs
         # Arrays once: the copy, the checks and the digest all want them.
-        self._pages = _arrays(t)
+        self._pages = self._ticket_arrays()
         pairs = None
         if self.r.rows_on_gpu:
             pairs = unchecked_direct_pairs(
@@ -162,7 +161,7 @@ class DirectRead:
                 self.r.rows,
             )
         except RuntimeError as e:  # D's stream is ordered after anything queued
-            self._pages = _arrays(self.ticket)  # for the digest
+            self._pages = self._ticket_arrays()  # for the digest
             self._lease_problem()  # a live lease is then released by ReadDone(ok=False)
             raise PullFailed(f"the page copy failed: {e}") from None
         return self._copy is not None
@@ -187,7 +186,7 @@ class DirectRead:
             # The digest's ids: the ticket's, which the slot holds whole when nothing is skipped.
             whole = read is not None and self.skip == 0
             self._pages = (
-                {sp: p.src for (sp, _), p in read.items()} if whole else _arrays(self.ticket)
+                {sp: p.src for (sp, _), p in read.items()} if whole else self._ticket_arrays()
             )
         src = source_pages(self.ticket, self.r.page_table, self.dst, self.skip, self._pages)
         try:
@@ -197,6 +196,19 @@ class DirectRead:
                 self.plan = direct_plan(self.link.info.page_table, self.r.page_table, src, self.dst)
         except (MapperError, ValueError) as e:
             raise PullFailed(f"cannot map the pages: {e}") from None
+
+    def _ticket_arrays(self) -> dict[str, np.ndarray]:
+        """The ticket's page ids as int64 arrays (the checks and the digest want them so). Ids
+        that are not page ids fail the read; if the ticket names a live lease all the same, P is
+        told (ReadDone), as for a ticket whose pages differ from the lease's, and frees its pages
+        now rather than when the lease expires."""
+        try:
+            return {g: np.asarray(ids, dtype=np.int64) for g, ids in self.ticket.page_ids.items()}
+        except (OverflowError, TypeError, ValueError) as e:
+            t = self.ticket
+            if self.access.board.word(t.lease_slot) == (t.lease_gen << 1) | 1:
+                self._word = (t.lease_gen << 1) | 1
+            raise PullFailed(f"the ticket's page ids are not page ids: {e}") from None
 
     def _lease_problem(self) -> str | None:
         """Why P's board does not vouch for this read, or None (and the lease's word is kept)."""
@@ -307,11 +319,3 @@ class DirectRead:
         )
         self.r.book.record(stats, chunks=1 if ok else 0)
         return TransferResult(self.ticket.request_id, ok, error, stats)
-
-
-def _arrays(ticket: TransferTicket) -> dict[str, np.ndarray]:
-    """The ticket's page ids as int64 arrays (the checks and the digest want them so)."""
-    try:
-        return {g: np.asarray(ids, dtype=np.int64) for g, ids in ticket.page_ids.items()}
-    except (OverflowError, TypeError, ValueError) as e:
-        raise PullFailed(f"the ticket's page ids are not page ids: {e}") from None

@@ -131,6 +131,19 @@ def test_a_ticket_naming_other_pages_is_refused_and_p_gets_its_pages(direct: Pai
     direct.d.free("t1")
 
 
+def test_a_ticket_whose_ids_are_not_page_ids_fails_and_p_gets_its_pages(direct: Pair) -> None:
+    ticket, src = direct.publish("m1", 8)
+    broken = dataclasses.replace(ticket, page_ids={g: ["x"] + ids[1:] for g, ids in src.items()})
+    dst = direct.d.allocate("m1", 8)
+    before = direct.d.pages_of(dst)
+    result = direct.receiver.pull_blocking(broken, dst, 0, 8)
+    assert not result.ok and "not page ids" in result.error
+    assert all(torch.equal(direct.d.pages_of(dst)[g], before[g]) for g in dst)
+    # By ReadDone(ok=False) now: the lease would expire only after 10 s.
+    wait_until(lambda: direct.p.released == ["m1"], timeout=3.0)
+    direct.d.free("m1")
+
+
 def test_a_lease_without_a_board_slot_goes_over_ucx_on_a_direct_link(direct: Pair) -> None:
     first, _, _ = pull(direct, "s0", 4)  # the link is up and direct
     assert first.ok and first.stats.path == "local"
