@@ -8,6 +8,7 @@ import asyncio
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 
@@ -98,12 +99,19 @@ class LateCopies:
             self._running = [c for c in self._running if not c.query()]
             return bool(self._running)
 
-    async def wait(self, timeout: float) -> bool:
-        """Wait (without blocking the loop) until every copy added so far has ended; False after
-        ``timeout``."""
+    async def wait(self, timeout: float, stop: Callable[[], bool]) -> bool:
+        """Wait (without blocking the loop) until every copy added so far has ended, or ``stop()``
+        (then True: the caller checks why); False after ``timeout`` in all."""
         with self._lock:
             running = list(self._running)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
         for copy in running:
-            if not await wait_copy(copy, timeout):
-                return False
+            while not copy.query():
+                waited = loop.time() - start
+                if stop():
+                    return True
+                if waited > timeout:
+                    return False
+                await asyncio.sleep(_poll_pause(waited))
         return True

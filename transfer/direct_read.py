@@ -39,6 +39,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
 from transfer.copy_wait import outlast_cancels, wait_copy, wait_copy_blocking
 from transfer.direct_copy import QueuedCopy
@@ -79,6 +80,7 @@ class DirectRead:
         self._pages: dict[str, np.ndarray] = {}  # the ticket's page ids
         self._word = 0  # the lease's board word, once found live
         self._copy: QueuedCopy | None = None  # on GPUs, once queued
+        self._launched = False  # a GPU copy was (maybe partly) queued
         self._began = time.perf_counter()
 
     async def run(self) -> TransferResult:
@@ -150,6 +152,7 @@ class DirectRead:
         start_pages); False when that path cannot serve this read."""
         copier = self.r.direct_copier
         assert copier is not None, "GPU direct reads go through the DirectCopier"
+        self._launched = True  # (a launch that raises may have queued its first part)
         try:
             self._copy = copier.start_pages(
                 self.access,
@@ -164,7 +167,8 @@ class DirectRead:
             self._pages = self._ticket_arrays()  # for the digest
             self._lease_problem()  # a live lease is then released by ReadDone(ok=False)
             raise PullFailed(f"the page copy failed: {e}") from None
-        return self._copy is not None
+        self._launched = self._copy is not None  # None: nothing queued, the caller copies
+        return self._launched
 
     def _checks(self) -> str | None:
         """Every check of the read (the mapping, then the lease); the board is read even when the
@@ -238,15 +242,24 @@ class DirectRead:
                 assert not self.r.rows_on_gpu, "GPU direct reads go through the DirectCopier"
                 copy_on_cpu(plan, self.access.rows, self.r.rows)
             else:
+                self._launched = True
                 self._copy = copier.start(plan, self.access.copies, self.access.rows, self.r.rows)
         except (RuntimeError, ValueError) as e:  # D's stream is ordered after anything queued
             raise PullFailed(f"the page copy failed: {e}") from None
 
     def _fence_unfinished_copy(self) -> None:
-        """A pull that ends before its copy did (deadline, cancel) hands back pages the copy may
-        still write: everything that may write them next waits for the copy (fence_late_copy)."""
-        event = self._copy.event if self._copy is not None else None
-        if event is not None and not event.query():
+        """A pull that ends before its copy did (deadline, cancel, a launch that failed midway)
+        hands back pages the copy may still write: everything that may write them next waits for
+        the copy (fence_late_copy), through an event of its own recorded now on the copy stream
+        (a slot's event is recorded again by the slot's next copy)."""
+        copier = self.r.direct_copier
+        if copier is None or not self._launched:
+            return  # host copies are done when they return; nothing was queued
+        if self._copy is not None and self._copy.query():
+            return
+        event = torch.cuda.Event()
+        event.record(copier.stream)
+        if not event.query():
             log.error(
                 "the page copy of %s is still running after its pull ended; the model's stream "
                 "waits for it",

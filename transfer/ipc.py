@@ -42,7 +42,7 @@ import torch
 
 import kernels
 from kvcache.spec import NULL_PAGE
-from transfer.device_memory import DriverQueryFailed, allocation_end
+from transfer.device_memory import DriverQueryFailed, mapped_end
 from transfer.staging import word_rows
 
 log = logging.getLogger(__name__)
@@ -342,16 +342,19 @@ def _open_gpu_pools(export: IpcExport, own: torch.device) -> dict[str, torch.Ten
 
 
 def _check_mapped(storage: torch.UntypedStorage, p: IpcPool) -> None:
-    """The storage P claims must lie in the allocation its handle mapped here: the sizes come from
-    P, and a read beyond the mapping would fault our GPU context."""
+    """The storage P claims must lie in memory mapped here: the sizes come from P, and a read
+    beyond its mapping would fault our GPU context. (A mapping of ours that happens to follow P's
+    would pass too: this guards against faults; the ids a read may use are checked against P's
+    page table.)"""
+    start = storage.data_ptr()
     try:
-        end = allocation_end(storage.data_ptr())
+        end = mapped_end(start, start + p.storage_bytes)
     except DriverQueryFailed as e:
         raise IpcUnavailable(f"pool {p.name!r}: {e}") from None
-    if storage.data_ptr() + p.storage_bytes > end:
+    if start + p.storage_bytes > end:
         raise IpcUnavailable(
             f"pool {p.name!r}: the peer's {p.storage_bytes}-byte storage does not lie in the "
-            f"allocation its handle maps ({end - storage.data_ptr()} bytes from the storage's start)"
+            f"memory its handle maps ({end - start} bytes from the storage's start)"
         )
 
 

@@ -178,11 +178,15 @@ class PullSession:
         ):
             # UCX would write pool memory unordered with a late direct copy into those pages.
             self.r.book.bump("late_copy_waits")
-            if not await self.r.late_copies.wait(cfg.chunk_deadline_s):
+            if not await self.r.late_copies.wait(cfg.chunk_deadline_s, lambda: self._cancelled):
                 raise PullFailed(
                     "a page copy of an earlier pull that outlived its deadline still writes our "
                     f"pages after {cfg.chunk_deadline_s}s (chunk_deadline_s)"
                 )
+            # A cancel meanwhile found nothing posted and handed the pages back: post nothing.
+            # (No await from here to the first receive, as in ``run``.)
+            if self._cancelled:
+                raise PullFailed("the pull was cancelled")
         # Every receive straight into the pool is posted now (they need no buffer), then staged ones
         # while buffers last; the feeder credits the rest in plan order as buffers free up.
         pending = [c for c in plan.chunks if not self._post_direct(c)]

@@ -24,7 +24,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -57,11 +57,6 @@ log = logging.getLogger(__name__)
 ENDED_PULLS_KEPT = 4096  # ended pulls whose late credits are still completed (pull ids are random)
 
 
-class EndedPull(NamedTuple):
-    num_chunks: int
-    lease: Lease | None  # the lease it served; None for a refused pull
-
-
 class KVSender(TransceiverSide):
     def __init__(
         self,
@@ -85,14 +80,10 @@ class KVSender(TransceiverSide):
         self.read_ends = ReadEnds(self.leases, self.book)
         self._links: set[PeerLink] = set()
         self._sessions: dict[int, ServeSession] = {}  # pull id -> session
-        # Pulls refused or ended, by (link, pull id) -> their chunk count and the lease they
-        # served (None when refused): D may still credit chunks of them (its receives freed
-        # staging buffers before it read our answer), and each such receive must be completed, or
-        # D waits for it and then aborts the link; and D's ack of a pull may come after its
-        # session ended, when only that pull's own lease may be released by it.
-        self._ended: collections.OrderedDict[tuple[PeerLink, int], EndedPull] = (
-            collections.OrderedDict()
-        )
+        # Pulls refused or ended, by (link, pull id) -> their chunk count: D may still credit
+        # chunks of them (its receives freed staging buffers before it read our answer), and each
+        # such receive must be completed, or D waits for it and then aborts the link.
+        self._ended: collections.OrderedDict[tuple[PeerLink, int], int] = collections.OrderedDict()
         self._session_tasks: set[asyncio.Task] = set()
         # Links that sent a PullRequest, and the agreed chunk size of the latest (prestage.py;
         # read by publish on other threads: a set's truth and an int are safe to read there).
@@ -300,7 +291,7 @@ class KVSender(TransceiverSide):
             if session is not None and session.link is link:
                 session.credit(msg.chunks)
             elif (link, msg.pull_id) in self._ended:
-                chunks = self._ended[(link, msg.pull_id)].num_chunks
+                chunks = self._ended[(link, msg.pull_id)]
                 self.drain_late(link, msg.pull_id, [i for i in msg.chunks if 0 <= i < chunks])
             else:
                 log.info(
@@ -319,31 +310,31 @@ class KVSender(TransceiverSide):
         session = self._sessions.get(ack.pull_id)
         if (
             session is not None
+            and session.serving
             and session.link is link
             and session.req.request_id == ack.request_id
         ):
-            if session.serving:
-                session.ack(ack.ok, ack.error)  # sends may still be completing: it releases
-                return
-            lease: Lease | None = session.lease
-        elif (link, ack.pull_id) in self._ended:
-            lease = self._ended[(link, ack.pull_id)].lease  # None: we refused it, nothing to end
-        else:
-            # A pull D gave up before asking for it (cancelled while connecting, or failed by a
-            # check of D's own): it may end the lease it holds a ticket for while no pull has it.
-            lease = self.leases.get(ack.request_id)
-            if lease is not None and (ack.ok or lease.state is not LeaseState.PUBLISHED):
-                lease = None
-        if lease is None or lease.request_id != ack.request_id or lease.gen != ack.lease_gen:
+            session.ack(ack.ok, ack.error)  # sends may still be completing: the session releases
+            return
+        # Most acks come after their session ended (the lease then awaits the ack). A generation
+        # names one lease for good, so the ack's picks its lease: never a later publish of the
+        # request. A negative ack may also end a lease no pull has had (D gave up before asking);
+        # a lease that a pull is serving ends with that pull.
+        lease = self.leases.get(ack.request_id)
+        if (
+            lease is None
+            or lease.gen != ack.lease_gen
+            or lease.state is LeaseState.SERVING
+            or (ack.ok and lease.state is not LeaseState.AWAITING_ACK)
+        ):
             log.info(
-                "ack of pull %d of %s dropped: no lease of it here that this pull may end",
+                "ack of pull %d of %s dropped: no lease of it here that it may end",
                 ack.pull_id,
                 ack.request_id,
             )
             return
         how = "acked" if ack.ok else f"decode side failed the transfer: {ack.error}"
-        if not self.leases.release(ack.request_id, how, expected=lease):
-            log.info("late ack for %s dropped: the lease it acks already ended", ack.request_id)
+        self.leases.release(ack.request_id, how, expected=lease)
 
     def _start_serving(self, link: PeerLink, req: PullRequest) -> None:
         answer = admit(
@@ -357,7 +348,7 @@ class KVSender(TransceiverSide):
         if isinstance(answer, PullError):
             # (A conflict is a pull id in use by another pull: its late credits are not ours.)
             if answer.code != "conflict":
-                self._mark_ended(link, req, None)
+                self._mark_ended(link, req)
             asyncio.ensure_future(refuse(link, req, answer, self.config))
             return
         plan, lease = answer
@@ -369,7 +360,7 @@ class KVSender(TransceiverSide):
         def finished(t: asyncio.Task) -> None:
             self._session_tasks.discard(t)
             self._sessions.pop(req.pull_id, None)
-            self._mark_ended(link, req, lease)
+            self._mark_ended(link, req)
 
         task.add_done_callback(finished)
 
@@ -379,10 +370,10 @@ class KVSender(TransceiverSide):
         for key in [k for k in self._ended if k[0] is link]:
             del self._ended[key]
 
-    def _mark_ended(self, link: PeerLink, req: PullRequest, lease: Lease | None) -> None:
+    def _mark_ended(self, link: PeerLink, req: PullRequest) -> None:
         if link.closed:
             return
-        self._ended[(link, req.pull_id)] = EndedPull(req.num_chunks, lease)
+        self._ended[(link, req.pull_id)] = req.num_chunks
         while len(self._ended) > ENDED_PULLS_KEPT:
             self._ended.popitem(last=False)
 

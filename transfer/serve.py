@@ -65,7 +65,6 @@ class ServeSession:
         self.link = link
         self.req = req
         self.plan = plan
-        self.lease = lease  # the one this session serves (a late ack may release only it)
         self.serving = True  # until every send has ended; acks go to the session meanwhile
         self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self._tasks: dict[int, asyncio.Task] = {}

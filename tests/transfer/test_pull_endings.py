@@ -309,3 +309,71 @@ def test_an_ack_releases_only_the_lease_its_own_pull_served(monkeypatch) -> None
         assert torch.equal(pair.d.pages_of(dst)["full"], pair.p.pages_of(src)["full"])
         wait_until(lambda: pair.p.released.count("r") == 2)
         pair.d.free("r")
+
+
+def test_an_ack_after_its_pull_was_forgotten_still_ends_its_lease(monkeypatch) -> None:
+    """P remembers ended pulls only so long (ENDED_PULLS_KEPT, all links together); their acks,
+    which mostly come after the session ended, still end the lease their generation names at once,
+    not when the ack deadline expires it."""
+    monkeypatch.setattr(transfer.sender, "ENDED_PULLS_KEPT", 0)
+    with checked_pair(config(ack_deadline_s=30.0)) as pair:
+        pull_next_ok(pair, "r")  # waits until P released the pages
+        assert pair.sender.stats()["expired_leases"] == 0
+
+
+class HeldCopy:
+    """A direct copy that outlived its pull, as LateCopies sees one (the Completion protocol): on
+    the CPU there is no CUDA event, so the test says when it ends."""
+
+    def __init__(self) -> None:
+        self.ended = threading.Event()
+
+    def query(self) -> bool:
+        return self.ended.is_set()
+
+
+def test_a_pull_cancelled_while_it_waits_for_a_late_copy_posts_nothing(monkeypatch) -> None:
+    """A UCX pull into pool memory first waits for late direct copies (LateCopies). A cancel
+    meanwhile finds no receive posted and hands the pages back at once, so once the wait ends the
+    pull must post nothing: P's bytes must not land in pages the caller uses again."""
+    cfg = config(zero_copy=True, lease_s=30.0)
+    sides = Sides(cfg, cfg, scramble=False)  # one run of pages: chunks go straight into the pool
+    try:
+        warm = sides.sender.publish("warm", sides.p.allocate("warm", 8), 8)
+        assert sides.receiver.pull_blocking(warm, sides.d.allocate("warm", 8), 0, 8).ok
+        link = next(iter(sides.receiver.links.open.values()))
+        real_send = link.send
+
+        async def slow_negative_acks(msg, timeout):  # a loaded link: P hears of it late
+            if isinstance(msg, TransferAck) and not msg.ok:
+                await asyncio.sleep(0.2)
+            await real_send(msg, timeout)
+
+        monkeypatch.setattr(link, "send", slow_negative_acks)
+        ticket = sides.sender.publish("r", sides.p.allocate("r", 8), 8)
+        dst = sides.d.allocate("r", 8)
+        late = HeldCopy()
+        sides.receiver.late_copies.add(late)
+
+        async def cancel_while_waiting() -> None:
+            task = asyncio.ensure_future(sides.receiver.pull(ticket, dst, 0, 8))
+            deadline = time.monotonic() + 10
+            while sides.receiver.stats()["late_copy_waits"] == 0:
+                assert time.monotonic() < deadline, "the pull never waited for the late copy"
+                await asyncio.sleep(0.005)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+        asyncio.run(cancel_while_waiting())
+        for g, ids in dst.items():  # the caller uses its pages again
+            sides.d.kv.buffers[g][ids] = 7
+        late.ended.set()
+        wait_until(lambda: "r" in sides.p.released)  # by D's negative ack
+        time.sleep(0.3)  # what P might still send would have landed by now
+        assert all(bool((sides.d.pages_of(dst)[g] == 7).all()) for g in dst)
+        sides.d.free("r")
+        sides.d.free("warm")
+        wait_until(lambda: "warm" in sides.p.released)
+    finally:
+        sides.close()
