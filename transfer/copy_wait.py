@@ -90,7 +90,8 @@ class LateCopies:
         self._running: list[Completion] = []
 
     def add(self, copy: Completion) -> None:
-        with self._lock:
+        with self._lock:  # (ended ones dropped here too: a side that never pulls over UCX)
+            self._running = [c for c in self._running if not c.query()]
             self._running.append(copy)
 
     def pending(self) -> bool:
