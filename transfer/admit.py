@@ -40,6 +40,12 @@ def admit(
     lease = leases.get(rid)
     if lease is None:
         return error(*leases.why_missing(rid))
+    if lease.gen != req.lease_gen:  # a stale ticket: serving it would leave its ack unheard
+        return error(
+            "unknown",
+            f"the ticket's lease of {rid!r} (generation {req.lease_gen}) ended; the request was "
+            f"published again since (generation {lease.gen})",
+        )
     if pull_id_in_use:
         return error("conflict", f"pull id {req.pull_id} is already in use")
     if len(set(req.ready_chunks)) != len(req.ready_chunks) or any(

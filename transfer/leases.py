@@ -120,13 +120,19 @@ class LeaseTable:
             if lease is not None:
                 lease.expires_at = max(lease.expires_at, self._clock() + lease_s)
 
-    def await_ack(self, request_id: str, ack_deadline_s: float) -> None:
-        """TransferDone was sent: the lease now ends on the ack or ``ack_deadline_s`` from now."""
+    def await_ack(self, request_id: str, ack_deadline_s: float) -> bool:
+        """The serving pull sent everything: the lease now ends on the ack or ``ack_deadline_s``
+        from now. False (and nothing changes) when a cancel came while it was SERVING: the caller
+        releases it now. (Under the lock: a cancel after this finds it AWAITING_ACK, and ends it.)"""
         with self._lock:
             lease = self._leases.get(request_id)
-            if lease is not None:
-                lease.state = LeaseState.AWAITING_ACK
-                lease.expires_at = self._clock() + ack_deadline_s
+            if lease is None:
+                return True
+            if lease.cancel_requested:
+                return False
+            lease.state = LeaseState.AWAITING_ACK
+            lease.expires_at = self._clock() + ack_deadline_s
+            return True
 
     def release(
         self, request_id: str, how: str, force: bool = False, expected: Lease | None = None

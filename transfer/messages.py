@@ -105,7 +105,8 @@ class HelloReply:
 class PullRequest:
     """``src_page_ids`` are the ticket's pages (P checks them against what it published);
     ``dst_page_ids`` are D's pages for ``src_page_ids[g][skip_pages:]``. ``num_chunks`` and
-    ``total_bytes`` are D's plan, which P must reproduce exactly."""
+    ``total_bytes`` are D's plan, which P must reproduce exactly. ``lease_gen`` is the ticket's:
+    P serves only that lease, never a later publish of the request."""
 
     request_id: str
     pull_id: int
@@ -116,6 +117,7 @@ class PullRequest:
     num_chunks: int
     total_bytes: int
     ready_chunks: list[int]
+    lease_gen: int
 
 
 @dataclass(frozen=True)

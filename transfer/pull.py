@@ -168,6 +168,7 @@ class PullSession:
             self.plan.num_chunks,
             self.plan.total_bytes,
             ready,
+            self.ticket.lease_gen,
         )
 
     async def _transfer(self) -> None:

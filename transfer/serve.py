@@ -109,8 +109,8 @@ class ServeSession:
             self.serving = False
             if self._acked is not None:  # D had every byte before our send completions came in
                 self.sender.leases.release(rid, "acked", force=True)
-            else:
-                self.sender.leases.await_ack(rid, cfg.ack_deadline_s)
+            elif not self.sender.leases.await_ack(rid, cfg.ack_deadline_s):
+                self.sender.leases.release(rid, "cancelled", force=True)  # while we served it
             self._record(start, ok=True)
         except (ServeFailed, ConnectionError) as e:
             self.serving = False

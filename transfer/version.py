@@ -7,8 +7,8 @@ exchanging bytes they would read differently.
 
 from __future__ import annotations
 
-# 3: P exports its pools and lease board, D reads; 4: D's done board in Hello; 5: TransferAck names
-# the lease (lease_gen)
+# 3: P exports its pools and lease board, D reads; 4: D's done board in Hello; 5: PullRequest and
+# TransferAck name the ticket's lease (lease_gen)
 PROTOCOL_VERSION = 5
 
 # The page-major layout of kvcache/spec.py: one page of a pool group is one contiguous run of bytes.

@@ -70,6 +70,21 @@ def test_renewal_and_the_ack_deadline(table) -> None:
     assert leases.why_missing("a")[1].endswith("expired waiting for the ack")
 
 
+def test_a_cancel_while_serving_ends_the_lease_with_the_pull(table) -> None:
+    """cancel() cannot free pages a pull reads; the pull's end then does, not the ack deadline. A
+    cancel once the pull has sent everything ends the lease at once."""
+    leases, _, released = table
+    leases.publish("a", {"full": [1]}, 3, lease_s=1)
+    leases.begin_serving("a")
+    assert not leases.cancel("a") and released == []
+    assert not leases.await_ack("a", ack_deadline_s=2)  # the caller releases it now
+    assert leases.get("a").state is LeaseState.SERVING
+    leases.publish("b", {"full": [2]}, 3, lease_s=1)
+    leases.begin_serving("b")
+    assert leases.await_ack("b", ack_deadline_s=2)
+    assert leases.cancel("b") and released == ["b"]
+
+
 def test_cancel_publish_twice_and_unknown(table) -> None:
     leases, _, released = table
     leases.publish("a", {"full": [1]}, 3, lease_s=1)

@@ -44,6 +44,7 @@ SAMPLES = [
         1,
         3072,
         [0],
+        5,
     ),
     ChunkReady("req", 7, [0, 1, 2]),
     PullError("req", 7, "expired", "the lease expired", True),

@@ -21,7 +21,7 @@ import transfer.sender
 import transfer.serve
 from tests.transfer import test_transfer_failures as failures
 from tests.transfer.conftest import MODEL, KVSide, config, specs
-from tests.transfer.test_transfer_local import Pair, cancel_pull, checked_pair, wait_until
+from tests.transfer.test_transfer_local import Pair, cancel_pull, wait_until
 from transfer import KVReceiver, KVSender
 from transfer.messages import TransferAck
 
@@ -275,50 +275,6 @@ def test_a_pull_d_gives_up_while_p_gathers_costs_no_link(monkeypatch) -> None:
         wait_until(lambda: {"victim", "other"} <= set(sides.p.released))
     finally:
         sides.close()
-
-
-def test_an_ack_releases_only_the_lease_its_own_pull_served(monkeypatch) -> None:
-    """P matches an ack by its pull, not by request id alone: an ack of a pull of an earlier lease
-    of the same request id (released, then published again) and an ack of a pull P never served
-    end nothing, and the new ticket's pull still gets its pages."""
-    with checked_pair(config(lease_s=30.0)) as pair:
-        pull_next_ok(pair, "first")  # opens the link
-        link = next(iter(pair.receiver.links.open.values()))
-        acks: list[TransferAck] = []
-        real_send = link.send
-
-        async def recording(msg, timeout):
-            if isinstance(msg, TransferAck):
-                acks.append(msg)
-            await real_send(msg, timeout)
-
-        monkeypatch.setattr(link, "send", recording)
-        pull_next_ok(pair, "r")  # its ack ends its lease
-        assert [a.request_id for a in acks] == ["r"] and acks[0].ok
-        ticket, src = pair.publish("r", 8)  # the same request id, a new lease
-        for stale in (
-            acks[0],
-            TransferAck("r", acks[0].pull_id + 1, False, "not a pull of P's", ticket.lease_gen + 1),
-        ):
-            pair.receiver.runtime.loop.call_soon_threadsafe(link.post, stale)
-        pull_next_ok(pair, "later")  # P handled the two acks before this pull's request
-        assert pair.p.released.count("r") == 1 and pair.sender.leases.get("r") is not None
-        dst = pair.d.allocate("r", 8)
-        result = pair.receiver.pull_blocking(ticket, dst, 0, 8)
-        assert result.ok, result.error
-        assert torch.equal(pair.d.pages_of(dst)["full"], pair.p.pages_of(src)["full"])
-        wait_until(lambda: pair.p.released.count("r") == 2)
-        pair.d.free("r")
-
-
-def test_an_ack_after_its_pull_was_forgotten_still_ends_its_lease(monkeypatch) -> None:
-    """P remembers ended pulls only so long (ENDED_PULLS_KEPT, all links together); their acks,
-    which mostly come after the session ended, still end the lease their generation names at once,
-    not when the ack deadline expires it."""
-    monkeypatch.setattr(transfer.sender, "ENDED_PULLS_KEPT", 0)
-    with checked_pair(config(ack_deadline_s=30.0)) as pair:
-        pull_next_ok(pair, "r")  # waits until P released the pages
-        assert pair.sender.stats()["expired_leases"] == 0
 
 
 class HeldCopy:

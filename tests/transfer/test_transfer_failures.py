@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.transfer.conftest import MODEL, UCX_ENV, KVSide, config, specs
-from tests.transfer.test_transfer_local import Pair, wait_until
+from tests.transfer.test_transfer_local import Pair, checked_pair, wait_until
 from transfer import KVReceiver, KVSender
 from transfer.messages import Hello, HelloReply, PullRequest, Reject, decode_message, encode_message
 from transfer.runtime import UcxRuntime
@@ -317,3 +317,25 @@ def test_a_refused_pull_leaves_the_request_for_its_right_ticket(pair: Pair) -> N
     assert torch.equal(pair.d.pages_of(dst)["full"], pair.p.pages_of(src)["full"])
     wait_until(lambda: pair.p.released[-1:] == ["r"])
     pair.d.free("r")
+
+
+def test_a_ticket_of_an_ended_lease_is_refused_once_the_request_is_published_again() -> None:
+    """A request published again (a cached prefix may give it the very same pages) has a lease of
+    another generation. P refuses the old ticket instead of serving the new lease to it: that
+    pull's ack would name the old lease and go unheard, and the new lease would stay pinned (its
+    own ticket refused as busy) until the ack deadline."""
+    with checked_pair(config(lease_s=30.0, ack_deadline_s=30.0)) as pair:
+        pull_next_ok(pair, "first")
+        old, _ = pair.publish("r", 8)
+        assert pair.sender.cancel("r")
+        ticket, src = pair.publish("r", 8)
+        stale = dataclasses.replace(ticket, lease_gen=old.lease_gen)  # the old ticket's lease
+        dst = pair.d.allocate("r", 8)
+        result = pair.receiver.pull_blocking(stale, dst, 0, 8)
+        assert not result.ok and "published again since" in result.error
+        result = pair.receiver.pull_blocking(ticket, dst, 0, 8)
+        assert result.ok, result.error
+        assert torch.equal(pair.d.pages_of(dst)["full"], pair.p.pages_of(src)["full"])
+        wait_until(lambda: pair.p.released.count("r") == 2)  # cancelled, then acked
+        assert pair.sender.stats()["expired_leases"] == 0
+        pair.d.free("r")
