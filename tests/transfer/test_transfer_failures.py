@@ -309,14 +309,20 @@ def test_a_refused_pull_leaves_the_request_for_its_right_ticket(pair: Pair) -> N
     pull_next_ok(pair, "first")
     ticket, src = pair.publish("r", 8)
     forged = dataclasses.replace(ticket, page_ids={"full": list(reversed(src["full"]))})
+    refused_then_right(pair, forged, ticket, src, "differ from the published ones")
+    wait_until(lambda: pair.p.released[-1:] == ["r"])
+    pair.d.free("r")
+
+
+def refused_then_right(pair: Pair, bad, ticket, src, why: str) -> None:
+    """``bad`` (a ticket of request "r") is refused for ``why``; then ``ticket``, the right one,
+    pulls "r" exactly into the same pages of D."""
     dst = pair.d.allocate("r", 8)
-    result = pair.receiver.pull_blocking(forged, dst, 0, 8)
-    assert not result.ok and "differ from the published ones" in result.error
+    result = pair.receiver.pull_blocking(bad, dst, 0, 8)
+    assert not result.ok and why in result.error
     result = pair.receiver.pull_blocking(ticket, dst, 0, 8)
     assert result.ok, result.error
     assert torch.equal(pair.d.pages_of(dst)["full"], pair.p.pages_of(src)["full"])
-    wait_until(lambda: pair.p.released[-1:] == ["r"])
-    pair.d.free("r")
 
 
 def test_a_ticket_of_an_ended_lease_is_refused_once_the_request_is_published_again() -> None:
@@ -330,12 +336,7 @@ def test_a_ticket_of_an_ended_lease_is_refused_once_the_request_is_published_aga
         assert pair.sender.cancel("r")
         ticket, src = pair.publish("r", 8)
         stale = dataclasses.replace(ticket, lease_gen=old.lease_gen)  # the old ticket's lease
-        dst = pair.d.allocate("r", 8)
-        result = pair.receiver.pull_blocking(stale, dst, 0, 8)
-        assert not result.ok and "published again since" in result.error
-        result = pair.receiver.pull_blocking(ticket, dst, 0, 8)
-        assert result.ok, result.error
-        assert torch.equal(pair.d.pages_of(dst)["full"], pair.p.pages_of(src)["full"])
+        refused_then_right(pair, stale, ticket, src, "published again since")
         wait_until(lambda: pair.p.released.count("r") == 2)  # cancelled, then acked
         assert pair.sender.stats()["expired_leases"] == 0
         pair.d.free("r")
