@@ -143,6 +143,14 @@ def decode_proc(conn: Connection, device: str, direct: bool) -> None:
             r = receiver.pull_blocking(ticket, {"full": dst}, 0, n * spec.page_size)
             waits = receiver.stats()["late_copy_waits"]
             conn.send((r.ok, r.error, r.stats.path, _digest(rows, dst), waits))
+        elif cmd == "busy_model":  # the model's stream busy for about a second from now
+            torch.cuda._sleep(2_000_000_000)
+            conn.send("busy")
+        elif cmd == "chunk_deadline_s":
+            receiver.config = dataclasses.replace(receiver.config, chunk_deadline_s=args[0])
+            conn.send("set")
+        elif cmd == "stats":
+            conn.send(receiver.stats())
         elif cmd == "close":
             receiver.close()
             conn.send("closed")
@@ -244,6 +252,37 @@ def test_ucx_writing_straight_into_pages_waits_for_a_late_copy_into_them() -> No
             assert path == "ucx"
             assert waits == int(late)  # the chunk went straight into the pool, after the copy
             assert digest == want, f"{rid}: the pulled pages differ from P's"
+    finally:
+        d.close()
+        p.close()
+
+
+def test_a_direct_copy_past_its_deadline_is_fenced_and_p_gets_its_pages() -> None:
+    """D's direct copies wait for its model stream; with that stream busy, a read's copy cannot
+    end within its deadline: the pull fails, the copy is fenced as a late copy (the model stream
+    and later UCX writes wait for it), P gets its pages back at once, and the next read works."""
+    d_device = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
+    p = Proc(prefill_proc, "cuda:0", True)
+    d = Proc(decode_proc, d_device, True)
+    try:
+        warm, want = p.ask("publish", "warm", 16)
+        [(ok, error, _, _, digest)] = d.ask("pull", [warm])
+        assert ok and digest == want, error
+        assert d.ask("chunk_deadline_s", 0.05) == "set"
+        assert d.ask("busy_model") == "busy"
+        late, _ = p.ask("publish", "late", 16)
+        [(ok, error, path, nbytes, _)] = d.ask("pull", [late])
+        assert not ok and nbytes == 0 and path == "cuda_ipc"
+        assert "did not end within" in error, error
+        assert d.ask("stats")["late_copies"] == 1
+        deadline = time.monotonic() + 10
+        while "late" not in p.ask("state")[0] and time.monotonic() < deadline:
+            time.sleep(0.05)  # by ReadDone(ok=False): P's lease would last 30 s
+        assert "late" in p.ask("state")[0]
+        assert d.ask("chunk_deadline_s", 10.0) == "set"
+        again, want = p.ask("publish", "again", 16)
+        [(ok, error, _, _, digest)] = d.ask("pull", [again])
+        assert ok and digest == want, error
     finally:
         d.close()
         p.close()
