@@ -91,14 +91,17 @@ class LateCopies:
 
     def add(self, copy: Completion) -> None:
         with self._lock:  # (ended ones dropped here too: a side that never pulls over UCX)
-            self._running = [c for c in self._running if not c.query()]
+            self._running = self._still_running()
             self._running.append(copy)
 
     def pending(self) -> bool:
         """Whether some are still running (the ended ones are dropped)."""
         with self._lock:
-            self._running = [c for c in self._running if not c.query()]
+            self._running = self._still_running()
             return bool(self._running)
+
+    def _still_running(self) -> list[Completion]:
+        return [c for c in self._running if not c.query()]
 
     async def wait(self, timeout: float, stop: Callable[[], bool]) -> bool:
         """Wait (without blocking the loop) until every copy added so far has ended, or ``stop()``

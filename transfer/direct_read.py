@@ -209,16 +209,16 @@ class DirectRead:
         try:
             return {g: np.asarray(ids, dtype=np.int64) for g, ids in self.ticket.page_ids.items()}
         except (OverflowError, TypeError, ValueError) as e:
-            t = self.ticket
-            if self.access.board.word(t.lease_slot) == (t.lease_gen << 1) | 1:
-                self._word = (t.lease_gen << 1) | 1
+            live = _live_word(self.ticket)
+            if self.access.board.word(self.ticket.lease_slot) == live:
+                self._word = live
             raise PullFailed(f"the ticket's page ids are not page ids: {e}") from None
 
     def _lease_problem(self) -> str | None:
         """Why P's board does not vouch for this read, or None (and the lease's word is kept)."""
         t = self.ticket
         word, declared, digest = self.access.board.entry(t.lease_slot)
-        if word != (t.lease_gen << 1) | 1:
+        if word != _live_word(t):
             return (
                 f"the lease of request {t.request_id!r} ended (expired, or released) before the "
                 "read: the prefill worker no longer holds its pages"
@@ -332,3 +332,8 @@ class DirectRead:
         )
         self.r.book.record(stats, chunks=1 if ok else 0)
         return TransferResult(self.ticket.request_id, ok, error, stats)
+
+
+def _live_word(ticket: TransferTicket) -> int:
+    """The board word of the ticket's lease while it is live (lease_board.py)."""
+    return (ticket.lease_gen << 1) | 1

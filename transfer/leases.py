@@ -134,17 +134,32 @@ class LeaseTable:
             lease.expires_at = self._clock() + ack_deadline_s
             return True
 
-    def release(
-        self, request_id: str, how: str, force: bool = False, expected: Lease | None = None
-    ) -> bool:
-        """End the lease and call the release callback; False if it had ended already, if it is
-        SERVING and ``force`` is not set (only the serving transfer may end a SERVING lease), or if
-        it is not ``expected`` (the request was released and published again meanwhile)."""
+    def release(self, request_id: str, how: str, force: bool = False) -> bool:
+        """End the lease and call the release callback; False if it had ended already, or if it is
+        SERVING and ``force`` is not set (only the serving transfer may end a SERVING lease)."""
+        return self._end(
+            request_id, how, lambda lease: force or lease.state is not LeaseState.SERVING
+        )
+
+    def end_on_ack(self, request_id: str, gen: int, ok: bool, how: str) -> bool:
+        """An ack from outside the serving pull (most come after it ended): it ends only the lease
+        of generation ``gen`` (never a later publish of the request), a positive one only while
+        that lease awaits its ack, a negative one also before any pull had it (D gave up before
+        asking). A lease a pull is serving ends with that pull. False if nothing ended."""
+
+        def may_end(lease: Lease) -> bool:
+            if lease.gen != gen:
+                return False
+            return lease.state is LeaseState.AWAITING_ACK or (
+                not ok and lease.state is LeaseState.PUBLISHED
+            )
+
+        return self._end(request_id, how, may_end)
+
+    def _end(self, request_id: str, how: str, may_end: Callable[[Lease], bool]) -> bool:
         with self._lock:
             lease = self._leases.get(request_id)
-            if lease is None or (lease.state is LeaseState.SERVING and not force):
-                return False
-            if expected is not None and lease is not expected:
+            if lease is None or not may_end(lease):
                 return False
             del self._leases[request_id]
             if self._by_slot.get(lease.slot) is lease:

@@ -33,7 +33,7 @@ from transfer.admit import admit, refuse
 from transfer.config import TransceiverConfig
 from transfer.ipc import IpcExport, IpcUnavailable, export_pools, unexport
 from transfer.lease_board import BoardUnavailable, LeaseBoard, lease_digest
-from transfer.leases import Lease, LeaseState, LeaseTable
+from transfer.leases import Lease, LeaseTable
 from transfer.messages import (
     ChunkReady,
     HelloReply,
@@ -316,25 +316,13 @@ class KVSender(TransceiverSide):
         ):
             session.ack(ack.ok, ack.error)  # sends may still be completing: the session releases
             return
-        # Most acks come after their session ended (the lease then awaits the ack). A generation
-        # names one lease for good, so the ack's picks its lease: never a later publish of the
-        # request. A negative ack may also end a lease no pull has had (D gave up before asking);
-        # a lease that a pull is serving ends with that pull.
-        lease = self.leases.get(ack.request_id)
-        if (
-            lease is None
-            or lease.gen != ack.lease_gen
-            or lease.state is LeaseState.SERVING
-            or (ack.ok and lease.state is not LeaseState.AWAITING_ACK)
-        ):
+        how = "acked" if ack.ok else f"decode side failed the transfer: {ack.error}"
+        if not self.leases.end_on_ack(ack.request_id, ack.lease_gen, ack.ok, how):
             log.info(
                 "ack of pull %d of %s dropped: no lease of it here that it may end",
                 ack.pull_id,
                 ack.request_id,
             )
-            return
-        how = "acked" if ack.ok else f"decode side failed the transfer: {ack.error}"
-        self.leases.release(ack.request_id, how, expected=lease)
 
     def _start_serving(self, link: PeerLink, req: PullRequest) -> None:
         answer = admit(

@@ -85,6 +85,19 @@ def test_a_cancel_while_serving_ends_the_lease_with_the_pull(table) -> None:
     assert leases.cancel("b") and released == ["b"]
 
 
+def test_an_ack_ends_only_the_lease_of_its_generation_in_a_state_it_may_end(table) -> None:
+    leases, _, released = table
+    leases.publish("a", {"full": [1]}, 3, lease_s=1, gen=7)
+    assert not leases.end_on_ack("a", 6, False, "an older lease's ack")
+    assert not leases.end_on_ack("a", 7, True, "acked before any pull")  # positive: no pull had it
+    leases.begin_serving("a")
+    assert not leases.end_on_ack("a", 7, False, "gave up")  # the serving pull ends it
+    assert leases.await_ack("a", ack_deadline_s=2)
+    assert leases.end_on_ack("a", 7, True, "acked") and released == ["a"]
+    leases.publish("b", {"full": [2]}, 3, lease_s=1, gen=8)
+    assert leases.end_on_ack("b", 8, False, "D gave up before asking") and released == ["a", "b"]
+
+
 def test_cancel_publish_twice_and_unknown(table) -> None:
     leases, _, released = table
     leases.publish("a", {"full": [1]}, 3, lease_s=1)
