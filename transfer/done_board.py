@@ -13,7 +13,9 @@ The board is a ring of records and a count of records ever written, stored after
 (D writes under a lock; P reads the count, the records, then the count again, and drops, counted
 as lost, any record D may have been overwriting meanwhile). A record P never sees only delays
 that lease until it expires. Generations name one lease for good, so a stale record releases
-nothing. Memory order is lease_board.py's: stores become visible in order (x86-64).
+nothing. Closing the board sets a flag after the last record: P then drains it once more and stops
+polling it (a link that fell back to UCX closes its board in the handshake, and P would otherwise
+poll it every millisecond for the life of the link). Memory order is lease_board.py's: stores become visible in order (x86-64).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import numpy as np
 from transfer.shared_file import SharedFile, SharedFileUnavailable, map_readonly
 
 _MAGIC = b"DUETDB01"
-_HEADER = 32  # magic, capacity (uint64), records ever written (uint64), spare
+_HEADER = 32  # magic, capacity (uint64), records ever written (uint64), flags (uint64)
+_ENDED = 1  # flag: D closed the board (it posts no more; P may stop reading it)
 RECORD = np.dtype(
     [("gen", "<u8"), ("slot", "<i8"), ("nbytes", "<i8"), ("micros", "<i8"), ("path", "<i8")]
 )
@@ -48,6 +51,7 @@ class DoneBoard:
         m = self._file.map
         m[:16] = _MAGIC + capacity.to_bytes(8, "little")
         self._count = np.frombuffer(m, dtype="<u8", count=1, offset=16)
+        self._flags = np.frombuffer(m, dtype="<u8", count=1, offset=24)
         self._records = np.frombuffer(m, dtype=RECORD, count=capacity, offset=_HEADER)
         self._written = 0
         self._lock = threading.Lock()
@@ -69,7 +73,10 @@ class DoneBoard:
             if self._closed:
                 return
             self._closed = True
-            del self._count, self._records
+            # After every record (posts take the lock): a link that fell back to UCX, or ended,
+            # tells P to stop polling a board nobody writes.
+            self._flags[0] = _ENDED
+            del self._count, self._flags, self._records
             self._file.close()
 
 
@@ -89,8 +96,14 @@ class DoneBoardView:
             self._map.close()
             raise DoneBoardUnavailable(f"{path} is not a done board of this version")
         self._count = np.frombuffer(self._map, dtype="<u8", count=1, offset=16)
+        self._flags = np.frombuffer(self._map, dtype="<u8", count=1, offset=24)
         self._records = np.frombuffer(self._map, dtype=RECORD, count=capacity, offset=_HEADER)
         self._seen = int(self._count[0])
+
+    @property
+    def ended(self) -> bool:
+        """D closed the board: once a drain after this returned True, nothing more will come."""
+        return bool(int(self._flags[0]) & _ENDED)
 
     def drain(self) -> tuple[list[tuple[int, int, int, int, str]], int]:
         cap = len(self._records)
@@ -112,7 +125,7 @@ class DoneBoardView:
         return out, lost
 
     def close(self) -> None:
-        del self._count, self._records
+        del self._count, self._flags, self._records
         try:
             self._map.close()
         except BufferError:

@@ -89,12 +89,15 @@ class LeaseBoard:
         with self._lock:
             if self._closed or not self._free:
                 return None
-            slot = self._free.pop()
-            gen = self._next_generation()
-            self._live[slot] = gen
+            slot = self._free[-1]
+            # The fields first (a length that does not fit raises here, with the slot still
+            # free), the word last: the slot is complete before it is live.
             self._declared[slot] = declared_prompt_len
             self._digests[slot] = digest
-            self._words[slot] = (gen << 1) | 1  # last: the slot is complete before it is live
+            self._free.pop()
+            gen = self._next_generation()
+            self._live[slot] = gen
+            self._words[slot] = (gen << 1) | 1
             return slot, gen
 
     def retire(self, slot: int, gen: int) -> None:
@@ -112,6 +115,11 @@ class LeaseBoard:
             if self._closed:
                 return
             self._closed = True
+            # D may still map the file: no lease may stay live there once retire() does nothing
+            # (a lease ending after this gives its pages back all the same).
+            for slot in self._live:
+                self._words[slot] = self._next_generation() << 1
+            self._live.clear()
             del self.slots, self._words, self._declared, self._digests
             self._file.close()
 

@@ -12,6 +12,7 @@ instead.
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import threading
 import time
@@ -156,6 +157,17 @@ class LeaseTable:
 
         return self._end(request_id, how, may_end)
 
+    def end_direct(self, request_id: str, gen: int, how: str) -> bool:
+        """The end of a direct read of lease ``gen`` (ReadDone, or a done-board record): it ends
+        that lease only, never a later publish of the request. False if nothing ended."""
+        return self._end(
+            request_id,
+            how,
+            lambda lease: (
+                lease.gen == gen and lease.slot >= 0 and lease.state is not LeaseState.SERVING
+            ),
+        )
+
     def _end(self, request_id: str, how: str, may_end: Callable[[Lease], bool]) -> bool:
         with self._lock:
             lease = self._leases.get(request_id)
@@ -176,12 +188,14 @@ class LeaseTable:
 
     def cancel(self, request_id: str) -> bool:
         """Give the pages back now unless a pull is reading them (then the pull's end does)."""
-        with self._lock:
-            lease = self._leases.get(request_id)
-            if lease is not None and lease.state is LeaseState.SERVING:
+
+        def may_end(lease: Lease) -> bool:  # (under the lock: no pull can start in between)
+            if lease.state is LeaseState.SERVING:
                 lease.cancel_requested = True
                 return False
-        return self.release(request_id, "cancelled")
+            return True
+
+        return self._end(request_id, "cancelled", may_end)
 
     def expire_due(self) -> list[str]:
         """Release every lease past its expiry that no pull is reading; returns their ids."""
@@ -199,7 +213,9 @@ class LeaseTable:
                 if lease.state is LeaseState.PUBLISHED
                 else "expired waiting for the ack"
             )
-            if self.release(lease.request_id, how):
+            # That very lease, if still due: it may have been served, acked, or ended and
+            # published again since the list was made.
+            if self._end(lease.request_id, how, functools.partial(_still_due, lease, now)):
                 expired.append(lease.request_id)
         return expired
 
@@ -209,3 +225,7 @@ class LeaseTable:
             ids = list(self._leases)
         for rid in ids:
             self.release(rid, how, force=True)
+
+
+def _still_due(due: Lease, now: float, lease: Lease) -> bool:
+    return lease is due and lease.state is not LeaseState.SERVING and lease.expires_at <= now

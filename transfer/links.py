@@ -50,7 +50,21 @@ class PeerLinks:
             link.abort(reason)
 
     async def link_for(self, ticket: TransferTicket) -> PeerLink:
-        """The cached link to the ticket's prefill worker, (re)connected if needed."""
+        """The cached link to the ticket's prefill worker, (re)connected if needed, within one
+        ``connect_deadline_s`` in all: the wait for another pull's connect to that worker
+        included, so N pulls to a worker that never answers all fail after one deadline, not
+        the k-th after k of them. Raises PullFailed."""
+        limit = self.r.config.connect_deadline_s
+        try:
+            async with asyncio.timeout(limit):
+                return await self._link_for(ticket)
+        except TimeoutError:
+            raise PullFailed(
+                f"connecting to {ticket.host}:{ticket.port} timed out after {limit}s "
+                "(connect_deadline_s)"
+            ) from None
+
+    async def _link_for(self, ticket: TransferTicket) -> PeerLink:
         key = (ticket.host, ticket.port)
         counters = self.r.book.counters
         lock = self._connecting.setdefault(key, asyncio.Lock())

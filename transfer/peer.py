@@ -160,12 +160,26 @@ async def connect(
     """D side: open the control connection, exchange Hello/HelloReply, connect UCX, and with
     ``open_direct`` try P's pools for direct reads; ``done`` is the done board ``hello`` names,
     kept in the link's access when P opened it. Raises PeerRefused, or ConnectionError/
-    TimeoutError when P cannot be reached within ``timeout``."""
+    TimeoutError when P cannot be reached within ``timeout`` (the whole handshake)."""
+    async with asyncio.timeout(timeout):
+        return await _connect(runtime, host, port, hello, timeout, counters, open_direct, done)
+
+
+async def _connect(
+    runtime: UcxRuntime,
+    host: str,
+    port: int,
+    hello: Hello,
+    timeout: float,
+    counters: TransferCounters,
+    open_direct: OpenDirect | None,
+    done: DoneBoard | None,
+) -> PeerLink:
     name = f"link to {host}:{port}"
-    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    reader, writer = await asyncio.open_connection(host, port)
     channel = ControlChannel(reader, writer, name, counters)
     try:
-        await channel.send(hello, timeout)
+        await channel.send(hello, timeout)  # (inside connect's deadline for the whole)
         reply = await channel.receive(timeout)
         if not isinstance(reply, HelloReply):
             raise PeerRefused(f"{name}: expected HelloReply, got {type(reply).__name__}")
@@ -182,7 +196,7 @@ async def connect(
             counters.refused_peers += 1
             raise PeerRefused(f"{name}: {bad_address}")
         try:
-            endpoint = await asyncio.wait_for(runtime.create_endpoint(reply.ucx_address), timeout)
+            endpoint = await runtime.create_endpoint(reply.ucx_address)
         except (asyncio.TimeoutError, ConnectionError):
             raise
         except Exception as e:  # ucxx's own errors: an address UCX could not use
@@ -190,7 +204,7 @@ async def connect(
         try:
             direct = None
             if open_direct is not None and reply.pool_export:
-                direct = await asyncio.wait_for(open_direct(reply), timeout)
+                direct = await open_direct(reply)
             if direct is not None and reply.done_board_open:
                 direct.done = done
         except BaseException:

@@ -78,6 +78,8 @@ class PullSession:
         self._failed = False
         self._cancelled = False
         self._reading = False  # this session runs a direct read
+        self.connecting = False  # waiting for the link to P (nothing posted, nothing to undo)
+        self.outcome: TransferResult | None = None  # the result, once the pull ended cancelled
         # Done once nothing of this pull can write the caller's pages any more: when ``run``
         # ends, or at a cancel that came before any receive was posted (any thread may wait).
         self.quiet: concurrent.futures.Future[None] = concurrent.futures.Future()
@@ -104,7 +106,11 @@ class PullSession:
         start, rid = time.perf_counter(), self.ticket.request_id
         try:
             src = source_pages(self.ticket, self.r.page_table, self.dst, self.skip)
-            self.link = await self.r.links.link_for(self.ticket)
+            self.connecting = True
+            try:
+                self.link = await self.r.links.link_for(self.ticket)
+            finally:
+                self.connecting = False
             # ``cancel`` may have called the pull quiet while we connected: start nothing now.
             # (No await from here to the first receive: a later cancel sees it posted.)
             if self._cancelled:
@@ -113,7 +119,8 @@ class PullSession:
             if read is not None:
                 self.link = None  # nothing of this session's to clean up on the link
                 self._reading = True
-                return await read.run()
+                with self.r.counting_read():  # (not in ``sessions``: count it as a read)
+                    return await read.run()
             self.link.add_close_listener(self._on_closed)
             self.r.sessions[self.pull_id] = self
             check_declared(self.ticket.declared_prompt_len, self.expected)
@@ -147,14 +154,21 @@ class PullSession:
             await self._clean_up(error)
             return self._result(start, ok=False, error=error)
         except asyncio.CancelledError:  # our task itself was cancelled: clean up all the same
-            await outlast_cancels(asyncio.ensure_future(self._clean_up("the pull was cancelled")))
-            self._result(start, ok=False, error="the pull was cancelled")
+            why = "the receiver closed" if self.r.closed else "the pull was cancelled"
+            await outlast_cancels(asyncio.ensure_future(self._clean_up(why)))
+            self.outcome = self._result(start, ok=False, error=why)
             raise
         finally:
             self.r.sessions.pop(self.pull_id, None)
             if self.link is not None:
                 self.link.remove_close_listener(self._on_closed)
             self._quiet()
+
+    def ended_by_close(self) -> TransferResult:
+        """The result of a pull ``KVReceiver.close`` cancelled (once it is quiet)."""
+        if self.outcome is None:  # cancelled before it ran
+            self.outcome = self._result(time.perf_counter(), ok=False, error="the receiver closed")
+        return self.outcome
 
     def _pull_request(self, ready: list[int]) -> PullRequest:
         assert self.link is not None and self.plan is not None

@@ -39,19 +39,22 @@ class ReadEnds:
         if link.done is None:
             return
         self._links.add(link)
+        # What D wrote before the link went is still honoured.
+        link.add_close_listener(
+            lambda reason: self._drop(link, not reason.startswith("reading its done board failed"))
+        )
 
-        def closed(reason: str) -> None:  # what D wrote before it went is still honoured
-            self._links.discard(link)
-            board, link.done = link.done, None
-            if board is None:
-                return
-            try:
-                if not reason.startswith("reading its done board failed"):
-                    self._drain(link.name, board)
-            finally:
-                board.close()
-
-        link.add_close_listener(closed)
+    def _drop(self, link: PeerLink, drain: bool) -> None:
+        """Stop reading ``link``'s board (after a last drain, if ``drain``)."""
+        self._links.discard(link)
+        board, link.done = link.done, None
+        if board is None:
+            return
+        try:
+            if drain:
+                self._drain(link.name, board)
+        finally:
+            board.close()
 
     async def run(self) -> None:
         while True:
@@ -62,7 +65,10 @@ class ReadEnds:
                 if board is None:
                     continue
                 try:
-                    self._drain(link.name, board)
+                    if board.ended:  # D fell back to UCX, or is leaving: a last drain, then no more
+                        self._drop(link, drain=True)
+                    else:
+                        self._drain(link.name, board)
                 except Exception as e:  # a bug: that link's reads would only ever expire
                     log.exception("%s: reading its done board failed", link.name)
                     link.abort(f"reading its done board failed: {e}")  # D connects anew
@@ -88,12 +94,10 @@ class ReadEnds:
         self, rid: str, gen: int, ok: bool, error: str, nbytes: int, micros: int, path: str
     ) -> None:
         """A decode worker read lease ``gen`` of ``rid`` itself, or gave up: release it."""
-        lease = self.leases.get(rid)
-        if lease is None or lease.gen != gen or lease.slot < 0:
+        how = "read directly" if ok else f"decode side failed the transfer: {error}"
+        if not self.leases.end_direct(rid, gen, how):  # (checked and ended under one lock)
             log.info("late end of a direct read of %s dropped: its lease already ended", rid)
             return
-        how = "read directly" if ok else f"decode side failed the transfer: {error}"
-        if self.leases.release(rid, how):
-            self.book.record(
-                TransferStats(rid, "send", nbytes if ok else 0, 1, micros / 1e6, ok, error, path)
-            )
+        self.book.record(
+            TransferStats(rid, "send", nbytes if ok else 0, 1, micros / 1e6, ok, error, path)
+        )

@@ -23,6 +23,7 @@ loop.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import random
 import threading
@@ -67,7 +68,8 @@ class KVReceiver(TransceiverSide):
         super().__init__(buffers, specs, model, config)
         self.sessions: dict[int, PullSession] = {}
         self.links = PeerLinks(self, self._on_message)
-        self._tasks: set[asyncio.Future] = set()
+        # Pulls on the loop, with their result futures (loop only).
+        self._tasks: dict[asyncio.Task, tuple[PullSession, concurrent.futures.Future]] = {}
         self.closed = False
         self._reads_lock = threading.Lock()
         self._reads_in_flight = 0
@@ -100,7 +102,7 @@ class KVReceiver(TransceiverSide):
         event loop; a direct read runs on it, any other pull on the transceiver's loop thread."""
         read = self._fast_read(ticket, dst_page_ids, skip_pages, expected_prompt_len)
         if read is not None:
-            with self._counting_read():
+            with self.counting_read():
                 return await read.run()
         session, done = self._submit(ticket, dst_page_ids, skip_pages, expected_prompt_len)
         try:
@@ -136,7 +138,7 @@ class KVReceiver(TransceiverSide):
         """``pull`` for plain threads. Every step inside has its own deadline."""
         read = self._fast_read(ticket, dst_page_ids, skip_pages, expected_prompt_len)
         if read is not None:
-            with self._counting_read():
+            with self.counting_read():
                 return read.run_blocking()
         return self._submit(ticket, dst_page_ids, skip_pages, expected_prompt_len)[1].result()
 
@@ -177,7 +179,7 @@ class KVReceiver(TransceiverSide):
         # convert them while it runs.
         return self.direct_read(link, ticket, dst, int(skip), int(expected))
 
-    def _counting_read(self) -> _ReadCount:
+    def counting_read(self) -> _ReadCount:
         """A direct read on a caller's thread: counted, so ``close`` can wait for it."""
         return _ReadCount(self)
 
@@ -192,7 +194,7 @@ class KVReceiver(TransceiverSide):
         """Fail pulls in flight (their pages are safe once this returns) and drop every link."""
         self.closed = True  # no new pulls, direct or not
         try:
-            self.runtime.run(self._stop(), timeout=self.config.chunk_deadline_s * 2 + 5.0)
+            self.runtime.run(self._stop(), timeout=self.config.chunk_deadline_s * 3 + 5.0)
             deadline = time.monotonic() + self.config.chunk_deadline_s * 2
             while self._reads_in_flight and time.monotonic() < deadline:
                 time.sleep(0.005)  # direct reads run on their callers' threads: let them end
@@ -209,17 +211,54 @@ class KVReceiver(TransceiverSide):
         dst_pages = {g: [int(p) for p in ids] for g, ids in dst.items()}
         pull_id = random.getrandbits(63)
         session = PullSession(self, ticket, dst_pages, int(skip), int(expected), pull_id)
-        fut = self.runtime.submit(session.run())
-        self._tasks.add(fut)
-        fut.add_done_callback(self._tasks.discard)
-        return session, fut
+        # Our own task and result future (not ``runtime.submit``'s): ``close`` may cancel the
+        # task, and the future must still end only once the pull has, with a result.
+        done: concurrent.futures.Future[TransferResult] = concurrent.futures.Future()
+
+        def start() -> None:
+            if self.closed:  # ``close`` ran in between: the pull never starts
+                done.set_result(session.ended_by_close())
+                return
+            task = asyncio.ensure_future(session.run())
+            self._tasks[task] = session, done
+            task.add_done_callback(self._finished)
+
+        self.runtime.call_soon(start)
+        return session, done
+
+    def _finished(self, task: asyncio.Task) -> None:
+        session, done = self._tasks.pop(task)
+        if done.done():  # (``_stop`` gave up on it)
+            return
+        if task.cancelled():  # by ``_stop``, after the pull's clean-up
+            done.set_result(session.ended_by_close())
+        elif task.exception() is not None:
+            done.set_exception(task.exception())
+        else:
+            done.set_result(task.result())
 
     async def _stop(self) -> None:
+        """End every pull: aborting the links fails those that use one. A pull still connecting
+        (a peer that accepts but never answers, say) would run to its connect deadline, and one
+        stuck past its deadlines for whatever reason would outlive the loop this returns to, and
+        its caller would wait forever: both are cancelled, which ends them with a failed result
+        once their receives have ended."""
         self.closed = True
         self.links.abort_all("receiver closing")
-        await settle(
-            [asyncio.wrap_future(f) for f in list(self._tasks)], self.config.chunk_deadline_s * 2
-        )
+        tasks = dict(self._tasks)
+        for task, (session, _) in tasks.items():
+            if session.connecting:
+                task.cancel()
+        if await settle(list(tasks), self.config.chunk_deadline_s * 2):
+            return
+        for task in tasks:
+            task.cancel()
+        if await settle(list(tasks), self.config.chunk_deadline_s):
+            return
+        for task, (session, done) in tasks.items():  # the loop stops next: answer the callers
+            if not task.done() and not done.done():
+                log.error("pull of %s did not end at close", session.ticket.request_id)
+                done.set_result(session.ended_by_close())
 
     def _on_message(self, link: PeerLink, msg: Message) -> None:
         if isinstance(msg, PullError | TransferDone):
@@ -248,7 +287,7 @@ class KVReceiver(TransceiverSide):
 
 
 class _ReadCount:
-    """KVReceiver._counting_read: a plain context manager (a generator-based one costs a few
+    """KVReceiver.counting_read: a plain context manager (a generator-based one costs a few
     microseconds more on every pull)."""
 
     __slots__ = ("r",)

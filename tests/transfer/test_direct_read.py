@@ -212,7 +212,25 @@ def test_pools_that_fail_to_open_leave_the_link_on_ucx(monkeypatch) -> None:
         result, src, dst = pull(pair, "b1", 8)
         assert result.ok and result.stats.path == "ucx"
         assert same_pages(pair, src, dst)
+        # D closed the done board it offered: P stops polling it (it would, every millisecond
+        # while it holds a lease, for the life of the link).
+        wait_until(lambda: not pair.sender.read_ends._links)
         pair.d.free("b1")
+
+
+def test_a_direct_read_counts_as_in_flight_on_a_links_first_pull(direct: Pair, monkeypatch) -> None:
+    seen, real = [], transfer.direct_read.copy_on_cpu
+
+    def sampling(*args):
+        seen.append(direct.receiver.stats()["pulls_in_flight"])
+        return real(*args)
+
+    monkeypatch.setattr(transfer.direct_read, "copy_on_cpu", sampling)
+    for rid in ("first", "second"):  # connecting first, then straight on the caller's thread
+        result, _, _ = pull(direct, rid, 8)
+        assert result.ok and result.stats.path == "local"
+        direct.d.free(rid)
+    assert seen == [1, 1]
 
 
 def test_pools_smaller_than_their_page_table_leave_the_link_on_ucx(monkeypatch) -> None:

@@ -89,3 +89,16 @@ def test_a_record_being_overwritten_is_lost_not_returned() -> None:
     finally:
         view.close()
         board.close()
+
+
+def test_a_view_learns_that_the_board_ended_after_its_last_record() -> None:
+    board = DoneBoard(capacity=4)
+    view = DoneBoardView(board.path)
+    try:
+        board.post(2, 5, 64, 7, "local")
+        assert not view.ended
+        board.close()  # D fell back to UCX, or left: P may stop polling after one last drain
+        assert view.ended
+        assert view.drain() == ([(2, 5, 64, 7, "local")], 0)
+    finally:
+        view.close()

@@ -131,3 +131,28 @@ def test_a_board_whose_pages_shared_memory_cannot_give_is_unavailable(monkeypatc
     with pytest.raises(BoardUnavailable, match="No space left"):
         LeaseBoard(8)
     assert boards() <= before  # nothing left behind
+
+
+def test_closing_the_board_retires_every_live_lease_for_its_readers() -> None:
+    # A lease that ends after close (its retire then does nothing) gives its pages back all the
+    # same: a reader that still maps the file must not see it live.
+    board = LeaseBoard(2)
+    view = LeaseBoardView(board.path)
+    try:
+        slot, gen = board.publish(3, lease_digest("r", {"full": [1]}))
+        assert view.word(slot) == (gen << 1) | 1
+        board.close()
+        board.retire(slot, gen)  # the late retire: a no-op
+        assert not view.word(slot) & 1
+    finally:
+        view.close()
+
+
+def test_a_publish_that_fails_keeps_its_slot_free() -> None:
+    board = LeaseBoard(1)
+    try:
+        with pytest.raises(OverflowError):
+            board.publish(1 << 63, lease_digest("r", {"full": [1]}))  # no int64 prompt length
+        assert board.publish(3, lease_digest("r", {"full": [1]})) is not None
+    finally:
+        board.close()

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 
 from transfer.leases import LeaseState, LeaseTable
+from transfer.read_ends import ReadEnds
+from transfer.stats import StatsBook
 
 
 class Clock:
@@ -118,3 +120,60 @@ def test_a_failing_release_callback_still_ends_the_lease() -> None:
     leases = LeaseTable(explode)
     leases.publish("a", {"full": [1]}, 3, lease_s=1)
     assert leases.release("a", "acked") and len(leases) == 0
+
+
+def racing_end(leases: LeaseTable, meanwhile) -> None:
+    """Run ``meanwhile`` once, right before the table's first check-and-end: the widest window a
+    caller that checks first and ends after could have."""
+    real, ran = leases._end, []
+
+    def end(*args):
+        if not ran:
+            ran.append(True)
+            meanwhile()
+        return real(*args)
+
+    leases._end = end
+
+
+def test_a_late_end_of_a_direct_read_never_ends_a_later_lease_of_the_request(table) -> None:
+    leases, _, released = table
+    ends = ReadEnds(leases, StatsBook())
+    leases.publish("a", {"full": [1]}, 3, lease_s=5, slot=0, gen=1)
+    # The worker cancels lease 1 and publishes the request again while P's loop handles the end
+    # of a direct read of lease 1 (a ReadDone, or a done-board record).
+    racing_end(
+        leases,
+        lambda: (
+            leases.cancel("a"),
+            leases.publish("a", {"full": [2]}, 3, lease_s=5, slot=0, gen=2),
+        ),
+    )
+    ends.finished("a", 1, True, "", 4, 10, "local")
+    assert leases.get("a").gen == 2 and released == ["a"]  # only lease 1's cancel
+    ends.finished("a", 2, True, "", 4, 10, "local")
+    assert leases.get("a") is None and released == ["a", "a"]  # lease 2, by its own end
+
+
+def test_the_reaper_ends_only_the_lease_it_found_due(table) -> None:
+    leases, clock, released = table
+    leases.publish("a", {"full": [1]}, 3, lease_s=1, gen=1)
+    clock.now += 2  # due
+    racing_end(
+        leases,
+        lambda: (
+            leases.cancel("a"),
+            leases.publish("a", {"full": [2]}, 3, lease_s=10, gen=2),
+        ),
+    )
+    assert leases.expire_due() == []
+    assert leases.get("a").gen == 2 and released == ["a"]  # the cancel's; the new one lives
+
+
+def test_a_cancel_racing_a_pull_start_still_ends_the_lease_with_that_pull(table) -> None:
+    leases, _, released = table
+    leases.publish("a", {"full": [1]}, 3, lease_s=5)
+    racing_end(leases, lambda: leases.begin_serving("a"))  # the pull starts mid-cancel
+    assert not leases.cancel("a")  # a pull reads the pages: its end gives them back
+    assert not leases.await_ack("a", ack_deadline_s=2)  # ... at once, not at the ack
+    assert leases.release("a", "cancelled", force=True) and released == ["a"]
