@@ -140,6 +140,8 @@ class Router:
                     raise e.cause from None  # the request itself is bad: no retry
                 log.warning("prefill of %s failed on %s: %s", req.request_id, w.worker_id, e)
             except (RayActorError, asyncio.TimeoutError) as e:
+                if isinstance(e, asyncio.TimeoutError):  # it may still prefill and lease the KV
+                    w.handle.cancel.remote(req.request_id)
                 w.healthy = False  # until its stats answer again
                 log.warning(
                     "prefill worker %s unavailable for %s: %s", w.worker_id, req.request_id, e

@@ -5,6 +5,7 @@ Each role's actor subclasses this and adds its own request calls; the plain work
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from collections.abc import Callable
@@ -44,4 +45,6 @@ class WorkerActorBase:
         return [dataclasses.asdict(s) for s in self.worker.loop.engine.drain_iteration_stats()]
 
     async def close(self) -> None:
-        self.worker.close()
+        # Off this actor's event loop: the worker's close waits for pulls (direct reads among
+        # them) that only this loop can finish.
+        await asyncio.get_running_loop().run_in_executor(None, self.worker.close)

@@ -83,24 +83,23 @@ class DecodeWorker:
             result = await asyncio.shield(pull)
         except asyncio.CancelledError:
             # The client went away mid-receive: the pages stay held until the pull ends either way.
+            self._aborted.discard(rid)
             pull.add_done_callback(lambda _: self._free_pages(rid))
             raise
+        except Exception as e:  # the pull could not run at all (the receiver closed, say)
+            result, error = None, f"{type(e).__name__}: {e}"
         finally:
             self._receiving.pop(rid, None)
         transfer_end = time.time()
-        if rid in self._aborted or not getattr(result, "ok", False):
+        ok = result is not None and result.ok
+        if rid in self._aborted or not ok:
             self._aborted.discard(rid)
             await asyncio.wrap_future(self._free_pages(rid))
-            if not getattr(result, "ok", False):
+            if not ok:
                 self.num_transfer_failures += 1
+                why = result.error if result is not None else error
                 yield TokenDelta(
-                    rid,
-                    [],
-                    "",
-                    "abort",
-                    len(prompt),
-                    1,
-                    error=f"KV transfer failed: {result.error}",
+                    rid, [], "", "abort", len(prompt), 1, error=f"KV transfer failed: {why}"
                 )
             return
         extra = {
@@ -297,6 +296,8 @@ class DecodeWorker:
         }
 
     def close(self) -> None:
-        if self.puller is not None:
-            self.puller.close()
-        self.loop.stop()
+        try:
+            if self.puller is not None:
+                self.puller.close()
+        finally:
+            self.loop.stop()

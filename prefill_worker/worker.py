@@ -58,6 +58,8 @@ class PrefillWorker:
         self._report = report
         self._deadline_s = step_deadline_s
         self._pending: set[str] = set()  # admitted, no reply yet
+        self._publishing: set[str] = set()  # prefilled, its lease being made
+        self._cancelled: set[str] = set()  # of those, the ones whose client went away
 
     # ---- called by the transfer layer (its own thread) ----
     def _release(self, request_id: str) -> None:
@@ -107,13 +109,7 @@ class PrefillWorker:
         first = out.token_ids[0]
         ticket = None
         if not out.finished:
-            # The request is PREFILLED: its pages are committed (context finalized) and held.
-            pages = await asyncio.wrap_future(self.loop.call(lambda e: e.kv.page_ids(rid)))
-            try:
-                ticket = self.publisher.publish(rid, pages, len(req.prompt_token_ids))
-            except Exception as e:
-                self._release(rid)
-                raise PrefillError(f"could not publish the KV of {rid}: {e}") from e
+            ticket = await self._publish(rid, len(req.prompt_token_ids))
         timings = self._timings(req, out, received, handed_off=ticket is not None)
         if self._report:
             self._report(timings)
@@ -129,9 +125,29 @@ class PrefillWorker:
             },
         )
 
+    async def _publish(self, rid: str, prompt_len: int) -> Any:
+        """Publish the pages of the PREFILLED request ``rid`` (committed, context finalized, and
+        held) under a lease; a cancel that came meanwhile gives the lease up at once."""
+        self._publishing.add(rid)
+        try:
+            pages = await asyncio.wrap_future(self.loop.call(lambda e: e.kv.page_ids(rid)))
+            try:
+                ticket = self.publisher.publish(rid, pages, prompt_len)
+            except Exception as e:
+                self._release(rid)
+                raise PrefillError(f"could not publish the KV of {rid}: {e}") from e
+        finally:
+            self._publishing.discard(rid)
+        if rid in self._cancelled:  # the client went away while we published
+            self._cancelled.discard(rid)
+            self.publisher.cancel(rid)
+        return ticket
+
     async def cancel(self, request_id: str) -> None:
         """The client went away: stop the prefill, or give up the lease of a finished one."""
-        if request_id in self._pending:
+        if request_id in self._publishing:  # prefilled, not yet leased: ``_publish`` cancels
+            self._cancelled.add(request_id)
+        elif request_id in self._pending:
             await asyncio.wrap_future(self.loop.call(lambda e: e.abort_request(request_id)))
         else:
             self.publisher.cancel(request_id)
@@ -174,5 +190,7 @@ class PrefillWorker:
         }
 
     def close(self) -> None:
-        self.publisher.close()
-        self.loop.stop()
+        try:
+            self.publisher.close()
+        finally:
+            self.loop.stop()

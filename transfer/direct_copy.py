@@ -42,7 +42,7 @@ from transfer.ipc import FIRST_ROW
 from transfer.mapper import MapperError, match_pools
 from transfer.page_table import PageTable
 from transfer.plan import DirectPlan, IdPair
-from transfer.staging import side_stream, word_rows
+from transfer.staging import as_words, side_stream
 
 if TYPE_CHECKING:
     from kernels.page_copy_triton import PreparedCopy
@@ -359,7 +359,7 @@ def _prepared(
         from kernels.page_copy_triton import PreparedCopy  # GPU only: triton is imported here
 
         copy = copies[(src_pool, dst_pool)] = PreparedCopy(
-            word_rows(src_rows[src_pool]), word_rows(dst_rows[dst_pool]), first_row=FIRST_ROW
+            *as_words(src_rows[src_pool], dst_rows[dst_pool]), first_row=FIRST_ROW
         )
     return copy
 

@@ -54,6 +54,9 @@ class PeerLinks:
         ``connect_deadline_s`` in all: the wait for another pull's connect to that worker
         included, so N pulls to a worker that never answers all fail after one deadline, not
         the k-th after k of them. Raises PullFailed."""
+        link = self.open.get((ticket.host, ticket.port))
+        if link is not None and not link.closed and link.info.instance_id == ticket.instance_id:
+            return link  # the common case: no wait, so no deadline to arm
         limit = self.r.config.connect_deadline_s
         try:
             async with asyncio.timeout(limit):

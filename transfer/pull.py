@@ -228,7 +228,7 @@ class PullSession:
                 done = event
             elif event == "chunk":
                 arrived += 1
-                self.r.book.counters.chunks += 1
+                self.r.book.bump("chunks")  # (direct reads count theirs on other threads)
             else:
                 raise PullFailed(f"unexpected {type(event).__name__} during the transfer")
         self._check_done(done, arrived)

@@ -191,7 +191,10 @@ class KVReceiver(TransceiverSide):
         }
 
     def close(self) -> None:
-        """Fail pulls in flight (their pages are safe once this returns) and drop every link."""
+        """Fail pulls in flight (their pages are safe once this returns) and drop every link.
+        Once: later calls do nothing."""
+        if not self._begin_close():
+            return
         self.closed = True  # no new pulls, direct or not
         try:
             self.runtime.run(self._stop(), timeout=self.config.chunk_deadline_s * 3 + 5.0)

@@ -139,6 +139,9 @@ class UcxRuntime:
         """Drop one user; the last one stops UCX, the loop and both threads."""
         cls = type(self)
         with cls._lock:
+            if self._users <= 0:  # a release without its acquire: stopping twice would break
+                log.error("UcxRuntime.release without a matching acquire ignored")
+                return
             self._users -= 1
             if self._users > 0:
                 return

@@ -232,9 +232,13 @@ class KVSender(TransceiverSide):
         return {**self.book.snapshot(), "leases": len(self.leases), "peers": len(self._links)}
 
     def close(self) -> None:
-        """Stop serving: abort links (ending their sends), stop listening, release every lease."""
+        """Stop serving: abort links (ending their sends), stop listening, release every lease.
+        Once: later calls do nothing."""
+        if not self._begin_close():
+            return
         try:
-            self.runtime.run(self._stop(), timeout=self.config.chunk_deadline_s + 5.0)
+            # (_stop waits for the sessions, then for prestage gathers: a deadline each)
+            self.runtime.run(self._stop(), timeout=self.config.chunk_deadline_s * 2 + 5.0)
         finally:
             self.leases.release_all("transceiver closed")
             self._withdraw_direct_reads()

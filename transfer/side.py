@@ -44,6 +44,14 @@ class TransceiverSide:
             resolve_progress_mode(config.progress_mode, gpu is not None, config.direct_copy),
         )
 
+    def _begin_close(self) -> bool:
+        """True the first time only: a second ``close`` does nothing (the runtime counts one
+        release per side: two would stop it under another side of this process)."""
+        if getattr(self, "_closing", False):
+            return False
+        self._closing = True
+        return True
+
     def _make_staging(self) -> StagingBuffers:
         """On the loop thread (the buffers' queue belongs to it)."""
         return StagingBuffers(self.device, self.chunk_bytes, self.config.staging_buffers)

@@ -48,7 +48,7 @@ def gather_chunk(chunk: Chunk, src_rows: Mapping[str, torch.Tensor], out: torch.
         for pool, offset, ids, nbytes in _page_groups(chunk, src_rows, source=True):
             rows = src_rows[pool]
             staged = out[offset : offset + nbytes].view(len(ids), rows.shape[1])
-            rows, staged = _as_words(rows, staged)
+            rows, staged = as_words(rows, staged)
             gather_pages_ref(rows, ids, staged)
 
 
@@ -58,7 +58,7 @@ def scatter_chunk(chunk: Chunk, staged: torch.Tensor, dst_rows: Mapping[str, tor
         for pool, offset, ids, nbytes in _page_groups(chunk, dst_rows, source=False):
             rows = dst_rows[pool]
             part = staged[offset : offset + nbytes].view(len(ids), rows.shape[1])
-            part, rows = _as_words(part, rows)
+            part, rows = as_words(part, rows)
             scatter_pages_ref(part, rows, ids)
 
 
@@ -73,7 +73,7 @@ def word_rows(rows: torch.Tensor) -> torch.Tensor:
     return rows.view(torch.int64)
 
 
-def _as_words(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def as_words(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Both as word rows when both can be, else both as byte rows (a copy across dtypes would
     convert values)."""
     wa, wb = word_rows(a), word_rows(b)

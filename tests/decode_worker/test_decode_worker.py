@@ -86,3 +86,57 @@ def test_disconnect_while_waiting_for_pages_leaves_nothing_held() -> None:
         asyncio.run(main())
     finally:
         worker.close()
+
+
+def test_a_failed_transfer_frees_the_pages_and_counts_once() -> None:
+    # Two ways a transfer fails: the pull fails (P ended the lease first), or it cannot run (the
+    # receiver closed while requests still came). Either ends in an error delta with D's pages
+    # back, and the Prometheus counter gets one per failed pull (it got two before).
+    import types
+
+    from cluster.frontend import ClusterFrontend
+    from cluster.prom_metrics import ServingMetrics
+    from cluster.router import WorkerSlot
+    from prefill_worker.worker import PrefillWorker
+    from transfer import KVSender
+
+    cfg = TransceiverConfig(lease_s=5.0)
+    pe, de = tiny_engine(64), tiny_engine(64)
+    specs = list(pe.kv.specs.values())
+    prefill = PrefillWorker("p0", pe, lambda rel: KVSender(pe.kv.buffers, specs, "tiny", cfg, rel))
+    receiver = KVReceiver(de.kv.buffers, list(de.kv.specs.values()), "tiny", cfg)
+    worker = DecodeWorker("d0", de, receiver)
+
+    async def decode(rid: str, before_pull) -> list:
+        req = GenerateRequest(rid, list(range(1, 11)), greedy(4), time.time())
+        pre = await prefill.prefill(req)
+        await before_pull(rid)
+        out = [d async for d in worker.decode(req, pre)]
+        await wait_until_no_page_held(worker)
+        return out
+
+    async def main() -> None:
+        (failed,) = await decode("gone", prefill.cancel)  # the lease ended before the pull
+        assert failed.finish_reason == "abort" and "KV transfer failed" in failed.error
+        metrics = ServingMetrics("tiny")
+        stats = worker.stats()
+        ClusterFrontend._export_worker(
+            types.SimpleNamespace(metrics=metrics), WorkerSlot("d0", None, last_stats=stats)
+        )
+        exported = metrics.render().decode()
+        assert (
+            'kv_transfer_failures_total{model_name="tiny",role="decode",worker="d0"} 1.0'
+            in exported
+        )
+
+        async def close_receiver(_rid: str) -> None:
+            receiver.close()
+
+        (failed,) = await decode("closed", close_receiver)  # the pull cannot even start
+        assert "KVReceiver is closed" in failed.error
+
+    try:
+        asyncio.run(main())
+    finally:
+        worker.close()
+        prefill.close()

@@ -71,3 +71,33 @@ def test_request_finished_at_its_first_token_publishes_nothing() -> None:
         asyncio.run(main())
     finally:
         worker.close()
+
+
+def test_a_cancel_while_the_kv_is_being_leased_gives_the_pages_back_at_once() -> None:
+    # The router cancels when the client goes away during a prefill. Between the end of the
+    # prefill and the lease there is one call to the engine's loop: a cancel there found neither
+    # a prefill to stop nor a lease to end, and the pages stayed pinned for the whole lease.
+    worker = make_worker()
+    real = worker.loop.engine.kv.page_ids
+    cancelled = []
+
+    def page_ids_while_the_client_leaves(rid):  # on the engine's thread
+        if rid not in worker._pending and not cancelled:  # the publish's call: in that window
+            cancelled.append(asyncio.run_coroutine_threadsafe(worker.cancel(rid), loop))
+        return real(rid)
+
+    worker.loop.engine.kv.page_ids = page_ids_while_the_client_leaves
+
+    async def main() -> None:
+        res = await worker.prefill(GenerateRequest("a", list(range(1, 11)), greedy(4), time.time()))
+        await asyncio.wrap_future(cancelled[0])
+        assert res.ticket is not None  # the router drops it: its client is gone
+        await wait_until_no_page_held(worker, timeout_s=5.0)  # the lease lasts 30 s
+        assert worker.publisher.stats()["expired_leases"] == 0
+
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+        worker.close()

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.transfer.conftest import UCX_ENV
+from tests.transfer.conftest import MODEL, UCX_ENV, KVSide, config, specs
+from transfer import KVSender, Transceiver
 from transfer.config import TransceiverConfig, resolve_progress_mode
 from transfer.runtime import UcxRuntime
 
@@ -129,3 +130,22 @@ def test_polling_progress_moves_bytes_and_is_chosen_for_gpus_only() -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("ok")
+
+
+def test_closing_a_side_twice_leaves_the_runtime_to_the_other_sides() -> None:
+    # A worker closed twice (or a role closed, then the whole Transceiver) released the shared
+    # runtime twice, stopping it under the other side of the process.
+    p, d = KVSide(specs(), seed=1), KVSide(specs(), seed=3)
+    both = Transceiver(d.kv.buffers, d.specs, MODEL, config(), release=d.release)
+    peer = KVSender(p.kv.buffers, p.specs, MODEL, config(), p.release)
+    try:
+        both.sender.close()
+        both.sender.close()
+        ticket = peer.publish("x", p.allocate("x", 8), 8)
+        result = both.receiver.pull_blocking(ticket, d.allocate("x", 8), 0, 8)
+        assert result.ok, result.error
+        d.free("x")
+    finally:
+        both.close()
+        peer.close()
+    d.assert_clean()
