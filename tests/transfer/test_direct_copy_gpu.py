@@ -249,3 +249,44 @@ def test_an_id_that_is_not_an_int_after_the_first_part_fails_the_launch_fenced()
     assert slot.busy and not slot.held
     slot.event.synchronize()
     assert _exact(src, dst, s[:64], d[:64])  # the first part was copied
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize(
+    "page,rows,word",
+    [((1 << 20) + 1, 2100, 1), ((1 << 20) + 4, 8200, 4), (1 << 21, 8200, 8)],
+    ids=["bytes-2.2GB", "int32-past-2^31-elements", "int64-past-2^31-elements"],
+)
+def test_the_last_pages_of_pools_past_2_31_copy_exactly(page: int, rows: int, word: int) -> None:
+    # Pools of 2.2-17 GB, copied in byte, int32 and int64 rows: the row offsets of the last pages
+    # exceed 32 bits, and nothing but the pages asked for may be written.
+    from transfer.direct_copy import DirectCopier
+    from transfer.plan import DirectPlan
+    from transfer.staging import word_rows
+
+    src = torch.zeros((rows, page), dtype=torch.uint8, device="cuda:0")
+    dst = torch.zeros((rows, page), dtype=torch.uint8, device="cuda:1")
+    a, b = torch.zeros(1, device="cuda:0"), torch.zeros(1, device="cuda:1")
+    b.copy_(a)
+    a.copy_(b)
+    assert word_rows(src).element_size() == (8 if word == 8 else 1)
+    s = np.array([rows - 1, rows - 2, 5, rows - 3], dtype=np.int64)
+    d = np.array([rows - 2, 3, rows - 1, rows - 3], dtype=np.int64)
+    gen = torch.Generator(device="cuda:0").manual_seed(1)
+    for i in s:
+        src[int(i)] = torch.randint(
+            1, 256, (page,), dtype=torch.uint8, device="cuda:0", generator=gen
+        )
+    torch.cuda.synchronize(0)
+    copier = DirectCopier(torch.device("cuda:1"), capacity=16, slots=2)
+    copies: dict = {}
+    for _ in range(2):  # the first launch compiles; the second goes through the prepared launch
+        queued = copier.start(
+            DirectPlan((("full", "full", s, d),), 0), copies, {"full": src}, {"full": dst}
+        )
+        queued.event.synchronize()
+        queued.release()
+    for i, j in zip(s, d):
+        assert torch.equal(dst[int(j)].cpu(), src[int(i)].cpu()), (i, j)
+    written = set(torch.nonzero(dst.amax(dim=1)).flatten().tolist())  # (no pool-sized temporary)
+    assert written == set(d.tolist())
