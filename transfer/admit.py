@@ -36,6 +36,19 @@ def admit(
     def error(code: str, reason: str) -> PullError:
         return PullError(rid, req.pull_id, code, reason, False)
 
+    # The credits first, whatever the lease: a refusal completes every credited receive, so a
+    # list of repeated or made-up chunks would have P send that many messages.
+    if len(set(req.ready_chunks)) != len(req.ready_chunks) or any(
+        not 0 <= i < req.num_chunks for i in req.ready_chunks
+    ):
+        return error(
+            "conflict", f"invalid credits {req.ready_chunks[:8]} for {req.num_chunks} chunks"
+        )
+    pages = sum(len(p) for p in req.dst_page_ids.values())
+    if req.num_chunks > pages:
+        return error(
+            "conflict", f"{req.num_chunks} chunks for {pages} pages (a chunk holds a page at least)"
+        )
     counters.expired_leases += len(leases.expire_due())
     lease = leases.get(rid)
     if lease is None:
@@ -48,12 +61,6 @@ def admit(
         )
     if pull_id_in_use:
         return error("conflict", f"pull id {req.pull_id} is already in use")
-    if len(set(req.ready_chunks)) != len(req.ready_chunks) or any(
-        not 0 <= i < req.num_chunks for i in req.ready_chunks
-    ):
-        return error(
-            "conflict", f"invalid credits {req.ready_chunks[:8]} for {req.num_chunks} chunks"
-        )
     if req.src_page_ids != lease.page_ids:
         return error("mismatch", f"the ticket's pages of {rid!r} differ from the published ones")
     if not 0 <= req.skip_pages or any(req.skip_pages > len(p) for p in lease.page_ids.values()):

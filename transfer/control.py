@@ -30,6 +30,20 @@ class ChannelClosed(ConnectionError):
     """The control connection is gone (peer closed it, it broke, or we closed it)."""
 
 
+class FrameTooLarge(ValueError):
+    """A message of ours would not fit a frame: the peer would close the connection on it (and
+    every transfer on it with it), so it is not sent."""
+
+
+def _frame(msg: Message) -> bytes:
+    data = encode_message(msg)
+    if len(data) > MAX_FRAME_BYTES:
+        raise FrameTooLarge(
+            f"{type(msg).__name__} of {len(data)} bytes exceeds the {MAX_FRAME_BYTES}-byte frame limit"
+        )
+    return _HEADER.pack(len(data)) + data
+
+
 class ControlChannel:
     """Framed messages over one TCP stream. Use from the event loop thread only."""
 
@@ -58,8 +72,7 @@ class ControlChannel:
         if self.writer.is_closing():
             self.close("connection lost")
             raise ChannelClosed(f"{self.name}: {self.closed_reason}")
-        data = encode_message(msg)
-        self.writer.write(_HEADER.pack(len(data)) + data)
+        self.writer.write(_frame(msg))
         transport = self.writer.transport
         if transport.get_write_buffer_size() <= transport.get_write_buffer_limits()[1]:
             return  # not paused: drain() would return at once, after wait_for's extra task
@@ -78,8 +91,7 @@ class ControlChannel:
         peer until a lease expires. Raises ChannelClosed if the connection is gone."""
         if self.closed or self.writer.is_closing():
             raise ChannelClosed(f"{self.name}: {self.closed_reason or 'closing'}")
-        data = encode_message(msg)
-        self.writer.write(_HEADER.pack(len(data)) + data)
+        self.writer.write(_frame(msg))
 
     async def receive(self, timeout: float) -> Message:
         """Read the next well-formed message (the handshake; afterwards ``start`` owns the reader).

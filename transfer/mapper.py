@@ -44,8 +44,10 @@ def match_pools(src: PageTable, dst: PageTable) -> Mapping[str, str]:
         if pool.pool_role in by_role:
             raise MapperError(f"destination has two pools with roles {list(pool.pool_role)}")
         by_role[pool.pool_role] = pool
-    matched = {}
+    matched: dict[str, str] = {}
     for pool in src.pools:
+        if pool.pool_role in {src.pool(n).pool_role for n in matched}:
+            raise MapperError(f"source has two pools with roles {list(pool.pool_role)}")
         peer = by_role.get(pool.pool_role)
         if peer is None:
             raise MapperError(
@@ -54,6 +56,9 @@ def match_pools(src: PageTable, dst: PageTable) -> Mapping[str, str]:
             )
         _check_servable(pool, peer)
         matched[pool.name] = peer.name
+    unmatched = [p.name for p in dst.pools if p.name not in matched.values()]
+    if unmatched:  # its pages would never be filled
+        raise MapperError(f"destination pools {unmatched} have no source pool with the same roles")
     return MappingProxyType(matched)
 
 

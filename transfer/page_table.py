@@ -37,6 +37,10 @@ class PoolDescriptor:
     num_pages: int
     layout: str = PAGE_LAYOUT
 
+    def __post_init__(self) -> None:
+        # Sorted however it was made: equal roles must hash and match equal.
+        object.__setattr__(self, "pool_role", tuple(sorted(self.pool_role)))
+
     @classmethod
     def from_spec(cls, spec: PoolGroupSpec) -> PoolDescriptor:
         return cls(
@@ -157,12 +161,15 @@ def _pool_from_wire(data: Any) -> PoolDescriptor:
 
 def compat_hash(model: str, pools: Iterable[PoolDescriptor]) -> str:
     """Hash of what two peers must share to exchange KV: model, dtype, layers, heads, head dim,
-    page size, layout and protocol version (16 hex digits)."""
+    page size, layout, protocol version, and each pool's name (tickets and PullRequests name pools)
+    and mapper kind (the mapper serves equal kinds only), 16 hex digits. Pool sizes may differ."""
     identity = {
         "protocol_version": PROTOCOL_VERSION,
         "model": model,
         "pools": sorted(
             [
+                p.name,
+                p.mapper_kind,
                 list(p.pool_role),
                 p.layout,
                 list(p.layer_ids),

@@ -21,6 +21,7 @@ import torch
 from transfer.control import ChannelClosed, ControlChannel
 from transfer.done_board import DoneBoard, DoneBoardUnavailable, DoneBoardView
 from transfer.lease_board import LeaseBoardView
+from transfer.mapper import MapperError, match_pools
 from transfer.messages import Hello, HelloReply, Message
 from transfer.page_table import PageTable
 from transfer.runtime import UcxRuntime
@@ -140,6 +141,11 @@ def _ucx_buffer(buf: torch.Tensor) -> Any:
 def check_compatible(ours: PageTable, theirs: PageTable) -> str:
     """ "" if the two tables may exchange KV, else the reason they may not."""
     if ours.compat_hash == theirs.compat_hash:
+        try:  # (equal hashes, and still no pull could map: two pools with the same roles, say)
+            match_pools(ours, theirs)
+            match_pools(theirs, ours)
+        except MapperError as e:
+            return f"the page tables cannot be mapped onto each other: {e}"
         return ""
     return (
         f"compatibility hash mismatch: ours {ours.compat_hash} (model {ours.model!r}), "

@@ -47,9 +47,14 @@ class ServeFailed(Exception):
     pass
 
 
+DRAIN_IN_FLIGHT = 64  # empty messages in flight at a time: memory stays bounded, whatever D asks
+
+
 async def drain(link: PeerLink, pull_id: int, chunks: list[int]) -> None:
     """Complete D's receives for ``chunks`` with empty messages (nothing is written)."""
-    await asyncio.gather(*(link.send_data(_EMPTY, data_tag(pull_id, i)) for i in chunks))
+    for start in range(0, len(chunks), DRAIN_IN_FLIGHT):
+        part = chunks[start : start + DRAIN_IN_FLIGHT]
+        await asyncio.gather(*(link.send_data(_EMPTY, data_tag(pull_id, i)) for i in part))
 
 
 class ServeSession:
@@ -93,7 +98,8 @@ class ServeSession:
             self.events.put_nowait(("credit", chunks))
 
     def _ungranted(self, chunks: list[int]) -> list[int]:
-        return [i for i in chunks if 0 <= i < self.plan.num_chunks and i not in self._tasks]
+        ours = {i for i in chunks if 0 <= i < self.plan.num_chunks and i not in self._tasks}
+        return sorted(ours)  # (each once, however often D names it)
 
     def ack(self, ok: bool, error: str) -> None:
         self.events.put_nowait(("ack", (ok, error)))

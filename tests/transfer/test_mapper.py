@@ -9,6 +9,7 @@ import pytest
 from tests.transfer.conftest import MODEL, specs
 from transfer.mapper import Fragment, MapperError, map_pages, match_pools
 from transfer.page_table import PageTable
+from transfer.peer import check_compatible
 
 TABLE = PageTable.from_specs(MODEL, specs(two_groups=True))
 PB = TABLE.pool("full").page_bytes
@@ -101,3 +102,13 @@ def test_bad_mappings_are_refused(
     with pytest.raises(MapperError) as err:
         map_pages(TABLE, dst, src_pages, dst_pages)
     assert reason in str(err.value)
+
+
+def test_two_source_pools_never_fill_the_same_destination_pool() -> None:
+    twin = dataclasses.replace(TABLE.pool("full"), name="twin")
+    two = dataclasses.replace(TABLE, pools=(*TABLE.pools, twin))  # two pools of the same roles
+    with pytest.raises(MapperError, match="source has two pools with roles"):
+        match_pools(two, TABLE)
+    assert "cannot be mapped" in check_compatible(two, two)  # refused in the handshake
+    with pytest.raises(MapperError, match=r"destination pools \['extra'\] have no source pool"):
+        match_pools(dataclasses.replace(TABLE, pools=TABLE.pools[:1]), TABLE)

@@ -204,3 +204,17 @@ def test_well_framed_bodies_of_any_shape_never_crash_the_decoder(
         decode_message(envelope(type_name, body))
     except TransferProtocolError:
         pass
+
+
+def test_a_message_too_large_for_a_frame_is_not_sent() -> None:
+    # The peer would close the connection on it, failing every transfer on the link: the one
+    # pull that made it fails instead.
+    from transfer.control import MAX_FRAME_BYTES, FrameTooLarge, _frame
+    from transfer.messages import PullRequest
+
+    ids = list(range(1, 2_000_001))  # 2M pages a side: past 16 MiB
+    with pytest.raises(FrameTooLarge, match="frame limit"):
+        _frame(PullRequest("r", 1, {"full": ids}, {"full": ids}, 0, 1, 1, 0, [], 1))
+    assert len(_frame(PullRequest("r", 1, {"full": [1]}, {"full": [2]}, 0, 1, 1, 0, [], 1))) < (
+        MAX_FRAME_BYTES
+    )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -62,20 +64,32 @@ def test_compat_hash_changes_with_what_peers_must_share(change: dict) -> None:
     assert table().compat_hash != table(**change).compat_hash
 
 
-def test_compat_hash_ignores_pool_sizes_and_names() -> None:
+def test_compat_hash_ignores_pool_sizes_but_not_names_or_mapper_kinds() -> None:
+    # Tickets and PullRequests name pools, and the mapper serves equal kinds only: peers that
+    # differ there could never move a page, so the handshake refuses them.
     a = PageTable.from_specs(MODEL, specs(num_pages=64))
+    assert a.compat_hash == PageTable.from_specs(MODEL, specs(num_pages=999)).compat_hash
     spec = specs()[0]
-    renamed = PoolGroupSpec(
-        "main",
-        spec.layer_ids,
-        999,
-        spec.page_size,
-        spec.num_kv_heads,
-        spec.head_dim,
-        spec.dtype,
-        mapper_kind=MapperKind.NHD,
-    )
-    assert a.compat_hash == PageTable.from_specs(MODEL, [renamed]).compat_hash
+    for name, kind in [("main", MapperKind.NHD), (spec.name, MapperKind.HND)]:
+        other = PoolGroupSpec(
+            name,
+            spec.layer_ids,
+            64,
+            spec.page_size,
+            spec.num_kv_heads,
+            spec.head_dim,
+            spec.dtype,
+            mapper_kind=kind,
+        )
+        assert a.compat_hash != PageTable.from_specs(MODEL, [other]).compat_hash
+
+
+def test_roles_are_sorted_however_a_descriptor_is_made() -> None:
+    pool = PageTable.from_specs(MODEL, specs()).pools[0]
+    shuffled = dataclasses.replace(pool, pool_role=("value", "key"))
+    assert shuffled.pool_role == ("key", "value")
+    wire = PageTable(MODEL, (shuffled,)).to_wire()
+    assert PageTable.from_wire(wire).compat_hash == PageTable(MODEL, (shuffled,)).compat_hash
 
 
 def test_malformed_wire_table_names_the_field() -> None:
