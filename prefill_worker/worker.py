@@ -138,8 +138,9 @@ class PrefillWorker:
                 raise PrefillError(f"could not publish the KV of {rid}: {e}") from e
         finally:
             self._publishing.discard(rid)
-        if rid in self._cancelled:  # the client went away while we published
+            cancelled = rid in self._cancelled  # the client went away while we published
             self._cancelled.discard(rid)
+        if cancelled:
             self.publisher.cancel(rid)
         return ticket
 

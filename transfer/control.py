@@ -145,7 +145,7 @@ class ControlChannel:
     async def _send_quietly(self, msg: Message) -> None:
         try:
             await self.send(msg, timeout=5.0)
-        except ChannelClosed:
+        except (ChannelClosed, FrameTooLarge):  # (a Reject naming a huge request id)
             pass
 
     async def _read_frame(self) -> bytes:

@@ -80,6 +80,7 @@ class PullSession:
         self._reading = False  # this session runs a direct read
         self.connecting = False  # waiting for the link to P (nothing posted, nothing to undo)
         self.outcome: TransferResult | None = None  # the result, once the pull ended cancelled
+        self._booked = False  # its stats recorded
         # Done once nothing of this pull can write the caller's pages any more: when ``run``
         # ends, or at a cancel that came before any receive was posted (any thread may wait).
         self.quiet: concurrent.futures.Future[None] = concurrent.futures.Future()
@@ -141,18 +142,12 @@ class PullSession:
             )
             return self._result(start, ok=True)
         except PullFailed as e:
-            await self._clean_up(str(e))
-            return self._result(start, ok=False, error=str(e))
+            return await self._failed_with(start, str(e))
         except ConnectionError as e:
-            await self._clean_up(f"connection to the prefill worker failed: {e}")
-            return self._result(
-                start, ok=False, error=f"connection to the prefill worker failed: {e}"
-            )
+            return await self._failed_with(start, f"connection to the prefill worker failed: {e}")
         except Exception as e:  # a bug, or a device error: end the receives and tell P all the same
             log.exception("pull of %s failed unexpectedly", rid)
-            error = f"internal error: {e!r}"
-            await self._clean_up(error)
-            return self._result(start, ok=False, error=error)
+            return await self._failed_with(start, f"internal error: {e!r}")
         except asyncio.CancelledError:  # our task itself was cancelled: clean up all the same
             why = "the receiver closed" if self.r.closed else "the pull was cancelled"
             await outlast_cancels(asyncio.ensure_future(self._clean_up(why)))
@@ -163,6 +158,14 @@ class PullSession:
             if self.link is not None:
                 self.link.remove_close_listener(self._on_closed)
             self._quiet()
+
+    async def _failed_with(self, start: float, error: str) -> TransferResult:
+        """Clean up after a failure, then the failed result. The clean-up outlasts cancels (a
+        ``close`` that gave up waiting cancels us): what it waits for may still write the caller's
+        pages, which are the caller's again once we return. (A CancelledError raised in an
+        ``except`` handler would skip ``run``'s own CancelledError clause.)"""
+        await outlast_cancels(asyncio.ensure_future(self._clean_up(error)))
+        return self._result(start, ok=False, error=error)
 
     def ended_by_close(self) -> TransferResult:
         """The result of a pull ``KVReceiver.close`` cancelled (once it is quiet)."""
@@ -370,6 +373,7 @@ class PullSession:
                 return
 
     def _result(self, start: float, ok: bool, error: str = "") -> TransferResult:
+        """The pull's result, booked once (``close`` may answer for a pull before it ends)."""
         plan = self.plan
         stats = TransferStats(
             self.ticket.request_id,
@@ -381,5 +385,7 @@ class PullSession:
             error,
             "ucx",
         )
-        self.r.book.record(stats)
+        if not self._booked:
+            self._booked = True
+            self.r.book.record(stats)
         return TransferResult(self.ticket.request_id, ok, error, stats)

@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from engine.worker_messages import GenerateRequest
-from prefill_worker.worker import PrefillWorker
+from prefill_worker.worker import PrefillError, PrefillWorker
 from tests.tiny_engine import greedy, tiny_engine
 from transfer import KVSender, TransceiverConfig
 
@@ -94,6 +96,43 @@ def test_a_cancel_while_the_kv_is_being_leased_gives_the_pages_back_at_once() ->
         assert res.ticket is not None  # the router drops it: its client is gone
         await wait_until_no_page_held(worker, timeout_s=5.0)  # the lease lasts 30 s
         assert worker.publisher.stats()["expired_leases"] == 0
+
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+        worker.close()
+
+
+def test_a_cancel_while_a_publish_fails_is_not_kept_for_a_later_request_of_that_id() -> None:
+    worker = make_worker()
+    real_ids, real_publish = worker.loop.engine.kv.page_ids, worker.publisher.publish
+    cancels, publishes = [], []
+
+    def page_ids(rid):  # the client goes away while the lease is being made
+        if rid not in worker._pending and not cancels:
+            cancels.append(asyncio.run_coroutine_threadsafe(worker.cancel(rid), loop))
+            cancels[0].result(5)
+        return real_ids(rid)
+
+    def publish(rid, pages, n):
+        publishes.append(rid)
+        if len(publishes) == 1:
+            raise RuntimeError("no lease today")
+        return real_publish(rid, pages, n)
+
+    worker.loop.engine.kv.page_ids = page_ids
+    worker.publisher.publish = publish
+
+    async def main() -> None:
+        req = GenerateRequest("a", list(range(1, 11)), greedy(4), time.time())
+        with pytest.raises(PrefillError, match="no lease today"):
+            await worker.prefill(req)
+        again = await worker.prefill(req)  # the same id again, and no client left this time
+        assert again.ticket is not None and worker.publisher.leases.get("a") is not None
+        await worker.cancel("a")
+        await wait_until_no_page_held(worker)
 
     loop = asyncio.new_event_loop()
     try:

@@ -2,7 +2,8 @@
 answers (hung, or stopped under a debugger): every pull still ends, each within one
 ``connect_deadline_s`` of its start however many wait for that worker, and ``close`` ends the
 pulls that are still connecting, with a failed result, instead of leaving their callers waiting
-on a loop that stopped."""
+on a loop that stopped. A close that gives up waiting for a failing pull still lets its clean-up
+end before the caller gets its pages back."""
 
 from __future__ import annotations
 
@@ -116,3 +117,63 @@ def test_close_ends_a_pull_still_connecting_with_a_failed_result(silent) -> None
     assert not result.ok and "receiver closed" in result.error
     d.free("r")
     d.assert_clean()
+
+
+def test_close_cutting_a_failing_pull_short_still_waits_for_its_page_copy(monkeypatch) -> None:
+    # A pull fails (its chunk's page copy is held past the deadline) and, cleaning up, waits for
+    # that copy into the caller's pages. Close gives up waiting for it (its first settle "times
+    # out" at once here) and cancels it. The cancel used to cut the clean-up short: the caller got
+    # its pages back while the copy was still to write them.
+    import transfer.pull
+    import transfer.receiver
+    from tests.transfer.test_transfer_local import Pair
+    from transfer.pull import PullSession
+
+    cleaning, release, written = threading.Event(), threading.Event(), threading.Event()
+    real_scatter, real_settle = transfer.pull.scatter_chunk, transfer.receiver.settle
+    real_clean_up = PullSession._clean_up
+
+    def held_scatter(*args):  # on the copy thread
+        release.wait(30)
+        time.sleep(0.3)  # (so a caller answered early would see the copy unfinished)
+        real_scatter(*args)
+        written.set()
+
+    async def clean_up(self, reason):
+        cleaning.set()
+        await real_clean_up(self, reason)
+
+    calls = []
+
+    async def settle(tasks, timeout):
+        calls.append(timeout)
+        if len(calls) == 1:
+            return False  # close's grace period ran out
+        release.set()  # the copy may end now: after the cancel
+        return await real_settle(tasks, timeout)
+
+    monkeypatch.setattr(transfer.pull, "scatter_chunk", held_scatter)
+    monkeypatch.setattr(PullSession, "_clean_up", clean_up)
+    monkeypatch.setattr(transfer.receiver, "settle", settle)
+    pair = Pair(config(zero_copy=False, pull_deadline_s=0.5, chunk_deadline_s=1.0))
+    try:
+        ticket, _ = pair.publish("r", 8)
+        dst = pair.d.allocate("r", 8)
+        results = []
+
+        def pull() -> None:
+            result = pair.receiver.pull_blocking(ticket, dst, 0, 8)
+            results.append((result, written.is_set()))
+
+        puller = threading.Thread(target=pull)
+        puller.start()
+        assert cleaning.wait(20)  # failed, and waiting for its held copy
+        pair.receiver.close()
+        puller.join(30)
+        ((result, copy_ended_first),) = results
+        assert not result.ok
+        assert copy_ended_first, "the caller got its pages back while a copy still wrote them"
+        pair.d.free("r")
+    finally:
+        release.set()
+        pair.sender.close()
