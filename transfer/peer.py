@@ -167,63 +167,52 @@ async def connect(
     ``open_direct`` try P's pools for direct reads; ``done`` is the done board ``hello`` names,
     kept in the link's access when P opened it. Raises PeerRefused, or ConnectionError/
     TimeoutError when P cannot be reached within ``timeout`` (the whole handshake)."""
-    async with asyncio.timeout(timeout):
-        return await _connect(runtime, host, port, hello, timeout, counters, open_direct, done)
-
-
-async def _connect(
-    runtime: UcxRuntime,
-    host: str,
-    port: int,
-    hello: Hello,
-    timeout: float,
-    counters: TransferCounters,
-    open_direct: OpenDirect | None,
-    done: DoneBoard | None,
-) -> PeerLink:
-    name = f"link to {host}:{port}"
-    reader, writer = await asyncio.open_connection(host, port)
-    channel = ControlChannel(reader, writer, name, counters)
-    try:
-        await channel.send(hello, timeout)  # (inside connect's deadline for the whole)
-        reply = await channel.receive(timeout)
-        if not isinstance(reply, HelloReply):
-            raise PeerRefused(f"{name}: expected HelloReply, got {type(reply).__name__}")
-        problem = (
-            f"peer refused us: {reply.error}"
-            if reply.error
-            else check_compatible(hello.page_table, reply.page_table)
-        )
-        if problem:
-            counters.refused_peers += 1
-            raise PeerRefused(f"{name}: {problem}")
-        bad_address = ucx_address_problem(reply.ucx_address)
-        if bad_address:
-            counters.refused_peers += 1
-            raise PeerRefused(f"{name}: {bad_address}")
+    async with asyncio.timeout(timeout):  # the whole handshake
+        name = f"link to {host}:{port}"
+        reader, writer = await asyncio.open_connection(host, port)
+        channel = ControlChannel(reader, writer, name, counters)
         try:
-            endpoint = await runtime.create_endpoint(reply.ucx_address)
-        except (asyncio.TimeoutError, ConnectionError):
-            raise
-        except Exception as e:  # ucxx's own errors: an address UCX could not use
-            raise PeerRefused(f"{name}: UCX endpoint to the peer failed: {e!r}") from None
-        try:
-            direct = None
-            if open_direct is not None and reply.pool_export:
-                direct = await open_direct(reply)
-            if direct is not None and reply.done_board_open:
-                direct.done = done
+            await channel.send(hello, timeout)  # (inside connect's deadline for the whole)
+            reply = await channel.receive(timeout)
+            if not isinstance(reply, HelloReply):
+                raise PeerRefused(f"{name}: expected HelloReply, got {type(reply).__name__}")
+            problem = (
+                f"peer refused us: {reply.error}"
+                if reply.error
+                else check_compatible(hello.page_table, reply.page_table)
+            )
+            if problem:
+                counters.refused_peers += 1
+                raise PeerRefused(f"{name}: {problem}")
+            bad_address = ucx_address_problem(reply.ucx_address)
+            if bad_address:
+                counters.refused_peers += 1
+                raise PeerRefused(f"{name}: {bad_address}")
+            try:
+                endpoint = await runtime.create_endpoint(reply.ucx_address)
+            except (asyncio.TimeoutError, ConnectionError):
+                raise
+            except Exception as e:  # ucxx's own errors: an address UCX could not use
+                raise PeerRefused(f"{name}: UCX endpoint to the peer failed: {e!r}") from None
+            try:
+                direct = None
+                if open_direct is not None and reply.pool_export:
+                    direct = await open_direct(reply)
+                if direct is not None and reply.done_board_open:
+                    direct.done = done
+            except BaseException:
+                endpoint.abort()
+                raise
         except BaseException:
-            endpoint.abort()
+            channel.close("handshake failed")
             raise
-    except BaseException:
-        channel.close("handshake failed")
-        raise
-    info = PeerInfo(reply.instance_id, reply.page_table, min(hello.chunk_bytes, reply.chunk_bytes))
-    path = direct.data_path if direct is not None else "ucx"
-    link = PeerLink(channel, endpoint, info, f"{name} (instance {reply.instance_id}, {path})")
-    link.access = direct
-    return link
+        info = PeerInfo(
+            reply.instance_id, reply.page_table, min(hello.chunk_bytes, reply.chunk_bytes)
+        )
+        path = direct.data_path if direct is not None else "ucx"
+        link = PeerLink(channel, endpoint, info, f"{name} (instance {reply.instance_id}, {path})")
+        link.access = direct
+        return link
 
 
 async def accept(

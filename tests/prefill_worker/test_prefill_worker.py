@@ -75,6 +75,16 @@ def test_request_finished_at_its_first_token_publishes_nothing() -> None:
         worker.close()
 
 
+def run_then_close(worker: PrefillWorker, loop: asyncio.AbstractEventLoop, main) -> None:
+    """Run ``main()`` on ``loop`` (the tests' engine-thread hooks schedule cancels on it), then
+    close both."""
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+        worker.close()
+
+
 def test_a_cancel_while_the_kv_is_being_leased_gives_the_pages_back_at_once() -> None:
     # The router cancels when the client goes away during a prefill. Between the end of the
     # prefill and the lease there is one call to the engine's loop: a cancel there found neither
@@ -98,11 +108,7 @@ def test_a_cancel_while_the_kv_is_being_leased_gives_the_pages_back_at_once() ->
         assert worker.publisher.stats()["expired_leases"] == 0
 
     loop = asyncio.new_event_loop()
-    try:
-        loop.run_until_complete(main())
-    finally:
-        loop.close()
-        worker.close()
+    run_then_close(worker, loop, main)
 
 
 def test_a_cancel_while_a_publish_fails_is_not_kept_for_a_later_request_of_that_id() -> None:
@@ -135,8 +141,4 @@ def test_a_cancel_while_a_publish_fails_is_not_kept_for_a_later_request_of_that_
         await wait_until_no_page_held(worker)
 
     loop = asyncio.new_event_loop()
-    try:
-        loop.run_until_complete(main())
-    finally:
-        loop.close()
-        worker.close()
+    run_then_close(worker, loop, main)
