@@ -105,9 +105,9 @@ class ClusterFrontend:
             s.get("num_waiting", 0),
             s.get("num_running", 0),
             min(max(usage, 0.0), 1.0),
-            # The transceiver's count: a decode worker's own ``transfer_failures`` counts the
-            # same failed pulls again.
-            transfer_failures_total=int(transfer.get("failures", 0)),
+            # One count, not both: a decode worker's own ``transfer_failures`` counts every
+            # failed pull its transceiver counts, plus pulls that could not run at all.
+            transfer_failures_total=int(s.get("transfer_failures", transfer.get("failures", 0))),
             expired_leases_total=int(transfer.get("expired_leases", 0)),
         )
 

@@ -134,6 +134,7 @@ def test_a_failed_transfer_frees_the_pages_and_counts_once() -> None:
 
         (failed,) = await decode("closed", close_receiver)  # the pull cannot even start
         assert "KVReceiver is closed" in failed.error
+        assert worker.stats()["transfer_failures"] == 2  # (what the export counts, once each)
 
     try:
         asyncio.run(main())
