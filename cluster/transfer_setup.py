@@ -15,24 +15,26 @@ def _interface_address(name: str) -> str:
     import fcntl
     import struct
 
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        packed = fcntl.ioctl(
-            s.fileno(), 0x8915, struct.pack("256s", name[:15].encode())
-        )  # SIOCGIFADDR
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            packed = fcntl.ioctl(
+                s.fileno(), 0x8915, struct.pack("256s", name[:15].encode())
+            )  # SIOCGIFADDR
+    except OSError as e:
+        raise ValueError(
+            f"transfer.interface {name!r}: no IPv4 address here ({e.strerror})"
+        ) from None
     return socket.inet_ntoa(packed[20:24])
 
 
 def transceiver_config(config: ClusterConfig) -> TransceiverConfig:
     t = config.transfer
-    env = dict(t.ucx_env)
-    if t.ucx_tls:
-        env["UCX_TLS"] = ",".join(t.ucx_tls)
-    if t.ucx_net_devices:
-        env["UCX_NET_DEVICES"] = t.ucx_net_devices
     return TransceiverConfig(
         host=_interface_address(t.interface) if t.interface else t.host,
         port=t.port,
         staging_tokens=t.staging_tokens,
+        staging_buffers=t.staging_buffers,
+        progress_mode=t.progress_mode,
         direct_copy=t.direct_copy,
         lease_s=t.lease_s,
         connect_deadline_s=t.connect_deadline_s,
@@ -40,7 +42,7 @@ def transceiver_config(config: ClusterConfig) -> TransceiverConfig:
         chunk_deadline_s=t.chunk_deadline_s,
         done_deadline_s=t.done_deadline_s,
         ack_deadline_s=t.ack_deadline_s,
-        ucx_env=env,
+        ucx_env=t.ucx_environment,
         max_stats_len=config.stats.max_stats_len,
     )
 
@@ -54,14 +56,12 @@ def _model_identity(engine: LLMEngine) -> str:
 def make_publisher(
     engine: LLMEngine, config: ClusterConfig, release: Callable[[str], None]
 ) -> KVSender:
-    kv = engine.kv
-    return KVSender(
-        kv.buffers,
-        list(kv.specs.values()),
-        _model_identity(engine),
-        transceiver_config(config),
-        release,
-    )
+    kv, tc = engine.kv, transceiver_config(config)
+    try:
+        return KVSender(kv.buffers, list(kv.specs.values()), _model_identity(engine), tc, release)
+    except OSError as e:  # the listener: name the setting that chose the address
+        field = "interface" if config.transfer.interface else "host / port"
+        raise ValueError(f"transfer.{field} ({tc.host}:{tc.port}): cannot listen here: {e}") from e
 
 
 def make_puller(engine: LLMEngine, config: ClusterConfig) -> KVReceiver:

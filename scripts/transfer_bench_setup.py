@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import time
 from typing import Any
 
 import torch
@@ -37,9 +38,22 @@ def probe_settings(device: str, sizes_mib: list[int], progress_mode: str = "auto
     )
 
 
-def page_sums(buf: torch.Tensor, spec: PoolGroupSpec, pages: list[int]) -> list[int]:
-    rows = buf.view(-1).view(torch.uint8).view(spec.num_pages, spec.page_bytes)
-    return rows[torch.tensor(pages, device=buf.device)].sum(dim=1, dtype=torch.int64).tolist()
+def pool_bytes(buf: torch.Tensor, spec: PoolGroupSpec) -> torch.Tensor:
+    return buf.view(-1).view(torch.uint8).view(spec.num_pages, spec.page_bytes)
+
+
+def page_sums(buf: torch.Tensor, spec: PoolGroupSpec, pages: list[int]) -> list[list[int]]:
+    """Per page, three sums of its bytes: plain, weighted by position, and weighted again after a
+    modulus. Bytes moved within a page (reversed, swapped halves, swapped bytes of a value) change
+    them, as do other bytes; 16 pages at a time, to bound the int64 temporary."""
+    rows = pool_bytes(buf, spec)
+    w = torch.arange(1, spec.page_bytes + 1, device=buf.device, dtype=torch.int64)
+    out: list[list[int]] = []
+    for start in range(0, len(pages), 16):
+        r = rows[torch.tensor(pages[start : start + 16], device=buf.device)].to(torch.int64)
+        rw = r * w
+        out += torch.stack([r.sum(1), rw.sum(1), (rw % 1_000_003 * w).sum(1)], 1).tolist()
+    return out
 
 
 def config(args: argparse.Namespace, direct_copy: bool = True) -> TransceiverConfig:
@@ -122,5 +136,10 @@ def start_prefill(args: argparse.Namespace) -> tuple[Any, Any, bytes]:
     conn, child_conn = ctx.Pipe()
     child = ctx.Process(target=prefill_main, args=(child_conn, args), daemon=True)
     child.start()
+    child_conn.close()  # ours: a child that dies then closes the pipe, and recv raises
+    deadline = time.monotonic() + 300  # (a GPU child compiles and warms up first)
+    while not conn.poll(1.0):
+        if not child.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"the prefill process did not start (exit code {child.exitcode})")
     _port, child_address = conn.recv()
     return conn, child, child_address

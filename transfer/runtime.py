@@ -77,7 +77,16 @@ class UcxRuntime:
         )
         self._thread = threading.Thread(target=self._run_loop, name="duet-ucx-loop", daemon=True)
         self._thread.start()
-        self.ctx: Any = self.run(self._start_context(), timeout=60.0)
+        try:
+            self.ctx: Any = self.run(self._start_context(), timeout=60.0)
+        except Exception as e:  # a UCX setting UCX refuses, say: no thread of ours stays behind
+            self.copy_executor.shutdown(wait=False)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10.0)
+            raise RuntimeError(
+                f"the UCX context did not start with the settings {ucx_env or '(none)'} "
+                f"(transfer.ucx_tls, ucx_net_devices, ucx_env): {e!r}"
+            ) from e
         self.worker_address: bytes = bytes(self.ctx.worker_address)
 
     def _run_loop(self) -> None:

@@ -45,6 +45,14 @@ class ClusterConfig(Section):
     def _check_across_sections(self) -> ClusterConfig:
         issues: list[tuple[str, str]] = []
         page_size = self.kvcache.page_size
+        if self.transfer.port and self.prefill.replicas > 1 and self.ray.starts_local:
+            issues.append(
+                (
+                    "transfer.port",
+                    f"{self.prefill.replicas} prefill workers on this one host cannot all listen "
+                    f"on port {self.transfer.port}: use 0 (any free port)",
+                )
+            )
         if self.transfer.staging_tokens % page_size:
             issues.append(
                 (

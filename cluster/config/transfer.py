@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -27,7 +27,17 @@ class TransferConfig(Section):
         gt=0,
         description=(
             "Tokens per transfer chunk (the staging buffer's size); a multiple of "
-            "kvcache.page_size. Longer prompts go in several pipelined chunks."
+            "kvcache.page_size. Longer prompts go in several pipelined chunks. Staging takes "
+            "staging_buffers x staging_tokens x the KV bytes of a token on each worker, outside "
+            "the KV budget, made on its first staged UCX pull (direct reads never stage)."
+        ),
+    )
+    staging_buffers: int = Field(
+        4,
+        ge=1,
+        description=(
+            "Staging buffers per worker, shared by its transfers (each one chunk of staging_tokens; "
+            "made on the first staged UCX pull, outside the KV budget)."
         ),
     )
     direct_copy: bool = Field(
@@ -56,12 +66,24 @@ class TransferConfig(Section):
     host: str = Field(
         "127.0.0.1",
         min_length=1,
-        description="Address each worker's UCX listener binds to (excludes interface).",
+        description=(
+            "Address each prefill worker's control (TCP) listener binds to and advertises in its "
+            "tickets (excludes interface). One value serves every node: across hosts, set "
+            "interface instead."
+        ),
     )
     interface: str | None = Field(
         None,
         min_length=1,
         description='Network interface whose address the listener binds to (e.g. "eth0"); excludes host.',
+    )
+    progress_mode: Literal["auto", "thread", "thread-polling"] = Field(
+        "auto",
+        description=(
+            "How UCX is progressed: thread (sleeps until woken: no idle CPU), thread-polling (a "
+            "spinning thread: lower latency per message), or auto (polling only for GPU KV that "
+            "moves over UCX)."
+        ),
     )
     port: int = Field(0, ge=0, le=65535, description="Listener port; 0 = any free port.")
     ucx_tls: tuple[str, ...] | None = Field(
@@ -92,6 +114,40 @@ class TransferConfig(Section):
                 raise ValueError(
                     f"transport names are lower-case words like 'tcp' or 'cuda_ipc', got {bad}"
                 )
+            if any(name.startswith("^") for name in value[1:]):
+                raise ValueError(
+                    "a leading ^ excludes the whole list: put it on the first name only"
+                )
+            if not value[0].startswith("^") and not {"tcp", "all"} & set(value):
+                raise ValueError(
+                    "must include 'tcp': the endpoints use peer error handling, under which UCX "
+                    "leaves out shared memory, and tcp carries the connection set-up"
+                )
+        return value
+
+    @field_validator("host")
+    @classmethod
+    def _routable(cls, value: str) -> str:
+        if value in ("0.0.0.0", "::"):
+            raise ValueError(
+                "is advertised to decode workers in tickets, so it must be an address they can "
+                "dial: give one, or set interface"
+            )
+        return value
+
+    @field_validator("ucx_env", mode="before")
+    @classmethod
+    def _scalars_as_text(cls, value: Any) -> Any:
+        # YAML reads 1 or yes as numbers and booleans; UCX takes every setting as text.
+        if isinstance(value, dict):
+            return {
+                k: ("y" if v else "n")
+                if isinstance(v, bool)
+                else str(v)
+                if isinstance(v, int | float)
+                else v
+                for k, v in value.items()
+            }
         return value
 
     @field_validator("ucx_env")

@@ -236,6 +236,28 @@ def test_transfer_rules_and_ucx_environment() -> None:
     assert config_from_dict({"transfer": {"interface": "eth0"}}).transfer.interface == "eth0"
 
 
+def test_transfer_settings_that_would_validate_and_then_fail() -> None:
+    # Each of these used to pass validation and then fail (or quietly degrade) at run time.
+    def issue(**transfer: object) -> list[str]:
+        return issues_of({"transfer": transfer})
+
+    assert "must include 'tcp'" in issue(ucx_tls=["sm"])[0]  # peer error handling drops sm
+    assert "first name only" in issue(ucx_tls=["tcp", "^sm"])[0]
+    for fine in (["^sm"], ["all"]):
+        assert config_from_dict({"transfer": {"ucx_tls": fine}}).transfer.ucx_tls == tuple(fine)
+    assert "an address they can dial" in issue(host="0.0.0.0")[0]  # advertised in tickets
+    got = config_from_dict({"transfer": {"ucx_env": {"UCX_MAX_RNDV_RAILS": 1, "UCX_X": True}}})
+    assert got.transfer.ucx_env == {"UCX_MAX_RNDV_RAILS": "1", "UCX_X": "y"}  # YAML scalars
+    tuned = config_from_dict(
+        {"transfer": {"staging_buffers": 2, "progress_mode": "thread-polling"}}
+    ).transfer
+    assert (tuned.staging_buffers, tuned.progress_mode) == (2, "thread-polling")
+    two = {"prefill": {"replicas": 2}, "transfer": {"port": 5555}}
+    assert "cannot all listen on port 5555" in issues_of(two)[0]  # the second failed to bind
+    two["ray"] = {"address": "auto"}  # a cluster of nodes: one per node may share the port
+    assert config_from_dict(two).transfer.port == 5555
+
+
 def test_prefix_aware_routing_needs_reuse() -> None:
     data = {"router": {"policy": "prefix_aware"}, "kvcache": {"reuse_policy": "none"}}
     assert issues_of(data) == [

@@ -92,6 +92,34 @@ def test_release_stops_every_thread_it_started() -> None:
     assert done.stdout.startswith("ok")
 
 
+def test_a_ucx_setting_ucx_refuses_is_named_and_leaves_no_thread() -> None:
+    """In a fresh process: a misspelt UCX setting (it validates as a UCX_* name) fails the start
+    with the settings named, and a later start with good ones works."""
+    script = textwrap.dedent(
+        f"""
+        import threading
+        from transfer.runtime import UcxRuntime
+
+        try:
+            UcxRuntime.acquire({{"UCX_TSL": "tcp"}})
+            raise SystemExit("started")
+        except RuntimeError as e:
+            assert "UCX_TSL" in str(e) and "transfer.ucx_tls" in str(e), e
+        assert threading.active_count() == 1, threading.enumerate()
+        runtime = UcxRuntime.acquire({UCX_ENV!r})
+        assert len(runtime.worker_address) > 0
+        runtime.release()
+        print("ok")
+        """
+    )
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=50
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("ok")
+
+
 def test_polling_progress_moves_bytes_and_is_chosen_for_gpus_only() -> None:
     assert resolve_progress_mode("auto", cuda=True) == "thread-polling"
     assert resolve_progress_mode("auto", cuda=False) == "thread"
