@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import sys
 import threading
 import time
@@ -55,6 +54,8 @@ from transfer_bench_setup import (  # noqa: E402
     bench_spec,
     choose_pages,
     config,
+    format_row,
+    median_gbps,
     page_sums,
     pool_bytes,
     start_prefill,
@@ -63,10 +64,6 @@ from transfer_bench_setup import (  # noqa: E402
 from kvcache.spec import PoolGroupSpec  # noqa: E402
 from transfer import KVReceiver  # noqa: E402
 from transfer.config import PROGRESS_MODES, resolve_progress_mode  # noqa: E402
-
-
-def median_gbps(nbytes: int, seconds: list[float]) -> float:
-    return nbytes / statistics.median(seconds) / 1e9
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -309,20 +306,6 @@ def gil_load(stop: threading.Event) -> None:
     while not stop.is_set():
         for _ in range(1000):
             x += 1
-
-
-def format_row(row: dict[str, Any]) -> str:
-    parts = [f"{row['bytes'] / MIB:>6.0f} MiB"]
-    for key, value in row.items():
-        if key.endswith("_path"):
-            parts.append(f"{key} {value}")
-        if key.endswith("_gbps"):
-            parts.append(f"{key[:-5]} {value:7.2f} GB/s")
-        elif "_vs_" in key:
-            parts.append(f"{key} {value:5.2f}")
-        elif key.endswith("_error"):
-            parts.append(f"{key}: {value}")
-    return " | ".join(parts)
 
 
 def main() -> None:

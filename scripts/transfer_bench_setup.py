@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import statistics
 import time
 from typing import Any
 
@@ -143,3 +144,21 @@ def start_prefill(args: argparse.Namespace) -> tuple[Any, Any, bytes]:
             raise RuntimeError(f"the prefill process did not start (exit code {child.exitcode})")
     _port, child_address = conn.recv()
     return conn, child, child_address
+
+
+def median_gbps(nbytes: int, seconds: list[float]) -> float:
+    return nbytes / statistics.median(seconds) / 1e9
+
+
+def format_row(row: dict[str, Any]) -> str:
+    parts = [f"{row['bytes'] / MIB:>6.0f} MiB"]
+    for key, value in row.items():
+        if key.endswith("_path"):
+            parts.append(f"{key} {value}")
+        if key.endswith("_gbps"):
+            parts.append(f"{key[:-5]} {value:7.2f} GB/s")
+        elif "_vs_" in key:
+            parts.append(f"{key} {value:5.2f}")
+        elif key.endswith("_error"):
+            parts.append(f"{key}: {value}")
+    return " | ".join(parts)

@@ -19,6 +19,16 @@ from transfer.runtime import UcxRuntime
 pytestmark = pytest.mark.timeout(60)
 
 
+def in_fresh_process(script: str) -> None:
+    """Run ``script`` in a new Python process from the repository root; it prints "ok"."""
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=50
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("ok")
+
+
 def test_one_runtime_per_process_with_one_set_of_settings(ucx_runtime: UcxRuntime) -> None:
     again = UcxRuntime.acquire(UCX_ENV)
     try:
@@ -84,12 +94,7 @@ def test_release_stops_every_thread_it_started() -> None:
         print("ok", counts)
         """
     )
-    root = Path(__file__).resolve().parents[2]
-    done = subprocess.run(
-        [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=50
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.startswith("ok")
+    in_fresh_process(script)
 
 
 def test_a_ucx_setting_ucx_refuses_is_named_and_leaves_no_thread() -> None:
@@ -112,12 +117,7 @@ def test_a_ucx_setting_ucx_refuses_is_named_and_leaves_no_thread() -> None:
         print("ok")
         """
     )
-    root = Path(__file__).resolve().parents[2]
-    done = subprocess.run(
-        [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=50
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.startswith("ok")
+    in_fresh_process(script)
 
 
 def test_polling_progress_moves_bytes_and_is_chosen_for_gpus_only() -> None:
@@ -152,12 +152,7 @@ def test_polling_progress_moves_bytes_and_is_chosen_for_gpus_only() -> None:
         print("ok")
         """
     )
-    root = Path(__file__).resolve().parents[2]
-    done = subprocess.run(
-        [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=50
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.startswith("ok")
+    in_fresh_process(script)
 
 
 def test_closing_a_side_twice_leaves_the_runtime_to_the_other_sides() -> None:
