@@ -43,7 +43,11 @@ def transceiver_config(config: ClusterConfig) -> TransceiverConfig:
         done_deadline_s=t.done_deadline_s,
         ack_deadline_s=t.ack_deadline_s,
         ucx_env=t.ucx_environment,
-        max_stats_len=config.stats.max_stats_len,
+        # Nothing in the cluster drains the transfer records (the counters and the last one are
+        # what the workers' stats show): "all" would grow for the life of the worker.
+        max_stats_len=config.stats.max_stats_len
+        if config.stats.max_stats_len >= 0
+        else TransceiverConfig.max_stats_len,
     )
 
 

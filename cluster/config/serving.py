@@ -55,7 +55,11 @@ class StatsConfig(Section):
     max_stats_len: int = Field(
         1000,
         ge=UNBOUNDED,
-        description="Iteration stats each worker keeps between reads: -1 all, 0 none, N the last N.",
+        description=(
+            "Iteration stats each worker keeps between reads: -1 all, 0 none, N the last N. "
+            "Its transfer records follow it, except that -1 keeps the last 1000 (nothing reads "
+            "them all)."
+        ),
     )
     interval_s: float = Field(
         10.0,

@@ -48,6 +48,8 @@ def test_every_transfer_setting_reaches_the_transceiver() -> None:
     assert unset == {"prestage", "zero_copy", "max_stats_len"}  # the transceiver's own defaults
     lo = transceiver_config(config_from_dict({"transfer": {"interface": "lo"}}))
     assert lo.host == "127.0.0.1"
+    every = transceiver_config(config_from_dict({"stats": {"max_stats_len": -1}}))
+    assert every.max_stats_len == 1000  # transfer records are never drained in the cluster
 
 
 def test_an_interface_or_port_that_fails_on_this_node_names_its_field() -> None:
