@@ -58,8 +58,8 @@ class PrefillWorker:
         self._report = report
         self._deadline_s = step_deadline_s
         self._pending: set[str] = set()  # admitted, no reply yet
-        self._publishing: set[str] = set()  # prefilled, its lease being made
-        self._cancelled: set[str] = set()  # of those, the ones whose client went away
+        # Prefilled, their lease being made -> whether their client went away meanwhile.
+        self._publishing: dict[str, bool] = {}
 
     # ---- called by the transfer layer (its own thread) ----
     def _release(self, request_id: str) -> None:
@@ -128,7 +128,7 @@ class PrefillWorker:
     async def _publish(self, rid: str, prompt_len: int) -> Any:
         """Publish the pages of the PREFILLED request ``rid`` (committed, context finalized, and
         held) under a lease; a cancel that came meanwhile gives the lease up at once."""
-        self._publishing.add(rid)
+        self._publishing[rid] = False
         try:
             pages = await asyncio.wrap_future(self.loop.call(lambda e: e.kv.page_ids(rid)))
             try:
@@ -137,9 +137,7 @@ class PrefillWorker:
                 self._release(rid)
                 raise PrefillError(f"could not publish the KV of {rid}: {e}") from e
         finally:
-            self._publishing.discard(rid)
-            cancelled = rid in self._cancelled  # the client went away while we published
-            self._cancelled.discard(rid)
+            cancelled = self._publishing.pop(rid)
         if cancelled:
             self.publisher.cancel(rid)
         return ticket
@@ -147,7 +145,7 @@ class PrefillWorker:
     async def cancel(self, request_id: str) -> None:
         """The client went away: stop the prefill, or give up the lease of a finished one."""
         if request_id in self._publishing:  # prefilled, not yet leased: ``_publish`` cancels
-            self._cancelled.add(request_id)
+            self._publishing[request_id] = True
         elif request_id in self._pending:
             await asyncio.wrap_future(self.loop.call(lambda e: e.abort_request(request_id)))
         else:

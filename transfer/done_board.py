@@ -15,7 +15,8 @@ as lost, any record D may have been overwriting meanwhile). A record P never see
 that lease until it expires. Generations name one lease for good, so a stale record releases
 nothing. Closing the board sets a flag after the last record: P then drains it once more and stops
 polling it (a link that fell back to UCX closes its board in the handshake, and P would otherwise
-poll it every millisecond for the life of the link). Memory order is lease_board.py's: stores become visible in order (x86-64).
+poll it every millisecond for the life of the link). Memory order is lease_board.py's: stores
+become visible in order (x86-64).
 """
 
 from __future__ import annotations

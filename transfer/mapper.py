@@ -44,9 +44,9 @@ def match_pools(src: PageTable, dst: PageTable) -> Mapping[str, str]:
         if pool.pool_role in by_role:
             raise MapperError(f"destination has two pools with roles {list(pool.pool_role)}")
         by_role[pool.pool_role] = pool
-    matched: dict[str, str] = {}
+    matched: dict[tuple[str, ...], str] = {}  # source roles -> destination pool
     for pool in src.pools:
-        if pool.pool_role in {src.pool(n).pool_role for n in matched}:
+        if pool.pool_role in matched:  # (two sources would fill one destination pool)
             raise MapperError(f"source has two pools with roles {list(pool.pool_role)}")
         peer = by_role.get(pool.pool_role)
         if peer is None:
@@ -55,11 +55,11 @@ def match_pools(src: PageTable, dst: PageTable) -> Mapping[str, str]:
                 f"the same roles (destination roles: {[list(r) for r in by_role]})"
             )
         _check_servable(pool, peer)
-        matched[pool.name] = peer.name
-    unmatched = [p.name for p in dst.pools if p.name not in matched.values()]
-    if unmatched:  # its pages would never be filled
+        matched[pool.pool_role] = peer.name
+    unmatched = [p.name for role, p in by_role.items() if role not in matched]
+    if unmatched:  # their pages would never be filled
         raise MapperError(f"destination pools {unmatched} have no source pool with the same roles")
-    return MappingProxyType(matched)
+    return MappingProxyType({p.name: matched[p.pool_role] for p in src.pools})
 
 
 def _check_servable(src: PoolDescriptor, dst: PoolDescriptor) -> None:

@@ -296,9 +296,7 @@ class KVSender(TransceiverSide):
                 session.credit(msg.chunks)
             elif (link, msg.pull_id) in self._ended:
                 chunks = self._ended[(link, msg.pull_id)]
-                self.drain_late(
-                    link, msg.pull_id, sorted({i for i in msg.chunks if 0 <= i < chunks})
-                )
+                self.drain_late(link, msg.pull_id, [i for i in msg.chunks if 0 <= i < chunks])
             else:
                 log.info(
                     "credit for pull %d of %s dropped: no such pull", msg.pull_id, msg.request_id

@@ -51,7 +51,9 @@ DRAIN_IN_FLIGHT = 64  # empty messages in flight at a time: memory stays bounded
 
 
 async def drain(link: PeerLink, pull_id: int, chunks: list[int]) -> None:
-    """Complete D's receives for ``chunks`` with empty messages (nothing is written)."""
+    """Complete D's receives for ``chunks`` with empty messages (nothing is written), each chunk
+    once however often D named it."""
+    chunks = sorted(set(chunks))
     for start in range(0, len(chunks), DRAIN_IN_FLIGHT):
         part = chunks[start : start + DRAIN_IN_FLIGHT]
         await asyncio.gather(*(link.send_data(_EMPTY, data_tag(pull_id, i)) for i in part))
@@ -98,8 +100,7 @@ class ServeSession:
             self.events.put_nowait(("credit", chunks))
 
     def _ungranted(self, chunks: list[int]) -> list[int]:
-        ours = {i for i in chunks if 0 <= i < self.plan.num_chunks and i not in self._tasks}
-        return sorted(ours)  # (each once, however often D names it)
+        return [i for i in chunks if 0 <= i < self.plan.num_chunks and i not in self._tasks]
 
     def ack(self, ok: bool, error: str) -> None:
         self.events.put_nowait(("ack", (ok, error)))

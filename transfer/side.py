@@ -38,6 +38,7 @@ class TransceiverSide:
         self.device = next(iter(buffers.values())).device
         self.rows_on_gpu = self.device.type == "cuda"
         gpu = cuda_index(buffers)
+        self._closing = False  # (``_begin_close``)
         self.runtime = UcxRuntime.acquire(
             config.ucx_env,
             gpu,
@@ -47,7 +48,7 @@ class TransceiverSide:
     def _begin_close(self) -> bool:
         """True the first time only: a second ``close`` does nothing (the runtime counts one
         release per side: two would stop it under another side of this process)."""
-        if getattr(self, "_closing", False):
+        if self._closing:
             return False
         self._closing = True
         return True

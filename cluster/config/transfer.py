@@ -12,6 +12,13 @@ from cluster.config.base import Section, check_fields
 _UCX_TRANSPORT = re.compile(r"\^?[a-z][a-z0-9_]*")
 
 
+def _as_text(value: Any) -> Any:
+    """A YAML scalar as UCX writes it (booleans y / n); anything else as it is (checked later)."""
+    if isinstance(value, bool):
+        return "y" if value else "n"
+    return str(value) if isinstance(value, int | float) else value
+
+
 def _deadline(default: float, what: str) -> Any:
     return Field(
         default, gt=0, description=f"Seconds to wait for {what} before failing the request."
@@ -140,14 +147,7 @@ class TransferConfig(Section):
     def _scalars_as_text(cls, value: Any) -> Any:
         # YAML reads 1 or yes as numbers and booleans; UCX takes every setting as text.
         if isinstance(value, dict):
-            return {
-                k: ("y" if v else "n")
-                if isinstance(v, bool)
-                else str(v)
-                if isinstance(v, int | float)
-                else v
-                for k, v in value.items()
-            }
+            return {k: _as_text(v) for k, v in value.items()}
         return value
 
     @field_validator("ucx_env")
