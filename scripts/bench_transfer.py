@@ -21,8 +21,12 @@ ratios, and makes the script exit non-zero.
 On GPUs the peer copy is timed two ways: back to back (``peer_copy``, GPUs and caller always busy)
 and, inside the interleaved loop, right after the same pipe round trip to P that precedes each pull
 (``peer_copy_gap``: idle GPUs and a caller that just woke up, as for the pulls). ``--hot`` also
-times every variant's pulls back to back (``*_hot``, tickets published first). Like-for-like ratios
+times every variant's pulls back to back (``*_hot``, tickets published first; the last one
+checked as above). Like-for-like ratios
 are a pull against ``peer_copy_gap`` and a hot pull against ``peer_copy``; every ratio is printed.
+On the CPU the direct path (two processes' shared memory) is also set next to ``host_copy``, one
+copy of the same bytes between two warm buffers of one process, back to back: what its ratio to
+raw ucxx (TCP loopback) cannot say is how close it comes to the memory's own speed.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from transfer_baselines import (  # noqa: E402
+    host_copy_times,
     peer_buffers,
     peer_copy_once,
     peer_copy_times,
@@ -167,7 +172,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if key not in failed:
                     try:
                         times[f"{key}_hot"] = hot_pulls(
-                            conn, rec, spec, n, layout, gen, args.repeats, name, on_loop
+                            conn, rec, buf, spec, n, layout, gen, args.repeats, name, on_loop
                         )
                     except Exception as e:  # keep the other figures of this run
                         failed[f"{key}_hot"] = f"{type(e).__name__}: {e}"
@@ -179,8 +184,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 row[f"{key}_gbps"] = median_gbps(size, ts)
         if args.device == "cuda":
             row["peer_copy_gbps"] = median_gbps(size, peer_copy_times(size, args.repeats))
+        elif "direct" in args.paths:
+            row["host_copy_gbps"] = median_gbps(size, host_copy_times(size, args.repeats))
         for key in [k for k in row if k.startswith(("ours_", "direct_")) and k.endswith("_gbps")]:
-            for base in ("raw_ucxx", "peer_copy", "peer_copy_gap"):
+            bases = ("raw_ucxx", "peer_copy", "peer_copy_gap")
+            for base in bases + (("host_copy",) if key.startswith("direct") else ()):
                 if f"{base}_gbps" in row:
                     row[key.replace("_gbps", f"_vs_{base}")] = row[key] / row[f"{base}_gbps"]
         for key in [k for k in row if k.startswith("direct_async_") and k.endswith("_gbps")]:
@@ -254,6 +262,7 @@ def one_pull(
 def hot_pulls(
     conn: Any,
     receiver: KVReceiver,
+    buf: torch.Tensor,
     spec: PoolGroupSpec,
     n: int,
     layout: str,
@@ -264,7 +273,8 @@ def hot_pulls(
 ) -> list[float]:
     """Pulls back to back, as a busy decode worker's: P publishes every ticket first, so no pull
     waits on P's answer (the default runs wait for it before each pull). Like the peer copies of
-    ``peer_copy_times``, which run back to back too."""
+    ``peer_copy_times``, which run back to back too. The last pull is checked as ``one_pull``
+    checks: its pages are overwritten before the first pull, and it writes them last."""
     tickets = []
     for rep in range(repeats + 1):
         conn.send(
@@ -274,8 +284,14 @@ def hot_pulls(
                 choose_pages(n, spec, layout, gen),
             )
         )
-        tickets.append(conn.recv()[0])
-    times = [timed_pull(receiver, t, choose_pages(n, spec, layout, gen), loop)[0] for t in tickets]
+        tickets.append(conn.recv())
+    dsts = [choose_pages(n, spec, layout, gen) for _ in tickets]
+    pool_bytes(buf, spec)[torch.tensor(dsts[-1], device=buf.device)] = 0xA5
+    if buf.is_cuda:
+        torch.cuda.synchronize(buf.device)
+    times = [timed_pull(receiver, t, dst, loop)[0] for (t, _), dst in zip(tickets, dsts)]
+    if page_sums(buf, spec, dsts[-1]) != tickets[-1][1]:
+        raise RuntimeError(f"{layout} {n} pages, back to back: the received bytes differ")
     return times[1:]
 
 

@@ -64,6 +64,20 @@ def peer_copy_times(size: int, repeats: int) -> list[float]:
     return [peer_copy_once(*buffers) for _ in range(repeats + 1)][1:]
 
 
+def host_copy_times(size: int, repeats: int) -> list[float]:
+    """One copy of ``size`` bytes between two warm host buffers of this process, back to back: the
+    memory's own speed, which a direct read of shared-memory pools (host_shm) compares with as a
+    GPU pull compares with a peer copy."""
+    src = torch.randint(0, 255, (size,), dtype=torch.uint8)
+    dst = torch.zeros(size, dtype=torch.uint8)
+    out = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        dst.copy_(src)
+        out.append(time.perf_counter() - start)
+    return out[1:]
+
+
 def staging_copy_ms(buf: torch.Tensor, page_bytes: int, pages: list[int]) -> dict[str, float]:
     """Median time of gathering / scattering one chunk of ``pages`` of the pool ``buf``."""
     rows = pool_rows({"full": buf}, {"full": page_bytes})

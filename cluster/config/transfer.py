@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import re
 from typing import Any, Literal
 
@@ -10,6 +11,25 @@ from pydantic import Field, field_validator, model_validator
 from cluster.config.base import Section, check_fields
 
 _UCX_TRANSPORT = re.compile(r"\^?[a-z][a-z0-9_]*")
+# UCX's transport names and aliases (UCX 1.21: ucp_context.c and its uct components). UCX only warns
+# about a name it does not know and runs without it, so a typo ("cuda_ipcc") would silently move
+# the KV over TCP instead: a name close to one of these but not one of them is refused. A name far
+# from all of them (a transport newer than this list) is passed on to UCX as it is.
+_UCX_NAMES = frozenset(
+    "all self tcp sm shm mm posix sysv xpmem knem cma ib rc rc_v rc_x rc_verbs rc_mlx5 ud ud_v "
+    "ud_x ud_verbs ud_mlx5 dc dc_x dc_mlx5 srd rdmacm sockcm cuda cuda_copy cuda_ipc gdr_copy "
+    "rocm rocm_copy rocm_ipc rocm_gdr ze ze_copy ze_ipc ze_gpu ugni ugni_smsg ugni_udt "
+    "ugni_rdma".split()
+)
+
+
+def _ucx_typo(name: str) -> str | None:
+    """The known UCX transport ``name`` is a typo of, or None."""
+    bare = name.removeprefix("^")
+    if bare in _UCX_NAMES:
+        return None
+    close = difflib.get_close_matches(bare, _UCX_NAMES, n=1, cutoff=0.75)
+    return close[0] if close else None
 
 
 def _as_text(value: Any) -> Any:
@@ -120,6 +140,12 @@ class TransferConfig(Section):
             if bad:
                 raise ValueError(
                     f"transport names are lower-case words like 'tcp' or 'cuda_ipc', got {bad}"
+                )
+            typos = {name: _ucx_typo(name) for name in value if _ucx_typo(name)}
+            if typos:
+                said = ", ".join(f"{k!r} (did you mean {v!r}?)" for k, v in typos.items())
+                raise ValueError(
+                    f"not UCX transports: {said}; UCX would only warn and run without them"
                 )
             if any(name.startswith("^") for name in value[1:]):
                 raise ValueError(

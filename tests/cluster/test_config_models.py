@@ -243,7 +243,13 @@ def test_transfer_settings_that_would_validate_and_then_fail() -> None:
 
     assert "must include 'tcp'" in issue(ucx_tls=["sm"])[0]  # peer error handling drops sm
     assert "first name only" in issue(ucx_tls=["tcp", "^sm"])[0]
-    for fine in (["^sm"], ["all"]):
+    # UCX only warns about a transport it does not know: a typo would quietly drop cuda_ipc.
+    assert issue(ucx_tls=["tcp", "cuda_ipcc"]) == [
+        "transfer.ucx_tls: not UCX transports: 'cuda_ipcc' (did you mean 'cuda_ipc'?); UCX would "
+        "only warn and run without them"
+    ]
+    assert "'tcpp' (did you mean 'tcp'?)" in issue(ucx_tls=["tcpp", "^shmm"])[0]
+    for fine in (["^sm"], ["all"], ["tcp", "cuda", "gdr_copy"], ["tcp", "some_new_transport"]):
         assert config_from_dict({"transfer": {"ucx_tls": fine}}).transfer.ucx_tls == tuple(fine)
     assert "an address they can dial" in issue(host="0.0.0.0")[0]  # advertised in tickets
     got = config_from_dict({"transfer": {"ucx_env": {"UCX_MAX_RNDV_RAILS": 1, "UCX_X": True}}})
