@@ -24,9 +24,7 @@ and, inside the interleaved loop, right after the same pipe round trip to P that
 times every variant's pulls back to back (``*_hot``, tickets published first; the last one
 checked as above). Like-for-like ratios
 are a pull against ``peer_copy_gap`` and a hot pull against ``peer_copy``; every ratio is printed.
-On the CPU the direct path (two processes' shared memory) is also set next to ``host_copy``, one
-copy of the same bytes between two warm buffers of one process, back to back: what its ratio to
-raw ucxx (TCP loopback) cannot say is how close it comes to the memory's own speed.
+On the CPU the direct path is also set next to ``host_copy`` (the same bytes between two warm buffers).
 """
 
 from __future__ import annotations
@@ -187,8 +185,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         elif "direct" in args.paths:
             row["host_copy_gbps"] = median_gbps(size, host_copy_times(size, args.repeats))
         for key in [k for k in row if k.startswith(("ours_", "direct_")) and k.endswith("_gbps")]:
-            bases = ("raw_ucxx", "peer_copy", "peer_copy_gap")
-            for base in bases + (("host_copy",) if key.startswith("direct") else ()):
+            for base in ("raw_ucxx", "peer_copy", "peer_copy_gap", "host_copy"):
                 if f"{base}_gbps" in row:
                     row[key.replace("_gbps", f"_vs_{base}")] = row[key] / row[f"{base}_gbps"]
         for key in [k for k in row if k.startswith("direct_async_") and k.endswith("_gbps")]:
@@ -273,21 +270,15 @@ def hot_pulls(
 ) -> list[float]:
     """Pulls back to back, as a busy decode worker's: P publishes every ticket first, so no pull
     waits on P's answer (the default runs wait for it before each pull). Like the peer copies of
-    ``peer_copy_times``, which run back to back too. The last pull is checked as ``one_pull``
-    checks: its pages are overwritten before the first pull, and it writes them last."""
+    ``peer_copy_times``, which run back to back too. The last one is checked as ``one_pull`` does."""
     tickets = []
     for rep in range(repeats + 1):
-        conn.send(
-            (
-                "publish",
-                f"{receiver.instance_id}-hot-{name}-{layout}-{n}-{rep}",
-                choose_pages(n, spec, layout, gen),
-            )
-        )
+        rid = f"{receiver.instance_id}-hot-{name}-{layout}-{n}-{rep}"
+        conn.send(("publish", rid, choose_pages(n, spec, layout, gen)))
         tickets.append(conn.recv())
     dsts = [choose_pages(n, spec, layout, gen) for _ in tickets]
     pool_bytes(buf, spec)[torch.tensor(dsts[-1], device=buf.device)] = 0xA5
-    if buf.is_cuda:
+    if buf.is_cuda:  # (the last pull writes those pages last)
         torch.cuda.synchronize(buf.device)
     times = [timed_pull(receiver, t, dst, loop)[0] for (t, _), dst in zip(tickets, dsts)]
     if page_sums(buf, spec, dsts[-1]) != tickets[-1][1]:
