@@ -2,16 +2,39 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import ray
 
 from cluster.config import ClusterConfig, load_config
 from tests.oracle import hf_greedy as hf_greedy_ids  # noqa: F401 (re-exported for the cluster tests)
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+@contextlib.contextmanager
+def local_ray(namespace: str) -> Iterator[None]:
+    """A fresh Ray of our own on 127.0.0.1 with 2 CPUs (address="local": never someone else's
+    running cluster), shut down on exit."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        namespace=namespace,
+        log_to_driver=False,
+    )
+    try:
+        yield
+    finally:
+        ray.shutdown()
 
 
 def local_config(name: str = "local.yaml", **overrides: Any) -> ClusterConfig:

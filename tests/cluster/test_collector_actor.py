@@ -3,7 +3,6 @@ reader drains, and each request comes out exactly once."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import pytest
@@ -12,6 +11,7 @@ import ray
 from cluster.collector import expected_roles_for
 from cluster.collector_actor import COLLECTOR_MAX_CONCURRENCY, start_collector_actor
 from cluster.messages import CollectorStats, RequestTimings
+from tests.cluster.cluster_fixtures import local_ray as start_local_ray
 from tests.cluster.conftest import decode_timings, prefill_timings
 
 NAMESPACE = "duet-test-collector"
@@ -19,18 +19,8 @@ NAMESPACE = "duet-test-collector"
 
 @pytest.fixture(scope="module")
 def local_ray() -> Iterator[None]:
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    # address="local": always a fresh Ray of our own, never someone else's running cluster.
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        namespace=NAMESPACE,
-        log_to_driver=False,
-    )
-    yield
-    ray.shutdown()
+    with start_local_ray(NAMESPACE):
+        yield
 
 
 @ray.remote(num_cpus=0)

@@ -5,7 +5,6 @@ may still prefill it later and lease its KV, which nobody would pull)."""
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import Iterator
 
@@ -14,21 +13,13 @@ import ray
 
 from cluster.router import Router, WorkerSlot
 from engine.worker_messages import GenerateRequest
+from tests.cluster.cluster_fixtures import local_ray as start_local_ray
 
 
 @pytest.fixture(scope="module")
 def local_ray() -> Iterator[None]:
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        namespace="duet-test-router",
-        log_to_driver=False,
-    )
-    yield
-    ray.shutdown()
+    with start_local_ray("duet-test-router"):
+        yield
 
 
 @ray.remote(num_cpus=0)
