@@ -247,13 +247,19 @@ def one_pull(
     conn.send(("publish", f"{receiver.instance_id}-{layout}-{n}-{run_name}", src))
     ticket, src_sums = conn.recv()
     if check:
-        pool_bytes(buf, spec)[torch.tensor(dst, device=buf.device)] = 0xA5
-        if buf.is_cuda:
-            torch.cuda.synchronize(buf.device)  # (not inside the timed pull)
+        overwrite(buf, spec, dst)
     elapsed, result = timed_pull(receiver, ticket, dst, loop)
     if check and page_sums(buf, spec, dst) != src_sums:
         raise RuntimeError(f"{layout} {n} pages: the received bytes differ from the sent ones")
     return elapsed, result
+
+
+def overwrite(buf: torch.Tensor, spec: PoolGroupSpec, pages: list[int]) -> None:
+    """Fill D's ``pages`` with a byte no sent page is made of, before a checked pull: a pull that
+    writes nothing must not pass on an earlier run's bytes. Done before the timed pull starts."""
+    pool_bytes(buf, spec)[torch.tensor(pages, device=buf.device)] = 0xA5
+    if buf.is_cuda:
+        torch.cuda.synchronize(buf.device)
 
 
 def hot_pulls(
@@ -277,9 +283,7 @@ def hot_pulls(
         conn.send(("publish", rid, choose_pages(n, spec, layout, gen)))
         tickets.append(conn.recv())
     dsts = [choose_pages(n, spec, layout, gen) for _ in tickets]
-    pool_bytes(buf, spec)[torch.tensor(dsts[-1], device=buf.device)] = 0xA5
-    if buf.is_cuda:  # (the last pull writes those pages last)
-        torch.cuda.synchronize(buf.device)
+    overwrite(buf, spec, dsts[-1])  # (the last pull writes those pages last)
     times = [timed_pull(receiver, t, dst, loop)[0] for (t, _), dst in zip(tickets, dsts)]
     if page_sums(buf, spec, dsts[-1]) != tickets[-1][1]:
         raise RuntimeError(f"{layout} {n} pages, back to back: the received bytes differ")

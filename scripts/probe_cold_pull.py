@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from transfer_bench_setup import (  # noqa: E402
     MIB,
+    PatchedModule,
     bench_spec,
     choose_pages,
     config,
@@ -42,8 +43,8 @@ def stamp(name: str) -> None:
     STAMPS.append((name, time.perf_counter_ns()))
 
 
-def around(owner: Any, attr: str, name: str) -> None:
-    fn = getattr(owner, attr)
+def stamped(fn: Any, name: str) -> Any:
+    """``fn`` with a stamp "<name>>" before and "<name><" after each call."""
 
     def wrapper(*a: Any, **k: Any) -> Any:
         stamp(f"{name}>")
@@ -52,24 +53,11 @@ def around(owner: Any, attr: str, name: str) -> None:
         finally:
             stamp(f"{name}<")
 
-    setattr(owner, attr, wrapper)
+    return wrapper
 
 
-class _Proxy:
-    """The C launcher module with its ``queue`` stamped."""
-
-    def __init__(self, module: Any) -> None:
-        self._module = module
-
-    def queue(self, *args: Any) -> Any:
-        stamp("C>")
-        try:
-            return self._module.queue(*args)
-        finally:
-            stamp("C<")
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._module, name)
+def around(owner: Any, attr: str, name: str) -> None:
+    setattr(owner, attr, stamped(getattr(owner, attr), name))
 
 
 def main() -> None:
@@ -92,7 +80,7 @@ def main() -> None:
     around(dr.DirectRead, "_finish", "finish")
     copier = receiver.direct_copier
     if copier is not None and copier._native is not None:
-        copier._native = _Proxy(copier._native)
+        copier._native = PatchedModule(copier._native, queue=stamped(copier._native.queue, "C"))
     gen = torch.Generator().manual_seed(0)
 
     def publish(n: int, name: str) -> Any:

@@ -25,6 +25,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from transfer_bench_setup import (  # noqa: E402
     MIB,
+    PatchedModule,
     bench_spec,
     choose_pages,
     config,
@@ -102,7 +103,9 @@ def main() -> None:
     dr.direct_plan = timed("map.plan", dr.direct_plan)
     copier = receiver.direct_copier
     if copier is not None and copier._native is not None:  # the C launcher's own call
-        copier._native = _TimedModule(copier._native, queue=timed("launch.c", copier._native.queue))
+        copier._native = PatchedModule(
+            copier._native, queue=timed("launch.c", copier._native.queue)
+        )
     gen = torch.Generator().manual_seed(0)
     profile = cProfile.Profile()
     kernel_ms: list[float] = []
@@ -230,17 +233,6 @@ def hot_launch(receiver, ticket, dst) -> float:
         queued.event.synchronize()
         queued.release()
     return statistics.median(times[5:]) * 1e6
-
-
-class _TimedModule:
-    """A module with some functions replaced (C modules' attributes cannot be set)."""
-
-    def __init__(self, module, **functions):
-        self._module = module
-        self.__dict__.update(functions)
-
-    def __getattr__(self, name):
-        return getattr(self._module, name)
 
 
 def plan_cost_probe(spec):

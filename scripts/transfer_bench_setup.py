@@ -146,6 +146,18 @@ def start_prefill(args: argparse.Namespace) -> tuple[Any, Any, bytes]:
     return conn, child, child_address
 
 
+class PatchedModule:
+    """A module with some functions replaced, for the probes that time its calls (a C module's
+    attributes cannot be set)."""
+
+    def __init__(self, module: Any, **functions: Any) -> None:
+        self._module = module
+        self.__dict__.update(functions)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
 def median_gbps(nbytes: int, seconds: list[float]) -> float:
     return nbytes / statistics.median(seconds) / 1e9
 

@@ -141,9 +141,9 @@ class TransferConfig(Section):
                 raise ValueError(
                     f"transport names are lower-case words like 'tcp' or 'cuda_ipc', got {bad}"
                 )
-            typos = {name: _ucx_typo(name) for name in value if _ucx_typo(name)}
+            typos = [(name, close) for name in value if (close := _ucx_typo(name))]
             if typos:
-                said = ", ".join(f"{k!r} (did you mean {v!r}?)" for k, v in typos.items())
+                said = ", ".join(f"{k!r} (did you mean {v!r}?)" for k, v in typos)
                 raise ValueError(
                     f"not UCX transports: {said}; UCX would only warn and run without them"
                 )
