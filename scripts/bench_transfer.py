@@ -20,10 +20,10 @@ ratios, and makes the script exit non-zero.
 
 On GPUs the peer copy is timed two ways: back to back (``peer_copy``, GPUs and caller always busy)
 and, inside the interleaved loop, right after the same pipe round trip to P that precedes each pull
-(``peer_copy_gap``: idle GPUs and a caller that just woke up, as for the pulls). ``--hot`` also
-times every variant's pulls back to back (``*_hot``, tickets published first; the last one
-checked as above). Like-for-like ratios
-are a pull against ``peer_copy_gap`` and a hot pull against ``peer_copy``; every ratio is printed.
+(``peer_copy_gap``: idle GPUs and a caller that just woke up, as for the pulls; P sums a checked
+pull's pages after it). ``--hot`` also times every variant's pulls back to back (``*_hot``, tickets
+published first; the last one checked as above). Like-for-like ratios are a pull against
+``peer_copy_gap`` and a hot pull against ``peer_copy``; every ratio is printed.
 On the CPU the direct path is also set next to ``host_copy`` (the same bytes between two warm buffers).
 """
 
@@ -62,6 +62,7 @@ from transfer_bench_setup import (  # noqa: E402
     page_sums,
     pool_bytes,
     start_prefill,
+    sums_of,
 )
 
 from kvcache.spec import PoolGroupSpec  # noqa: E402
@@ -245,11 +246,11 @@ def one_pull(
     src = choose_pages(n, spec, layout, gen)
     dst = choose_pages(n, spec, layout, gen)
     conn.send(("publish", f"{receiver.instance_id}-{layout}-{n}-{run_name}", src))
-    ticket, src_sums = conn.recv()
+    ticket = conn.recv()
     if check:
         overwrite(buf, spec, dst)
     elapsed, result = timed_pull(receiver, ticket, dst, loop)
-    if check and page_sums(buf, spec, dst) != src_sums:
+    if check and page_sums(buf, spec, dst) != sums_of(conn, src):
         raise RuntimeError(f"{layout} {n} pages: the received bytes differ from the sent ones")
     return elapsed, result
 
@@ -277,15 +278,16 @@ def hot_pulls(
     """Pulls back to back, as a busy decode worker's: P publishes every ticket first, so no pull
     waits on P's answer (the default runs wait for it before each pull). Like the peer copies of
     ``peer_copy_times``, which run back to back too. The last one is checked as ``one_pull`` does."""
-    tickets = []
+    tickets, srcs = [], []
     for rep in range(repeats + 1):
         rid = f"{receiver.instance_id}-hot-{name}-{layout}-{n}-{rep}"
-        conn.send(("publish", rid, choose_pages(n, spec, layout, gen)))
+        srcs.append(choose_pages(n, spec, layout, gen))
+        conn.send(("publish", rid, srcs[-1]))
         tickets.append(conn.recv())
     dsts = [choose_pages(n, spec, layout, gen) for _ in tickets]
     overwrite(buf, spec, dsts[-1])  # (the last pull writes those pages last)
-    times = [timed_pull(receiver, t, dst, loop)[0] for (t, _), dst in zip(tickets, dsts)]
-    if page_sums(buf, spec, dsts[-1]) != tickets[-1][1]:
+    times = [timed_pull(receiver, t, dst, loop)[0] for t, dst in zip(tickets, dsts)]
+    if page_sums(buf, spec, dsts[-1]) != sums_of(conn, srcs[-1]):
         raise RuntimeError(f"{layout} {n} pages, back to back: the received bytes differ")
     return times[1:]
 
@@ -345,12 +347,8 @@ def main() -> None:
         default=True,
         help="P gathers each request's first chunk at publish time (transfer/prestage.py)",
     )
-    parser.add_argument(
-        "--layouts",
-        nargs="+",
-        choices=["contiguous", "scattered"],
-        default=["contiguous", "scattered"],
-    )
+    layouts = ["contiguous", "scattered"]
+    parser.add_argument("--layouts", nargs="+", choices=layouts, default=layouts)
     parser.add_argument(
         "--paths",
         nargs="+",

@@ -14,6 +14,8 @@
 #             alternating chunk sizes (CPU_TOKENS, default "1024 512") and prestaging on / off,
 #             CPU_RUNS rounds (default 2)
 #   probe     scripts/probe_read_path.py: host cost of each launch step, device time of copy variants
+#   lean      scripts/probe_lean_pull.py and probe_cold_pull.py: a pull after P's answer next to its
+#             bare steps and a peer copy, and its timeline step by step
 #   profile   scripts/profile_direct_read.py: where the time of a direct read goes, per phase
 #   cluster   scripts/gpu_cluster_check.py: 1P1D vs aggregated tokens, transfer path and figures
 #   bench     duet bench of configs/gpu_1p1d.yaml against its aggregated twin
@@ -58,6 +60,9 @@ for step in ${STEPS:-tests transfer cluster bench}; do
       done ;;
     probe)
       python scripts/probe_read_path.py 2>&1 | tee "$OUT/probe_read_path.log" | tail -40 ;;
+    lean)
+      python scripts/probe_lean_pull.py 2>&1 | tee "$OUT/probe_lean_pull.log" | grep "MiB"
+      python scripts/probe_cold_pull.py 2>&1 | tee "$OUT/probe_cold_pull.log" | grep "MiB" ;;
     profile)
       # (no `head` here: closing the pipe early kills the script before its larger sizes)
       python scripts/profile_direct_read.py 2>&1 | tee "$OUT/profile_direct_read.log" | grep "MiB (" ;;

@@ -75,7 +75,7 @@ def main() -> None:
                 conn.send(
                     ("publish", f"{kind}-{mib}-{rep}", choose_pages(n, spec, "scattered", gen))
                 )
-                tickets[kind, rep] = conn.recv()[0]
+                tickets[kind, rep] = conn.recv()
         for rep in range(cli.repeats + 1):
             for kind in kinds:
                 ticket = tickets[kind, rep]

@@ -85,7 +85,7 @@ def main() -> None:
 
     def publish(n: int, name: str) -> Any:
         conn.send(("publish", name, choose_pages(n, spec, "scattered", gen)))
-        return conn.recv()[0]
+        return conn.recv()
 
     def pull(ticket: Any, n: int) -> list[tuple[str, int]]:
         dst = choose_pages(n, spec, "scattered", gen)

@@ -153,7 +153,7 @@ def main() -> None:
             for k in range(batch):
                 src = choose_pages(n, spec, "scattered", gen)
                 conn.send(("publish", f"p{size}-{rep + k}", src))
-                tickets.append(conn.recv()[0])
+                tickets.append(conn.recv())
             for ticket in tickets:
                 dst = choose_pages(n, spec, "scattered", gen)
                 last = size == cli.profile_mib and rep == cli.repeats  # one pull: cProfile slows it

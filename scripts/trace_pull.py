@@ -138,7 +138,7 @@ def main() -> None:
     for i in range(args.pulls):
         src, dst = (choose_pages(n, spec, args.layout, gen) for _ in range(2))
         conn.send(("publish", f"trace-{i}", src))
-        ticket, _sums = conn.recv()
+        ticket = conn.recv()
         starts.append(len(MARKS))
         mark("caller starts the pull")
         start = time.perf_counter()

@@ -106,14 +106,11 @@ def prefill_main(conn: Any, args: argparse.Namespace) -> None:
     raw_task = runtime.submit(raw_server())
     while True:
         cmd, *rest = conn.recv()
-        if cmd == "publish":
+        if cmd == "publish":  # nothing else: a pull is timed right after this answer
             rid, pages = rest
-            conn.send(
-                (
-                    sender.publish(rid, {"full": pages}, len(pages) * spec.page_size),
-                    page_sums(buf, spec, pages),
-                )
-            )
+            conn.send(sender.publish(rid, {"full": pages}, len(pages) * spec.page_size))
+        elif cmd == "sums":  # of pages a checked pull read, asked after it (page_sums)
+            conn.send(page_sums(buf, spec, rest[0]))
         elif cmd == "ping":  # the same round trip as a publish, before a timed peer copy
             conn.send("pong")
         elif cmd == "stop":
@@ -122,6 +119,14 @@ def prefill_main(conn: Any, args: argparse.Namespace) -> None:
             sender.close()
             conn.send(stats)
             return
+
+
+def sums_of(conn: Any, pages: list[int]) -> list[list[int]]:
+    """P's page_sums of its ``pages``, asked after the pull that read them: P's answer before a
+    pull is the publish alone, as before a timed peer copy (a bare ping), so that both start from
+    the same idle GPUs (sums of 1 GiB of pages keep P busy for tens of ms)."""
+    conn.send(("sums", pages))
+    return conn.recv()
 
 
 def choose_pages(n: int, spec: PoolGroupSpec, layout: str, gen: torch.Generator) -> list[int]:

@@ -40,6 +40,7 @@ import torch
 from kernels import native_launch
 from transfer.ipc import FIRST_ROW
 from transfer.mapper import MapperError, match_pools
+from transfer.native_route import NativeRoute
 from transfer.page_table import PageTable
 from transfer.plan import DirectPlan, IdPair
 from transfer.staging import as_words, side_stream
@@ -81,15 +82,6 @@ class _Slot:
         return False
 
 
-class _Route:
-    """How the copies from one peer's pools into ours launch through the C launcher: (source
-    pool, destination pool, C handle) per matched pool pair, in P's pool order."""
-
-    def __init__(self, pairs: tuple[tuple[str, str, Any], ...]) -> None:
-        self.pairs = pairs
-        self.names = frozenset(sp for sp, _, _ in pairs)
-
-
 class QueuedCopy:
     """A direct read's copy once queued: ``query()`` (or ``event``) completes with it; ``release``
     when the pull ends (the copy itself may still run). From the C launcher (``stats`` given),
@@ -100,12 +92,12 @@ class QueuedCopy:
         self,
         event: torch.cuda.Event,
         slot: _Slot | None = None,
-        route: _Route | None = None,
+        route: NativeRoute | None = None,
         stats: tuple[tuple[int, ...], ...] = (),
     ) -> None:
         self.event = event
         self._slot = slot
-        self._route = route
+        self.route = route
         self._stats = stats
         self.query = slot.query if slot is not None else event.query
         self.native = route is not None  # queued by the C launcher
@@ -113,13 +105,23 @@ class QueuedCopy:
     def ids(self) -> dict[tuple[str, str], IdPair]:
         """The ids per (source pool, destination pool), read from the slot: only until
         ``release``."""
-        assert self._slot is not None and self._route is not None
+        assert self._slot is not None and self.route is not None
         out, at, host = {}, 0, self._slot.host
-        for (sp, dp, _), stats in zip(self._route.pairs, self._stats):
+        for (sp, dp, _), stats in zip(self.route.pairs, self._stats):
             n = stats[0]
             out[(sp, dp)] = IdPair(host[0, at : at + n], host[1, at : at + n], *stats[1:])
             at += n + n % 2
         return out
+
+    def plain(self, request_id: str) -> tuple[int, bytes] | None:
+        """For a launch that skipped no page: (bytes moved, lease digest of ``request_id`` and
+        the ids read) when the launcher found every id plainly valid (NativeRoute), else None
+        (the general checks then say what is wrong). Only until ``release``."""
+        assert self._slot is not None and self.route is not None
+        nbytes = self.route.plain_bytes(self._stats)
+        if nbytes is None:
+            return None
+        return nbytes, self.route.digest(request_id, self._slot.host[0], self._stats)
 
     def release(self) -> None:
         if self._slot is not None:
@@ -220,7 +222,7 @@ class DirectCopier:
         src_table: PageTable,
         dst_table: PageTable,
         dst_rows: Mapping[str, torch.Tensor],
-    ) -> _Route | bool:
+    ) -> NativeRoute | bool:
         """The C launcher's route for one peer, made on its first read (False: not servable)."""
         try:
             matched = match_pools(src_table, dst_table)
@@ -244,7 +246,7 @@ class DirectCopier:
         except Exception:  # the Python path serves this peer (and reports any error per pull)
             log.exception("no C launch for the direct reads of this peer")
             return False
-        return _Route(tuple(pairs))
+        return NativeRoute(tuple(pairs), src_table, dst_table)
 
     def start(
         self,

@@ -80,6 +80,7 @@ class DirectRead:
         self._pages: dict[str, np.ndarray] = {}  # the ticket's page ids
         self._word = 0  # the lease's board word, once found live
         self._copy: QueuedCopy | None = None  # on GPUs, once queued
+        self._nbytes = 0  # what the copy moves, when the quick checks passed (no plan made)
         self._launched = False  # a GPU copy was (maybe partly) queued
         self._began = time.perf_counter()
 
@@ -126,7 +127,7 @@ class DirectRead:
         the module docstring gives; returns why the read cannot be accepted, or None. Raises
         PullFailed only when the copy could not be queued (P is told all the same)."""
         if self.r.rows_on_gpu and self._launch_native():
-            return self._checks()  # while the copy runs
+            return self._native_checks()  # while the copy runs
         # Arrays once: the copy, the checks and the digest all want them.
         self._pages = self._ticket_arrays()
         pairs = None
@@ -169,6 +170,22 @@ class DirectRead:
             raise PullFailed(f"the page copy failed: {e}") from None
         self._launched = self._copy is not None  # None: nothing queued, the caller copies
         return self._launched
+
+    def _native_checks(self) -> str | None:
+        """``_checks`` of a read the C launcher queued, answered from its route and slot
+        (transfer/native_route.py); skipped pages, or ids not plainly valid, take ``_checks``,
+        which says what is wrong."""
+        t, copy = self.ticket, self._copy
+        assert copy is not None
+        plain = None
+        # (source_pages' checks: the launch matched each pool's count already)
+        if self.skip == 0 and t.compat_hash == copy.route.compat_hash:
+            if self.dst.keys() == copy.route.names:
+                plain = copy.plain(t.request_id)
+        if plain is None:
+            return self._checks()
+        self._nbytes, digest = plain
+        return self._lease_problem(digest)
 
     def _checks(self) -> str | None:
         """Every check of the read (the mapping, then the lease); the board is read even when the
@@ -214,8 +231,9 @@ class DirectRead:
                 self._word = live
             raise PullFailed(f"the ticket's page ids are not page ids: {e}") from None
 
-    def _lease_problem(self) -> str | None:
-        """Why P's board does not vouch for this read, or None (and the lease's word is kept)."""
+    def _lease_problem(self, ours: bytes | None = None) -> str | None:
+        """Why P's board does not vouch for this read, or None (and the lease's word is kept).
+        ``ours``: the lease digest of the ticket, when the caller has it already."""
         t = self.ticket
         word, declared, digest = self.access.board.entry(t.lease_slot)
         if word != _live_word(t):
@@ -224,7 +242,7 @@ class DirectRead:
                 "read: the prefill worker no longer holds its pages"
             )
         self._word = word
-        if digest != lease_digest(t.request_id, self._pages):
+        if digest != (lease_digest(t.request_id, self._pages) if ours is None else ours):
             return (
                 f"the ticket's pages of {t.request_id!r} differ from the ones the prefill worker "
                 "leased"
@@ -303,8 +321,9 @@ class DirectRead:
 
     def _end(self, ok: bool, error: str) -> TransferResult:
         elapsed = time.perf_counter() - self._began
-        nbytes = self.plan.total_bytes if (ok and self.plan is not None) else 0
-        chunks = 1 if self.plan is not None else 0
+        mapped = self.plan is not None or self._nbytes > 0
+        nbytes = (self.plan.total_bytes if self.plan is not None else self._nbytes) if ok else 0
+        chunks = 1 if mapped else 0
         if self._copy is not None:
             self._copy.release()
             # The plan and the digest's ids may be views of the slot, which the next pull reuses.

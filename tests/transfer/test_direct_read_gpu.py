@@ -219,6 +219,22 @@ def test_scattered_pages_arrive_exact_between_gpus(direct: bool) -> None:
         [(ok, error, _, nbytes, _)] = d.ask("pull", [forged])
         assert not ok and nbytes == 0
         assert "outside" in error, error
+        # Another prompt length than P declares fails the pull (on the direct path from the
+        # board), and so does a ticket naming P's leased pages in another order; P gets its
+        # pages back.
+        ticket, _ = p.ask("publish", "declared", 6)
+        longer = dataclasses.replace(ticket, declared_prompt_len=ticket.declared_prompt_len + 1)
+        [(ok, error, _, nbytes, _)] = d.ask("pull", [longer])
+        assert not ok and nbytes == 0
+        assert "declared history mismatch" in error, error
+        if direct:
+            ticket, _ = p.ask("publish", "reordered", 6)
+            reordered = dataclasses.replace(
+                ticket, page_ids={"full": ticket.page_ids["full"][::-1]}
+            )
+            [(ok, error, _, nbytes, _)] = d.ask("pull", [reordered])
+            assert not ok and nbytes == 0
+            assert "differ from the ones the prefill worker leased" in error, error
         # Pages D already has (a prefix cache hit) are skipped: only the rest moves.
         ticket, _ = p.ask("publish", "skipped", 12)
         [(ok, error, _, nbytes, digest)] = d.ask("pull", [ticket], 5)
@@ -226,7 +242,9 @@ def test_scattered_pages_arrive_exact_between_gpus(direct: bool) -> None:
         assert nbytes == 7 * _spec().page_bytes
         assert digest == p.ask("digest", ticket.page_ids["full"][5:])
         deadline = time.monotonic() + 30
-        ended = ("forged", "skipped") if direct else ("skipped",)
+        ended = (
+            ("forged", "declared", "reordered", "skipped") if direct else ("declared", "skipped")
+        )
         while not set(ended) <= set(p.ask("state")[0]) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert set(ended) <= set(p.ask("state")[0])
