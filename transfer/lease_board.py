@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -44,10 +44,19 @@ BoardUnavailable = SharedFileUnavailable  # the board cannot be made or opened h
 
 def lease_digest(request_id: str, page_ids: Mapping[str, Sequence[int]]) -> bytes:
     """16 bytes that bind a lease to its request and its exact page ids, pool by pool."""
+    return digest_of(
+        request_id,
+        ((name, np.asarray(page_ids[name], dtype=np.int64)) for name in sorted(page_ids)),
+    )
+
+
+def digest_of(request_id: str, pools: Iterable[tuple[str, np.ndarray]]) -> bytes:
+    """``lease_digest`` from each pool's ids as a C-contiguous int64 array, pools in name order
+    (hashed in place: the direct read's quick checks pass views of its slot)."""
     h = hashlib.blake2b(request_id.encode(), digest_size=16)
-    for name in sorted(page_ids):
+    for name, ids in pools:
         h.update(b"\0" + name.encode() + b"\0")
-        h.update(np.asarray(page_ids[name], dtype=np.int64).tobytes())
+        h.update(ids)
     return h.digest()
 
 

@@ -13,13 +13,13 @@ which say what is wrong.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import numpy as np
 
-from kvcache.spec import NULL_PAGE
+from transfer.lease_board import digest_of
 from transfer.page_table import PageTable
+from transfer.plan import plainly_valid
 
 
 class NativeRoute:
@@ -31,36 +31,24 @@ class NativeRoute:
     ) -> None:
         self.pairs = pairs
         self.names = frozenset(sp for sp, _, _ in pairs)
-        self.dst_names = frozenset(dp for _, dp, _ in pairs)
         self.compat_hash = dst.compat_hash  # ours: a ticket must carry it (pull_checks)
         # (source pages, destination pages, bytes a page) per pair, in launch order
         self._bounds = tuple(
             (src.pool(sp).num_pages, dst.pool(dp).num_pages, src.pool(sp).page_bytes)
             for sp, dp, _ in pairs
         )
-        # lease_digest hashes pools in name order, each after b"\0" name b"\0"
-        self._digest_order = tuple(
-            sorted((sp, k, b"\0" + sp.encode() + b"\0") for k, (sp, _, _) in enumerate(pairs))
-        )
+        # (source pool, launch index) in name order, as lease_digest hashes pools
+        self._digest_order = tuple(sorted((sp, k) for k, (sp, _, _) in enumerate(pairs)))
 
     def plain_bytes(self, stats: tuple[tuple[int, ...], ...]) -> int | None:
         """The bytes a launch moves when the launcher found every pair's ids plainly valid (each
         in its pool, no null page, no destination page twice: what plan.checked_ids would pass
         unchanged); None otherwise."""
         total = 0
-        for (n, s_lo, s_hi, d_lo, d_hi, repeats), (s_pages, d_pages, page_bytes) in zip(
-            stats, self._bounds
-        ):
-            if not (
-                n > 0
-                and repeats == 0
-                and NULL_PAGE < s_lo
-                and s_hi < s_pages
-                and NULL_PAGE < d_lo
-                and d_hi < d_pages
-            ):
+        for one, (s_pages, d_pages, page_bytes) in zip(stats, self._bounds):
+            if not plainly_valid(one[1:], s_pages, d_pages):
                 return None
-            total += n * page_bytes
+            total += one[0] * page_bytes
         return total
 
     def digest(
@@ -72,8 +60,7 @@ class NativeRoute:
         for one in stats:
             runs.append(at)
             at += one[0] + one[0] % 2
-        h = hashlib.blake2b(request_id.encode(), digest_size=16)
-        for _, k, head in self._digest_order:
-            h.update(head)
-            h.update(src_ids[runs[k] : runs[k] + stats[k][0]])
-        return h.digest()
+        return digest_of(
+            request_id,
+            ((sp, src_ids[runs[k] : runs[k] + stats[k][0]]) for sp, k in self._digest_order),
+        )

@@ -217,13 +217,20 @@ class IdPair(NamedTuple):
     def plainly_valid(self, src: PoolDescriptor, dst: PoolDescriptor) -> bool:
         """Whether ``checked_ids`` would pass these ids unchanged: every id in its pool, no null
         page on either side, no destination page twice."""
-        return (
-            self.repeats == 0
-            and NULL_PAGE < self.src_low
-            and self.src_high < src.num_pages
-            and NULL_PAGE < self.dst_low
-            and self.dst_high < dst.num_pages
-        )
+        return plainly_valid(self[2:], src.num_pages, dst.num_pages)
+
+
+def plainly_valid(stats: Sequence[int], src_pages: int, dst_pages: int) -> bool:
+    """IdPair.plainly_valid from the launcher's (source low, high, destination low, high,
+    repeats) and the pools' page counts (no ids: none is non-empty without its bounds)."""
+    src_low, src_high, dst_low, dst_high, repeats = stats
+    return (
+        repeats == 0
+        and NULL_PAGE < src_low
+        and src_high < src_pages
+        and NULL_PAGE < dst_low
+        and dst_high < dst_pages
+    )
 
 
 def checked_direct_plan(
