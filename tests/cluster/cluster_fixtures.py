@@ -59,9 +59,19 @@ def worker_stats(running: Any) -> list[dict[str, Any]]:
 def wait_no_pages_held(running: Any, timeout_s: float = 30.0) -> list[dict[str, Any]]:
     """Poll until no worker holds a page for a request (leases released, receives ended); return the
     last stats. Cached pages nobody holds (evictable) are fine: they are what prefix reuse keeps."""
+    from ray.exceptions import GetTimeoutError, RayActorError
+
     deadline = time.monotonic() + timeout_s
     while True:
-        stats = worker_stats(running)
+        try:
+            stats = worker_stats(running)
+        except (RayActorError, GetTimeoutError) as e:
+            # A worker Ray is restarting (a test killed it) cannot answer yet; its restarted self
+            # must, and must hold nothing, before the deadline.
+            if time.monotonic() > deadline:
+                raise AssertionError(f"a worker did not answer within {timeout_s}s: {e}") from e
+            time.sleep(0.5)
+            continue
         held = {s["worker_id"]: sum(g.used for g in s["kv"].groups.values()) for s in stats}
         if not any(held.values()):
             return stats
