@@ -13,6 +13,8 @@
 #   cpuab     the CPU benchmark's staged UCX path (scattered pages, 16-256 MiB) on this host's cores,
 #             alternating chunk sizes (CPU_TOKENS, default "1024 512") and prestaging on / off,
 #             CPU_RUNS rounds (default 2)
+#   cpuseg    the CPU benchmark's UCX path (1-256 MiB) on this host's cores, alternating UCX's TCP
+#             TX segments: ours (64k) and UCX's default (8k), CPU_RUNS rounds (default 2)
 #   probe     scripts/probe_read_path.py: host cost of each launch step, device time of copy variants
 #   lean      scripts/probe_lean_pull.py and probe_cold_pull.py: a pull after P's answer next to its
 #             bare steps and a peer copy, and its timeline step by step
@@ -56,6 +58,15 @@ for step in ${STEPS:-tests transfer cluster bench}; do
               --out "$OUT/transfer_cpu_ab_${tokens}_${pre}_run$run.json" 2>&1 \
               | tee -a "$OUT/transfer_cpu_ab.log" | tail -5
           done
+        done
+      done ;;
+    cpuseg)
+      for run in $(seq "${CPU_RUNS:-2}"); do
+        for seg in 64k 8k; do
+          echo "run $run, UCX_TCP_TX_SEG_SIZE=$seg" | tee -a "$OUT/transfer_cpu_seg.log"
+          UCX_TCP_TX_SEG_SIZE=$seg python scripts/bench_transfer.py --device cpu --paths ucx \
+            --repeats 9 --out "$OUT/transfer_cpu_seg_${seg}_run$run.json" 2>&1 \
+            | tee -a "$OUT/transfer_cpu_seg.log" | tail -9
         done
       done ;;
     probe)

@@ -6,7 +6,7 @@ one message. This moves the same bytes between two processes through the transce
 handling, a sleeping progress thread): D posts every receive, asks with a small request message,
 and P sends the bytes as N equal messages with at most K of them in flight. Prints the median wall
 time of each cut and its ratio to one message, interleaved per repetition.
-Usage: python scripts/probe_ucx_messages.py [--sizes-mib 16 64] [--repeats 10]
+Usage: python scripts/probe_ucx_messages.py [--sizes-mib 16 64] [--repeats 10] [--cuts 8x8 64x64]
 """
 
 from __future__ import annotations
@@ -61,7 +61,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument(
+        "--cuts",
+        nargs="+",
+        default=[f"{n}x{k}" for n, k in CUTS],
+        help="cuts to time as MESSAGESxIN_FLIGHT, e.g. 64x64 (a message per 256 KiB page of 16 MiB)",
+    )
     args = parser.parse_args()
+    cuts = [tuple(int(v) for v in c.split("x")) for c in args.cuts]
     max_bytes = max(args.sizes_mib) * MIB
     ctx = multiprocessing.get_context("spawn")
     conn, child_conn = ctx.Pipe()
@@ -86,7 +93,7 @@ def main() -> None:
         await asyncio.gather(*receives)
 
     for size in args.sizes_mib:
-        times: dict[tuple[int, int], list[float]] = {c: [] for c in [(1, 1), *CUTS]}
+        times: dict[tuple[int, ...], list[float]] = {c: [] for c in [(1, 1), *cuts]}
         for rep in range(args.repeats + 1):  # interleaved, after one warm-up repetition
             for cut in times:
                 start = time.perf_counter()
@@ -97,7 +104,7 @@ def main() -> None:
         cells = [
             f"{n} in flight {k}: {statistics.median(times[n, k]) * 1e3:.1f} ms "
             f"({one / statistics.median(times[n, k]):.2f})"
-            for n, k in CUTS
+            for n, k in cuts
         ]
         print(
             f"{size} MiB: one message {one * 1e3:.1f} ms ({size * MIB / one / 1e9:.2f} GB/s); "

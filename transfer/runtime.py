@@ -8,6 +8,8 @@ or async) hand coroutines over with ``submit``; only code on the loop touches UC
 UCX endpoints are created with peer error handling, so a dead peer fails its requests instead of
 hanging them, and closing an endpoint cancels every request posted on it. (In UCX 1.21 that mode
 excludes the shared-memory transports, so two processes of one CPU host talk over TCP loopback.)
+Unless the process's environment or ``ucx_env`` says otherwise, TCP sends copy out through 64 KiB
+segments instead of UCX's 8 KiB (``DEFAULT_UCX_OPTIONS``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,13 @@ os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+# UCX's TCP transport copies each send through TX segments, 8 KiB by default: every rendezvous
+# fragment then costs a syscall and a progress step per 8 KiB. 64 KiB (UCX's RX segment default;
+# larger TX segments are refused) moved 2-3x the bytes per second between two processes over
+# loopback, for raw ucxx messages and staged chunks alike (docs/benchmarks/transfer.md, fifteenth
+# pass). Only TCP reads it; a UCX_* variable in the environment or in ``ucx_env`` wins.
+DEFAULT_UCX_OPTIONS = {"TCP_TX_SEG_SIZE": "64k"}
 
 
 class UcxRuntime:
@@ -83,9 +92,11 @@ class UcxRuntime:
             self.copy_executor.shutdown(wait=False)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=10.0)
+            from_environ = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
             raise RuntimeError(
                 f"the UCX context did not start with the settings {ucx_env or '(none)'} "
-                f"(transfer.ucx_tls, ucx_net_devices, ucx_env): {e!r}"
+                f"(transfer.ucx_tls, ucx_net_devices, ucx_env) and {from_environ} from the "
+                f"environment: {e!r}"
             ) from e
         self.worker_address: bytes = bytes(self.ctx.worker_address)
 
@@ -103,7 +114,7 @@ class UcxRuntime:
             from ucxx._cuda_context import ensure_cuda_context
 
             continuous_ucx_progress._create_context = lambda: ensure_cuda_context(device)
-        options = {k.removeprefix("UCX_"): v for k, v in self.ucx_env.items()}
+        options = context_options(self.ucx_env, os.environ)
         # UCX progresses on its own thread and wakes waiters through the notifier thread (python
         # futures); "thread" sleeps when idle, "thread-polling" spins (lower latency per message).
         return ApplicationContext(
@@ -191,3 +202,12 @@ def cuda_index(buffers: Mapping[str, Any]) -> int | None:
 
         return torch.cuda.current_device()
     return device.index
+
+
+def context_options(ucx_env: Mapping[str, str], environ: Mapping[str, str]) -> dict[str, str]:
+    """The ``config_dict`` of the UCX context: ``ucx_env`` without its ``UCX_`` prefixes, over
+    ``DEFAULT_UCX_OPTIONS`` that neither it nor ``environ`` sets (UCX reads the environment itself;
+    a config_dict entry would override it)."""
+    options = {k: v for k, v in DEFAULT_UCX_OPTIONS.items() if f"UCX_{k}" not in environ}
+    options.update({k.removeprefix("UCX_"): v for k, v in ucx_env.items()})
+    return options

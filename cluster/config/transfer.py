@@ -127,7 +127,10 @@ class TransferConfig(Section):
     )
     ucx_env: dict[str, str] = Field(
         default_factory=dict,
-        description="Further UCX_* environment variables for the workers' UCX contexts.",
+        description=(
+            "Further UCX_* environment variables for the workers' UCX contexts. Unset, "
+            "UCX_TCP_TX_SEG_SIZE is 64k instead of UCX's 8k (2-3x faster over TCP)."
+        ),
     )
 
     @field_validator("ucx_tls")

@@ -14,19 +14,19 @@ import pytest
 from tests.transfer.conftest import MODEL, UCX_ENV, KVSide, config, specs
 from transfer import KVSender, Transceiver
 from transfer.config import TransceiverConfig, resolve_progress_mode
-from transfer.runtime import UcxRuntime
+from transfer.runtime import DEFAULT_UCX_OPTIONS, UcxRuntime, context_options
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def in_fresh_process(script: str) -> None:
-    """Run ``script`` in a new Python process from the repository root; it prints "ok"."""
+    """Run ``script`` in a new Python process from the repository root; it prints "ok" last."""
     root = Path(__file__).resolve().parents[2]
     done = subprocess.run(
         [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=50
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.startswith("ok")
+    assert done.stdout.splitlines()[-1].startswith("ok"), done.stdout[-2000:]  # UCX logs to stdout
 
 
 def test_one_runtime_per_process_with_one_set_of_settings(ucx_runtime: UcxRuntime) -> None:
@@ -111,6 +111,38 @@ def test_a_ucx_setting_ucx_refuses_is_named_and_leaves_no_thread() -> None:
         except RuntimeError as e:
             assert "UCX_TSL" in str(e) and "transfer.ucx_tls" in str(e), e
         assert threading.active_count() == 1, threading.enumerate()
+        runtime = UcxRuntime.acquire({UCX_ENV!r})
+        assert len(runtime.worker_address) > 0
+        runtime.release()
+        print("ok")
+        """
+    )
+    in_fresh_process(script)
+
+
+def test_default_options_yield_to_the_environment_and_to_ucx_env() -> None:
+    assert context_options({}, {}) == DEFAULT_UCX_OPTIONS == {"TCP_TX_SEG_SIZE": "64k"}
+    assert context_options({"UCX_TLS": "tcp"}, {}) == {"TCP_TX_SEG_SIZE": "64k", "TLS": "tcp"}
+    # UCX reads the environment itself; a config_dict entry would silently override it.
+    assert context_options({}, {"UCX_TCP_TX_SEG_SIZE": "8k"}) == {}
+    assert context_options({"UCX_TCP_TX_SEG_SIZE": "32k"}, {}) == {"TCP_TX_SEG_SIZE": "32k"}
+
+
+def test_a_ucx_variable_in_the_environment_wins_over_the_default() -> None:
+    """In a fresh process whose environment asks for TX segments larger than UCX's RX segments
+    (UCX refuses that): the start fails, so the environment reached UCX, and the error names it."""
+    script = textwrap.dedent(
+        f"""
+        import os
+        os.environ["UCX_TCP_TX_SEG_SIZE"] = "1m"
+        from transfer.runtime import UcxRuntime
+
+        try:
+            UcxRuntime.acquire({UCX_ENV!r})
+            raise SystemExit("started")
+        except RuntimeError as e:
+            assert "'UCX_TCP_TX_SEG_SIZE': '1m'" in str(e) and "environment" in str(e), e
+        del os.environ["UCX_TCP_TX_SEG_SIZE"]
         runtime = UcxRuntime.acquire({UCX_ENV!r})
         assert len(runtime.worker_address) > 0
         runtime.release()
