@@ -48,6 +48,7 @@ class ServeFailed(Exception):
 
 
 DRAIN_IN_FLIGHT = 64  # empty messages in flight at a time: memory stays bounded, whatever D asks
+HOST_SENDS_IN_FLIGHT = 2  # staged chunks P sends at once when its KV is in host memory
 
 
 async def drain(link: PeerLink, pull_id: int, chunks: list[int]) -> None:
@@ -81,10 +82,15 @@ class ServeSession:
         # D failed the pull first (its negative ack): D ignores every byte of it from then on,
         # so a chunk whose send is not posted yet goes as an empty message instead.
         self._d_gave_up = False
-        # On CPU (TCP) sends go one at a time, in credit order: concurrent messages share the wire
-        # and all end together, so D's scatters would run after the last byte instead of under the
-        # next chunk. Between GPUs (cuda_ipc) concurrent messages overlap their rendezvous latency.
-        self._send_slot = asyncio.Semaphore(self.plan.num_chunks if sender.rows_on_gpu else 1)
+        # On CPU (TCP) at most two sends at a time, in credit order: the next chunk's rendezvous
+        # overlaps the bytes of the one before it (0.71-0.84 -> 0.83-0.92 of raw ucxx at 64-256
+        # MiB of scattered pages on 16 cores; docs/benchmarks/transfer.md, fifteenth pass), but
+        # all at once would share the wire and end together, so D's scatters would run after the
+        # last byte instead of under the next chunk. Between GPUs (cuda_ipc) concurrent messages
+        # overlap their rendezvous latency.
+        self._send_slot = asyncio.Semaphore(
+            self.plan.num_chunks if sender.rows_on_gpu else HOST_SENDS_IN_FLIGHT
+        )
         # Chunk 0 gathered at publish time (prestage.py), if it is this plan's chunk 0.
         self._prestaged = (
             sender.prestage.take(lease, plan.chunks[0], 0 in req.ready_chunks)
