@@ -7,9 +7,9 @@ bytes between the same two processes and, on GPUs, a torch peer copy GPU0 -> GPU
 The parent process is the decode side (KVReceiver; cuda:1 on GPUs), a spawned child the prefill side
 (KVSender; cuda:0). "ours" is the wall time of one ``pull`` (pull request, chunks, TransferDone, ack);
 "raw" is a request message plus one ucxx send of the same number of bytes, over endpoints made the
-same way (worker address, peer error handling). Pages are either one run (``contiguous``: chunks go
-straight between the pools) or a random permutation (``scattered``: every chunk is gathered into and
-scattered from staging buffers). "direct" is a second decode-side receiver over the same pool that
+same way (worker address, peer error handling). Pages are one run (``contiguous``: chunks go
+straight between the pools), a random permutation (``scattered``: gathered into and scattered from
+staging buffers), or one run on one side only (``p-run``, ``d-run``). "direct" is a second decode-side receiver over the same pool that
 reads P's pages itself (CUDA IPC on GPUs, shared memory on the CPU, checked against P's lease
 board: direct_read.py). Each figure is the median of --repeats runs after one warm-up; the variants
 and the raw exchange run interleaved, one of each per repetition, so a busy spell of a shared host
@@ -53,6 +53,7 @@ from transfer_baselines import (  # noqa: E402
     staging_copy_ms,
 )
 from transfer_bench_setup import (  # noqa: E402
+    LAYOUTS,
     MIB,
     bench_spec,
     choose_pages,
@@ -243,8 +244,8 @@ def one_pull(
     """Wall time of one pull as the caller sees it (awaited on ``loop`` if given), and its result;
     with ``check``, D's pages are overwritten first (a pull that writes nothing must not pass on
     an earlier run's bytes) and compared after with the sent ones (page_sums on both sides)."""
-    src = choose_pages(n, spec, layout, gen)
-    dst = choose_pages(n, spec, layout, gen)
+    src = choose_pages(n, spec, layout, gen, "p")
+    dst = choose_pages(n, spec, layout, gen, "d")
     conn.send(("publish", f"{receiver.instance_id}-{layout}-{n}-{run_name}", src))
     ticket = conn.recv()
     if check:
@@ -281,10 +282,10 @@ def hot_pulls(
     tickets, srcs = [], []
     for rep in range(repeats + 1):
         rid = f"{receiver.instance_id}-hot-{name}-{layout}-{n}-{rep}"
-        srcs.append(choose_pages(n, spec, layout, gen))
+        srcs.append(choose_pages(n, spec, layout, gen, "p"))
         conn.send(("publish", rid, srcs[-1]))
         tickets.append(conn.recv())
-    dsts = [choose_pages(n, spec, layout, gen) for _ in tickets]
+    dsts = [choose_pages(n, spec, layout, gen, "d") for _ in tickets]
     overwrite(buf, spec, dsts[-1])  # (the last pull writes those pages last)
     times = [timed_pull(receiver, t, dst, loop)[0] for t, dst in zip(tickets, dsts)]
     if page_sums(buf, spec, dsts[-1]) != sums_of(conn, srcs[-1]):
@@ -347,8 +348,9 @@ def main() -> None:
         default=True,
         help="P gathers each request's first chunk at publish time (transfer/prestage.py)",
     )
-    layouts = ["contiguous", "scattered"]
-    parser.add_argument("--layouts", nargs="+", choices=layouts, default=layouts)
+    parser.add_argument(
+        "--layouts", nargs="+", choices=LAYOUTS, default=["contiguous", "scattered"]
+    )
     parser.add_argument(
         "--paths",
         nargs="+",

@@ -129,8 +129,15 @@ def sums_of(conn: Any, pages: list[int]) -> list[list[int]]:
     return conn.recv()
 
 
-def choose_pages(n: int, spec: PoolGroupSpec, layout: str, gen: torch.Generator) -> list[int]:
-    if layout == "contiguous":
+LAYOUTS = ("contiguous", "scattered", "p-run", "d-run")
+
+
+def choose_pages(
+    n: int, spec: PoolGroupSpec, layout: str, gen: torch.Generator, side: str = "p"
+) -> list[int]:
+    """``n`` page ids of one side ("p" or "d") of a pull: one run ("contiguous", and "p-run" /
+    "d-run" on that side) or a random permutation ("scattered", and the other side of those)."""
+    if layout in ("contiguous", f"{side}-run"):
         return list(range(1, n + 1))
     return (torch.randperm(spec.num_pages - 1, generator=gen)[:n] + 1).tolist()
 

@@ -35,8 +35,9 @@ class TransceiverConfig:
     request's first staged chunk at publish time (transfer/prestage.py): the pull then starts
     sending at once instead of after a copy. Holds at most half of the staging buffers."""
     zero_copy: bool = True
-    """Send / receive a chunk that is one page run on both sides straight from / into the pool,
-    without a staging copy. (Runs longer than a staging buffer always go straight.)"""
+    """Send a chunk whose pages are one run on this side straight from the pool, and receive one
+    straight into the pool, without a gather / scatter on this side (the other side may still
+    stage it). (Runs longer than a staging buffer always go straight.)"""
     direct_copy: bool = True
     """P offers its pools (CUDA IPC on GPUs; on the CPU, the pools' shared-memory files) and its
     lease board in the handshake; a decode side that can open them (two GPUs of one host, two

@@ -47,8 +47,41 @@ class Chunk:
         return len(self.fragments) == 1
 
     def direct(self, zero_copy: bool, staging_bytes: int) -> bool:
-        """Whether this side moves the chunk without staging (each side decides for itself)."""
+        """Whether both sides move the chunk without staging (each decides for itself)."""
         return self.contiguous and (zero_copy or self.nbytes > staging_bytes)
+
+    @cached_property
+    def src_run(self) -> tuple[str, int] | None:
+        """(pool, byte offset) when the chunk's source bytes are one run of one pool in wire order,
+        whatever its destination pages are; else None."""
+        return _one_run([(f.src_pool, f.src_offset, f.nbytes) for f in self.fragments])
+
+    @cached_property
+    def dst_run(self) -> tuple[str, int] | None:
+        """(pool, byte offset) when the chunk's destination bytes are one run of one pool in wire
+        order; else None."""
+        return _one_run([(f.dst_pool, f.dst_offset, f.nbytes) for f in self.fragments])
+
+    def sends_straight(self, zero_copy: bool, staging_bytes: int) -> bool:
+        """Whether P sends the chunk from its pool without a gather: one run on both sides (see
+        ``direct``), or, with ``zero_copy``, one run on P's side (D may still scatter it)."""
+        return self.direct(zero_copy, staging_bytes) or (zero_copy and self.src_run is not None)
+
+    def receives_straight(self, zero_copy: bool, staging_bytes: int) -> bool:
+        """Whether D receives the chunk into its pool without a scatter (the mirror of
+        ``sends_straight``)."""
+        return self.direct(zero_copy, staging_bytes) or (zero_copy and self.dst_run is not None)
+
+
+def _one_run(parts: list[tuple[str, int, int]]) -> tuple[str, int] | None:
+    if not parts:
+        return None
+    pool, start, end = parts[0][0], parts[0][1], parts[0][1]
+    for p, offset, nbytes in parts:
+        if p != pool or offset != end:
+            return None
+        end += nbytes
+    return pool, start
 
 
 @dataclass(frozen=True)

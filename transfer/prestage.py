@@ -104,7 +104,7 @@ class Prestager:
         if self._closed or self._out >= self.limit:
             return
         chunk = self._first_chunk(pages, min(chunk_bytes, s.staging.buffer_bytes))
-        if chunk is None or chunk.direct(s.config.zero_copy, s.staging.buffer_bytes):
+        if chunk is None or chunk.sends_straight(s.config.zero_copy, s.staging.buffer_bytes):
             return
         buf = s.staging.try_acquire()
         if buf is None:

@@ -192,7 +192,7 @@ class PullSession:
         assert self.link is not None and self.plan is not None
         cfg, plan = self.r.config, self.plan
         if self.r.late_copies.pending() and any(
-            c.direct(cfg.zero_copy, self.r.staging.buffer_bytes) for c in plan.chunks
+            c.receives_straight(cfg.zero_copy, self.r.staging.buffer_bytes) for c in plan.chunks
         ):
             # UCX would write pool memory unordered with a late direct copy into those pages.
             self.r.book.bump("late_copy_waits")
@@ -272,7 +272,9 @@ class PullSession:
     def _post(self, chunk: Chunk, buf: Any = None) -> bool:
         """Post the receive of ``chunk`` (into the pool, or a staging buffer: ``buf`` or a free
         one); False if it needs a staging buffer and none is free."""
-        if buf is None and not chunk.direct(self.r.config.zero_copy, self.r.staging.buffer_bytes):
+        if buf is None and not chunk.receives_straight(
+            self.r.config.zero_copy, self.r.staging.buffer_bytes
+        ):
             buf = self.r.staging.try_acquire()
             if buf is None:
                 return False
@@ -282,7 +284,7 @@ class PullSession:
 
     def _post_direct(self, chunk: Chunk) -> bool:
         """Post ``chunk`` if it goes straight into the pool; False if it needs staging."""
-        if not chunk.direct(self.r.config.zero_copy, self.r.staging.buffer_bytes):
+        if not chunk.receives_straight(self.r.config.zero_copy, self.r.staging.buffer_bytes):
             return False
         return self._post(chunk)
 
@@ -307,10 +309,8 @@ class PullSession:
         tag = data_tag(self.pull_id, chunk.index)
         try:
             if buf is None:
-                frag = chunk.fragments[0]
-                await self.link.recv_data(
-                    pool_region(self.r.rows[frag.dst_pool], frag.dst_offset, frag.nbytes), tag
-                )
+                pool, offset = chunk.dst_run  # type: ignore[misc]  (receives_straight: one run)
+                await self.link.recv_data(pool_region(self.r.rows[pool], offset, chunk.nbytes), tag)
             else:
                 staged = buf[: chunk.nbytes]
                 await self.link.recv_data(staged, tag)

@@ -193,15 +193,12 @@ class ServeSession:
     async def _send_chunk(self, chunk: Chunk) -> None:
         s, tag = self.sender, data_tag(self.req.pull_id, chunk.index)
         try:
-            if chunk.direct(s.config.zero_copy, s.staging.buffer_bytes):
-                frag = chunk.fragments[0]
+            if chunk.sends_straight(s.config.zero_copy, s.staging.buffer_bytes):
+                pool, offset = chunk.src_run  # type: ignore[misc]  (sends_straight: one run)
                 self._started(chunk.index)
                 async with self._send_slot:
                     await self.link.send_data(
-                        self._payload(
-                            pool_region(s.rows[frag.src_pool], frag.src_offset, frag.nbytes)
-                        ),
-                        tag,
+                        self._payload(pool_region(s.rows[pool], offset, chunk.nbytes)), tag
                     )
             else:
                 pre = None

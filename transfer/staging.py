@@ -4,8 +4,8 @@ A pool's storage is seen as uint8 rows [num_pages, page_bytes] (kvcache/spec.py:
 contiguous run), so a chunk's fragments are gathered (torch index_select on word rows, the kernels
 package's reference twin) into one contiguous buffer, sent as one UCX message, and scattered
 (index_copy_) on the other side. A
-chunk that is one run on both sides (Chunk.contiguous) can skip staging: ``pool_region`` is the
-pool's own memory for it.
+side whose pages of a chunk are one run (Chunk.src_run, Chunk.dst_run) skips its copy:
+``pool_region`` is the pool's own memory for it.
 
 The copy functions block until the bytes are in place (on CUDA they synchronize their stream), since
 UCX reads and writes the buffers as soon as it is handed them. They run on the transceiver's copy

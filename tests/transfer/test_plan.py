@@ -12,6 +12,7 @@ from transfer.mapper import Fragment, MapperError
 from transfer.page_table import PageTable
 from transfer.plan import (
     DIRECT_MAX_BYTES,
+    Chunk,
     IdPair,
     build_plan,
     checked_direct_plan,
@@ -60,6 +61,29 @@ def test_long_runs_become_direct_chunks_of_their_own() -> None:
     assert big.direct(zero_copy=False, staging_bytes=2 * PB)  # it cannot fit a staging buffer
     assert not plan.chunks[0].direct(zero_copy=False, staging_bytes=2 * PB)
     assert plan.chunks[0].direct(zero_copy=True, staging_bytes=2 * PB)
+
+
+def test_a_side_whose_pages_are_one_run_skips_its_copy() -> None:
+    # P's pages 0..2 in order, D's scattered: P sends from its pool, D scatters.
+    src_run = Chunk(
+        0, tuple(Fragment("a", "a", i * PB, d * PB, PB) for i, d in enumerate([7, 2, 5]))
+    )
+    assert src_run.src_run == ("a", 0) and src_run.dst_run is None and not src_run.contiguous
+    assert src_run.sends_straight(zero_copy=True, staging_bytes=4 * PB)
+    assert not src_run.receives_straight(zero_copy=True, staging_bytes=4 * PB)
+    assert not src_run.sends_straight(zero_copy=False, staging_bytes=4 * PB)
+    # The mirror: D's pages 4..6 in order.
+    dst_run = Chunk(
+        0, tuple(Fragment("a", "b", s * PB, (4 + i) * PB, PB) for i, s in enumerate([3, 0, 9]))
+    )
+    assert dst_run.dst_run == ("b", 4 * PB) and dst_run.src_run is None
+    assert dst_run.receives_straight(zero_copy=True, staging_bytes=4 * PB)
+    assert not dst_run.sends_straight(zero_copy=True, staging_bytes=4 * PB)
+    # Adjacent bytes of two pools, or pages out of order, are not one run.
+    two_pools = Chunk(0, (Fragment("a", "a", 0, 0, PB), Fragment("b", "a", PB, PB * 3, PB)))
+    assert two_pools.src_run is None
+    backwards = Chunk(0, (Fragment("a", "a", PB, 0, PB), Fragment("a", "a", 0, PB, PB)))
+    assert backwards.src_run is None and backwards.dst_run == ("a", 0)
 
 
 def test_direct_chunks_are_capped_at_one_gibibyte() -> None:

@@ -110,6 +110,55 @@ def test_two_pool_groups_skip_pages_and_staging_paths(zero_copy: bool) -> None:
         made.d.free("r2")
 
 
+@pytest.mark.parametrize("one_run", ["p", "d"])
+def test_a_side_whose_pages_are_one_run_sends_or_receives_without_its_copy(
+    one_run: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fresh pages on one side (one run), scattered on the other: the run's side moves its chunks
+    straight from / into its pool, the other still stages them, and the bytes arrive exact."""
+    import transfer.prestage
+    import transfer.pull
+    import transfer.serve
+
+    copies: list[str] = []
+
+    def counted(real, name: str):
+        def copy(*args):  # the real copy, counted
+            copies.append(name)
+            return real(*args)
+
+        return copy
+
+    for module, name in (
+        (transfer.serve, "gather_chunk"),
+        (transfer.prestage, "gather_chunk"),
+        (transfer.pull, "scatter_chunk"),
+    ):
+        monkeypatch.setattr(module, name, counted(getattr(module, name), name))
+    p, d = KVSide(specs(), seed=1), KVSide(specs(), seed=2)
+    (d if one_run == "p" else p).scramble_free_queue()
+    cfg = config(staging_tokens=16, staging_buffers=2)
+    sender = KVSender(p.kv.buffers, p.specs, MODEL, cfg, p.release)
+    receiver = KVReceiver(d.kv.buffers, d.specs, MODEL, cfg)
+    try:
+        src, dst = p.allocate("r", 64), d.allocate("r", 64)
+        runs = src["full"] if one_run == "p" else dst["full"]
+        assert runs == list(range(runs[0], runs[0] + len(runs)))  # the fresh side is one run
+        result = receiver.pull_blocking(sender.publish("r", src, 64), dst, 0, 64)
+        assert result.ok, result.error
+        assert result.stats.chunks > 1
+        assert torch.equal(d.pages_of(dst)["full"], p.pages_of(src)["full"])
+        expected = "scatter_chunk" if one_run == "p" else "gather_chunk"
+        assert copies and set(copies) == {expected}, copies
+        wait_until(lambda: p.released == ["r"])
+        d.free("r")
+    finally:
+        receiver.close()
+        sender.close()
+    p.assert_clean()
+    d.assert_clean()
+
+
 def test_fifty_concurrent_transfers_do_not_mix(pair: Pair) -> None:
     tickets = {}
     for i in range(50):
