@@ -34,6 +34,8 @@ T = TypeVar("T")
 # loopback, for raw ucxx messages and staged chunks alike (docs/benchmarks/transfer.md, fifteenth
 # pass). Only TCP reads it; a UCX_* variable in the environment or in ``ucx_env`` wins.
 DEFAULT_UCX_OPTIONS = {"TCP_TX_SEG_SIZE": "64k"}
+# A default steps aside when the user sets any of these (UCX refuses TX segments larger than RX).
+_DEFAULT_YIELDS_TO = {"TCP_TX_SEG_SIZE": ("TCP_TX_SEG_SIZE", "TCP_RX_SEG_SIZE")}
 
 
 class UcxRuntime:
@@ -206,8 +208,13 @@ def cuda_index(buffers: Mapping[str, Any]) -> int | None:
 
 def context_options(ucx_env: Mapping[str, str], environ: Mapping[str, str]) -> dict[str, str]:
     """The ``config_dict`` of the UCX context: ``ucx_env`` without its ``UCX_`` prefixes, over
-    ``DEFAULT_UCX_OPTIONS`` that neither it nor ``environ`` sets (UCX reads the environment itself;
-    a config_dict entry would override it)."""
-    options = {k: v for k, v in DEFAULT_UCX_OPTIONS.items() if f"UCX_{k}" not in environ}
-    options.update({k.removeprefix("UCX_"): v for k, v in ucx_env.items()})
+    ``DEFAULT_UCX_OPTIONS`` whose settings (or the settings they must agree with) neither it nor
+    ``environ`` sets (UCX reads the environment itself; a config_dict entry would override it)."""
+    ours = {k.removeprefix("UCX_"): v for k, v in ucx_env.items()}
+    options = {
+        k: v
+        for k, v in DEFAULT_UCX_OPTIONS.items()
+        if not any(n in ours or f"UCX_{n}" in environ for n in _DEFAULT_YIELDS_TO[k])
+    }
+    options.update(ours)
     return options

@@ -91,6 +91,10 @@ class ServeSession:
         self._send_slot = asyncio.Semaphore(
             self.plan.num_chunks if sender.rows_on_gpu else HOST_SENDS_IN_FLIGHT
         )
+        # D credits at once every chunk it receives straight into its pool, also those P must
+        # stage: at most this many of them wait for or hold a staging buffer, so the chunks of
+        # other pulls get buffers in between (as when D's own buffers bound its credits).
+        self._stage_slots = asyncio.Semaphore(sender.staging.max_buffers)
         # Chunk 0 gathered at publish time (prestage.py), if it is this plan's chunk 0.
         self._prestaged = (
             sender.prestage.take(lease, plan.chunks[0], 0 in req.ready_chunks)
@@ -201,28 +205,31 @@ class ServeSession:
                         self._payload(pool_region(s.rows[pool], offset, chunk.nbytes)), tag
                     )
             else:
-                pre = None
-                if chunk.index == 0:
-                    pre, self._prestaged = self._prestaged, None
-                # (acquire: the only cancellable wait of this task)
-                buf = pre.buf if pre is not None else await s.staging.acquire()
-                self._started(chunk.index)
-                try:
-                    staged = buf[: chunk.nbytes]
-                    if pre is None or not await pre.ready():
-                        await s.runtime.copy(gather_chunk, chunk, s.rows, staged)
-                    else:
-                        s.book.counters.prestaged_chunks += 1
-                    async with self._send_slot:
-                        await self.link.send_data(self._payload(staged), tag)
-                finally:
-                    if pre is not None:
-                        s.prestage.give_back(pre)
-                    else:
-                        s.staging.release(buf)
+                async with self._stage_slots:  # (its wait and acquire's: the cancellable ones)
+                    await self._send_staged(chunk, tag)
             self.events.put_nowait(("sent", chunk.index))
         except Exception as e:
             self.events.put_nowait(("send_failed", (chunk.index, e)))
+
+    async def _send_staged(self, chunk: Chunk, tag: int) -> None:
+        s, pre = self.sender, None
+        if chunk.index == 0:
+            pre, self._prestaged = self._prestaged, None
+        buf = pre.buf if pre is not None else await s.staging.acquire()
+        self._started(chunk.index)
+        try:
+            staged = buf[: chunk.nbytes]
+            if pre is None or not await pre.ready():
+                await s.runtime.copy(gather_chunk, chunk, s.rows, staged)
+            else:
+                s.book.counters.prestaged_chunks += 1
+            async with self._send_slot:
+                await self.link.send_data(self._payload(staged), tag)
+        finally:
+            if pre is not None:
+                s.prestage.give_back(pre)
+            else:
+                s.staging.release(buf)
 
     def _payload(self, data: torch.Tensor) -> torch.Tensor:
         """What a chunk's send carries: its bytes, or nothing once D has given up (see

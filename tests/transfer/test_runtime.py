@@ -126,6 +126,9 @@ def test_default_options_yield_to_the_environment_and_to_ucx_env() -> None:
     # UCX reads the environment itself; a config_dict entry would silently override it.
     assert context_options({}, {"UCX_TCP_TX_SEG_SIZE": "8k"}) == {}
     assert context_options({"UCX_TCP_TX_SEG_SIZE": "32k"}, {}) == {"TCP_TX_SEG_SIZE": "32k"}
+    # UCX refuses TX segments larger than RX ones: a smaller RX size set anywhere keeps UCX's TX.
+    assert context_options({}, {"UCX_TCP_RX_SEG_SIZE": "16k"}) == {}
+    assert context_options({"UCX_TCP_RX_SEG_SIZE": "16k"}, {}) == {"TCP_RX_SEG_SIZE": "16k"}
 
 
 def test_a_ucx_variable_in_the_environment_wins_over_the_default() -> None:

@@ -159,6 +159,41 @@ def test_a_side_whose_pages_are_one_run_sends_or_receives_without_its_copy(
     d.assert_clean()
 
 
+def test_concurrent_pulls_into_one_run_share_the_staging_of_scattered_pages() -> None:
+    """D's pages are one run, so D credits every chunk at once; P has one staging buffer for the
+    chunks of four concurrent pulls of scattered pages: each pull waits its turn, none hangs."""
+    p, d = KVSide(specs(), seed=1), KVSide(specs(), seed=2)
+    p.scramble_free_queue()
+    sender = KVSender(p.kv.buffers, p.specs, MODEL, config(staging_buffers=1), p.release)
+    receiver = KVReceiver(d.kv.buffers, d.specs, MODEL, config(staging_tokens=16))
+    try:
+        jobs = {f"q{i}": (p.allocate(f"q{i}", 48), d.allocate(f"q{i}", 48)) for i in range(4)}
+        tickets = {rid: sender.publish(rid, src, 48) for rid, (src, _) in jobs.items()}
+        results: dict[str, object] = {}
+        threads = [
+            threading.Thread(
+                target=lambda rid=rid: results.__setitem__(
+                    rid, receiver.pull_blocking(tickets[rid], jobs[rid][1], 0, 48)
+                )
+            )
+            for rid in jobs
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=50)
+        assert all(r.ok for r in results.values()) and len(results) == 4, results
+        for rid, (src, dst) in jobs.items():
+            assert torch.equal(d.pages_of(dst)["full"], p.pages_of(src)["full"]), rid
+            d.free(rid)
+        wait_until(lambda: sorted(p.released) == sorted(jobs))
+    finally:
+        receiver.close()
+        sender.close()
+    p.assert_clean()
+    d.assert_clean()
+
+
 def test_fifty_concurrent_transfers_do_not_mix(pair: Pair) -> None:
     tickets = {}
     for i in range(50):
