@@ -10,7 +10,7 @@ always moves whole pages.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple
@@ -46,37 +46,37 @@ class Chunk:
         without a staging copy (and must, when it is larger than a staging buffer)."""
         return len(self.fragments) == 1
 
-    def direct(self, zero_copy: bool, staging_bytes: int) -> bool:
-        """Whether both sides move the chunk without staging (each decides for itself)."""
-        return self.contiguous and (zero_copy or self.nbytes > staging_bytes)
-
     @cached_property
     def src_run(self) -> tuple[str, int] | None:
         """(pool, byte offset) when the chunk's source bytes are one run of one pool in wire order,
         whatever its destination pages are; else None."""
-        return _one_run([(f.src_pool, f.src_offset, f.nbytes) for f in self.fragments])
+        return _one_run((f.src_pool, f.src_offset, f.nbytes) for f in self.fragments)
 
     @cached_property
     def dst_run(self) -> tuple[str, int] | None:
         """(pool, byte offset) when the chunk's destination bytes are one run of one pool in wire
         order; else None."""
-        return _one_run([(f.dst_pool, f.dst_offset, f.nbytes) for f in self.fragments])
+        return _one_run((f.dst_pool, f.dst_offset, f.nbytes) for f in self.fragments)
 
     def sends_straight(self, zero_copy: bool, staging_bytes: int) -> bool:
-        """Whether P sends the chunk from its pool without a gather: one run on both sides (see
-        ``direct``), or, with ``zero_copy``, one run on P's side (D may still scatter it)."""
-        return self.direct(zero_copy, staging_bytes) or (zero_copy and self.src_run is not None)
+        """Whether P sends the chunk from its pool without a gather (each side decides for
+        itself): its side is one run, and ``zero_copy`` is on or the chunk cannot fit a staging
+        buffer (only a run on both sides is cut that long)."""
+        return self.src_run is not None and (zero_copy or self.nbytes > staging_bytes)
 
     def receives_straight(self, zero_copy: bool, staging_bytes: int) -> bool:
         """Whether D receives the chunk into its pool without a scatter (the mirror of
         ``sends_straight``)."""
-        return self.direct(zero_copy, staging_bytes) or (zero_copy and self.dst_run is not None)
+        return self.dst_run is not None and (zero_copy or self.nbytes > staging_bytes)
 
 
-def _one_run(parts: list[tuple[str, int, int]]) -> tuple[str, int] | None:
-    if not parts:
+def _one_run(parts: Iterator[tuple[str, int, int]]) -> tuple[str, int] | None:
+    """(pool, start) of (pool, offset, bytes) parts that follow each other in one pool, read only
+    up to the first that does not (a chunk can hold thousands of fragments)."""
+    first = next(parts, None)
+    if first is None:
         return None
-    pool, start, end = parts[0][0], parts[0][1], parts[0][1]
+    pool, start, end = first[0], first[1], first[1] + first[2]
     for p, offset, nbytes in parts:
         if p != pool or offset != end:
             return None

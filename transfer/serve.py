@@ -205,7 +205,8 @@ class ServeSession:
                         self._payload(pool_region(s.rows[pool], offset, chunk.nbytes)), tag
                     )
             else:
-                async with self._stage_slots:  # (its wait and acquire's: the cancellable ones)
+                # (the slot's wait and the buffer's: the only cancellable waits of this task)
+                async with self._stage_slots:
                     await self._send_staged(chunk, tag)
             self.events.put_nowait(("sent", chunk.index))
         except Exception as e:

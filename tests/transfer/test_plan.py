@@ -58,9 +58,10 @@ def test_long_runs_become_direct_chunks_of_their_own() -> None:
         (Fragment("a", "a", 200, 9000, PB),),
     ]
     big = plan.chunks[1]
-    assert big.direct(zero_copy=False, staging_bytes=2 * PB)  # it cannot fit a staging buffer
-    assert not plan.chunks[0].direct(zero_copy=False, staging_bytes=2 * PB)
-    assert plan.chunks[0].direct(zero_copy=True, staging_bytes=2 * PB)
+    for straight in (Chunk.sends_straight, Chunk.receives_straight):
+        assert straight(big, zero_copy=False, staging_bytes=2 * PB)  # it cannot fit a buffer
+        assert not straight(plan.chunks[0], zero_copy=False, staging_bytes=2 * PB)
+        assert straight(plan.chunks[0], zero_copy=True, staging_bytes=2 * PB)
 
 
 def test_a_side_whose_pages_are_one_run_skips_its_copy() -> None:

@@ -170,14 +170,11 @@ def test_concurrent_pulls_into_one_run_share_the_staging_of_scattered_pages() ->
         jobs = {f"q{i}": (p.allocate(f"q{i}", 48), d.allocate(f"q{i}", 48)) for i in range(4)}
         tickets = {rid: sender.publish(rid, src, 48) for rid, (src, _) in jobs.items()}
         results: dict[str, object] = {}
-        threads = [
-            threading.Thread(
-                target=lambda rid=rid: results.__setitem__(
-                    rid, receiver.pull_blocking(tickets[rid], jobs[rid][1], 0, 48)
-                )
-            )
-            for rid in jobs
-        ]
+
+        def run(rid: str) -> None:
+            results[rid] = receiver.pull_blocking(tickets[rid], jobs[rid][1], 0, 48)
+
+        threads = [threading.Thread(target=run, args=(rid,)) for rid in jobs]
         for t in threads:
             t.start()
         for t in threads:
