@@ -24,7 +24,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -50,24 +50,38 @@ def module() -> ModuleType | None:
 
 
 def _build() -> Path:
-    source = SOURCE.read_bytes()
+    include = sysconfig.get_paths()["include"]
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    return build_library(SOURCE, NAME, suffix, [f"-I{include}", "-ldl"], toolchain_problem)
+
+
+def build_library(
+    source_path: Path,
+    name: str,
+    suffix: str,
+    flags: list[str],
+    problem: Callable[[], str | None],
+) -> Path:
+    """``source_path`` compiled into a shared library under the cache folder (once per source and
+    Python version), its path; raises RuntimeError when ``problem()`` names what is missing or
+    the compiler fails."""
+    source = source_path.read_bytes()
     tag = hashlib.sha256(source + sys.version.encode()).hexdigest()[:16]
     cache = _cache_dir()
-    target = cache / f"{NAME}-{tag}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
+    target = cache / f"{name}-{tag}{suffix}"
     if target.exists():
         return target
-    missing = toolchain_problem()
+    missing = problem()
     if missing is not None:
         raise RuntimeError(missing)
     cc = _compiler()
-    include = sysconfig.get_paths()["include"]
     cache.mkdir(parents=True, exist_ok=True)
     # Built beside the target and renamed into place: processes starting together never load a
     # half-written file.
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         out = Path(tmp) / target.name
-        cmd = [*shlex.split(cc), "-O2", "-shared", "-fPIC", f"-I{include}", str(SOURCE)]
-        cmd += ["-o", str(out), "-ldl"]
+        cmd = [*shlex.split(cc), "-O2", "-shared", "-fPIC", str(source_path), *flags]
+        cmd += ["-o", str(out)]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
@@ -106,10 +120,15 @@ def _compiler() -> str | None:
     )
 
 
+def compiler_problem() -> str | None:
+    """ "no C compiler" when there is none, else None."""
+    return "no C compiler (set CC)" if _compiler() is None else None
+
+
 def toolchain_problem() -> str | None:
     """Why this machine cannot build the extension (no C compiler, no Python headers), or None."""
     if _compiler() is None:
-        return "no C compiler (set CC)"
+        return compiler_problem()
     include = sysconfig.get_paths()["include"]
     if not (Path(include) / "Python.h").exists():
         return f"no Python.h under {include}"

@@ -8,8 +8,9 @@ The parent process is the decode side (KVReceiver; cuda:1 on GPUs), a spawned ch
 (KVSender; cuda:0). "ours" is the wall time of one ``pull`` (pull request, chunks, TransferDone, ack);
 "raw" is a request message plus one ucxx send of the same number of bytes, over endpoints made the
 same way (worker address, peer error handling). Pages are one run (``contiguous``: chunks go
-straight between the pools), a random permutation (``scattered``: gathered into and scattered from
-staging buffers), or one run on one side only (``p-run``, ``d-run``). "direct" is a second decode-side receiver over the same pool that
+straight between the pools), a random permutation (``scattered``: on the CPU each chunk one UCX
+message listing its pages, ``--no-host-iov`` to stage them as GPUs do: gathered into and scattered
+from staging buffers), or one run on one side only (``p-run``, ``d-run``). "direct" is a second decode-side receiver over the same pool that
 reads P's pages itself (CUDA IPC on GPUs, shared memory on the CPU, checked against P's lease
 board: direct_read.py). Each figure is the median of --repeats runs after one warm-up; the variants
 and the raw exchange run interleaved, one of each per repetition, so a busy spell of a shared host
@@ -326,28 +327,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--min-mib", type=int, default=1)
-    parser.add_argument(
-        "--max-mib",
-        type=int,
-        default=None,
-        help="default 256 on CPU, 1024 on GPUs (sizes double from --min-mib)",
-    )
+    parser.add_argument("--max-mib", type=int, help="default 256 on CPU, 1024 on GPUs (doubling)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
-        "--staging-tokens",
-        type=int,
-        default=None,
-        help="tokens per chunk: default 512 (8 MiB: the best measured on 2 CPU cores) on CPU, 16384 (256 MiB) on GPUs",
+        "--staging-tokens", type=int, help="a chunk: 4096 (64 MiB) on CPU, 16384 GPU"
     )
     parser.add_argument("--progress-mode", choices=list(PROGRESS_MODES), default="auto")
     parser.add_argument("--proto-info", action="store_true", help="set UCX_PROTO_INFO=y")
     parser.add_argument("--staging-buffers", type=int, default=4)
-    parser.add_argument(
-        "--prestage",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="P gathers each request's first chunk at publish time (transfer/prestage.py)",
-    )
+    for flag, text in (
+        ("prestage", "P gathers each request's first chunk at publish time (transfer/prestage.py)"),
+        (
+            "host-iov",
+            "CPU: scattered pages go as UCX piece lists, not staged (transfer/ucp_iov.py)",
+        ),
+    ):
+        parser.add_argument(
+            f"--{flag}", action=argparse.BooleanOptionalAction, default=True, help=text
+        )
     parser.add_argument(
         "--layouts", nargs="+", choices=LAYOUTS, default=["contiguous", "scattered"]
     )
@@ -382,7 +379,7 @@ def main() -> None:
     if args.paths is None:
         args.paths = ["ucx", "direct"]
     if args.staging_tokens is None:
-        args.staging_tokens = 512 if args.device == "cpu" else 16384
+        args.staging_tokens = 4096 if args.device == "cpu" else 16384
     if args.repeats < 1 or args.staging_buffers < 1 or args.staging_tokens % 16:
         parser.error(
             "--repeats and --staging-buffers must be >= 1, --staging-tokens a multiple of 16"

@@ -15,6 +15,9 @@
 #             CPU_RUNS rounds (default 2)
 #   cpuseg    the CPU benchmark's UCX path (1-256 MiB) on this host's cores, alternating UCX's TCP
 #             TX segments: ours (64k) and UCX's default (8k), CPU_RUNS rounds (default 2)
+#   cpuiov    the CPU benchmark's UCX path (1-256 MiB) on this host's cores with 8 MiB chunks,
+#             scattered host pages as UCX piece lists (--host-iov) and staged (--no-host-iov)
+#             alternating, CPU_RUNS rounds (default 2), then piece lists with the default 64 MiB
 #   probe     scripts/probe_read_path.py: host cost of each launch step, device time of copy variants
 #   lean      scripts/probe_lean_pull.py and probe_cold_pull.py: a pull after P's answer next to its
 #             bare steps and a peer copy, and its timeline step by step
@@ -69,6 +72,17 @@ for step in ${STEPS:-tests transfer cluster bench}; do
             | tee -a "$OUT/transfer_cpu_seg.log" | tail -9
         done
       done ;;
+    cpuiov)
+      for run in $(seq "${CPU_RUNS:-2}"); do
+        for mode in host-iov no-host-iov; do
+          echo "run $run, --$mode" | tee -a "$OUT/transfer_cpu_iov.log"
+          python scripts/bench_transfer.py --device cpu --paths ucx --repeats 7 --$mode --staging-tokens 512 \
+            --out "$OUT/transfer_cpu_${mode}_run$run.json" 2>&1 | tee -a "$OUT/transfer_cpu_iov.log" | tail -9
+        done
+      done
+      echo "--host-iov, 4096 tokens a chunk" | tee -a "$OUT/transfer_cpu_iov.log"
+      python scripts/bench_transfer.py --device cpu --paths ucx --repeats 7 \
+        --out "$OUT/transfer_cpu_host-iov_4096.json" 2>&1 | tee -a "$OUT/transfer_cpu_iov.log" | tail -9 ;;
     probe)
       python scripts/probe_read_path.py 2>&1 | tee "$OUT/probe_read_path.log" | tail -40 ;;
     lean)

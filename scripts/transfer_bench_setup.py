@@ -70,6 +70,7 @@ def config(args: argparse.Namespace, direct_copy: bool = True) -> TransceiverCon
         progress_mode=args.progress_mode,
         direct_copy=direct_copy,
         prestage=getattr(args, "prestage", True),
+        host_iov=getattr(args, "host_iov", True),
         lease_s=120,
         pull_deadline_s=60,
         chunk_deadline_s=60,

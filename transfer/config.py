@@ -38,6 +38,10 @@ class TransceiverConfig:
     """Send a chunk whose pages are one run on this side straight from the pool, and receive one
     straight into the pool, without a gather / scatter on this side (the other side may still
     stage it). (Runs longer than a staging buffer always go straight.)"""
+    host_iov: bool = True
+    """With ``zero_copy``, and pools in host memory: a chunk whose pages are not one run on this
+    side also skips the staging copy, sent or received as one UCX message that lists its pages
+    (UCP's IOV datatype, transfer/ucp_iov.py). GPU pools always stage such chunks."""
     direct_copy: bool = True
     """P offers its pools (CUDA IPC on GPUs; on the CPU, the pools' shared-memory files) and its
     lease board in the handshake; a decode side that can open them (two GPUs of one host, two

@@ -26,6 +26,7 @@ from transfer.messages import Hello, HelloReply, Message
 from transfer.page_table import PageTable
 from transfer.runtime import UcxRuntime
 from transfer.stats import TransferCounters
+from transfer.ucp_iov import IovOps
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,15 @@ OpenDirect = Callable[[HelloReply], Awaitable[DirectAccess | None]]
 
 
 class PeerLink:
-    def __init__(self, channel: ControlChannel, endpoint: Any, info: PeerInfo, name: str) -> None:
+    def __init__(
+        self,
+        channel: ControlChannel,
+        endpoint: Any,
+        info: PeerInfo,
+        name: str,
+        rendezvous_bytes: int | None = None,
+    ) -> None:
+        """``rendezvous_bytes``: UcxRuntime.rendezvous_bytes (None: never send piece lists)."""
         self.channel = channel
         self.endpoint = endpoint
         self.info = info
@@ -73,6 +82,12 @@ class PeerLink:
         # P side: the peer's done board, mapped here (done_board.py).
         self.done: DoneBoardView | None = None
         self._on_closed: list[Callable[[str], None]] = []
+        # UCP requests of piece-list messages in flight: ``abort`` cancels them (a receive is the
+        # worker's, so the endpoint's close would not end it, as it ends ucxx's own requests).
+        self._iov: IovOps | None = None
+        self._iov_pending: set[int] = set()
+        self.sent_rendezvous = False  # (``piece_sends_ok``)
+        self._rendezvous_bytes = rendezvous_bytes
         loop = asyncio.get_running_loop()
         # UCX calls this from its progress thread when the endpoint fails (peer died).
         endpoint.set_close_callback(
@@ -110,9 +125,34 @@ class PeerLink:
 
     async def send_data(self, buf: torch.Tensor, tag: int) -> None:
         await self.endpoint.send(_ucx_buffer(buf), tag=tag, force_tag=True)
+        nbytes = buf.numel() * buf.element_size()
+        if self._rendezvous_bytes is not None and nbytes >= self._rendezvous_bytes:
+            self.sent_rendezvous = True
+
+    @property
+    def piece_sends_ok(self) -> bool:
+        """Whether piece-list sends may go on this link's endpoint yet. UCX 1.21 never completes
+        an IOV send that is the endpoint's first rendezvous (openucx/ucx#6872: the request is
+        replayed wrongly after the endpoint's wireup); once a contiguous rendezvous send has
+        completed, IOV sends work. P stages its chunks until then."""
+        return self.sent_rendezvous
 
     async def recv_data(self, buf: torch.Tensor, tag: int) -> None:
         await self.endpoint.recv(_ucx_buffer(buf), tag=tag, force_tag=True)
+
+    async def send_pieces(self, iov: IovOps, pieces: list[tuple[int, int]], tag: int) -> None:
+        """One message of host ``pieces`` (transfer/ucp_iov.py) to the peer."""
+        if self.closed:  # (an aborted link's UCP endpoint is gone: never post on it)
+            raise ChannelClosed(f"{self.name}: {self.closed_reason}")
+        self._iov = iov
+        await iov.send(self.endpoint.ucp_endpoint, pieces, tag, self._iov_pending)
+
+    async def recv_pieces(self, iov: IovOps, pieces: list[tuple[int, int]], tag: int) -> None:
+        """Receive one message from the peer into host ``pieces``; ``abort`` ends it."""
+        if self.closed:
+            raise ChannelClosed(f"{self.name}: {self.closed_reason}")
+        self._iov = iov
+        await iov.recv(pieces, tag, self._iov_pending)
 
     def abort(self, reason: str) -> None:
         """Close everything now; requests posted on the endpoint complete with an error."""
@@ -124,6 +164,8 @@ class PeerLink:
         self.access = None
         log.info("%s: closing link (%s)", self.name, reason)
         self.channel.close(reason)
+        if self._iov is not None:
+            self._iov.cancel(self._iov_pending)
         try:
             self.endpoint.abort()
         except Exception:  # already torn down by UCX
@@ -210,7 +252,13 @@ async def connect(
             reply.instance_id, reply.page_table, min(hello.chunk_bytes, reply.chunk_bytes)
         )
         path = direct.data_path if direct is not None else "ucx"
-        link = PeerLink(channel, endpoint, info, f"{name} (instance {reply.instance_id}, {path})")
+        link = PeerLink(
+            channel,
+            endpoint,
+            info,
+            f"{name} (instance {reply.instance_id}, {path})",
+            runtime.rendezvous_bytes,
+        )
         link.access = direct
         return link
 
@@ -253,7 +301,13 @@ async def accept(
         channel.close(f"handshake failed: {e!r}")
         return None
     info = PeerInfo(hello.instance_id, hello.page_table, min(hello.chunk_bytes, own.chunk_bytes))
-    link = PeerLink(channel, endpoint, info, f"link from {peername} (instance {hello.instance_id})")
+    link = PeerLink(
+        channel,
+        endpoint,
+        info,
+        f"link from {peername} (instance {hello.instance_id})",
+        runtime.rendezvous_bytes,
+    )
     link.done = done
     return link
 

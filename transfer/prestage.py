@@ -104,7 +104,7 @@ class Prestager:
         if self._closed or self._out >= self.limit:
             return
         chunk = self._first_chunk(pages, min(chunk_bytes, s.staging.buffer_bytes))
-        if chunk is None or chunk.sends_straight(s.config.zero_copy, s.staging.buffer_bytes):
+        if chunk is None or s.moves_straight(chunk, source=True):  # nothing to stage
             return
         buf = s.staging.try_acquire()
         if buf is None:

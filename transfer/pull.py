@@ -44,6 +44,7 @@ from transfer.pull_checks import PullFailed, check_declared, source_pages
 from transfer.serve import settle
 from transfer.staging import pool_region, scatter_chunk
 from transfer.stats import TransferResult, TransferStats
+from transfer.ucp_iov import chunk_pieces
 
 if TYPE_CHECKING:
     from transfer.receiver import KVReceiver
@@ -192,7 +193,7 @@ class PullSession:
         assert self.link is not None and self.plan is not None
         cfg, plan = self.r.config, self.plan
         if self.r.late_copies.pending() and any(
-            c.receives_straight(cfg.zero_copy, self.r.staging.buffer_bytes) for c in plan.chunks
+            self.r.moves_straight(c, source=False) for c in plan.chunks
         ):
             # UCX would write pool memory unordered with a late direct copy into those pages.
             self.r.book.bump("late_copy_waits")
@@ -272,9 +273,7 @@ class PullSession:
     def _post(self, chunk: Chunk, buf: Any = None) -> bool:
         """Post the receive of ``chunk`` (into the pool, or a staging buffer: ``buf`` or a free
         one); False if it needs a staging buffer and none is free."""
-        if buf is None and not chunk.receives_straight(
-            self.r.config.zero_copy, self.r.staging.buffer_bytes
-        ):
+        if buf is None and not self.r.moves_straight(chunk, source=False):
             buf = self.r.staging.try_acquire()
             if buf is None:
                 return False
@@ -284,7 +283,7 @@ class PullSession:
 
     def _post_direct(self, chunk: Chunk) -> bool:
         """Post ``chunk`` if it goes straight into the pool; False if it needs staging."""
-        if not chunk.receives_straight(self.r.config.zero_copy, self.r.staging.buffer_bytes):
+        if not self.r.moves_straight(chunk, source=False):
             return False
         return self._post(chunk)
 
@@ -308,9 +307,12 @@ class PullSession:
         assert self.link is not None
         tag = data_tag(self.pull_id, chunk.index)
         try:
-            if buf is None:
-                pool, offset = chunk.dst_run  # type: ignore[misc]  (receives_straight: one run)
+            if buf is None and chunk.dst_run is not None:
+                pool, offset = chunk.dst_run
                 await self.link.recv_data(pool_region(self.r.rows[pool], offset, chunk.nbytes), tag)
+            elif buf is None:  # scattered host pages, listed in one message (moves_straight)
+                pieces = chunk_pieces(chunk, self.r.rows, False)
+                await self.link.recv_pieces(self.r.iov, pieces, tag)
             else:
                 staged = buf[: chunk.nbytes]
                 await self.link.recv_data(staged, tag)

@@ -101,6 +101,25 @@ class UcxRuntime:
                 f"environment: {e!r}"
             ) from e
         self.worker_address: bytes = bytes(self.ctx.worker_address)
+        self._iov: Any = False  # (``iov``: False until first asked)
+        self._iov_lock = threading.Lock()
+        # A contiguous send at least this long went by rendezvous (PeerLink.piece_sends_ok).
+        self.rendezvous_bytes = rendezvous_bytes(ucx_env, os.environ)
+
+    @property
+    def iov(self) -> Any:
+        """Piece-list messages on this worker (transfer/ucp_iov.py); None, logged once, where
+        UCP cannot give them (then host pages are staged, as on GPUs)."""
+        with self._iov_lock:
+            if self._iov is False:
+                from transfer.ucp_iov import IovOps
+
+                try:
+                    self._iov = IovOps(self.ctx.worker.handle)
+                except Exception as e:  # an unexpected libucp: the staged path still works
+                    log.warning("UCX IOV messages unavailable (%s); host pages are staged", e)
+                    self._iov = None
+            return self._iov
 
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -175,6 +194,8 @@ class UcxRuntime:
         async def stop_context() -> None:
             from ucxx._lib_async.application_context import clear_progress_tasks
 
+            if self._iov:
+                self._iov.close()
             self.ctx.stop_notifier_thread()
             # The progress thread would otherwise live as long as the loop object (ucxx keeps a
             # reference to it from a patched loop.close).
@@ -218,3 +239,30 @@ def context_options(ucx_env: Mapping[str, str], environ: Mapping[str, str]) -> d
     }
     options.update(ours)
     return options
+
+
+RENDEZVOUS_PROOF_BYTES = 256 << 10  # above UCX's automatic rendezvous threshold on every transport
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 1 << 10,
+    "m": 1 << 20,
+    "mb": 1 << 20,
+    "g": 1 << 30,
+}
+
+
+def rendezvous_bytes(ucx_env: Mapping[str, str], environ: Mapping[str, str]) -> int | None:
+    """A message size UCX surely sends by rendezvous with these settings (``UCX_RNDV_THRESH``
+    from ``ucx_env`` or the environment, else its automatic threshold), or None when the setting
+    is one this cannot read (then nothing is known to be a rendezvous)."""
+    value = context_options(ucx_env, environ).get("RNDV_THRESH", environ.get("UCX_RNDV_THRESH"))
+    if value is None or value.strip().lower() == "auto":
+        return RENDEZVOUS_PROOF_BYTES
+    text = value.strip().lower()
+    digits = text.rstrip("bkmg")
+    unit = text[len(digits) :]
+    if not digits.isdigit() or unit not in _SIZE_UNITS:
+        return None
+    return max(RENDEZVOUS_PROOF_BYTES, int(digits) * _SIZE_UNITS[unit] + 1)

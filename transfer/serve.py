@@ -33,6 +33,7 @@ from transfer.peer import PeerLink
 from transfer.plan import Chunk, TransferPlan
 from transfer.staging import gather_chunk, pool_region
 from transfer.stats import TransferStats
+from transfer.ucp_iov import chunk_pieces
 
 if TYPE_CHECKING:
     from transfer.leases import Lease
@@ -204,13 +205,33 @@ class ServeSession:
                     await self.link.send_data(
                         self._payload(pool_region(s.rows[pool], offset, chunk.nbytes)), tag
                     )
+            elif self._lists_pages():
+                await self._send_pieces(chunk, tag)
             else:
                 # (the slot's wait and the buffer's: the only cancellable waits of this task)
                 async with self._stage_slots:
-                    await self._send_staged(chunk, tag)
+                    staged = not self._lists_pages()  # (the link may have become able meanwhile)
+                    if staged:
+                        await self._send_staged(chunk, tag)
+                if not staged:
+                    await self._send_pieces(chunk, tag)
             self.events.put_nowait(("sent", chunk.index))
         except Exception as e:
             self.events.put_nowait(("send_failed", (chunk.index, e)))
+
+    def _lists_pages(self) -> bool:
+        """Whether scattered host pages go as a piece list now (``KVSender.iov``, and the link's
+        endpoint able to: ``PeerLink.piece_sends_ok``), rather than staged."""
+        return self.sender.iov is not None and self.link.piece_sends_ok
+
+    async def _send_pieces(self, chunk: Chunk, tag: int) -> None:
+        self._started(chunk.index)
+        async with self._send_slot:
+            if self._d_gave_up:
+                await self.link.send_data(_EMPTY, tag)
+            else:
+                pieces = chunk_pieces(chunk, self.sender.rows, True)
+                await self.link.send_pieces(self.sender.iov, pieces, tag)
 
     async def _send_staged(self, chunk: Chunk, tag: int) -> None:
         s, pre = self.sender, None

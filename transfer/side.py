@@ -12,10 +12,11 @@ import torch
 from kvcache.spec import PoolGroupSpec
 from transfer.config import TransceiverConfig, resolve_progress_mode
 from transfer.page_table import PageTable
-from transfer.plan import chunk_bytes_for
+from transfer.plan import Chunk, chunk_bytes_for
 from transfer.runtime import UcxRuntime, cuda_index
 from transfer.staging import StagingBuffers, pool_rows
 from transfer.stats import StatsBook, TransferStats
+from transfer.ucp_iov import IovOps
 
 
 class TransceiverSide:
@@ -44,6 +45,20 @@ class TransceiverSide:
             gpu,
             resolve_progress_mode(config.progress_mode, gpu is not None, config.direct_copy),
         )
+        # Piece-list messages for scattered host pages (``host_iov``), or None: stage them. (Made
+        # here, on the caller's thread: the first one may build its C callbacks.)
+        self.iov: IovOps | None = None
+        if not self.rows_on_gpu and config.zero_copy and config.host_iov:
+            self.iov = self.runtime.iov
+
+    def moves_straight(self, chunk: Chunk, source: bool) -> bool:
+        """Whether this side moves ``chunk`` without its staging copy: its pages of it are one
+        run (``Chunk.sends_straight`` / ``receives_straight``), or they are host memory that goes
+        as a piece list (``iov``)."""
+        one_run = (chunk.sends_straight if source else chunk.receives_straight)(
+            self.config.zero_copy, self.chunk_bytes
+        )
+        return one_run or self.iov is not None
 
     def _begin_close(self) -> bool:
         """True the first time only: a second ``close`` does nothing (the runtime counts one

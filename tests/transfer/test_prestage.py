@@ -8,7 +8,8 @@ import threading
 import pytest
 import torch
 
-from tests.transfer.conftest import MODEL, config
+from tests.transfer.conftest import MODEL
+from tests.transfer.conftest import config as base_config
 from tests.transfer.test_transfer_local import Pair, checked_pair, wait_until
 from transfer import KVReceiver
 from transfer.mapper import Fragment
@@ -16,6 +17,12 @@ from transfer.plan import Chunk
 from transfer.prestage import source_ranges
 
 pytestmark = pytest.mark.timeout(60)
+
+
+def config(**overrides: object):
+    """Prestaging belongs to the staged path. Host pools send scattered pages as piece lists
+    instead (``host_iov``), so these tests turn that off and stage as GPU pools do."""
+    return base_config(host_iov=False, **overrides)
 
 
 def first_pull(made: Pair) -> None:

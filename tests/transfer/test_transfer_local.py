@@ -115,7 +115,8 @@ def test_a_side_whose_pages_are_one_run_sends_or_receives_without_its_copy(
     one_run: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Fresh pages on one side (one run), scattered on the other: the run's side moves its chunks
-    straight from / into its pool, the other still stages them, and the bytes arrive exact."""
+    straight from / into its pool, the other still stages them (as GPU pools do: host pools would
+    list their scattered pages instead, ``host_iov``, tested below), and the bytes arrive exact."""
     import transfer.prestage
     import transfer.pull
     import transfer.serve
@@ -137,7 +138,7 @@ def test_a_side_whose_pages_are_one_run_sends_or_receives_without_its_copy(
         monkeypatch.setattr(module, name, counted(getattr(module, name), name))
     p, d = KVSide(specs(), seed=1), KVSide(specs(), seed=2)
     (d if one_run == "p" else p).scramble_free_queue()
-    cfg = config(staging_tokens=16, staging_buffers=2)
+    cfg = config(staging_tokens=16, staging_buffers=2, host_iov=False)
     sender = KVSender(p.kv.buffers, p.specs, MODEL, cfg, p.release)
     receiver = KVReceiver(d.kv.buffers, d.specs, MODEL, cfg)
     try:

@@ -141,8 +141,15 @@ def test_fifty_concurrent_transfers_between_processes(prefill_peer: Peer, decode
     wait_until(lambda: set(results) <= set(prefill_peer.ask("state")["released"]))
 
 
-def test_prefill_process_killed_mid_transfer(prefill_peer: Peer) -> None:
+@pytest.mark.parametrize("d_pages", ["one run", "scattered"])
+def test_prefill_process_killed_mid_transfer(
+    prefill_peer: Peer, d_pages: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Scattered pages of D are received as piece lists (transfer/ucp_iov.py): UCP receives
+    that closing the endpoint would not end; the link's abort must."""
     side = KVSide(specs(**BIG), seed=13)
+    if d_pages == "scattered":
+        side.scramble_free_queue()
     receiver = KVReceiver(side.kv.buffers, side.specs, MODEL, config(**BIG_CFG))
     victim = Peer(run_prefill, 14, BIG, BIG_CFG)
     try:
@@ -158,6 +165,7 @@ def test_prefill_process_killed_mid_transfer(prefill_peer: Peer) -> None:
         thread.join(config().chunk_deadline_s + 10)
         assert out and not out[0].ok
         assert "link to the prefill worker closed" in out[0].error or "failed" in out[0].error
+        assert "did not end" not in caplog.text  # every posted receive ended with the link
         side.free("doomed")  # safe: pull() returned only after every receive ended
     finally:
         receiver.close()

@@ -1,0 +1,133 @@
+"""The few pieces of UCP's C API that transfer/ucp_iov.py calls through ctypes (UCX 1.21's ucp.h:
+structure layouts checked against the header by tests/transfer/test_ucp_abi.py where a compiler
+is at hand), and the completion callbacks of csrc/ucp_done.c, built on first use."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+CALLBACKS_SOURCE = Path(__file__).parent / "csrc" / "ucp_done.c"
+UCS_STATUS = ctypes.c_int8  # ucs_status_t: a packed enum, one byte (ucs/type/status.h)
+UCS_OK, UCS_INPROGRESS = 0, 1
+UCS_ERR_LAST = -100  # a returned "request" at or above 2**64 + this is an error status
+UCS_THREAD_MODE_MULTI = 2
+UCP_DATATYPE_IOV = 2
+UCP_OP_ATTR_FIELD_CALLBACK = 1 << 1
+UCP_OP_ATTR_FIELD_USER_DATA = 1 << 2
+UCP_OP_ATTR_FIELD_DATATYPE = 1 << 3
+UCP_WORKER_ATTR_FIELD_THREAD_MODE = 1 << 0
+FULL_TAG_MASK = (1 << 64) - 1
+
+
+class UcpRequestParam(ctypes.Structure):
+    """``ucp_request_param_t`` (ucp.h, UCX 1.21); UCP reads the fields ``op_attr_mask`` names."""
+
+    _fields_ = [
+        ("op_attr_mask", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("request", ctypes.c_void_p),
+        ("cb", ctypes.c_void_p),
+        ("datatype", ctypes.c_uint64),
+        ("user_data", ctypes.c_void_p),
+        ("reply_buffer", ctypes.c_void_p),
+        ("memory_type", ctypes.c_int),
+        ("recv_info", ctypes.c_void_p),
+        ("memh", ctypes.c_void_p),
+    ]
+
+
+class UcpDtIov(ctypes.Structure):
+    """``ucp_dt_iov_t``: one piece."""
+
+    _fields_ = [("buffer", ctypes.c_void_p), ("length", ctypes.c_size_t)]
+
+
+class UcpWorkerAttr(ctypes.Structure):
+    """The head of ``ucp_worker_attr_t``; UCP reads and writes only the fields its mask names."""
+
+    _fields_ = [
+        ("field_mask", ctypes.c_uint64),
+        ("thread_mode", ctypes.c_int),
+        ("_rest", ctypes.c_uint8 * 256),
+    ]
+
+
+class UcpIovError(RuntimeError):
+    """A UCP call or message with an IOV datatype failed; the text names UCP's status."""
+
+
+def load_libucp() -> ctypes.CDLL:
+    import libucx
+
+    path = os.path.join(os.path.dirname(libucx.__file__), "lib", "libucp.so.0")
+    lib = ctypes.CDLL(path if os.path.exists(path) else "libucp.so.0")
+    lib.ucp_tag_send_nbx.restype = ctypes.c_void_p
+    lib.ucp_tag_send_nbx.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_uint64,
+        ctypes.POINTER(UcpRequestParam),
+    ]
+    lib.ucp_tag_recv_nbx.restype = ctypes.c_void_p
+    lib.ucp_tag_recv_nbx.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_uint64,
+        ctypes.c_uint64,
+        ctypes.POINTER(UcpRequestParam),
+    ]
+    lib.ucp_request_check_status.restype = UCS_STATUS
+    lib.ucp_request_check_status.argtypes = [ctypes.c_void_p]
+    lib.ucp_request_cancel.restype = None
+    lib.ucp_request_cancel.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    lib.ucp_request_free.restype = None
+    lib.ucp_request_free.argtypes = [ctypes.c_void_p]
+    lib.ucp_worker_query.restype = UCS_STATUS
+    lib.ucp_worker_query.argtypes = [ctypes.c_void_p, ctypes.POINTER(UcpWorkerAttr)]
+    lib.ucp_worker_signal.restype = UCS_STATUS
+    lib.ucp_worker_signal.argtypes = [ctypes.c_void_p]
+    lib.ucs_status_string.restype = ctypes.c_char_p
+    lib.ucs_status_string.argtypes = [UCS_STATUS]
+    return lib
+
+
+def iov_array(pieces: list[tuple[int, int]]) -> ctypes.Array:
+    arr = (UcpDtIov * len(pieces))()
+    for i, (address, length) in enumerate(pieces):
+        arr[i].buffer = address
+        arr[i].length = length
+    return arr
+
+
+class Callbacks:
+    """csrc/ucp_done.c, loaded: the two callbacks' addresses and its overflow flag."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib  # (keeps the library loaded while UCP may call it)
+        self.send = ctypes.cast(lib.duet_ucp_send_done, ctypes.c_void_p).value
+        self.recv = ctypes.cast(lib.duet_ucp_recv_done, ctypes.c_void_p).value
+        self.overflowed = ctypes.c_int.in_dll(lib, "duet_ucp_overflowed")
+
+
+@functools.lru_cache(maxsize=1)
+def completion_callbacks() -> Callbacks | None:
+    """csrc/ucp_done.c, built on first use; None, logged once, when it cannot be built here (no C
+    compiler; ``DUET_UCP_CALLBACKS=0`` asks for none): completions are then polled."""
+    if os.environ.get("DUET_UCP_CALLBACKS", "1") == "0":
+        return None
+    try:
+        from kernels.native_launch import build_library, compiler_problem
+
+        path = build_library(CALLBACKS_SOURCE, "duet_ucp_done", ".so", [], compiler_problem)
+        return Callbacks(ctypes.CDLL(str(path)))
+    except Exception as e:  # no compiler, a failed build: polling does the same, with more CPU
+        log.warning("UCP completion callbacks unavailable (%s); polling UCP requests instead", e)
+        return None

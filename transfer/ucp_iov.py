@@ -1,0 +1,249 @@
+"""Tag messages whose bytes are a list of (address, length) pieces: UCP's IOV datatype.
+
+ucxx sends and receives one contiguous buffer. Scattered KV pages then cost a gather copy into a
+staging buffer on P and a scatter copy on D; on a CPU host those copies compete with TCP's own for
+the same cores. UCP takes a list of pieces as one message (``ucp_dt_make_iov``) and packs and
+unpacks them in the copies it makes anyway, so here they go straight from pages to pages. ucxx
+exposes the UCP handles of its worker and endpoints for this; the calls (transfer/ucp_abi.py) go
+to the same ``libucp`` that ucxx loaded, on the same worker, which ucxx creates thread-safe
+(``UCS_THREAD_MODE_MULTI``, checked at start).
+
+Completions: UCP calls a C function of ours on ucxx's progress thread (csrc/ucp_done.c) that adds
+1 to an eventfd the loop watches; the loop then asks UCP which requests are done. (A Python
+callback there would take the GIL inside the worker's lock: a deadlock with any Python thread
+holding the GIL while it waits for that lock.) Without a C compiler the loop polls instead, every
+``POLL_S`` while requests are out. ucxx's progress thread may sleep in epoll when a request is
+posted from the loop thread; ``ucp_worker_signal`` wakes it. A cancelled wait cancels the UCP
+request, which stays ours (and its pieces UCP's) until UCP says it is done.
+
+Sends go only on an endpoint that has completed a contiguous rendezvous send: UCX 1.21 never
+completes an IOV send that is an endpoint's first rendezvous (PeerLink.piece_sends_ok). Receives
+have no such limit. Host memory only: on GPUs one staged message over NVLink already runs at the
+copy engines' rate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import time
+from collections.abc import Mapping
+
+import torch
+
+from transfer.plan import Chunk
+from transfer.ucp_abi import (
+    FULL_TAG_MASK,
+    UCP_DATATYPE_IOV,
+    UCP_OP_ATTR_FIELD_CALLBACK,
+    UCP_OP_ATTR_FIELD_DATATYPE,
+    UCP_OP_ATTR_FIELD_USER_DATA,
+    UCP_WORKER_ATTR_FIELD_THREAD_MODE,
+    UCS_ERR_LAST,
+    UCS_INPROGRESS,
+    UCS_OK,
+    UCS_THREAD_MODE_MULTI,
+    UcpIovError,
+    UcpRequestParam,
+    UcpWorkerAttr,
+    completion_callbacks,
+    iov_array,
+    load_libucp,
+)
+
+POLL_S = 100e-6  # without callbacks: how late a completion can be seen
+GIVE_UP_S = 30.0  # a cancelled request still out this much later is abandoned (see ``cancel``)
+
+
+def chunk_pieces(
+    chunk: Chunk, rows: Mapping[str, torch.Tensor], source: bool
+) -> list[tuple[int, int]]:
+    """(address, bytes) of ``chunk``'s pages on one side, in wire order, neighbours merged."""
+    out: list[tuple[int, int]] = []
+    bases = {name: r.data_ptr() for name, r in rows.items()}
+    for f in chunk.fragments:
+        pool, offset = (f.src_pool, f.src_offset) if source else (f.dst_pool, f.dst_offset)
+        address = bases[pool] + offset
+        if out and out[-1][0] + out[-1][1] == address:
+            out[-1] = (out[-1][0], out[-1][1] + f.nbytes)
+        else:
+            out.append((address, f.nbytes))
+    return out
+
+
+class IovOps:
+    """Tag sends and receives of piece lists on one UcxRuntime's worker, awaited on its loop.
+
+    Each call takes a ``pending`` set (a link's): the UCP request is in it while UCP works on it,
+    so that ``cancel`` can end a link's receives when the link fails (a receive is the worker's,
+    not the endpoint's: closing the endpoint would not end it)."""
+
+    def __init__(self, worker_handle: int) -> None:
+        self._lib = load_libucp()
+        self._worker = worker_handle
+        attr = UcpWorkerAttr(field_mask=UCP_WORKER_ATTR_FIELD_THREAD_MODE)
+        self._check(self._lib.ucp_worker_query(self._worker, ctypes.byref(attr)), "worker query")
+        if attr.thread_mode != UCS_THREAD_MODE_MULTI:
+            raise UcpIovError(f"UCX worker is not thread-safe (thread mode {attr.thread_mode})")
+        # request -> (its waiter, the IOV array UCP reads until done, the caller's pending set)
+        self._out: dict[int, tuple[asyncio.Future, ctypes.Array, set[int]]] = {}
+        self._given_up: dict[int, float] = {}  # cancelled request -> when to stop asking UCP
+        self._poller: asyncio.Task | None = None
+        self._watching = False
+        self._callbacks = completion_callbacks()
+        self.called_back = self._callbacks is not None
+        params = [UcpRequestParam(), UcpRequestParam()]
+        for p in params:
+            p.op_attr_mask, p.datatype = UCP_OP_ATTR_FIELD_DATATYPE, UCP_DATATYPE_IOV
+        self._pipe: tuple[int, int] | None = None
+        if self._callbacks is not None:
+            self._pipe = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)  # (read end, write end)
+            for p, cb in zip(params, (self._callbacks.send, self._callbacks.recv)):
+                p.op_attr_mask |= UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA
+                p.cb, p.user_data = cb, self._pipe[1]
+        self._params = tuple(params)
+
+    def _status_text(self, status: int) -> str:
+        return f"{self._lib.ucs_status_string(status).decode()} ({status})"
+
+    def _check(self, status: int, what: str) -> None:
+        if status != UCS_OK:
+            raise UcpIovError(f"UCP {what} failed: {self._status_text(status)}")
+
+    async def send(
+        self, ep_handle: int, pieces: list[tuple[int, int]], tag: int, pending: set[int]
+    ) -> None:
+        """Send ``pieces`` as one tagged message on UCP endpoint ``ep_handle`` (which must stay
+        open until this returns: closing it ends the send with an error)."""
+        arr = iov_array(pieces)
+        req = self._lib.ucp_tag_send_nbx(ep_handle, arr, len(pieces), tag, self._params[0])
+        await self._complete(req, arr, pieces, "send", pending)
+
+    async def recv(self, pieces: list[tuple[int, int]], tag: int, pending: set[int]) -> None:
+        """Receive the message tagged ``tag`` into ``pieces`` (a shorter message fills a prefix)."""
+        arr = iov_array(pieces)
+        req = self._lib.ucp_tag_recv_nbx(
+            self._worker, arr, len(pieces), tag, FULL_TAG_MASK, self._params[1]
+        )
+        await self._complete(req, arr, pieces, "receive", pending)
+
+    def cancel(self, pending: set[int]) -> None:
+        """Ask UCP to end every request in ``pending``. UCP ends a receive it has not matched yet;
+        one it did, and a send, end with their endpoint's close. One still out ``GIVE_UP_S``
+        later fails its waiter (its peer is gone: nothing will write its pieces any more) and is
+        kept, never freed, with its IOV array."""
+        for req in list(pending):
+            self._lib.ucp_request_cancel(self._worker, req)
+        self._give_up_later(list(pending))
+
+    def close(self) -> None:
+        """On the loop, before the worker stops: cancel what is out, give UCP back what that
+        ended, and stop watching. Requests UCP still holds keep their IOV arrays (never freed),
+        and the pipe stays open, since UCP may still call back into it."""
+        for req in list(self._out):
+            self._lib.ucp_request_cancel(self._worker, req)
+            self._given_up[req] = 0.0  # (``_finish`` abandons what is still out)
+        self._finish(list(self._out))
+        if self._watching and self._pipe is not None:
+            asyncio.get_running_loop().remove_reader(self._pipe[0])
+            self._watching = False
+        if self._poller is not None:
+            self._poller.cancel()
+
+    async def _complete(
+        self,
+        req: int | None,
+        arr: ctypes.Array,
+        pieces: list[tuple[int, int]],
+        what: str,
+        pending: set[int],
+    ) -> None:
+        what = f"IOV {what} of {sum(n for _, n in pieces)} bytes in {len(pieces)} pieces"
+        if req is None:  # done at once (NULL is UCS_OK)
+            return
+        if req >= (1 << 64) + UCS_ERR_LAST:  # an error status in place of a request
+            self._check(req - (1 << 64), what)
+        # ucxx's progress thread may sleep in epoll: wake it to progress what we posted.
+        self._lib.ucp_worker_signal(self._worker)
+        fut = asyncio.get_running_loop().create_future()
+        self._out[req] = (fut, arr, pending)
+        pending.add(req)
+        self._watch()
+        self._finish([req])  # (it may be done already, its callback run before we listened)
+        try:
+            status = await fut
+        except asyncio.CancelledError:  # UCP still owns the pieces: kept until UCP is done
+            self._lib.ucp_request_cancel(self._worker, req)
+            self._give_up_later([req])
+            raise
+        self._check(status, what)
+
+    def _give_up_later(self, reqs: list[int]) -> None:
+        """On the loop: ask UCP about ``reqs`` again GIVE_UP_S from now (nothing may report a
+        request UCP never ends), and abandon those still out then."""
+        deadline = time.monotonic() + GIVE_UP_S
+        for req in reqs:
+            self._given_up.setdefault(req, deadline)
+        asyncio.get_running_loop().call_later(GIVE_UP_S + 0.1, self._finish, reqs)
+
+    def _watch(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._pipe is not None:
+            if not self._watching:
+                loop.add_reader(self._pipe[0], self._on_reported)
+                self._watching = True
+        elif self._poller is None or self._poller.done():
+            self._poller = loop.create_task(self._poll())
+
+    def _on_reported(self) -> None:
+        """The callbacks wrote finished requests' addresses: ask UCP about those (about all of
+        them when the pipe was full)."""
+        assert self._pipe is not None and self._callbacks is not None
+        reported: list[int] = []
+        while True:
+            try:
+                data = os.read(self._pipe[0], 8 * 1024)
+            except BlockingIOError:
+                break
+            reported += [int.from_bytes(data[i : i + 8], "little") for i in range(0, len(data), 8)]
+            if len(data) < 8 * 1024:
+                break
+        if self._callbacks.overflowed.value:
+            self._callbacks.overflowed.value = 0  # (before the sweep: a later overflow is seen)
+            reported = list(self._out)
+        self._finish(reported)
+
+    async def _poll(self) -> None:
+        while self._out:
+            await asyncio.sleep(POLL_S)
+            self._finish(list(self._out))
+
+    def _finish(self, reqs: list[int]) -> None:
+        """Hand each of ``reqs`` that UCP has finished to its waiter, and give it back to UCP;
+        fail the waiters of cancelled ones that UCP did not end in time."""
+        lib, now = self._lib, time.monotonic()
+        for req in reqs:
+            entry = self._out.get(req)
+            if entry is None:  # a stale report: finished and freed already
+                continue
+            fut, arr, pending = entry
+            status = lib.ucp_request_check_status(req)
+            if status == UCS_INPROGRESS:
+                if now < self._given_up.get(req, float("inf")):
+                    continue
+                _KEPT.append(self._out.pop(req))  # UCP may still use it: never freed
+                status_text = "UCP did not end it within GIVE_UP_S of its cancel"
+                if not fut.done():
+                    fut.set_exception(UcpIovError(f"request abandoned: {status_text}"))
+            else:
+                del self._out[req]
+                lib.ucp_request_free(req)
+                if not fut.done():
+                    fut.set_result(status)
+            self._given_up.pop(req, None)
+            pending.discard(req)
+
+
+# IOV arrays (and requests) UCP may still read after their owner gave up: kept for the process.
+_KEPT: list[tuple[asyncio.Future, ctypes.Array, set[int]]] = []
