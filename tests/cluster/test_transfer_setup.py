@@ -45,7 +45,12 @@ def test_every_transfer_setting_reaches_the_transceiver() -> None:
     }
     assert got.max_stats_len == 9
     unset = {f.name for f in dataclasses.fields(TransceiverConfig)} - set(section)
-    assert unset == {"prestage", "zero_copy", "max_stats_len"}  # the transceiver's own defaults
+    assert unset == {
+        "prestage",
+        "zero_copy",
+        "host_iov",
+        "max_stats_len",
+    }  # the transceiver's own defaults
     lo = transceiver_config(config_from_dict({"transfer": {"interface": "lo"}}))
     assert lo.host == "127.0.0.1"
     every = transceiver_config(config_from_dict({"stats": {"max_stats_len": -1}}))
