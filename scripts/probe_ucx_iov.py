@@ -12,7 +12,6 @@ Usage: python scripts/probe_ucx_iov.py [--sizes-mib 16 64] [--repeats 10]
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
 import statistics
 import sys
@@ -22,12 +21,10 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
-
-from transfer.runtime import UcxRuntime  # noqa: E402
+from probe_pair import connect_back, start_pair  # noqa: E402
 
 MIB, PAGE = 1 << 20, 256 << 10
 REQ_TAG, DATA_TAG = 1 << 60, 1 << 50
-UCX_ENV = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"}
 
 
 def pages_of(pool: np.ndarray, order: np.ndarray, n: int) -> list[tuple[int, int]]:
@@ -36,9 +33,7 @@ def pages_of(pool: np.ndarray, order: np.ndarray, n: int) -> list[tuple[int, int
 
 
 def sender_main(conn: Any, max_bytes: int) -> None:
-    runtime = UcxRuntime.acquire(UCX_ENV)
-    conn.send(runtime.worker_address)
-    ep = runtime.run(runtime.create_endpoint(conn.recv()), timeout=30)
+    runtime, ep = connect_back(conn)
     iov = runtime.iov
     n_pool = max_bytes // PAGE
     pool = np.random.default_rng(0).integers(0, 255, max_bytes, dtype=np.uint8)
@@ -68,14 +63,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
     max_bytes = max(args.sizes_mib) * MIB
-    ctx = multiprocessing.get_context("spawn")
-    conn, child_conn = ctx.Pipe()
-    child = ctx.Process(target=sender_main, args=(child_conn, max_bytes), daemon=True)
-    child.start()
-    runtime = UcxRuntime.acquire(UCX_ENV)
-    peer = conn.recv()
-    conn.send(runtime.worker_address)
-    ep = runtime.run(runtime.create_endpoint(peer), timeout=30)
+    runtime, ep, conn, child = start_pair(sender_main, max_bytes)
     iov = runtime.iov
     dst = np.zeros(max_bytes, dtype=np.uint8)
     order = np.random.default_rng(2).permutation(max_bytes // PAGE)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import multiprocessing
 import os
 import statistics
 import sys
@@ -23,12 +22,10 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
-
-from transfer.runtime import UcxRuntime  # noqa: E402
+from probe_pair import connect_back, start_pair  # noqa: E402
 
 MIB = 1 << 20
 REQ_TAG, DATA_TAG = 1 << 60, 1 << 50
-UCX_ENV = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"}
 CUTS = [(2, 1), (2, 2), (4, 1), (4, 4), (8, 1), (8, 2), (8, 8)]  # (messages, in flight)
 
 
@@ -38,9 +35,7 @@ async def send_part(ep: Any, src: np.ndarray, part: int, i: int, slots: asyncio.
 
 
 def sender_main(conn: Any, max_bytes: int) -> None:
-    runtime = UcxRuntime.acquire(UCX_ENV)
-    conn.send(runtime.worker_address)
-    ep = runtime.run(runtime.create_endpoint(conn.recv()), timeout=30)
+    runtime, ep = connect_back(conn)
     src = np.random.default_rng(0).integers(0, 255, max_bytes, dtype=np.uint8)
 
     async def serve() -> None:
@@ -70,14 +65,7 @@ def main() -> None:
     args = parser.parse_args()
     cuts = [tuple(int(v) for v in c.split("x")) for c in args.cuts]
     max_bytes = max(args.sizes_mib) * MIB
-    ctx = multiprocessing.get_context("spawn")
-    conn, child_conn = ctx.Pipe()
-    child = ctx.Process(target=sender_main, args=(child_conn, max_bytes), daemon=True)
-    child.start()
-    runtime = UcxRuntime.acquire(UCX_ENV)
-    peer = conn.recv()
-    conn.send(runtime.worker_address)
-    ep = runtime.run(runtime.create_endpoint(peer), timeout=30)
+    runtime, ep, conn, child = start_pair(sender_main, max_bytes)
     dst = np.zeros(max_bytes, dtype=np.uint8)
 
     async def once(total: int, n: int, in_flight: int) -> None:

@@ -62,40 +62,28 @@ class UcpIovError(RuntimeError):
     """A UCP call or message with an IOV datatype failed; the text names UCP's status."""
 
 
+_P, _U64, _PARAM = ctypes.c_void_p, ctypes.c_uint64, ctypes.POINTER(UcpRequestParam)
+# name -> (result, arguments), as in ucp.h; ucs_status_t is one byte
+_SIGNATURES = {
+    "ucp_tag_send_nbx": (_P, [_P, _P, ctypes.c_size_t, _U64, _PARAM]),
+    "ucp_tag_recv_nbx": (_P, [_P, _P, ctypes.c_size_t, _U64, _U64, _PARAM]),
+    "ucp_request_check_status": (UCS_STATUS, [_P]),
+    "ucp_request_cancel": (None, [_P, _P]),
+    "ucp_request_free": (None, [_P]),
+    "ucp_worker_query": (UCS_STATUS, [_P, ctypes.POINTER(UcpWorkerAttr)]),
+    "ucp_worker_signal": (UCS_STATUS, [_P]),
+    "ucs_status_string": (ctypes.c_char_p, [UCS_STATUS]),
+}
+
+
 def load_libucp() -> ctypes.CDLL:
     import libucx
 
     path = os.path.join(os.path.dirname(libucx.__file__), "lib", "libucp.so.0")
     lib = ctypes.CDLL(path if os.path.exists(path) else "libucp.so.0")
-    lib.ucp_tag_send_nbx.restype = ctypes.c_void_p
-    lib.ucp_tag_send_nbx.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_size_t,
-        ctypes.c_uint64,
-        ctypes.POINTER(UcpRequestParam),
-    ]
-    lib.ucp_tag_recv_nbx.restype = ctypes.c_void_p
-    lib.ucp_tag_recv_nbx.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_size_t,
-        ctypes.c_uint64,
-        ctypes.c_uint64,
-        ctypes.POINTER(UcpRequestParam),
-    ]
-    lib.ucp_request_check_status.restype = UCS_STATUS
-    lib.ucp_request_check_status.argtypes = [ctypes.c_void_p]
-    lib.ucp_request_cancel.restype = None
-    lib.ucp_request_cancel.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-    lib.ucp_request_free.restype = None
-    lib.ucp_request_free.argtypes = [ctypes.c_void_p]
-    lib.ucp_worker_query.restype = UCS_STATUS
-    lib.ucp_worker_query.argtypes = [ctypes.c_void_p, ctypes.POINTER(UcpWorkerAttr)]
-    lib.ucp_worker_signal.restype = UCS_STATUS
-    lib.ucp_worker_signal.argtypes = [ctypes.c_void_p]
-    lib.ucs_status_string.restype = ctypes.c_char_p
-    lib.ucs_status_string.argtypes = [UCS_STATUS]
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
     return lib
 
 
