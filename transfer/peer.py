@@ -86,7 +86,11 @@ class PeerLink:
         # worker's, so the endpoint's close would not end it, as it ends ucxx's own requests).
         self._iov: IovOps | None = None
         self._iov_pending: set[int] = set()
-        self.sent_rendezvous = False  # (``piece_sends_ok``)
+        # Whether piece-list sends may go on this endpoint yet: UCX 1.21 never completes an IOV
+        # send that is the endpoint's first rendezvous (openucx/ucx#6872, the request replayed
+        # wrongly after wireup); once a contiguous rendezvous send has completed, they work. P
+        # stages its chunks until then (``send_data`` sets it).
+        self.piece_sends_ok = False
         self._rendezvous_bytes = rendezvous_bytes
         loop = asyncio.get_running_loop()
         # UCX calls this from its progress thread when the endpoint fails (peer died).
@@ -127,15 +131,7 @@ class PeerLink:
         await self.endpoint.send(_ucx_buffer(buf), tag=tag, force_tag=True)
         nbytes = buf.numel() * buf.element_size()
         if self._rendezvous_bytes is not None and nbytes >= self._rendezvous_bytes:
-            self.sent_rendezvous = True
-
-    @property
-    def piece_sends_ok(self) -> bool:
-        """Whether piece-list sends may go on this link's endpoint yet. UCX 1.21 never completes
-        an IOV send that is the endpoint's first rendezvous (openucx/ucx#6872: the request is
-        replayed wrongly after the endpoint's wireup); once a contiguous rendezvous send has
-        completed, IOV sends work. P stages its chunks until then."""
-        return self.sent_rendezvous
+            self.piece_sends_ok = True
 
     async def recv_data(self, buf: torch.Tensor, tag: int) -> None:
         await self.endpoint.recv(_ucx_buffer(buf), tag=tag, force_tag=True)
