@@ -34,6 +34,7 @@ def transceiver_config(config: ClusterConfig) -> TransceiverConfig:
         port=t.port,
         staging_tokens=t.staging_tokens,
         staging_buffers=t.staging_buffers,
+        piece_chunk_tokens=t.piece_chunk_tokens,
         progress_mode=t.progress_mode,
         direct_copy=t.direct_copy,
         lease_s=t.lease_s,

@@ -14,7 +14,8 @@ from staging buffers), or one run on one side only (``p-run``, ``d-run``). "dire
 reads P's pages itself (CUDA IPC on GPUs, shared memory on the CPU, checked against P's lease
 board: direct_read.py). Each figure is the median of --repeats runs after one warm-up; the variants
 and the raw exchange run interleaved, one of each per repetition, so a busy spell of a shared host
-hits them alike. The last run of each size is checked: D's pages are overwritten first, then
+hits them alike; each ratio is also taken repetition by repetition (``*_paired_vs_*``: the median of
+the per-repetition ratios, with quartiles in ``*_paired_q_*``). The last run of each size is checked: D's pages are overwritten first, then
 compared with P's by three sums per page, one plain and two weighted by byte position (so bytes
 moved within a page count too). A failed variant is reported as its ``_error``, left out of the
 ratios, and makes the script exit non-zero.
@@ -62,13 +63,14 @@ from transfer_bench_setup import (  # noqa: E402
     format_row,
     median_gbps,
     page_sums,
+    paired_ratios,
     pool_bytes,
     start_prefill,
     sums_of,
 )
 
 from kvcache.spec import PoolGroupSpec  # noqa: E402
-from transfer import KVReceiver  # noqa: E402
+from transfer import KVReceiver, TransceiverConfig  # noqa: E402
 from transfer.config import PROGRESS_MODES, resolve_progress_mode  # noqa: E402
 
 
@@ -191,6 +193,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for base in ("raw_ucxx", "peer_copy", "peer_copy_gap", "host_copy"):
                 if f"{base}_gbps" in row:
                     row[key.replace("_gbps", f"_vs_{base}")] = row[key] / row[f"{base}_gbps"]
+        for base in ("raw_ucxx", "peer_copy_gap"):
+            paired_ratios(row, times, base)
         for key in [k for k in row if k.startswith("direct_async_") and k.endswith("_gbps")]:
             blocking = key.replace("direct_async_", "direct_")  # an awaited pull, same run
             if blocking in row:
@@ -214,6 +218,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "device": args.device,
         "page_bytes": spec.page_bytes,
         "staging_tokens": args.staging_tokens,
+        "piece_chunk_tokens": args.piece_chunk_tokens or TransceiverConfig.piece_chunk_tokens,
         "staging_buffers": args.staging_buffers,
         "prestage": args.prestage,
         "prefill_stats": prefill_stats,
@@ -331,6 +336,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
         "--staging-tokens", type=int, help="a chunk: 4096 (64 MiB) on CPU, 16384 GPU"
+    )
+    parser.add_argument(
+        "--piece-chunk-tokens",
+        type=int,
+        help="CPU: a chunk where both sides list their pages; default the library's "
+        f"({TransceiverConfig.piece_chunk_tokens}, 256 MiB here)",
     )
     parser.add_argument("--progress-mode", choices=list(PROGRESS_MODES), default="auto")
     parser.add_argument("--proto-info", action="store_true", help="set UCX_PROTO_INFO=y")

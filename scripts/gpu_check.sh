@@ -18,6 +18,9 @@
 #   cpuiov    the CPU benchmark's UCX path (1-256 MiB) on this host's cores with 8 MiB chunks,
 #             scattered host pages as UCX piece lists (--host-iov) and staged (--no-host-iov)
 #             alternating, CPU_RUNS rounds (default 2), then piece lists with the default 64 MiB
+#   cpupaired the CPU benchmark's UCX path (1-256 MiB, scattered and contiguous pages, 15 repeats)
+#             on this host's cores, piece chunks of CPU_PIECES tokens (default: 16384, the
+#             library's, then 4096, one staging buffer) alternating, CPU_RUNS rounds (default 3)
 #   probe     scripts/probe_read_path.py: host cost of each launch step, device time of copy variants
 #   lean      scripts/probe_lean_pull.py and probe_cold_pull.py: a pull after P's answer next to its
 #             bare steps and a peer copy, and its timeline step by step
@@ -83,6 +86,16 @@ for step in ${STEPS:-tests transfer cluster bench}; do
       echo "--host-iov, 4096 tokens a chunk" | tee -a "$OUT/transfer_cpu_iov.log"
       python scripts/bench_transfer.py --device cpu --paths ucx --repeats 7 \
         --out "$OUT/transfer_cpu_host-iov_4096.json" 2>&1 | tee -a "$OUT/transfer_cpu_iov.log" | tail -9 ;;
+    cpupaired)
+      for run in $(seq "${CPU_RUNS:-3}"); do
+        for piece in ${CPU_PIECES:-16384 4096}; do
+          echo "run $run, --piece-chunk-tokens $piece, $(nproc) cores" | tee -a "$OUT/transfer_cpu_paired.log"
+          python scripts/bench_transfer.py --device cpu --paths ucx --layouts scattered contiguous \
+            --repeats 15 --piece-chunk-tokens "$piece" \
+            --out "$OUT/transfer_cpu_paired_${piece}_run$run.json" 2>&1 \
+            | tee -a "$OUT/transfer_cpu_paired.log" | tail -9
+        done
+      done ;;
     probe)
       python scripts/probe_read_path.py 2>&1 | tee "$OUT/probe_read_path.log" | tail -40 ;;
     lean)

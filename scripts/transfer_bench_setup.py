@@ -71,6 +71,8 @@ def config(args: argparse.Namespace, direct_copy: bool = True) -> TransceiverCon
         direct_copy=direct_copy,
         prestage=getattr(args, "prestage", True),
         host_iov=getattr(args, "host_iov", True),
+        piece_chunk_tokens=getattr(args, "piece_chunk_tokens", None)
+        or TransceiverConfig.piece_chunk_tokens,
         lease_s=120,
         pull_deadline_s=60,
         chunk_deadline_s=60,
@@ -175,6 +177,21 @@ def median_gbps(nbytes: int, seconds: list[float]) -> float:
     return nbytes / statistics.median(seconds) / 1e9
 
 
+def paired_ratios(row: dict[str, Any], times: dict[str, list[float]], base: str) -> None:
+    """Adds, for each variant timed in the same repetitions as ``base``, the median and quartiles
+    of base time / variant time taken repetition by repetition (``*_paired_vs_<base>``,
+    ``*_paired_q_<base>``). Pairs run back to back, so a busy spell of a shared host that slows
+    both cancels out, where the ratio of two medians can pair a quiet spell with a busy one."""
+    ref = times.get(base, [])
+    for key, ts in times.items():
+        if key == base or key.endswith("_hot") or len(ts) != len(ref) or len(ts) < 2:
+            continue
+        ratios = [b / t for b, t in zip(ref, ts, strict=True)]
+        q1, _, q3 = statistics.quantiles(ratios, n=4)
+        row[f"{key}_paired_vs_{base}"] = statistics.median(ratios)
+        row[f"{key}_paired_q_{base}"] = [q1, q3]
+
+
 def format_row(row: dict[str, Any]) -> str:
     parts = [f"{row['bytes'] / MIB:>6.0f} MiB"]
     for key, value in row.items():
@@ -184,6 +201,8 @@ def format_row(row: dict[str, Any]) -> str:
             parts.append(f"{key[:-5]} {value:7.2f} GB/s")
         elif "_vs_" in key:
             parts.append(f"{key} {value:5.2f}")
+        elif "_paired_q_" in key:
+            parts.append(f"{key} [{value[0]:.2f}, {value[1]:.2f}]")
         elif key.endswith("_error"):
             parts.append(f"{key}: {value}")
     return " | ".join(parts)

@@ -67,11 +67,11 @@ def admit(
         return error(
             "mismatch", f"skip_pages {req.skip_pages} exceeds the published pages of {rid!r}"
         )
-    if req.chunk_bytes != link.info.chunk_bytes:
-        return error(
-            "mismatch",
-            f"chunk size {req.chunk_bytes} differs from the agreed {link.info.chunk_bytes}",
-        )
+    # D asks for the piece chunk size when the link agreed one (both sides list host pages, and
+    # P primed its endpoint: it sends every chunk of such a pull as a piece list, never staged).
+    agreed = link.info.piece_chunk_bytes or link.info.chunk_bytes
+    if req.chunk_bytes != agreed:
+        return error("mismatch", f"chunk size {req.chunk_bytes} differs from the agreed {agreed}")
     try:
         src = {g: p[req.skip_pages :] for g, p in lease.page_ids.items()}
         plan = build_plan(page_table, link.info.page_table, src, req.dst_page_ids, req.chunk_bytes)

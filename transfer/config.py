@@ -42,6 +42,10 @@ class TransceiverConfig:
     """With ``zero_copy``, and pools in host memory: a chunk whose pages are not one run on this
     side also skips the staging copy, sent or received as one UCX message that lists its pages
     (UCP's IOV datatype, transfer/ucp_iov.py). GPU pools always stage such chunks."""
+    piece_chunk_tokens: int = 16384
+    """Tokens per chunk on a link where both sides list host pages (``host_iov``): no staging
+    buffer bounds those chunks, and on a few cores each UCX message costs wake-ups of several
+    threads on both sides, so they are larger than ``staging_tokens`` (never smaller)."""
     direct_copy: bool = True
     """P offers its pools (CUDA IPC on GPUs; on the CPU, the pools' shared-memory files) and its
     lease board in the handshake; a decode side that can open them (two GPUs of one host, two
@@ -90,6 +94,8 @@ class TransceiverConfig:
             raise ValueError(
                 f"staging_tokens and staging_buffers must be >= 1, got {self.staging_tokens}, {self.staging_buffers}"
             )
+        if self.piece_chunk_tokens < 1:
+            raise ValueError(f"piece_chunk_tokens must be >= 1, got {self.piece_chunk_tokens}")
         if self.progress_mode not in PROGRESS_MODES:
             raise ValueError(
                 f"progress_mode must be one of {PROGRESS_MODES}, got {self.progress_mode!r}"

@@ -22,6 +22,7 @@ from transfer.ipc import IpcExport, IpcUnavailable, host_identity, open_pools
 from transfer.lease_board import BoardUnavailable, LeaseBoardView
 from transfer.messages import Hello, HelloReply, Message, TransferTicket
 from transfer.peer import DirectAccess, PeerLink, PeerRefused, connect
+from transfer.primer import PrimerReceive
 from transfer.pull_checks import PullFailed
 
 if TYPE_CHECKING:
@@ -125,12 +126,19 @@ class PeerLinks:
         r = self.r
         direct = direct and r.config.direct_copy
         done = _new_done_board() if direct else None
+        # When we list host pages, the receive of P's primer goes out before the Hello names it.
+        primer = None
+        if r.piece_chunk_bytes and r.iov is not None and r.runtime.rendezvous_bytes is not None:
+            primer = PrimerReceive(r.iov, r.runtime.rendezvous_bytes)
         hello = Hello(
             r.instance_id,
             r.page_table,
             r.runtime.worker_address,
             r.chunk_bytes,
             done.path if done is not None else "",
+            r.piece_chunk_bytes if primer is not None else 0,
+            primer.tag if primer is not None else 0,
+            primer.nbytes if primer is not None else 0,
         )
         timeout = r.config.connect_deadline_s
         link: PeerLink | None = None
@@ -144,6 +152,7 @@ class PeerLinks:
                 r.book.counters,
                 self._open_direct if direct else None,
                 done,
+                primer,
             )
         except PeerRefused as e:
             raise PullFailed(str(e)) from None

@@ -6,7 +6,9 @@ missing or extra field, or a field of the wrong type raises TransferProtocolErro
 anything that is not msgpack at all; nothing else ever escapes it.
 
 Conversation (D = decode worker, which pulls; P = prefill worker, which serves):
-    D -> P  Hello            page table, UCX worker address, chunk size, D's done board
+    D -> P  Hello            page table, UCX worker address, chunk size, D's done board, and
+                             when D lists host pages its piece chunk size and primer (primer.py)
+    P -> D  primer           over UCX, when asked and P lists host pages: one contiguous message
     P -> D  HelloReply       the same from P, plus P's pool export and lease board (ipc.py,
                              lease_board.py) for a same-host peer and whether it opened D's done
                              board (done_board.py), or an error (compatibility hash)
@@ -86,6 +88,13 @@ class Hello:
     chunk_bytes: int
     # The path of D's done board for this link (done_board.py), or "" (D then sends ReadDone).
     done_board: str = ""
+    # D receives host pages as piece lists (ucp_iov.py): the chunk size it takes for pulls whose
+    # chunks both sides list, or 0. With it, the tag and size of the primer D has posted a receive
+    # for: one contiguous message P sends on its new endpoint so that piece lists work there from
+    # the start (primer.py).
+    piece_chunk_bytes: int = 0
+    primer_tag: int = 0
+    primer_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -99,6 +108,9 @@ class HelloReply:
     lease_board: str  # the path of P's lease board, or "" (with pool_export)
     # P mapped D's done board (Hello.done_board) and reads direct reads' ends from it.
     done_board_open: bool = False
+    # P sent D's primer and lists its host pages from the first chunk on: the chunk size it takes
+    # for pulls whose chunks both sides list (the link uses the smaller of the two), or 0.
+    piece_chunk_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from transfer.lease_board import LeaseBoardView
 from transfer.mapper import MapperError, match_pools
 from transfer.messages import Hello, HelloReply, Message
 from transfer.page_table import PageTable
+from transfer.primer import PrimerReceive, send_primer, wants_primer
 from transfer.runtime import UcxRuntime
 from transfer.stats import TransferCounters
 from transfer.ucp_iov import IovOps
@@ -40,6 +41,9 @@ class PeerInfo:
     instance_id: str
     page_table: PageTable
     chunk_bytes: int  # agreed: the smaller staging buffer of the two sides
+    # Agreed for pulls whose chunks both sides list (primer.py): the smaller of the two sides'
+    # piece chunk sizes, or 0 when one side does not list host pages or P sent no primer.
+    piece_chunk_bytes: int = 0
 
 
 @dataclass
@@ -200,11 +204,33 @@ async def connect(
     counters: TransferCounters,
     open_direct: OpenDirect | None = None,
     done: DoneBoard | None = None,
+    primer: PrimerReceive | None = None,
 ) -> PeerLink:
     """D side: open the control connection, exchange Hello/HelloReply, connect UCX, and with
     ``open_direct`` try P's pools for direct reads; ``done`` is the done board ``hello`` names,
-    kept in the link's access when P opened it. Raises PeerRefused, or ConnectionError/
+    kept in the link's access when P opened it; ``primer`` the receive of the primer ``hello``
+    names (primer.py), cancelled unless P sent it. Raises PeerRefused, or ConnectionError/
     TimeoutError when P cannot be reached within ``timeout`` (the whole handshake)."""
+    try:
+        return await _connect(
+            runtime, host, port, hello, timeout, counters, open_direct, done, primer
+        )
+    finally:
+        if primer is not None:
+            primer.cancel()  # (nothing once it arrived)
+
+
+async def _connect(
+    runtime: UcxRuntime,
+    host: str,
+    port: int,
+    hello: Hello,
+    timeout: float,
+    counters: TransferCounters,
+    open_direct: OpenDirect | None,
+    done: DoneBoard | None,
+    primer: PrimerReceive | None,
+) -> PeerLink:
     async with asyncio.timeout(timeout):  # the whole handshake
         name = f"link to {host}:{port}"
         reader, writer = await asyncio.open_connection(host, port)
@@ -238,6 +264,10 @@ async def connect(
                     direct = await open_direct(reply)
                 if direct is not None and reply.done_board_open:
                     direct.done = done
+                piece = 0
+                if primer is not None and reply.piece_chunk_bytes > 0:
+                    await primer.arrived()  # (P waited for it to complete: here already)
+                    piece = min(hello.piece_chunk_bytes, reply.piece_chunk_bytes)
             except BaseException:
                 endpoint.abort()
                 raise
@@ -245,7 +275,7 @@ async def connect(
             channel.close("handshake failed")
             raise
         info = PeerInfo(
-            reply.instance_id, reply.page_table, min(hello.chunk_bytes, reply.chunk_bytes)
+            reply.instance_id, reply.page_table, min(hello.chunk_bytes, reply.chunk_bytes), piece
         )
         path = direct.data_path if direct is not None else "ucx"
         link = PeerLink(
@@ -268,8 +298,9 @@ async def accept(
     counters: TransferCounters,
 ) -> PeerLink | None:
     """P side: answer one incoming Hello with ``own``, mapping the peer's done board when it
-    names one and ``own`` offers direct reads (``link.done``). Returns None (after telling the
-    peer why) when the peer is refused or the handshake fails."""
+    names one and ``own`` offers direct reads (``link.done``), and sending the primer it asks
+    for when ``own.piece_chunk_bytes`` says we list host pages (primer.py). Returns None (after
+    telling the peer why) when the peer is refused or the handshake fails."""
     peername = writer.get_extra_info("peername")
     channel = ControlChannel(reader, writer, f"link from {peername}", counters)
     try:
@@ -284,9 +315,17 @@ async def accept(
             await channel.send(_refusal(own, problem), timeout)
             raise PeerRefused(problem)
         endpoint = await asyncio.wait_for(runtime.create_endpoint(hello.ucx_address), timeout)
+        primed = wants_primer(hello, own.piece_chunk_bytes, runtime.rendezvous_bytes)
+        if primed:
+            primed = await send_primer(endpoint, hello.primer_bytes, hello.primer_tag, timeout)
         done = _open_done(hello.done_board, channel.name) if own.pool_export else None
         try:
-            await channel.send(dataclasses.replace(own, done_board_open=done is not None), timeout)
+            reply = dataclasses.replace(
+                own,
+                done_board_open=done is not None,
+                piece_chunk_bytes=own.piece_chunk_bytes if primed else 0,
+            )
+            await channel.send(reply, timeout)
         except BaseException:
             if done is not None:
                 done.close()
@@ -296,7 +335,12 @@ async def accept(
         log.warning("%s: handshake refused or failed: %r", channel.name, e)
         channel.close(f"handshake failed: {e!r}")
         return None
-    info = PeerInfo(hello.instance_id, hello.page_table, min(hello.chunk_bytes, own.chunk_bytes))
+    info = PeerInfo(
+        hello.instance_id,
+        hello.page_table,
+        min(hello.chunk_bytes, own.chunk_bytes),
+        min(hello.piece_chunk_bytes, own.piece_chunk_bytes) if primed else 0,
+    )
     link = PeerLink(
         channel,
         endpoint,
@@ -304,6 +348,7 @@ async def accept(
         f"link from {peername} (instance {hello.instance_id})",
         runtime.rendezvous_bytes,
     )
+    link.piece_sends_ok = primed  # (the primer was this endpoint's first rendezvous)
     link.done = done
     return link
 
@@ -339,4 +384,6 @@ def _open_done(path: str, name: str) -> DoneBoardView | None:
 
 
 def _refusal(own: HelloReply, problem: str) -> HelloReply:
-    return dataclasses.replace(own, error=problem, pool_export=b"", lease_board="")
+    return dataclasses.replace(
+        own, error=problem, pool_export=b"", lease_board="", piece_chunk_bytes=0
+    )

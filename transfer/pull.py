@@ -132,7 +132,8 @@ class PullSession:
                     self.r.page_table,
                     src,
                     self.dst,
-                    self.link.info.chunk_bytes,
+                    # (a piece chunk size is agreed only when both sides list host pages)
+                    self.link.info.piece_chunk_bytes or self.link.info.chunk_bytes,
                 )
             except (MapperError, ValueError) as e:
                 raise PullFailed(f"cannot map the pages: {e}") from None
@@ -182,7 +183,7 @@ class PullSession:
             self.ticket.page_ids,
             self.dst,
             self.skip,
-            self.link.info.chunk_bytes,
+            self.plan.chunk_bytes,
             self.plan.num_chunks,
             self.plan.total_bytes,
             ready,

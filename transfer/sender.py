@@ -273,6 +273,7 @@ class KVSender(TransceiverSide):
             "",
             self._export.to_wire() if self._export is not None else b"",
             self.board.path if self.board is not None else "",
+            piece_chunk_bytes=self.piece_chunk_bytes,
         )
         link = await accept(
             self.runtime, reader, writer, own, self.config.connect_deadline_s, self.book.counters

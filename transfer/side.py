@@ -12,7 +12,7 @@ import torch
 from kvcache.spec import PoolGroupSpec
 from transfer.config import TransceiverConfig, resolve_progress_mode
 from transfer.page_table import PageTable
-from transfer.plan import Chunk, chunk_bytes_for
+from transfer.plan import DIRECT_MAX_BYTES, Chunk, chunk_bytes_for
 from transfer.runtime import UcxRuntime, cuda_index
 from transfer.staging import StagingBuffers, pool_rows
 from transfer.stats import StatsBook, TransferStats
@@ -50,6 +50,13 @@ class TransceiverSide:
         self.iov: IovOps | None = None
         if not self.rows_on_gpu and config.zero_copy and config.host_iov:
             self.iov = self.runtime.iov
+        # The chunk size this side takes on links where both sides list host pages (Hello and
+        # HelloReply ``piece_chunk_bytes``), or 0. Listing from a link's first chunk needs the
+        # primer (primer.py), whose size is UCX's rendezvous threshold: unknown, no piece chunks.
+        self.piece_chunk_bytes = 0
+        if self.iov is not None and self.runtime.rendezvous_bytes is not None:
+            tokens = max(config.piece_chunk_tokens, config.staging_tokens)  # (never smaller)
+            self.piece_chunk_bytes = min(DIRECT_MAX_BYTES, chunk_bytes_for(self.page_table, tokens))
 
     def moves_straight(self, chunk: Chunk, source: bool) -> bool:
         """Whether this side moves ``chunk`` without its staging copy: its pages of it are one

@@ -67,6 +67,16 @@ class TransferConfig(Section):
             "made on the first staged UCX pull, outside the KV budget)."
         ),
     )
+    piece_chunk_tokens: int = Field(
+        16384,
+        gt=0,
+        description=(
+            "Tokens per chunk where both workers keep KV in host memory and send scattered pages "
+            "as UCX messages that list them (no staging copy, so no staging buffer bounds the "
+            "chunk; a multiple of kvcache.page_size, never below staging_tokens). Fewer, larger "
+            "messages cost fewer thread wake-ups per request on a host with few cores."
+        ),
+    )
     direct_copy: bool = Field(
         True,
         description=(

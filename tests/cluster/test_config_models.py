@@ -196,9 +196,12 @@ def test_one_request_must_fit_the_kv_cache() -> None:
     assert config_from_dict({"model": {"max_model_len": 100}, "kvcache": {"num_pages": 8}})
 
 
-def test_staging_buffer_holds_whole_pages() -> None:
+def test_chunks_hold_whole_pages() -> None:
     assert issues_of({"kvcache": {"page_size": 32}, "transfer": {"staging_tokens": 1000}}) == [
         "transfer.staging_tokens: must be a multiple of kvcache.page_size (32), got 1000"
+    ]
+    assert issues_of({"kvcache": {"page_size": 32}, "transfer": {"piece_chunk_tokens": 1000}}) == [
+        "transfer.piece_chunk_tokens: must be a multiple of kvcache.page_size (32), got 1000"
     ]
 
 

@@ -19,6 +19,7 @@ def test_every_transfer_setting_reaches_the_transceiver() -> None:
     section = {
         "staging_tokens": 64,
         "staging_buffers": 2,
+        "piece_chunk_tokens": 256,
         "direct_copy": False,
         "lease_s": 40.0,
         "connect_deadline_s": 3.0,

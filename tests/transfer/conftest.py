@@ -46,9 +46,12 @@ def specs(
 
 
 def config(**overrides: object) -> TransceiverConfig:
-    """Short deadlines so failure tests end quickly; staging of 8 tokens (2 pages) by default."""
+    """Short deadlines so failure tests end quickly; chunks of 8 tokens (2 pages) by default, also
+    where both sides list host pages (``piece_chunk_tokens``: many chunks in flight; the larger
+    piece chunks have tests of their own in test_host_iov.py)."""
     base: dict[str, object] = dict(
         staging_tokens=8,
+        piece_chunk_tokens=8,
         staging_buffers=2,
         lease_s=10.0,
         connect_deadline_s=5.0,

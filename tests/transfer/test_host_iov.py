@@ -1,7 +1,10 @@
 """Scattered host pages as one UCX message listing them (transfer/ucp_iov.py, ``host_iov``):
-no staging copy on either side once the link's endpoint has sent a rendezvous, byte-exact."""
+no staging copy on a side that lists its pages (P from the link's first chunk when the handshake
+primed its endpoint, transfer/primer.py), piece chunks where both sides list, byte-exact."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -11,7 +14,9 @@ from tests.transfer.test_runtime import in_fresh_process
 from tests.transfer.test_transfer_local import wait_until
 from transfer import KVReceiver, KVSender
 from transfer.mapper import Fragment
+from transfer.messages import Hello
 from transfer.plan import Chunk
+from transfer.primer import MAX_PRIMER_BYTES, wants_primer
 from transfer.runtime import RENDEZVOUS_PROOF_BYTES, rendezvous_bytes
 from transfer.ucp_abi import completion_callbacks
 from transfer.ucp_iov import chunk_pieces
@@ -44,10 +49,8 @@ def test_rendezvous_size_follows_the_ucx_setting() -> None:
     assert rendezvous_bytes({"UCX_RNDV_THRESH": "inf"}, {}) is None  # unreadable: never proven
 
 
-def test_scattered_host_pages_move_without_staging_copies(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Both sides' pages scattered. D lists its pages for every chunk; P stages only until its
-    endpoint has completed a rendezvous send (UCX cannot start with an IOV one), then lists
-    them too; a second pull on the link copies nothing. The bytes arrive exact each time."""
+def count_copies(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the staging copies and piece-list messages of both sides, as they happen."""
     import transfer.peer
     import transfer.pull
     import transfer.serve
@@ -70,37 +73,140 @@ def test_scattered_host_pages_move_without_staging_copies(monkeypatch: pytest.Mo
     for name in ("send_pieces", "recv_pieces"):
         real = getattr(transfer.peer.PeerLink, name)
         monkeypatch.setattr(transfer.peer.PeerLink, name, counted(real, name))
+    return calls
+
+
+def scattered_sides(p_cfg, d_cfg) -> tuple[KVSide, KVSide, KVSender, KVReceiver]:
     p, d = KVSide(specs(**BIG_PAGES), seed=3), KVSide(specs(**BIG_PAGES), seed=4)
     p.scramble_free_queue()
     d.scramble_free_queue()
+    sender = KVSender(p.kv.buffers, p.specs, MODEL, p_cfg, p.release)
+    receiver = KVReceiver(d.kv.buffers, d.specs, MODEL, d_cfg)
+    return p, d, sender, receiver
+
+
+def pull_exact(p, d, sender, receiver, rid: str, tokens: int = 1024):
+    src, dst = p.allocate(rid, tokens), d.allocate(rid, tokens)
+    result = receiver.pull_blocking(sender.publish(rid, src, tokens), dst, 0, tokens)
+    assert result.ok, result.error
+    assert torch.equal(d.pages_of(dst)["full"], p.pages_of(src)["full"])
+    wait_until(lambda: rid in p.released)
+    d.free(rid)
+    return result
+
+
+def only_link(sender: KVSender, receiver: KVReceiver):
+    (d_link,) = receiver.links.open.values()
+    (p_link,) = sender._links
+    return p_link, d_link
+
+
+def test_scattered_host_pages_move_without_staging_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both sides' pages scattered, and both list them: the handshake's primer lets P list its
+    pages from the link's first chunk (UCX cannot start an endpoint with an IOV send), so no
+    chunk is staged on either side, from the first pull on. The bytes arrive exact."""
+    calls = count_copies(monkeypatch)
     cfg = config(staging_tokens=64, staging_buffers=2, prestage=False)  # 4 pages: 384 KiB a chunk
-    sender = KVSender(p.kv.buffers, p.specs, MODEL, cfg, p.release)
-    receiver = KVReceiver(d.kv.buffers, d.specs, MODEL, cfg)
+    p, d, sender, receiver = scattered_sides(cfg, cfg)
     # (completions come by the C callbacks wherever they can be built)
     assert receiver.iov is not None
     assert receiver.iov.called_back == (completion_callbacks() is not None)
     try:
         for rid in ("first", "second"):
             calls.clear()
-            src, dst = p.allocate(rid, 1024), d.allocate(rid, 1024)
-            result = receiver.pull_blocking(sender.publish(rid, src, 1024), dst, 0, 1024)
-            assert result.ok, result.error
-            assert result.stats.chunks == 16
-            assert torch.equal(d.pages_of(dst)["full"], p.pages_of(src)["full"])
-            assert calls.count("scatter") == 0 and calls.count("recv_pieces") == 16
-            gathers = calls.count("gather")
-            assert gathers + calls.count("send_pieces") == 16
-            if rid == "first":  # staged until the first staged send completed
-                assert 1 <= gathers < 16, calls
-            else:
-                assert gathers == 0, calls
-            wait_until(lambda rid=rid: rid in p.released)
-            d.free(rid)
+            result = pull_exact(p, d, sender, receiver, rid)
+            assert result.stats.chunks == 16  # (piece chunks no larger than staging here)
+            assert calls.count("send_pieces") == calls.count("recv_pieces") == 16, calls
+            assert "gather" not in calls and "scatter" not in calls, calls
+        p_link, d_link = only_link(sender, receiver)
+        assert p_link.info.piece_chunk_bytes == d_link.info.piece_chunk_bytes == sender.chunk_bytes
     finally:
         receiver.close()
         sender.close()
     p.assert_clean()
     d.assert_clean()
+
+
+def test_where_both_sides_list_pages_chunks_are_piece_chunks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``piece_chunk_tokens`` beyond ``staging_tokens``: each side offers its piece chunk size,
+    the link takes the smaller, and a pull larger than a staging buffer goes in that many
+    chunks, none of them staged. The pull request names that size, which P checks."""
+    calls = count_copies(monkeypatch)
+    p_cfg = config(staging_tokens=64, piece_chunk_tokens=512, prestage=False)
+    d_cfg = config(staging_tokens=64, piece_chunk_tokens=256, prestage=False)
+    p, d, sender, receiver = scattered_sides(p_cfg, d_cfg)
+    assert sender.piece_chunk_bytes == 8 * sender.chunk_bytes
+    assert receiver.piece_chunk_bytes == 4 * receiver.chunk_bytes
+    try:
+        result = pull_exact(p, d, sender, receiver, "big")
+        assert result.stats.chunks == 4  # 1024 tokens in chunks of 256
+        assert calls.count("send_pieces") == calls.count("recv_pieces") == 4, calls
+        assert "gather" not in calls and "scatter" not in calls, calls
+        p_link, d_link = only_link(sender, receiver)
+        assert p_link.piece_sends_ok
+        assert p_link.info.piece_chunk_bytes == d_link.info.piece_chunk_bytes
+        assert d_link.info.piece_chunk_bytes == receiver.piece_chunk_bytes
+        assert receiver.iov is not None and not receiver.iov._out  # the primer's receive ended
+    finally:
+        receiver.close()
+        sender.close()
+    p.assert_clean()
+    d.assert_clean()
+
+
+@pytest.mark.parametrize("lister", ["only P", "only D"])
+def test_where_one_side_stages_chunks_fit_its_staging(
+    monkeypatch: pytest.MonkeyPatch, lister: str
+) -> None:
+    """One side does not list host pages: no piece chunks on the link (the other side's staging
+    buffers bound its chunks). With D staging, P sends no primer, so P stages until its endpoint
+    has completed a rendezvous send of its own, then lists its pages; with P staging, D's primer
+    receive is cancelled and nothing of it stays out."""
+    calls = count_copies(monkeypatch)
+    lists = config(staging_tokens=64, piece_chunk_tokens=512, prestage=False)
+    stages = config(staging_tokens=64, host_iov=False, prestage=False)
+    p_cfg, d_cfg = (lists, stages) if lister == "only P" else (stages, lists)
+    p, d, sender, receiver = scattered_sides(p_cfg, d_cfg)
+    try:
+        for rid in ("first", "second"):
+            calls.clear()
+            result = pull_exact(p, d, sender, receiver, rid)
+            assert result.stats.chunks == 16
+            if lister == "only P":
+                assert calls.count("scatter") == 16 and "recv_pieces" not in calls, calls
+                gathers = calls.count("gather")
+                assert gathers + calls.count("send_pieces") == 16
+                if rid == "first":  # staged until the first staged send completed
+                    assert 1 <= gathers < 16, calls
+                else:
+                    assert gathers == 0, calls
+            else:
+                assert calls.count("gather") == 16 and "send_pieces" not in calls, calls
+                assert calls.count("recv_pieces") == 16 and "scatter" not in calls, calls
+        p_link, d_link = only_link(sender, receiver)
+        assert p_link.info.piece_chunk_bytes == d_link.info.piece_chunk_bytes == 0
+        if lister == "only D":
+            assert receiver.iov is not None
+            wait_until(lambda: not receiver.iov._out)  # the primer's receive was cancelled
+    finally:
+        receiver.close()
+        sender.close()
+    p.assert_clean()
+    d.assert_clean()
+
+
+def test_p_sends_the_primer_only_when_it_can_use_it() -> None:
+    hello = Hello("d", None, b"", 1, "", 1 << 20, 7, 256 << 10)  # type: ignore[arg-type]
+    assert wants_primer(hello, 1 << 20, 256 << 10)
+    assert not wants_primer(hello, 0, 256 << 10)  # P does not list host pages
+    assert not wants_primer(hello, 1 << 20, None)  # P's rendezvous threshold is unknown
+    assert not wants_primer(hello, 1 << 20, (256 << 10) + 1)  # no rendezvous for P: useless
+    no_pieces = dataclasses.replace(hello, piece_chunk_bytes=0)
+    assert not wants_primer(no_pieces, 1 << 20, 256 << 10)
+    huge = dataclasses.replace(hello, primer_bytes=MAX_PRIMER_BYTES + 1)
+    assert not wants_primer(huge, 1 << 20, 256 << 10)  # a hostile Hello allocates nothing
 
 
 def test_host_iov_off_stages_scattered_pages() -> None:

@@ -32,8 +32,10 @@ TABLE = PageTable.from_specs(MODEL, specs(two_groups=True))
 SAMPLES = [
     Hello("inst", TABLE, b"\x00ucx-address", 4096),
     Hello("inst", TABLE, b"\x00ucx-address", 4096, "/dev/shm/duet-done-1-ab"),
+    Hello("inst", TABLE, b"\x00ucx-address", 4096, "", 1 << 28, (1 << 63) - 1, 256 << 10),
     HelloReply("inst", TABLE, b"addr", 1024, "compatibility hash mismatch", b"", ""),
     HelloReply("inst", TABLE, b"addr", 1024, "", b"\x93export", "/dev/shm/duet-leases-1-ab", True),
+    HelloReply("inst", TABLE, b"addr", 1024, "", b"", "", False, 1 << 28),
     PullRequest(
         "req",
         2**63 - 1,
@@ -131,6 +133,9 @@ def test_bad_page_table_in_hello_is_rejected() -> None:
         "ucx_address": b"a",
         "chunk_bytes": 1,
         "done_board": "",
+        "piece_chunk_bytes": 0,
+        "primer_tag": 0,
+        "primer_bytes": 0,
     }
     with pytest.raises(
         TransferProtocolError, match="Hello.page_table: page table pool field 'page_bytes'"
