@@ -45,7 +45,8 @@ class TransceiverConfig:
     piece_chunk_tokens: int = 16384
     """Tokens per chunk on a link where both sides list host pages (``host_iov``): no staging
     buffer bounds those chunks, and on a few cores each UCX message costs wake-ups of several
-    threads on both sides, so they are larger than ``staging_tokens`` (never smaller)."""
+    threads on both sides, so they are larger than ``staging_tokens`` (at least that many tokens,
+    and at most 1 GiB: transfer.plan.DIRECT_MAX_BYTES)."""
     direct_copy: bool = True
     """P offers its pools (CUDA IPC on GPUs; on the CPU, the pools' shared-memory files) and its
     lease board in the handshake; a decode side that can open them (two GPUs of one host, two

@@ -168,6 +168,8 @@ class PeerLinks:
             ):
                 done.close()  # the handshake failed, or P reads no board of ours
                 done = None
+            if primer is not None:
+                primer.cancel()  # P did not send it, or the handshake failed (else: nothing)
         if done is not None:
             link.add_close_listener(lambda _reason: done.close())  # a later post does nothing
         return link

@@ -209,28 +209,9 @@ async def connect(
     """D side: open the control connection, exchange Hello/HelloReply, connect UCX, and with
     ``open_direct`` try P's pools for direct reads; ``done`` is the done board ``hello`` names,
     kept in the link's access when P opened it; ``primer`` the receive of the primer ``hello``
-    names (primer.py), cancelled unless P sent it. Raises PeerRefused, or ConnectionError/
-    TimeoutError when P cannot be reached within ``timeout`` (the whole handshake)."""
-    try:
-        return await _connect(
-            runtime, host, port, hello, timeout, counters, open_direct, done, primer
-        )
-    finally:
-        if primer is not None:
-            primer.cancel()  # (nothing once it arrived)
-
-
-async def _connect(
-    runtime: UcxRuntime,
-    host: str,
-    port: int,
-    hello: Hello,
-    timeout: float,
-    counters: TransferCounters,
-    open_direct: OpenDirect | None,
-    done: DoneBoard | None,
-    primer: PrimerReceive | None,
-) -> PeerLink:
+    names (primer.py), awaited when P says it sent it (the caller cancels it otherwise). Raises
+    PeerRefused, or ConnectionError/TimeoutError when P cannot be reached within ``timeout``
+    (the whole handshake)."""
     async with asyncio.timeout(timeout):  # the whole handshake
         name = f"link to {host}:{port}"
         reader, writer = await asyncio.open_connection(host, port)
@@ -315,11 +296,14 @@ async def accept(
             await channel.send(_refusal(own, problem), timeout)
             raise PeerRefused(problem)
         endpoint = await asyncio.wait_for(runtime.create_endpoint(hello.ucx_address), timeout)
-        primed = wants_primer(hello, own.piece_chunk_bytes, runtime.rendezvous_bytes)
-        if primed:
-            primed = await send_primer(endpoint, hello.primer_bytes, hello.primer_tag, timeout)
-        done = _open_done(hello.done_board, channel.name) if own.pool_export else None
+        done = None
         try:
+            primed = wants_primer(hello, own.piece_chunk_bytes, runtime.rendezvous_bytes)
+            if primed:  # (a quarter of the deadline: D's began earlier and covers the reply too)
+                primed = await send_primer(
+                    endpoint, hello.primer_bytes, hello.primer_tag, timeout / 4
+                )
+            done = _open_done(hello.done_board, channel.name) if own.pool_export else None
             reply = dataclasses.replace(
                 own,
                 done_board_open=done is not None,

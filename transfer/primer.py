@@ -12,8 +12,8 @@ sides (docs/benchmarks/transfer.md, seventeenth pass).
 The handshake: D posts the receive, then names its tag and size in Hello; P, when it lists host
 pages too and the size is a rendezvous for it, sends the primer and waits for it to complete before
 its HelloReply says so; D cancels the receive when the reply says P did not send it. Its bytes mean
-nothing: every primer of a process uses one scratch buffer of its size, never freed (UCP may still
-write a receive's after its waiter gave up).
+nothing: every primer of a process sends from or receives into the same scratch memory, never freed
+(UCP may still use it after its waiter gave up).
 """
 
 from __future__ import annotations
@@ -29,18 +29,21 @@ from transfer.ucp_iov import IovOps
 
 log = logging.getLogger(__name__)
 
-# The largest primer P sends when D asks: a hostile or broken Hello must not make P allocate much.
-MAX_PRIMER_BYTES = 64 << 20
+# The largest primer P sends when D asks (D asks for its UCX rendezvous threshold: 256 KiB unless
+# the user raised it): a hostile or broken Hello must not make P allocate much.
+MAX_PRIMER_BYTES = 16 << 20
 
+# Scratch buffers by size, powers of two, never freed: at most about 2 x MAX_PRIMER_BYTES in all.
 _SCRATCH: dict[int, np.ndarray] = {}
 
 
 def scratch(nbytes: int) -> np.ndarray:
-    """The process's primer buffer of ``nbytes`` bytes (made once, kept for the process)."""
-    buf = _SCRATCH.get(nbytes)
+    """``nbytes`` bytes of the process's primer scratch memory (kept for the process)."""
+    size = 1 << max(0, nbytes - 1).bit_length()
+    buf = _SCRATCH.get(size)
     if buf is None:
-        buf = _SCRATCH[nbytes] = np.zeros(nbytes, dtype=np.uint8)
-    return buf
+        buf = _SCRATCH[size] = np.zeros(size, dtype=np.uint8)
+    return buf[:nbytes]
 
 
 class PrimerReceive:
@@ -49,12 +52,8 @@ class PrimerReceive:
     def __init__(self, iov: IovOps, nbytes: int) -> None:
         self.tag = secrets.randbits(63)  # (a Hello field: a non-negative int64)
         self.nbytes = nbytes
-        self._iov = iov
-        self._pending: set[int] = set()
         buf = scratch(nbytes)
-        self._task = asyncio.ensure_future(
-            iov.recv([(buf.ctypes.data, nbytes)], self.tag, self._pending)
-        )
+        self._task = asyncio.ensure_future(iov.recv([(buf.ctypes.data, nbytes)], self.tag, set()))
         # (a cancelled primer ends with an error nobody awaits)
         self._task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
@@ -63,9 +62,9 @@ class PrimerReceive:
         await asyncio.shield(self._task)
 
     def cancel(self) -> None:
-        """Ask UCP to end the receive (P did not send the primer, or the handshake failed)."""
-        if not self._task.done():
-            self._iov.cancel(self._pending)
+        """End the receive (P did not send the primer, or the handshake failed): a receive not
+        posted yet never is; a posted one is cancelled in UCP (ucp_iov.IovOps)."""
+        self._task.cancel()
 
 
 def wants_primer(hello: Any, own_piece_chunk_bytes: int, rendezvous_bytes: int | None) -> bool:
@@ -82,8 +81,9 @@ def wants_primer(hello: Any, own_piece_chunk_bytes: int, rendezvous_bytes: int |
 
 async def send_primer(endpoint: Any, nbytes: int, tag: int, timeout: float) -> bool:
     """P side: send the primer on ``endpoint`` (a ucxx endpoint) and wait until it completed;
-    False when it failed or did not complete within ``timeout`` (the link then stages its first
-    chunks, as without a primer)."""
+    False when it failed or did not complete within ``timeout``, a part of the handshake's
+    deadline: the link then stages its first chunks, as without a primer. (A send that timed
+    out stays on the endpoint until the link closes: it reads scratch memory only.)"""
     try:
         await asyncio.wait_for(endpoint.send(scratch(nbytes), tag=tag, force_tag=True), timeout)
     except Exception as e:  # a timeout, or ucxx's own error types

@@ -55,7 +55,7 @@ class TransceiverSide:
         # primer (primer.py), whose size is UCX's rendezvous threshold: unknown, no piece chunks.
         self.piece_chunk_bytes = 0
         if self.iov is not None and self.runtime.rendezvous_bytes is not None:
-            tokens = max(config.piece_chunk_tokens, config.staging_tokens)  # (never smaller)
+            tokens = max(config.piece_chunk_tokens, config.staging_tokens)
             self.piece_chunk_bytes = min(DIRECT_MAX_BYTES, chunk_bytes_for(self.page_table, tokens))
 
     def moves_straight(self, chunk: Chunk, source: bool) -> bool:

@@ -73,8 +73,9 @@ class TransferConfig(Section):
         description=(
             "Tokens per chunk where both workers keep KV in host memory and send scattered pages "
             "as UCX messages that list them (no staging copy, so no staging buffer bounds the "
-            "chunk; a multiple of kvcache.page_size, never below staging_tokens). Fewer, larger "
-            "messages cost fewer thread wake-ups per request on a host with few cores."
+            "chunk; a multiple of kvcache.page_size; at least staging_tokens, at most 1 GiB). "
+            "Fewer, larger messages cost fewer thread wake-ups per request on a host with few "
+            "cores."
         ),
     )
     direct_copy: bool = Field(

@@ -65,6 +65,9 @@ def test_scattered_pages_arrive_exact_and_p_gets_them_back(decode_side) -> None:
         wait_until(lambda: released_all(peer))  # by the done board, not lease expiry
         stats = peer.ask("state")["stats"]
         assert stats["expired_leases"] == 0 and stats["transfers_ok"] == 3
+        board = link.access.done
+        receiver.runtime.loop.call_soon_threadsafe(link.abort, "the test closes the link")
+        wait_until(lambda: board._closed)  # the link's end closes our done board
     finally:
         state = peer.close()
     assert state["free"] == state["initial_free"]

@@ -197,6 +197,57 @@ def test_where_one_side_stages_chunks_fit_its_staging(
     d.assert_clean()
 
 
+def test_a_primer_p_could_not_send_leaves_the_link_staging(monkeypatch: pytest.MonkeyPatch) -> None:
+    """P's primer failed (here: made to fail): its reply says so, D cancels its receive, the link
+    takes no piece chunks, and P stages until its own rendezvous, as without a primer."""
+    import transfer.peer
+
+    async def failed(*_args, **_kwargs) -> bool:
+        return False
+
+    monkeypatch.setattr(transfer.peer, "send_primer", failed)
+    calls = count_copies(monkeypatch)
+    cfg = config(staging_tokens=64, piece_chunk_tokens=512, prestage=False)
+    p, d, sender, receiver = scattered_sides(cfg, cfg)
+    try:
+        result = pull_exact(p, d, sender, receiver, "a")
+        assert result.stats.chunks == 16 and 1 <= calls.count("gather") < 16, calls
+        p_link, d_link = only_link(sender, receiver)
+        assert p_link.info.piece_chunk_bytes == d_link.info.piece_chunk_bytes == 0
+        assert receiver.iov is not None
+        wait_until(lambda: not receiver.iov._out)  # the primer's receive was cancelled
+    finally:
+        receiver.close()
+        sender.close()
+    p.assert_clean()
+    d.assert_clean()
+
+
+def test_p_admits_a_pull_only_at_the_agreed_chunk_size() -> None:
+    """A pull cut at the staging size on a link that agreed piece chunks is refused with the
+    reason, D gets its pages back at once and P when the lease expires, and the next pull at
+    the agreed size succeeds."""
+    cfg = config(staging_tokens=64, piece_chunk_tokens=512, prestage=False)
+    p, d, sender, receiver = scattered_sides(dataclasses.replace(cfg, lease_s=1.0), cfg)
+    try:
+        pull_exact(p, d, sender, receiver, "warm")
+        _, d_link = only_link(sender, receiver)
+        agreed = d_link.info
+        d_link.info = dataclasses.replace(agreed, piece_chunk_bytes=0)  # D plans staging chunks
+        src, dst = p.allocate("r", 1024), d.allocate("r", 1024)
+        result = receiver.pull_blocking(sender.publish("r", src, 1024), dst, 0, 1024)
+        assert not result.ok and "differs from the agreed" in result.error, result.error
+        wait_until(lambda: "r" in p.released)
+        d.free("r")
+        d_link.info = agreed
+        assert pull_exact(p, d, sender, receiver, "next").stats.chunks == 2
+    finally:
+        receiver.close()
+        sender.close()
+    p.assert_clean()
+    d.assert_clean()
+
+
 def test_p_sends_the_primer_only_when_it_can_use_it() -> None:
     hello = Hello("d", None, b"", 1, "", 1 << 20, 7, 256 << 10)  # type: ignore[arg-type]
     assert wants_primer(hello, 1 << 20, 256 << 10)
