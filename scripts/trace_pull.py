@@ -3,8 +3,8 @@
 Runs the benchmark's prefill process (scripts/transfer_bench_setup.py) and a decode-side receiver
 like scripts/bench_transfer.py on the CPU, with timestamps (time.perf_counter: CLOCK_MONOTONIC,
 shared by the two processes) around the steps of a pull: the control messages, every UCX send and
-receive, the staging copies as the loop awaits them and as the copy thread runs them. Scattered
-pages (or contiguous ones), staged UCX path, P prestaging (transfer/prestage.py) unless
+receive (piece lists too), the staging copies as the loop awaits them and as the copy thread runs
+them. Scattered pages (or contiguous ones), UCX path, P prestaging (transfer/prestage.py) unless
 --no-prestage. Prints the pull's and
 raw ucxx's median wall times, then the timeline of a few pulls in ms from the caller's start.
 The wrappers are installed on the classes at run time; nothing in transfer/ changes.
@@ -90,6 +90,18 @@ def install() -> None:
     _around(PeerLink, "send", lambda _s, msg, *_: f"send {type(msg).__name__}", True)
     _around(PeerLink, "send_data", lambda _s, _b, tag: f"send chunk {tag & 0xFFFF}", True)
     _around(PeerLink, "recv_data", lambda _s, _b, tag: f"receive chunk {tag & 0xFFFF}", True)
+    _around(
+        PeerLink,
+        "send_pieces",
+        lambda _s, _i, p, tag: f"send chunk {tag & 0xFFFF} as {len(p)} pieces",
+        True,
+    )
+    _around(
+        PeerLink,
+        "recv_pieces",
+        lambda _s, _i, p, tag: f"receive chunk {tag & 0xFFFF} as {len(p)} pieces",
+        True,
+    )
     _around(KVSender, "_on_message", lambda _s, _l, msg: f"P handles {type(msg).__name__}", False)
     _around(PullSession, "deliver", lambda _s, msg: f"D gets {type(msg).__name__}", False)
     _around(ServeSession, "run", "serve session", True)
