@@ -61,6 +61,7 @@ from transfer_bench_setup import (  # noqa: E402
     choose_pages,
     config,
     format_row,
+    gil_load,
     median_gbps,
     page_sums,
     paired_ratios,
@@ -317,15 +318,6 @@ def timed_pull(
     if not result.ok:
         raise RuntimeError(f"transfer failed: {result.error}")
     return elapsed, result
-
-
-def gil_load(stop: threading.Event) -> None:
-    """A thread that runs Python without pause until ``stop``, as a worker's engine thread can:
-    the worst case for a pull that lets go of the GIL while it waits."""
-    x = 0
-    while not stop.is_set():
-        for _ in range(1000):
-            x += 1
 
 
 def main() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import statistics
+import threading
 import time
 from typing import Any
 
@@ -206,3 +207,12 @@ def format_row(row: dict[str, Any]) -> str:
         elif key.endswith("_error"):
             parts.append(f"{key}: {value}")
     return " | ".join(parts)
+
+
+def gil_load(stop: threading.Event) -> None:
+    """A thread that runs Python without pause until ``stop``, as a worker's engine thread can:
+    the worst case for a pull that lets go of the GIL while it waits."""
+    x = 0
+    while not stop.is_set():
+        for _ in range(1000):
+            x += 1

@@ -101,6 +101,14 @@ def only_link(sender: KVSender, receiver: KVReceiver):
     return p_link, d_link
 
 
+def assert_no_piece_chunks(sender: KVSender, receiver: KVReceiver, primer_cancelled: bool) -> None:
+    p_link, d_link = only_link(sender, receiver)
+    assert p_link.info.piece_chunk_bytes == d_link.info.piece_chunk_bytes == 0
+    if primer_cancelled:  # D posted the primer's receive, P did not send it: nothing stays out
+        assert receiver.iov is not None
+        wait_until(lambda: not receiver.iov._out)
+
+
 def test_scattered_host_pages_move_without_staging_copies(monkeypatch: pytest.MonkeyPatch) -> None:
     """Both sides' pages scattered, and both list them: the handshake's primer lets P list its
     pages from the link's first chunk (UCX cannot start an endpoint with an IOV send), so no
@@ -185,11 +193,7 @@ def test_where_one_side_stages_chunks_fit_its_staging(
             else:
                 assert calls.count("gather") == 16 and "send_pieces" not in calls, calls
                 assert calls.count("recv_pieces") == 16 and "scatter" not in calls, calls
-        p_link, d_link = only_link(sender, receiver)
-        assert p_link.info.piece_chunk_bytes == d_link.info.piece_chunk_bytes == 0
-        if lister == "only D":
-            assert receiver.iov is not None
-            wait_until(lambda: not receiver.iov._out)  # the primer's receive was cancelled
+        assert_no_piece_chunks(sender, receiver, primer_cancelled=lister == "only D")
     finally:
         receiver.close()
         sender.close()
@@ -212,10 +216,7 @@ def test_a_primer_p_could_not_send_leaves_the_link_staging(monkeypatch: pytest.M
     try:
         result = pull_exact(p, d, sender, receiver, "a")
         assert result.stats.chunks == 16 and 1 <= calls.count("gather") < 16, calls
-        p_link, d_link = only_link(sender, receiver)
-        assert p_link.info.piece_chunk_bytes == d_link.info.piece_chunk_bytes == 0
-        assert receiver.iov is not None
-        wait_until(lambda: not receiver.iov._out)  # the primer's receive was cancelled
+        assert_no_piece_chunks(sender, receiver, primer_cancelled=True)
     finally:
         receiver.close()
         sender.close()
