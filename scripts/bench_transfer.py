@@ -14,11 +14,11 @@ from staging buffers), or one run on one side only (``p-run``, ``d-run``). "dire
 reads P's pages itself (CUDA IPC on GPUs, shared memory on the CPU, checked against P's lease
 board: direct_read.py). Each figure is the median of --repeats runs after one warm-up; the variants
 and the raw exchange run interleaved, one of each per repetition, so a busy spell of a shared host
-hits them alike; each ratio is also taken repetition by repetition (``*_paired_vs_*``: the median of
-the per-repetition ratios, with quartiles in ``*_paired_q_*``). The last run of each size is checked: D's pages are overwritten first, then
-compared with P's by three sums per page, one plain and two weighted by byte position (so bytes
-moved within a page count too). A failed variant is reported as its ``_error``, left out of the
-ratios, and makes the script exit non-zero.
+hits them alike; each ratio is also taken repetition by repetition (``*_paired_vs_*``: the median
+of the per-repetition ratios, with quartiles in ``*_paired_q_*``). The last run of each size is
+checked: D's pages are overwritten first, then compared with P's by three sums per page, one
+plain and two weighted by byte position (so bytes moved within a page count too). A failed variant
+is reported as its ``_error``, left out of the ratios, and makes the script exit non-zero.
 
 On GPUs the peer copy is timed two ways: back to back (``peer_copy``, GPUs and caller always busy)
 and, inside the interleaved loop, right after the same pipe round trip to P that precedes each pull
@@ -219,7 +219,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "device": args.device,
         "page_bytes": spec.page_bytes,
         "staging_tokens": args.staging_tokens,
-        "piece_chunk_tokens": args.piece_chunk_tokens or TransceiverConfig.piece_chunk_tokens,
+        "piece_chunk_tokens": args.piece_chunk_tokens,
         "staging_buffers": args.staging_buffers,
         "prestage": args.prestage,
         "prefill_stats": prefill_stats,
@@ -332,8 +332,8 @@ def main() -> None:
     parser.add_argument(
         "--piece-chunk-tokens",
         type=int,
-        help="CPU: a chunk where both sides list their pages; default the library's "
-        f"({TransceiverConfig.piece_chunk_tokens}, 256 MiB here)",
+        default=TransceiverConfig.piece_chunk_tokens,
+        help="CPU: a chunk where both sides list their pages (default: the library's, 256 MiB here)",
     )
     parser.add_argument("--progress-mode", choices=list(PROGRESS_MODES), default="auto")
     parser.add_argument("--proto-info", action="store_true", help="set UCX_PROTO_INFO=y")

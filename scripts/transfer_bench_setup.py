@@ -72,8 +72,9 @@ def config(args: argparse.Namespace, direct_copy: bool = True) -> TransceiverCon
         direct_copy=direct_copy,
         prestage=getattr(args, "prestage", True),
         host_iov=getattr(args, "host_iov", True),
-        piece_chunk_tokens=getattr(args, "piece_chunk_tokens", None)
-        or TransceiverConfig.piece_chunk_tokens,
+        piece_chunk_tokens=getattr(
+            args, "piece_chunk_tokens", TransceiverConfig.piece_chunk_tokens
+        ),
         lease_s=120,
         pull_deadline_s=60,
         chunk_deadline_s=60,

@@ -67,9 +67,9 @@ def admit(
         return error(
             "mismatch", f"skip_pages {req.skip_pages} exceeds the published pages of {rid!r}"
         )
-    # D asks for the piece chunk size when the link agreed one (both sides list host pages, and
-    # P primed its endpoint: it sends every chunk of such a pull as a piece list, never staged).
-    agreed = link.info.piece_chunk_bytes or link.info.chunk_bytes
+    # (with piece chunks agreed, P primed its endpoint: it sends every chunk of such a pull as a
+    # piece list, never staged, so no staging buffer bounds them)
+    agreed = link.info.pull_chunk_bytes
     if req.chunk_bytes != agreed:
         return error("mismatch", f"chunk size {req.chunk_bytes} differs from the agreed {agreed}")
     try:

@@ -13,6 +13,7 @@ and offers P a done board (done_board.py). Loop thread only.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -126,20 +127,23 @@ class PeerLinks:
         r = self.r
         direct = direct and r.config.direct_copy
         done = _new_done_board() if direct else None
-        # When we list host pages, the receive of P's primer goes out before the Hello names it.
-        primer = None
-        if r.piece_chunk_bytes and r.iov is not None and r.runtime.rendezvous_bytes is not None:
-            primer = PrimerReceive(r.iov, r.runtime.rendezvous_bytes)
         hello = Hello(
             r.instance_id,
             r.page_table,
             r.runtime.worker_address,
             r.chunk_bytes,
             done.path if done is not None else "",
-            r.piece_chunk_bytes if primer is not None else 0,
-            primer.tag if primer is not None else 0,
-            primer.nbytes if primer is not None else 0,
         )
+        # When we list host pages, the receive of P's primer goes out before the Hello names it.
+        primer = None
+        if r.piece_chunk_bytes:  # (so ``iov`` and the rendezvous size are known: side.py)
+            primer = PrimerReceive(r.iov, r.runtime.rendezvous_bytes)  # type: ignore[arg-type]
+            hello = dataclasses.replace(
+                hello,
+                piece_chunk_bytes=r.piece_chunk_bytes,
+                primer_tag=primer.tag,
+                primer_bytes=primer.nbytes,
+            )
         timeout = r.config.connect_deadline_s
         link: PeerLink | None = None
         try:

@@ -45,6 +45,12 @@ class PeerInfo:
     # piece chunk sizes, or 0 when one side does not list host pages or P sent no primer.
     piece_chunk_bytes: int = 0
 
+    @property
+    def pull_chunk_bytes(self) -> int:
+        """The chunk size of every pull over UCX on this link (D cuts its plan at it, P admits
+        only it): the piece chunk size where one was agreed, else the staging size."""
+        return self.piece_chunk_bytes or self.chunk_bytes
+
 
 @dataclass
 class DirectAccess:

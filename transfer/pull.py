@@ -132,8 +132,7 @@ class PullSession:
                     self.r.page_table,
                     src,
                     self.dst,
-                    # (a piece chunk size is agreed only when both sides list host pages)
-                    self.link.info.piece_chunk_bytes or self.link.info.chunk_bytes,
+                    self.link.info.pull_chunk_bytes,
                 )
             except (MapperError, ValueError) as e:
                 raise PullFailed(f"cannot map the pages: {e}") from None

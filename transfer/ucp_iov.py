@@ -10,18 +10,17 @@ to the same ``libucp`` that ucxx loaded, on the same worker, which ucxx creates 
 
 Completions: UCP calls a C function of ours on ucxx's progress thread (csrc/ucp_done.c) that writes
 the finished request's address into a non-blocking pipe the loop watches; the loop then asks UCP
-about those requests (about all of them if the pipe was ever full). (A Python
-callback there would take the GIL inside the worker's lock: a deadlock with any Python thread
-holding the GIL while it waits for that lock.) Without a C compiler the loop polls instead, every
+about those requests (about all of them if the pipe was ever full). (A Python callback there would
+take the GIL inside the worker's lock: a deadlock with any Python thread holding the GIL while it
+waits for that lock.) Without a C compiler the loop polls instead, every
 ``POLL_S`` while requests are out. ucxx's progress thread may sleep in epoll when a request is
 posted from the loop thread; ``ucp_worker_signal`` wakes it. A cancelled wait cancels the UCP
 request, which stays ours (and its pieces UCP's) until UCP says it is done.
 
 Sends go only on an endpoint that has completed a contiguous rendezvous send (the primer of
 primer.py, or a chunk): UCX 1.21 never completes an IOV send that is an endpoint's first rendezvous
-(PeerLink.piece_sends_ok). Receives
-have no such limit. Host memory only: on GPUs one staged message over NVLink already runs at the
-copy engines' rate.
+(PeerLink.piece_sends_ok). Receives have no such limit. Host memory only: on GPUs one staged
+message over NVLink already runs at the copy engines' rate.
 """
 
 from __future__ import annotations
