@@ -20,6 +20,8 @@ import os
 import numpy as np
 import torch
 
+from transfer.mapper import page_runs
+
 _SRC_ACCESS_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream: sources are read in stream order
 _LOCATION_DEVICE = 1  # cudaMemLocationTypeDevice (a hint only; ignored for non-managed memory)
 
@@ -80,21 +82,6 @@ def _runtime() -> ctypes.CDLL | None:
 
 def available() -> bool:
     return _runtime() is not None
-
-
-def page_runs(
-    src_ids: np.ndarray, dst_ids: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Merge pairs whose source and destination pages both continue the previous pair's: returns
-    (first source page, first destination page, pages) per run."""
-    src_ids = np.asarray(src_ids, dtype=np.int64)
-    dst_ids = np.asarray(dst_ids, dtype=np.int64)
-    if src_ids.size == 0:
-        return src_ids, dst_ids, src_ids
-    breaks = np.flatnonzero((np.diff(src_ids) != 1) | (np.diff(dst_ids) != 1)) + 1
-    starts = np.concatenate(([0], breaks))
-    lengths = np.diff(np.concatenate((starts, [src_ids.size])))
-    return src_ids[starts], dst_ids[starts], lengths
 
 
 def copy_pages_batched(

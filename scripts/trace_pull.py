@@ -30,14 +30,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 from transfer_baselines import raw_once, send_stop  # noqa: E402
 from transfer_bench_setup import (  # noqa: E402
-    bench_spec,
     choose_pages,
-    config,
+    cpu_decode_side,
     prefill_main,
     probe_settings,
 )
-
-from transfer import KVReceiver  # noqa: E402
 
 MIB = 1 << 20
 MARKS: list[tuple[str, float]] = []
@@ -79,7 +76,11 @@ def _around(obj: Any, name: str, label: Any, is_async: bool) -> None:
 
 
 def install() -> None:
+    import transfer.admit
+    import transfer.control
     import transfer.pull
+    import transfer.receiver
+    import transfer.sender
     import transfer.serve
     from transfer.peer import PeerLink
     from transfer.pull import PullSession
@@ -109,6 +110,16 @@ def install() -> None:
     _around(UcxRuntime, "copy", lambda _s, fn, *_: f"await {fn.__name__}", True)
     _around(transfer.pull, "scatter_chunk", "  copy thread: scatter", False)
     _around(transfer.serve, "gather_chunk", "  copy thread: gather", False)
+    # The Python steps before the first byte moves: D's and P's plans, P's admission, the piece
+    # lists, and each control message's encode (frame) and decode.
+    _around(transfer.receiver.KVReceiver, "_submit", "D submit", False)
+    _around(transfer.pull, "build_plan", "D build_plan", False)
+    _around(transfer.admit, "build_plan", "P build_plan", False)
+    _around(transfer.sender, "admit", "P admit", False)
+    _around(transfer.pull, "chunk_pieces", "D chunk_pieces", False)
+    _around(transfer.serve, "chunk_pieces", "P chunk_pieces", False)
+    _around(transfer.control, "_frame", "frame", False)
+    _around(transfer.control, "decode_message", "decode", False)
 
 
 def prefill_traced(conn: Any, args: argparse.Namespace, out: str) -> None:
@@ -137,13 +148,8 @@ def main() -> None:
     child = ctx.Process(target=prefill_traced, args=(child_conn, settings, p_marks), daemon=True)
     child.start()
     _port, child_address = conn.recv()
-    spec = bench_spec(args.size_mib * MIB)
-    buf = torch.zeros(spec.buffer_shape, dtype=spec.dtype)
-    receiver = KVReceiver({"full": buf}, [spec], "bench", config(settings, direct_copy=False))
+    spec, receiver, raw_ep, raw_dst = cpu_decode_side(settings, args.size_mib, conn, child_address)
     runtime = receiver.runtime
-    conn.send(runtime.worker_address)
-    raw_ep = runtime.run(runtime.create_endpoint(child_address), timeout=30)
-    raw_dst = torch.empty(args.size_mib * MIB, dtype=torch.uint8)
     gen = torch.Generator().manual_seed(0)
     n = args.size_mib * MIB // spec.page_bytes
     ours, raw, starts = [], [], []

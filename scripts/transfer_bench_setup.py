@@ -16,7 +16,7 @@ import torch
 from transfer_baselines import DATA_TAG, REQ_TAG
 
 from kvcache.spec import PoolGroupSpec
-from transfer import KVSender, TransceiverConfig
+from transfer import KVReceiver, KVSender, TransceiverConfig
 
 MIB = 1 << 20
 
@@ -161,6 +161,19 @@ def start_prefill(args: argparse.Namespace) -> tuple[Any, Any, bytes]:
             raise RuntimeError(f"the prefill process did not start (exit code {child.exitcode})")
     _port, child_address = conn.recv()
     return conn, child, child_address
+
+
+def cpu_decode_side(
+    settings: argparse.Namespace, size_mib: int, conn: Any, child_address: bytes
+) -> tuple[PoolGroupSpec, KVReceiver, Any, torch.Tensor]:
+    """The probes' decode side on the CPU, next to ``start_prefill``'s process: (KV geometry, a
+    receiver on the UCX path, a raw ucxx endpoint to P, a buffer for raw_once of ``size_mib``)."""
+    spec = bench_spec(size_mib * MIB)
+    buf = torch.zeros(spec.buffer_shape, dtype=spec.dtype)
+    receiver = KVReceiver({"full": buf}, [spec], "bench", config(settings, direct_copy=False))
+    conn.send(receiver.runtime.worker_address)
+    raw_ep = receiver.runtime.run(receiver.runtime.create_endpoint(child_address), timeout=30)
+    return spec, receiver, raw_ep, torch.empty(size_mib * MIB, dtype=torch.uint8)
 
 
 class PatchedModule:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import numpy as np
 import torch
 
 from transfer.ipc import FIRST_ROW
+from transfer.mapper import page_runs
 from transfer.plan import DirectPlan
 
 
@@ -39,7 +39,7 @@ def copy_on_cpu(
         # (Matched pools have equal pages; rows of unequal size take the checked copy_ path.)
         words = src_words is not None and dst_words is not None and src.shape[1] == dst.shape[1]
         row = src.shape[1] // 8
-        for a, b, n in _runs(s, d):
+        for a, b, n in zip(*(r.tolist() for r in page_runs(s, d))):
             if not words or n * src.shape[1] >= PARALLEL_RUN_BYTES:
                 srcs.append(src[a : a + n])
                 dsts.append(dst[b : b + n])
@@ -66,14 +66,3 @@ def _flat_words(rows: torch.Tensor) -> torch.Tensor | None:
     if not rows.is_contiguous() or rows.shape[1] % 8 or rows.data_ptr() % 8:
         return None
     return rows.view(-1).view(torch.int64)
-
-
-def _runs(s: np.ndarray, d: np.ndarray) -> list[tuple[int, int, int]]:
-    """(first source id, first destination id, length) of each run of pairs where both ids go up
-    by one."""
-    if len(s) == 0:
-        return []
-    breaks = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1
-    starts = np.concatenate(([0], breaks))
-    lengths = np.diff(np.concatenate((starts, [len(s)])))
-    return list(zip(s[starts].tolist(), d[starts].tolist(), lengths.tolist(), strict=True))

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from operator import itemgetter
 from typing import NamedTuple
 
 import numpy as np
@@ -29,6 +30,7 @@ from transfer.mapper import (
 from transfer.page_table import PageTable, PoolDescriptor
 
 DIRECT_MAX_BYTES = 1 << 30  # the largest single message: one page run of 1 GiB
+_NBYTES = itemgetter(4)  # Fragment.nbytes, read in C (sums over thousands of fragments)
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,7 @@ class Chunk:
 
     @cached_property  # asked for per send, receive and check; a chunk can hold thousands of pages
     def nbytes(self) -> int:
-        return sum(f.nbytes for f in self.fragments)
+        return sum(map(_NBYTES, self.fragments))
 
     @property
     def contiguous(self) -> bool:
@@ -107,6 +109,11 @@ def chunk_fragments(
     need no staging (one run on both sides), and one large message moves faster than many. Shorter
     runs are packed into chunks of at most ``chunk_bytes``, filling each before starting the next.
     """
+    if sum(map(_NBYTES, fragments)) <= chunk_bytes:
+        # All in one chunk (every fragment, a page at least, then fits): what the loop below would
+        # make, without its per-fragment steps (a scattered 256 MiB pull in one piece chunk).
+        one = Chunk(0, tuple(fragments))
+        return TransferPlan((one,) if fragments else (), chunk_bytes)
     chunks: list[Chunk] = []
     current: list[Fragment] = []
     room = chunk_bytes

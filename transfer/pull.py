@@ -4,7 +4,7 @@
     PullRequest with those credits -> first chunk or P's answer (pull_deadline_s) -> more credits
     (ChunkReady) as staging buffers free up -> chunks (chunk_deadline_s between two) and
     TransferDone (done_deadline_s after the last chunk) -> check every chunk arrived and the
-    declared prompt length == expected -> ack.
+    declared prompt length == expected -> the caller's result (``on_result``) -> ack.
 
 Receives posted for a pull that fails must end before the pages may be reused: P completes those
 it will not send with empty messages when it refuses or gives up cleanly (PullError.drained; also
@@ -23,6 +23,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from transfer.copy_wait import outlast_cancels
@@ -86,6 +87,8 @@ class PullSession:
         # ends, or at a cancel that came before any receive was posted (any thread may wait).
         self.quiet: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._on_closed = lambda reason: self.events.put_nowait(("closed", reason))
+        # Given a success before the ack goes (loop thread); ``run`` returns it after the ack.
+        self.on_result: Callable[[TransferResult], None] = lambda result: None
 
     def deliver(self, msg: PullError | TransferDone | Reject) -> None:
         self.events.put_nowait(("msg", msg))
@@ -137,11 +140,13 @@ class PullSession:
             except (MapperError, ValueError) as e:
                 raise PullFailed(f"cannot map the pages: {e}") from None
             await self._transfer()
-            await self.link.send(
-                TransferAck(rid, self.pull_id, True, "", self.ticket.lease_gen),
-                self.r.config.done_deadline_s,
-            )
-            return self._result(start, ok=True)
+            # Every byte is in place and checked: the caller has its result before the ack, which
+            # only frees P's pages (docs/benchmarks/transfer.md, eighteenth pass).
+            result = self._result(start, ok=True)
+            self._quiet()
+            self.on_result(result)
+            await self._ack_quietly()
+            return result
         except PullFailed as e:
             return await self._failed_with(start, str(e))
         except ConnectionError as e:
@@ -159,6 +164,14 @@ class PullSession:
             if self.link is not None:
                 self.link.remove_close_listener(self._on_closed)
             self._quiet()
+
+    async def _ack_quietly(self) -> None:
+        assert self.link is not None
+        ack = TransferAck(self.ticket.request_id, self.pull_id, True, "", self.ticket.lease_gen)
+        try:
+            await self.link.send(ack, self.r.config.done_deadline_s)
+        except ConnectionError as e:  # P's lease expires and frees its pages all the same
+            log.info("ack of %s not sent: %s", ack.request_id, e)
 
     async def _failed_with(self, start: float, error: str) -> TransferResult:
         """Clean up after a failure, then the failed result. The clean-up outlasts cancels (a
@@ -208,7 +221,9 @@ class PullSession:
                 raise PullFailed("the pull was cancelled")
         # Every receive straight into the pool is posted now (they need no buffer), then staged ones
         # while buffers last; the feeder credits the rest in plan order as buffers free up.
-        pending = [c for c in plan.chunks if not self._post_direct(c)]
+        pending = [
+            c for c in plan.chunks if not (self.r.moves_straight(c, source=False) and self._post(c))
+        ]
         while pending and self._post(pending[0]):
             pending.pop(0)
         ready, self._credits = self._credits, []
@@ -281,12 +296,6 @@ class PullSession:
         self._credits.append(chunk.index)
         return True
 
-    def _post_direct(self, chunk: Chunk) -> bool:
-        """Post ``chunk`` if it goes straight into the pool; False if it needs staging."""
-        if not self.r.moves_straight(chunk, source=False):
-            return False
-        return self._post(chunk)
-
     async def _feed(self, pending: list[Chunk]) -> None:
         """Post the remaining receives as staging buffers free up, and send the credits."""
         for chunk in pending:
@@ -316,9 +325,7 @@ class PullSession:
             else:
                 staged = buf[: chunk.nbytes]
                 await self.link.recv_data(staged, tag)
-                if (
-                    not self._failed
-                ):  # a drained (empty) receive of a failed pull has nothing to copy
+                if not self._failed:  # (a drained, empty receive of a failed pull: no copy)
                     await self.r.runtime.copy(scatter_chunk, chunk, staged, self.r.rows)
             self.events.put_nowait(("chunk", "chunk"))
         except Exception as e:

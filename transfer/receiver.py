@@ -224,6 +224,7 @@ class KVReceiver(TransceiverSide):
                 return
             task = asyncio.ensure_future(session.run())
             self._tasks[task] = session, done
+            session.on_result = lambda result: done.done() or done.set_result(result)
             task.add_done_callback(self._finished)
 
         self.runtime.call_soon(start)

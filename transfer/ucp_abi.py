@@ -9,6 +9,9 @@ import functools
 import logging
 import os
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -87,12 +90,11 @@ def load_libucp() -> ctypes.CDLL:
     return lib
 
 
-def iov_array(pieces: list[tuple[int, int]]) -> ctypes.Array:
-    arr = (UcpDtIov * len(pieces))()
-    for i, (address, length) in enumerate(pieces):
-        arr[i].buffer = address
-        arr[i].length = length
-    return arr
+def iov_array(pieces: Any) -> ctypes.Array:
+    """UCP's IOV array of (address, length) ``pieces`` (a uint64 [n, 2] array or pairs), in
+    memory of its own: one copy of the rows, not a ctypes assignment per piece."""
+    rows = np.ascontiguousarray(np.asarray(pieces, dtype=np.uint64).reshape(-1, 2))
+    return (UcpDtIov * len(rows)).from_buffer_copy(rows)
 
 
 class Callbacks:

@@ -31,8 +31,10 @@ import os
 import time
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 
+from transfer.mapper import SMALL_RUNS
 from transfer.plan import Chunk
 from transfer.ucp_abi import (
     FULL_TAG_MASK,
@@ -57,20 +59,38 @@ POLL_S = 100e-6  # without callbacks: how late a completion can be seen
 GIVE_UP_S = 30.0  # a cancelled request still out this much later is abandoned (see ``cancel``)
 
 
-def chunk_pieces(
-    chunk: Chunk, rows: Mapping[str, torch.Tensor], source: bool
-) -> list[tuple[int, int]]:
-    """(address, bytes) of ``chunk``'s pages on one side, in wire order, neighbours merged."""
-    out: list[tuple[int, int]] = []
-    bases = {name: r.data_ptr() for name, r in rows.items()}
-    for f in chunk.fragments:
-        pool, offset = (f.src_pool, f.src_offset) if source else (f.dst_pool, f.dst_offset)
-        address = bases[pool] + offset
-        if out and out[-1][0] + out[-1][1] == address:
-            out[-1] = (out[-1][0], out[-1][1] + f.nbytes)
-        else:
-            out.append((address, f.nbytes))
-    return out
+Pieces = np.ndarray  # uint64 [n, 2]: (address, length) per piece, in message order
+
+
+def chunk_pieces(chunk: Chunk, rows: Mapping[str, torch.Tensor], source: bool) -> Pieces:
+    """(address, bytes) of ``chunk``'s pages on one side, in wire order, neighbours merged. In
+    numpy: both sides list a scattered 256 MiB chunk's 1024 pages before its first byte moves."""
+    if len(chunk.fragments) <= SMALL_RUNS:  # (numpy's per-call cost outweighs a short loop)
+        out: list[list[int]] = []
+        bases = {name: r.data_ptr() for name, r in rows.items()}
+        for f in chunk.fragments:
+            address = (
+                bases[f.src_pool] + f.src_offset if source else bases[f.dst_pool] + f.dst_offset
+            )
+            if out and out[-1][0] + out[-1][1] == address:
+                out[-1][1] += f.nbytes
+            else:
+                out.append([address, f.nbytes])
+        return np.array(out, dtype=np.uint64).reshape(-1, 2)
+    src_pools, dst_pools, src_offsets, dst_offsets, nbytes = zip(*chunk.fragments)
+    pools, offsets = (src_pools, src_offsets) if source else (dst_pools, dst_offsets)
+    address = np.array(offsets, dtype=np.uint64)
+    if len(set(pools)) == 1:
+        address += np.uint64(rows[pools[0]].data_ptr())
+    else:
+        bases = {name: r.data_ptr() for name, r in rows.items()}
+        address += np.array([bases[p] for p in pools], dtype=np.uint64)
+    size = np.array(nbytes, dtype=np.uint64)
+    first = np.empty(len(size), dtype=bool)  # a piece that does not continue the one before
+    first[0] = True
+    np.not_equal(address[1:], address[:-1] + size[:-1], out=first[1:])
+    starts = np.flatnonzero(first)
+    return np.stack((address[starts], np.add.reduceat(size, starts)), axis=1)
 
 
 class IovOps:
@@ -108,20 +128,21 @@ class IovOps:
     def _status_text(self, status: int) -> str:
         return f"{self._lib.ucs_status_string(status).decode()} ({status})"
 
-    def _check(self, status: int, what: str) -> None:
+    def _check(self, status: int, what: str, pieces: Pieces | None = None) -> None:
         if status != UCS_OK:
+            if pieces is not None:  # (described only on failure: a sum over every piece)
+                sizes = np.asarray(pieces, dtype=np.uint64).reshape(-1, 2)[:, 1]
+                what = f"IOV {what} of {int(sizes.sum())} bytes in {len(sizes)} pieces"
             raise UcpIovError(f"UCP {what} failed: {self._status_text(status)}")
 
-    async def send(
-        self, ep_handle: int, pieces: list[tuple[int, int]], tag: int, pending: set[int]
-    ) -> None:
+    async def send(self, ep_handle: int, pieces: Pieces, tag: int, pending: set[int]) -> None:
         """Send ``pieces`` as one tagged message on UCP endpoint ``ep_handle`` (which must stay
         open until this returns: closing it ends the send with an error)."""
         arr = iov_array(pieces)
         req = self._lib.ucp_tag_send_nbx(ep_handle, arr, len(pieces), tag, self._params[0])
         await self._complete(req, arr, pieces, "send", pending)
 
-    async def recv(self, pieces: list[tuple[int, int]], tag: int, pending: set[int]) -> None:
+    async def recv(self, pieces: Pieces, tag: int, pending: set[int]) -> None:
         """Receive the message tagged ``tag`` into ``pieces`` (a shorter message fills a prefix)."""
         arr = iov_array(pieces)
         req = self._lib.ucp_tag_recv_nbx(
@@ -156,15 +177,14 @@ class IovOps:
         self,
         req: int | None,
         arr: ctypes.Array,
-        pieces: list[tuple[int, int]],
+        pieces: Pieces,
         what: str,
         pending: set[int],
     ) -> None:
-        what = f"IOV {what} of {sum(n for _, n in pieces)} bytes in {len(pieces)} pieces"
         if req is None:  # done at once (NULL is UCS_OK)
             return
         if req >= (1 << 64) + UCS_ERR_LAST:  # an error status in place of a request
-            self._check(req - (1 << 64), what)
+            self._check(req - (1 << 64), what, pieces)
         # ucxx's progress thread may sleep in epoll: wake it to progress what we posted.
         self._lib.ucp_worker_signal(self._worker)
         fut = asyncio.get_running_loop().create_future()
@@ -178,7 +198,7 @@ class IovOps:
             self._lib.ucp_request_cancel(self._worker, req)
             self._give_up_later([req])
             raise
-        self._check(status, what)
+        self._check(status, what, pieces)
 
     def _give_up_later(self, reqs: list[int]) -> None:
         """On the loop: ask UCP about ``reqs`` again GIVE_UP_S from now (nothing may report a

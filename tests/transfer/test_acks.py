@@ -1,9 +1,11 @@
 """How P ends a lease on D's acks and on a cancel: an ack ends only the lease its generation names
 (never a later publish of the request), even once P forgot the pull; a cancel while a pull reads
-the pages ends the lease with that pull, not at the ack deadline."""
+the pages ends the lease with that pull, not at the ack deadline. D's caller has a checked pull's
+result before its ack goes, and an ack that is lost only leaves P's pages to the ack deadline."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import threading
 
@@ -15,6 +17,7 @@ from tests.transfer.conftest import config
 from tests.transfer.test_pull_endings import Sides
 from tests.transfer.test_transfer_failures import pull_next_ok
 from tests.transfer.test_transfer_local import checked_pair, wait_until
+from transfer.control import ChannelClosed
 from transfer.messages import TransferAck
 
 pytestmark = pytest.mark.timeout(60)
@@ -51,6 +54,35 @@ def test_an_ack_releases_only_the_lease_its_own_pull_served(monkeypatch) -> None
         assert result.ok, result.error
         assert torch.equal(pair.d.pages_of(dst)["full"], pair.p.pages_of(src)["full"])
         wait_until(lambda: pair.p.released.count("r") == 2)
+        pair.d.free("r")
+
+
+@pytest.mark.parametrize("ack", ["late", "lost"])
+def test_the_caller_has_its_result_before_the_ack_goes(monkeypatch, ack: str) -> None:
+    """The ack only frees P's pages: a late one does not hold the caller's result back, and a lost
+    one leaves the pull a success, P's pages freed when the ack deadline expires the lease."""
+    with checked_pair(config(ack_deadline_s=1.0)) as pair:
+        pull_next_ok(pair, "first")  # opens the link
+        link = next(iter(pair.receiver.links.open.values()))
+        real_send = link.send
+
+        async def held_back(msg, timeout):
+            if isinstance(msg, TransferAck):
+                if ack == "lost":
+                    raise ChannelClosed("the ack was lost")
+                await asyncio.sleep(0.5)
+            await real_send(msg, timeout)
+
+        monkeypatch.setattr(link, "send", held_back)
+        ticket, src = pair.publish("r", 8)
+        dst = pair.d.allocate("r", 8)
+        result = pair.receiver.pull_blocking(ticket, dst, 0, 8)
+        assert result.ok, result.error
+        assert "r" not in pair.p.released  # (P still waits for the ack)
+        assert torch.equal(pair.d.pages_of(dst)["full"], pair.p.pages_of(src)["full"])
+        wait_until(lambda: "r" in pair.p.released)
+        expired = pair.sender.stats()["expired_leases"]
+        assert expired == (1 if ack == "lost" else 0)
         pair.d.free("r")
 
 

@@ -5,6 +5,7 @@ primed its endpoint, transfer/primer.py), piece chunks where both sides list, by
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from tests.transfer.conftest import MODEL, KVSide, config, specs
 from tests.transfer.test_runtime import in_fresh_process
 from tests.transfer.test_transfer_local import wait_until
 from transfer import KVReceiver, KVSender
-from transfer.mapper import Fragment
+from transfer.mapper import SMALL_RUNS, Fragment
 from transfer.messages import Hello
 from transfer.plan import Chunk
 from transfer.primer import MAX_PRIMER_BYTES, wants_primer
@@ -36,8 +37,35 @@ def test_pieces_follow_wire_order_and_merge_neighbours_on_their_own_side() -> No
         ),
     )
     a, b = rows["a"].data_ptr(), rows["b"].data_ptr()
-    assert chunk_pieces(chunk, rows, source=True) == [(a + 32, 32), (a, 16)]
-    assert chunk_pieces(chunk, rows, source=False) == [(b, 16), (b + 64, 32)]
+    assert chunk_pieces(chunk, rows, source=True).tolist() == [[a + 32, 32], [a, 16]]
+    assert chunk_pieces(chunk, rows, source=False).tolist() == [[b, 16], [b + 64, 32]]
+    two_pools = Chunk(0, (Fragment("a", "b", 96, 0, 16), Fragment("b", "a", 0, 16, 16)))
+    assert chunk_pieces(two_pools, rows, source=True).tolist() == [[a + 96, 16], [b, 16]]
+
+
+@pytest.mark.parametrize("count", [SMALL_RUNS, SMALL_RUNS + 1, 300])
+def test_long_and_short_chunks_list_the_same_pieces(count: int) -> None:
+    # (long chunks take the numpy path; two pools, neighbours on one side only)
+    rows = {
+        "a": torch.zeros(1024, 16, dtype=torch.uint8),
+        "b": torch.zeros(1024, 16, dtype=torch.uint8),
+    }
+    rng = random.Random(count)
+    src = rng.sample(range(1024), count)
+    frags = [
+        Fragment("a" if i % 7 else "b", "b", s * 16, (i + (i // 5) % 2) * 16, 16)
+        for i, s in enumerate(src)
+    ]
+    for source in (True, False):
+        expected: list[list[int]] = []
+        for f in frags:
+            pool, offset = (f.src_pool, f.src_offset) if source else (f.dst_pool, f.dst_offset)
+            address = rows[pool].data_ptr() + offset
+            if expected and sum(expected[-1]) == address:
+                expected[-1][1] += f.nbytes
+            else:
+                expected.append([address, f.nbytes])
+        assert chunk_pieces(Chunk(0, tuple(frags)), rows, source).tolist() == expected
 
 
 def test_rendezvous_size_follows_the_ucx_setting() -> None:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 
 from tests.transfer.conftest import MODEL, specs
-from transfer.mapper import Fragment, MapperError, map_pages, match_pools
+from transfer.mapper import SMALL_RUNS, Fragment, MapperError, map_pages, match_pools
 from transfer.page_table import PageTable
 from transfer.peer import check_compatible
 
@@ -35,6 +36,35 @@ def test_identity_merges_runs_consecutive_on_both_sides() -> None:
         Fragment("full", "full", 9 * PB, 11 * PB, 2 * PB),
         Fragment("full", "full", 20 * PB, 13 * PB, PB),
     ]
+
+
+def naive_runs(src: list[int], dst: list[int]) -> list[Fragment]:
+    """The identity mapping page by page: each page extends the run before it if both of its ids
+    follow that run's."""
+    out: list[Fragment] = []
+    for s, d in zip(src, dst):
+        last = out[-1] if out else None
+        if (
+            last
+            and s * PB == last.src_offset + last.nbytes
+            and d * PB == last.dst_offset + last.nbytes
+        ):
+            out[-1] = last._replace(nbytes=last.nbytes + PB)
+        else:
+            out.append(Fragment("full", "full", s * PB, d * PB, PB))
+    return out
+
+
+@pytest.mark.parametrize("count", [1, SMALL_RUNS, SMALL_RUNS + 1, 200])
+@pytest.mark.parametrize("seed", range(4))
+def test_runs_short_and_long_lists_match_the_page_by_page_mapping(count: int, seed: int) -> None:
+    # (long lists take the numpy path: runs of both kinds, single pages and a run on one side only)
+    rng = random.Random(seed)
+    ids = rng.sample(range(1, 256), 255)
+    src, dst = ids[:count], sorted(ids)[:count] if seed % 2 else ids[-count:]
+    frags = map_pages(TABLE, TABLE, {"full": src, "extra": []}, {"full": dst, "extra": []})
+    assert frags == naive_runs(src, dst)
+    assert all(type(f) is Fragment for f in frags)
 
 
 def test_pools_are_matched_by_role_not_by_name() -> None:

@@ -1,0 +1,115 @@
+"""Probe: one setting of the decode side on and off, pull by pull, next to raw ucxx, in one run.
+
+Runs the benchmark's prefill process (scripts/transfer_bench_setup.py) and a decode-side receiver
+on the CPU, as scripts/bench_transfer.py does, and alternates each repetition's order: a pull with
+every ``--set`` attribute at its ON value, one with its OFF value (or the other way round), then
+raw ucxx of the same bytes. Scattered pages, UCX path. Prints the median pull times, the median of
+the per-repetition ratios OFF/ON (below 1: OFF is faster) and the quartiles of raw/ON and
+raw/OFF. Only the decode process (this one) changes: the prefill side keeps its defaults.
+
+    python scripts/probe_ab.py --size-mib 256 --pulls 40 \\
+        --set transfer.mapper.SMALL_RUNS 32 10**9 --set transfer.ucp_iov.SMALL_RUNS 32 10**9
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+from transfer_baselines import raw_once, send_stop  # noqa: E402
+from transfer_bench_setup import (  # noqa: E402
+    choose_pages,
+    cpu_decode_side,
+    probe_settings,
+    start_prefill,
+)
+
+MIB = 1 << 20
+WARM_UP = 2  # repetitions left out of the figures
+
+
+def settings_of(pairs: list[list[str]]) -> list[tuple[Any, str, Any, Any]]:
+    """(module, attribute, ON value, OFF value) for each ``--set NAME ON OFF`` (values are Python
+    literals, or ``a**b``)."""
+    out = []
+    for name, on, off in pairs:
+        module, attr = name.rsplit(".", 1)
+        mod = importlib.import_module(module)
+        if not hasattr(mod, attr):
+            raise SystemExit(f"{module} has no attribute {attr!r}")
+        out.append((mod, attr, _value(on), _value(off)))
+    return out
+
+
+def _value(text: str) -> Any:
+    if "**" in text:
+        base, exp = text.split("**")
+        return ast.literal_eval(base) ** ast.literal_eval(exp)
+    return ast.literal_eval(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size-mib", type=int, default=1)
+    parser.add_argument("--pulls", type=int, default=60, help="repetitions (each: ON, OFF, raw)")
+    parser.add_argument(
+        "--set", nargs=3, action="append", required=True, metavar=("NAME", "ON", "OFF")
+    )
+    args = parser.parse_args()
+    sets = settings_of(args.set)
+    settings = probe_settings("cpu", [args.size_mib])
+    conn, child, child_address = start_prefill(settings)
+    spec, receiver, raw_ep, raw_dst = cpu_decode_side(settings, args.size_mib, conn, child_address)
+    runtime = receiver.runtime
+    gen = torch.Generator().manual_seed(0)
+    n = args.size_mib * MIB // spec.page_bytes
+    times: dict[Any, list[float]] = {True: [], False: [], "raw": []}
+    for rep in range(args.pulls):
+        for on in (True, False) if rep % 2 else (False, True):
+            for mod, attr, on_value, off_value in sets:
+                setattr(mod, attr, on_value if on else off_value)
+            src, dst = (choose_pages(n, spec, "scattered", gen) for _ in range(2))
+            conn.send(("publish", f"ab-{rep}-{on}", src))
+            ticket = conn.recv()
+            start = time.perf_counter()
+            result = receiver.pull_blocking(ticket, {"full": dst}, 0, ticket.declared_prompt_len)
+            elapsed = time.perf_counter() - start
+            if not result.ok:
+                raise RuntimeError(result.error)
+            if rep >= WARM_UP:
+                times[on].append(elapsed)
+        elapsed = raw_once(runtime, raw_ep, raw_dst, args.size_mib * MIB)
+        if rep >= WARM_UP:
+            times["raw"].append(elapsed)
+    runtime.run(send_stop(raw_ep), timeout=30)
+    conn.send(("stop",))
+    conn.recv()
+    child.join(60)
+    receiver.close()
+    ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    off_on = statistics.median(b / a for a, b in zip(times[True], times[False]))
+
+    def quartiles(key: Any) -> list[float]:
+        ratios = [r / t for t, r in zip(times[key], times["raw"])]
+        return [round(q, 2) for q in statistics.quantiles(ratios, n=4)]
+
+    names = [f"{mod.__name__}.{attr}" for mod, attr, *_ in sets]
+    print(
+        f"{args.size_mib} MiB {names}: ON {ms[True]:.3f} ms, OFF {ms[False]:.3f} ms, raw "
+        f"{ms['raw']:.3f} ms; paired OFF/ON {off_on:.3f}; raw/ON q {quartiles(True)}, "
+        f"raw/OFF q {quartiles(False)} ({len(times['raw'])} repetitions)"
+    )
+
+
+if __name__ == "__main__":
+    main()
