@@ -1,11 +1,12 @@
-"""Probe: one setting of the decode side on and off, pull by pull, next to raw ucxx, in one run.
+"""Probe: settings of either side on and off, pull by pull, next to raw ucxx, in one run.
 
 Runs the benchmark's prefill process (scripts/transfer_bench_setup.py) and a decode-side receiver
 on the CPU, as scripts/bench_transfer.py does, and alternates each repetition's order: a pull with
 every ``--set`` attribute at its ON value, one with its OFF value (or the other way round), then
 raw ucxx of the same bytes. Scattered pages, UCX path. Prints the median pull times, the median of
 the per-repetition ratios OFF/ON (below 1: OFF is faster) and the quartiles of raw/ON and
-raw/OFF. Only the decode process (this one) changes: the prefill side keeps its defaults.
+raw/OFF. ``--set`` switches a module attribute of the decode process (this one), ``--set-p`` one
+of the prefill process (through its pipe, before each pull).
 
     python scripts/probe_ab.py --size-mib 256 --pulls 40 \\
         --set transfer.mapper.SMALL_RUNS 32 10**9 --set transfer.ucp_iov.SMALL_RUNS 32 10**9
@@ -63,10 +64,21 @@ def main() -> None:
     parser.add_argument("--size-mib", type=int, default=1)
     parser.add_argument("--pulls", type=int, default=60, help="repetitions (each: ON, OFF, raw)")
     parser.add_argument(
-        "--set", nargs=3, action="append", required=True, metavar=("NAME", "ON", "OFF")
+        "--set", nargs=3, action="append", default=[], metavar=("NAME", "ON", "OFF")
+    )
+    parser.add_argument(
+        "--set-p",
+        nargs=3,
+        action="append",
+        default=[],
+        metavar=("NAME", "ON", "OFF"),
+        help="the same in the prefill process",
     )
     args = parser.parse_args()
+    if not args.set and not args.set_p:
+        parser.error("nothing to switch: give --set or --set-p")
     sets = settings_of(args.set)
+    p_sets = [(name, _value(on), _value(off)) for name, on, off in args.set_p]
     settings = probe_settings("cpu", [args.size_mib])
     conn, child, child_address = start_prefill(settings)
     spec, receiver, raw_ep, raw_dst = cpu_decode_side(settings, args.size_mib, conn, child_address)
@@ -78,6 +90,9 @@ def main() -> None:
         for on in (True, False) if rep % 2 else (False, True):
             for mod, attr, on_value, off_value in sets:
                 setattr(mod, attr, on_value if on else off_value)
+            for name, on_value, off_value in p_sets:
+                conn.send(("set", *name.rsplit(".", 1), on_value if on else off_value))
+                conn.recv()
             src, dst = (choose_pages(n, spec, "scattered", gen) for _ in range(2))
             conn.send(("publish", f"ab-{rep}-{on}", src))
             ticket = conn.recv()
@@ -103,7 +118,7 @@ def main() -> None:
         ratios = [r / t for t, r in zip(times[key], times["raw"])]
         return [round(q, 2) for q in statistics.quantiles(ratios, n=4)]
 
-    names = [f"{mod.__name__}.{attr}" for mod, attr, *_ in sets]
+    names = [f"{mod.__name__}.{attr}" for mod, attr, *_ in sets] + [f"P {n}" for n, *_ in p_sets]
     print(
         f"{args.size_mib} MiB {names}: ON {ms[True]:.3f} ms, OFF {ms[False]:.3f} ms, raw "
         f"{ms['raw']:.3f} ms; paired OFF/ON {off_on:.3f}; raw/ON q {quartiles(True)}, "

@@ -6,6 +6,7 @@ side."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import multiprocessing
 import statistics
 import threading
@@ -118,6 +119,10 @@ def prefill_main(conn: Any, args: argparse.Namespace) -> None:
             conn.send(page_sums(buf, spec, rest[0]))
         elif cmd == "ping":  # the same round trip as a publish, before a timed peer copy
             conn.send("pong")
+        elif cmd == "set":  # scripts/probe_ab.py: a module attribute of this (prefill) process
+            module, attr, value = rest
+            setattr(importlib.import_module(module), attr, value)
+            conn.send("set")
         elif cmd == "stop":
             raw_task.result(timeout=60)
             stats = sender.stats()

@@ -347,6 +347,7 @@ class KVSender(TransceiverSide):
         plan, lease = answer
         session = ServeSession(self, link, req, plan, lease)
         self._sessions[req.pull_id] = session
+        session.begin()
         task = asyncio.ensure_future(session.run())
         self._session_tasks.add(task)
 

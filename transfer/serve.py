@@ -116,12 +116,17 @@ class ServeSession:
     def ack(self, ok: bool, error: str) -> None:
         self.events.put_nowait(("ack", (ok, error)))
 
+    def begin(self) -> None:
+        """Start the sends D credited in its PullRequest (``admit`` checked those credits) in the
+        loop step that admitted the pull, ahead of ``run``'s first step, which came before them
+        (docs/benchmarks/transfer.md, eighteenth pass). Then ``run``."""
+        self.link.add_close_listener(self._on_closed)
+        self._grant(self.req.ready_chunks)
+
     async def run(self) -> None:
         cfg, rid = self.sender.config, self.req.request_id
         start = time.perf_counter()
-        self.link.add_close_listener(self._on_closed)
         try:
-            self._grant(self.req.ready_chunks)
             await self._serve()
             self._take_queued_acks()
             self.serving = False
