@@ -2,11 +2,11 @@
 
 Runs the benchmark's prefill process (scripts/transfer_bench_setup.py) and a decode-side receiver
 on the CPU, as scripts/bench_transfer.py does, and alternates each repetition's order: a pull with
-every ``--set`` attribute at its ON value, one with its OFF value (or the other way round), then
-raw ucxx of the same bytes. Scattered pages, UCX path. Prints the median pull times, the median of
-the per-repetition ratios OFF/ON (below 1: OFF is faster) and the quartiles of raw/ON and
-raw/OFF. ``--set`` switches a module attribute of the decode process (this one), ``--set-p`` one
-of the prefill process (through its pipe, before each pull).
+every switched attribute at its ON value, one with its OFF value (or the other way round), then
+raw ucxx of the same bytes. Scattered pages (``--layout``), UCX path. Prints the median pull
+times, the median of the per-repetition ratios OFF/ON (below 1: OFF is faster) and the quartiles
+of raw/ON and raw/OFF. ``--set`` switches a module attribute of the decode process (this one),
+``--set-p`` one of the prefill process (through its pipe, before each pull).
 
     python scripts/probe_ab.py --size-mib 256 --pulls 40 \\
         --set transfer.mapper.SMALL_RUNS 32 10**9 --set transfer.ucp_iov.SMALL_RUNS 32 10**9
@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 from transfer_baselines import raw_once, send_stop  # noqa: E402
 from transfer_bench_setup import (  # noqa: E402
+    LAYOUTS,
     choose_pages,
     cpu_decode_side,
     probe_settings,
@@ -63,6 +64,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-mib", type=int, default=1)
     parser.add_argument("--pulls", type=int, default=60, help="repetitions (each: ON, OFF, raw)")
+    parser.add_argument("--layout", choices=LAYOUTS, default="scattered")
     parser.add_argument(
         "--set", nargs=3, action="append", default=[], metavar=("NAME", "ON", "OFF")
     )
@@ -93,7 +95,8 @@ def main() -> None:
             for name, on_value, off_value in p_sets:
                 conn.send(("set", *name.rsplit(".", 1), on_value if on else off_value))
                 conn.recv()
-            src, dst = (choose_pages(n, spec, "scattered", gen) for _ in range(2))
+            src = choose_pages(n, spec, args.layout, gen, "p")
+            dst = choose_pages(n, spec, args.layout, gen, "d")
             conn.send(("publish", f"ab-{rep}-{on}", src))
             ticket = conn.recv()
             start = time.perf_counter()
@@ -120,8 +123,9 @@ def main() -> None:
 
     names = [f"{mod.__name__}.{attr}" for mod, attr, *_ in sets] + [f"P {n}" for n, *_ in p_sets]
     print(
-        f"{args.size_mib} MiB {names}: ON {ms[True]:.3f} ms, OFF {ms[False]:.3f} ms, raw "
-        f"{ms['raw']:.3f} ms; paired OFF/ON {off_on:.3f}; raw/ON q {quartiles(True)}, "
+        f"{args.size_mib} MiB {args.layout} {names}: ON {ms[True]:.3f} ms, OFF "
+        f"{ms[False]:.3f} ms, raw {ms['raw']:.3f} ms; paired OFF/ON {off_on:.3f}; raw/ON q "
+        f"{quartiles(True)}, "
         f"raw/OFF q {quartiles(False)} ({len(times['raw'])} repetitions)"
     )
 

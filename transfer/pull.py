@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from transfer import ucp_iov
 from transfer.copy_wait import outlast_cancels
 from transfer.deadline import next_item
 from transfer.mapper import MapperError
@@ -145,7 +146,11 @@ class PullSession:
             result = self._result(start, ok=True)
             self._quiet()
             self.on_result(result)
-            await self._ack_quietly()
+            ack = TransferAck(rid, self.pull_id, True, "", self.ticket.lease_gen)
+            try:  # (a lost ack: P's lease expires and frees its pages all the same)
+                await self.link.send(ack, self.r.config.done_deadline_s)
+            except ConnectionError as e:
+                log.info("ack of %s not sent: %s", rid, e)
             return result
         except PullFailed as e:
             return await self._failed_with(start, str(e))
@@ -164,14 +169,6 @@ class PullSession:
             if self.link is not None:
                 self.link.remove_close_listener(self._on_closed)
             self._quiet()
-
-    async def _ack_quietly(self) -> None:
-        assert self.link is not None
-        ack = TransferAck(self.ticket.request_id, self.pull_id, True, "", self.ticket.lease_gen)
-        try:
-            await self.link.send(ack, self.r.config.done_deadline_s)
-        except ConnectionError as e:  # P's lease expires and frees its pages all the same
-            log.info("ack of %s not sent: %s", ack.request_id, e)
 
     async def _failed_with(self, start: float, error: str) -> TransferResult:
         """Clean up after a failure, then the failed result. The clean-up outlasts cancels (a
@@ -316,10 +313,12 @@ class PullSession:
         assert self.link is not None
         tag = data_tag(self.pull_id, chunk.index)
         try:
-            if buf is None and chunk.dst_run is not None:
+            # (a short run of host pages goes through IovOps too: ucp_iov.RUN_OPS_MAX_BYTES)
+            own_ops = self.r.iov is not None and chunk.nbytes <= ucp_iov.RUN_OPS_MAX_BYTES
+            if buf is None and chunk.dst_run is not None and not own_ops:
                 pool, offset = chunk.dst_run
                 await self.link.recv_data(pool_region(self.r.rows[pool], offset, chunk.nbytes), tag)
-            elif buf is None:  # scattered host pages, listed in one message (moves_straight)
+            elif buf is None:  # host pages, listed in one message (moves_straight)
                 pieces = chunk_pieces(chunk, self.r.rows, False)
                 await self.link.recv_pieces(self.r.iov, pieces, tag)
             else:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from transfer import ucp_iov
 from transfer.deadline import next_item
 from transfer.messages import PullError, PullRequest, TransferDone, data_tag
 from transfer.peer import PeerLink
@@ -203,7 +204,9 @@ class ServeSession:
     async def _send_chunk(self, chunk: Chunk) -> None:
         s, tag = self.sender, data_tag(self.req.pull_id, chunk.index)
         try:
-            if chunk.sends_straight(s.config.zero_copy, s.staging.buffer_bytes):
+            if self._lists_pages() and chunk.nbytes <= ucp_iov.RUN_OPS_MAX_BYTES:
+                await self._send_pieces(chunk, tag)  # (one run goes as plain bytes: ucp_iov)
+            elif chunk.sends_straight(s.config.zero_copy, s.staging.buffer_bytes):
                 pool, offset = chunk.src_run  # type: ignore[misc]  (sends_straight: one run)
                 self._started(chunk.index)
                 async with self._send_slot:

@@ -30,6 +30,7 @@ import ctypes
 import os
 import time
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,6 +57,11 @@ from transfer.ucp_abi import (
 )
 
 POLL_S = 100e-6  # without callbacks: how late a completion can be seen
+# A run of host pages up to this size goes through these ops too, not through ucxx: their
+# completion (a C callback, a pipe) reaches the loop 0.1-0.2 ms sooner than ucxx's, 11-28% of a
+# 1-4 MiB pull; larger runs stay on ucxx, which measured 4-8% faster at 16-32 MiB on 2 cores, for
+# reasons not found (docs/benchmarks/transfer.md, eighteenth pass).
+RUN_OPS_MAX_BYTES = 4 << 20
 GIVE_UP_S = 30.0  # a cancelled request still out this much later is abandoned (see ``cancel``)
 
 
@@ -114,13 +120,17 @@ class IovOps:
         self._watching = False
         self._callbacks = completion_callbacks()
         self.called_back = self._callbacks is not None
-        params = [UcpRequestParam(), UcpRequestParam()]
-        for p in params:
+        # send and receive of a piece list, then of one piece as contiguous bytes (UCP's default
+        # datatype): a list on both sides moves slower than one run on either side (2 cores,
+        # docs/benchmarks/transfer.md, eighteenth pass), so a single piece goes as plain bytes.
+        params = [UcpRequestParam() for _ in range(4)]
+        for p in params[:2]:
             p.op_attr_mask, p.datatype = UCP_OP_ATTR_FIELD_DATATYPE, UCP_DATATYPE_IOV
         self._pipe: tuple[int, int] | None = None
         if self._callbacks is not None:
             self._pipe = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)  # (read end, write end)
-            for p, cb in zip(params, (self._callbacks.send, self._callbacks.recv)):
+            callbacks = (self._callbacks.send, self._callbacks.recv) * 2
+            for p, cb in zip(params, callbacks):
                 p.op_attr_mask |= UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA
                 p.cb, p.user_data = cb, self._pipe[1]
         self._params = tuple(params)
@@ -138,17 +148,25 @@ class IovOps:
     async def send(self, ep_handle: int, pieces: Pieces, tag: int, pending: set[int]) -> None:
         """Send ``pieces`` as one tagged message on UCP endpoint ``ep_handle`` (which must stay
         open until this returns: closing it ends the send with an error)."""
-        arr = iov_array(pieces)
-        req = self._lib.ucp_tag_send_nbx(ep_handle, arr, len(pieces), tag, self._params[0])
+        arr, buffer, count, params = self._operands(pieces, 0)
+        req = self._lib.ucp_tag_send_nbx(ep_handle, buffer, count, tag, params)
         await self._complete(req, arr, pieces, "send", pending)
 
     async def recv(self, pieces: Pieces, tag: int, pending: set[int]) -> None:
         """Receive the message tagged ``tag`` into ``pieces`` (a shorter message fills a prefix)."""
-        arr = iov_array(pieces)
-        req = self._lib.ucp_tag_recv_nbx(
-            self._worker, arr, len(pieces), tag, FULL_TAG_MASK, self._params[1]
-        )
+        arr, buffer, count, params = self._operands(pieces, 1)
+        req = self._lib.ucp_tag_recv_nbx(self._worker, buffer, count, tag, FULL_TAG_MASK, params)
         await self._complete(req, arr, pieces, "receive", pending)
+
+    def _operands(
+        self, pieces: Pieces, side: int
+    ) -> tuple[ctypes.Array, Any, int, UcpRequestParam]:
+        """(the IOV array UCP reads until done, buffer, count, parameters) of a message of
+        ``pieces`` (``side`` 0 sends, 1 receives): one piece as that many contiguous bytes."""
+        arr = iov_array(pieces)
+        if len(arr) == 1:
+            return arr, arr[0].buffer, arr[0].length, self._params[2 + side]
+        return arr, arr, len(arr), self._params[side]
 
     def cancel(self, pending: set[int]) -> None:
         """Ask UCP to end every request in ``pending``. UCP ends a receive it has not matched yet;

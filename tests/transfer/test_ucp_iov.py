@@ -51,6 +51,35 @@ def test_pages_listed_on_both_sides_arrive_in_the_listed_places(ucx_runtime: Ucx
         ep.abort()
 
 
+def test_one_piece_goes_as_plain_bytes_to_and_from_a_list(ucx_runtime: UcxRuntime) -> None:
+    """A one-piece message is posted as contiguous bytes (UCP's default datatype); a list on the
+    other side of it still gets the bytes in its pieces' order, either way round."""
+    iov = ucx_runtime.iov
+    ep = ucx_runtime.run(ucx_runtime.create_endpoint(ucx_runtime.worker_address), timeout=10)
+    src = np.random.default_rng(1).integers(0, 255, 4 * 4096, dtype=np.uint8)
+    listed, whole = np.zeros_like(src), np.zeros_like(src)
+    pending: set[int] = set()
+    one_piece = [(src.ctypes.data, src.size)]
+
+    async def move() -> None:
+        tag = fresh_tag()
+        receive = asyncio.ensure_future(iov.recv(pieces(listed, [2, 0, 3, 1], 4096), tag, pending))
+        await iov.send(ep.ucp_endpoint, one_piece, tag, pending)
+        await receive
+        tag = fresh_tag()
+        receive = asyncio.ensure_future(iov.recv([(whole.ctypes.data, whole.size)], tag, pending))
+        await iov.send(ep.ucp_endpoint, pieces(listed, [2, 0, 3, 1], 4096), tag, pending)
+        await receive
+
+    try:
+        ucx_runtime.run(move(), timeout=10)
+        assert not pending
+        assert np.array_equal(listed.reshape(4, 4096)[[2, 0, 3, 1]].reshape(-1), src)
+        assert np.array_equal(whole, src)
+    finally:
+        ep.abort()
+
+
 def test_a_cancelled_receive_ends_with_an_error(ucx_runtime: UcxRuntime) -> None:
     iov, buf, pending = ucx_runtime.iov, np.zeros(8192, dtype=np.uint8), set()
 
