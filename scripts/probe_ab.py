@@ -121,7 +121,8 @@ def main() -> None:
         ratios = [r / t for t, r in zip(times[key], times["raw"])]
         return [round(q, 2) for q in statistics.quantiles(ratios, n=4)]
 
-    names = [f"{mod.__name__}.{attr}" for mod, attr, *_ in sets] + [f"P {n}" for n, *_ in p_sets]
+    names = [f"{m.__name__}.{a}" for m, a, on, off in sets if on != off]
+    names += [f"P {n}" for n, on, off in p_sets if on != off]
     print(
         f"{args.size_mib} MiB {args.layout} {names}: ON {ms[True]:.3f} ms, OFF "
         f"{ms[False]:.3f} ms, raw {ms['raw']:.3f} ms; paired OFF/ON {off_on:.3f}; raw/ON q "

@@ -6,7 +6,9 @@ the same cores. UCP takes a list of pieces as one message (``ucp_dt_make_iov``) 
 unpacks them in the copies it makes anyway, so here they go straight from pages to pages. ucxx
 exposes the UCP handles of its worker and endpoints for this; the calls (transfer/ucp_abi.py) go
 to the same ``libucp`` that ucxx loaded, on the same worker, which ucxx creates thread-safe
-(``UCS_THREAD_MODE_MULTI``, checked at start).
+(``UCS_THREAD_MODE_MULTI``, checked at start). A one-piece message goes as plain bytes (UCP's
+contiguous datatype), so runs of host pages up to ``RUN_OPS_MAX_BYTES`` come here too: their
+completions reach the loop sooner than ucxx's.
 
 Completions: UCP calls a C function of ours on ucxx's progress thread (csrc/ucp_done.c) that writes
 the finished request's address into a non-blocking pipe the loop watches; the loop then asks UCP
