@@ -26,7 +26,6 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from transfer import ucp_iov
 from transfer.copy_wait import outlast_cancels
 from transfer.deadline import next_item
 from transfer.mapper import MapperError
@@ -313,9 +312,7 @@ class PullSession:
         assert self.link is not None
         tag = data_tag(self.pull_id, chunk.index)
         try:
-            # (a short run of host pages goes through IovOps too: ucp_iov.RUN_OPS_MAX_BYTES)
-            own_ops = self.r.iov is not None and chunk.nbytes <= ucp_iov.RUN_OPS_MAX_BYTES
-            if buf is None and chunk.dst_run is not None and not own_ops:
+            if buf is None and chunk.dst_run is not None and not self.r.lists_run(chunk):
                 pool, offset = chunk.dst_run
                 await self.link.recv_data(pool_region(self.r.rows[pool], offset, chunk.nbytes), tag)
             elif buf is None:  # host pages, listed in one message (moves_straight)

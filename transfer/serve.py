@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from transfer import ucp_iov
 from transfer.deadline import next_item
 from transfer.messages import PullError, PullRequest, TransferDone, data_tag
 from transfer.peer import PeerLink
@@ -204,16 +203,17 @@ class ServeSession:
     async def _send_chunk(self, chunk: Chunk) -> None:
         s, tag = self.sender, data_tag(self.req.pull_id, chunk.index)
         try:
-            if self._lists_pages() and chunk.nbytes <= ucp_iov.RUN_OPS_MAX_BYTES:
-                await self._send_pieces(chunk, tag)  # (one run goes as plain bytes: ucp_iov)
-            elif chunk.sends_straight(s.config.zero_copy, s.staging.buffer_bytes):
+            lists = self._lists_pages()
+            if chunk.sends_straight(s.config.zero_copy, s.staging.buffer_bytes) and not (
+                lists and s.lists_run(chunk)
+            ):
                 pool, offset = chunk.src_run  # type: ignore[misc]  (sends_straight: one run)
                 self._started(chunk.index)
                 async with self._send_slot:
                     await self.link.send_data(
                         self._payload(pool_region(s.rows[pool], offset, chunk.nbytes)), tag
                     )
-            elif self._lists_pages():
+            elif lists:  # (a short run too: one piece goes as plain bytes, ucp_iov)
                 await self._send_pieces(chunk, tag)
             else:
                 # (the slot's wait and the buffer's: the only cancellable waits of this task)

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from kvcache.spec import PoolGroupSpec
+from transfer import ucp_iov
 from transfer.config import TransceiverConfig, resolve_progress_mode
 from transfer.page_table import PageTable
 from transfer.plan import DIRECT_MAX_BYTES, Chunk, chunk_bytes_for
@@ -66,6 +67,12 @@ class TransceiverSide:
             self.config.zero_copy, self.chunk_bytes
         )
         return one_run or self.iov is not None
+
+    def lists_run(self, chunk: Chunk) -> bool:
+        """Whether a chunk of ours that is one run still goes through ``iov`` (as plain bytes):
+        host pages, and no longer than ucp_iov.RUN_OPS_MAX_BYTES (P also needs its endpoint
+        primed: ServeSession)."""
+        return self.iov is not None and chunk.nbytes <= ucp_iov.RUN_OPS_MAX_BYTES
 
     def _begin_close(self) -> bool:
         """True the first time only: a second ``close`` does nothing (the runtime counts one
