@@ -123,6 +123,8 @@ def prefill_main(conn: Any, args: argparse.Namespace) -> None:
             module, attr, value = rest
             setattr(importlib.import_module(module), attr, value)
             conn.send("set")
+        elif cmd == "threads":  # scripts/probe_cpu_cost.py: native thread id -> name
+            conn.send({t.native_id: t.name for t in threading.enumerate()})
         elif cmd == "stop":
             raw_task.result(timeout=60)
             stats = sender.stats()

@@ -312,10 +312,10 @@ class PullSession:
         assert self.link is not None
         tag = data_tag(self.pull_id, chunk.index)
         try:
-            if buf is None and chunk.dst_run is not None and not self.r.lists_run(chunk):
+            if buf is None and chunk.dst_run is not None and self.r.iov is None:
                 pool, offset = chunk.dst_run
                 await self.link.recv_data(pool_region(self.r.rows[pool], offset, chunk.nbytes), tag)
-            elif buf is None:  # host pages, listed in one message (moves_straight)
+            elif buf is None:  # host pages in one message (moves_straight; a run as plain bytes)
                 pieces = chunk_pieces(chunk, self.r.rows, False)
                 await self.link.recv_pieces(self.r.iov, pieces, tag)
             else:

@@ -204,16 +204,14 @@ class ServeSession:
         s, tag = self.sender, data_tag(self.req.pull_id, chunk.index)
         try:
             lists = self._lists_pages()
-            if chunk.sends_straight(s.config.zero_copy, s.staging.buffer_bytes) and not (
-                lists and s.lists_run(chunk)
-            ):
+            if chunk.sends_straight(s.config.zero_copy, s.staging.buffer_bytes) and not lists:
                 pool, offset = chunk.src_run  # type: ignore[misc]  (sends_straight: one run)
                 self._started(chunk.index)
                 async with self._send_slot:
                     await self.link.send_data(
                         self._payload(pool_region(s.rows[pool], offset, chunk.nbytes)), tag
                     )
-            elif lists:  # (a short run too: one piece goes as plain bytes, ucp_iov)
+            elif lists:  # (a run too: one piece goes as plain bytes, ucp_iov)
                 await self._send_pieces(chunk, tag)
             else:
                 # (the slot's wait and the buffer's: the only cancellable waits of this task)

@@ -10,7 +10,6 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from kvcache.spec import PoolGroupSpec
-from transfer import ucp_iov
 from transfer.config import TransceiverConfig, resolve_progress_mode
 from transfer.page_table import PageTable
 from transfer.plan import DIRECT_MAX_BYTES, Chunk, chunk_bytes_for
@@ -46,8 +45,9 @@ class TransceiverSide:
             gpu,
             resolve_progress_mode(config.progress_mode, gpu is not None, config.direct_copy),
         )
-        # Piece-list messages for scattered host pages (``host_iov``), or None: stage them. (Made
-        # here, on the caller's thread: the first one may build its C callbacks.)
+        # Our UCP messages for host pages (``host_iov``): scattered ones as piece lists, runs as
+        # plain bytes; or None: stage scattered pages, and send runs through ucxx. (Made here, on
+        # the caller's thread: the first one may build its C callbacks.)
         self.iov: IovOps | None = None
         if not self.rows_on_gpu and config.zero_copy and config.host_iov:
             self.iov = self.runtime.iov
@@ -67,12 +67,6 @@ class TransceiverSide:
             self.config.zero_copy, self.chunk_bytes
         )
         return one_run or self.iov is not None
-
-    def lists_run(self, chunk: Chunk) -> bool:
-        """Whether a chunk of ours that is one run still goes through ``iov`` (as plain bytes):
-        host pages, and no longer than ucp_iov.RUN_OPS_MAX_BYTES (P also needs its endpoint
-        primed: ServeSession)."""
-        return self.iov is not None and chunk.nbytes <= ucp_iov.RUN_OPS_MAX_BYTES
 
     def _begin_close(self) -> bool:
         """True the first time only: a second ``close`` does nothing (the runtime counts one

@@ -97,14 +97,45 @@ def iov_array(pieces: Any) -> ctypes.Array:
     return (UcpDtIov * len(rows)).from_buffer_copy(rows)
 
 
-class Callbacks:
-    """csrc/ucp_done.c, loaded: the two callbacks' addresses and its overflow flag."""
+class OpSlot(ctypes.Structure):
+    """``duet_op`` of csrc/ucp_done.c: one request's user data, read and written by its callback.
+    It must outlive the request (the callback writes it), so its owner keeps it until then."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    _fields_ = [
+        ("fd", ctypes.c_int64),
+        ("state", ctypes.c_int64),
+        ("status", ctypes.c_int64),
+        ("request", ctypes.c_void_p),
+    ]
+
+
+OP_OUT, OP_CANCELLING, OP_FREED, OP_ENDED = 0, 1, 2, 3  # OpSlot.state (csrc/ucp_done.c)
+
+
+class Callbacks:
+    """csrc/ucp_done.c, loaded and told which libucp to free and cancel requests with: the two
+    callbacks' addresses, its overflow flag, and the loop's side of an op slot."""
+
+    def __init__(self, lib: ctypes.CDLL, ucp: ctypes.CDLL) -> None:
         self.lib = lib  # (keeps the library loaded while UCP may call it)
         self.send = ctypes.cast(lib.duet_ucp_send_done, ctypes.c_void_p).value
         self.recv = ctypes.cast(lib.duet_ucp_recv_done, ctypes.c_void_p).value
         self.overflowed = ctypes.c_int.in_dll(lib, "duet_ucp_overflowed")
+        lib.duet_ucp_use.argtypes = [_P, _P]
+        lib.duet_ucp_use.restype = None
+        lib.duet_ucp_use(
+            ctypes.cast(ucp.ucp_request_free, _P), ctypes.cast(ucp.ucp_request_cancel, _P)
+        )
+        self.cancel = lib.duet_ucp_cancel
+        self.cancel.argtypes, self.cancel.restype = [_P, ctypes.POINTER(OpSlot)], ctypes.c_int
+        self._state = lib.duet_ucp_state
+        self._state.argtypes = [ctypes.POINTER(OpSlot), ctypes.POINTER(ctypes.c_int64)]
+        self._state.restype = ctypes.c_int64
+
+    def state(self, slot: OpSlot) -> tuple[int, int]:
+        """(state, UCP's status) of ``slot``, read after its callback's stores."""
+        status = ctypes.c_int64()
+        return self._state(slot, ctypes.byref(status)), status.value
 
 
 @functools.lru_cache(maxsize=1)
@@ -117,7 +148,7 @@ def completion_callbacks() -> Callbacks | None:
         from kernels.native_launch import build_library, compiler_problem
 
         path = build_library(CALLBACKS_SOURCE, "duet_ucp_done", ".so", [], compiler_problem)
-        return Callbacks(ctypes.CDLL(str(path)))
+        return Callbacks(ctypes.CDLL(str(path)), load_libucp())
     except Exception as e:  # no compiler, a failed build: polling does the same, with more CPU
         log.warning("UCP completion callbacks unavailable (%s); polling UCP requests instead", e)
         return None

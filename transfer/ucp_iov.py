@@ -7,15 +7,18 @@ unpacks them in the copies it makes anyway, so here they go straight from pages 
 exposes the UCP handles of its worker and endpoints for this; the calls (transfer/ucp_abi.py) go
 to the same ``libucp`` that ucxx loaded, on the same worker, which ucxx creates thread-safe
 (``UCS_THREAD_MODE_MULTI``, checked at start). A one-piece message goes as plain bytes (UCP's
-contiguous datatype), so runs of host pages up to ``RUN_OPS_MAX_BYTES`` come here too: their
-completions reach the loop sooner than ucxx's.
+contiguous datatype), so runs of host pages come here too: their completions reach the loop sooner
+than ucxx's (11-28% of a 1-4 MiB pull, 0-12% at 16-256 MiB: docs/benchmarks/transfer.md,
+eighteenth and nineteenth passes).
 
-Completions: UCP calls a C function of ours on ucxx's progress thread (csrc/ucp_done.c) that writes
-the finished request's address into a non-blocking pipe the loop watches; the loop then asks UCP
-about those requests (about all of them if the pipe was ever full). (A Python callback there would
-take the GIL inside the worker's lock: a deadlock with any Python thread holding the GIL while it
-waits for that lock.) Without a C compiler the loop polls instead, every
-``POLL_S`` while requests are out. ucxx's progress thread may sleep in epoll when a request is
+Completions: UCP calls a C function of ours on ucxx's progress thread (csrc/ucp_done.c) that stores
+the status in the request's op slot, gives the request back to UCP there (under the worker's lock
+it already holds: from the loop, that free spun on the lock for a millisecond at a time), and
+writes the slot's address into a non-blocking pipe the loop watches; the loop then hands those
+statuses to their waiters (it looks at every slot if the pipe was ever full). (A Python callback
+there would take the GIL inside the worker's lock: a deadlock with any Python thread holding the
+GIL while it waits for that lock.) Without a C compiler the loop polls UCP instead, every
+``POLL_S`` while requests are out, and frees the requests itself. ucxx's progress thread may sleep in epoll when a request is
 posted from the loop thread; ``ucp_worker_signal`` wakes it. A cancelled wait cancels the UCP
 request, which stays ours (and its pieces UCP's) until UCP says it is done.
 
@@ -32,7 +35,7 @@ import ctypes
 import os
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -41,6 +44,8 @@ from transfer.mapper import SMALL_RUNS
 from transfer.plan import Chunk
 from transfer.ucp_abi import (
     FULL_TAG_MASK,
+    OP_ENDED,
+    OP_FREED,
     UCP_DATATYPE_IOV,
     UCP_OP_ATTR_FIELD_CALLBACK,
     UCP_OP_ATTR_FIELD_DATATYPE,
@@ -50,6 +55,7 @@ from transfer.ucp_abi import (
     UCS_INPROGRESS,
     UCS_OK,
     UCS_THREAD_MODE_MULTI,
+    OpSlot,
     UcpIovError,
     UcpRequestParam,
     UcpWorkerAttr,
@@ -59,11 +65,6 @@ from transfer.ucp_abi import (
 )
 
 POLL_S = 100e-6  # without callbacks: how late a completion can be seen
-# A run of host pages up to this size goes through these ops too, not through ucxx: their
-# completion (a C callback, a pipe) reaches the loop 0.1-0.2 ms sooner than ucxx's, 11-28% of a
-# 1-4 MiB pull; larger runs stay on ucxx, which measured 4-8% faster at 16-32 MiB on 2 cores, for
-# reasons not found (docs/benchmarks/transfer.md, eighteenth pass).
-RUN_OPS_MAX_BYTES = 4 << 20
 GIVE_UP_S = 30.0  # a cancelled request still out this much later is abandoned (see ``cancel``)
 
 
@@ -101,12 +102,24 @@ def chunk_pieces(chunk: Chunk, rows: Mapping[str, torch.Tensor], source: bool) -
     return np.stack((address[starts], np.add.reduceat(size, starts)), axis=1)
 
 
+class _Op(NamedTuple):
+    """A request out: its waiter, the IOV array UCP reads until done, the caller's pending set,
+    the request, and (with callbacks) the op slot its callback writes."""
+
+    fut: asyncio.Future
+    arr: ctypes.Array
+    pending: set[int]
+    req: int
+    slot: OpSlot | None
+
+
 class IovOps:
     """Tag sends and receives of piece lists on one UcxRuntime's worker, awaited on its loop.
 
-    Each call takes a ``pending`` set (a link's): the UCP request is in it while UCP works on it,
+    Each call takes a ``pending`` set (a link's): the request's key is in it while UCP works on it,
     so that ``cancel`` can end a link's receives when the link fails (a receive is the worker's,
-    not the endpoint's: closing the endpoint would not end it)."""
+    not the endpoint's: closing the endpoint would not end it). A request's key is its op slot's
+    address with callbacks (the callback frees the request: csrc/ucp_done.c), else the request."""
 
     def __init__(self, worker_handle: int) -> None:
         self._lib = load_libucp()
@@ -115,9 +128,8 @@ class IovOps:
         self._check(self._lib.ucp_worker_query(self._worker, ctypes.byref(attr)), "worker query")
         if attr.thread_mode != UCS_THREAD_MODE_MULTI:
             raise UcpIovError(f"UCX worker is not thread-safe (thread mode {attr.thread_mode})")
-        # request -> (its waiter, the IOV array UCP reads until done, the caller's pending set)
-        self._out: dict[int, tuple[asyncio.Future, ctypes.Array, set[int]]] = {}
-        self._given_up: dict[int, float] = {}  # cancelled request -> when to stop asking UCP
+        self._out: dict[int, _Op] = {}
+        self._given_up: dict[int, float] = {}  # cancelled request's key -> when to stop asking
         self._poller: asyncio.Task | None = None
         self._watching = False
         self._callbacks = completion_callbacks()
@@ -134,7 +146,7 @@ class IovOps:
             callbacks = (self._callbacks.send, self._callbacks.recv) * 2
             for p, cb in zip(params, callbacks):
                 p.op_attr_mask |= UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA
-                p.cb, p.user_data = cb, self._pipe[1]
+                p.cb = cb  # (user_data: each request's own op slot, set as it is posted)
         self._params = tuple(params)
 
     def _status_text(self, status: int) -> str:
@@ -150,42 +162,60 @@ class IovOps:
     async def send(self, ep_handle: int, pieces: Pieces, tag: int, pending: set[int]) -> None:
         """Send ``pieces`` as one tagged message on UCP endpoint ``ep_handle`` (which must stay
         open until this returns: closing it ends the send with an error)."""
-        arr, buffer, count, params = self._operands(pieces, 0)
+        arr, buffer, count, params, slot = self._operands(pieces, 0)
         req = self._lib.ucp_tag_send_nbx(ep_handle, buffer, count, tag, params)
-        await self._complete(req, arr, pieces, "send", pending)
+        await self._complete(req, arr, slot, pieces, "send", pending)
 
     async def recv(self, pieces: Pieces, tag: int, pending: set[int]) -> None:
         """Receive the message tagged ``tag`` into ``pieces`` (a shorter message fills a prefix)."""
-        arr, buffer, count, params = self._operands(pieces, 1)
+        arr, buffer, count, params, slot = self._operands(pieces, 1)
         req = self._lib.ucp_tag_recv_nbx(self._worker, buffer, count, tag, FULL_TAG_MASK, params)
-        await self._complete(req, arr, pieces, "receive", pending)
+        await self._complete(req, arr, slot, pieces, "receive", pending)
 
     def _operands(
         self, pieces: Pieces, side: int
-    ) -> tuple[ctypes.Array, Any, int, UcpRequestParam]:
-        """(the IOV array UCP reads until done, buffer, count, parameters) of a message of
-        ``pieces`` (``side`` 0 sends, 1 receives): one piece as that many contiguous bytes."""
+    ) -> tuple[ctypes.Array, Any, int, UcpRequestParam, OpSlot | None]:
+        """(the IOV array UCP reads until done, buffer, count, parameters, op slot) of a message
+        of ``pieces`` (``side`` 0 sends, 1 receives): one piece as that many contiguous bytes.
+        UCP copies the parameters' user data into the request as it is posted, so one parameter
+        block serves every request of its kind."""
         arr = iov_array(pieces)
         if len(arr) == 1:
-            return arr, arr[0].buffer, arr[0].length, self._params[2 + side]
-        return arr, arr, len(arr), self._params[side]
+            buffer, count, params = arr[0].buffer, arr[0].length, self._params[2 + side]
+        else:
+            buffer, count, params = arr, len(arr), self._params[side]
+        slot = None
+        if self._pipe is not None:
+            slot = OpSlot(fd=self._pipe[1])
+            params.user_data = ctypes.addressof(slot)
+        return arr, buffer, count, params, slot
 
     def cancel(self, pending: set[int]) -> None:
         """Ask UCP to end every request in ``pending``. UCP ends a receive it has not matched yet;
         one it did, and a send, end with their endpoint's close. One still out ``GIVE_UP_S``
         later fails its waiter (its peer is gone: nothing will write its pieces any more) and is
         kept, never freed, with its IOV array."""
-        for req in list(pending):
-            self._lib.ucp_request_cancel(self._worker, req)
+        for key in list(pending):
+            self._cancel(key)
         self._give_up_later(list(pending))
+
+    def _cancel(self, key: int) -> None:
+        op = self._out.get(key)
+        if op is None:
+            return
+        if op.slot is None:
+            self._lib.ucp_request_cancel(self._worker, op.req)
+        else:  # (not if its callback has freed it: see csrc/ucp_done.c)
+            assert self._callbacks is not None
+            self._callbacks.cancel(self._worker, op.slot)
 
     def close(self) -> None:
         """On the loop, before the worker stops: cancel what is out, give UCP back what that
-        ended, and stop watching. Requests UCP still holds keep their IOV arrays (never freed),
-        and the pipe stays open, since UCP may still call back into it."""
-        for req in list(self._out):
-            self._lib.ucp_request_cancel(self._worker, req)
-            self._given_up[req] = 0.0  # (``_finish`` abandons what is still out)
+        ended, and stop watching. Requests UCP still holds keep their IOV arrays and op slots
+        (never freed), and the pipe stays open, since UCP may still call back into it."""
+        for key in list(self._out):
+            self._cancel(key)
+            self._given_up[key] = 0.0  # (``_finish`` abandons what is still out)
         self._finish(list(self._out))
         if self._watching and self._pipe is not None:
             asyncio.get_running_loop().remove_reader(self._pipe[0])
@@ -197,36 +227,42 @@ class IovOps:
         self,
         req: int | None,
         arr: ctypes.Array,
+        slot: OpSlot | None,
         pieces: Pieces,
         what: str,
         pending: set[int],
     ) -> None:
-        if req is None:  # done at once (NULL is UCS_OK)
+        if req is None:  # done at once (NULL is UCS_OK; no callback comes)
             return
         if req >= (1 << 64) + UCS_ERR_LAST:  # an error status in place of a request
             self._check(req - (1 << 64), what, pieces)
         # ucxx's progress thread may sleep in epoll: wake it to progress what we posted.
         self._lib.ucp_worker_signal(self._worker)
         fut = asyncio.get_running_loop().create_future()
-        self._out[req] = (fut, arr, pending)
-        pending.add(req)
+        key = req if slot is None else ctypes.addressof(slot)
+        if slot is not None:
+            slot.request = req
+        self._out[key] = _Op(fut, arr, pending, req, slot)
+        pending.add(key)
         self._watch()
-        self._finish([req])  # (it may be done already, its callback run before we listened)
+        if slot is None:
+            self._finish([key])  # (it may be done already)
+        # (with callbacks, one that ran already has written its report: the loop reads it next)
         try:
             status = await fut
         except asyncio.CancelledError:  # UCP still owns the pieces: kept until UCP is done
-            self._lib.ucp_request_cancel(self._worker, req)
-            self._give_up_later([req])
+            self._cancel(key)
+            self._give_up_later([key])
             raise
         self._check(status, what, pieces)
 
-    def _give_up_later(self, reqs: list[int]) -> None:
-        """On the loop: ask UCP about ``reqs`` again GIVE_UP_S from now (nothing may report a
-        request UCP never ends), and abandon those still out then."""
+    def _give_up_later(self, keys: list[int]) -> None:
+        """On the loop: look at ``keys`` again GIVE_UP_S from now (nothing may report a request
+        UCP never ends), and abandon those still out then."""
         deadline = time.monotonic() + GIVE_UP_S
-        for req in reqs:
-            self._given_up.setdefault(req, deadline)
-        asyncio.get_running_loop().call_later(GIVE_UP_S + 0.1, self._finish, reqs)
+        for key in keys:
+            self._given_up.setdefault(key, deadline)
+        asyncio.get_running_loop().call_later(GIVE_UP_S + 0.1, self._finish, keys)
 
     def _watch(self) -> None:
         loop = asyncio.get_running_loop()
@@ -238,8 +274,8 @@ class IovOps:
             self._poller = loop.create_task(self._poll())
 
     def _on_reported(self) -> None:
-        """The callbacks wrote finished requests' addresses: ask UCP about those (about all of
-        them when the pipe was full)."""
+        """The callbacks wrote finished requests' op slots: hand those over (look at every slot
+        when the pipe was full)."""
         assert self._pipe is not None and self._callbacks is not None
         reported: list[int] = []
         while True:
@@ -260,31 +296,48 @@ class IovOps:
             await asyncio.sleep(POLL_S)
             self._finish(list(self._out))
 
-    def _finish(self, reqs: list[int]) -> None:
-        """Hand each of ``reqs`` that UCP has finished to its waiter, and give it back to UCP;
-        fail the waiters of cancelled ones that UCP did not end in time."""
-        lib, now = self._lib, time.monotonic()
-        for req in reqs:
-            entry = self._out.get(req)
-            if entry is None:  # a stale report: finished and freed already
-                continue
-            fut, arr, pending = entry
-            status = lib.ucp_request_check_status(req)
+    def _ended(self, op: _Op) -> int | None:
+        """UCP's status of ``op`` if UCP is done with it (the request then given back), else
+        None."""
+        lib = self._lib
+        if op.slot is None:
+            status = lib.ucp_request_check_status(op.req)
             if status == UCS_INPROGRESS:
-                if now < self._given_up.get(req, float("inf")):
+                return None
+            lib.ucp_request_free(op.req)
+            return status
+        assert self._callbacks is not None
+        state, status = self._callbacks.state(op.slot)
+        if state == OP_ENDED:  # its callback ran while we cancelled it: ours to free
+            lib.ucp_request_free(op.req)
+        elif state != OP_FREED:
+            return None
+        return status
+
+    def _finish(self, keys: list[int]) -> None:
+        """Hand each of ``keys`` that UCP has finished to its waiter; fail the waiters of
+        cancelled ones that UCP did not end in time."""
+        now = time.monotonic()
+        for key in keys:
+            op = self._out.get(key)
+            if op is None:  # a stale report: finished and handed over already
+                continue
+            status = self._ended(op)
+            if status is None:
+                if now < self._given_up.get(key, float("inf")):
                     continue
-                _KEPT.append(self._out.pop(req))  # UCP may still use it: never freed
+                _KEPT.append(self._out.pop(key))  # UCP may still use it: never freed
                 status_text = "UCP did not end it within GIVE_UP_S of its cancel"
-                if not fut.done():
-                    fut.set_exception(UcpIovError(f"request abandoned: {status_text}"))
+                if not op.fut.done():
+                    op.fut.set_exception(UcpIovError(f"request abandoned: {status_text}"))
             else:
-                del self._out[req]
-                lib.ucp_request_free(req)
-                if not fut.done():
-                    fut.set_result(status)
-            self._given_up.pop(req, None)
-            pending.discard(req)
+                del self._out[key]
+                if not op.fut.done():
+                    op.fut.set_result(status)
+            self._given_up.pop(key, None)
+            op.pending.discard(key)
 
 
-# IOV arrays (and requests) UCP may still read after their owner gave up: kept for the process.
-_KEPT: list[tuple[asyncio.Future, ctypes.Array, set[int]]] = []
+# Requests UCP may still use after their owner gave up, with their IOV arrays and op slots: kept
+# for the process.
+_KEPT: list[_Op] = []

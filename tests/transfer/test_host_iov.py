@@ -13,7 +13,7 @@ import torch
 from tests.transfer.conftest import MODEL, KVSide, config, specs
 from tests.transfer.test_runtime import in_fresh_process
 from tests.transfer.test_transfer_local import wait_until
-from transfer import KVReceiver, KVSender, ucp_iov
+from transfer import KVReceiver, KVSender
 from transfer.mapper import SMALL_RUNS, Fragment
 from transfer.messages import Hello
 from transfer.plan import Chunk
@@ -163,21 +163,21 @@ def test_scattered_host_pages_move_without_staging_copies(monkeypatch: pytest.Mo
     d.assert_clean()
 
 
-@pytest.mark.parametrize("limit_mib", [8, 1])
-def test_a_run_up_to_the_ops_limit_goes_through_the_ops(monkeypatch, limit_mib: int) -> None:
+@pytest.mark.parametrize("host_iov", [True, False])
+def test_a_run_goes_through_our_ucp_messages(monkeypatch, host_iov: bool) -> None:
     """Pages that are one run on both sides (fresh pools; 64 pages, 6 MiB, one chunk) go through
-    IovOps as plain bytes when the run is no longer than ucp_iov.RUN_OPS_MAX_BYTES (their
-    completions reach the loop sooner), else through ucxx. Byte-exact either way."""
+    IovOps as plain bytes on both sides (their completions reach the loop sooner than ucxx's),
+    and through ucxx where the sides make no UCP messages of their own (``host_iov`` off).
+    Byte-exact either way."""
     import transfer.peer
 
-    monkeypatch.setattr(ucp_iov, "RUN_OPS_MAX_BYTES", limit_mib << 20)
     calls = count_copies(monkeypatch)
     for name in ("send_data", "recv_data"):
         real = getattr(transfer.peer.PeerLink, name)
         monkeypatch.setattr(
             transfer.peer.PeerLink, name, lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a)
         )
-    cfg = config(staging_tokens=64, staging_buffers=2, prestage=False)
+    cfg = config(staging_tokens=64, staging_buffers=2, prestage=False, host_iov=host_iov)
     p, d = KVSide(specs(**BIG_PAGES), seed=3), KVSide(specs(**BIG_PAGES), seed=4)
     sender = KVSender(p.kv.buffers, p.specs, MODEL, cfg, p.release)
     receiver = KVReceiver(d.kv.buffers, d.specs, MODEL, cfg)
@@ -186,7 +186,7 @@ def test_a_run_up_to_the_ops_limit_goes_through_the_ops(monkeypatch, limit_mib: 
         calls.clear()
         result = pull_exact(p, d, sender, receiver, "run")
         assert result.stats.chunks == 1
-        own = ["recv_pieces", "send_pieces"] if limit_mib == 8 else ["recv_data", "send_data"]
+        own = ["recv_pieces", "send_pieces"] if host_iov else ["recv_data", "send_data"]
         assert sorted(calls) == own, calls
     finally:
         receiver.close()
