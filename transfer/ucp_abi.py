@@ -121,6 +121,9 @@ class Callbacks:
         self.send = ctypes.cast(lib.duet_ucp_send_done, ctypes.c_void_p).value
         self.recv = ctypes.cast(lib.duet_ucp_recv_done, ctypes.c_void_p).value
         self.overflowed = ctypes.c_int.in_dll(lib, "duet_ucp_overflowed")
+        size = ctypes.c_int64.in_dll(lib, "duet_op_size").value
+        if size != ctypes.sizeof(OpSlot):
+            raise RuntimeError(f"duet_op is {size} bytes, OpSlot {ctypes.sizeof(OpSlot)}")
         lib.duet_ucp_use.argtypes = [_P, _P]
         lib.duet_ucp_use.restype = None
         lib.duet_ucp_use(

@@ -29,6 +29,7 @@ typedef struct {
 } duet_op;
 
 int duet_ucp_overflowed = 0;
+const int64_t duet_op_size = sizeof(duet_op); /* checked against ucp_abi.OpSlot at load */
 static void (*free_request)(void *request);
 static void (*cancel_request)(void *worker, void *request);
 
