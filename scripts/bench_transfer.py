@@ -13,8 +13,9 @@ message listing its pages, ``--no-host-iov`` to stage them as GPUs do: gathered 
 from staging buffers), or one run on one side only (``p-run``, ``d-run``). "direct" is a second decode-side receiver over the same pool that
 reads P's pages itself (CUDA IPC on GPUs, shared memory on the CPU, checked against P's lease
 board: direct_read.py). Each figure is the median of --repeats runs after one warm-up; the variants
-and the raw exchange run interleaved, one of each per repetition, so a busy spell of a shared host
-hits them alike; each ratio is also taken repetition by repetition (``*_paired_vs_*``: the median
+and the raw exchange run interleaved, one of each per repetition in an order that turns by one each
+repetition, so a busy spell of a shared host hits them alike (the JSON keeps every time, in
+``times_s``); each ratio is also taken repetition by repetition (``*_paired_vs_*``: the median
 of the per-repetition ratios, with quartiles in ``*_paired_q_*``). The last run of each size is
 checked: D's pages are overwritten first, then compared with P's by three sums per page, one
 plain and two weighted by byte position (so bytes moved within a page count too). A failed variant
@@ -140,10 +141,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             peer = peer_buffers(size)
         failed: dict[str, str] = {}
         # Interleaved: each repetition runs every variant and the raw exchange back to back, so a
-        # busy spell of a shared host hits them alike (one warm-up repetition first).
+        # busy spell of a shared host hits them alike (one warm-up repetition first); the order
+        # turns by one each repetition, so none always runs first, or right after another's ack.
+        cases = [*variants, None]  # (None: the raw exchange)
         for rep in range(args.repeats + 1):
             last = rep == args.repeats
-            for name, rec, layout, on_loop in variants:
+            for case in cases[rep % len(cases) :] + cases[: rep % len(cases)]:
+                if case is None:
+                    if "raw_ucxx" not in failed:
+                        try:
+                            elapsed = raw_once(runtime, raw_ep, raw_dst, size)
+                            if rep:
+                                times["raw_ucxx"].append(elapsed)
+                        except Exception as e:
+                            failed["raw_ucxx"] = f"{type(e).__name__}: {e}"
+                    continue
+                name, rec, layout, on_loop = case
                 key = f"{name}_{layout}"
                 if key in failed:
                     continue
@@ -157,13 +170,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if rep:
                     times[key].append(elapsed)
                 row[f"{key}_chunks"], row[f"{key}_path"] = result.stats.chunks, result.stats.path
-            if "raw_ucxx" not in failed:
-                try:
-                    elapsed = raw_once(runtime, raw_ep, raw_dst, size)
-                    if rep:
-                        times["raw_ucxx"].append(elapsed)
-                except Exception as e:
-                    failed["raw_ucxx"] = f"{type(e).__name__}: {e}"
             if args.device == "cuda":  # after a round trip to P, as each pull is
                 conn.send(("ping",))
                 conn.recv()
@@ -186,6 +192,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 row[f"{key}_error"] = failed[key]
             else:
                 row[f"{key}_gbps"] = median_gbps(size, ts)
+        row["times_s"] = {key: ts for key, ts in times.items() if key not in failed}
         if args.device == "cuda":
             row["peer_copy_gbps"] = median_gbps(size, peer_copy_times(size, args.repeats))
         elif "direct" in args.paths:

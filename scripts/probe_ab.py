@@ -6,7 +6,9 @@ every switched attribute at its ON value, one with its OFF value (or the other w
 raw ucxx of the same bytes. Scattered pages (``--layout``), UCX path. Prints the median pull
 times, the median of the per-repetition ratios OFF/ON (below 1: OFF is faster) and the quartiles
 of raw/ON and raw/OFF. ``--set`` switches a module attribute of the decode process (this one),
-``--set-p`` one of the prefill process (through its pipe, before each pull).
+``--set-p`` one of the prefill process (through its pipe, before each pull), and ``--config-b``
+sends the OFF pulls through a second receiver of this process whose TransceiverConfig differs in
+the fields named (its own link to P: a setting agreed once per link, as the piece chunk size).
 
     python scripts/probe_ab.py --size-mib 256 --pulls 40 \\
         --set transfer.mapper.SMALL_RUNS 32 10**9 --set transfer.ucp_iov.SMALL_RUNS 32 10**9
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import importlib
 import os
 import statistics
@@ -31,10 +34,13 @@ from transfer_baselines import raw_once, send_stop  # noqa: E402
 from transfer_bench_setup import (  # noqa: E402
     LAYOUTS,
     choose_pages,
+    config,
     cpu_decode_side,
     probe_settings,
     start_prefill,
 )
+
+from transfer import KVReceiver  # noqa: E402
 
 MIB = 1 << 20
 WARM_UP = 2  # repetitions left out of the figures
@@ -76,15 +82,32 @@ def main() -> None:
         metavar=("NAME", "ON", "OFF"),
         help="the same in the prefill process",
     )
+    parser.add_argument(
+        "--config-b",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("FIELD", "VALUE"),
+        help="OFF pulls through a second receiver with this TransceiverConfig field changed",
+    )
     args = parser.parse_args()
-    if not args.set and not args.set_p:
-        parser.error("nothing to switch: give --set or --set-p")
+    if not args.set and not args.set_p and not args.config_b:
+        parser.error("nothing to switch: give --set, --set-p or --config-b")
     sets = settings_of(args.set)
     p_sets = [(name, _value(on), _value(off)) for name, on, off in args.set_p]
     settings = probe_settings("cpu", [args.size_mib])
     conn, child, child_address = start_prefill(settings)
     spec, receiver, raw_ep, raw_dst = cpu_decode_side(settings, args.size_mib, conn, child_address)
     runtime = receiver.runtime
+    receivers = {True: receiver, False: receiver}
+    if args.config_b:
+        changed = {name: _value(value) for name, value in args.config_b}
+        receivers[False] = KVReceiver(
+            {"full": torch.zeros(spec.buffer_shape, dtype=spec.dtype)},
+            [spec],
+            "bench",
+            dataclasses.replace(config(settings, direct_copy=False), **changed),
+        )
     gen = torch.Generator().manual_seed(0)
     n = args.size_mib * MIB // spec.page_bytes
     times: dict[Any, list[float]] = {True: [], False: [], "raw": []}
@@ -100,7 +123,9 @@ def main() -> None:
             conn.send(("publish", f"ab-{rep}-{on}", src))
             ticket = conn.recv()
             start = time.perf_counter()
-            result = receiver.pull_blocking(ticket, {"full": dst}, 0, ticket.declared_prompt_len)
+            result = receivers[on].pull_blocking(
+                ticket, {"full": dst}, 0, ticket.declared_prompt_len
+            )
             elapsed = time.perf_counter() - start
             if not result.ok:
                 raise RuntimeError(result.error)
@@ -113,6 +138,8 @@ def main() -> None:
     conn.send(("stop",))
     conn.recv()
     child.join(60)
+    if receivers[False] is not receiver:
+        receivers[False].close()
     receiver.close()
     ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     off_on = statistics.median(b / a for a, b in zip(times[True], times[False]))
@@ -123,6 +150,7 @@ def main() -> None:
 
     names = [f"{m.__name__}.{a}" for m, a, on, off in sets if on != off]
     names += [f"P {n}" for n, on, off in p_sets if on != off]
+    names += [f"OFF receiver {name}={value}" for name, value in args.config_b]
     print(
         f"{args.size_mib} MiB {args.layout} {names}: ON {ms[True]:.3f} ms, OFF "
         f"{ms[False]:.3f} ms, raw {ms['raw']:.3f} ms; paired OFF/ON {off_on:.3f}; raw/ON q "
