@@ -204,7 +204,16 @@ static int fill_range(int64_t *out, PyObject *ids, Py_ssize_t skip, Py_ssize_t f
     if (check_sequence(ids) < 0) return -1;
     PyObject **items = PySequence_Fast_ITEMS(ids);
     for (Py_ssize_t i = from; i < to; i++) {
-        long long v = PyLong_AsLongLong(items[skip + i]);
+        PyObject *item = items[skip + i];
+        // An int (or a subclass: its value is read in C) or a C-level integer such as numpy's.
+        // A Python class's __index__ would run Python code here: it could change the list under
+        // us, or let another thread into this launcher's shared state.
+        if (!PyLong_Check(item) && PyType_HasFeature(Py_TYPE(item), Py_TPFLAGS_HEAPTYPE)) {
+            PyErr_Format(PyExc_TypeError, "a page id must be an int, not %s",
+                         Py_TYPE(item)->tp_name);
+            return -1;
+        }
+        long long v = PyLong_AsLongLong(item);
         if (v == -1 && PyErr_Occurred()) return -1;
         out[i] = v;
     }

@@ -75,6 +75,30 @@ def test_fill_refuses_what_does_not_fit_and_non_ints(mod) -> None:
     assert out.tolist() == [1, 0, 0, 0]
 
 
+def test_fill_runs_no_python_code_of_an_id(mod) -> None:
+    """Ints, int subclasses and numpy's integers are read in C; an object whose ``__index__`` is
+    Python code (which could change the list being read) is refused before it runs."""
+    import enum
+
+    class Page(enum.IntEnum):
+        ONE = 1
+
+    out = np.zeros(4, dtype=np.int64)
+    assert mod.fill_ids(out.ctypes.data, 4, [Page.ONE, True, np.int64(7), np.uint16(9)], 0) == 4
+    assert out.tolist() == [1, 1, 7, 9]
+    ids: list = [3]
+
+    class Sneaky:
+        def __index__(self) -> int:
+            ids.clear()  # (a list read by C, emptied under it)
+            return 5
+
+    ids.append(Sneaky())
+    with pytest.raises(TypeError, match="Sneaky"):
+        mod.fill_ids(out.ctypes.data, 4, ids, 0)
+    assert len(ids) == 2  # its __index__ never ran
+
+
 def test_scan_finds_bounds_and_repeats(mod) -> None:
     def scan(src: list[int], dst: list[int]) -> tuple[int, ...]:
         a, b = np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64)
