@@ -64,9 +64,9 @@ from transfer_bench_setup import (  # noqa: E402
     format_row,
     gil_load,
     median_gbps,
+    overwrite,
     page_sums,
     paired_ratios,
-    pool_bytes,
     start_prefill,
     sums_of,
 )
@@ -268,14 +268,6 @@ def one_pull(
     if check and page_sums(buf, spec, dst) != sums_of(conn, src):
         raise RuntimeError(f"{layout} {n} pages: the received bytes differ from the sent ones")
     return elapsed, result
-
-
-def overwrite(buf: torch.Tensor, spec: PoolGroupSpec, pages: list[int]) -> None:
-    """Fill D's ``pages`` with a byte no sent page is made of, before a checked pull: a pull that
-    writes nothing must not pass on an earlier run's bytes. Done before the timed pull starts."""
-    pool_bytes(buf, spec)[torch.tensor(pages, device=buf.device)] = 0xA5
-    if buf.is_cuda:
-        torch.cuda.synchronize(buf.device)
 
 
 def hot_pulls(

@@ -133,6 +133,14 @@ def prefill_main(conn: Any, args: argparse.Namespace) -> None:
             return
 
 
+def overwrite(buf: torch.Tensor, spec: PoolGroupSpec, pages: list[int]) -> None:
+    """Fill D's ``pages`` with a byte no sent page is made of, before a checked pull: a pull that
+    writes nothing must not pass on an earlier run's bytes. Done before the timed pull starts."""
+    pool_bytes(buf, spec)[torch.tensor(pages, device=buf.device)] = 0xA5
+    if buf.is_cuda:
+        torch.cuda.synchronize(buf.device)
+
+
 def sums_of(conn: Any, pages: list[int]) -> list[list[int]]:
     """P's page_sums of its ``pages``, asked after the pull that read them: P's answer before a
     pull is the publish alone, as before a timed peer copy (a bare ping), so that both start from
