@@ -18,8 +18,9 @@ writes the slot's address into a non-blocking pipe the loop watches; the loop th
 statuses to their waiters (it looks at every slot if the pipe was ever full). (A Python callback
 there would take the GIL inside the worker's lock: a deadlock with any Python thread holding the
 GIL while it waits for that lock.) Without a C compiler the loop polls UCP instead, every
-``POLL_S`` while requests are out, and frees the requests itself. ucxx's progress thread may sleep in epoll when a request is
-posted from the loop thread; ``ucp_worker_signal`` wakes it. A cancelled wait cancels the UCP
+``POLL_S`` while requests are out, and frees the requests itself, ``FREE_LATER_S`` after it handed
+their statuses over. ucxx's progress thread may sleep in epoll when a request is posted from the
+loop thread; ``ucp_worker_signal`` wakes it. A cancelled wait cancels the UCP
 request, which stays ours (and its pieces UCP's) until UCP says it is done.
 
 Sends go only on an endpoint that has completed a contiguous rendezvous send (the primer of
@@ -65,6 +66,10 @@ from transfer.ucp_abi import (
 )
 
 POLL_S = 100e-6  # without callbacks: how late a completion can be seen
+# Without callbacks, how long after a request's status went to its waiter the loop frees it: right
+# after the report the progress thread often still holds the worker's lock, and the free spins on
+# it (docs/benchmarks/transfer.md, nineteenth pass).
+FREE_LATER_S = 0.005
 GIVE_UP_S = 30.0  # a cancelled request still out this much later is abandoned (see ``cancel``)
 
 
@@ -129,6 +134,7 @@ class IovOps:
         if attr.thread_mode != UCS_THREAD_MODE_MULTI:
             raise UcpIovError(f"UCX worker is not thread-safe (thread mode {attr.thread_mode})")
         self._out: dict[int, _Op] = {}
+        self._to_free: list[int] = []  # finished requests, polled: freed soon (``_free_later``)
         self._given_up: dict[int, float] = {}  # cancelled request's key -> when to stop asking
         self._poller: asyncio.Task | None = None
         self._watching = False
@@ -217,6 +223,7 @@ class IovOps:
             self._cancel(key)
             self._given_up[key] = 0.0  # (``_finish`` abandons what is still out)
         self._finish(list(self._out))
+        self._free_now()
         if self._watching and self._pipe is not None:
             asyncio.get_running_loop().remove_reader(self._pipe[0])
             self._watching = False
@@ -304,7 +311,7 @@ class IovOps:
             status = lib.ucp_request_check_status(op.req)
             if status == UCS_INPROGRESS:
                 return None
-            lib.ucp_request_free(op.req)
+            self._free_later(op.req)
             return status
         assert self._callbacks is not None
         state, status = self._callbacks.state(op.slot)
@@ -313,6 +320,18 @@ class IovOps:
         elif state != OP_FREED:
             return None
         return status
+
+    def _free_later(self, req: int) -> None:
+        """Give ``req`` back to UCP ``FREE_LATER_S`` from now (polling only; ``close`` frees
+        what is left at once)."""
+        if not self._to_free:
+            asyncio.get_running_loop().call_later(FREE_LATER_S, self._free_now)
+        self._to_free.append(req)
+
+    def _free_now(self) -> None:
+        reqs, self._to_free = self._to_free, []
+        for req in reqs:
+            self._lib.ucp_request_free(req)
 
     def _finish(self, keys: list[int]) -> None:
         """Hand each of ``keys`` that UCP has finished to its waiter; fail the waiters of
