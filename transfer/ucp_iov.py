@@ -66,7 +66,7 @@ from transfer.ucp_abi import (
 )
 
 POLL_S = 100e-6  # without callbacks: how late a completion can be seen
-# Without callbacks, how long after a request's status went to its waiter the loop frees it: right
+# How long after a request's status went to its waiter the loop frees it (when it frees): right
 # after the report the progress thread often still holds the worker's lock, and the free spins on
 # it (docs/benchmarks/transfer.md, nineteenth pass).
 FREE_LATER_S = 0.005
@@ -134,15 +134,14 @@ class IovOps:
         if attr.thread_mode != UCS_THREAD_MODE_MULTI:
             raise UcpIovError(f"UCX worker is not thread-safe (thread mode {attr.thread_mode})")
         self._out: dict[int, _Op] = {}
-        self._to_free: list[int] = []  # finished requests, polled: freed soon (``_free_later``)
+        self._to_free: list[int] = []  # finished requests the loop frees soon (``_free_later``)
         self._given_up: dict[int, float] = {}  # cancelled request's key -> when to stop asking
         self._poller: asyncio.Task | None = None
         self._watching = False
         self._callbacks = completion_callbacks()
         self.called_back = self._callbacks is not None
         # send and receive of a piece list, then of one piece as contiguous bytes (UCP's default
-        # datatype): a list on both sides moves slower than one run on either side (2 cores,
-        # docs/benchmarks/transfer.md, eighteenth pass), so a single piece goes as plain bytes.
+        # datatype: a run of pages needs no list for UCP to walk).
         params = [UcpRequestParam() for _ in range(4)]
         for p in params[:2]:
             p.op_attr_mask, p.datatype = UCP_OP_ATTR_FIELD_DATATYPE, UCP_DATATYPE_IOV
@@ -316,14 +315,15 @@ class IovOps:
         assert self._callbacks is not None
         state, status = self._callbacks.state(op.slot)
         if state == OP_ENDED:  # its callback ran while we cancelled it: ours to free
-            lib.ucp_request_free(op.req)
+            self._free_later(op.req)
         elif state != OP_FREED:
             return None
         return status
 
     def _free_later(self, req: int) -> None:
-        """Give ``req`` back to UCP ``FREE_LATER_S`` from now (polling only; ``close`` frees
-        what is left at once)."""
+        """Give ``req`` back to UCP ``FREE_LATER_S`` from now (the requests no callback freed:
+        polled ones, and cancelled ones whose callback left them to us; ``close`` frees what is
+        left at once)."""
         if not self._to_free:
             asyncio.get_running_loop().call_later(FREE_LATER_S, self._free_now)
         self._to_free.append(req)
