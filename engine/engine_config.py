@@ -60,6 +60,9 @@ class EngineConfig:
     """Seed of the sampler's shared generator (requests without their own seed) and of dummy weights."""
     dummy_config: ModelConfig | dict[str, Any] | None = None
     """ModelConfig (or its field dict) for load_format="dummy" without a preset name."""
+    cuda_graphs: bool = True
+    """On CUDA, replay decode steps of up to max_num_seqs requests from CUDA graphs captured at
+    start-up (engine/cuda_graphs.py); False runs every step eagerly. Ignored on CPU, which has none."""
     max_stats_len: int = 1000
     """Stats records kept: -1 unbounded, 0 none, N the last N (per kind: iterations, requests)."""
 
@@ -100,6 +103,8 @@ class EngineConfig:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"{owner}.seed must be an integer, got {self.seed!r}")
         _positive_int(owner, "max_stats_len", self.max_stats_len, minimum=-1)
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"{owner}.cuda_graphs must be true or false, got {self.cuda_graphs!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

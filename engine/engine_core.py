@@ -43,6 +43,7 @@ class LLMEngine:
         seed: int = 0,
         max_stats_len: int = 1000,
         model_name: str = "",
+        cuda_graphs: bool = False,
     ) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -53,6 +54,10 @@ class LLMEngine:
             scheduler_config.page_size, scheduler_config.max_pages_per_seq, kv.device
         )
         self.runner = ModelRunner(model, kv, model_config.num_layers, Sampler(seed, kv.device))
+        if cuda_graphs and kv.device.type == "cuda":
+            self.runner.capture_cuda_graphs(
+                scheduler_config.max_num_seqs, scheduler_config.max_pages_per_seq
+            )
         stop_ids = set(model_config.eos_token_ids) | set(
             tokenizer.stop_token_ids if tokenizer else ()
         )
@@ -110,6 +115,7 @@ class LLMEngine:
             seed=config.seed,
             max_stats_len=config.max_stats_len,
             model_name=loaded.name,
+            cuda_graphs=config.cuda_graphs,
         )
 
     @property

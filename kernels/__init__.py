@@ -19,6 +19,7 @@ from kernels.attention_ref import (
     paged_prefill_attention_ref,
     store_kv_ref,
 )
+from kernels.layer_ops_ref import add_rms_norm_ref, rotary_ref, silu_and_mul_ref
 from kernels.page_copy_ref import copy_pages_ref, gather_pages_ref, scatter_pages_ref
 
 __all__ = [
@@ -34,6 +35,12 @@ __all__ = [
     "gather_pages_ref",
     "scatter_pages_ref",
     "copy_pages_ref",
+    "add_rms_norm",
+    "silu_and_mul",
+    "rotary",
+    "add_rms_norm_ref",
+    "silu_and_mul_ref",
+    "rotary_ref",
     "use_triton",
 ]
 
@@ -129,3 +136,43 @@ def copy_pages(
 
         return impl(src, src_ids, dst, dst_ids, first_row=first_row)
     return copy_pages_ref(src, src_ids, dst, dst_ids, first_row)
+
+
+def add_rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    offset: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm of s, s) where s = x + residual (or x): x, residual [T, H]; see layer_ops_ref."""
+    if use_triton(x):
+        from kernels.layer_ops_triton import add_rms_norm as impl
+    else:
+        impl = add_rms_norm_ref
+    return impl(x, weight, eps, residual, offset)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a stacked gate/up projection [T, 2 * I] -> [T, I]."""
+    if use_triton(gate_up):
+        from kernels.layer_ops_triton import silu_and_mul as impl
+    else:
+        impl = silu_and_mul_ref
+    return impl(gate_up)
+
+
+def rotary(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE of q [T, Hq, D] and k [T, Hk, D] at ``positions`` from cos/sin caches
+    [max_positions, D]; returns new tensors."""
+    if use_triton(q):
+        from kernels.layer_ops_triton import rotary as impl
+    else:
+        impl = rotary_ref
+    return impl(q, k, positions, cos_cache, sin_cache)
