@@ -50,7 +50,10 @@ class LLMEngine:
         self.model_name = model_name
         self.scheduler = Scheduler(scheduler_config, kv)
         self.builder = BatchBuilder(
-            scheduler_config.page_size, scheduler_config.max_pages_per_seq, kv.device
+            scheduler_config.page_size,
+            scheduler_config.max_pages_per_seq,
+            kv.device,
+            list(kv.specs),
         )
         self.runner = ModelRunner(model, kv, model_config.num_layers, Sampler(seed, kv.device))
         stop_ids = set(model_config.eos_token_ids) | set(

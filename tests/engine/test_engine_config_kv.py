@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.engine_config import EngineConfig
-from engine.kv_setup import build_kv_cache, kv_pool_template
+from engine.kv_setup import build_kv_cache, kv_pool_templates
 from engine.model_config import ModelConfig
 from tests.tiny_engine import TINY as TINY_HF
 
@@ -19,13 +19,14 @@ def test_kv_max_tokens_caps_the_pool() -> None:
     )
     uncapped = build_kv_cache(TINY, big, 256).specs["full"].usable_pages
     assert uncapped == 8 * 256 // 16  # max_num_seqs sequences of max_model_len tokens
-    assert build_kv_cache(TINY, capped, 256).specs["full"].usable_pages == 160 // 16
+    assert build_kv_cache(TINY, capped, 128).specs["full"].usable_pages == 160 // 16
 
 
 def test_cpu_budget_sets_the_page_count() -> None:
-    page_bytes = kv_pool_template(TINY, 16, EngineConfig().torch_dtype).page_bytes
-    cfg = EngineConfig(kv_cache_memory_bytes=10 * page_bytes, max_num_seqs=64, page_size=16)
-    assert build_kv_cache(TINY, cfg, 256).specs["full"].num_pages == 10  # the null page counts
+    (template,) = kv_pool_templates(TINY, 16, EngineConfig().torch_dtype)
+    page_bytes = template.page_bytes
+    cfg = EngineConfig(kv_cache_memory_bytes=20 * page_bytes, max_num_seqs=64, page_size=16)
+    assert build_kv_cache(TINY, cfg, 256).specs["full"].num_pages == 20  # the null page counts
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,7 @@ def test_token_budget_and_prefill_chunks_per_step() -> None:
     assert out.requests == [a, b] and out.num_new_tokens == [6, 2] and out.sample == [False, False]
     assert (out.num_prefill_tokens, out.num_decode_tokens) == (8, 0) and changed == []
     assert (a.num_computed_tokens, b.num_computed_tokens) == (6, 2)
-    assert a.page_ids == kv.page_ids("a")["full"] and len(a.page_ids) == 2
+    assert a.page_ids == kv.page_ids("a") and len(a.page_ids["full"]) == 2
 
     out, changed = run_step(sched)  # the rest of both prompts; both sample their first token
     assert out.num_new_tokens == [4, 1] and out.sample == [True, True] and changed == [a, b]
@@ -33,7 +33,7 @@ def test_token_budget_and_prefill_chunks_per_step() -> None:
         0,
         2,
     )
-    assert len(a.page_ids) == 3  # 11 tokens of context
+    assert len(a.page_ids["full"]) == 3  # 11 tokens of context
     for rid in ("a", "b"):
         sched.abort(rid)
     assert_no_leak(kv)
@@ -98,7 +98,7 @@ def test_shared_prefix_in_one_batch_is_computed_once(policy: str) -> None:
     out, _ = run_step(sched)
     assert out.requests == [a, b] and out.num_new_tokens == [1, 3]
     assert b.metrics.num_cached_tokens == 8
-    assert b.page_ids[:2] == a.page_ids[:2]  # the same physical pages
+    assert b.page_ids["full"][:2] == a.page_ids["full"][:2]  # the same physical pages
     while sched.has_unfinished():
         run_step(sched)
     assert_no_leak(kv)
@@ -120,7 +120,7 @@ def test_request_sharing_a_chunked_prefill_waits_for_its_pages_without_blocking_
         assert list(sched.waiting) == ([b] if b.status is RequestStatus.WAITING else [])
     # "b" keeps its place while "a" computes the shared pages; "c" behind it is not held up
     assert steps == [["a", "c"], ["a", "c"], ["a", "c"], ["a", "c", "b"]]
-    assert b.metrics.num_cached_tokens == 12 and b.page_ids[:3] == a.page_ids[:3]
+    assert b.metrics.num_cached_tokens == 12 and b.page_ids["full"][:3] == a.page_ids["full"][:3]
     assert len(sched.inflight) == 0
     sched.abort("b")
     assert_no_leak(kv)
