@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, ConfigError
 from engine.engine_config import EngineConfig
 from engine.engine_core import LLMEngine
+from kvcache.sizing import KVSizingError
 
 
 def engine_config_for(config: ClusterConfig, role: str) -> EngineConfig:
@@ -32,6 +33,8 @@ def engine_config_for(config: ClusterConfig, role: str) -> EngineConfig:
         prefill_chunk_size=pool.scheduler.prefill_chunk_size,
         max_model_len=config.model.max_model_len,
         reuse_policy=kv.reuse_policy,
+        pool_ratio=dict(kv.pool_ratio) if kv.pool_ratio is not None else None,
+        swa_scratch_reuse=kv.swa_scratch_reuse,
         seed=config.model.seed,
         dummy_config=dummy,
         max_stats_len=config.stats.max_stats_len,
@@ -65,4 +68,17 @@ def gpu_device() -> str:
 
 
 def build_engine(config: ClusterConfig, role: str) -> LLMEngine:
-    return LLMEngine.from_config(engine_config_for(config, role))
+    """The worker's engine; a KV cache the config cannot size (a pool_ratio naming groups the
+    model lacks, or a group that cannot hold one max_model_len request) is a ConfigError that
+    names the cluster fields to change."""
+    try:
+        return LLMEngine.from_config(engine_config_for(config, role))
+    except KVSizingError as e:
+        raise ConfigError(f"{role} worker start-up", [f"{_SIZING_FIELDS[e.setting]}: {e}"]) from e
+
+
+# What a kvcache.sizing.KVSizingError asks to change, in the cluster config's words.
+_SIZING_FIELDS = {
+    "pool_ratio": "kvcache.pool_ratio",
+    "budget": "kvcache.num_pages / cpu_bytes / gpu_memory_fraction / pool_ratio, or model.max_model_len",
+}

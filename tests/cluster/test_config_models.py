@@ -184,6 +184,16 @@ def test_kvcache_pool_ratio() -> None:
     assert issues_of({"kvcache": {"pool_ratio": {"full": 0}}}) == [
         "kvcache.pool_ratio: shares must be > 0, got <= 0 for ['full']"
     ]
+    assert issues_of({"kvcache": {"num_pages": 10, "pool_ratio": {"full": 1}}}) == [
+        "kvcache.pool_ratio: splits a memory budget; with num_pages every group gets num_pages "
+        "pages (pick one sizing)"
+    ]
+
+
+def test_kvcache_swa_scratch_reuse() -> None:
+    assert KVCacheConfig().swa_scratch_reuse is False
+    assert KVCacheConfig(swa_scratch_reuse=True).swa_scratch_reuse is True
+    assert issues_of({"kvcache": {"swa_scratch_reuse": "sometimes"}})
 
 
 def test_one_request_must_fit_the_kv_cache() -> None:

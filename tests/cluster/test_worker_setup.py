@@ -1,0 +1,65 @@
+"""From the cluster config to a worker's engine: the KV fields reach the engine's pools, and a
+cache the config cannot size stops the worker with a ConfigError naming the cluster fields."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cluster.config import ConfigError, config_from_dict
+from cluster.worker_setup import build_engine, engine_config_for
+from tests.engine.conftest import HYBRID_HF_CONFIGS, write_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def gemma_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Gemma 3 (5 sliding layers with a window of 32 : 1 full layer)."""
+    root = tmp_path_factory.mktemp("gemma")
+    return write_tiny_checkpoint(root / "gemma3", HYBRID_HF_CONFIGS["gemma3"], seed=3)
+
+
+def cluster(gemma_dir: Path, kvcache: dict) -> object:
+    return config_from_dict(
+        {
+            "model": {"source": str(gemma_dir), "max_model_len": 256},
+            "kvcache": {"page_size": 8, **kvcache},
+            "decode": {"scheduler": {"prefill_chunk_size": 24}},
+        }
+    )
+
+
+def test_pool_ratio_and_scratch_reuse_reach_the_pools(gemma_dir: Path) -> None:
+    kvcache = {
+        "cpu_bytes": 1 << 21,
+        "pool_ratio": {"full": 1, "swa_32": 1},
+        "swa_scratch_reuse": True,
+    }
+    config = cluster(gemma_dir, kvcache)
+    engine_config = engine_config_for(config, "decode")
+    assert engine_config.pool_ratio == {"full": 1, "swa_32": 1}
+    assert engine_config.swa_scratch_reuse
+    kv = build_engine(config, "decode").kv
+    assert kv.swa_scratch_reuse
+    # equal bytes: a full page holds 1 layer, a window page 5
+    assert kv.specs["full"].num_pages == (1 << 20) // kv.specs["full"].page_bytes
+    assert kv.specs["swa_32"].num_pages == (1 << 20) // kv.specs["swa_32"].page_bytes
+
+
+def test_pool_ratio_naming_a_missing_group_stops_the_worker(gemma_dir: Path) -> None:
+    config = cluster(gemma_dir, {"pool_ratio": {"full": 1, "swa_4096": 1}})
+    with pytest.raises(ConfigError) as e:
+        build_engine(config, "prefill")
+    (issue,) = e.value.issues
+    assert issue.startswith("kvcache.pool_ratio: pool_ratio names ['swa_4096']")
+    assert "the model's pool groups are ['full', 'swa_32']" in issue
+
+
+def test_a_group_too_small_for_one_request_stops_the_worker(gemma_dir: Path) -> None:
+    # 1/301 of 16 MiB for the window group: 5 pages of 10 KiB, where one request needs 8 + 1
+    config = cluster(gemma_dir, {"cpu_bytes": 1 << 24, "pool_ratio": {"full": 300, "swa_32": 1}})
+    with pytest.raises(ConfigError) as e:
+        build_engine(config, "decode")
+    (issue,) = e.value.issues
+    assert issue.startswith("kvcache.num_pages / cpu_bytes / gpu_memory_fraction / pool_ratio")
+    assert "group 'swa_32' has 4 usable pages, one request needs 8" in issue
