@@ -31,6 +31,7 @@ class PageTableRows:
         }
         self._num_synced: dict[str, list[int]] = {g: [0] * num_rows for g in groups}
         self._num_nulled: dict[str, list[int]] = {g: [0] * num_rows for g in groups}
+        self._seen: list[dict[str, list[int]] | None] = [None] * num_rows  # last synced page_ids
         self._row_of: dict[str, int] = {}
         self._free_rows: list[int] = list(range(num_rows - 1, -1, -1))
 
@@ -40,15 +41,20 @@ class PageTableRows:
     def row(self, request: Request) -> int:
         """The request's row, created on first use, with its page lists synced in.
 
-        Page lists only grow while a request runs, and a window group's leading entries only turn
-        into the null page (kvcache/request_pages.py); a request whose pages are replaced
-        (preempted, then readmitted) must be released first (``SchedulerOutput.released_ids``).
+        The scheduler gives a request a fresh ``page_ids`` dict after every allocation, so an
+        unchanged dict (the usual decode step) needs no work. Page lists only grow while a request
+        runs, and a window group's leading entries only turn into the null page
+        (kvcache/request_pages.py); a request whose pages are replaced (preempted, then
+        readmitted) must be released first (``SchedulerOutput.released_ids``).
         """
         row = self._row_of.get(request.request_id)
         if row is None:
             row = self._new_row(request.request_id)
-        for g in self.groups:
-            self._sync(g, row, request.page_ids[g], request.request_id)
+        page_ids = request.page_ids
+        if page_ids is not self._seen[row]:
+            for g in self.groups:
+                self._sync(g, row, page_ids[g], request.request_id)
+            self._seen[row] = page_ids
         return row
 
     def _sync(self, g: str, row: int, pages: list[int], request_id: str) -> None:
@@ -79,6 +85,7 @@ class PageTableRows:
         for g in self.groups:
             self.tables[g][row, : self._num_synced[g][row]] = NULL_PAGE
             self._num_synced[g][row] = self._num_nulled[g][row] = 0
+        self._seen[row] = None
         self._free_rows.append(row)
 
     def _new_row(self, request_id: str) -> int:
@@ -90,6 +97,7 @@ class PageTableRows:
                 self.tables[g] = grown
                 self._num_synced[g].extend([0] * old)
                 self._num_nulled[g].extend([0] * old)
+            self._seen.extend([None] * old)
             self._free_rows = list(range(2 * old - 1, old - 1, -1))
         row = self._free_rows.pop()
         self._row_of[request_id] = row

@@ -166,6 +166,14 @@ class KVCacheManager:
                     f"num_computed_tokens={computed} is below the prefix's {taken.num_tokens} tokens"
                 )
         needed = -(-num_total_tokens // self.page_size)
+        if state is not None and not self._windowed:  # full attention only: grow every group
+            grow = needed - state.num_pages
+            if grow > 0:
+                if any(pool.num_free < grow for pool in self._pools.values()):
+                    return False
+                for g, pool in self._pools.items():
+                    state.pages[g].extend(pool.allocate(grow))
+            return True
         plans: dict[str, _GroupPlan] = {}
         for g, pool in self._pools.items():
             plan = self._plan(g, pool, state, taken, computed, needed)
@@ -366,6 +374,8 @@ class KVCacheManager:
         state = self._requests.get(request_id)
         if state is None:
             raise KeyError(f"unknown request {request_id!r} (not allocated, or already freed)")
+        if not self._windowed:
+            return NO_RELEASE
         points = [
             release_point(state.first_live[g], self.specs[g].sliding_window or 0, self.page_size)
             for g in self._windowed

@@ -130,8 +130,11 @@ class PagePool:
                 self.num_evictions += 1
             self._ref_counts[page_id] = 1
             pages.append(page_id)
-        self.peak_used = max(self.peak_used, self.num_used)
-        self.free_low_water = min(self.free_low_water, self.num_plain_free)
+        free = len(self._free_queue)
+        if self.num_usable - free > self.peak_used:
+            self.peak_used = self.num_usable - free
+        if free - self._num_evictable < self.free_low_water:
+            self.free_low_water = free - self._num_evictable
         return pages
 
     def touch(self, page_id: int) -> None:
@@ -164,7 +167,8 @@ class PagePool:
                 else:
                     self._free_queue.append(page_id)
                     self._num_evictable += 1
-        self.peak_evictable = max(self.peak_evictable, self._num_evictable)
+        if self._num_evictable > self.peak_evictable:
+            self.peak_evictable = self._num_evictable
 
     def _check_page(self, page_id: int) -> None:
         if page_id == NULL_PAGE or not 0 < page_id < self.num_pages:

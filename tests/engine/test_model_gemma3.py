@@ -4,6 +4,7 @@ edge, then decoded (as tests/engine/test_model_llama.py does for the Llama famil
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,32 @@ def test_gemma3_bfloat16_within_transformers_own_spread(
     (ref,), (other,) = reference_logits(sdpa, seqs), reference_logits(eager, seqs)
     spread = float((other - ref).abs().max())
     assert 0 < float((ours - ref).abs().max()) <= 1.5 * spread
+
+
+def test_attention_soft_capping_matches_transformers_eager(
+    tiny_hybrid_checkpoints: dict[str, Path],
+) -> None:
+    """Gemma 3 configs leave attn_logit_softcapping null (and transformers' Gemma 3 would not apply
+    it), so the oracle is transformers' eager attention with the cap passed through every layer,
+    as Gemma 2 does; ours takes it from ModelConfig."""
+    from transformers import AutoModelForCausalLM
+
+    directory = tiny_hybrid_checkpoints["gemma3"]
+    loaded = load_model(str(directory))
+    capped = dataclasses.replace(loaded.config, attn_logit_softcapping=0.5)
+    model = Gemma3ForCausalLM.build(capped, torch.float32, "cpu")
+    model.load_state_dict(loaded.model.state_dict())
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    seq = torch.randint(0, TINY_VOCAB, (50,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.inference_mode():
+        plain = hf_model(torch.tensor([seq])).logits[0]
+        ref = hf_model(torch.tensor([seq]), softcap=0.5).logits[0]
+    assert float((plain - ref).abs().max()) > 1.0  # the cap bites
+    kv = PagedKV.allocate(capped, num_pages=12, page_size=8)
+    ours = paged_logits(model, kv, [seq], splits=[20], pages=[[3, 9, 1, 7, 11, 5, 2]])
+    assert_logits_match(ours, [ref], atol=1e-4)
 
 
 def test_gemma3_rejects_a_llama_config(tiny_hybrid_checkpoints: dict[str, Path]) -> None:
