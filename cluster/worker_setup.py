@@ -72,9 +72,22 @@ def build_engine(config: ClusterConfig, role: str) -> LLMEngine:
     model lacks, or a group that cannot hold one max_model_len request) is a ConfigError that
     names the cluster fields to change."""
     try:
-        return LLMEngine.from_config(engine_config_for(config, role))
+        engine = LLMEngine.from_config(engine_config_for(config, role))
     except KVSizingError as e:
         raise ConfigError(f"{role} worker start-up", [f"{_SIZING_FIELDS[e.setting]}: {e}"]) from e
+    windows = sorted(g for g, spec in engine.kv.specs.items() if spec.sliding_window is not None)
+    if windows and not config.aggregated:
+        # A ticket would carry a window group's released positions as null pages, which D would
+        # then commit for reuse: refused until the transfer moves pools group by group.
+        raise ConfigError(
+            f"{role} worker start-up",
+            [
+                f"prefill.replicas: the model has sliding-window KV pool groups {windows}; "
+                "disaggregated serving of such models is not supported yet (the KV transfer is "
+                "full-attention only): set prefill.replicas to 0 (aggregated)"
+            ],
+        )
+    return engine
 
 
 # What a kvcache.sizing.KVSizingError asks to change, in the cluster config's words.

@@ -19,11 +19,12 @@ def gemma_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_checkpoint(root / "gemma3", HYBRID_HF_CONFIGS["gemma3"], seed=3)
 
 
-def cluster(gemma_dir: Path, kvcache: dict) -> object:
+def cluster(gemma_dir: Path, kvcache: dict, prefill_replicas: int = 0) -> object:
     return config_from_dict(
         {
             "model": {"source": str(gemma_dir), "max_model_len": 256},
             "kvcache": {"page_size": 8, **kvcache},
+            "prefill": {"replicas": prefill_replicas},
             "decode": {"scheduler": {"prefill_chunk_size": 24}},
         }
     )
@@ -63,3 +64,9 @@ def test_a_group_too_small_for_one_request_stops_the_worker(gemma_dir: Path) -> 
     (issue,) = e.value.issues
     assert issue.startswith("kvcache.num_pages / cpu_bytes / gpu_memory_fraction / pool_ratio")
     assert "group 'swa_32' has 4 usable pages, one request needs 8" in issue
+
+
+def test_hybrid_models_are_refused_in_disaggregated_mode(gemma_dir: Path) -> None:
+    config = cluster(gemma_dir, {}, prefill_replicas=1)
+    with pytest.raises(ConfigError, match=r"sliding-window KV pool groups \['swa_32'\]"):
+        build_engine(config, "prefill")
