@@ -136,3 +136,16 @@ def test_scratch_reuse_keeps_tokens_and_leaves_no_trail(
     # Without scratch reuse every page that left a window stays cached; with it only the last
     # window of each prompt (and what decode added) does.
     assert trails[True] < trails[False]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_equals_transformers_on_gpu(
+    name: str, tiny_hybrid_checkpoints: dict[str, Path], oracle: Oracle
+) -> None:
+    """The Triton kernels read window groups whose released positions show the null page."""
+    llm = LLM(str(tiny_hybrid_checkpoints[name]), device="cuda", num_pages=200, **BASE)
+    check(llm, name, oracle, prompts())
+    assert llm.engine.kv.stats().groups[f"swa_{HYBRID_WINDOW}"].evictable > 0
+    assert_no_leak(llm.engine.kv)
