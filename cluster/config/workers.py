@@ -104,9 +104,33 @@ class PrefillPoolConfig(PoolConfig):
         ge=0,
         description="Prefill workers; 0 = aggregated mode (decode workers prefill locally).",
     )
+    prefill_deadline_s: float = Field(
+        300.0,
+        gt=0,
+        description=(
+            "Longest a prefill worker works on one prompt (queue and prefill) before it aborts it "
+            "and tells the router, which retries on another prefill worker (router.prefill_retries)."
+        ),
+    )
 
 
 class DecodePoolConfig(PoolConfig):
     """Decode workers: receive the KV cache and generate; in aggregated mode they prefill too."""
 
     replicas: int = Field(1, ge=1, description="Decode workers (at least one).")
+    page_wait_deadline_s: float = Field(
+        60.0,
+        gt=0,
+        description=(
+            "Longest a transferred request waits for free KV pages on a decode worker before it "
+            "fails with an error naming this field."
+        ),
+    )
+    token_deadline_s: float = Field(
+        300.0,
+        gt=0,
+        description=(
+            "Longest a decode worker waits for a request's next token (its first, when it "
+            "prefills locally) before it aborts the request with an error."
+        ),
+    )

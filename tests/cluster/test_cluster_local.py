@@ -29,7 +29,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def running() -> Any:
-    rc = start_cluster(local_config())
+    rc = start_cluster(local_config(stats={"interval_s": 0.5}))
     yield rc
     rc.stop()
 
@@ -198,9 +198,18 @@ def test_metrics_and_perf_metrics(running, client, model_name) -> None:
     ttft = families["duet:time_to_first_token_seconds"]
     count = [s.value for s in ttft.samples if s.name.endswith("_count")]
     assert count and count[0] >= n
-    stats = get_json(running.url, "/iteration_stats")
-    assert set(stats) == {"prefill-0", "decode-0"}
-    assert all(isinstance(v, list) for v in stats.values())
+    # Iteration stats reach the server in the background (every stats.interval_s): after requests
+    # ran, both workers' steps are there, numbered from where the last read stopped.
+    deadline = time.monotonic() + 30
+    iterations: list[dict[str, Any]] = []
+    while {r["worker_id"] for r in iterations} != {"prefill-0", "decode-0"}:
+        assert time.monotonic() < deadline, f"iteration stats seen: {len(iterations)}"
+        iterations += get_json(running.url, "/iteration_stats")
+        time.sleep(0.2)
+    for worker_id in ("prefill-0", "decode-0"):
+        steps = [r["iteration"] for r in iterations if r["worker_id"] == worker_id]
+        assert steps == sorted(set(steps)) and steps[0] >= 1
+        assert all(r["kv"]["groups"]["full"]["total"] > 0 for r in iterations)
 
 
 def test_health_and_models(running, model_name) -> None:
@@ -243,12 +252,12 @@ def test_prefill_actor_killed_mid_request(running, client, model_name) -> None:
 
 def test_decode_actor_restart_is_survived(running, client, model_name) -> None:
     decode = running.handles.decode[0].handle
-    old_pid = ray.get(decode.stats.remote())["pid"]
+    old_pid = ray.get(decode.stats.remote()).pid
     ray.kill(decode, no_restart=False)
     deadline = time.monotonic() + 180
     while True:  # the restarted actor reloads the model; a new pid says it is back
         try:
-            if ray.get(decode.stats.remote(), timeout=5)["pid"] != old_pid:
+            if ray.get(decode.stats.remote(), timeout=5).pid != old_pid:
                 break
         except Exception:
             pass

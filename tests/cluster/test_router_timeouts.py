@@ -12,8 +12,9 @@ import pytest
 import ray
 
 from cluster.router import Router, WorkerSlot
-from engine.worker_messages import GenerateRequest
+from engine.sampling_params import SamplingParams
 from tests.cluster.cluster_fixtures import local_ray as start_local_ray
+from worker_common.messages import GenerateRequest
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,7 @@ def test_a_timed_out_prefill_is_cancelled_on_its_worker(local_ray: None) -> None
     worker = StuckPrefill.remote()
     slot = WorkerSlot("p-0", handle=worker)
     router = Router([slot], [WorkerSlot("d-0", handle=None)], prefill_retries=0, call_timeout_s=0.5)
-    req = GenerateRequest("late-1", [1, 2, 3], {}, time.time())
+    req = GenerateRequest("late-1", [1, 2, 3], SamplingParams(), time.time())
     pre, where = asyncio.run(router._prefill(req))
     assert (pre, where) == (None, None)  # the local fallback takes it from here
     assert not slot.healthy and slot.failures == 1 and slot.outstanding == 0

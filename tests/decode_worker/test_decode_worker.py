@@ -9,9 +9,9 @@ import time
 import pytest
 
 from decode_worker.worker import DecodeWorker
-from engine.worker_messages import GenerateRequest, PrefillResult
 from tests.tiny_engine import PAGE, greedy, tiny_engine
 from transfer import KVReceiver, TransceiverConfig
+from worker_common.messages import GenerateRequest, PrefillResult, WorkerDeadlines
 
 
 async def held_pages(worker: DecodeWorker) -> int:
@@ -56,7 +56,7 @@ def test_disconnect_while_waiting_for_pages_leaves_nothing_held() -> None:
     receiver = KVReceiver(
         engine.kv.buffers, list(engine.kv.specs.values()), "tiny", TransceiverConfig()
     )
-    worker = DecodeWorker("d0", engine, receiver, gen_init_deadline_s=30)
+    worker = DecodeWorker("d0", engine, receiver, deadlines=WorkerDeadlines(page_wait_s=30))
 
     async def main() -> None:
         assert await asyncio.wrap_future(
@@ -134,7 +134,7 @@ def test_a_failed_transfer_frees_the_pages_and_counts_once() -> None:
 
         (failed,) = await decode("closed", close_receiver)  # the pull cannot even start
         assert "KVReceiver is closed" in failed.error
-        assert worker.stats()["transfer_failures"] == 2  # (what the export counts, once each)
+        assert worker.stats().transfer.failures == 2  # (what the export counts, once each)
 
     try:
         asyncio.run(main())

@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from engine.worker_messages import GenerateRequest
 from prefill_worker.worker import PrefillError, PrefillWorker
 from tests.tiny_engine import greedy, tiny_engine
 from transfer import KVSender, TransceiverConfig
+from worker_common.messages import GenerateRequest
 
 
 def make_worker() -> PrefillWorker:
