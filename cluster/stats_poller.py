@@ -40,7 +40,7 @@ class StatsPoller:
         self._iterations = {w.worker_id: StatsBuffer[Any](max_stats_len) for w in workers}
         self._transfers = {w.worker_id: StatsBuffer[Any](max_stats_len) for w in workers}
         self._tasks: list[asyncio.Task[None]] = []
-        self.num_polls = 0
+        self.polls = {w.worker_id: 0 for w in workers}  # batches taken per worker
 
     def start(self) -> None:
         """Start one poll task per worker on the running event loop (once)."""
@@ -77,7 +77,7 @@ class StatsPoller:
                 iterations.append(it)
             for t in batch.transfers:
                 transfers.append(t)
-            self.num_polls += 1
+            self.polls[w.worker_id] += 1
         w.last_stats = batch.stats
         w.healthy = batch.stats.healthy
         w.free_pages = batch.stats.free_pages
