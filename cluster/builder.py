@@ -63,23 +63,27 @@ class ClusterHandles:
 
 def _actor_options(config: ClusterConfig, role: str, index: int) -> dict[str, Any]:
     pool = config.prefill if role == "prefill" else config.decode
-    r = pool.resources
     options: dict[str, Any] = {
-        "num_cpus": r.num_cpus,
-        "num_gpus": r.num_gpus,
+        **pool.resources.ray_actor_options,  # num_cpus, num_gpus, resources, label_selector
         "max_restarts": 3,  # a crashed worker comes back (a new UCX address, so new tickets)
         "max_task_retries": 0,  # the router decides about retries, never Ray
         "max_concurrency": 1000,
     }
-    if r.num_gpus > 0 and config.transfer.direct_copy and not config.aggregated:
+    if pool.resources.num_gpus > 0 and config.transfer.direct_copy and not config.aggregated:
         # Every GPU of the node visible to the worker (it picks its own by Ray's GPU id), so the
         # prefill worker can open the decode worker's pool through CUDA IPC (transfer/ipc.py).
         options["runtime_env"] = {"env_vars": {NOSET_VISIBLE_DEVICES: "1"}}
-    if r.resources:
-        options["resources"] = dict(r.resources)
-    if r.label_selector:
-        options["label_selector"] = dict(r.label_selector)
     return options
+
+
+def start_collector(config: ClusterConfig, name: str) -> Any:
+    """The perf-metrics collector actor of ``config``, named ``name`` in the job's namespace."""
+    return start_collector_actor(
+        expected_roles_for(config.aggregated),
+        max_records_per_worker=config.stats.perf_buffer_len,
+        max_pending=config.stats.max_pending_joins,
+        name=name,
+    )
 
 
 def build_cluster(
@@ -90,12 +94,7 @@ def build_cluster(
     # Workers find the collector by this name (a name, not a handle in their constructor
     # arguments: worker_common/actor_base.py says why).
     collector_name = f"duet-collector-{uuid.uuid4().hex[:12]}"
-    collector = start_collector_actor(
-        expected_roles_for(config.aggregated),
-        max_records_per_worker=config.stats.perf_buffer_len,
-        max_pending=config.stats.max_pending_joins,
-        name=collector_name,
-    )
+    collector = start_collector(config, collector_name)
     handles = ClusterHandles(config, collector)
     try:
         for i in range(config.prefill.replicas):

@@ -17,7 +17,12 @@ class WorkerResources(Section):
 
     num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves per worker.")
     num_gpus: float = Field(
-        0.0, ge=0, description="GPUs per worker: 0 on CPU; a fraction below 1 shares a GPU."
+        0.0,
+        ge=0,
+        description=(
+            "GPUs per worker: 0 on CPU; a fraction below 1 shares a GPU. More than 1 (tensor "
+            "parallelism) is not supported yet."
+        ),
     )
     resources: dict[str, float] = Field(
         default_factory=dict,
@@ -30,9 +35,12 @@ class WorkerResources(Section):
 
     @field_validator("num_gpus")
     @classmethod
-    def _whole_gpus_above_one(cls, value: float) -> float:
-        if value > 1 and not value.is_integer():
-            raise ValueError(f"must be a whole number when above 1 (Ray's rule), got {value}")
+    def _one_gpu_at_most(cls, value: float) -> float:
+        if value > 1:
+            raise ValueError(
+                f"not supported yet: a worker uses at most 1 GPU until tensor parallelism "
+                f"lands, got {value}"
+            )
         return value
 
     @field_validator("resources")

@@ -28,17 +28,45 @@ INTERVAL_S = 0.2
 N = 3  # the bounded case
 
 
+NAMESPACE = "duet-stats-test"
+SERVED_AS = "duet-stats-model"
+
+
 @pytest.fixture(scope="module")
 def cluster(request: pytest.FixtureRequest) -> Any:
     value = request.param
     rc = start_cluster(
         local_config(
-            stats={"max_stats_len": value, "perf_buffer_len": value, "interval_s": INTERVAL_S}
+            stats={"max_stats_len": value, "perf_buffer_len": value, "interval_s": INTERVAL_S},
+            model={"served_model_name": SERVED_AS},
+            ray={"namespace": NAMESPACE, "runtime_env": {"env_vars": {"DUET_TEST_MARK": "42"}}},
         )
     )
     rc.buffer_len = value
     yield rc
     rc.stop()
+
+
+@pytest.mark.parametrize("cluster", [-1], indirect=True)
+def test_the_cluster_runs_where_and_as_its_config_says(cluster: Any) -> None:
+    """model.served_model_name names the model in the API; server.host is the address the server
+    binds; ray.namespace and ray.runtime_env are the Ray job's (the workers run in it)."""
+    assert get_json(cluster.url, "/v1/models")["data"][0]["id"] == SERVED_AS
+    r = httpx.post(
+        cluster.url + "/v1/completions",
+        json={"model": "SmolLM2-135M-Instruct", "prompt": "hi", "max_tokens": 1},
+        timeout=60,
+    )
+    assert r.status_code == 404 and SERVED_AS in r.json()["error"]["message"]
+    host = cluster._server.servers[0].sockets[0].getsockname()[0]
+    assert host == cluster.handles.config.server.host == "127.0.0.1"
+    context = ray.get_runtime_context()
+    assert context.namespace == NAMESPACE
+    assert context.runtime_env["env_vars"] == {"DUET_TEST_MARK": "42"}
+    collectors = [
+        a for a in ray.util.list_named_actors(all_namespaces=True) if "collector" in a["name"]
+    ]
+    assert [a["namespace"] for a in collectors] == [NAMESPACE]
 
 
 def slots(rc: Any) -> list[Any]:

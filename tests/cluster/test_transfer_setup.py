@@ -13,24 +13,25 @@ from transfer import TransceiverConfig
 
 
 def test_every_transfer_setting_reaches_the_transceiver() -> None:
-    section = {
-        "staging_tokens": 64,
-        "staging_buffers": 2,
-        "piece_chunk_tokens": 256,
-        "direct_copy": False,
-        "lease_s": 40.0,
-        "connect_deadline_s": 3.0,
-        "pull_deadline_s": 4.0,
-        "chunk_deadline_s": 5.0,
-        "done_deadline_s": 6.0,
-        "ack_deadline_s": 7.0,
-        "host": "127.0.0.2",
-        "port": 5555,
-        "progress_mode": "thread-polling",
-        "ucx_tls": ["tcp", "self"],
-        "ucx_net_devices": "lo",
-        "ucx_env": {"UCX_RNDV_THRESH": 8192},
+    dotted = {
+        "transfer.staging_tokens": 64,
+        "transfer.staging_buffers": 2,
+        "transfer.piece_chunk_tokens": 256,
+        "transfer.direct_copy": False,
+        "transfer.lease_s": 40.0,
+        "transfer.connect_deadline_s": 3.0,
+        "transfer.pull_deadline_s": 4.0,
+        "transfer.chunk_deadline_s": 5.0,
+        "transfer.done_deadline_s": 6.0,
+        "transfer.ack_deadline_s": 7.0,
+        "transfer.host": "127.0.0.2",
+        "transfer.port": 5555,
+        "transfer.progress_mode": "thread-polling",
+        "transfer.ucx_tls": ["tcp", "self"],
+        "transfer.ucx_net_devices": "lo",
+        "transfer.ucx_env": {"UCX_RNDV_THRESH": 8192},
     }
+    section = {path.removeprefix("transfer."): value for path, value in dotted.items()}
     got = transceiver_config(config_from_dict({"transfer": section, "stats": {"max_stats_len": 9}}))
     expected = {**section, "ucx_tls": None, "ucx_net_devices": None, "ucx_env": None}
     for name, value in expected.items():
