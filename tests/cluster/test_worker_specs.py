@@ -3,7 +3,6 @@ and the engine built from it; the Ray options of each pool; the router's setting
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import pytest
@@ -195,8 +194,3 @@ def test_the_router_gets_the_router_and_server_settings() -> None:
     r = handles.router()
     assert (r.policy, r.prefill_retries, r.local_prefill_fallback) == ("round_robin", 3, False)
     assert (r.call_timeout_s, r.page_size) == (42.0, 32)
-
-
-def test_specs_are_plain_data() -> None:
-    spec = worker_spec(config_from_dict({}), Role.PREFILL, 0, None)
-    assert dataclasses.is_dataclass(spec) and dataclasses.replace(spec) == spec
