@@ -70,6 +70,7 @@ def test_the_collector_of_a_config_keeps_stats_max_pending_joins_partial_joins(
     from cluster.builder import start_collector
     from cluster.config import config_from_dict
 
+    # stats.max_pending_joins: partial joins kept waiting for their other role.
     config = config_from_dict({"stats": {"max_pending_joins": 2, "perf_buffer_len": 5}})
     collector = start_collector(config, "collector-of-a-config")
     # Three requests handed off by P whose decode report never comes: the oldest is dropped.
