@@ -41,7 +41,12 @@ class ServerConfig(Section):
         None, description="Bearer token clients must send; None = no authentication."
     )
     request_timeout_s: float = Field(
-        600.0, gt=0, description="Longest a request may take before it is aborted."
+        600.0,
+        gt=0,
+        description=(
+            "Longest a request may take from its arrival at the router; then it is aborted on "
+            "every worker and the client gets an error."
+        ),
     )
 
 

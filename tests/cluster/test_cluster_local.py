@@ -282,17 +282,35 @@ def test_non_streaming_request_of_a_client_that_left_is_aborted(running, model_n
 def test_metrics_and_perf_metrics(running, client, model_name) -> None:
     get_json(running.url, "/perf_metrics")  # drain what earlier tests left
     n = 3
-    for i in range(n):
+    shared = "Here is a long preamble that every request of this test shares, word for word. " * 3
+    answers = [
         client.completions.create(
-            model=model_name, prompt=f"Count to {i + 3}:", max_tokens=6, temperature=0
+            model=model_name,
+            prompt=f"{shared}Count to {i + 3}:",
+            max_tokens=6,
+            temperature=0,
+            extra_body={"ignore_eos": True},
         )
+        for i in range(n)
+    ]
     deadline = time.monotonic() + 30
     records: list[dict[str, Any]] = []
     while len(records) < n and time.monotonic() < deadline:
         records += get_json(running.url, "/perf_metrics")
         time.sleep(0.2)
     assert len(records) == n
-    assert len({r["request_id"] for r in records}) == n
+    assert {r["request_id"] for r in records} == {a.id for a in answers}
+    by_id = {r["request_id"]: r for r in records}
+    for i, answer in enumerate(answers):
+        rec = by_id[answer.id]
+        # Per-request KV stats: the prompt, and what the prefill worker's prefix cache served
+        # (the shared preamble's full pages, from the second request on).
+        assert rec["prompt_tokens"] == answer.usage.prompt_tokens
+        cached = rec["cached_tokens"]
+        assert (cached == 0) if i == 0 else (16 <= cached < rec["prompt_tokens"])
+        assert rec["cached_tokens_by_medium"] == ({"device": cached} if cached else {})
+        assert rec["output_tokens"] == 6 and rec["finish_reason"] == "length"
+        assert rec["decode_time"] > 0 and rec["prefill_time"] > 0 and rec["transfer_time"] > 0
     for rec in records:
         assert rec["prefill"] is not None and rec["decode"] is not None
         assert rec["transfer_bytes"] > 0
