@@ -172,12 +172,20 @@ def test_iteration_stats_carry_the_intervals_kv_peak(cluster: Any) -> None:
     for r in short:
         group = r["kv"]["groups"]["full"]
         assert group["peak_used"] >= group["used"]
-    text = httpx.get(cluster.url + "/metrics", timeout=30).text
-    peaks = [
-        line for line in text.splitlines() if line.startswith("duet:kv_cache_peak_usage_perc{")
-    ]
-    assert len(peaks) == 2  # one per worker, the last complete interval's (idle now: 0)
-    assert all(float(line.rsplit(" ", 1)[1]) == 0.0 for line in peaks)
+
+    def peaks() -> list[float]:
+        text = httpx.get(cluster.url + "/metrics", timeout=30).text
+        prefix = "duet:kv_cache_peak_usage_perc{"
+        return [
+            float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix)
+        ]
+
+    # One gauge per worker: the last complete interval's peak, back to 0 once an interval passed
+    # with nothing held (a peak that never reset would stay up).
+    deadline = time.monotonic() + 30
+    while peaks() != [0.0, 0.0]:
+        assert len(peaks()) == 2 and time.monotonic() < deadline, peaks()
+        time.sleep(INTERVAL_S)
     stats = ray.get([w.handle.stats.remote() for w in slots(cluster)], timeout=30)
     assert all(s.kv_interval is not None for s in stats)
 
