@@ -277,3 +277,24 @@ def test_a_worker_whose_stats_call_hangs_delays_no_other_and_loses_nothing(clust
         # decode-0's steps of the request were drained into the held batch: none is lost.
         assert got == list(range(start[worker_id] + 1, end[worker_id] + 1)), worker_id
     assert end["decode-0"] > start["decode-0"]
+
+
+@pytest.mark.parametrize("cluster", [-1], indirect=True)
+def test_records_collected_from_a_worker_that_died_are_kept(cluster: Any) -> None:
+    """What the server took from decode-0 before it died is still there after; the other worker's
+    records keep coming. (Ray restarts decode-0; the wait at the end covers its reload.)"""
+    start = settle(cluster)
+    get_json(cluster.url, "/iteration_stats")
+    complete(cluster, "The capital of France is", max_tokens=4)
+    end = settle(cluster)  # decode-0's steps are in the server's buffer now, not yet read
+    ray.kill(cluster.handles.decode[0].handle, no_restart=False)
+    time.sleep(25 * INTERVAL_S)  # the poller meets the dead (restarting) actor meanwhile
+    records = by_worker(get_json(cluster.url, "/iteration_stats"))
+    for worker_id in ("prefill-0", "decode-0"):
+        got = [r["iteration"] for r in records[worker_id]]
+        assert got == list(range(start[worker_id] + 1, end[worker_id] + 1)), worker_id
+    assert (
+        not cluster.frontend.router.decode[0].healthy
+        or cluster.frontend.router.decode[0].last_stats
+    )
+    wait_no_pages_held(cluster, timeout_s=180)
