@@ -134,8 +134,8 @@ class Router:
         tried: set[str] = set()
         for attempt in range(1 + self.prefill_retries):
             w = self._pick_prefill(req, tried)
-            if w is None:
-                break
+            if w is None or self._left_s(req) <= 0:
+                break  # (out of time: no worker is to blame, none is marked unhealthy)
             tried.add(w.worker_id)
             w.outstanding += 1
             try:

@@ -151,3 +151,11 @@ def test_router_prefill_retries(local_ray: None, retries: int) -> None:
     assert asyncio.run(router._prefill(req)) == (None, None)
     assert sum(w.failures for w in broken) == retries + 1
     assert router.num_prefill_retries == retries
+
+
+def test_a_request_out_of_time_blames_no_prefill_worker(local_ray: None) -> None:
+    workers = [WorkerSlot(f"p-{i}", handle=FailingPrefill.remote()) for i in range(2)]
+    router = Router(workers, [WorkerSlot("d-0", None)], prefill_retries=1, call_timeout_s=1.0)
+    late = GenerateRequest("late-2", [1, 2, 3], SamplingParams(), time.time() - 5)
+    assert asyncio.run(router._prefill(late)) == (None, None)
+    assert all(w.healthy and w.failures == 0 for w in workers)
