@@ -1,5 +1,5 @@
-"""From the cluster config to a worker's engine: the KV fields reach the engine's pools, and a
-cache the config cannot size stops the worker with a ConfigError naming the cluster fields."""
+"""A worker's engine from its spec: the KV fields of the cluster config reach the engine's pools,
+and a cache the config cannot size stops the worker with a ConfigError naming the cluster fields."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from cluster.config import ConfigError, config_from_dict
-from cluster.worker_setup import build_engine, engine_config_for
+from cluster.config import ClusterConfig, ConfigError, config_from_dict
+from cluster.worker_specs import worker_spec
 from tests.engine.conftest import HYBRID_HF_CONFIGS, write_tiny_checkpoint
+from worker_common.engine_setup import build_engine
+from worker_common.messages import Role
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +21,7 @@ def gemma_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_checkpoint(root / "gemma3", HYBRID_HF_CONFIGS["gemma3"], seed=3)
 
 
-def cluster(gemma_dir: Path, kvcache: dict, prefill_replicas: int = 0) -> object:
+def cluster(gemma_dir: Path, kvcache: dict, prefill_replicas: int = 0) -> ClusterConfig:
     return config_from_dict(
         {
             "model": {"source": str(gemma_dir), "max_model_len": 256},
@@ -36,11 +38,11 @@ def test_pool_ratio_and_scratch_reuse_reach_the_pools(gemma_dir: Path) -> None:
         "pool_ratio": {"full": 1, "swa_32": 1},
         "swa_scratch_reuse": True,
     }
-    config = cluster(gemma_dir, kvcache)
-    engine_config = engine_config_for(config, "decode")
-    assert engine_config.pool_ratio == {"full": 1, "swa_32": 1}
-    assert engine_config.swa_scratch_reuse
-    kv = build_engine(config, "decode").kv
+    spec = worker_spec(cluster(gemma_dir, kvcache), Role.DECODE, 0, None)
+    # kvcache.pool_ratio and kvcache.swa_scratch_reuse reach the engine config, then the pools
+    assert spec.engine.pool_ratio == {"full": 1, "swa_32": 1}
+    assert spec.engine.swa_scratch_reuse
+    kv = build_engine(spec).kv
     assert kv.swa_scratch_reuse
     # equal bytes: a full page holds 1 layer, a window page 5
     assert kv.specs["full"].num_pages == (1 << 20) // kv.specs["full"].page_bytes
@@ -50,7 +52,8 @@ def test_pool_ratio_and_scratch_reuse_reach_the_pools(gemma_dir: Path) -> None:
 def test_pool_ratio_naming_a_missing_group_stops_the_worker(gemma_dir: Path) -> None:
     config = cluster(gemma_dir, {"pool_ratio": {"full": 1, "swa_4096": 1}})
     with pytest.raises(ConfigError) as e:
-        build_engine(config, "prefill")
+        build_engine(worker_spec(config, Role.DECODE, 0, None))
+    assert e.value.source == "decode-0 start-up"
     (issue,) = e.value.issues
     assert issue.startswith("kvcache.pool_ratio: pool_ratio names ['swa_4096']")
     assert "the model's pool groups are ['full', 'swa_32']" in issue
@@ -60,7 +63,7 @@ def test_a_group_too_small_for_one_request_stops_the_worker(gemma_dir: Path) -> 
     # 1/301 of 16 MiB for the window group: 5 pages of 10 KiB, where one request needs 8 + 1
     config = cluster(gemma_dir, {"cpu_bytes": 1 << 24, "pool_ratio": {"full": 300, "swa_32": 1}})
     with pytest.raises(ConfigError) as e:
-        build_engine(config, "decode")
+        build_engine(worker_spec(config, Role.DECODE, 0, None))
     (issue,) = e.value.issues
     assert issue.startswith("kvcache.num_pages / cpu_bytes / gpu_memory_fraction / pool_ratio")
     assert "group 'swa_32' has 4 usable pages, one request needs 8" in issue
@@ -68,5 +71,8 @@ def test_a_group_too_small_for_one_request_stops_the_worker(gemma_dir: Path) -> 
 
 def test_hybrid_models_are_refused_in_disaggregated_mode(gemma_dir: Path) -> None:
     config = cluster(gemma_dir, {}, prefill_replicas=1)
-    with pytest.raises(ConfigError, match=r"sliding-window KV pool groups \['swa_32'\]"):
-        build_engine(config, "prefill")
+    for role in Role:
+        with pytest.raises(ConfigError, match=r"sliding-window KV pool groups \['swa_32'\]"):
+            build_engine(worker_spec(config, role, 0, None))
+    aggregated = cluster(gemma_dir, {}, prefill_replicas=0)
+    assert build_engine(worker_spec(aggregated, Role.DECODE, 0, None)).kv.specs["swa_32"]
