@@ -35,6 +35,7 @@ class DecodeGraphs:
         self,
         model: torch.nn.Module,  # engine.runner.PagedCausalLM
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        groups: list[str],
         max_num_seqs: int,
         max_pages_per_seq: int,
         device: torch.device,
@@ -49,8 +50,11 @@ class DecodeGraphs:
         with torch.device(device):
             self.input_ids = torch.zeros(n, dtype=torch.int64)
             self.positions = torch.zeros(n, dtype=torch.int64)
-            self.slot_mapping = torch.full((n,), -1, dtype=torch.int64)
-            self.page_table = torch.zeros((n, max_pages_per_seq), dtype=torch.int32)
+            # one slot mapping and page table per KV pool group (full; each window size)
+            self.slot_mappings = {g: torch.full((n,), -1, dtype=torch.int64) for g in groups}
+            self.page_tables = {
+                g: torch.zeros((n, max_pages_per_seq), dtype=torch.int32) for g in groups
+            }
             self.seq_lens = torch.ones(n, dtype=torch.int32)
             self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32)
             self.logits_indices = torch.arange(n, dtype=torch.int64)
@@ -61,8 +65,8 @@ class DecodeGraphs:
         return ForwardBatch(
             input_ids=self.input_ids[:size],
             positions=self.positions[:size],
-            slot_mapping=self.slot_mapping[:size],
-            page_table=self.page_table[:size],
+            slot_mappings={g: t[:size] for g, t in self.slot_mappings.items()},
+            page_tables={g: t[:size] for g, t in self.page_tables.items()},
             seq_lens=self.seq_lens[:size],
             cu_seqlens_q=self.cu_seqlens_q[: size + 1],
             max_query_len=1,
@@ -98,7 +102,9 @@ class DecodeGraphs:
         b = batch.num_seqs
         if not batch.is_decode_only or b > self.sizes[-1] or batch.logits_indices.shape[0] != b:
             return None
-        if batch.page_table.shape[1] > self.page_table.shape[1]:
+        if batch.page_tables.keys() != self.page_tables.keys() or any(
+            t.shape[1] > self.page_tables[g].shape[1] for g, t in batch.page_tables.items()
+        ):
             return None
         return next(s for s in self.sizes if s >= b)
 
@@ -108,16 +114,17 @@ class DecodeGraphs:
         if size is None or size not in self._graphs:
             return None
         b = batch.num_seqs
-        width = batch.page_table.shape[1]
         self.input_ids[:b].copy_(batch.input_ids, non_blocking=True)
         self.positions[:b].copy_(batch.positions, non_blocking=True)
-        self.slot_mapping[:b].copy_(batch.slot_mapping, non_blocking=True)
         self.seq_lens[:b].copy_(batch.seq_lens, non_blocking=True)
-        # Columns past `width` keep older ids: the kernels read no page past seq_lens.
-        self.page_table[:b, :width].copy_(batch.page_table, non_blocking=True)
-        if size > b:  # padding rows: write no KV, attend to one token of the null page
-            self.slot_mapping[b:size].fill_(-1)
+        for g, table in batch.page_tables.items():
+            self.slot_mappings[g][:b].copy_(batch.slot_mappings[g], non_blocking=True)
+            # Columns past the batch's width keep older ids: no kernel reads past seq_lens.
+            self.page_tables[g][:b, : table.shape[1]].copy_(table, non_blocking=True)
+            if size > b:  # padding rows: write no KV, attend to one token of the null page
+                self.slot_mappings[g][b:size].fill_(-1)
+                self.page_tables[g][b:size, 0].fill_(0)
+        if size > b:
             self.seq_lens[b:size].fill_(1)
-            self.page_table[b:size, 0].fill_(0)
         self._graphs[size].replay()
         return self._logits[size][:b]

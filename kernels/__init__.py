@@ -76,13 +76,15 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """q [B, Hq, D] attends over the first seq_lens[b] cached tokens of sequence b -> [B, Hq, D]."""
+    """q [B, Hq, D] attends over the first seq_lens[b] cached tokens of sequence b -> [B, Hq, D];
+    with ``sliding_window`` W only over the last W of them; ``softcap`` caps scores by tanh."""
     if use_triton(q):
         from kernels.decode_attention_triton import paged_decode_attention as impl
     else:
         impl = paged_decode_attention_ref
-    return impl(q, k_cache, v_cache, page_table, seq_lens, scale, sliding_window)
+    return impl(q, k_cache, v_cache, page_table, seq_lens, scale, sliding_window, softcap)
 
 
 def paged_prefill_attention(
@@ -94,14 +96,18 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Packed q [T, Hq, D], causal over the whole context: query i of sequence b sits at
-    position seq_lens[b] - q_len_b + i. Returns [T, Hq, D]."""
+    position seq_lens[b] - q_len_b + i (with ``sliding_window`` W it reads keys p - W + 1 .. p;
+    ``softcap`` caps scores by tanh). Returns [T, Hq, D]."""
     if use_triton(q):
         from kernels.prefill_attention_triton import paged_prefill_attention as impl
     else:
         impl = paged_prefill_attention_ref
-    return impl(q, k_cache, v_cache, page_table, cu_seqlens_q, seq_lens, scale, sliding_window)
+    return impl(
+        q, k_cache, v_cache, page_table, cu_seqlens_q, seq_lens, scale, sliding_window, softcap
+    )
 
 
 def gather_pages(src: torch.Tensor, page_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -79,7 +79,7 @@ from transfer.config import PROGRESS_MODES, resolve_progress_mode  # noqa: E402
 def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device("cuda:1" if args.device == "cuda" else "cpu")
     if args.device == "cuda":
-        # D's GPU is the current one, as in a decode worker (cluster/worker_setup.py): a launch
+        # D's GPU is the current one, as in a decode worker (worker_common/engine_setup.py): a launch
         # for another device than the current one pays a context switch.
         torch.cuda.set_device(device)
     spec = bench_spec(args.max_mib * MIB)

@@ -39,11 +39,11 @@ def test_the_setting_is_checked() -> None:
 
 def test_graphs_refuse_a_cpu_device() -> None:
     with pytest.raises(ValueError, match="CUDA"):
-        DecodeGraphs(torch.nn.Linear(1, 1), [], 4, 4, torch.device("cpu"))
+        DecodeGraphs(torch.nn.Linear(1, 1), [], ["full"], 4, 4, torch.device("cpu"))
 
 
 def test_a_cpu_engine_steps_eagerly() -> None:
-    llm = LLM("dummy", load_format="dummy", dummy_config=TINY, num_pages=64, cuda_graphs=True)
+    llm = LLM("dummy", load_format="dummy", dummy_config=TINY, num_pages=80, cuda_graphs=True)
     assert llm.engine.runner.graphs is None
 
 
