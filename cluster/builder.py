@@ -19,6 +19,7 @@ from cluster.collector import expected_roles_for
 from cluster.collector_actor import start_collector_actor
 from cluster.config import ClusterConfig
 from cluster.router import Router, WorkerSlot
+from cluster.transfer_setup import cluster_secret
 from cluster.worker_setup import NOSET_VISIBLE_DEVICES
 from decode_worker.actor import DecodeWorkerActor
 from prefill_worker.actor import PrefillWorkerActor
@@ -71,7 +72,7 @@ def _actor_options(config: ClusterConfig, role: str, index: int) -> dict[str, An
     }
     if r.num_gpus > 0 and config.transfer.direct_copy and not config.aggregated:
         # Every GPU of the node visible to the worker (it picks its own by Ray's GPU id), so the
-        # prefill worker can open the decode worker's pool through CUDA IPC (transfer/ipc.py).
+        # decode worker can open the prefill worker's pools through CUDA IPC (transfer/paths/).
         options["runtime_env"] = {"env_vars": {NOSET_VISIBLE_DEVICES: "1"}}
     if r.resources:
         options["resources"] = dict(r.resources)
@@ -80,8 +81,13 @@ def _actor_options(config: ClusterConfig, role: str, index: int) -> dict[str, An
     return options
 
 
-def build_cluster(config: ClusterConfig, ready_timeout_s: float = 600.0) -> ClusterHandles:
-    """Create every actor of ``config`` in the connected Ray cluster; return when all are healthy."""
+def build_cluster(
+    config: ClusterConfig, ready_timeout_s: float = 600.0, transfer_secret: str | None = None
+) -> ClusterHandles:
+    """Create every actor of ``config`` in the connected Ray cluster; return when all are healthy.
+    ``transfer_secret``: the secret the workers' transceivers prove to each other (a fresh one
+    when None and neither ``transfer.secret`` nor DUET_TRANSFER_SECRET gives one)."""
+    secret = transfer_secret or cluster_secret(config, make=True)
     collector = start_collector_actor(
         expected_roles_for(config.aggregated),
         max_records_per_worker=max(config.stats.perf_buffer_len, 1)
@@ -91,20 +97,20 @@ def build_cluster(config: ClusterConfig, ready_timeout_s: float = 600.0) -> Clus
     )
     handles = ClusterHandles(config, collector)
     config_json = config.model_dump(mode="json")
-    api_key = config.server.api_key
-    if api_key is not None:  # model_dump hides secrets; the workers do not need it
+    if config.server.api_key is not None:  # model_dump hides secrets; the workers do not need it
         config_json["server"]["api_key"] = None
+    config_json["transfer"]["secret"] = None  # (hidden too: it goes to the workers on its own)
     try:
         for i in range(config.prefill.replicas):
             wid = f"prefill-{i}"
             h = PrefillWorkerActor.options(**_actor_options(config, "prefill", i)).remote(
-                config_json, wid, collector
+                config_json, wid, collector, secret
             )
             handles.prefill.append(WorkerSlot(wid, h))
         for i in range(config.decode.replicas):
             wid = f"decode-{i}"
             h = DecodeWorkerActor.options(**_actor_options(config, "decode", i)).remote(
-                config_json, wid, collector
+                config_json, wid, collector, secret
             )
             handles.decode.append(WorkerSlot(wid, h))
         _wait_ready(handles, ready_timeout_s)

@@ -109,6 +109,10 @@ class ClusterFrontend:
             # failed pull its transceiver counts, plus pulls that could not run at all.
             transfer_failures_total=int(s.get("transfer_failures", transfer.get("failures", 0))),
             expired_leases_total=int(transfer.get("expired_leases", 0)),
+            transfer_recomputed=int(s.get("transfer_recomputed", 0)),
+            transfer_failed_requests=int(s.get("transfer_failed_requests", 0)),
+            refused_peers=int(transfer.get("refused_peers", 0)),
+            injected_faults=int(transfer.get("injected_faults", 0)),
         )
 
     async def perf_metrics(self) -> list[dict[str, Any]]:

@@ -47,9 +47,7 @@ class RequestTimings:
     transfer_start: float | None = None  # KV transfer began (P: pull request seen; D: pull sent)
     transfer_end: float | None = None  # KV transfer finished (P: done sent; D: done checked)
     transfer_bytes: int = 0
-    transfer_path: str | None = (
-        None  # D: "ucx", "cuda_ipc", "host_shm" or "local" (transfer/ipc.py)
-    )
+    transfer_path: str | None = None  # D: "ucx", "cuda_ipc" or "host_shm" (transfer/paths/)
     decode_start: float | None = None  # first decode step that included this request
     last_token_time: float | None = None
     finish_time: float | None = None  # the worker released the request

@@ -4,7 +4,8 @@ Names follow vLLM's where one exists (``vllm:time_to_first_token_seconds`` becom
 ``duet:time_to_first_token_seconds``), so existing dashboards need only a prefix change. Every metric
 carries a ``model_name`` label; per-worker gauges add ``role`` and ``worker``.
 
-Counters that workers keep themselves (transfer failures, expired leases) arrive as running totals
+Counters that workers keep themselves (transfer failures and their outcomes, expired leases,
+refused peers, injected faults) arrive as running totals
 through ``set_worker_stats``; the difference to the previous total is added, and a total that went
 down (the worker restarted) counts from zero again.
 """
@@ -36,6 +37,10 @@ TOKEN_LATENCY_BUCKETS = (
 class _WorkerTotals:
     transfer_failures: int = 0
     expired_leases: int = 0
+    transfer_recomputed: int = 0
+    transfer_failed_requests: int = 0
+    refused_peers: int = 0
+    injected_faults: int = 0
 
 
 class ServingMetrics:
@@ -128,6 +133,31 @@ class ServingMetrics:
             worker,
             registry=reg,
         )
+        # What a decode worker did after a failed pull (transfer.on_failure).
+        self.transfer_recomputed = Counter(
+            PREFIX + "kv_transfer_recomputed_total",
+            "Requests whose KV transfer failed and that the decode worker prefilled itself.",
+            worker,
+            registry=reg,
+        )
+        self.transfer_failed_requests = Counter(
+            PREFIX + "kv_transfer_failed_requests_total",
+            "Requests that ended with an error because their KV transfer failed.",
+            worker,
+            registry=reg,
+        )
+        self.refused_peers = Counter(
+            PREFIX + "kv_transfer_refused_peers_total",
+            "Transfer peers refused in the handshake (no cluster secret, another model, ...).",
+            worker,
+            registry=reg,
+        )
+        self.injected_faults = Counter(
+            PREFIX + "kv_transfer_injected_faults_total",
+            "KV pulls failed on purpose (transfer.fault_injection).",
+            worker,
+            registry=reg,
+        )
         self._worker_totals: dict[tuple[str, str], _WorkerTotals] = {}
         self._totals_lock = threading.Lock()  # stats pollers may run on several threads
 
@@ -163,24 +193,29 @@ class ServingMetrics:
         kv_usage: float,
         transfer_failures_total: int = 0,
         expired_leases_total: int = 0,
+        **transfer_totals: int,
     ) -> None:
-        """Update one worker's gauges; the two ``*_total`` arguments are the worker's running totals."""
+        """Update one worker's gauges; the ``*_total`` arguments are the worker's running totals
+        (``transfer_totals``: ``transfer_recomputed``, ``transfer_failed_requests``,
+        ``refused_peers``, ``injected_faults``)."""
         if not 0.0 <= kv_usage <= 1.0:
             raise ValueError(f"kv_usage is a fraction in [0, 1], got {kv_usage}")
         labels = (self.model_name, Role(role).value, worker_id)
         self.num_waiting.labels(*labels).set(num_waiting)
         self.num_running.labels(*labels).set(num_running)
         self.kv_usage.labels(*labels).set(kv_usage)
+        totals = {
+            "transfer_failures": transfer_failures_total,
+            "expired_leases": expired_leases_total,
+            **transfer_totals,
+        }
         with self._totals_lock:
             seen = self._worker_totals.setdefault((labels[1], worker_id), _WorkerTotals())
-            failures = _delta(seen.transfer_failures, transfer_failures_total)
-            expired = _delta(seen.expired_leases, expired_leases_total)
-            seen.transfer_failures, seen.expired_leases = (
-                transfer_failures_total,
-                expired_leases_total,
-            )
-        self.transfer_failures.labels(*labels).inc(failures)
-        self.expired_leases.labels(*labels).inc(expired)
+            deltas = {k: _delta(getattr(seen, k), v) for k, v in totals.items()}
+            for k, v in totals.items():
+                setattr(seen, k, v)
+        for name, delta in deltas.items():
+            getattr(self, name).labels(*labels).inc(delta)
 
     def remove_worker(self, worker_id: str, role: Role | str) -> None:
         """Forget a worker that left the cluster, so its gauges stop being exported."""

@@ -19,6 +19,7 @@ from cluster.builder import ClusterHandles, build_cluster
 from cluster.config import ClusterConfig
 from cluster.frontend import ClusterFrontend
 from cluster.server import create_app
+from cluster.transfer_setup import cluster_secret
 from engine.loaders import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ def start_cluster(config: ClusterConfig, port: int | None = None) -> RunningClus
     """Build the cluster of ``config`` and serve it on 127.0.0.1-or-configured host in a thread."""
     owns_ray = connect_ray(config)
     try:
-        handles = build_cluster(config)
+        handles = build_cluster(config, transfer_secret=cluster_secret(config, make=True))
     except BaseException:
         if owns_ray:
             ray.shutdown()
@@ -122,7 +123,8 @@ def start_cluster(config: ClusterConfig, port: int | None = None) -> RunningClus
 def serve(config: ClusterConfig) -> None:
     """Run until interrupted (what `duet serve CONFIG` does)."""
     owns_ray = connect_ray(config)
-    handles = build_cluster(config)
+    # The workers' transceivers authenticate each other with this (transfer/handshake.py).
+    handles = build_cluster(config, transfer_secret=cluster_secret(config, make=True))
     try:
         frontend = make_frontend(config, handles)
         api_key = config.server.api_key.get_secret_value() if config.server.api_key else None

@@ -19,12 +19,23 @@ from engine.worker_messages import GenerateRequest, PrefillResult, TokenDelta
 
 
 class _DecodeWorkerActor(WorkerActorBase):
-    def __init__(self, config: dict[str, Any], worker_id: str, collector: Any = None) -> None:
+    def __init__(
+        self,
+        config: dict[str, Any],
+        worker_id: str,
+        collector: Any = None,
+        transfer_secret: str | None = None,
+    ) -> None:
         cfg, report = self.setup(config, collector)
         engine = build_engine(cfg, "decode")
-        puller = None if cfg.aggregated else make_puller(engine, cfg)
+        puller = None if cfg.aggregated else make_puller(engine, cfg, transfer_secret)
         self.worker = DecodeWorker(
-            worker_id, engine, puller, report, token_deadline_s=cfg.server.request_timeout_s
+            worker_id,
+            engine,
+            puller,
+            report,
+            token_deadline_s=cfg.server.request_timeout_s,
+            on_failure=cfg.transfer.on_failure,
         )
 
     async def decode(self, req: GenerateRequest, pre: PrefillResult) -> AsyncIterator[TokenDelta]:

@@ -5,7 +5,9 @@ Life of a request here (DESIGN section 3):
   -> pull the remaining pages from P -> check (every chunk arrived, declared history == prompt length)
   -> finalize context (commit the prompt's pages) and only then schedule decode -> stream tokens.
 Pages allocated for a receive are freed only after the receive is known finished or failed, even
-when the client went away meanwhile. The same class also serves whole requests locally (the
+when the client went away meanwhile. A failed, expired or refused pull fails the request, or with
+``on_failure="recompute"`` (transfer.on_failure) the request is prefilled here instead and the
+client gets a normal completion. The same class also serves whole requests locally (the
 aggregated mode, and the fallback when no prefill worker is healthy).
 """
 
@@ -54,7 +56,10 @@ class DecodeWorker:
         report: Callable[[RequestTimings], None] | None = None,
         gen_init_deadline_s: float = 60.0,
         token_deadline_s: float = 300.0,
+        on_failure: str = "fail",
     ) -> None:
+        if on_failure not in ("fail", "recompute"):
+            raise ValueError(f"on_failure must be 'fail' or 'recompute', got {on_failure!r}")
         self.worker_id = worker_id
         self.loop = EngineLoop(engine, name=f"{worker_id}-engine")
         self.puller = puller
@@ -63,7 +68,10 @@ class DecodeWorker:
         self._token_deadline_s = token_deadline_s
         self._receiving: dict[str, asyncio.Task] = {}  # request id -> its pull, while in flight
         self._aborted: set[str] = set()
-        self.num_transfer_failures = 0
+        self.on_failure = on_failure
+        self.num_transfer_failures = 0  # failed pulls (and pulls that could not run)
+        self.num_transfer_recomputed = 0  # ... whose request was prefilled here instead
+        self.num_transfer_failed_requests = 0  # ... whose request ended with an error
 
     # ---- disaggregated path ----
     async def decode(self, req: GenerateRequest, pre: PrefillResult) -> AsyncIterator[TokenDelta]:
@@ -92,30 +100,43 @@ class DecodeWorker:
             self._receiving.pop(rid, None)
         transfer_end = time.time()
         ok = result is not None and result.ok
-        if rid in self._aborted or not ok:
+        aborted = rid in self._aborted
+        if aborted or not ok:
             self._aborted.discard(rid)
             await asyncio.wrap_future(self._free_pages(rid))
-            if not ok:
-                self.num_transfer_failures += 1
-                why = result.error if result is not None else error
-                yield TokenDelta(
-                    rid, [], "", "abort", len(prompt), 1, error=f"KV transfer failed: {why}"
-                )
+        if not ok:
+            self.num_transfer_failures += 1
+        if aborted:
             return
         extra = {
             "transfer_start": transfer_start,
             "transfer_end": transfer_end,
-            "transfer_bytes": int(result.bytes),
-            "transfer_path": result.stats.path,
+            "transfer_bytes": int(result.bytes) if ok else 0,
+            "transfer_path": result.stats.path if result is not None else None,
         }
-        async for delta in self._run(
-            req,
-            received,
-            lambda e: e.add_prefilled_request(
-                rid, prompt, pre.first_token_id, params, arrival_time=req.arrival_time
-            ),
-            extra,
-        ):
+        first = pre.first_token_id
+
+        def add_prefilled(e: LLMEngine) -> Any:
+            return e.add_prefilled_request(
+                rid, prompt, first, params, arrival_time=req.arrival_time
+            )
+
+        def add_recomputed(e: LLMEngine) -> Any:
+            return e.add_recomputed_request(
+                rid, prompt, first, params, arrival_time=req.arrival_time
+            )
+
+        if not ok:
+            why = result.error if result is not None else error
+            if self.on_failure != "recompute":
+                self.num_transfer_failed_requests += 1
+                yield TokenDelta(
+                    rid, [], "", "abort", len(prompt), 1, error=f"KV transfer failed: {why}"
+                )
+                return
+            log.warning("KV transfer of %s failed (%s): prefilling it here", rid, why)
+            self.num_transfer_recomputed += 1
+        async for delta in self._run(req, received, add_prefilled if ok else add_recomputed, extra):
             yield delta
 
     async def _gen_init(self, rid: str, prompt: list[int]) -> tuple[int, dict[str, list[int]]]:
@@ -293,6 +314,8 @@ class DecodeWorker:
             "kv": engine.kv.stats(),
             "transfer": self.puller.stats() if self.puller else {},
             "transfer_failures": self.num_transfer_failures,
+            "transfer_recomputed": self.num_transfer_recomputed,
+            "transfer_failed_requests": self.num_transfer_failed_requests,
         }
 
     def close(self) -> None:

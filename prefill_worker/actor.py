@@ -14,11 +14,20 @@ from prefill_worker.worker import PrefillWorker
 
 
 class _PrefillWorkerActor(WorkerActorBase):
-    def __init__(self, config: dict[str, Any], worker_id: str, collector: Any = None) -> None:
+    def __init__(
+        self,
+        config: dict[str, Any],
+        worker_id: str,
+        collector: Any = None,
+        transfer_secret: str | None = None,
+    ) -> None:
         cfg, report = self.setup(config, collector)
         engine = build_engine(cfg, "prefill")
         self.worker = PrefillWorker(
-            worker_id, engine, lambda release: make_publisher(engine, cfg, release), report
+            worker_id,
+            engine,
+            lambda release: make_publisher(engine, cfg, release, transfer_secret),
+            report,
         )
 
     async def prefill(self, req: GenerateRequest) -> PrefillResult:

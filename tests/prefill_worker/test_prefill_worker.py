@@ -20,7 +20,9 @@ def make_worker() -> PrefillWorker:
     return PrefillWorker(
         "p0",
         engine,
-        lambda release: KVSender(engine.kv.buffers, specs, "tiny", TransceiverConfig(), release),
+        lambda release: KVSender(
+            engine.kv.buffers, specs, "tiny", TransceiverConfig(secret="test-secret"), release
+        ),
     )
 
 
