@@ -191,8 +191,8 @@ class UcxPath(DataPath):
                 elif isinstance(value, ChunkReady):
                     grant(value.chunks)
                 elif isinstance(value, TransferAck):
-                    pull.ack = value
-                    if not value.ok or sent < len(chunks):
+                    pull.ack = value  # (an ok one may come before our sends' completions)
+                    if not value.ok:
                         raise ServeFailed(f"the decode side gave up: {value.error}")
             pull.sender.book.bump("chunks", len(chunks))
             if pull.ack is None:
