@@ -12,13 +12,15 @@ down (the worker restarted) counts from zero again.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from cluster.messages import PerfRecord, Role
+from cluster.messages import PerfRecord
+from worker_common.messages import Role
 
 PREFIX = "duet:"
 
@@ -102,6 +104,13 @@ class ServingMetrics:
         self.kv_usage = Gauge(
             PREFIX + "kv_cache_usage_perc",
             "Fraction of a worker's KV cache pages in use (1 = full).",
+            worker,
+            registry=reg,
+        )
+        self.kv_peak_usage = Gauge(
+            PREFIX + "kv_cache_peak_usage_perc",
+            "Most of a worker's KV cache pages in use at once during its last complete stats "
+            "interval (stats.interval_s).",
             worker,
             registry=reg,
         )
@@ -193,21 +202,30 @@ class ServingMetrics:
         kv_usage: float,
         transfer_failures_total: int = 0,
         expired_leases_total: int = 0,
-        **transfer_totals: int,
+        peak_kv_usage: float | None = None,
+        transfer_recomputed_total: int = 0,
+        transfer_failed_requests_total: int = 0,
+        refused_peers_total: int = 0,
+        injected_faults_total: int = 0,
     ) -> None:
-        """Update one worker's gauges; the ``*_total`` arguments are the worker's running totals
-        (``transfer_totals``: ``transfer_recomputed``, ``transfer_failed_requests``,
-        ``refused_peers``, ``injected_faults``)."""
-        if not 0.0 <= kv_usage <= 1.0:
-            raise ValueError(f"kv_usage is a fraction in [0, 1], got {kv_usage}")
+        """Update one worker's gauges; the ``*_total`` arguments are the worker's running totals;
+        ``peak_kv_usage`` is None until the worker's first stats interval ended."""
+        for name, value in (("kv_usage", kv_usage), ("peak_kv_usage", peak_kv_usage)):
+            if value is not None and not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} is a fraction in [0, 1], got {value}")
         labels = (self.model_name, Role(role).value, worker_id)
         self.num_waiting.labels(*labels).set(num_waiting)
         self.num_running.labels(*labels).set(num_running)
         self.kv_usage.labels(*labels).set(kv_usage)
-        totals = {
+        if peak_kv_usage is not None:
+            self.kv_peak_usage.labels(*labels).set(peak_kv_usage)
+        totals = {  # _WorkerTotals field and counter attribute -> the worker's running total
             "transfer_failures": transfer_failures_total,
             "expired_leases": expired_leases_total,
-            **transfer_totals,
+            "transfer_recomputed": transfer_recomputed_total,
+            "transfer_failed_requests": transfer_failed_requests_total,
+            "refused_peers": refused_peers_total,
+            "injected_faults": injected_faults_total,
         }
         with self._totals_lock:
             seen = self._worker_totals.setdefault((labels[1], worker_id), _WorkerTotals())
@@ -220,8 +238,9 @@ class ServingMetrics:
     def remove_worker(self, worker_id: str, role: Role | str) -> None:
         """Forget a worker that left the cluster, so its gauges stop being exported."""
         labels = (self.model_name, Role(role).value, worker_id)
-        for metric in (self.num_waiting, self.num_running, self.kv_usage):
-            metric.remove(*labels)
+        for metric in (self.num_waiting, self.num_running, self.kv_usage, self.kv_peak_usage):
+            with contextlib.suppress(KeyError):  # a gauge it never set
+                metric.remove(*labels)
         # Counters stay: their totals are history, and Prometheus handles a series that stops.
         with self._totals_lock:
             self._worker_totals.pop((labels[1], worker_id), None)

@@ -61,7 +61,9 @@ class EngineConfig:
     dummy_config: ModelConfig | dict[str, Any] | None = None
     """ModelConfig (or its field dict) for load_format="dummy" without a preset name."""
     max_stats_len: int = 1000
-    """Stats records kept: -1 unbounded, 0 none, N the last N (per kind: iterations, requests)."""
+    """Iteration stats kept between drains: -1 unbounded, 0 none (not recorded), N the newest N."""
+    max_request_stats_len: int | None = None
+    """Request stats kept between drains, the same way; None: as ``max_stats_len``."""
 
     def __post_init__(self) -> None:
         owner = "LLM"
@@ -100,6 +102,8 @@ class EngineConfig:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"{owner}.seed must be an integer, got {self.seed!r}")
         _positive_int(owner, "max_stats_len", self.max_stats_len, minimum=-1)
+        if self.max_request_stats_len is not None:
+            _positive_int(owner, "max_request_stats_len", self.max_request_stats_len, minimum=-1)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -97,6 +97,7 @@ class Request:
         "all_token_ids", "output_token_ids", "num_computed_tokens", "status", "stop_reason",
         "error", "prefill_only", "metrics", "page_ids", "detokenizer", "output_text",
         "num_text_sent", "num_tokens_sent", "generator", "committed_pages", "committed_prompt",
+        "stats_recorded", "token_gaps", "last_sampled_time",
     )  # fmt: skip
 
     def __init__(
@@ -138,6 +139,11 @@ class Request:
         self.generator: torch.Generator | None = None  # per-request RNG, created on first sample
         self.committed_pages = 0  # full pages passed to kv.commit so far (skip no-op commits)
         self.committed_prompt = False
+        self.stats_recorded = False  # its RequestStats were buffered (once per request)
+        # Gaps between consecutive tokens this engine sampled (a first token injected by
+        # add_prefilled_request was sampled elsewhere: it starts no gap).
+        self.token_gaps: list[float] = []
+        self.last_sampled_time: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -159,7 +165,9 @@ class Request:
     def finish_reason(self) -> FinishReason | None:
         return self.status.finish_reason
 
-    def append_output_token(self, token_id: int, now: float) -> None:
+    def append_output_token(self, token_id: int, now: float, sampled_here: bool = True) -> None:
+        """Add a generated token; ``sampled_here`` is False for a first token sampled by another
+        worker (it does not start a token gap of this engine)."""
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         m = self.metrics
@@ -167,6 +175,10 @@ class Request:
             m.first_token_time = now
         m.last_token_time = now
         m.num_output_tokens = len(self.output_token_ids)
+        if sampled_here:
+            if self.last_sampled_time is not None:
+                self.token_gaps.append(now - self.last_sampled_time)
+            self.last_sampled_time = now
 
     def reset_for_recompute(self) -> None:
         """Forget all KV progress (pages are freed by the caller); outputs are kept."""

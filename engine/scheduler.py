@@ -96,7 +96,7 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.requests[request.request_id] = request
         self.running.append(request)
-        request.append_output_token(first_token_id, now)
+        request.append_output_token(first_token_id, now, sampled_here=False)
         status = check_stop(request, first_token_id, self.config.max_model_len)
         if status is not None:
             self._finish(request, status, now)

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from engine.engine_config import EngineConfig
 from engine.engine_core import LLMEngine
+from engine.sampling_params import SamplingParams
 
 TINY = {
     "model_type": "llama",
@@ -31,5 +30,5 @@ def tiny_engine(num_pages: int) -> LLMEngine:
     return LLMEngine.from_config(cfg)
 
 
-def greedy(n: int) -> dict[str, Any]:
-    return {"max_tokens": n, "temperature": 0.0, "ignore_eos": True}
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)

@@ -32,7 +32,7 @@ class FaultInjection:
 
 @dataclass(frozen=True)
 class TransceiverConfig:
-    secret: str = ""
+    secret: str = field(default="", repr=False)
     """The cluster's shared secret: peers prove they know it (HMAC challenge-response) before any
     page table, address or pool export is sent. Required."""
     host: str = "127.0.0.1"

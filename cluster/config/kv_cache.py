@@ -55,13 +55,17 @@ class KVCacheConfig(Section):
         None,
         description=(
             'Share of the budget per pool group, e.g. {"full": 3, "swa_4096": 1}; normalised. '
-            "None = in proportion to each group's bytes per token."
+            "None = in proportion to each group's bytes per token. Not supported yet (every "
+            "model runs one pool group today): any value but None is refused."
         ),
     )
     host_tier_bytes: ByteSize = Field(
         ByteSize(0),
         ge=0,
-        description="Host memory for evicted reusable pages; 0 disables the host tier.",
+        description=(
+            "Host memory for evicted reusable pages; 0 disables the host tier. Not supported yet: "
+            "any value but 0 is refused."
+        ),
     )
 
     @field_validator("page_size")
@@ -80,6 +84,17 @@ class KVCacheConfig(Section):
             bad = sorted(name for name, share in value.items() if share <= 0)
             if bad:
                 raise ValueError(f"shares must be > 0, got <= 0 for {bad}")
+            # Until sliding-window pool groups land (issue 25), nothing would read it.
+            raise ValueError(
+                "not supported yet: every model runs one pool group today; leave it out"
+            )
+        return value
+
+    @field_validator("host_tier_bytes")
+    @classmethod
+    def _no_host_tier_yet(cls, value: ByteSize) -> ByteSize:
+        if value != 0:  # the host tier lands with issue 26; until then nothing would use it
+            raise ValueError(f"not supported yet (the KV host tier): must be 0, got {int(value)}")
         return value
 
     @model_validator(mode="after")
@@ -98,11 +113,3 @@ class KVCacheConfig(Section):
         if self.max_tokens is None:
             return None
         return -(-self.max_tokens // self.page_size) + 1
-
-    @property
-    def pool_shares(self) -> dict[str, float] | None:
-        """``pool_ratio`` normalised to sum to 1."""
-        if self.pool_ratio is None:
-            return None
-        total = sum(self.pool_ratio.values())
-        return {name: share / total for name, share in self.pool_ratio.items()}

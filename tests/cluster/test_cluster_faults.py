@@ -9,6 +9,7 @@ shared-memory one does (tests/cluster/test_cluster_local.py)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import httpx
@@ -17,7 +18,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.serve import start_cluster
-from tests.cluster.cluster_fixtures import hf_greedy_ids, local_config, wait_no_pages_held
+from tests.cluster.cluster_fixtures import (
+    get_json,
+    hf_greedy_ids,
+    local_config,
+    wait_no_pages_held,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -59,7 +65,8 @@ def cluster(request: pytest.FixtureRequest) -> Any:
             "lease_s": 5,
             "connect_deadline_s": 5,
             "pull_deadline_s": 5,
-        }
+        },
+        stats={"interval_s": 1.0},  # the server collects the workers' counters every second
     )
     running = start_cluster(config)
     running.path, running.on_failure = path, on_failure
@@ -91,11 +98,33 @@ async def _send_all(url: str, model: str) -> list[tuple[str, Any]]:
         return await asyncio.wait_for(asyncio.gather(*jobs), 600)
 
 
-def _metric(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=30).text
-    return sum(
-        s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name
-    )
+def _decode_paths(url: str, timeout_s: float = 60.0) -> set[str]:
+    """The data paths of the decode worker's successful pulls in /transfer_stats (the server
+    collects the records every stats.interval_s: wait for some)."""
+    paths: set[str] = set()
+    deadline = time.monotonic() + timeout_s
+    while not paths and time.monotonic() < deadline:
+        records = get_json(url, "/transfer_stats")
+        paths |= {r["path"] for r in records if r["worker_id"] == "decode-0" and r["ok"]}
+        time.sleep(0.5)
+    return paths
+
+
+def _metric(url: str, name: str, want: float, timeout_s: float = 30.0) -> float:
+    """The counter's value on /metrics once it reached ``want`` (it lags the workers by up to a
+    stats interval), or its last value after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = httpx.get(url + "/metrics", timeout=30).text
+        value = sum(
+            s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.name == name
+        )
+        if value == want or time.monotonic() > deadline:
+            return value
+        time.sleep(0.5)
 
 
 @pytest.mark.parametrize("cluster", CLUSTERS, indirect=True, ids=lambda c: "-".join(c))
@@ -107,22 +136,22 @@ def test_injected_faults_end_as_the_failure_policy_says(cluster: Any, oracle: di
         if not isinstance(answer, Exception):
             assert answer == oracle[prompt], prompt
     stats = wait_no_pages_held(cluster)  # every lease released, every receive ended
-    decode = next(s for s in stats if s["role"] == "decode")
-    injected = sum(s["transfer"].get("injected_faults", 0) for s in stats)
+    decode = next(s.transfer for s in stats if s.role == "decode")
+    injected = sum(s.transfer.injected_faults for s in stats)
     assert 5 <= injected <= 45  # 10% of 200 pulls, seeded by random request ids
-    assert decode["transfer_failures"] == injected  # nothing else failed
+    assert decode.failures == injected  # nothing else failed
     if cluster.on_failure == "recompute":
         assert failed == []
-        assert decode["transfer_recomputed"] == injected
-        assert _metric(cluster.url, "duet:kv_transfer_recomputed_total") == injected
+        assert (decode.recomputed, decode.failed_requests) == (injected, 0)
+        assert _metric(cluster.url, "duet:kv_transfer_recomputed_total", injected) == injected
     else:
         assert len(failed) == injected
         for _, error in failed:
             assert error.status_code == 500 and "KV transfer failed" in str(error.body)
-        assert decode["transfer_failed_requests"] == injected
-        assert _metric(cluster.url, "duet:kv_transfer_failed_requests_total") == injected
-    assert _metric(cluster.url, "duet:kv_transfer_injected_faults_total") == injected
-    assert decode["transfer"]["last_transfer"]["path"] == cluster.path
+        assert (decode.failed_requests, decode.recomputed) == (injected, 0)
+        assert _metric(cluster.url, "duet:kv_transfer_failed_requests_total", injected) == injected
+    assert _metric(cluster.url, "duet:kv_transfer_injected_faults_total", injected) == injected
+    assert _decode_paths(cluster.url) == {cluster.path}
 
 
 @pytest.mark.parametrize(

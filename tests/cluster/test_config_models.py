@@ -106,9 +106,10 @@ def test_worker_resources() -> None:
     }
     assert WorkerResources().ray_actor_options == {"num_cpus": 1.0, "num_gpus": 0.0}
     assert WorkerResources(num_gpus=0.5).num_gpus == 0.5
-    data = {"prefill": {"resources": {"num_gpus": 1.5, "resources": {"GPU": 1, "x": -1}}}}
+    data = {"prefill": {"resources": {"num_gpus": 2, "resources": {"GPU": 1, "x": -1}}}}
     assert issues_of(data) == [
-        "prefill.resources.num_gpus: must be a whole number when above 1 (Ray's rule), got 1.5",
+        "prefill.resources.num_gpus: not supported yet: a worker uses at most 1 GPU until tensor "
+        "parallelism lands, got 2.0",
         "prefill.resources.resources: built-in resources ['GPU'] go in num_cpus / num_gpus, "
         "not in resources",
     ]
@@ -178,12 +179,19 @@ def test_kvcache_sizing_rules() -> None:
     assert KVCacheConfig().max_pages is None
 
 
-def test_kvcache_pool_ratio() -> None:
-    shares = KVCacheConfig(pool_ratio={"full": 3, "swa": 1}).pool_shares
-    assert shares == {"full": 0.75, "swa": 0.25}
+def test_settings_of_features_not_there_yet_are_refused_not_ignored() -> None:
+    """kvcache.pool_ratio and kvcache.host_tier_bytes (and resources.num_gpus > 1, below) would
+    change nothing today: a value that asks for them is an error, never silently accepted."""
+    assert issues_of({"kvcache": {"pool_ratio": {"full": 3, "swa": 1}}}) == [
+        "kvcache.pool_ratio: not supported yet: every model runs one pool group today; leave it out"
+    ]
     assert issues_of({"kvcache": {"pool_ratio": {"full": 0}}}) == [
         "kvcache.pool_ratio: shares must be > 0, got <= 0 for ['full']"
     ]
+    assert issues_of({"kvcache": {"host_tier_bytes": "1GiB"}}) == [
+        "kvcache.host_tier_bytes: not supported yet (the KV host tier): must be 0, got 1073741824"
+    ]
+    assert config_from_dict({"kvcache": {"host_tier_bytes": 0, "pool_ratio": None}}).kvcache
 
 
 def test_one_request_must_fit_the_kv_cache() -> None:

@@ -9,9 +9,9 @@ import time
 import pytest
 
 from decode_worker.worker import DecodeWorker
-from engine.worker_messages import GenerateRequest, PrefillResult
 from tests.tiny_engine import PAGE, greedy, tiny_engine
 from transfer import KVReceiver, TransceiverConfig
+from worker_common.messages import GenerateRequest, PrefillResult, WorkerDeadlines
 
 
 async def held_pages(worker: DecodeWorker) -> int:
@@ -59,7 +59,7 @@ def test_disconnect_while_waiting_for_pages_leaves_nothing_held() -> None:
         "tiny",
         TransceiverConfig(secret="test-secret"),
     )
-    worker = DecodeWorker("d0", engine, receiver, gen_init_deadline_s=30)
+    worker = DecodeWorker("d0", engine, receiver, deadlines=WorkerDeadlines(page_wait_s=30))
 
     async def main() -> None:
         assert await asyncio.wrap_future(
@@ -137,7 +137,7 @@ def test_a_failed_transfer_frees_the_pages_and_counts_once() -> None:
 
         (failed,) = await decode("closed", close_receiver)  # the pull cannot even start
         assert "KVReceiver is closed" in failed.error
-        assert worker.stats()["transfer_failures"] == 2  # (what the export counts, once each)
+        assert worker.stats().transfer.failures == 2  # (what the export counts, once each)
 
     try:
         asyncio.run(main())
@@ -210,8 +210,8 @@ def test_a_fill_stall_ends_at_the_pull_deadline_and_frees_the_pages(on_failure: 
         started = time.monotonic()
         out = [d async for d in worker.decode(req, pre)]
         assert time.monotonic() - started >= cfg.pull_deadline_s
-        stats = worker.stats()
-        assert stats["transfer_failures"] == 1
+        totals = worker.stats().transfer
+        assert totals.failures == 1
         if on_failure == "fail":
             (failed,) = out
             assert failed.finish_reason == "abort"
@@ -219,15 +219,72 @@ def test_a_fill_stall_ends_at_the_pull_deadline_and_frees_the_pages(on_failure: 
                 "KV transfer failed: timed out after 1.0s waiting for the first chunk"
                 in failed.error
             )
-            assert stats["transfer_failed_requests"] == 1
+            assert totals.failed_requests == 1 and totals.recomputed == 0
         else:
             assert all(d.error is None for d in out) and out[-1].finish_reason == "length"
             assert [want[0]] + [t for d in out for t in d.token_ids] == want
-            assert stats["transfer_recomputed"] == 1
+            assert totals.recomputed == 1 and totals.failed_requests == 0
         await wait_until_no_page_held(worker)
 
     try:
         asyncio.run(main())
     finally:
         stalled.close()
+        worker.close()
+
+
+def deadlines_of(**decode: float) -> WorkerDeadlines:
+    """The deadlines a decode worker of a cluster config with these ``decode`` settings gets."""
+    from cluster.config import config_from_dict
+    from cluster.worker_specs import worker_spec
+    from worker_common.messages import Role
+
+    return worker_spec(
+        config_from_dict({"decode": decode}), Role.DECODE, 0, None, transfer_secret="x"
+    ).deadlines
+
+
+@pytest.mark.timeout(120)
+def test_waiting_for_pages_ends_at_decode_page_wait_deadline_s() -> None:
+    engine = tiny_engine(8)
+    receiver = KVReceiver(
+        engine.kv.buffers,
+        list(engine.kv.specs.values()),
+        "tiny",
+        TransceiverConfig(secret="test-secret"),
+    )
+    worker = DecodeWorker("d0", engine, receiver, deadlines=deadlines_of(page_wait_deadline_s=0.5))
+
+    async def main() -> None:
+        assert await asyncio.wrap_future(
+            worker.loop.call(lambda e: e.kv.allocate_slots("hog", 7 * PAGE))
+        )
+        req = GenerateRequest("x", list(range(1, 13)), greedy(4), time.time())
+        with pytest.raises(RuntimeError, match=r"within 0.5s \(decode.page_wait_deadline_s\)"):
+            async for _ in worker.decode(req, PrefillResult("x", 5, "", None, ticket=None)):
+                pass
+        await asyncio.wrap_future(worker.loop.call(lambda e: e.kv.free("hog")))
+        await wait_until_no_page_held(worker)
+
+    try:
+        asyncio.run(main())
+    finally:
+        worker.close()
+
+
+def test_a_stalled_engine_ends_a_request_at_decode_token_deadline_s() -> None:
+    worker = DecodeWorker("d0", tiny_engine(64), None, deadlines=deadlines_of(token_deadline_s=0.3))
+
+    async def main() -> None:
+        stream = worker.generate(GenerateRequest("a", list(range(1, 11)), greedy(200), time.time()))
+        first = await stream.__anext__()
+        assert first.token_ids and first.error is None
+        worker.loop.call(lambda e: time.sleep(1.5))  # the engine stalls: no token for 1.5 s
+        deltas = [d async for d in stream]
+        assert deltas[-1].error == "no token within 0.3s (decode.token_deadline_s)"
+        await wait_until_no_page_held(worker)
+
+    try:
+        asyncio.run(main())
+    finally:
         worker.close()

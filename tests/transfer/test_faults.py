@@ -15,6 +15,8 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def test_the_choice_is_seeded_and_near_the_fraction() -> None:
+    """transfer.fault_injection.seed picks which pulls fail: the same on both ends and in a
+    rerun, another set with another seed; transfer.fault_injection.fraction how many."""
     ids = [f"req-{i}" for i in range(2000)]
     a = FaultInjector(FaultInjection(fraction=0.1, seed=7))
     b = FaultInjector(FaultInjection(fraction=0.1, seed=7))

@@ -1,0 +1,41 @@
+"""A worker's engine, built from its WorkerSpec on its own node (where its GPU is picked)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from engine.engine_core import LLMEngine
+from worker_common.messages import WorkerSpec
+
+# Set on GPU workers by cluster/builder.py: Ray then leaves CUDA_VISIBLE_DEVICES alone, so every GPU
+# of the node is visible and a decode worker can open a prefill worker's KV pools over CUDA IPC.
+NOSET_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+
+
+def gpu_device() -> str:
+    """This worker's GPU as a torch device: "cuda" when Ray narrowed CUDA_VISIBLE_DEVICES to it,
+    else "cuda:<index>" of the GPU Ray assigned, among the ones this process sees; that GPU also
+    becomes the calling thread's current device (the actor's, which builds the engine)."""
+    if os.environ.get(NOSET_VISIBLE_DEVICES) != "1":
+        return "cuda"
+    import ray
+    import torch
+
+    ids = [str(i) for i in ray.get_gpu_ids()]
+    if not ids:
+        return "cuda"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    order = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    if ids[0] not in order:
+        raise RuntimeError(f"Ray assigned GPU {ids[0]}, which is not among the visible {order}")
+    index = order.index(ids[0])
+    torch.cuda.set_device(index)
+    return f"cuda:{index}"
+
+
+def build_engine(spec: WorkerSpec) -> LLMEngine:
+    config = spec.engine
+    if config.device == "cuda":
+        config = dataclasses.replace(config, device=gpu_device())
+    return LLMEngine.from_config(config)
