@@ -140,6 +140,10 @@ class ClusterFrontend:
             else None,
             transfer_failures_total=s.transfer.failures,
             expired_leases_total=s.transfer.expired_leases,
+            transfer_recomputed_total=s.transfer.recomputed,
+            transfer_failed_requests_total=s.transfer.failed_requests,
+            refused_peers_total=s.transfer.refused_peers,
+            injected_faults_total=s.transfer.injected_faults,
             kv_groups=s.kv.groups,
             kv_interval_groups=s.kv_interval.groups if s.kv_interval is not None else None,
         )

@@ -225,6 +225,26 @@ class LLMEngine:
             self._record_finished(request)
         return request
 
+    def add_recomputed_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        first_token_id: int,
+        params: SamplingParams | None = None,
+        *,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Queue a prefilled request whose KV never arrived (transfer.on_failure: recompute): its
+        prompt and the first token (sampled and streamed elsewhere) are computed here, as a
+        preempted request is recomputed, and decoding goes on from there."""
+        request = self.make_request(request_id, prompt_token_ids, params, arrival_time=arrival_time)
+        self.scheduler.add_recomputed_request(request, first_token_id)
+        request.num_tokens_sent = request.num_output_tokens  # the prefill side streamed it
+        request.num_text_sent = len(request.output_text)
+        if request.is_finished:
+            self._record_finished(request)
+        return request
+
     def release(self, request_id: str) -> None:
         """Free the pages a prefill-only request kept (its KV was transferred, or the lease expired)."""
         self.scheduler.release(request_id)

@@ -11,7 +11,7 @@ from kvcache.sizing import KVSizingError
 from worker_common.messages import WorkerSpec
 
 # Set on GPU workers by cluster/builder.py: Ray then leaves CUDA_VISIBLE_DEVICES alone, so every GPU
-# of the node is visible and a prefill worker can open a decode worker's KV pool over CUDA IPC.
+# of the node is visible and a decode worker can open a prefill worker's KV pools over CUDA IPC.
 NOSET_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 
 

@@ -73,6 +73,6 @@ def test_hybrid_models_are_refused_in_disaggregated_mode(gemma_dir: Path) -> Non
     config = cluster(gemma_dir, {}, prefill_replicas=1)
     for role in Role:
         with pytest.raises(ConfigError, match=r"sliding-window KV pool groups \['swa_32'\]"):
-            build_engine(worker_spec(config, role, 0, None))
+            build_engine(worker_spec(config, role, 0, None, transfer_secret="test"))
     aggregated = cluster(gemma_dir, {}, prefill_replicas=0)
     assert build_engine(worker_spec(aggregated, Role.DECODE, 0, None)).kv.specs["swa_32"]
