@@ -1,10 +1,11 @@
 """Kernels: pure functions over tensors, each a Triton kernel with a plain-torch `*_ref` twin.
 
 Dispatch, decided per call from the tensors and the environment:
-- env ``DUET_KERNELS=ref``: always the reference (debugging on a GPU);
+- env ``DUET_KERNELS=ref``: always the reference (debugging);
 - tensors on CUDA, or env ``DUET_KERNELS=triton``: the Triton kernel (the latter with
   ``TRITON_INTERPRET=1`` runs the Triton code on CPU tensors, as the tests do);
-- otherwise the reference, which is the CPU implementation.
+- otherwise the CPU implementation (attention_cpu.py, linear_cpu.py), which computes what the
+  reference does in a few large torch ops.
 The Triton modules are imported on first use, so CPU-only runs never import triton.
 """
 
@@ -14,20 +15,32 @@ import os
 
 import torch
 
+from kernels.attention_cpu import (
+    paged_decode_attention_cpu,
+    paged_prefill_attention_cpu,
+    store_kv_cpu,
+)
 from kernels.attention_ref import (
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
     store_kv_ref,
 )
+from kernels.linear_cpu import linear_cpu, onednn_available
 from kernels.page_copy_ref import copy_pages_ref, gather_pages_ref, scatter_pages_ref
 
+_ONEDNN = onednn_available()
+
 __all__ = [
+    "linear",
     "store_kv",
     "paged_decode_attention",
     "paged_prefill_attention",
     "gather_pages",
     "scatter_pages",
     "copy_pages",
+    "store_kv_cpu",
+    "paged_decode_attention_cpu",
+    "paged_prefill_attention_cpu",
     "store_kv_ref",
     "paged_decode_attention_ref",
     "paged_prefill_attention_ref",
@@ -35,6 +48,7 @@ __all__ = [
     "scatter_pages_ref",
     "copy_pages_ref",
     "use_triton",
+    "use_reference",
 ]
 
 
@@ -44,6 +58,24 @@ def use_triton(tensor: torch.Tensor) -> bool:
     if choice == "ref":
         return False
     return tensor.is_cuda or choice == "triton"
+
+
+def use_reference() -> bool:
+    """Whether ``DUET_KERNELS=ref`` asks for the plain-torch references everywhere."""
+    return os.environ.get("DUET_KERNELS", "") == "ref"
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ weight [out, in].T + bias -> [..., out]: oneDNN for float32 on CPU, else torch."""
+    if (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and _ONEDNN
+        and not use_reference()
+    ):
+        return linear_cpu(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
 
 
 def store_kv(
@@ -56,8 +88,10 @@ def store_kv(
     """Writes key/value [T, Hkv, D] to cache slots (page * page_size + offset); slots < 0 skipped."""
     if use_triton(k_cache):
         from kernels.store_kv_triton import store_kv as impl
-    else:
+    elif use_reference():
         impl = store_kv_ref
+    else:
+        impl = store_kv_cpu
     impl(key, value, k_cache, v_cache, slot_mapping)
 
 
@@ -73,8 +107,10 @@ def paged_decode_attention(
     """q [B, Hq, D] attends over the first seq_lens[b] cached tokens of sequence b -> [B, Hq, D]."""
     if use_triton(q):
         from kernels.decode_attention_triton import paged_decode_attention as impl
-    else:
+    elif use_reference():
         impl = paged_decode_attention_ref
+    else:
+        impl = paged_decode_attention_cpu
     return impl(q, k_cache, v_cache, page_table, seq_lens, scale, sliding_window)
 
 
@@ -92,8 +128,10 @@ def paged_prefill_attention(
     position seq_lens[b] - q_len_b + i. Returns [T, Hq, D]."""
     if use_triton(q):
         from kernels.prefill_attention_triton import paged_prefill_attention as impl
-    else:
+    elif use_reference():
         impl = paged_prefill_attention_ref
+    else:
+        impl = paged_prefill_attention_cpu
     return impl(q, k_cache, v_cache, page_table, cu_seqlens_q, seq_lens, scale, sliding_window)
 
 

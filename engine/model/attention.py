@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from engine.forward_batch import ForwardBatch
-from engine.model.linear import MergedLinear
+from engine.model.linear import Linear, MergedLinear
 from engine.model.norm import RMSNorm
 from engine.model.rotary import apply_rotary
 from engine.model_config import ModelConfig
@@ -30,7 +30,7 @@ class PagedAttention(nn.Module):
             bias=config.attention_bias,
             dtype=dtype,
         )
-        self.o_proj = nn.Linear(
+        self.o_proj = Linear(
             config.q_size, config.hidden_size, bias=config.attention_out_bias, dtype=dtype
         )
         self.q_norm: RMSNorm | None = None

@@ -1,12 +1,22 @@
-"""A linear layer that stacks several checkpoint projections into one matmul (q/k/v, gate/up)."""
+"""Linear layers of the model: ``Linear`` runs kernels.linear (oneDNN on CPU), and ``MergedLinear``
+stacks several checkpoint projections into one matmul (q/k/v, gate/up)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from kernels import linear
 
-class MergedLinear(nn.Linear):
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters and names) whose product goes through kernels.linear."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
     """``nn.Linear`` whose output rows are the concatenation of ``shard_sizes`` separate projections.
 
     Checkpoints store the projections separately (``q_proj``, ``k_proj``, ...); ``load_shard`` copies

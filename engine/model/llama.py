@@ -10,10 +10,11 @@ from torch import nn
 
 from engine.forward_batch import ForwardBatch
 from engine.model.decoder_layer import DecoderLayer
-from engine.model.linear import MergedLinear
+from engine.model.linear import Linear, MergedLinear
 from engine.model.norm import RMSNorm
 from engine.model.rotary import RotaryEmbedding
 from engine.model_config import ModelConfig
+from kernels import linear
 
 # HF projection name -> (merged module, shard index); the checkpoint keeps them apart, we stack them.
 _STACKED: dict[str, tuple[str, int]] = {
@@ -59,9 +60,9 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config, dtype=dtype)
         self.rotary_emb = RotaryEmbedding(config)
-        self.lm_head: nn.Linear | None = None
+        self.lm_head: Linear | None = None
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
 
     @classmethod
     def build(
@@ -101,7 +102,7 @@ class LlamaForCausalLM(nn.Module):
         if logits_indices is not None:
             hidden = hidden[logits_indices]
         weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        return linear(hidden, weight).float()
 
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True
