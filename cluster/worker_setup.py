@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from cluster.config import ClusterConfig
+from engine.cpu_share import apply_cpu_share
 from engine.engine_config import EngineConfig
 from engine.engine_core import LLMEngine
 
@@ -65,4 +66,7 @@ def gpu_device() -> str:
 
 
 def build_engine(config: ClusterConfig, role: str) -> LLMEngine:
-    return LLMEngine.from_config(engine_config_for(config, role))
+    engine_config = engine_config_for(config, role)
+    pool = config.prefill if role == "prefill" else config.decode
+    apply_cpu_share(pool.resources.num_cpus, engine_config.device)
+    return LLMEngine.from_config(engine_config)
