@@ -25,13 +25,15 @@ from kernels.attention_ref import (
     paged_prefill_attention_ref,
     store_kv_ref,
 )
-from kernels.linear_cpu import linear_cpu, onednn_available
+from kernels.linear_cpu import linear_cpu, onednn_available, pack_weight
 from kernels.page_copy_ref import copy_pages_ref, gather_pages_ref, scatter_pages_ref
 
 _ONEDNN = onednn_available()
 
 __all__ = [
     "linear",
+    "linear_on_cpu_path",
+    "pack_linear_weight",
     "store_kv",
     "paged_decode_attention",
     "paged_prefill_attention",
@@ -65,17 +67,32 @@ def use_reference() -> bool:
     return os.environ.get("DUET_KERNELS", "") == "ref"
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] @ weight [out, in].T + bias -> [..., out]: oneDNN for float32 on CPU, else torch."""
-    if (
-        x.device.type == "cpu"
-        and x.dtype == torch.float32
+def linear_on_cpu_path(weight: torch.Tensor) -> bool:
+    """Whether kernels.linear runs products with ``weight`` on oneDNN (float32 on CPU)."""
+    return (
+        weight.device.type == "cpu"
         and weight.dtype == torch.float32
         and _ONEDNN
         and not use_reference()
-    ):
-        return linear_cpu(x, weight, bias)
+    )
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [..., in] @ weight [out, in].T + bias -> [..., out]: oneDNN for float32 on CPU (with
+    ``packed``, weight in oneDNN's layout from pack_linear_weight, when given), else torch."""
+    if x.dtype == torch.float32 and linear_on_cpu_path(weight):
+        return linear_cpu(x, weight if packed is None else packed, bias)
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` packed for kernels.linear on CPU, or None where linear does not use a packing."""
+    return pack_weight(weight) if linear_on_cpu_path(weight) else None
 
 
 def store_kv(

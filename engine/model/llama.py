@@ -10,7 +10,7 @@ from torch import nn
 
 from engine.forward_batch import ForwardBatch
 from engine.model.decoder_layer import DecoderLayer
-from engine.model.linear import Linear, MergedLinear
+from engine.model.linear import Linear, MergedLinear, PackedWeight
 from engine.model.norm import RMSNorm
 from engine.model.rotary import RotaryEmbedding
 from engine.model_config import ModelConfig
@@ -61,6 +61,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, dtype=dtype)
         self.rotary_emb = RotaryEmbedding(config)
         self.lm_head: Linear | None = None
+        self.tied_lm_head = PackedWeight()  # the embedding in kernels.linear's layout, when tied
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
 
@@ -101,8 +102,10 @@ class LlamaForCausalLM(nn.Module):
         """hidden [T, hidden] -> float32 logits [S, vocab] of the rows ``logits_indices`` (all rows if None)."""
         if logits_indices is not None:
             hidden = hidden[logits_indices]
-        weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
-        return linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        weight = self.model.embed_tokens.weight
+        return linear(hidden, weight, packed=self.tied_lm_head.get(weight)).float()
 
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True

@@ -41,3 +41,21 @@ def test_dispatch_uses_torch_for_other_dtypes_and_on_request(
     monkeypatch.setenv("DUET_KERNELS", "ref")
     xf, wf = x.float(), weight.float()
     assert torch.equal(kernels.linear(xf, wf), F.linear(xf, wf))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 32, 300])
+def test_packed_weight_gives_the_unpacked_results(rows: int) -> None:
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn((rows, 96), generator=gen)
+    weight = torch.randn((200, 96), generator=gen) / 10
+    packed = kernels.pack_linear_weight(weight)
+    assert packed is not None
+    torch.testing.assert_close(
+        kernels.linear(x, weight, packed=packed), F.linear(x, weight), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_no_packing_off_the_cpu_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert kernels.pack_linear_weight(torch.randn(8, 4).to(torch.bfloat16)) is None
+    monkeypatch.setenv("DUET_KERNELS", "ref")
+    assert kernels.pack_linear_weight(torch.randn(8, 4)) is None
