@@ -293,7 +293,10 @@ def offline(args: argparse.Namespace, checkpoint: Path, report: dict[str, Any]) 
             workers.append(
                 OfflineWorker("duet", Path(sys.executable), _duet_env(), checkpoint, args, threads)
             )
-        workers.append(OfflineWorker("hf", Path(sys.executable), _duet_env(), checkpoint, args))
+        for threads in args.hf_threads:
+            workers.append(
+                OfflineWorker("hf", Path(sys.executable), _duet_env(), checkpoint, args, threads)
+            )
         report["offline_workers"] = {w.name: w.ready for w in workers}
         eos = {2}  # SmolLM2's <|im_end|>, the checkpoint's eos_token_id
         warm = _prompts(7, args.num_prompts, args.input_len)
@@ -317,9 +320,10 @@ def offline(args: argparse.Namespace, checkpoint: Path, report: dict[str, Any]) 
                     flush=True,
                 )
             for name, toks in tokens.items():
-                if name != "hf":
+                oracle = next(t for n, t in tokens.items() if n.startswith("hf"))
+                if not name.startswith("hf"):
                     same = sum(
-                        _same_until_eos(a, b, eos) for a, b in zip(toks, tokens["hf"], strict=True)
+                        _same_until_eos(a, b, eos) for a, b in zip(toks, oracle, strict=True)
                     )
                     report["greedy_equal_to_hf"].append(
                         {"rep": rep, "system": name, "equal": same, "of": len(toks)}
@@ -476,8 +480,15 @@ def main() -> None:
         "--duet-threads",
         type=int,
         nargs="+",
-        default=[0],
-        help="offline Duet workers' torch threads (0: Duet's own choice)",
+        default=[0, 1],
+        help="offline Duet workers' torch threads (0: torch's default, the host's cores)",
+    )
+    parser.add_argument(
+        "--hf-threads",
+        type=int,
+        nargs="+",
+        default=[0, 1],
+        help="offline HF workers' torch threads (0: torch's default, the host's cores)",
     )
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=128)
