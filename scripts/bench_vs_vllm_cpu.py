@@ -377,6 +377,13 @@ def render(report: dict[str, Any]) -> str:
         f"{meta['reps']} repetitions",
         f"- vLLM: {meta['vllm']}; Duet servers: {', '.join(meta['duet_configs'])}",
         "",
+        "Reading the figures: vLLM's CPU build binds its compute to one core and keeps the other "
+        "for its front end (its default on 2 cores); Duet's workers run one torch thread per CPU of "
+        "their `resources.num_cpus`. `duet-tN`/`hf-tN` are offline workers with N torch threads "
+        "(`duet`/`hf` alone: torch's default, all cores). On a shared host, a process of 2 threads "
+        "loses most of its time at OpenMP barriers whenever another process takes a core, so "
+        "compare the load averages above before trusting a run.",
+        "",
     ]
     serving = report["serving"]
     if serving:
