@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,9 +20,12 @@ from cluster.collector import expected_roles_for
 from cluster.collector_actor import start_collector_actor
 from cluster.config import ClusterConfig
 from cluster.router import Router, WorkerSlot
-from cluster.worker_setup import NOSET_VISIBLE_DEVICES
+from cluster.transfer_setup import cluster_secret
+from cluster.worker_specs import worker_spec
 from decode_worker.actor import DecodeWorkerActor
 from prefill_worker.actor import PrefillWorkerActor
+from worker_common.engine_setup import NOSET_VISIBLE_DEVICES
+from worker_common.messages import Role
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +49,6 @@ class ClusterHandles:
             prefill_retries=self.config.router.prefill_retries,
             local_prefill_fallback=self.config.router.local_prefill_fallback,
             page_size=self.config.kvcache.page_size,
-            stats_interval_s=min(self.config.stats.interval_s, 1.0),
             call_timeout_s=self.config.server.request_timeout_s,
         )
 
@@ -61,52 +64,55 @@ class ClusterHandles:
 
 def _actor_options(config: ClusterConfig, role: str, index: int) -> dict[str, Any]:
     pool = config.prefill if role == "prefill" else config.decode
-    r = pool.resources
     options: dict[str, Any] = {
-        "num_cpus": r.num_cpus,
-        "num_gpus": r.num_gpus,
+        **pool.resources.ray_actor_options,  # num_cpus, num_gpus, resources, label_selector
         "max_restarts": 3,  # a crashed worker comes back (a new UCX address, so new tickets)
         "max_task_retries": 0,  # the router decides about retries, never Ray
         "max_concurrency": 1000,
     }
-    if r.num_gpus > 0 and config.transfer.direct_copy and not config.aggregated:
+    if pool.resources.num_gpus > 0 and config.transfer.direct_copy and not config.aggregated:
         # Every GPU of the node visible to the worker (it picks its own by Ray's GPU id), so the
-        # prefill worker can open the decode worker's pool through CUDA IPC (transfer/ipc.py).
+        # decode worker can open the prefill worker's pools through CUDA IPC (transfer/paths/).
         options["runtime_env"] = {"env_vars": {NOSET_VISIBLE_DEVICES: "1"}}
-    if r.resources:
-        options["resources"] = dict(r.resources)
-    if r.label_selector:
-        options["label_selector"] = dict(r.label_selector)
     return options
 
 
-def build_cluster(config: ClusterConfig, ready_timeout_s: float = 600.0) -> ClusterHandles:
-    """Create every actor of ``config`` in the connected Ray cluster; return when all are healthy."""
-    collector = start_collector_actor(
+def start_collector(config: ClusterConfig, name: str) -> Any:
+    """The perf-metrics collector actor of ``config``, named ``name`` in the job's namespace."""
+    return start_collector_actor(
         expected_roles_for(config.aggregated),
-        max_records_per_worker=max(config.stats.perf_buffer_len, 1)
-        if config.stats.perf_buffer_len != -1
-        else 1_000_000,
+        max_records_per_worker=config.stats.perf_buffer_len,
         max_pending=config.stats.max_pending_joins,
+        name=name,
     )
+
+
+def build_cluster(
+    config: ClusterConfig,
+    ready_timeout_s: float = 600.0,
+    worker_log_level: str | None = None,
+    transfer_secret: str | None = None,
+) -> ClusterHandles:
+    """Create every actor of ``config`` in the connected Ray cluster; return when all are healthy.
+    ``worker_log_level``: the workers' logging level (default: this process's).
+    ``transfer_secret``: the secret the workers' transceivers prove to each other (None: from
+    ``transfer.secret`` or DUET_TRANSFER_SECRET, else a fresh one for this cluster)."""
+    # Handed to the workers inside their TransceiverConfig (it never appears in its repr).
+    secret = None if config.aggregated else transfer_secret or cluster_secret(config, make=True)
+    # Workers find the collector by this name (a name, not a handle in their constructor
+    # arguments: worker_common/actor_base.py says why).
+    collector_name = f"duet-collector-{uuid.uuid4().hex[:12]}"
+    collector = start_collector(config, collector_name)
     handles = ClusterHandles(config, collector)
-    config_json = config.model_dump(mode="json")
-    api_key = config.server.api_key
-    if api_key is not None:  # model_dump hides secrets; the workers do not need it
-        config_json["server"]["api_key"] = None
     try:
         for i in range(config.prefill.replicas):
-            wid = f"prefill-{i}"
-            h = PrefillWorkerActor.options(**_actor_options(config, "prefill", i)).remote(
-                config_json, wid, collector
-            )
-            handles.prefill.append(WorkerSlot(wid, h))
+            spec = worker_spec(config, Role.PREFILL, i, collector_name, worker_log_level, secret)
+            h = PrefillWorkerActor.options(**_actor_options(config, "prefill", i)).remote(spec)
+            handles.prefill.append(WorkerSlot(spec.worker_id, h))
         for i in range(config.decode.replicas):
-            wid = f"decode-{i}"
-            h = DecodeWorkerActor.options(**_actor_options(config, "decode", i)).remote(
-                config_json, wid, collector
-            )
-            handles.decode.append(WorkerSlot(wid, h))
+            spec = worker_spec(config, Role.DECODE, i, collector_name, worker_log_level, secret)
+            h = DecodeWorkerActor.options(**_actor_options(config, "decode", i)).remote(spec)
+            handles.decode.append(WorkerSlot(spec.worker_id, h))
         _wait_ready(handles, ready_timeout_s)
     except BaseException:
         handles.shutdown()

@@ -21,7 +21,8 @@ import threading
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 
-from cluster.messages import CollectorStats, PerfRecord, RequestTimings, Role
+from cluster.messages import CollectorStats, PerfRecord
+from worker_common.messages import RequestTimings, Role
 
 UNBOUNDED = -1
 

@@ -11,7 +11,8 @@ from collections.abc import Iterable
 import ray
 
 from cluster.collector import PerfMetricsCollector
-from cluster.messages import CollectorStats, PerfRecord, RequestTimings, Role
+from cluster.messages import CollectorStats, PerfRecord
+from worker_common.messages import RequestTimings, Role
 
 # Writers from every worker plus one reader; more threads than that only add contention.
 COLLECTOR_MAX_CONCURRENCY = 8

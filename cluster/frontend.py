@@ -1,20 +1,31 @@
-"""The serving backend of the HTTP server: tokenizer, router, metrics and perf records together."""
+"""The serving backend of the HTTP server: tokenizer, router, metrics and stats together.
+
+Observability never waits on a worker: the stats poller (cluster/stats_poller.py) collects each
+worker's stats in the background, and a second background task drains the perf-metrics collector
+into the /perf_metrics buffer and the Prometheus histograms, every ``stats.interval_s``.
+/perf_metrics also drains the collector when read (it waits on that actor, never on a worker), so
+a reader sees the requests finished by then.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import collections
+import contextlib
 import logging
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
 from cluster.prom_metrics import ServingMetrics
 from cluster.router import Router, WorkerSlot
-from engine.sampling_params import SamplingParams
+from cluster.stats_poller import StatsPoller
+from engine.stats import StatsBuffer
 from engine.tokenizer import Tokenizer
-from engine.worker_messages import GenerateRequest, TokenDelta
+from worker_common.messages import GenerateRequest, ModelInfo, TokenDelta
 
 log = logging.getLogger(__name__)
+
+COLLECTOR_DRAIN_TIMEOUT_S = 10.0  # the collector is an aid: a scrape never hangs on it
 
 
 class ClusterFrontend:
@@ -25,23 +36,43 @@ class ClusterFrontend:
         router: Router,
         tokenizer: Tokenizer | None,
         model_name: str,
-        max_model_len: int,
+        model: ModelInfo,
         collector: Any,  # the perf-metrics collector actor handle
+        *,
+        stats_interval_s: float = 10.0,
+        max_stats_len: int = 1000,
         perf_buffer_len: int = 10000,
         default_max_tokens: int = 16,
     ) -> None:
         self.router = router
         self.tokenizer = tokenizer
         self.model_name = model_name
-        self.max_model_len = max_model_len
+        self.max_model_len = model.max_model_len
+        self.vocab_size = model.vocab_size
         self.default_max_tokens = default_max_tokens
         self.collector = collector
         self.metrics = ServingMetrics(model_name)
-        # /perf_metrics is drained on read; what nobody read yet is kept up to the bound.
-        self._perf: collections.deque[dict[str, Any]] = collections.deque(
-            maxlen=max(perf_buffer_len, 1)
-        )
-        self._drain_lock = asyncio.Lock()
+        self.poller = StatsPoller(router.prefill + router.decode, stats_interval_s, max_stats_len)
+        self.stats_interval_s = stats_interval_s
+        # /perf_metrics is drained on read; what nobody read yet is kept by the buffer rule.
+        self._perf: StatsBuffer[dict[str, Any]] = StatsBuffer(perf_buffer_len)
+        self._perf_lock = threading.Lock()
+        self._drain_lock = asyncio.Lock()  # one collector drain at a time (records join in order)
+        self._perf_task: asyncio.Task[None] | None = None
+
+    # ---- life cycle (the HTTP server's lifespan) ----
+    async def start(self) -> None:
+        self.poller.start()
+        if self._perf_task is None:
+            self._perf_task = asyncio.get_running_loop().create_task(self._drain_collector_loop())
+
+    async def stop(self) -> None:
+        await self.poller.stop()
+        if self._perf_task is not None:
+            self._perf_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._perf_task
+            self._perf_task = None
 
     # ---- request path ----
     def _require_tokenizer(self) -> Tokenizer:
@@ -57,9 +88,6 @@ class ClusterFrontend:
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         return self._require_tokenizer().encode_chat(messages, add_generation_prompt=True)
 
-    def validate_sampling(self, sampling: dict[str, Any]) -> None:
-        SamplingParams(**sampling)  # raises ValueError naming the field
-
     def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         return self.router.generate(request)
 
@@ -68,64 +96,72 @@ class ClusterFrontend:
 
     # ---- observability ----
     async def health(self) -> dict[str, Any]:
-        return await self.router.health()
+        return self.router.health()
 
     async def _drain_collector(self) -> None:
+        if self.collector is None:
+            return
         async with self._drain_lock:
             try:
-                records = await asyncio.wait_for(self.collector.drain.remote(), 10.0)
+                records = await asyncio.wait_for(
+                    self.collector.drain.remote(), COLLECTOR_DRAIN_TIMEOUT_S
+                )
             except Exception as e:  # the collector is an aid, never a reason to fail a scrape
                 log.warning("perf-metrics collector did not answer: %s", e)
                 return
-            for record in records:
-                self.metrics.observe_request(record)
-                self._perf.append(record.to_dict())
+            with self._perf_lock:
+                for record in records:
+                    self.metrics.observe_request(record)
+                    self._perf.append(record.to_dict())
+
+    async def _drain_collector_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.stats_interval_s)
+            await self._drain_collector()
 
     async def metrics_text(self) -> bytes:
-        await self._drain_collector()
-        await self.router.refresh_stats()
         for w in self.router.prefill + self.router.decode:
             self._export_worker(w)
-        return self.metrics.render()
+        with self._perf_lock:
+            return self.metrics.render()
 
     def _export_worker(self, w: WorkerSlot) -> None:
         s = w.last_stats
-        if not s:
+        if s is None:
             return
-        kv = s.get("kv")
-        usage = 0.0
-        if kv is not None:
-            total = sum(g.total for g in kv.groups.values()) if hasattr(kv, "groups") else 0
-            used = sum(g.used for g in kv.groups.values()) if hasattr(kv, "groups") else 0
-            usage = used / total if total else 0.0
-        transfer = s.get("transfer") or {}
         self.metrics.set_worker_stats(
             w.worker_id,
-            s["role"],
-            s.get("num_waiting", 0),
-            s.get("num_running", 0),
-            min(max(usage, 0.0), 1.0),
-            # One count, not both: a decode worker's own ``transfer_failures`` counts every
-            # failed pull its transceiver counts, plus pulls that could not run at all.
-            transfer_failures_total=int(s.get("transfer_failures", transfer.get("failures", 0))),
-            expired_leases_total=int(transfer.get("expired_leases", 0)),
+            s.role,
+            s.num_waiting,
+            s.num_running,
+            _usage(s.kv.groups.values(), "used"),
+            peak_kv_usage=_usage(s.kv_interval.groups.values(), "peak_used")
+            if s.kv_interval is not None
+            else None,
+            transfer_failures_total=s.transfer.failures,
+            expired_leases_total=s.transfer.expired_leases,
+            transfer_recomputed_total=s.transfer.recomputed,
+            transfer_failed_requests_total=s.transfer.failed_requests,
+            refused_peers_total=s.transfer.refused_peers,
+            injected_faults_total=s.transfer.injected_faults,
+            kv_groups=s.kv.groups,
+            kv_interval_groups=s.kv_interval.groups if s.kv_interval is not None else None,
         )
 
     async def perf_metrics(self) -> list[dict[str, Any]]:
         await self._drain_collector()
-        out = list(self._perf)
-        self._perf.clear()
-        return out
+        with self._perf_lock:
+            return self._perf.drain()
 
-    async def iteration_stats(self) -> dict[str, list[dict[str, Any]]]:
-        workers = self.router.prefill + self.router.decode
+    async def iteration_stats(self) -> list[dict[str, Any]]:
+        return self.poller.drain_iterations()
 
-        async def one(w: WorkerSlot) -> list[dict[str, Any]]:
-            try:
-                return await asyncio.wait_for(w.handle.drain_iteration_stats.remote(), 10.0)
-            except Exception as e:
-                log.warning("iteration stats of %s unavailable: %s", w.worker_id, e)
-                return []
+    async def transfer_stats(self) -> list[dict[str, Any]]:
+        return self.poller.drain_transfers()
 
-        results = await asyncio.gather(*(one(w) for w in workers))
-        return {w.worker_id: r for w, r in zip(workers, results)}
+
+def _usage(groups: Any, field: str) -> float:
+    """Pages ``field`` (used, peak_used) over all pool groups, as a fraction of their pages."""
+    groups = list(groups)
+    total = sum(g.total for g in groups)
+    return min(max(sum(getattr(g, field) for g in groups) / total, 0.0), 1.0) if total else 0.0

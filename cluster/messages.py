@@ -1,69 +1,20 @@
-"""Typed messages that cross actor boundaries inside the cluster: per-request timings.
+"""What the perf-metrics collector hands the server: joined per-request records, and its counters.
 
-Workers report one ``RequestTimings`` per request and role; the perf-metrics collector joins the
-reports of one request into a ``PerfRecord``. Everything here is plain data (ints, floats, strings,
-lists), so it pickles cheaply through Ray and dumps to JSON for ``/perf_metrics``.
+Workers report one ``RequestTimings`` per request and role (worker_common/messages.py); the
+collector joins the reports of one request into a ``PerfRecord``. Everything here is plain data, so
+it pickles cheaply through Ray and dumps to JSON for ``/perf_metrics``.
 
-Clocks: every timestamp is wall-clock seconds (``time.time()``) taken on the reporting worker. A
-duration between two timestamps of the same record uses one clock; a duration that spans two roles
-(e.g. end-to-end latency from the prefill worker's arrival to the decode worker's finish) also
-includes the clock skew between the two hosts, which is negligible on one host and NTP-sized across
-hosts.
+Clocks: a duration between two timestamps of the same record uses one clock; a duration that spans
+two roles (e.g. end-to-end latency from the prefill worker's arrival to the decode worker's finish)
+also includes the clock skew between the two hosts, negligible on one host and NTP-sized across.
 """
 
 from __future__ import annotations
 
-import enum
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-
-class Role(str, enum.Enum):
-    """Which side of the disaggregated pipeline produced a timing record."""
-
-    PREFILL = "prefill"
-    DECODE = "decode"
-
-
-@dataclass(frozen=True)
-class RequestTimings:
-    """What one worker saw of one request. A field the role never reaches stays None (or 0).
-
-    ``last_report`` tells the collector that no other role will report this request: the decode
-    worker sets it when it prefilled the request itself (aggregated mode, or fallback when no prefill
-    worker was healthy); the prefill worker sets it when the request ended on it before handoff
-    (error, abort). Without it, the collector waits for every expected role.
-    """
-
-    request_id: str
-    role: Role
-    worker_id: str
-    arrival_time: float | None = None  # the request reached this worker
-    queue_start: float | None = None  # entered the worker's scheduler queue
-    queue_end: float | None = None  # first scheduled
-    prefill_start: float | None = None  # first prefill chunk started
-    prefill_end: float | None = None  # last prefill chunk finished
-    first_token_time: float | None = None  # the first output token was sampled
-    transfer_start: float | None = None  # KV transfer began (P: pull request seen; D: pull sent)
-    transfer_end: float | None = None  # KV transfer finished (P: done sent; D: done checked)
-    transfer_bytes: int = 0
-    transfer_path: str | None = (
-        None  # D: "ucx", "cuda_ipc", "host_shm" or "local" (transfer/ipc.py)
-    )
-    decode_start: float | None = None  # first decode step that included this request
-    last_token_time: float | None = None
-    finish_time: float | None = None  # the worker released the request
-    prompt_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    output_tokens: int = 0  # output tokens produced by this worker
-    token_gaps_s: tuple[float, ...] = ()  # gaps between consecutive tokens this worker emitted
-    finish_reason: str | None = None  # "stop", "length", "abort", "error"; None if handed off
-    last_report: bool = False
-
-    def __post_init__(self) -> None:
-        # Accept the plain string too ("prefill"), as JSON and YAML hand it over.
-        object.__setattr__(self, "role", Role(self.role))
-        object.__setattr__(self, "token_gaps_s", tuple(self.token_gaps_s))
+from worker_common.messages import RequestTimings, Role
 
 
 def _plain(timings: RequestTimings | None) -> dict[str, Any] | None:
@@ -149,8 +100,20 @@ class PerfRecord:
         return self.prefill.transfer_bytes if self.prefill is not None else 0
 
     @property
+    def decode_time_s(self) -> float | None:
+        """The decode worker's generation: its first step with the request to its last token."""
+        if self.decode is None:
+            return None
+        return _span(self.decode.decode_start, self.decode.last_token_time)
+
+    @property
     def prompt_tokens(self) -> int:
         return self._prefiller.prompt_tokens
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the prefilling worker found in its prefix cache."""
+        return self._prefiller.cached_tokens
 
     @property
     def output_tokens(self) -> int:
@@ -193,10 +156,13 @@ class PerfRecord:
             "transfer_bytes": self.transfer_bytes,
             "transfer_path": self.decode.transfer_path if self.decode is not None else None,
             "decode_queue_time": self.queue_time_s(Role.DECODE),
+            "decode_time": self.decode_time_s,
             "ttft": self.ttft_s,
             "tpot": self.tpot_s,
             "e2e": self.e2e_s,
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "cached_tokens_by_medium": dict(self._prefiller.cached_tokens_by_medium),
             "output_tokens": self.output_tokens,
             "finish_reason": self.finish_reason,
             "prefill": _plain(self.prefill),

@@ -4,22 +4,100 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from engine.sampling_params import SamplingParams
+
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
 
 
+def _none_or(*no_ops: Any) -> Callable[[Any], bool]:
+    """A value that asks for nothing: None, or one of ``no_ops``."""
+    return lambda v: v is None or any(v == x and type(v) is type(x) for x in no_ops)
+
+
+# OpenAI request fields Duet does not implement. Each is accepted only with a value that asks for
+# nothing (so a client sending the default still works) and refused otherwise, naming it.
+_NOT_SUPPORTED_COMMON: dict[str, Callable[[Any], bool]] = {
+    "frequency_penalty": _none_or(0, 0.0),
+    "presence_penalty": _none_or(0, 0.0),
+    "logit_bias": _none_or({}),
+    "n": _none_or(1),
+    "user": _none_or(),
+    "service_tier": _none_or(),
+    "store": _none_or(False),
+    "metadata": _none_or({}),
+}
+NOT_SUPPORTED_COMPLETION = _NOT_SUPPORTED_COMMON | {
+    "logprobs": _none_or(),  # an int here: 0 still returns the sampled tokens' logprobs
+    "best_of": _none_or(1),
+    "echo": _none_or(False),
+    "suffix": _none_or(""),
+}
+NOT_SUPPORTED_CHAT = _NOT_SUPPORTED_COMMON | {
+    "logprobs": _none_or(False),
+    "top_logprobs": _none_or(0),
+    "tools": _none_or([]),
+    "tool_choice": _none_or("none"),
+    "parallel_tool_calls": _none_or(),
+    "functions": _none_or([]),
+    "function_call": _none_or("none"),
+    "response_format": _none_or({"type": "text"}),
+    "modalities": _none_or(["text"]),
+    "audio": _none_or(),
+    "prediction": _none_or(),
+    "reasoning_effort": _none_or(),
+    "verbosity": _none_or(),
+    "web_search_options": _none_or(),
+    "prompt_cache_key": _none_or(),
+    "safety_identifier": _none_or(),
+}
+NOT_SUPPORTED_MESSAGE = {
+    "name": _none_or(),
+    "tool_calls": _none_or([]),
+    "tool_call_id": _none_or(),
+    "function_call": _none_or(),
+    "refusal": _none_or(),
+    "audio": _none_or(),
+}
+
+
+def refused_fields(
+    extra: dict[str, Any] | None, not_supported: dict[str, Callable[[Any], bool]], where: str = ""
+) -> list[tuple[str, str]]:
+    """(field, message) for every field of ``extra`` (what a body had beyond the fields Duet
+    implements) that must be refused: a known OpenAI field asking for something, or an unknown one."""
+    refused = []
+    for name, value in (extra or {}).items():
+        check = not_supported.get(name)
+        if check is None:
+            refused.append((where + name, f"{where + name}: unknown field"))
+        elif not check(value):
+            refused.append((where + name, f"{where + name}: not supported, got {value!r}"))
+    return refused
+
+
 class _SamplingFields(BaseModel):
-    # Unknown fields are ignored like OpenAI's server does for forward compatibility, but the ones we
-    # cannot honour (n > 1, logprobs, penalties != 0) are refused rather than silently dropped.
-    model_config = ConfigDict(extra="ignore")
+    """The fields both endpoints implement. Anything else a body has is refused, naming it, unless
+    it is an OpenAI field with a value that asks for nothing (``refused_fields``)."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: str
-    max_tokens: int | None = Field(default=None, description="Maximum number of generated tokens.")
+    max_tokens: int | None = Field(
+        default=None,
+        description=(
+            "Most tokens to generate; prompt plus max_tokens must fit the model's maximum "
+            "length. Default: 16, or what fits."
+        ),
+    )
     temperature: float = Field(default=1.0, description="0 means greedy.")
     top_p: float = 1.0
     top_k: int = -1
@@ -27,63 +105,37 @@ class _SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: Any = None
-    user: str | None = None
 
-    @field_validator("n")
-    @classmethod
-    def _only_one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError(f"only n=1 is supported, got {v}")
-        return v
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalties(cls, v: float) -> float:
-        if v != 0.0:
-            raise ValueError(f"penalties are not supported (must be 0), got {v}")
-        return v
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: Any) -> Any:
-        if v not in (None, False, 0):
-            raise ValueError("logprobs are not supported")
-        return v
-
-    def sampling_dict(self, default_max_tokens: int) -> dict[str, Any]:
+    def sampling(self, max_tokens: int) -> SamplingParams:
+        """The request's SamplingParams (validated here, once; ValueError names the field)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return {
-            "max_tokens": self.max_tokens if self.max_tokens is not None else default_max_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "seed": self.seed,
-            "stop": stop,
-            "stop_token_ids": list(self.stop_token_ids or []),
-            "ignore_eos": self.ignore_eos,
-        }
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+        )
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def refused(self) -> list[tuple[str, str]]:
+        return refused_fields(self.model_extra, NOT_SUPPORTED_COMPLETION)
+
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported")
-        return v
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt of this request; batches of prompts are refused (one request, one prompt)."""
@@ -100,7 +152,8 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
+
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
 
@@ -126,11 +179,15 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("messages must not be empty")
         return v
 
-    def sampling_dict(self, default_max_tokens: int) -> dict[str, Any]:
-        d = super().sampling_dict(default_max_tokens)
-        if self.max_tokens is None and self.max_completion_tokens is not None:
-            d["max_tokens"] = self.max_completion_tokens
-        return d
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
+
+    def refused(self) -> list[tuple[str, str]]:
+        refused = refused_fields(self.model_extra, NOT_SUPPORTED_CHAT)
+        for i, message in enumerate(self.messages):
+            refused += refused_fields(message.model_extra, NOT_SUPPORTED_MESSAGE, f"messages[{i}].")
+        return refused
 
 
 def new_id(prefix: str) -> str:

@@ -2,22 +2,28 @@
 
 Names follow vLLM's where one exists (``vllm:time_to_first_token_seconds`` becomes
 ``duet:time_to_first_token_seconds``), so existing dashboards need only a prefix change. Every metric
-carries a ``model_name`` label; per-worker gauges add ``role`` and ``worker``.
+carries a ``model_name`` label; per-worker gauges add ``role`` and ``worker``; per pool group gauges
+add ``group`` (the KV pool group: "full", "swa_<window>") and ``medium`` ("device").
 
-Counters that workers keep themselves (transfer failures, expired leases) arrive as running totals
+Counters that workers keep themselves (transfer failures and their outcomes, expired leases,
+refused peers, injected faults) arrive as running totals
 through ``set_worker_stats``; the difference to the previous total is added, and a total that went
 down (the worker restarted) counts from zero again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from cluster.messages import PerfRecord, Role
+from cluster.messages import PerfRecord
+from kvcache.stats import PoolGroupStats
+from worker_common.messages import Role
 
 PREFIX = "duet:"
 
@@ -36,6 +42,12 @@ TOKEN_LATENCY_BUCKETS = (
 class _WorkerTotals:
     transfer_failures: int = 0
     expired_leases: int = 0
+    transfer_recomputed: int = 0
+    transfer_failed_requests: int = 0
+    refused_peers: int = 0
+    injected_faults: int = 0
+    # Label tails (after model, role, worker) of each per-group gauge this worker set.
+    group_series: dict[Gauge, set[tuple[str, ...]]] = field(default_factory=dict)
 
 
 class ServingMetrics:
@@ -100,6 +112,43 @@ class ServingMetrics:
             worker,
             registry=reg,
         )
+        self.kv_peak_usage = Gauge(
+            PREFIX + "kv_cache_peak_usage_perc",
+            "Most of a worker's KV cache pages in use at once during its last complete stats "
+            "interval (stats.interval_s).",
+            worker,
+            registry=reg,
+        )
+
+        group = [*worker, "group", "medium"]
+        self.kv_group_pages = Gauge(
+            PREFIX + "kv_cache_pages",
+            "Pages of a KV pool group by state: used (held by requests), free (what an allocation "
+            "may take, evictable ones included), evictable (cached, held by nobody).",
+            [*group, "state"],
+            registry=reg,
+        )
+        self.kv_group_peak_pages = Gauge(
+            PREFIX + "kv_cache_peak_pages",
+            "Most pages of a KV pool group in a state at once during the worker's last complete "
+            "stats interval (stats.interval_s): used, evictable.",
+            [*group, "state"],
+            registry=reg,
+        )
+        self.kv_group_free_low_water = Gauge(
+            PREFIX + "kv_cache_free_low_water_pages",
+            "Fewest plain free pages (neither held nor cached) of a KV pool group at once during "
+            "the last complete stats interval; 0: it evicted cached pages or came close.",
+            group,
+            registry=reg,
+        )
+        self.kv_group_window = Gauge(
+            PREFIX + "kv_cache_sliding_window_tokens",
+            "The attention window of a sliding-window KV pool group, in tokens (full-attention "
+            "groups have none).",
+            [*worker, "group"],
+            registry=reg,
+        )
 
         self.request_success = Counter(
             PREFIX + "request_success_total",
@@ -125,6 +174,31 @@ class ServingMetrics:
         self.expired_leases = Counter(
             PREFIX + "kv_transfer_expired_leases_total",
             "KV leases that expired before the decode worker acknowledged.",
+            worker,
+            registry=reg,
+        )
+        # What a decode worker did after a failed pull (transfer.on_failure).
+        self.transfer_recomputed = Counter(
+            PREFIX + "kv_transfer_recomputed_total",
+            "Requests whose KV transfer failed and that the decode worker prefilled itself.",
+            worker,
+            registry=reg,
+        )
+        self.transfer_failed_requests = Counter(
+            PREFIX + "kv_transfer_failed_requests_total",
+            "Requests that ended with an error because their KV transfer failed.",
+            worker,
+            registry=reg,
+        )
+        self.refused_peers = Counter(
+            PREFIX + "kv_transfer_refused_peers_total",
+            "Transfer peers refused in the handshake (no cluster secret, another model, ...).",
+            worker,
+            registry=reg,
+        )
+        self.injected_faults = Counter(
+            PREFIX + "kv_transfer_injected_faults_total",
+            "KV pulls failed on purpose (transfer.fault_injection).",
             worker,
             registry=reg,
         )
@@ -163,33 +237,85 @@ class ServingMetrics:
         kv_usage: float,
         transfer_failures_total: int = 0,
         expired_leases_total: int = 0,
+        peak_kv_usage: float | None = None,
+        transfer_recomputed_total: int = 0,
+        transfer_failed_requests_total: int = 0,
+        refused_peers_total: int = 0,
+        injected_faults_total: int = 0,
+        kv_groups: Mapping[str, PoolGroupStats] | None = None,
+        kv_interval_groups: Mapping[str, PoolGroupStats] | None = None,
     ) -> None:
-        """Update one worker's gauges; the two ``*_total`` arguments are the worker's running totals."""
-        if not 0.0 <= kv_usage <= 1.0:
-            raise ValueError(f"kv_usage is a fraction in [0, 1], got {kv_usage}")
+        """Update one worker's gauges; the ``*_total`` arguments are the worker's running totals;
+        ``peak_kv_usage`` is None until the worker's first stats interval ended.
+        ``kv_groups``: the KV stats of each pool group now; ``kv_interval_groups``: those taken at
+        the end of the last complete stats interval (their peaks), None before the first."""
+        for name, value in (("kv_usage", kv_usage), ("peak_kv_usage", peak_kv_usage)):
+            if value is not None and not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} is a fraction in [0, 1], got {value}")
         labels = (self.model_name, Role(role).value, worker_id)
         self.num_waiting.labels(*labels).set(num_waiting)
         self.num_running.labels(*labels).set(num_running)
         self.kv_usage.labels(*labels).set(kv_usage)
+        if peak_kv_usage is not None:
+            self.kv_peak_usage.labels(*labels).set(peak_kv_usage)
+        totals = {  # _WorkerTotals field and counter attribute -> the worker's running total
+            "transfer_failures": transfer_failures_total,
+            "expired_leases": expired_leases_total,
+            "transfer_recomputed": transfer_recomputed_total,
+            "transfer_failed_requests": transfer_failed_requests_total,
+            "refused_peers": refused_peers_total,
+            "injected_faults": injected_faults_total,
+        }
         with self._totals_lock:
             seen = self._worker_totals.setdefault((labels[1], worker_id), _WorkerTotals())
-            failures = _delta(seen.transfer_failures, transfer_failures_total)
-            expired = _delta(seen.expired_leases, expired_leases_total)
-            seen.transfer_failures, seen.expired_leases = (
-                transfer_failures_total,
-                expired_leases_total,
-            )
-        self.transfer_failures.labels(*labels).inc(failures)
-        self.expired_leases.labels(*labels).inc(expired)
+            deltas = {k: _delta(getattr(seen, k), v) for k, v in totals.items()}
+            for k, v in totals.items():
+                setattr(seen, k, v)
+        for name, delta in deltas.items():
+            getattr(self, name).labels(*labels).inc(delta)
+        self._set_group_gauges(labels, seen, kv_groups or {}, kv_interval_groups)
+
+    def _set_group_gauges(
+        self,
+        labels: tuple[str, str, str],
+        seen: _WorkerTotals,
+        groups: Mapping[str, PoolGroupStats],
+        interval: Mapping[str, PoolGroupStats] | None,
+    ) -> None:
+        values: list[tuple[Gauge, tuple[str, ...], float]] = []
+        for name, g in groups.items():
+            for state, n in (("used", g.used), ("free", g.free), ("evictable", g.evictable)):
+                values.append((self.kv_group_pages, (name, "device", state), n))
+            if g.sliding_window is not None:
+                values.append((self.kv_group_window, (name,), g.sliding_window))
+        for name, g in (interval or {}).items():
+            for state, n in (("used", g.peak_used), ("evictable", g.peak_evictable)):
+                values.append((self.kv_group_peak_pages, (name, "device", state), n))
+            values.append((self.kv_group_free_low_water, (name, "device"), g.free_low_water))
+        with self._totals_lock:
+            for gauge, tail, value in values:
+                gauge.labels(*labels, *tail).set(value)
+                seen.group_series.setdefault(gauge, set()).add(tail)
 
     def remove_worker(self, worker_id: str, role: Role | str) -> None:
         """Forget a worker that left the cluster, so its gauges stop being exported."""
         labels = (self.model_name, Role(role).value, worker_id)
-        for metric in (self.num_waiting, self.num_running, self.kv_usage):
-            metric.remove(*labels)
+        for metric in (self.num_waiting, self.num_running, self.kv_usage, self.kv_peak_usage):
+            with contextlib.suppress(KeyError):  # a gauge it never set
+                metric.remove(*labels)
         # Counters stay: their totals are history, and Prometheus handles a series that stops.
         with self._totals_lock:
-            self._worker_totals.pop((labels[1], worker_id), None)
+            seen = self._worker_totals.pop((labels[1], worker_id), None)
+            group_gauges = (
+                self.kv_group_pages,
+                self.kv_group_peak_pages,
+                self.kv_group_free_low_water,
+                self.kv_group_window,
+            )
+            for gauge in group_gauges:
+                for tail in seen.group_series.get(gauge, ()) if seen else ():
+                    with contextlib.suppress(KeyError):
+                        gauge.remove(*labels, *tail)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric in this registry."""

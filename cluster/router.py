@@ -4,7 +4,12 @@ For each request: pick a prefill worker (queue length, and for ``prefix_aware`` 
 the same first page), get the first token and a transfer ticket, stream the first token, pick a decode
 worker (free pages, running requests) and stream the rest from it. A failed prefill is retried on
 another prefill worker (``router.prefill_retries``); with no healthy prefill worker the decode worker
-prefills locally. A client that goes away cancels the request on both sides.
+prefills locally. A client that goes away cancels the request on both sides, and so does
+``server.request_timeout_s`` (``call_timeout_s`` here): no request runs longer than that from its
+arrival at the router.
+
+Worker health and load (``WorkerSlot.healthy``, ``free_pages``, ``last_stats``) are kept up to date
+by the server's stats poller (cluster/stats_poller.py) and by the outcome of each call.
 """
 
 from __future__ import annotations
@@ -14,13 +19,13 @@ import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from engine.worker_messages import GenerateRequest, PrefillResult, TokenDelta
+from worker_common.messages import GenerateRequest, PrefillResult, TokenDelta, WorkerStats
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +40,7 @@ class WorkerSlot:
     free_pages: int = 0
     healthy: bool = True
     failures: int = 0
-    last_stats: dict[str, Any] = field(default_factory=dict)
+    last_stats: WorkerStats | None = None  # the last stats poll's answer
 
 
 def _error_delta(req: GenerateRequest, error: str) -> TokenDelta:
@@ -53,7 +58,6 @@ class Router:
         prefill_retries: int = 1,
         local_prefill_fallback: bool = True,
         page_size: int = 16,
-        stats_interval_s: float = 1.0,
         call_timeout_s: float = 300.0,
     ) -> None:
         if not decode:
@@ -65,9 +69,7 @@ class Router:
         self.local_prefill_fallback = local_prefill_fallback
         self._turn = 0  # round_robin position
         self.page_size = page_size
-        self.stats_interval_s = stats_interval_s
         self.call_timeout_s = call_timeout_s
-        self._stats_task: asyncio.Task | None = None
         self.num_prefill_retries = 0
         self.num_local_fallbacks = 0
 
@@ -84,7 +86,7 @@ class Router:
             # Requests sharing their first page go to the same worker (its prefix cache has it),
             # unless that worker is clearly busier than the least loaded one.
             key = hashlib.blake2b(
-                str(req.prompt_token_ids[: self.page_size]).encode(), digest_size=8
+                req.prompt_token_ids.packed[: 4 * self.page_size], digest_size=8
             ).digest()
             preferred = live[int.from_bytes(key, "little") % len(live)]
             if preferred.outstanding <= least + 2:
@@ -96,8 +98,11 @@ class Router:
         return min(live, key=lambda w: (w.outstanding, -w.free_pages))
 
     # ---- the request ----
+    def _left_s(self, req: GenerateRequest) -> float:
+        """Time left of the request's ``call_timeout_s`` from its arrival."""
+        return req.arrival_time + self.call_timeout_s - time.time()
+
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta]:
-        self._ensure_stats_task()
         pre, pworker = await self._prefill(req)
         if pre is None:
             if self.prefill and not self.local_prefill_fallback:
@@ -129,12 +134,13 @@ class Router:
         tried: set[str] = set()
         for attempt in range(1 + self.prefill_retries):
             w = self._pick_prefill(req, tried)
-            if w is None:
-                break
+            if w is None or self._left_s(req) <= 0:
+                break  # (out of time: no worker is to blame, none is marked unhealthy)
             tried.add(w.worker_id)
             w.outstanding += 1
             try:
-                return await asyncio.wait_for(w.handle.prefill.remote(req), self.call_timeout_s), w
+                left = max(self._left_s(req), 0.0)
+                return await asyncio.wait_for(w.handle.prefill.remote(req), left), w
             except RayTaskError as e:
                 if isinstance(e.cause, ValueError):
                     raise e.cause from None  # the request itself is bad: no retry
@@ -161,9 +167,9 @@ class Router:
     ) -> AsyncIterator[TokenDelta]:
         """Stream from a decode worker. A worker that is unavailable before it produced anything (it
         is restarting, or died) is replaced, within ``call_timeout_s``; after the first token, its
-        failure ends the request with an error (the tokens already sent cannot be recalled)."""
+        failure ends the request with an error (the tokens already sent cannot be recalled). At
+        ``call_timeout_s`` from the request's arrival the request is aborted with an error."""
         rid = req.request_id
-        deadline = time.monotonic() + self.call_timeout_s
         started = finished = ok = False
         d: WorkerSlot | None = None
         gen: Any = None
@@ -176,7 +182,14 @@ class Router:
                         gen = d.handle.generate.options(num_returns="streaming").remote(req)
                     else:
                         gen = d.handle.decode.options(num_returns="streaming").remote(req, pre)
-                    async for ref in gen:
+                    refs = gen.__aiter__()
+                    while not finished:
+                        try:
+                            ref = await asyncio.wait_for(
+                                refs.__anext__(), max(self._left_s(req), 0.0)
+                            )
+                        except StopAsyncIteration:
+                            break
                         delta: TokenDelta = await ref
                         started = True
                         finished = delta.finish_reason is not None or delta.error is not None
@@ -188,9 +201,17 @@ class Router:
                             req,
                             f"decode worker {d.worker_id} ended the stream early",
                         )
+                except asyncio.TimeoutError:
+                    # Not ``finished``: the ``finally`` below aborts it on the decode worker.
+                    yield _error_delta(
+                        req,
+                        f"the request took longer than server.request_timeout_s "
+                        f"({self.call_timeout_s:g}s)",
+                    )
+                    return
                 except RayActorError as e:
                     d.healthy = False
-                    if started or time.monotonic() > deadline:
+                    if started or self._left_s(req) <= 0:
                         finished = True
                         yield _error_delta(
                             req,
@@ -228,35 +249,9 @@ class Router:
         for w in self.prefill:
             w.handle.cancel.remote(request_id)
 
-    # ---- health and stats ----
-    def _ensure_stats_task(self) -> None:
-        if self._stats_task is None or self._stats_task.done():
-            self._stats_task = asyncio.get_running_loop().create_task(self._poll_stats())
-
-    async def _poll_stats(self) -> None:
-        while True:
-            await self.refresh_stats()
-            await asyncio.sleep(self.stats_interval_s)
-
-    async def refresh_stats(self) -> None:
-        async def one(w: WorkerSlot) -> None:
-            try:
-                s = await asyncio.wait_for(w.handle.stats.remote(), max(self.stats_interval_s, 5.0))
-            except (RayActorError, RayTaskError, asyncio.TimeoutError):
-                w.healthy = False
-                return
-            w.last_stats = s
-            w.healthy = bool(s.get("healthy", True))
-            w.free_pages = int(s.get("free_pages", 0))
-
-        await asyncio.gather(*(one(w) for w in self.prefill + self.decode))
-
-    async def health(self) -> dict[str, Any]:
-        await self.refresh_stats()
+    # ---- health ----
+    def health(self) -> dict[str, Any]:
+        """Healthy when some decode worker is (as the stats poller and the calls last saw it)."""
         workers = {w.worker_id: w.healthy for w in self.prefill + self.decode}
         healthy = any(w.healthy for w in self.decode)
         return {"healthy": healthy, "workers": workers, "time": time.time()}
-
-    def close(self) -> None:
-        if self._stats_task is not None:
-            self._stats_task.cancel()

@@ -46,16 +46,16 @@ def make_frontend(config: ClusterConfig, handles: ClusterHandles) -> ClusterFron
         config.model.load_format,
         has_dummy_config=config.model.dummy_config is not None,
     )
-    max_len = config.model.max_model_len or ray.get(handles.decode[0].handle.max_model_len.remote())
+    model = ray.get(handles.decode[0].handle.model_info.remote(), timeout=60)
     return ClusterFrontend(
         handles.router(),
         tokenizer,
         config.model.model_name,
-        max_len,
+        model,
         handles.collector,
-        perf_buffer_len=config.stats.perf_buffer_len
-        if config.stats.perf_buffer_len > 0
-        else 1_000_000,
+        stats_interval_s=config.stats.interval_s,
+        max_stats_len=config.stats.max_stats_len,
+        perf_buffer_len=config.stats.perf_buffer_len,
     )
 
 
@@ -72,18 +72,20 @@ class RunningCluster:
 
     def stop(self) -> None:
         self._server.should_exit = True
-        self._thread.join(30)
-        self.frontend.router.close()
+        self._thread.join(30)  # the server's lifespan stops the frontend's background tasks
         self.handles.shutdown()
         if self._owns_ray:
             ray.shutdown()
 
 
-def start_cluster(config: ClusterConfig, port: int | None = None) -> RunningCluster:
-    """Build the cluster of ``config`` and serve it on 127.0.0.1-or-configured host in a thread."""
+def start_cluster(
+    config: ClusterConfig, port: int | None = None, worker_log_level: str | None = None
+) -> RunningCluster:
+    """Build the cluster of ``config`` and serve it on 127.0.0.1-or-configured host in a thread.
+    ``worker_log_level``: the workers' logging level (default: this process's)."""
     owns_ray = connect_ray(config)
     try:
-        handles = build_cluster(config)
+        handles = build_cluster(config, worker_log_level=worker_log_level)
     except BaseException:
         if owns_ray:
             ray.shutdown()
@@ -97,7 +99,7 @@ def start_cluster(config: ClusterConfig, port: int | None = None) -> RunningClus
             host=config.server.host,
             port=config.server.port if port is None else port,
             log_level="warning",
-            lifespan="off",
+            lifespan="on",
         )
         server = uvicorn.Server(uv_config)
         thread = threading.Thread(target=server.run, name="duet-http", daemon=True)
@@ -122,6 +124,8 @@ def start_cluster(config: ClusterConfig, port: int | None = None) -> RunningClus
 def serve(config: ClusterConfig) -> None:
     """Run until interrupted (what `duet serve CONFIG` does)."""
     owns_ray = connect_ray(config)
+    # A fresh transfer secret unless the config or DUET_TRANSFER_SECRET gives one: the workers'
+    # transceivers authenticate each other with it (transfer/handshake.py).
     handles = build_cluster(config)
     try:
         frontend = make_frontend(config, handles)

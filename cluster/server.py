@@ -1,17 +1,23 @@
 """The OpenAI-compatible HTTP server (FastAPI): request validation, tokenization, SSE streaming.
 
 The server owns no model state: it turns HTTP bodies into GenerateRequests for the router and the
-router's TokenDeltas back into OpenAI bodies. 4xx is for requests the client must fix; 5xx only for
-our own faults.
+router's TokenDeltas back into OpenAI bodies. Every request is validated here, once, before any
+worker sees it: a field Duet does not implement is refused by name (openai_schemas.py), token ids
+must be in the vocabulary, and the prompt plus ``max_tokens`` must fit the model. 4xx is for
+requests the client must fix; 5xx only for our own faults. A stream that has started ends with an
+error event and then ``[DONE]`` whatever goes wrong; a client that goes away, streaming or not,
+aborts its request on every worker.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
@@ -20,27 +26,32 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import ValidationError
 
 from cluster import openai_schemas as oa
-from engine.worker_messages import GenerateRequest, TokenDelta
+from engine.sampling_params import SamplingParams
+from worker_common.messages import GenerateRequest, TokenDelta
+from worker_common.prompt_tokens import INT32_MAX
 
 log = logging.getLogger(__name__)
 
 
 class ServingBackend(Protocol):
-    """What the server needs from the cluster (the router implements it)."""
+    """What the server needs from the cluster (cluster.frontend.ClusterFrontend implements it)."""
 
     model_name: str
     max_model_len: int
+    vocab_size: int
     default_max_tokens: int
 
+    async def start(self) -> None: ...
+    async def stop(self) -> None: ...
     def encode(self, text: str) -> list[int]: ...
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]: ...
-    def validate_sampling(self, sampling: dict[str, Any]) -> None: ...
     def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]: ...
     async def abort(self, request_id: str) -> None: ...
     async def health(self) -> dict[str, Any]: ...
     async def metrics_text(self) -> bytes: ...
     async def perf_metrics(self) -> list[dict[str, Any]]: ...
-    async def iteration_stats(self) -> dict[str, list[dict[str, Any]]]: ...
+    async def iteration_stats(self) -> list[dict[str, Any]]: ...
+    async def transfer_stats(self) -> list[dict[str, Any]]: ...
 
 
 class BadRequest(Exception):
@@ -69,13 +80,45 @@ def _validation_message(exc: ValidationError | RequestValidationError) -> tuple[
     return "; ".join(parts), param
 
 
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+async def _until_disconnect(request: Request) -> None:
+    """Return when the client has gone away (the body was already read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def check_token_ids(ids: list[int], vocab_size: int, field: str) -> None:
+    """BadRequest naming ``field`` unless every id is in [0, vocab_size) (so also in int32)."""
+    if not ids:
+        return
+    low, high = min(ids), max(ids)
+    if low < 0 or high >= min(vocab_size, INT32_MAX + 1):
+        bad = low if low < 0 else high
+        raise BadRequest(
+            f"{field}: token id {bad} is outside the vocabulary [0, {vocab_size})", field
+        )
+
+
 def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
-    app = FastAPI(title="Duet", version="0.1.0")
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await backend.start()  # the background stats collection
+        try:
+            yield
+        finally:
+            await backend.stop()
+
+    app = FastAPI(title="Duet", version="0.1.0", lifespan=lifespan)
+    expected_auth = f"Bearer {api_key}".encode() if api_key else None
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):  # type: ignore[no-untyped-def]
-        if api_key and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization") != f"Bearer {api_key}":
+        if expected_auth is not None and request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, expected_auth):  # constant time
                 return _err("invalid or missing API key", 401)
         return await call_next(request)
 
@@ -88,32 +131,46 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
     async def _on_bad_request(_: Request, exc: BadRequest) -> JSONResponse:
         return _err(str(exc), exc.code, exc.param)
 
-    def _check_model(name: str) -> None:
-        if name != backend.model_name:
+    def _check_body(body: oa.CompletionRequest | oa.ChatCompletionRequest) -> None:
+        if body.model != backend.model_name:
             raise BadRequest(
-                f"model {name!r} does not exist; this server serves {backend.model_name!r}",
+                f"model {body.model!r} does not exist; this server serves {backend.model_name!r}",
                 "model",
                 404,
             )
+        refused = body.refused()
+        if refused:
+            raise BadRequest("; ".join(message for _, message in refused), refused[0][0])
 
-    def _prepare(body: oa._SamplingFields, prompt_ids: list[int]) -> GenerateRequest:
-        if not prompt_ids:
+    def _prepare(
+        body: oa.CompletionRequest | oa.ChatCompletionRequest, ids: list[int]
+    ) -> GenerateRequest:
+        if not ids:
             raise BadRequest("prompt must not be empty", "prompt")
-        sampling = body.sampling_dict(backend.default_max_tokens)
-        if len(prompt_ids) >= backend.max_model_len:
+        check_token_ids(ids, backend.vocab_size, "prompt")
+        check_token_ids(body.stop_token_ids or [], backend.vocab_size, "stop_token_ids")
+        room = backend.max_model_len - len(ids)
+        if room < 1:
             raise BadRequest(
-                f"prompt has {len(prompt_ids)} tokens; the maximum model length is {backend.max_model_len} "
-                "(prompt plus at least one generated token)",
+                f"prompt has {len(ids)} tokens; the maximum model length is "
+                f"{backend.max_model_len} (prompt plus at least one generated token)",
                 "prompt",
             )
-        sampling["max_tokens"] = min(
-            sampling["max_tokens"], backend.max_model_len - len(prompt_ids)
-        )
+        asked = body.requested_max_tokens
+        if asked is not None and asked > room:
+            field = "max_tokens" if body.max_tokens is not None else "max_completion_tokens"
+            raise BadRequest(
+                f"{field}: {asked} tokens after a prompt of {len(ids)} exceed the maximum model "
+                f"length of {backend.max_model_len} (at most {room} here)",
+                field,
+            )
         try:
-            backend.validate_sampling(sampling)
+            sampling: SamplingParams = body.sampling(
+                asked if asked is not None else min(backend.default_max_tokens, room)
+            )
         except ValueError as e:
             raise BadRequest(str(e), getattr(e, "field", None)) from e
-        return GenerateRequest(oa.new_id("req"), prompt_ids, sampling, time.time())
+        return GenerateRequest(oa.new_id("req"), ids, sampling, time.time())
 
     async def _collect(req: GenerateRequest) -> tuple[str, str | None, list[int]]:
         text: list[str] = []
@@ -127,41 +184,64 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
             finish = d.finish_reason or finish
         return "".join(text), finish, ids
 
-    async def _complete(req: GenerateRequest, build: Any) -> Response:
-        """A non-streaming answer: collect every delta, then ``build(text, finish, token_ids)``."""
+    async def _complete(
+        req: GenerateRequest, request: Request, build: Callable[..., Any]
+    ) -> Response:
+        """A non-streaming answer: collect every delta, then ``build(text, finish, token_ids)``.
+        A client that goes away first aborts the request (it would hold pages until its end)."""
+        collect = asyncio.ensure_future(_collect(req))
+        gone = asyncio.ensure_future(_until_disconnect(request))
         try:
-            text, finish, out_ids = await _collect(req)
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
-            await backend.abort(req.request_id)  # the client went away
+            collect.cancel()
+            await backend.abort(req.request_id)
             raise
-        except RuntimeError as e:
-            return _err(str(e), 500)
+        finally:
+            gone.cancel()
+        if not collect.done():  # the client went away
+            collect.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await collect
+            await backend.abort(req.request_id)
+            return Response(status_code=499)
+        try:
+            text, finish, out_ids = collect.result()
+        except Exception as e:  # our own fault: the request was validated above
+            log.warning("request %s failed: %s", req.request_id, e)
+            return _err(str(e) or type(e).__name__, 500)
         return JSONResponse(build(text, finish, out_ids))
 
     async def _stream(
-        req: GenerateRequest, request: Request, make_chunk, include_usage: bool, first_chunk=None
-    ):  # type: ignore[no-untyped-def]
+        req: GenerateRequest,
+        make_chunk: Callable[[str, str | None, list[int]], dict[str, Any]],
+        include_usage: bool,
+        first_chunk: dict[str, Any] | None = None,
+    ) -> AsyncIterator[str]:
         rid = req.request_id
         n_out, finished = 0, False
         try:
             if first_chunk is not None:
-                yield f"data: {json.dumps(first_chunk)}\n\n"
-            async for d in backend.generate(req):
-                if d.error:
-                    err = oa.error_body(d.error, "internal_error", 500)
-                    yield f"data: {json.dumps(err)}\n\n"
-                    finished = True
-                    break
-                n_out += len(d.token_ids)
-                if d.text or d.token_ids or d.finish_reason:
-                    yield f"data: {json.dumps(make_chunk(d.text, d.finish_reason, d.token_ids))}\n\n"
-                if d.finish_reason:
-                    finished = True
+                yield _sse(first_chunk)
+            try:
+                async for d in backend.generate(req):
+                    if d.error:
+                        yield _sse(oa.error_body(d.error, "internal_error", 500))
+                        finished = True
+                        break
+                    n_out += len(d.token_ids)
+                    if d.text or d.token_ids or d.finish_reason:
+                        yield _sse(make_chunk(d.text, d.finish_reason, d.token_ids))
+                    if d.finish_reason:
+                        finished = True
+            except Exception as e:  # whatever failed, the client gets an error event and [DONE]
+                log.warning("stream %s failed: %s", rid, e)
+                yield _sse(oa.error_body(str(e) or type(e).__name__, "internal_error", 500))
             if include_usage:
                 chunk = make_chunk("", None, [])
                 chunk["choices"] = []
                 chunk["usage"] = oa.usage(len(req.prompt_token_ids), n_out)
-                yield f"data: {json.dumps(chunk)}\n\n"
+                yield _sse(chunk)
             yield "data: [DONE]\n\n"
         finally:
             # A client that went away mid-stream must not keep pages on any worker.
@@ -190,26 +270,25 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: oa.CompletionRequest, request: Request) -> Response:
-        _check_model(body.model)
+        _check_body(body)
         try:
             prompt = body.single_prompt()
-        except ValueError as e:
-            raise BadRequest(str(e), "prompt") from e
-        try:
             ids = backend.encode(prompt) if isinstance(prompt, str) else prompt
         except ValueError as e:
             raise BadRequest(str(e), "prompt") from e
         req = _prepare(body, ids)
         model = backend.model_name
         if body.stream:
-            make = lambda text, fin, tids: oa.completion_chunk(
-                req.request_id, model, text, fin, tids
-            )
+
+            def make(text: str, fin: str | None, tids: list[int]) -> dict[str, Any]:
+                return oa.completion_chunk(req.request_id, model, text, fin, tids)
+
             return StreamingResponse(
-                _stream(req, request, make, body.include_usage), media_type="text/event-stream"
+                _stream(req, make, body.include_usage), media_type="text/event-stream"
             )
         return await _complete(
             req,
+            request,
             lambda text, fin, out: oa.completion_body(
                 req.request_id, model, text, fin, oa.usage(len(ids), len(out)), out
             ),
@@ -217,7 +296,7 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: oa.ChatCompletionRequest, request: Request) -> Response:
-        _check_model(body.model)
+        _check_body(body)
         try:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
             ids = backend.encode_chat(messages)
@@ -226,18 +305,21 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
         req = _prepare(body, ids)
         model = backend.model_name
         if body.stream:
-            make = lambda text, fin, tids: oa.chat_chunk(
-                req.request_id, model, {"content": text} if text else {}, fin, tids
-            )
+
+            def make(text: str, fin: str | None, tids: list[int]) -> dict[str, Any]:
+                return oa.chat_chunk(
+                    req.request_id, model, {"content": text} if text else {}, fin, tids
+                )
+
             first = oa.chat_chunk(
                 req.request_id, model, {"role": "assistant", "content": ""}, None, []
             )
             return StreamingResponse(
-                _stream(req, request, make, body.include_usage, first),
-                media_type="text/event-stream",
+                _stream(req, make, body.include_usage, first), media_type="text/event-stream"
             )
         return await _complete(
             req,
+            request,
             lambda text, fin, out: oa.chat_body(
                 req.request_id, model, text, fin, oa.usage(len(ids), len(out))
             ),
@@ -256,6 +338,10 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
     @app.get("/iteration_stats")
     async def iteration_stats() -> JSONResponse:
         return JSONResponse(await backend.iteration_stats())
+
+    @app.get("/transfer_stats")
+    async def transfer_stats() -> JSONResponse:
+        return JSONResponse(await backend.transfer_stats())
 
     @app.get("/")
     async def root() -> PlainTextResponse:

@@ -1,4 +1,4 @@
-"""The thin Ray actor around DecodeWorker: builds it from the cluster config and forwards calls.
+"""The thin Ray actor around DecodeWorker: builds it from its WorkerSpec and forwards calls.
 
 ``decode`` and ``generate`` are async generators: called with ``num_returns="streaming"`` they
 stream TokenDeltas to the router as they are produced.
@@ -7,24 +7,29 @@ stream TokenDeltas to the router as they are produced.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
 
 import ray
 
-from cluster.transfer_setup import make_puller
-from cluster.worker_actor import WorkerActorBase
-from cluster.worker_setup import build_engine
 from decode_worker.worker import DecodeWorker
-from engine.worker_messages import GenerateRequest, PrefillResult, TokenDelta
+from worker_common.actor_base import WorkerActorBase
+from worker_common.engine_setup import build_engine
+from worker_common.messages import GenerateRequest, PrefillResult, TokenDelta, WorkerSpec
+from worker_common.transfer_setup import make_puller
 
 
 class _DecodeWorkerActor(WorkerActorBase):
-    def __init__(self, config: dict[str, Any], worker_id: str, collector: Any = None) -> None:
-        cfg, report = self.setup(config, collector)
-        engine = build_engine(cfg, "decode")
-        puller = None if cfg.aggregated else make_puller(engine, cfg)
+    def __init__(self, spec: WorkerSpec) -> None:
+        report = self.setup(spec)
+        engine = build_engine(spec)
+        puller = None if spec.transceiver is None else make_puller(engine, spec)
         self.worker = DecodeWorker(
-            worker_id, engine, puller, report, token_deadline_s=cfg.server.request_timeout_s
+            spec.worker_id,
+            engine,
+            puller,
+            report,
+            spec.deadlines,
+            spec.stats_interval_s,
+            on_failure=spec.on_transfer_failure,
         )
 
     async def decode(self, req: GenerateRequest, pre: PrefillResult) -> AsyncIterator[TokenDelta]:

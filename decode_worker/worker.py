@@ -5,7 +5,9 @@ Life of a request here (DESIGN section 3):
   -> pull the remaining pages from P -> check (every chunk arrived, declared history == prompt length)
   -> finalize context (commit the prompt's pages) and only then schedule decode -> stream tokens.
 Pages allocated for a receive are freed only after the receive is known finished or failed, even
-when the client went away meanwhile. The same class also serves whole requests locally (the
+when the client went away meanwhile. A failed, expired or refused pull fails the request, or with
+``on_failure="recompute"`` (transfer.on_failure) the request is prefilled here instead and the
+client gets a normal completion. The same class also serves whole requests locally (the
 aggregated mode, and the fallback when no prefill worker is healthy).
 """
 
@@ -13,18 +15,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
-from cluster.messages import RequestTimings, Role
 from engine.engine_core import LLMEngine
 from engine.engine_loop import EngineLoop
 from engine.output_stream import OutputStream
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.worker_messages import GenerateRequest, PrefillResult, TokenDelta
+from transfer.messages import TransferTicket
+from transfer.stats import TransferResult, TransferStats
+from worker_common.messages import (
+    GenerateRequest,
+    PrefillResult,
+    Role,
+    StatsBatch,
+    TokenDelta,
+    WorkerDeadlines,
+    WorkerStats,
+)
+from worker_common.request_report import Sink, TransferFacts, WorkerFacts
+from worker_common.worker_stats import WorkerStatsKeeper, transfer_totals
 
 log = logging.getLogger(__name__)
 
@@ -34,36 +45,45 @@ class KVPuller(Protocol):
 
     async def pull(
         self,
-        ticket: Any,
+        ticket: TransferTicket,
         dst_page_ids: dict[str, list[int]],
         skip_pages: int,
         expected_prompt_len: int,
-    ) -> Any: ...  # -> an object with .ok, .error, .bytes
+    ) -> TransferResult: ...
     def stats(self) -> dict[str, Any]: ...
+    def drain_transfer_stats(self) -> list[TransferStats]: ...
     def close(self) -> None: ...
 
 
 class DecodeWorker:
-    """Plain class behind the decode Ray actor."""
+    """Plain class behind the decode Ray actor. ``report`` receives the per-request stats (None:
+    none are recorded)."""
 
     def __init__(
         self,
         worker_id: str,
         engine: LLMEngine,
         puller: KVPuller | None,
-        report: Callable[[RequestTimings], None] | None = None,
-        gen_init_deadline_s: float = 60.0,
-        token_deadline_s: float = 300.0,
+        report: Sink | None = None,
+        deadlines: WorkerDeadlines | None = None,
+        stats_interval_s: float = 10.0,
+        on_failure: str = "fail",
     ) -> None:
+        if on_failure not in ("fail", "recompute"):
+            raise ValueError(f"on_failure must be 'fail' or 'recompute', got {on_failure!r}")
         self.worker_id = worker_id
-        self.loop = EngineLoop(engine, name=f"{worker_id}-engine")
+        self.keeper = WorkerStatsKeeper(worker_id, Role.DECODE, stats_interval_s, report)
+        self.loop = EngineLoop(engine, name=f"{worker_id}-engine", on_tick=self.keeper.tick)
         self.puller = puller
-        self._report = report
-        self._gen_init_deadline_s = gen_init_deadline_s
-        self._token_deadline_s = token_deadline_s
+        deadlines = deadlines or WorkerDeadlines()
+        self._gen_init_deadline_s = deadlines.page_wait_s
+        self._token_deadline_s = deadlines.token_s
         self._receiving: dict[str, asyncio.Task] = {}  # request id -> its pull, while in flight
         self._aborted: set[str] = set()
-        self.num_transfer_failures = 0
+        self.on_failure = on_failure
+        self.num_transfer_failures = 0  # failed pulls (and pulls that could not run)
+        self.num_transfer_recomputed = 0  # ... whose request was prefilled here instead
+        self.num_transfer_failed_requests = 0  # ... whose request ended with an error
 
     # ---- disaggregated path ----
     async def decode(self, req: GenerateRequest, pre: PrefillResult) -> AsyncIterator[TokenDelta]:
@@ -72,8 +92,7 @@ class DecodeWorker:
             raise RuntimeError(
                 f"decode worker {self.worker_id} has no transceiver (aggregated mode)"
             )
-        rid, prompt = req.request_id, req.prompt_token_ids
-        params = SamplingParams(**req.sampling)
+        rid, prompt = req.request_id, req.prompt_token_ids.tolist()
         received = time.time()
         skip, dst = await self._gen_init(rid, prompt)
         transfer_start = time.time()
@@ -92,30 +111,51 @@ class DecodeWorker:
             self._receiving.pop(rid, None)
         transfer_end = time.time()
         ok = result is not None and result.ok
-        if rid in self._aborted or not ok:
+        aborted = rid in self._aborted
+        if aborted or not ok:
             self._aborted.discard(rid)
             await asyncio.wrap_future(self._free_pages(rid))
-            if not ok:
-                self.num_transfer_failures += 1
-                why = result.error if result is not None else error
+        if not ok:
+            self.num_transfer_failures += 1
+        if aborted:
+            return
+        if not ok:
+            why = result.error if result is not None else error
+            if self.on_failure != "recompute":
+                self.num_transfer_failed_requests += 1
                 yield TokenDelta(
                     rid, [], "", "abort", len(prompt), 1, error=f"KV transfer failed: {why}"
                 )
-            return
-        extra = {
-            "transfer_start": transfer_start,
-            "transfer_end": transfer_end,
-            "transfer_bytes": int(result.bytes),
-            "transfer_path": result.stats.path,
-        }
-        async for delta in self._run(
-            req,
+                return
+            log.warning("KV transfer of %s failed (%s): prefilling it here", rid, why)
+            self.num_transfer_recomputed += 1
+        facts = WorkerFacts(
             received,
-            lambda e: e.add_prefilled_request(
-                rid, prompt, pre.first_token_id, params, arrival_time=req.arrival_time
+            TransferFacts(
+                transfer_start,
+                transfer_end,
+                int(result.bytes) if ok else 0,
+                result.stats.path if result is not None else None,
             ),
-            extra,
-        ):
+        )
+        page_size = self.loop.engine.kv.page_size
+
+        def add(e: LLMEngine) -> Any:
+            self.keeper.note(rid, facts)
+            if not ok:  # recompute: the prompt's KV is computed here
+                return e.add_recomputed_request(
+                    rid, prompt, pre.first_token_id, req.sampling, arrival_time=req.arrival_time
+                )
+            return e.add_prefilled_request(
+                rid,
+                prompt,
+                pre.first_token_id,
+                req.sampling,
+                arrival_time=req.arrival_time,
+                num_cached_tokens=skip * page_size,
+            )
+
+        async for delta in self._run(req, add):
             yield delta
 
     async def _gen_init(self, rid: str, prompt: list[int]) -> tuple[int, dict[str, list[int]]]:
@@ -148,7 +188,7 @@ class DecodeWorker:
             if time.monotonic() > deadline:
                 raise RuntimeError(
                     f"decode worker {self.worker_id}: no free KV pages for {rid} ({len(prompt)} prompt tokens) "
-                    f"within {self._gen_init_deadline_s}s"
+                    f"within {self._gen_init_deadline_s}s (decode.page_wait_deadline_s)"
                 )
             await asyncio.sleep(0.02)
 
@@ -158,50 +198,34 @@ class DecodeWorker:
     # ---- aggregated path ----
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta]:
         """Prefill locally and stream every token (aggregated mode / no healthy prefill worker)."""
-        rid = req.request_id
-        params = SamplingParams(**req.sampling)
-        received = time.time()
-        async for delta in self._run(
-            req,
-            received,
-            lambda e: e.add_request(
-                rid, req.prompt_token_ids, params, arrival_time=req.arrival_time
-            ),
-            None,
-        ):
+        rid, prompt = req.request_id, req.prompt_token_ids.tolist()
+        facts = WorkerFacts(time.time())
+
+        def add(e: LLMEngine) -> Any:
+            self.keeper.note(rid, facts)
+            return e.add_request(rid, prompt, req.sampling, arrival_time=req.arrival_time)
+
+        async for delta in self._run(req, add):
             yield delta
 
     # ---- shared streaming loop ----
     async def _run(
-        self,
-        req: GenerateRequest,
-        received: float,
-        add: Callable[[LLMEngine], Any],
-        transfer: dict[str, Any] | None,
+        self, req: GenerateRequest, add: Callable[[LLMEngine], Any]
     ) -> AsyncIterator[TokenDelta]:
         rid = req.request_id
         stream = OutputStream(asyncio.get_running_loop())
         self.loop.subscribe(rid, stream.push)
         finished = False
-        last: RequestOutput | None = None
-        gaps: list[float] = []
         try:
             request = await asyncio.wrap_future(self.loop.call(add))
             if request.is_finished:  # the first token already met a stop condition
                 finished = True
                 self.loop.unsubscribe(rid)
-                last = RequestOutput.from_request(request)
-                yield self._delta(last)
+                yield self._delta(RequestOutput.from_request(request))
                 return
             while not finished:
                 out = await stream.get(self._token_deadline_s)
-                if (
-                    last is not None
-                    and out.metrics.last_token_time
-                    and last.metrics.last_token_time
-                ):
-                    gaps.append(out.metrics.last_token_time - last.metrics.last_token_time)
-                last, finished = out, out.finished
+                finished = out.finished
                 yield self._delta(out)
         except asyncio.TimeoutError:
             yield TokenDelta(
@@ -211,16 +235,18 @@ class DecodeWorker:
                 "abort",
                 len(req.prompt_token_ids),
                 0,
-                error=f"no token within {self._token_deadline_s}s",
+                error=f"no token within {self._token_deadline_s}s (decode.token_deadline_s)",
             )
         finally:
             if not finished:
                 self.loop.unsubscribe(rid)
                 # abort_request frees a request the scheduler knows; kv.free covers received pages
                 # whose request never reached the scheduler (a no-op otherwise).
-                self.loop.call(lambda e: (e.abort_request(rid), e.kv.free(rid)))
-            if self._report and last is not None:
-                self._report(self._timings(req, received, last, transfer, gaps, finished))
+                self.loop.call(
+                    lambda e: (e.abort_request(rid), e.kv.free(rid), self.keeper.retire(rid))
+                )
+            else:
+                self.loop.call(lambda e: self.keeper.retire(rid))
 
     @staticmethod
     def _delta(out: RequestOutput) -> TokenDelta:
@@ -241,59 +267,17 @@ class DecodeWorker:
             return
         await asyncio.wrap_future(self.loop.call(lambda e: e.abort_request(request_id)))
 
-    def _timings(
-        self,
-        req: GenerateRequest,
-        received: float,
-        out: RequestOutput,
-        transfer: dict[str, Any] | None,
-        gaps: list[float],
-        finished: bool,
-    ) -> RequestTimings:
-        m = out.metrics
-        local = transfer is None
-        return RequestTimings(
-            request_id=req.request_id,
-            role=Role.DECODE,
-            worker_id=self.worker_id,
-            arrival_time=received,
-            queue_start=m.arrival_time if local else None,
-            queue_end=m.first_scheduled_time,
-            prefill_start=m.first_scheduled_time if local else None,
-            prefill_end=m.first_token_time if local else None,
-            first_token_time=m.first_token_time if local else None,
-            transfer_start=None if local else transfer["transfer_start"],
-            transfer_end=None if local else transfer["transfer_end"],
-            transfer_bytes=0 if local else transfer["transfer_bytes"],
-            transfer_path=None if local else transfer["transfer_path"],
-            decode_start=m.first_scheduled_time,
-            last_token_time=m.last_token_time,
-            finish_time=m.finished_time or time.time(),
-            prompt_tokens=len(req.prompt_token_ids),
-            cached_tokens=m.num_cached_tokens,
-            output_tokens=len(out.token_ids),
-            token_gaps_s=tuple(gaps),
-            finish_reason=(out.finish_reason if finished else "abort")
-            if not out.error
-            else "error",
-            last_report=local,
+    def stats(self) -> WorkerStats:
+        totals = transfer_totals(
+            self.puller.stats() if self.puller else {},
+            failures=self.num_transfer_failures,
+            recomputed=self.num_transfer_recomputed,
+            failed_requests=self.num_transfer_failed_requests,
         )
+        return self.keeper.stats(self.loop, len(self._receiving), totals)
 
-    def stats(self) -> dict[str, Any]:
-        engine = self.loop.engine
-        return {
-            "worker_id": self.worker_id,
-            "pid": os.getpid(),
-            "role": "decode",
-            "healthy": self.loop.alive,
-            "num_waiting": engine.scheduler.num_waiting,
-            "num_running": engine.scheduler.num_running,
-            "num_receiving": len(self._receiving),
-            "free_pages": sum(engine.kv.num_free_pages(g) for g in engine.kv.specs),
-            "kv": engine.kv.stats(),
-            "transfer": self.puller.stats() if self.puller else {},
-            "transfer_failures": self.num_transfer_failures,
-        }
+    def drain_stats(self) -> StatsBatch:
+        return self.keeper.drain(self.stats(), self.loop, self.puller)
 
     def close(self) -> None:
         try:

@@ -6,6 +6,7 @@ stats. Single-threaded; only the stats buffers may be drained from another threa
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import TYPE_CHECKING
 
@@ -15,7 +16,7 @@ from engine.engine_config import EngineConfig
 from engine.kv_setup import build_kv_cache
 from engine.model_config import ModelConfig
 from engine.outputs import RequestOutput
-from engine.request import Request
+from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner, PagedCausalLM
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
@@ -42,6 +43,7 @@ class LLMEngine:
         tokenizer: Tokenizer | None = None,
         seed: int = 0,
         max_stats_len: int = 1000,
+        max_request_stats_len: int | None = None,
         model_name: str = "",
     ) -> None:
         self.model_config = model_config
@@ -50,7 +52,10 @@ class LLMEngine:
         self.model_name = model_name
         self.scheduler = Scheduler(scheduler_config, kv)
         self.builder = BatchBuilder(
-            scheduler_config.page_size, scheduler_config.max_pages_per_seq, kv.device
+            scheduler_config.page_size,
+            scheduler_config.max_pages_per_seq,
+            kv.device,
+            list(kv.specs),
         )
         self.runner = ModelRunner(model, kv, model_config.num_layers, Sampler(seed, kv.device))
         stop_ids = set(model_config.eos_token_ids) | set(
@@ -58,7 +63,9 @@ class LLMEngine:
         )
         self.eos_token_ids: frozenset[int] = frozenset(stop_ids)
         self.iteration_stats: StatsBuffer[IterationStats] = StatsBuffer(max_stats_len)
-        self.request_stats: StatsBuffer[RequestStats] = StatsBuffer(max_stats_len)
+        self.request_stats: StatsBuffer[RequestStats] = StatsBuffer(
+            max_stats_len if max_request_stats_len is None else max_request_stats_len
+        )
         self.num_iterations = 0
 
     @classmethod
@@ -109,6 +116,7 @@ class LLMEngine:
             tokenizer=loaded.tokenizer,
             seed=config.seed,
             max_stats_len=config.max_stats_len,
+            max_request_stats_len=config.max_request_stats_len,
             model_name=loaded.name,
         )
 
@@ -196,11 +204,35 @@ class LLMEngine:
         params: SamplingParams | None = None,
         *,
         arrival_time: float | None = None,
+        num_cached_tokens: int = 0,
     ) -> Request:
         """Start decoding a request whose prompt KV the caller already placed in ``self.kv`` (pages
-        allocated under ``request_id``); the first token was produced and streamed elsewhere."""
+        allocated under ``request_id``); the first token was produced and streamed elsewhere.
+        ``num_cached_tokens``: how much of the prompt the caller found in this engine's own prefix
+        cache (the rest came from elsewhere), for the request's stats."""
         request = self.make_request(request_id, prompt_token_ids, params, arrival_time=arrival_time)
+        request.metrics.num_cached_tokens = num_cached_tokens
         self.scheduler.add_prefilled_request(request, first_token_id)
+        request.num_tokens_sent = request.num_output_tokens  # the prefill side streamed it
+        request.num_text_sent = len(request.output_text)
+        if request.is_finished:
+            self._record_finished(request)
+        return request
+
+    def add_recomputed_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        first_token_id: int,
+        params: SamplingParams | None = None,
+        *,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Queue a prefilled request whose KV never arrived (transfer.on_failure: recompute): its
+        prompt and the first token (sampled and streamed elsewhere) are computed here, as a
+        preempted request is recomputed, and decoding goes on from there."""
+        request = self.make_request(request_id, prompt_token_ids, params, arrival_time=arrival_time)
+        self.scheduler.add_recomputed_request(request, first_token_id)
         request.num_tokens_sent = request.num_output_tokens  # the prefill side streamed it
         request.num_text_sent = len(request.output_text)
         if request.is_finished:
@@ -239,6 +271,8 @@ class LLMEngine:
             if request.is_finished:
                 num_finished += 1
                 self._record_finished(request)
+            elif request.status is RequestStatus.PREFILLED:
+                self._record_finished(request)  # handed off: the engine's part of it is done
         self.num_iterations += 1
         if self.iteration_stats.enabled:
             self.iteration_stats.append(
@@ -259,10 +293,18 @@ class LLMEngine:
         return outputs
 
     def _record_finished(self, request: Request) -> None:
-        if self.request_stats.enabled:
-            self.request_stats.append(
-                RequestStats(request.request_id, request.finish_reason, request.metrics)
+        if not self.request_stats.enabled or request.stats_recorded:
+            return
+        request.stats_recorded = True
+        self.request_stats.append(
+            RequestStats(
+                request.request_id,
+                request.finish_reason,
+                dataclasses.replace(request.metrics),
+                tuple(request.token_gaps),
+                request.error,
             )
+        )
 
     # ---- stats (safe to call from another thread) ----
     def drain_iteration_stats(self) -> list[IterationStats]:

@@ -5,6 +5,11 @@ releasing a request, allocating pages for an incoming transfer, reading page ids
 ``call``, which runs the function on the loop thread between two steps. Outputs of a step are handed
 to the sink that ``subscribe`` registered for their request id, on the loop thread; sinks must only
 enqueue (for example ``loop.call_soon_threadsafe`` into an asyncio queue).
+
+``on_tick(engine)`` runs on the loop thread after every round of calls and every step, before that
+step's outputs are delivered (so whatever it takes from the engine's stats of a finished request is
+taken before the request's consumer hears it finished), and at least every ``idle_wait_s`` while
+idle: the workers' per-request reports and stats intervals live there.
 """
 
 from __future__ import annotations
@@ -30,9 +35,14 @@ class EngineLoop:
     """A thread that alternates between queued calls and engine steps."""
 
     def __init__(
-        self, engine: LLMEngine, name: str = "engine-loop", idle_wait_s: float = 0.05
+        self,
+        engine: LLMEngine,
+        name: str = "engine-loop",
+        idle_wait_s: float = 0.05,
+        on_tick: Callable[[LLMEngine], None] | None = None,
     ) -> None:
         self.engine = engine
+        self._on_tick = on_tick
         self._calls: queue.SimpleQueue[
             tuple[Callable[[LLMEngine], Any], concurrent.futures.Future]
         ] = queue.SimpleQueue()
@@ -85,6 +95,7 @@ class EngineLoop:
             if self._stop.is_set():
                 break
             if not engine.has_unfinished():
+                self._tick()
                 continue
             try:
                 outputs = engine.step()
@@ -93,6 +104,7 @@ class EngineLoop:
                 self.fatal_error = f"engine step failed: {type(e).__name__}: {e}"
                 self._fail_all(self.fatal_error)
                 return
+            self._tick()
             self._deliver(outputs)
         self._fail_all("the engine loop stopped")
 
@@ -112,6 +124,14 @@ class EngineLoop:
                 item = self._calls.get_nowait()
             except queue.Empty:
                 return
+
+    def _tick(self) -> None:
+        if self._on_tick is None:
+            return
+        try:
+            self._on_tick(self.engine)
+        except Exception:  # stats are an aid: never a reason to stop serving
+            log.exception("engine loop tick failed")
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -10,6 +10,7 @@ from typing import Any, Literal
 import torch
 
 from engine.sampling_params import SamplingParams
+from kvcache.manager import NO_RELEASE
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -88,15 +89,18 @@ class Request:
     ``all_token_ids`` is prompt + output; the KV of its first ``num_computed_tokens`` tokens is in
     the request's pages. The newest output token has no KV yet: the next step computes it. After a
     preemption ``num_computed_tokens`` drops to 0 and prompt + output are recomputed (outputs kept).
-    ``page_ids`` caches the request's pages of the attention pool group, refreshed by the scheduler
-    after each allocation that adds pages.
+    ``page_ids`` caches the request's page lists per KV pool group (kvcache's ``page_ids``), with
+    ``kv_capacity`` (tokens they cover) and ``kv_release_at`` (computed tokens from which a window
+    group would release a page), refreshed by the scheduler after each allocation.
     """
 
     __slots__ = (
         "request_id", "prompt", "prompt_token_ids", "sampling_params", "eos_token_ids",
         "all_token_ids", "output_token_ids", "num_computed_tokens", "status", "stop_reason",
-        "error", "prefill_only", "metrics", "page_ids", "detokenizer", "output_text",
+        "error", "prefill_only", "metrics", "page_ids", "kv_capacity", "kv_release_at",
+        "detokenizer", "output_text",
         "num_text_sent", "num_tokens_sent", "generator", "committed_pages", "committed_prompt",
+        "stats_recorded", "token_gaps", "last_sampled_time",
     )  # fmt: skip
 
     def __init__(
@@ -130,7 +134,9 @@ class Request:
             arrival_time=time.time() if arrival_time is None else arrival_time,
             num_prompt_tokens=len(prompt_token_ids),
         )
-        self.page_ids: list[int] = []
+        self.page_ids: dict[str, list[int]] = {}
+        self.kv_capacity = 0
+        self.kv_release_at = NO_RELEASE
         self.detokenizer = detokenizer  # IncrementalDetokenizer, or None (token ids only)
         self.output_text = ""
         self.num_text_sent = 0  # characters of output_text already streamed
@@ -138,6 +144,11 @@ class Request:
         self.generator: torch.Generator | None = None  # per-request RNG, created on first sample
         self.committed_pages = 0  # full pages passed to kv.commit so far (skip no-op commits)
         self.committed_prompt = False
+        self.stats_recorded = False  # its RequestStats were buffered (once per request)
+        # Gaps between consecutive tokens this engine sampled (a first token injected by
+        # add_prefilled_request was sampled elsewhere: it starts no gap).
+        self.token_gaps: list[float] = []
+        self.last_sampled_time: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -159,7 +170,9 @@ class Request:
     def finish_reason(self) -> FinishReason | None:
         return self.status.finish_reason
 
-    def append_output_token(self, token_id: int, now: float) -> None:
+    def append_output_token(self, token_id: int, now: float, sampled_here: bool = True) -> None:
+        """Add a generated token; ``sampled_here`` is False for a first token sampled by another
+        worker (it does not start a token gap of this engine)."""
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         m = self.metrics
@@ -167,11 +180,17 @@ class Request:
             m.first_token_time = now
         m.last_token_time = now
         m.num_output_tokens = len(self.output_token_ids)
+        if sampled_here:
+            if self.last_sampled_time is not None:
+                self.token_gaps.append(now - self.last_sampled_time)
+            self.last_sampled_time = now
 
     def reset_for_recompute(self) -> None:
         """Forget all KV progress (pages are freed by the caller); outputs are kept."""
         self.num_computed_tokens = 0
-        self.page_ids = []
+        self.page_ids = {}
+        self.kv_capacity = 0
+        self.kv_release_at = NO_RELEASE
         self.committed_pages = 0
         self.committed_prompt = False
 

@@ -13,7 +13,7 @@ from kvcache.manager import KVCacheManager
 
 
 class PagedCausalLM(Protocol):
-    """What the runner needs from a model (engine.model.LlamaForCausalLM)."""
+    """What the runner needs from a model (engine.model.LlamaForCausalLM, Gemma3ForCausalLM)."""
 
     def forward(
         self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]

@@ -9,8 +9,16 @@ from dataclasses import dataclass
 _GREEDY_EPS = 1e-5  # temperatures below this are treated as greedy (exact argmax)
 
 
-def _fail(name: str, expected: str, got: object) -> ValueError:
-    return ValueError(f"SamplingParams.{name} must be {expected}, got {got!r}")
+class SamplingParamsError(ValueError):
+    """A SamplingParams field the caller must fix; ``field`` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def _fail(name: str, expected: str, got: object) -> SamplingParamsError:
+    return SamplingParamsError(name, f"SamplingParams.{name} must be {expected}, got {got!r}")
 
 
 def _is_int(value: object) -> bool:

@@ -31,11 +31,15 @@ class IterationStats:
 
 @dataclass(frozen=True)
 class RequestStats:
-    """One finished request."""
+    """One request as this engine saw it, recorded once: when it finished, or, for a prefill-only
+    request, when its first token was sampled and its pages were kept for a transfer (then
+    ``finish_reason`` is None: the request was handed off)."""
 
     request_id: str
     finish_reason: FinishReason | None
-    metrics: RequestMetrics
+    metrics: RequestMetrics  # a copy taken when recorded
+    token_gaps_s: tuple[float, ...] = ()  # between consecutive tokens this engine sampled
+    error: str | None = None  # why the engine failed it (finish_reason "abort")
 
 
 class StatsBuffer(Generic[T]):

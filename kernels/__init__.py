@@ -16,8 +16,12 @@ import os
 import torch
 
 from kernels.attention_cpu import (
+    DecodePlan,
+    PrefillPlan,
     paged_decode_attention_cpu,
     paged_prefill_attention_cpu,
+    plan_decode,
+    plan_prefill,
     store_kv_cpu,
 )
 from kernels.attention_ref import (
@@ -35,6 +39,8 @@ __all__ = [
     "linear_on_cpu_path",
     "pack_linear_weight",
     "store_kv",
+    "AttentionPlan",
+    "plan_paged_attention",
     "paged_decode_attention",
     "paged_prefill_attention",
     "gather_pages",
@@ -112,6 +118,28 @@ def store_kv(
     impl(key, value, k_cache, v_cache, slot_mapping)
 
 
+# What one step's paged attention over one page table and window shares across layers (CPU path).
+AttentionPlan = DecodePlan | PrefillPlan
+
+
+def plan_paged_attention(
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None,
+    page_size: int,
+    sliding_window: int | None = None,
+) -> AttentionPlan | None:
+    """The layer-independent part of a paged attention call (which pages each sequence reads,
+    which keys each query sees), for every layer of a step that reads ``page_table`` with this
+    window: a decode plan when ``cu_seqlens_q`` is None, else a prefill plan. None where the kernel
+    that runs takes no plan (Triton, the references)."""
+    if use_triton(page_table) or use_reference():
+        return None
+    if cu_seqlens_q is None:
+        return plan_decode(page_table, seq_lens, page_size, sliding_window)
+    return plan_prefill(page_table, cu_seqlens_q, seq_lens, page_size, sliding_window)
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -120,15 +148,22 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
-    """q [B, Hq, D] attends over the first seq_lens[b] cached tokens of sequence b -> [B, Hq, D]."""
+    """q [B, Hq, D] attends over the first seq_lens[b] cached tokens of sequence b -> [B, Hq, D];
+    with ``sliding_window`` W only over the last W of them; ``softcap`` caps scores by tanh.
+    ``plan``: plan_paged_attention of the same table, lengths and window (the CPU path's)."""
     if use_triton(q):
         from kernels.decode_attention_triton import paged_decode_attention as impl
     elif use_reference():
         impl = paged_decode_attention_ref
     else:
-        impl = paged_decode_attention_cpu
-    return impl(q, k_cache, v_cache, page_table, seq_lens, scale, sliding_window)
+        assert plan is None or isinstance(plan, DecodePlan)
+        return paged_decode_attention_cpu(
+            q, k_cache, v_cache, page_table, seq_lens, scale, sliding_window, softcap, plan
+        )
+    return impl(q, k_cache, v_cache, page_table, seq_lens, scale, sliding_window, softcap)
 
 
 def paged_prefill_attention(
@@ -140,16 +175,33 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Packed q [T, Hq, D], causal over the whole context: query i of sequence b sits at
-    position seq_lens[b] - q_len_b + i. Returns [T, Hq, D]."""
+    position seq_lens[b] - q_len_b + i (with ``sliding_window`` W it reads keys p - W + 1 .. p;
+    ``softcap`` caps scores by tanh; ``plan`` as in paged_decode_attention). Returns [T, Hq, D]."""
     if use_triton(q):
         from kernels.prefill_attention_triton import paged_prefill_attention as impl
     elif use_reference():
         impl = paged_prefill_attention_ref
     else:
-        impl = paged_prefill_attention_cpu
-    return impl(q, k_cache, v_cache, page_table, cu_seqlens_q, seq_lens, scale, sliding_window)
+        assert plan is None or isinstance(plan, PrefillPlan)
+        return paged_prefill_attention_cpu(
+            q,
+            k_cache,
+            v_cache,
+            page_table,
+            cu_seqlens_q,
+            seq_lens,
+            scale,
+            sliding_window,
+            softcap,
+            plan,
+        )
+    return impl(
+        q, k_cache, v_cache, page_table, cu_seqlens_q, seq_lens, scale, sliding_window, softcap
+    )
 
 
 def gather_pages(src: torch.Tensor, page_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -1,24 +1,27 @@
-"""The thin Ray actor around PrefillWorker: builds it from the cluster config and forwards calls."""
+"""The thin Ray actor around PrefillWorker: builds it from its WorkerSpec and forwards calls."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import ray
 
-from cluster.transfer_setup import make_publisher
-from cluster.worker_actor import WorkerActorBase
-from cluster.worker_setup import build_engine
-from engine.worker_messages import GenerateRequest, PrefillResult
 from prefill_worker.worker import PrefillWorker
+from worker_common.actor_base import WorkerActorBase
+from worker_common.engine_setup import build_engine
+from worker_common.messages import GenerateRequest, PrefillResult, WorkerSpec
+from worker_common.transfer_setup import make_publisher
 
 
 class _PrefillWorkerActor(WorkerActorBase):
-    def __init__(self, config: dict[str, Any], worker_id: str, collector: Any = None) -> None:
-        cfg, report = self.setup(config, collector)
-        engine = build_engine(cfg, "prefill")
+    def __init__(self, spec: WorkerSpec) -> None:
+        report = self.setup(spec)
+        engine = build_engine(spec)
         self.worker = PrefillWorker(
-            worker_id, engine, lambda release: make_publisher(engine, cfg, release), report
+            spec.worker_id,
+            engine,
+            lambda release: make_publisher(engine, spec, release),
+            report,
+            spec.deadlines,
+            spec.stats_interval_s,
         )
 
     async def prefill(self, req: GenerateRequest) -> PrefillResult:

@@ -11,17 +11,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from cluster.messages import RequestTimings, Role
 from engine.engine_core import LLMEngine
 from engine.engine_loop import EngineLoop
 from engine.output_stream import OutputStream
-from engine.sampling_params import SamplingParams
-from engine.worker_messages import GenerateRequest, PrefillResult
+from transfer.messages import TransferTicket
+from transfer.stats import TransferStats
+from worker_common.messages import (
+    GenerateRequest,
+    PrefillResult,
+    Role,
+    StatsBatch,
+    WorkerDeadlines,
+    WorkerStats,
+)
+from worker_common.request_report import Sink
+from worker_common.worker_stats import WorkerStatsKeeper, transfer_totals
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +39,10 @@ class KVPublisher(Protocol):
 
     def publish(
         self, request_id: str, page_ids: dict[str, list[int]], declared_prompt_len: int
-    ) -> Any: ...
+    ) -> TransferTicket: ...
     def cancel(self, request_id: str) -> bool: ...
     def stats(self) -> dict[str, Any]: ...
+    def drain_transfer_stats(self) -> list[TransferStats]: ...
     def close(self) -> None: ...
 
 
@@ -42,21 +51,23 @@ class PrefillError(RuntimeError):
 
 
 class PrefillWorker:
-    """Plain class behind the prefill Ray actor. ``make_publisher`` receives the release callback."""
+    """Plain class behind the prefill Ray actor. ``make_publisher`` receives the release callback;
+    ``report`` receives the per-request stats (None: none are recorded)."""
 
     def __init__(
         self,
         worker_id: str,
         engine: LLMEngine,
         make_publisher: Callable[[Callable[[str], None]], KVPublisher],
-        report: Callable[[RequestTimings], None] | None = None,
-        step_deadline_s: float = 300.0,
+        report: Sink | None = None,
+        deadlines: WorkerDeadlines | None = None,
+        stats_interval_s: float = 10.0,
     ) -> None:
         self.worker_id = worker_id
-        self.loop = EngineLoop(engine, name=f"{worker_id}-engine")
+        self.keeper = WorkerStatsKeeper(worker_id, Role.PREFILL, stats_interval_s, report)
+        self.loop = EngineLoop(engine, name=f"{worker_id}-engine", on_tick=self.keeper.tick)
         self.publisher = make_publisher(self._release)
-        self._report = report
-        self._deadline_s = step_deadline_s
+        self._deadline_s = (deadlines or WorkerDeadlines()).prefill_s
         self._pending: set[str] = set()  # admitted, no reply yet
         # Prefilled, their lease being made -> whether their client went away meanwhile.
         self._publishing: dict[str, bool] = {}
@@ -75,17 +86,17 @@ class PrefillWorker:
     async def prefill(self, req: GenerateRequest) -> PrefillResult:
         """Prefill ``req`` and return its first token and transfer ticket. Raises ValueError for a
         request the client must fix, PrefillError for our own failures."""
-        params = SamplingParams(**req.sampling)
         stream = OutputStream(asyncio.get_running_loop())
         received = time.time()
         rid = req.request_id
+        prompt = req.prompt_token_ids.tolist()
         self.loop.subscribe(rid, stream.push)
         self._pending.add(rid)
         try:
             await asyncio.wrap_future(
                 self.loop.call(
                     lambda e: e.add_request(
-                        rid, req.prompt_token_ids, params, prefill_only=True, arrival_time=received
+                        rid, prompt, req.sampling, prefill_only=True, arrival_time=received
                     )
                 )
             )
@@ -99,7 +110,10 @@ class PrefillWorker:
             self.loop.call(lambda eng: eng.abort_request(rid))
             if isinstance(e, asyncio.CancelledError):
                 raise
-            raise PrefillError(f"prefill of {rid} did not finish within {self._deadline_s}s") from e
+            raise PrefillError(
+                f"prefill of {rid} did not finish within {self._deadline_s}s "
+                "(prefill.prefill_deadline_s)"
+            ) from e
         finally:
             self._pending.discard(rid)
         if out.error:
@@ -109,23 +123,16 @@ class PrefillWorker:
         first = out.token_ids[0]
         ticket = None
         if not out.finished:
-            ticket = await self._publish(rid, len(req.prompt_token_ids))
-        timings = self._timings(req, out, received, handed_off=ticket is not None)
-        if self._report:
-            self._report(timings)
+            ticket = await self._publish(rid, len(prompt))
         return PrefillResult(
             request_id=rid,
             first_token_id=first,
             first_token_text=out.text,
             finish_reason=out.finish_reason if out.finished else None,
             ticket=ticket,
-            timings={
-                "prefill_received": received,
-                "first_token_time": out.metrics.first_token_time or time.time(),
-            },
         )
 
-    async def _publish(self, rid: str, prompt_len: int) -> Any:
+    async def _publish(self, rid: str, prompt_len: int) -> TransferTicket:
         """Publish the pages of the PREFILLED request ``rid`` (committed, context finalized, and
         held) under a lease; a cancel that came meanwhile gives the lease up at once."""
         self._publishing[rid] = False
@@ -151,42 +158,13 @@ class PrefillWorker:
         else:
             self.publisher.cancel(request_id)
 
-    def _timings(
-        self, req: GenerateRequest, out: Any, received: float, handed_off: bool
-    ) -> RequestTimings:
-        m = out.metrics
-        return RequestTimings(
-            request_id=req.request_id,
-            role=Role.PREFILL,
-            worker_id=self.worker_id,
-            arrival_time=received,
-            queue_start=m.arrival_time,
-            queue_end=m.first_scheduled_time,
-            prefill_start=m.first_scheduled_time,
-            prefill_end=m.first_token_time,
-            first_token_time=m.first_token_time,
-            prompt_tokens=len(req.prompt_token_ids),
-            cached_tokens=m.num_cached_tokens,
-            output_tokens=len(out.token_ids),
-            finish_time=None if handed_off else time.time(),
-            finish_reason=None if handed_off else out.finish_reason,
-            last_report=not handed_off,
+    def stats(self) -> WorkerStats:
+        return self.keeper.stats(
+            self.loop, len(self._pending), transfer_totals(self.publisher.stats())
         )
 
-    def stats(self) -> dict[str, Any]:
-        engine = self.loop.engine
-        kv = engine.kv.stats()
-        return {
-            "worker_id": self.worker_id,
-            "pid": os.getpid(),
-            "role": "prefill",
-            "healthy": self.loop.alive,
-            "num_waiting": engine.scheduler.num_waiting,
-            "num_running": engine.scheduler.num_running,
-            "num_pending": len(self._pending),
-            "kv": kv,
-            "transfer": self.publisher.stats(),
-        }
+    def drain_stats(self) -> StatsBatch:
+        return self.keeper.drain(self.stats(), self.loop, self.publisher)
 
     def close(self) -> None:
         try:

@@ -3,7 +3,8 @@
 Expected contract of the cluster package (imported lazily, so `duet bench URL` needs neither):
 
     cluster.config.load_config(path) -> ClusterConfig      (raises cluster.config.ConfigError)
-    cluster.serve.start_cluster(config) -> handle          starts local Ray, the workers and the server
+    cluster.serve.start_cluster(config, worker_log_level=...) -> handle
+                                                           starts local Ray, the workers and the server
         handle.url: str     the HTTP server's root, e.g. "http://127.0.0.1:8000"
         handle.stop()       shuts the server, its actors and the Ray it started down
 
@@ -107,7 +108,9 @@ class ConfigTarget(Target):
                 "Start the server yourself (duet serve CONFIG) and pass its URL instead."
             ) from None
         try:
-            self._handle = serve_module.start_cluster(self.config)
+            # The workers' INFO lines would land in the middle of the progress bars and the
+            # report; their warnings and errors still show.
+            self._handle = serve_module.start_cluster(self.config, worker_log_level="WARNING")
         except Exception as exc:
             raise BenchError(
                 f"starting the {self.label} cluster from {self.config_path} failed: {exc}"

@@ -12,9 +12,12 @@ MAX_PAGE_SIZE = 1024
 
 
 class KVCacheConfig(Section):
-    """Each worker's paged KV cache. Sizing: ``num_pages`` when given, else the memory budget of
-    the worker's device (``cpu_bytes`` on CPU, ``gpu_memory_fraction`` on GPU), capped by
-    ``max_tokens``."""
+    """Each worker's paged KV cache: one pool group per attention window of the model ("full";
+    "swa_<window>" for sliding-window layers). Sizing: ``num_pages`` per group when given, else the
+    memory budget of the worker's device (``cpu_bytes`` on CPU, ``gpu_memory_fraction`` on GPU)
+    split between the groups (``pool_ratio``), capped by ``max_tokens``. A worker logs its pages per
+    group at start-up and refuses to start when one request of ``model.max_model_len`` tokens does
+    not fit in some group."""
 
     page_size: int = Field(
         16, description=f"Tokens per page: a power of two from 1 to {MAX_PAGE_SIZE}."
@@ -24,7 +27,7 @@ class KVCacheConfig(Section):
         ge=2,
         description=(
             "Exact pages per pool group, counting the reserved null page; "
-            "excludes cpu_bytes and gpu_memory_fraction."
+            "excludes cpu_bytes, gpu_memory_fraction and pool_ratio."
         ),
     )
     cpu_bytes: ByteSize = Field(
@@ -54,14 +57,29 @@ class KVCacheConfig(Section):
     pool_ratio: dict[str, float] | None = Field(
         None,
         description=(
-            'Share of the budget per pool group, e.g. {"full": 3, "swa_4096": 1}; normalised. '
-            "None = in proportion to each group's bytes per token."
+            'Share of the budget per pool group, e.g. {"full": 3, "swa_4096": 1}; normalised; '
+            "must name exactly the model's groups (a worker refuses to start otherwise, listing "
+            "them). None = each group's bytes per token times the tokens one request holds there "
+            "(model.max_model_len in full; window + prefill chunk in a window group)."
+        ),
+    )
+    swa_scratch_reuse: bool = Field(
+        False,
+        description=(
+            "During a long chunked prefill, rewrite the out-of-window pages of sliding-window "
+            "groups in place instead of taking new ones: the prefill touches about "
+            "(window + chunk) / page_size pages of such a group whatever the prompt length, and "
+            "evicts no cached prefixes; a window group then caches only the last window of "
+            "each prompt, so a later prompt sharing only part of a long one recomputes it."
         ),
     )
     host_tier_bytes: ByteSize = Field(
         ByteSize(0),
         ge=0,
-        description="Host memory for evicted reusable pages; 0 disables the host tier.",
+        description=(
+            "Host memory for evicted reusable pages; 0 disables the host tier. Not supported yet: "
+            "any value but 0 is refused."
+        ),
     )
 
     @field_validator("page_size")
@@ -82,6 +100,13 @@ class KVCacheConfig(Section):
                 raise ValueError(f"shares must be > 0, got <= 0 for {bad}")
         return value
 
+    @field_validator("host_tier_bytes")
+    @classmethod
+    def _no_host_tier_yet(cls, value: ByteSize) -> ByteSize:
+        if value != 0:  # the host tier lands with issue 26; until then nothing would use it
+            raise ValueError(f"not supported yet (the KV host tier): must be 0, got {int(value)}")
+        return value
+
     @model_validator(mode="after")
     def _one_sizing_rule(self) -> KVCacheConfig:
         issues: list[tuple[str, str]] = []
@@ -89,6 +114,14 @@ class KVCacheConfig(Section):
             # Only an explicit budget conflicts; the defaults simply do not apply.
             for budget in sorted({"cpu_bytes", "gpu_memory_fraction"} & self.model_fields_set):
                 issues.append((budget, "not allowed together with num_pages (pick one sizing)"))
+            if self.pool_ratio is not None:
+                issues.append(
+                    (
+                        "pool_ratio",
+                        "splits a memory budget; with num_pages every group gets num_pages pages "
+                        "(pick one sizing)",
+                    )
+                )
         check_fields(issues)
         return self
 
@@ -98,11 +131,3 @@ class KVCacheConfig(Section):
         if self.max_tokens is None:
             return None
         return -(-self.max_tokens // self.page_size) + 1
-
-    @property
-    def pool_shares(self) -> dict[str, float] | None:
-        """``pool_ratio`` normalised to sum to 1."""
-        if self.pool_ratio is None:
-            return None
-        total = sum(self.pool_ratio.values())
-        return {name: share / total for name, share in self.pool_ratio.items()}

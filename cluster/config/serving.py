@@ -41,37 +41,49 @@ class ServerConfig(Section):
         None, description="Bearer token clients must send; None = no authentication."
     )
     request_timeout_s: float = Field(
-        600.0, gt=0, description="Longest a request may take before it is aborted."
+        600.0,
+        gt=0,
+        description=(
+            "Longest a request may take from its arrival at the router; then it is aborted on "
+            "every worker and the client gets an error."
+        ),
     )
 
 
 class StatsConfig(Section):
-    """Iteration stats on the workers and per-request timings in the perf-metrics collector.
+    """Worker stats, iteration stats, transfer records and per-request stats.
 
-    Buffer lengths follow one convention: -1 keeps everything (unbounded), 0 disables (nothing is
-    stored), N keeps exactly the last N entries.
+    Every buffer follows one rule: -1 keeps everything (unbounded), 0 disables it at the source
+    (nothing is recorded or sent; its endpoint answers an empty list), N keeps exactly the newest N.
     """
 
     max_stats_len: int = Field(
         1000,
         ge=UNBOUNDED,
         description=(
-            "Iteration stats each worker keeps between reads: -1 all, 0 none, N the last N. "
-            "Its transfer records follow it, except that -1 keeps the last 1000 (nothing reads "
-            "them all)."
+            "Iteration stats and transfer records: how many each worker keeps between two "
+            "collections by the server, and how many per worker the server keeps for "
+            "/iteration_stats and /transfer_stats between reads: -1 all, 0 none (not recorded), "
+            "N the newest N."
         ),
     )
     interval_s: float = Field(
         10.0,
         gt=0,
-        description="How often worker stats are polled and logged; peak KV usage resets each time.",
+        description=(
+            "How often the server collects each worker's stats (load, KV usage, iteration stats, "
+            "transfer records) and the per-request records, in the background; and each worker's "
+            "KV stats interval: peak KV usage (in iteration stats, and on /metrics for the last "
+            "complete interval) resets at the end of each."
+        ),
     )
     perf_buffer_len: int = Field(
         10000,
         ge=UNBOUNDED,
         description=(
-            "Per-request timing records the collector buffers per worker between drains: "
-            "-1 all, 0 none (perf metrics off), N the last N."
+            "Per-request stats (/perf_metrics): each worker's engine buffer, the collector's "
+            "buffer per worker and the server's buffer between reads: -1 all, 0 none (nothing "
+            "recorded or sent), N the newest N."
         ),
     )
     max_pending_joins: int = Field(

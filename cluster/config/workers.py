@@ -17,7 +17,12 @@ class WorkerResources(Section):
 
     num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves per worker.")
     num_gpus: float = Field(
-        0.0, ge=0, description="GPUs per worker: 0 on CPU; a fraction below 1 shares a GPU."
+        0.0,
+        ge=0,
+        description=(
+            "GPUs per worker: 0 on CPU; a fraction below 1 shares a GPU. More than 1 (tensor "
+            "parallelism) is not supported yet."
+        ),
     )
     resources: dict[str, float] = Field(
         default_factory=dict,
@@ -30,9 +35,12 @@ class WorkerResources(Section):
 
     @field_validator("num_gpus")
     @classmethod
-    def _whole_gpus_above_one(cls, value: float) -> float:
-        if value > 1 and not value.is_integer():
-            raise ValueError(f"must be a whole number when above 1 (Ray's rule), got {value}")
+    def _one_gpu_at_most(cls, value: float) -> float:
+        if value > 1:
+            raise ValueError(
+                f"not supported yet: a worker uses at most 1 GPU until tensor parallelism "
+                f"lands, got {value}"
+            )
         return value
 
     @field_validator("resources")
@@ -104,9 +112,33 @@ class PrefillPoolConfig(PoolConfig):
         ge=0,
         description="Prefill workers; 0 = aggregated mode (decode workers prefill locally).",
     )
+    prefill_deadline_s: float = Field(
+        300.0,
+        gt=0,
+        description=(
+            "Longest a prefill worker works on one prompt (queue and prefill) before it aborts it "
+            "and tells the router, which retries on another prefill worker (router.prefill_retries)."
+        ),
+    )
 
 
 class DecodePoolConfig(PoolConfig):
     """Decode workers: receive the KV cache and generate; in aggregated mode they prefill too."""
 
     replicas: int = Field(1, ge=1, description="Decode workers (at least one).")
+    page_wait_deadline_s: float = Field(
+        60.0,
+        gt=0,
+        description=(
+            "Longest a transferred request waits for free KV pages on a decode worker before it "
+            "fails with an error naming this field."
+        ),
+    )
+    token_deadline_s: float = Field(
+        300.0,
+        gt=0,
+        description=(
+            "Longest a decode worker waits for a request's next token (its first, when it "
+            "prefills locally) before it aborts the request with an error."
+        ),
+    )

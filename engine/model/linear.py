@@ -12,17 +12,18 @@ from kernels import linear, pack_linear_weight
 
 class PackedWeight:
     """A weight's copy in kernels.linear's packed layout, made on first use and made again whenever
-    the weight was written since (its in-place version counter or its storage changed)."""
+    the weight was written since (its in-place version counter changed) or replaced (another
+    storage, shape or strides: a new Parameter, a slice of the old one)."""
 
     def __init__(self) -> None:
         self._packed: torch.Tensor | None = None
-        self._key: tuple[int, int] | None = None
+        self._key: tuple[object, ...] | None = None
 
     def get(self, weight: torch.Tensor) -> torch.Tensor | None:
         """The packed copy of ``weight``; None where kernels.linear uses none (GPU, other dtypes)."""
         # Inference tensors keep no version counter; their writes cannot be seen, only new storage.
         version = -1 if weight.is_inference() else weight._version
-        key = (version, weight.data_ptr())
+        key = (version, weight.data_ptr(), tuple(weight.shape), weight.stride())
         if key != self._key:
             self._packed, self._key = pack_linear_weight(weight), key
         return self._packed

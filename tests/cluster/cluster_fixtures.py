@@ -14,6 +14,7 @@ import ray
 
 from cluster.config import ClusterConfig, load_config
 from tests.oracle import hf_greedy as hf_greedy_ids  # noqa: F401 (re-exported for the cluster tests)
+from worker_common.messages import WorkerStats
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,14 +50,12 @@ def local_config(name: str = "local.yaml", **overrides: Any) -> ClusterConfig:
     return config_from_dict(data)
 
 
-def worker_stats(running: Any) -> list[dict[str, Any]]:
-    import ray
-
+def worker_stats(running: Any) -> list[WorkerStats]:
     slots = running.handles.prefill + running.handles.decode
     return ray.get([w.handle.stats.remote() for w in slots], timeout=30)
 
 
-def wait_no_pages_held(running: Any, timeout_s: float = 30.0) -> list[dict[str, Any]]:
+def wait_no_pages_held(running: Any, timeout_s: float = 30.0) -> list[WorkerStats]:
     """Poll until no worker holds a page for a request (leases released, receives ended); return the
     last stats. Cached pages nobody holds (evictable) are fine: they are what prefix reuse keeps."""
     from ray.exceptions import GetTimeoutError, RayActorError
@@ -72,7 +71,7 @@ def wait_no_pages_held(running: Any, timeout_s: float = 30.0) -> list[dict[str, 
                 raise AssertionError(f"a worker did not answer within {timeout_s}s: {e}") from e
             time.sleep(0.5)
             continue
-        held = {s["worker_id"]: sum(g.used for g in s["kv"].groups.values()) for s in stats}
+        held = {s.worker_id: sum(g.used for g in s.kv.groups.values()) for s in stats}
         if not any(held.values()):
             return stats
         if time.monotonic() > deadline:

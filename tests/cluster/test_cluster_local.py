@@ -4,6 +4,7 @@ the official openai client against the HTTP server, transformers as the oracle."
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from typing import Any
@@ -15,7 +16,13 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.serve import start_cluster
-from tests.cluster.cluster_fixtures import get_json, hf_greedy_ids, local_config, wait_no_pages_held
+from tests.cluster.cluster_fixtures import (
+    get_json,
+    hf_greedy_ids,
+    local_config,
+    wait_no_pages_held,
+    worker_stats,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +36,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def running() -> Any:
-    rc = start_cluster(local_config())
+    rc = start_cluster(local_config(stats={"interval_s": 0.5}))
     yield rc
     rc.stop()
 
@@ -149,6 +156,7 @@ def test_client_disconnect_frees_pages_on_both_sides(running, model_name) -> Non
     wait_no_pages_held(running)
 
 
+@pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize(
     ("patch", "status", "param"),
     [
@@ -156,34 +164,153 @@ def test_client_disconnect_frees_pages_on_both_sides(running, model_name) -> Non
         ({"temperature": -1.0}, 400, "temperature"),
         ({"top_p": 0.0}, 400, "top_p"),
         ({"max_tokens": 0}, 400, "max_tokens"),
+        ({"max_tokens": 100_000}, 400, "max_tokens"),  # beyond model.max_model_len
         ({"prompt": ""}, 400, "prompt"),
         ({"prompt": "hello " * 3000}, 400, "prompt"),
+        ({"prompt": [1, 2, 49152]}, 400, "prompt"),  # the vocabulary is [0, 49152)
+        ({"prompt": [5, -1]}, 400, "prompt"),
+        ({"prompt": [2**40]}, 400, "prompt"),  # not even an int32
+        ({"stop_token_ids": [2**33]}, 400, "stop_token_ids"),
         ({"n": 2}, 400, "n"),
+        ({"logprobs": 2}, 400, "logprobs"),
+        ({"echo": True}, 400, "echo"),
+        ({"best_of": 2}, 400, "best_of"),
+        ({"suffix": "!"}, 400, "suffix"),
+        ({"presence_penalty": 0.5}, 400, "presence_penalty"),
+        ({"logit_bias": {"5": 10}}, 400, "logit_bias"),
+        ({"user": "alice"}, 400, "user"),
+        ({"frobnicate": 1}, 400, "frobnicate"),
+        ({"stream_options": {"include_usage": True, "more": 1}}, 400, "stream_options.more"),
     ],
 )
-def test_bad_requests_are_4xx_and_leak_nothing(running, model_name, patch, status, param) -> None:
-    body = {"model": model_name, "prompt": "hi", "max_tokens": 4} | patch
+def test_bad_requests_are_4xx_and_leak_nothing(
+    running, model_name, patch, status, param, stream
+) -> None:
+    """Refused at the edge, streamed or not, naming the field, before any worker sees it."""
+    body = {"model": model_name, "prompt": "hi", "max_tokens": 4, "stream": stream} | patch
+    before = {s.worker_id: s.num_iterations for s in worker_stats(running)}
     r = httpx.post(running.url + "/v1/completions", json=body, timeout=60)
     assert r.status_code == status, r.text
     err = r.json()["error"]
-    assert param in (err.get("param") or "") + err["message"], err
+    assert err["param"] == param and param in err["message"], err
+    assert {s.worker_id: s.num_iterations for s in worker_stats(running)} == before
+    wait_no_pages_held(running)
+
+
+@pytest.mark.parametrize(
+    ("patch", "param"),
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"audio": {"voice": "x"}}, "audio"),
+        ({"max_completion_tokens": 100_000}, "max_completion_tokens"),
+        (
+            {"messages": [{"role": "user", "content": "hi", "tool_calls": [{"id": "1"}]}]},
+            "messages[0].tool_calls",
+        ),
+    ],
+)
+def test_chat_fields_duet_does_not_implement_are_refused(running, model_name, patch, param) -> None:
+    body = {"model": model_name, "messages": [{"role": "user", "content": "hi"}]} | patch
+    r = httpx.post(running.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and param in err["message"], err
+
+
+def test_openai_fields_that_ask_for_nothing_are_accepted(running, model_name) -> None:
+    no_ops = {"n": 1, "logprobs": None, "presence_penalty": 0, "frequency_penalty": 0.0}
+    r = httpx.post(
+        running.url + "/v1/chat/completions",
+        json={
+            "model": model_name,
+            "messages": [{"role": "user", "content": "hi", "name": None}],
+            "max_tokens": 2,
+            "tools": [],
+            "tool_choice": "none",
+            "response_format": {"type": "text"},
+            **no_ops,
+        },
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] <= 2
+
+
+def test_the_api_key_is_required_on_v1_only(running) -> None:
+    from fastapi.testclient import TestClient
+
+    from cluster.server import create_app
+
+    # The running cluster's backend behind a second app with server.api_key set (no lifespan:
+    # the backend's background tasks belong to the first app).
+    client = TestClient(create_app(running.frontend, api_key="s3cret"))
+    assert client.get("/v1/models").status_code == 401
+    assert client.get("/v1/models", headers={"Authorization": "Bearer s3cre"}).status_code == 401
+    ok = client.get("/v1/models", headers={"Authorization": "Bearer s3cret"})
+    assert ok.status_code == 200 and ok.json()["data"][0]["id"] == running.frontend.model_name
+    assert client.get("/health").status_code == 200
+
+
+def test_non_streaming_request_of_a_client_that_left_is_aborted(running, model_name) -> None:
+    """A client that times out on a long non-streaming request leaves no work behind: the decode
+    worker stops it (its report says abort, before max_tokens) and every page comes back."""
+    get_json(running.url, "/perf_metrics")  # drain what earlier tests left
+    body = {
+        "model": model_name,
+        "prompt": "Tell me a very long story about a dragon.",
+        "max_tokens": 1500,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(running.url + "/v1/completions", json=body, timeout=3)
+    deadline = time.monotonic() + 60
+    records: list[dict[str, Any]] = []
+    while not records:
+        assert time.monotonic() < deadline, "the abandoned request was not aborted"
+        records = get_json(running.url, "/perf_metrics")
+        time.sleep(0.2)
+    (record,) = records
+    assert record["finish_reason"] == "abort" and record["output_tokens"] < 1500
     wait_no_pages_held(running)
 
 
 def test_metrics_and_perf_metrics(running, client, model_name) -> None:
     get_json(running.url, "/perf_metrics")  # drain what earlier tests left
     n = 3
-    for i in range(n):
+    shared = "Here is a long preamble that every request of this test shares, word for word. " * 3
+    answers = [
         client.completions.create(
-            model=model_name, prompt=f"Count to {i + 3}:", max_tokens=6, temperature=0
+            model=model_name,
+            prompt=f"{shared}Count to {i + 3}:",
+            max_tokens=6,
+            temperature=0,
+            extra_body={"ignore_eos": True},
         )
+        for i in range(n)
+    ]
     deadline = time.monotonic() + 30
     records: list[dict[str, Any]] = []
     while len(records) < n and time.monotonic() < deadline:
         records += get_json(running.url, "/perf_metrics")
         time.sleep(0.2)
     assert len(records) == n
-    assert len({r["request_id"] for r in records}) == n
+    assert {r["request_id"] for r in records} == {a.id for a in answers}
+    by_id = {r["request_id"]: r for r in records}
+    for i, answer in enumerate(answers):
+        rec = by_id[answer.id]
+        # Per-request KV stats: the prompt, and what the prefill worker's prefix cache served
+        # (the shared preamble's full pages, from the second request on).
+        assert rec["prompt_tokens"] == answer.usage.prompt_tokens
+        cached = rec["cached_tokens"]
+        assert (cached == 0) if i == 0 else (16 <= cached < rec["prompt_tokens"])
+        assert rec["cached_tokens_by_medium"] == ({"device": cached} if cached else {})
+        assert rec["output_tokens"] == 6 and rec["finish_reason"] == "length"
+        assert rec["decode_time"] > 0 and rec["prefill_time"] > 0 and rec["transfer_time"] > 0
     for rec in records:
         assert rec["prefill"] is not None and rec["decode"] is not None
         assert rec["transfer_bytes"] > 0
@@ -198,9 +325,18 @@ def test_metrics_and_perf_metrics(running, client, model_name) -> None:
     ttft = families["duet:time_to_first_token_seconds"]
     count = [s.value for s in ttft.samples if s.name.endswith("_count")]
     assert count and count[0] >= n
-    stats = get_json(running.url, "/iteration_stats")
-    assert set(stats) == {"prefill-0", "decode-0"}
-    assert all(isinstance(v, list) for v in stats.values())
+    # Iteration stats reach the server in the background (every stats.interval_s): after requests
+    # ran, both workers' steps are there, numbered from where the last read stopped.
+    deadline = time.monotonic() + 30
+    iterations: list[dict[str, Any]] = []
+    while {r["worker_id"] for r in iterations} != {"prefill-0", "decode-0"}:
+        assert time.monotonic() < deadline, f"iteration stats seen: {len(iterations)}"
+        iterations += get_json(running.url, "/iteration_stats")
+        time.sleep(0.2)
+    for worker_id in ("prefill-0", "decode-0"):
+        steps = [r["iteration"] for r in iterations if r["worker_id"] == worker_id]
+        assert steps == sorted(set(steps)) and steps[0] >= 1
+        assert all(r["kv"]["groups"]["full"]["total"] > 0 for r in iterations)
 
 
 def test_health_and_models(running, model_name) -> None:
@@ -241,14 +377,42 @@ def test_prefill_actor_killed_mid_request(running, client, model_name) -> None:
     wait_no_pages_held(running, timeout_s=180)
 
 
+def test_a_stream_whose_decode_worker_dies_ends_with_an_error_event_then_done(
+    running, model_name
+) -> None:
+    body = {
+        "model": model_name,
+        "prompt": "Tell me a very long story about a dragon.",
+        "max_tokens": 400,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    decode = running.handles.decode[0].handle
+    events: list[str] = []
+    with (
+        httpx.Client(timeout=120) as c,
+        c.stream("POST", running.url + "/v1/completions", json=body) as r,
+    ):
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+            if len(events) == 3:
+                ray.kill(decode, no_restart=False)  # Ray restarts it (max_restarts)
+    assert events[-1] == "[DONE]"
+    assert "error" in json.loads(events[-2]) and "decode worker" in events[-2]
+    wait_no_pages_held(running, timeout_s=180)
+
+
 def test_decode_actor_restart_is_survived(running, client, model_name) -> None:
     decode = running.handles.decode[0].handle
-    old_pid = ray.get(decode.stats.remote())["pid"]
+    old_pid = ray.get(decode.stats.remote()).pid
     ray.kill(decode, no_restart=False)
     deadline = time.monotonic() + 180
     while True:  # the restarted actor reloads the model; a new pid says it is back
         try:
-            if ray.get(decode.stats.remote(), timeout=5)["pid"] != old_pid:
+            if ray.get(decode.stats.remote(), timeout=5).pid != old_pid:
                 break
         except Exception:
             pass

@@ -62,3 +62,25 @@ def test_actor_joins_reports_from_other_processes(local_ray: None) -> None:
     assert first.ttft_s == 0.75
     assert ray.get(collector.stats.remote()) == CollectorStats(ingested=400, joined=200)
     ray.kill(collector)
+
+
+def test_the_collector_of_a_config_keeps_stats_max_pending_joins_partial_joins(
+    local_ray: None,
+) -> None:
+    from cluster.builder import start_collector
+    from cluster.config import config_from_dict
+
+    # stats.max_pending_joins: partial joins kept waiting for their other role.
+    config = config_from_dict({"stats": {"max_pending_joins": 2, "perf_buffer_len": 5}})
+    collector = start_collector(config, "collector-of-a-config")
+    # Three requests handed off by P whose decode report never comes: the oldest is dropped.
+    ray.get(collector.ingest.remote([prefill_timings(f"r{i}") for i in range(3)]))
+    assert ray.get(collector.drain.remote()) == []
+    stats = ray.get(collector.stats.remote())
+    assert (stats.pending, stats.evicted_incomplete) == (2, 1)
+    # stats.perf_buffer_len: each worker's newest 5 records are kept between drains.
+    ray.get(collector.ingest.remote([decode_timings(f"d{i}", last_report=True) for i in range(8)]))
+    drained = ray.get(collector.drain.remote())
+    assert [r.request_id for r in drained] == [f"d{i}" for i in range(3, 8)]
+    assert ray.get(collector.stats.remote()).dropped == {"d0": 3}
+    ray.kill(collector)

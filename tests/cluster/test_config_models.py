@@ -57,7 +57,7 @@ def test_empty_config_is_local_disaggregated_cpu() -> None:
 
 def test_every_field_of_every_section_has_a_description() -> None:
     sections = all_sections(ClusterConfig, set())
-    assert len(sections) == 13
+    assert len(sections) == 14
     missing = [
         f"{section.__name__}.{name}"
         for section in sections
@@ -106,9 +106,10 @@ def test_worker_resources() -> None:
     }
     assert WorkerResources().ray_actor_options == {"num_cpus": 1.0, "num_gpus": 0.0}
     assert WorkerResources(num_gpus=0.5).num_gpus == 0.5
-    data = {"prefill": {"resources": {"num_gpus": 1.5, "resources": {"GPU": 1, "x": -1}}}}
+    data = {"prefill": {"resources": {"num_gpus": 2, "resources": {"GPU": 1, "x": -1}}}}
     assert issues_of(data) == [
-        "prefill.resources.num_gpus: must be a whole number when above 1 (Ray's rule), got 1.5",
+        "prefill.resources.num_gpus: not supported yet: a worker uses at most 1 GPU until tensor "
+        "parallelism lands, got 2.0",
         "prefill.resources.resources: built-in resources ['GPU'] go in num_cpus / num_gpus, "
         "not in resources",
     ]
@@ -179,11 +180,33 @@ def test_kvcache_sizing_rules() -> None:
 
 
 def test_kvcache_pool_ratio() -> None:
-    shares = KVCacheConfig(pool_ratio={"full": 3, "swa": 1}).pool_shares
-    assert shares == {"full": 0.75, "swa": 0.25}
+    ratio = {"full": 3.0, "swa_32": 1.0}
+    assert config_from_dict({"kvcache": {"pool_ratio": ratio}}).kvcache.pool_ratio == ratio
     assert issues_of({"kvcache": {"pool_ratio": {"full": 0}}}) == [
         "kvcache.pool_ratio: shares must be > 0, got <= 0 for ['full']"
     ]
+    assert issues_of({"kvcache": {"pool_ratio": {}}}) == [
+        "kvcache.pool_ratio: must name at least one pool group, or be left out"
+    ]
+    assert issues_of({"kvcache": {"num_pages": 10, "pool_ratio": {"full": 1}}}) == [
+        "kvcache.pool_ratio: splits a memory budget; with num_pages every group gets num_pages "
+        "pages (pick one sizing)"
+    ]
+
+
+def test_settings_of_features_not_there_yet_are_refused_not_ignored() -> None:
+    """kvcache.host_tier_bytes (and resources.num_gpus > 1, above) would change nothing today: a
+    value that asks for them is an error, never silently accepted."""
+    assert issues_of({"kvcache": {"host_tier_bytes": "1GiB"}}) == [
+        "kvcache.host_tier_bytes: not supported yet (the KV host tier): must be 0, got 1073741824"
+    ]
+    assert config_from_dict({"kvcache": {"host_tier_bytes": 0, "pool_ratio": None}}).kvcache
+
+
+def test_kvcache_swa_scratch_reuse() -> None:
+    assert KVCacheConfig().swa_scratch_reuse is False
+    assert KVCacheConfig(swa_scratch_reuse=True).swa_scratch_reuse is True
+    assert issues_of({"kvcache": {"swa_scratch_reuse": "sometimes"}})
 
 
 def test_one_request_must_fit_the_kv_cache() -> None:
@@ -199,9 +222,6 @@ def test_one_request_must_fit_the_kv_cache() -> None:
 def test_chunks_hold_whole_pages() -> None:
     assert issues_of({"kvcache": {"page_size": 32}, "transfer": {"staging_tokens": 1000}}) == [
         "transfer.staging_tokens: must be a multiple of kvcache.page_size (32), got 1000"
-    ]
-    assert issues_of({"kvcache": {"page_size": 32}, "transfer": {"piece_chunk_tokens": 1000}}) == [
-        "transfer.piece_chunk_tokens: must be a multiple of kvcache.page_size (32), got 1000"
     ]
 
 
@@ -265,6 +285,33 @@ def test_transfer_settings_that_would_validate_and_then_fail() -> None:
     assert "cannot all listen on port 5555" in issues_of(two)[0]  # the second failed to bind
     two["ray"] = {"address": "auto"}  # a cluster of nodes: one per node may share the port
     assert config_from_dict(two).transfer.port == 5555
+
+
+def test_transfer_secret_failure_policy_and_fault_injection() -> None:
+    t = config_from_dict(
+        {
+            "transfer": {
+                "secret": "s3cret",
+                "on_failure": "recompute",
+                "fault_injection": {"fraction": 0.1, "points": ["connect", "mid_data"], "seed": 4},
+            }
+        }
+    ).transfer
+    assert t.secret is not None and t.secret.get_secret_value() == "s3cret"
+    assert "s3cret" not in repr(t) and "s3cret" not in str(t.model_dump(mode="json"))
+    assert (t.on_failure, t.fault_injection.fraction, t.fault_injection.points) == (
+        "recompute",
+        0.1,
+        ("connect", "mid_data"),
+    )
+    assert config_from_dict({}).transfer.fault_injection.fraction == 0.0  # off by default
+    assert issues_of({"transfer": {"on_failure": "retry"}})[0].startswith("transfer.on_failure")
+    assert issues_of({"transfer": {"fault_injection": {"fraction": 2}}})[0].startswith(
+        "transfer.fault_injection.fraction"
+    )
+    assert issues_of({"transfer": {"fault_injection": {"points": ["nowhere"]}}})[0].startswith(
+        "transfer.fault_injection.points"
+    )
 
 
 def test_prefix_aware_routing_needs_reuse() -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 
 from cluster.router import Router, WorkerSlot
-from engine.worker_messages import GenerateRequest
+from engine.sampling_params import SamplingParams
+from worker_common.messages import GenerateRequest
 
 
 def slots(prefix: str, n: int) -> list[WorkerSlot]:
@@ -13,7 +14,7 @@ def slots(prefix: str, n: int) -> list[WorkerSlot]:
 
 
 def req(tokens: list[int]) -> GenerateRequest:
-    return GenerateRequest("r", tokens, {}, time.time())
+    return GenerateRequest("r", tokens, SamplingParams(), time.time())
 
 
 def test_load_balance_picks_the_least_outstanding_healthy_prefill() -> None:

@@ -1,6 +1,7 @@
-"""The router against a prefill worker that does not answer in time, on a real local Ray: the call
-times out, the worker is marked unhealthy, and the router cancels the request there (the worker
-may still prefill it later and lease its KV, which nobody would pull)."""
+"""The router's deadlines and retries on a real local Ray: a prefill worker that does not answer in
+time is marked unhealthy and the request is cancelled there (it may still prefill it later and
+lease its KV, which nobody would pull); router.prefill_retries, router.local_prefill_fallback and
+server.request_timeout_s with a real decode worker."""
 
 from __future__ import annotations
 
@@ -11,9 +12,14 @@ from collections.abc import Iterator
 import pytest
 import ray
 
+from cluster.builder import ClusterHandles
+from cluster.config import ClusterConfig, config_from_dict
 from cluster.router import Router, WorkerSlot
-from engine.worker_messages import GenerateRequest
+from cluster.worker_specs import worker_spec
+from decode_worker.actor import DecodeWorkerActor
+from engine.sampling_params import SamplingParams
 from tests.cluster.cluster_fixtures import local_ray as start_local_ray
+from worker_common.messages import GenerateRequest, Role, TokenDelta
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +45,22 @@ class StuckPrefill:
         return list(self.cancelled)
 
 
+@ray.remote(num_cpus=0)
+class FailingPrefill:
+    """A prefill worker whose prefill fails at once (as one whose engine died)."""
+
+    async def prefill(self, req: GenerateRequest) -> None:
+        raise RuntimeError("this prefill worker is broken")
+
+    async def cancel(self, request_id: str) -> None:
+        pass
+
+
 def test_a_timed_out_prefill_is_cancelled_on_its_worker(local_ray: None) -> None:
     worker = StuckPrefill.remote()
     slot = WorkerSlot("p-0", handle=worker)
     router = Router([slot], [WorkerSlot("d-0", handle=None)], prefill_retries=0, call_timeout_s=0.5)
-    req = GenerateRequest("late-1", [1, 2, 3], {}, time.time())
+    req = GenerateRequest("late-1", [1, 2, 3], SamplingParams(), time.time())
     pre, where = asyncio.run(router._prefill(req))
     assert (pre, where) == (None, None)  # the local fallback takes it from here
     assert not slot.healthy and slot.failures == 1 and slot.outstanding == 0
@@ -53,3 +70,92 @@ def test_a_timed_out_prefill_is_cancelled_on_its_worker(local_ray: None) -> None
             break
         time.sleep(0.05)
     assert ray.get(worker.cancelled_ids.remote(), timeout=30) == ["late-1"]
+
+
+# ---- a real decode worker (the embedded model, aggregated mode) behind the router ----
+
+
+def config_of(**sections: dict) -> ClusterConfig:
+    return config_from_dict(
+        {"prefill": {"replicas": 0}, "model": {"max_model_len": 2048}, **sections}
+    )
+
+
+@pytest.fixture(scope="module")
+def decode_worker(local_ray: None) -> Iterator[WorkerSlot]:
+    spec = worker_spec(config_of(), Role.DECODE, 0, None)
+    handle = DecodeWorkerActor.options(num_cpus=1, max_concurrency=100).remote(spec)
+    ray.get(handle.ready.remote(), timeout=300)
+    yield WorkerSlot("decode-0", handle)
+    ray.get(handle.close.remote(), timeout=60)
+    ray.kill(handle)
+
+
+def router_of(config: ClusterConfig, prefill: list[WorkerSlot], decode: WorkerSlot) -> Router:
+    return ClusterHandles(config, None, prefill, [decode]).router()
+
+
+async def collect(router: Router, req: GenerateRequest) -> list[TokenDelta]:
+    return [d async for d in router.generate(req)]
+
+
+def held_pages(slot: WorkerSlot) -> int:
+    stats = ray.get(slot.handle.stats.remote(), timeout=30)
+    return sum(g.used for g in stats.kv.groups.values())
+
+
+def wait_no_pages_held(slot: WorkerSlot) -> None:
+    deadline = time.monotonic() + 30
+    while held_pages(slot):
+        assert time.monotonic() < deadline, "pages still held"
+        time.sleep(0.1)
+
+
+def test_a_request_ends_at_server_request_timeout_s(decode_worker: WorkerSlot) -> None:
+    router = router_of(config_of(server={"request_timeout_s": 2.0}), [], decode_worker)
+    long = SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True)
+    deltas = asyncio.run(collect(router, GenerateRequest("slow", [1, 2, 3], long, time.time())))
+    assert deltas[-1].error == "the request took longer than server.request_timeout_s (2s)"
+    assert 0 < sum(len(d.token_ids) for d in deltas) < 1500
+    wait_no_pages_held(decode_worker)  # aborted on the decode worker too
+
+
+@pytest.mark.parametrize("fallback", [True, False])
+def test_router_local_prefill_fallback(decode_worker: WorkerSlot, fallback: bool) -> None:
+    """A prefill that fails: with router.local_prefill_fallback the decode worker prefills the
+    request itself; without it the request fails."""
+    broken = WorkerSlot("p-0", handle=FailingPrefill.remote())
+    config = config_of(router={"local_prefill_fallback": fallback, "prefill_retries": 0})
+    router = router_of(config, [broken], decode_worker)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    req = GenerateRequest(f"fb-{fallback}", [1, 2, 3], params, time.time())
+    deltas = asyncio.run(collect(router, req))
+    assert broken.failures == 1
+    if fallback:
+        assert [d.error for d in deltas] == [None] * len(deltas)
+        assert sum(len(d.token_ids) for d in deltas) == 3 and router.num_local_fallbacks == 1
+    else:
+        assert (
+            deltas[-1].error == "no prefill worker could serve the request (local fallback is off)"
+        )
+    wait_no_pages_held(decode_worker)
+
+
+@pytest.mark.parametrize("retries", [0, 2])
+def test_router_prefill_retries(local_ray: None, retries: int) -> None:
+    """router.prefill_retries: how many other prefill workers a failed prefill is tried on."""
+    broken = [WorkerSlot(f"p-{i}", handle=FailingPrefill.remote()) for i in range(4)]
+    config = config_of(router={"prefill_retries": retries})
+    router = ClusterHandles(config, None, broken, [WorkerSlot("d-0", None)]).router()
+    req = GenerateRequest(f"retry-{retries}", [1, 2, 3], SamplingParams(), time.time())
+    assert asyncio.run(router._prefill(req)) == (None, None)
+    assert sum(w.failures for w in broken) == retries + 1
+    assert router.num_prefill_retries == retries
+
+
+def test_a_request_out_of_time_blames_no_prefill_worker(local_ray: None) -> None:
+    workers = [WorkerSlot(f"p-{i}", handle=FailingPrefill.remote()) for i in range(2)]
+    router = Router(workers, [WorkerSlot("d-0", None)], prefill_retries=1, call_timeout_s=1.0)
+    late = GenerateRequest("late-2", [1, 2, 3], SamplingParams(), time.time() - 5)
+    assert asyncio.run(router._prefill(late)) == (None, None)
+    assert all(w.healthy and w.failures == 0 for w in workers)

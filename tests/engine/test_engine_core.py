@@ -132,7 +132,8 @@ def test_prefill_engine_hands_kv_to_decode_engine(
     make_tiny_engine: Callable[..., LLMEngine],
 ) -> None:
     """P prefills (prefill-only, pages kept); the pages' bytes are copied into D's pages; D decodes.
-    The tokens equal one engine doing both."""
+    The tokens equal one engine doing both. Each engine records the request's stats once: P when
+    it hands the request off, D when it finishes (its gaps only between tokens it sampled)."""
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     aggregated = make_tiny_engine()
     aggregated.add_request("r", PROMPT_A, params)
@@ -142,18 +143,37 @@ def test_prefill_engine_hands_kv_to_decode_engine(
     prefill.add_request("r", PROMPT_A, params, prefill_only=True)
     (first,) = run_all(prefill)["r"]
     assert not first.finished and first.token_ids == expected[:1] and not prefill.has_unfinished()
+    (handed_off,) = prefill.drain_request_stats()
+    assert handed_off.request_id == "r" and handed_off.finish_reason is None
+    assert handed_off.metrics.num_output_tokens == 1 and handed_off.token_gaps_s == ()
     src_pages = prefill.kv.page_ids("r")["full"]
 
     assert decode.kv.allocate_slots("r", len(PROMPT_A))  # gen-init on D
     dst_pages = decode.kv.page_ids("r")["full"]
     decode.kv.buffers["full"][dst_pages] = prefill.kv.buffers["full"][src_pages]  # the "transfer"
     prefill.release("r")
+    assert prefill.drain_request_stats() == []  # recorded once, at the handoff
     assert_no_leak(prefill.kv)
 
-    decode.add_prefilled_request("r", PROMPT_A, first.token_ids[0], params)
+    decode.add_prefilled_request("r", PROMPT_A, first.token_ids[0], params, num_cached_tokens=4)
     outs = run_all(decode)["r"]
     assert (
         outs[0].delta_token_ids == expected[1:2]
     )  # the first token was streamed by P, not again by D
     assert outs[-1].token_ids == expected and outs[-1].finish_reason == "length"
+    (done,) = decode.drain_request_stats()
+    assert done.finish_reason == "length" and done.metrics.num_cached_tokens == 4
+    assert done.metrics.num_output_tokens == 8 and len(done.token_gaps_s) == 6  # 7 sampled on D
+    assert all(gap >= 0 for gap in done.token_gaps_s)
     assert_no_leak(decode.kv)
+
+
+def test_a_prefilled_request_aborted_before_its_transfer_is_recorded_once(
+    make_tiny_engine: Callable[..., LLMEngine],
+) -> None:
+    engine = make_tiny_engine()
+    engine.add_request("r", PROMPT_A, GREEDY, prefill_only=True)
+    run_all(engine)
+    assert engine.abort_request("r")  # the client left before any decode worker pulled
+    assert [r.finish_reason for r in engine.drain_request_stats()] == [None]
+    assert_no_leak(engine.kv)

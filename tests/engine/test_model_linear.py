@@ -23,6 +23,19 @@ def test_linear_repacks_after_the_weight_changes() -> None:
     assert not torch.allclose(first, second)
 
 
+def test_linear_repacks_after_the_weight_is_replaced_by_a_slice() -> None:
+    """A sharded layer keeps some rows of its weight: a slice from row 0 has the old data pointer."""
+    gen = torch.Generator().manual_seed(2)
+    layer = Linear(16, 24, bias=False)
+    x = torch.randn((5, 16), generator=gen)
+    with torch.inference_mode():
+        assert layer(x).shape == (5, 24)
+    layer.weight = torch.nn.Parameter(layer.weight.detach()[:8], requires_grad=False)
+    with torch.inference_mode():
+        out = layer(x)
+    torch.testing.assert_close(out, F.linear(x, layer.weight))
+
+
 def test_merged_linear_loads_shards_and_splits() -> None:
     gen = torch.Generator().manual_seed(1)
     layer = MergedLinear(8, (4, 2), bias=False)

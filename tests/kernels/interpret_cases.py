@@ -34,13 +34,14 @@ def _decode(
     heads: tuple[int, int],
     window: int | None,
     num_splits: int | None = None,
+    softcap: float | None = None,
 ) -> CaseFn:
     def run(gen: torch.Generator) -> float:
         num_q, num_kv = heads
         kv = make_paged_kv([37, 5, 64, 1], page_size, num_kv, head_dim, dtype, gen)
         q = torch.randn((4, 2 * num_q, head_dim), generator=gen).to(dtype)[:, 1::2]  # strided
-        scale = 1 / math.sqrt(head_dim)
-        args = (q, kv.k_cache, kv.v_cache, kv.page_table, kv.seq_lens, scale, window)
+        scale = 1 / math.sqrt(head_dim) if softcap is None else 0.5  # large scores: the cap bites
+        args = (q, kv.k_cache, kv.v_cache, kv.page_table, kv.seq_lens, scale, window, softcap)
         if num_splits is None:
             out = kernels.paged_decode_attention(*args)
         else:  # imported here: the parent pytest process reads CASES without importing triton
@@ -54,7 +55,12 @@ def _decode(
 
 
 def _prefill(
-    dtype: torch.dtype, head_dim: int, page_size: int, heads: tuple[int, int], window: int | None
+    dtype: torch.dtype,
+    head_dim: int,
+    page_size: int,
+    heads: tuple[int, int],
+    window: int | None,
+    softcap: float | None = None,
 ) -> CaseFn:
     def run(gen: torch.Generator) -> float:
         num_q, num_kv = heads
@@ -69,8 +75,9 @@ def _prefill(
             kv.page_table,
             cu,
             kv.seq_lens,
-            1 / math.sqrt(head_dim),
+            1 / math.sqrt(head_dim) if softcap is None else 0.5,
             window,
+            softcap,
         )
         return _err(
             kernels.paged_prefill_attention(*args), kernels.paged_prefill_attention_ref(*args)
@@ -138,6 +145,18 @@ CASES: dict[str, tuple[CaseFn, float]] = {
     "prefill_fp32_d64_gqa4_prefix": (_prefill(torch.float32, 64, 16, (8, 2), None), 1e-5),
     "prefill_fp16_d128_gqa2_window": (_prefill(torch.float16, 128, 32, (4, 2), 7), FP16_TOL),
     "prefill_fp32_d64_window_1": (_prefill(torch.float32, 64, 16, (2, 1), 1), 1e-5),
+    "decode_fp32_d32_window_softcap": (
+        _decode(torch.float32, 32, 8, (4, 2), 11, softcap=3.0),
+        1e-5,
+    ),
+    "decode_fp32_d32_softcap_splits": (
+        _decode(torch.float32, 32, 8, (4, 2), None, 3, softcap=2.0),
+        1e-5,
+    ),
+    "prefill_fp32_d32_window_softcap": (
+        _prefill(torch.float32, 32, 8, (4, 2), 9, softcap=3.0),
+        1e-5,
+    ),
     "store_kv_fp16_into_fp16": (_store_kv(torch.float16, torch.float16), 0.0),
     # The interpreter converts float32 -> bfloat16 by truncation where torch rounds to nearest: one
     # bf16 ulp apart (2**-5 for |x| < 8). On the GPU the kernel rounds too (tests/kernels/test_gpu_kernels.py).

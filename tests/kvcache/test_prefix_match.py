@@ -1,11 +1,6 @@
 from kvcache.prefix_match import PrefixMatch
 
 
-def test_empty_match_defaults() -> None:
-    m = PrefixMatch()
-    assert (m.num_tokens, m.num_pages, m.page_ids, m.num_query_tokens) == (0, 0, {}, 0)
-
-
 def test_num_pages_counts_block_hashes() -> None:
     m = PrefixMatch(
         num_tokens=4, page_ids={"full": [3, 1]}, block_hashes=[10, 20], num_query_tokens=9

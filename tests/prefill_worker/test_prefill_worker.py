@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from engine.worker_messages import GenerateRequest
 from prefill_worker.worker import PrefillError, PrefillWorker
 from tests.tiny_engine import greedy, tiny_engine
 from transfer import KVSender, TransceiverConfig
+from worker_common.messages import GenerateRequest
 
 
 def make_worker() -> PrefillWorker:
@@ -20,7 +20,9 @@ def make_worker() -> PrefillWorker:
     return PrefillWorker(
         "p0",
         engine,
-        lambda release: KVSender(engine.kv.buffers, specs, "tiny", TransceiverConfig(), release),
+        lambda release: KVSender(
+            engine.kv.buffers, specs, "tiny", TransceiverConfig(secret="test-secret"), release
+        ),
     )
 
 
@@ -142,3 +144,36 @@ def test_a_cancel_while_a_publish_fails_is_not_kept_for_a_later_request_of_that_
 
     loop = asyncio.new_event_loop()
     run_then_close(worker, loop, main)
+
+
+def test_a_stalled_prefill_ends_at_prefill_prefill_deadline_s() -> None:
+    from cluster.config import config_from_dict
+    from cluster.worker_specs import worker_spec
+    from worker_common.messages import Role
+
+    config = config_from_dict({"prefill": {"prefill_deadline_s": 0.3}})
+    engine = tiny_engine(64)
+    specs = list(engine.kv.specs.values())
+    worker = PrefillWorker(
+        "p0",
+        engine,
+        lambda release: KVSender(
+            engine.kv.buffers, specs, "tiny", TransceiverConfig(secret="test-secret"), release
+        ),
+        deadlines=worker_spec(config, Role.PREFILL, 0, None, transfer_secret="x").deadlines,
+    )
+
+    async def main() -> None:
+        task = asyncio.ensure_future(
+            worker.prefill(GenerateRequest("a", list(range(1, 11)), greedy(4), time.time()))
+        )
+        await asyncio.sleep(0)  # the request is queued on the engine's loop...
+        worker.loop.call(lambda e: time.sleep(1.5))  # ...which stalls before its first step
+        with pytest.raises(PrefillError, match=r"within 0.3s \(prefill.prefill_deadline_s\)"):
+            await task
+        await wait_until_no_page_held(worker)
+
+    try:
+        asyncio.run(main())
+    finally:
+        worker.close()

@@ -1,0 +1,101 @@
+"""StatsPoller: the server's background collection of every worker's stats.
+
+One task per worker on the server's event loop: every ``stats.interval_s`` it asks the worker for
+a StatsBatch (``drain_stats``: its WorkerStats, and the iteration stats and transfer records since
+the previous call) and keeps the records in buffers of its own, per worker, under one lock, with
+the ``max_stats_len`` rule (-1 all, 0 none, N the newest N). /iteration_stats, /transfer_stats and
+/metrics read those buffers and the last WorkerStats; they never wait on a worker.
+
+A worker that answers late delays only its own task, and its answer is awaited, never dropped: the
+records it drained are in that answer. A worker that died loses nothing already collected from it;
+its task marks it unhealthy and asks again next interval (Ray may restart it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from dataclasses import asdict
+from typing import Any
+
+from ray.exceptions import RayActorError, RayTaskError
+
+from cluster.router import WorkerSlot
+from engine.stats import StatsBuffer
+from worker_common.messages import StatsBatch
+
+log = logging.getLogger(__name__)
+
+
+class StatsPoller:
+    def __init__(self, workers: list[WorkerSlot], interval_s: float, max_stats_len: int) -> None:
+        if not interval_s > 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s}")
+        self.workers = workers
+        self.interval_s = interval_s
+        self.max_stats_len = max_stats_len
+        self._lock = threading.Lock()  # the buffers: poll tasks append, endpoints drain
+        self._iterations = {w.worker_id: StatsBuffer[Any](max_stats_len) for w in workers}
+        self._transfers = {w.worker_id: StatsBuffer[Any](max_stats_len) for w in workers}
+        self._tasks: list[asyncio.Task[None]] = []
+        self.polls = {w.worker_id: 0 for w in workers}  # batches taken per worker
+
+    def start(self) -> None:
+        """Start one poll task per worker on the running event loop (once)."""
+        if not self._tasks:
+            loop = asyncio.get_running_loop()
+            self._tasks = [loop.create_task(self._poll(w)) for w in self.workers]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks = []
+
+    async def _poll(self, w: WorkerSlot) -> None:
+        while True:
+            try:
+                batch: StatsBatch = await w.handle.drain_stats.remote()  # no deadline: see above
+            except RayActorError as e:
+                w.healthy = False  # dead or restarting; healthy again once it answers
+                log.warning("stats of %s unavailable: %s", w.worker_id, e)
+            except RayTaskError as e:
+                log.warning("stats of %s failed: %s", w.worker_id, e)
+            else:
+                self.take(w, batch)
+            await asyncio.sleep(self.interval_s)
+
+    def take(self, w: WorkerSlot, batch: StatsBatch) -> None:
+        """Keep one batch of worker ``w`` (the poll task's step; also for tests)."""
+        with self._lock:
+            iterations, transfers = self._iterations[w.worker_id], self._transfers[w.worker_id]
+            for it in batch.iterations:
+                iterations.append(it)
+            for t in batch.transfers:
+                transfers.append(t)
+            self.polls[w.worker_id] += 1
+        w.last_stats = batch.stats
+        w.healthy = batch.stats.healthy
+        w.free_pages = batch.stats.free_pages
+
+    def drain_iterations(self) -> list[dict[str, Any]]:
+        """Every iteration record collected since the last drain, per worker in order, as JSON
+        objects with the worker's id (``iteration`` numbers each worker's steps: 1, 2, ...)."""
+        return self._drain(self._iterations, lambda it: asdict(it))
+
+    def drain_transfers(self) -> list[dict[str, Any]]:
+        """Every transfer record collected since the last drain, as JSON objects."""
+        return self._drain(self._transfers, lambda t: {**asdict(t), "gbps": t.gbps})
+
+    def _drain(self, buffers: dict[str, StatsBuffer[Any]], plain: Any) -> list[dict[str, Any]]:
+        with self._lock:
+            drained = {worker_id: buf.drain() for worker_id, buf in buffers.items()}
+        return [
+            {"worker_id": worker_id, **plain(record)}
+            for worker_id, records in drained.items()
+            for record in records
+        ]

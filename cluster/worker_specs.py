@@ -1,0 +1,80 @@
+"""From the cluster config to each worker's WorkerSpec: everything a worker actor is built from.
+
+The workers never see the cluster config: they get typed settings (EngineConfig,
+TransceiverConfig, deadlines, stats) made here, in the server process, once.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from cluster.config import ClusterConfig
+from cluster.transfer_setup import transceiver_config
+from engine.engine_config import EngineConfig
+from worker_common.messages import Role, WorkerDeadlines, WorkerSpec
+
+
+def engine_config_for(config: ClusterConfig, role: Role) -> EngineConfig:
+    """The EngineConfig of a prefill or decode worker of ``config`` (device "cuda" is resolved to
+    the worker's own GPU on its node)."""
+    pool = config.prefill if role is Role.PREFILL else config.decode
+    on_gpu = pool.resources.num_gpus > 0
+    kv = config.kvcache
+    dummy = (
+        config.model.dummy_config.as_hf_dict() if config.model.dummy_config is not None else None
+    )
+    return EngineConfig(
+        model=config.model.source,
+        load_format=config.model.load_format,
+        dtype=config.model.dtype,
+        device="cuda" if on_gpu else "cpu",
+        page_size=kv.page_size,
+        num_pages=kv.num_pages,
+        kv_cache_memory_bytes=None if (on_gpu or kv.num_pages is not None) else int(kv.cpu_bytes),
+        gpu_memory_fraction=kv.gpu_memory_fraction,
+        kv_max_tokens=kv.max_tokens,
+        max_num_seqs=pool.scheduler.max_num_seqs,
+        max_num_batched_tokens=pool.scheduler.max_num_batched_tokens,
+        prefill_chunk_size=pool.scheduler.prefill_chunk_size,
+        max_model_len=config.model.max_model_len,
+        reuse_policy=kv.reuse_policy,
+        pool_ratio=dict(kv.pool_ratio) if kv.pool_ratio is not None else None,
+        swa_scratch_reuse=kv.swa_scratch_reuse,
+        seed=config.model.seed,
+        dummy_config=dummy,
+        max_stats_len=config.stats.max_stats_len,
+        # The engine's request stats are the source of the per-request reports (/perf_metrics).
+        max_request_stats_len=config.stats.perf_buffer_len,
+    )
+
+
+def worker_spec(
+    config: ClusterConfig,
+    role: Role,
+    index: int,
+    collector_name: str | None,
+    log_level: str | None = None,
+    transfer_secret: str | None = None,
+) -> WorkerSpec:
+    """The spec of worker ``index`` of ``role``; ``collector_name`` is the perf-metrics collector
+    actor (None when ``stats.perf_buffer_len`` is 0: the workers report nothing);
+    ``transfer_secret`` the cluster's (None: ``cluster_secret(config)``, which raises when the
+    config and the environment give none)."""
+    transfer = None if config.aggregated else transceiver_config(config, transfer_secret)
+    return WorkerSpec(
+        worker_id=f"{role.value}-{index}",
+        role=role,
+        engine=engine_config_for(config, role),
+        transceiver=transfer,
+        transfer_interface=config.transfer.interface if transfer is not None else None,
+        deadlines=WorkerDeadlines(
+            prefill_s=config.prefill.prefill_deadline_s,
+            page_wait_s=config.decode.page_wait_deadline_s,
+            token_s=config.decode.token_deadline_s,
+        ),
+        stats_interval_s=config.stats.interval_s,
+        collector_name=collector_name if config.stats.perf_buffer_len != 0 else None,
+        log_level=log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel()),
+        on_transfer_failure=config.transfer.on_failure,
+        num_cpus=(config.prefill if role is Role.PREFILL else config.decode).resources.num_cpus,
+    )

@@ -1,0 +1,202 @@
+"""From the cluster config to each worker: every setting a worker acts on reaches its WorkerSpec
+and the engine built from it; the Ray options of each pool; the router's settings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from cluster.builder import ClusterHandles, _actor_options
+from cluster.config import config_from_dict
+from cluster.router import WorkerSlot
+from cluster.worker_specs import worker_spec
+from engine.engine_core import LLMEngine
+from worker_common.messages import Role, WorkerDeadlines
+
+DUMMY = {
+    "model.dummy_config.model_type": "qwen2",
+    "model.dummy_config.hidden_size": 48,
+    "model.dummy_config.intermediate_size": 96,
+    "model.dummy_config.num_hidden_layers": 3,
+    "model.dummy_config.num_attention_heads": 4,
+    "model.dummy_config.num_key_value_heads": 2,
+    "model.dummy_config.head_dim": 16,
+    "model.dummy_config.vocab_size": 300,
+    "model.dummy_config.max_position_embeddings": 640,
+    "model.dummy_config.rope_theta": 5000.0,
+    "model.dummy_config.rope_scaling": {"rope_type": "linear", "factor": 2.0},
+    "model.dummy_config.rms_norm_eps": 1e-6,
+    "model.dummy_config.tie_word_embeddings": True,
+}
+SETTINGS: dict[str, Any] = {
+    "model.source": "tiny-qwen",
+    "model.load_format": "dummy",
+    "model.dtype": "bfloat16",
+    "model.max_model_len": 512,
+    "model.seed": 7,
+    **DUMMY,
+    "prefill.scheduler.max_num_seqs": 5,
+    "prefill.scheduler.max_num_batched_tokens": 300,
+    "prefill.scheduler.prefill_chunk_size": 100,
+    "prefill.prefill_deadline_s": 11.0,
+    "decode.scheduler.max_num_seqs": 6,
+    "decode.scheduler.max_num_batched_tokens": 400,
+    "decode.scheduler.prefill_chunk_size": 200,
+    "decode.page_wait_deadline_s": 12.0,
+    "decode.token_deadline_s": 13.0,
+    "kvcache.page_size": 8,
+    "kvcache.num_pages": 90,
+    "kvcache.max_tokens": 600,
+    "kvcache.reuse_policy": "per_request",
+    "stats.max_stats_len": 17,
+    "stats.perf_buffer_len": 19,
+    "stats.interval_s": 2.5,
+    "transfer.on_failure": "recompute",
+}
+
+
+def nested(flat: dict[str, Any]) -> dict[str, Any]:
+    """{"a.b.c": v} -> {"a": {"b": {"c": v}}}"""
+    out: dict[str, Any] = {}
+    for path, value in flat.items():
+        *parents, leaf = path.split(".")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
+def test_every_worker_setting_reaches_its_spec() -> None:
+    config = config_from_dict(nested(SETTINGS))
+    p = worker_spec(config, Role.PREFILL, 0, "collector-x", "WARNING", "s3cret")
+    d = worker_spec(config, Role.DECODE, 1, "collector-x", "WARNING", "s3cret")
+    assert (p.worker_id, d.worker_id, p.role, d.role) == (
+        "prefill-0",
+        "decode-1",
+        "prefill",
+        "decode",
+    )
+    for spec, role in ((p, "prefill"), (d, "decode")):
+        e = spec.engine
+        assert (e.model, e.load_format, e.dtype, e.max_model_len, e.seed) == (
+            "tiny-qwen",
+            "dummy",
+            "bfloat16",
+            512,
+            7,
+        )
+        assert e.dummy_config == {k.rsplit(".", 1)[1]: v for k, v in DUMMY.items()}
+        scheduler = (e.max_num_seqs, e.max_num_batched_tokens, e.prefill_chunk_size)
+        assert scheduler == tuple(
+            SETTINGS[f"{role}.scheduler.{name}"]
+            for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size")
+        )
+        assert (e.page_size, e.num_pages, e.kv_max_tokens, e.reuse_policy) == (
+            8,
+            90,
+            600,
+            "per_request",
+        )
+        assert (e.max_stats_len, e.max_request_stats_len, spec.stats_interval_s) == (17, 19, 2.5)
+        assert spec.deadlines == WorkerDeadlines(prefill_s=11.0, page_wait_s=12.0, token_s=13.0)
+        assert spec.collector_name == "collector-x" and spec.log_level == "WARNING"
+        assert spec.transceiver is not None and spec.transceiver.max_stats_len == 17
+        # the secret `duet serve` made travels inside the transceiver settings
+        assert spec.transceiver.secret == "s3cret" and "s3cret" not in repr(spec)
+        assert spec.on_transfer_failure == "recompute"
+
+
+def test_the_dummy_model_is_built_as_configured() -> None:
+    """The model.dummy_config.* fields shape the weights the engine runs."""
+    flat = {**SETTINGS, "model.dtype": "float32", "kvcache.num_pages": 90}
+    engine = LLMEngine.from_config(
+        worker_spec(
+            config_from_dict(nested(flat)), Role.DECODE, 0, None, transfer_secret="x"
+        ).engine
+    )
+    mc = engine.model_config
+    assert (mc.hidden_size, mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim) == (
+        48,
+        3,
+        4,
+        2,
+        16,
+    )
+    assert (mc.vocab_size, mc.intermediate_size, mc.rope_theta, mc.rms_norm_eps) == (
+        300,
+        96,
+        5000.0,
+        1e-6,
+    )
+    assert mc.tie_word_embeddings and mc.max_position_embeddings == 640
+    assert mc.architecture == "qwen2" and mc.attention_bias  # qwen2: biased q/k/v projections
+    assert mc.rope_scaling is not None and mc.rope_scaling.factor == 2.0
+    assert engine.max_model_len == 512 and engine.kv.page_size == 8
+
+
+@pytest.mark.parametrize("perf_buffer_len", [0, -1])
+def test_per_request_stats_off_means_no_collector_and_no_engine_records(
+    perf_buffer_len: int,
+) -> None:
+    config = config_from_dict({"stats": {"perf_buffer_len": perf_buffer_len}})
+    spec = worker_spec(config, Role.DECODE, 0, "collector-x", transfer_secret="x")
+    assert spec.engine.max_request_stats_len == perf_buffer_len  # no layer rewrites it
+    assert (spec.collector_name is None) == (perf_buffer_len == 0)
+
+
+def test_an_aggregated_decode_worker_has_no_transceiver() -> None:
+    config = config_from_dict({"prefill": {"replicas": 0}, "decode": {"replicas": 2}})
+    assert worker_spec(config, Role.DECODE, 1, None).transceiver is None
+
+
+def test_each_pool_gets_its_own_ray_options() -> None:
+    config = config_from_dict(
+        nested(
+            {
+                "prefill.resources.num_cpus": 2.0,
+                "prefill.resources.num_gpus": 0.5,
+                "prefill.resources.resources": {"prefill_node": 1},
+                "prefill.resources.label_selector": {"zone": "a"},
+                "decode.resources.num_cpus": 3.0,
+                "decode.resources.num_gpus": 1.0,
+                "decode.resources.resources": {"decode_node": 2},
+                "decode.resources.label_selector": {"zone": "b"},
+            }
+        )
+    )
+    p, d = _actor_options(config, "prefill", 0), _actor_options(config, "decode", 0)
+    assert (p["num_cpus"], p["num_gpus"], p["resources"], p["label_selector"]) == (
+        2.0,
+        0.5,
+        {"prefill_node": 1.0},
+        {"zone": "a"},
+    )
+    assert (d["num_cpus"], d["num_gpus"], d["resources"], d["label_selector"]) == (
+        3.0,
+        1.0,
+        {"decode_node": 2.0},
+        {"zone": "b"},
+    )
+    # GPU workers of a disaggregated cluster with direct copies see every GPU of their node.
+    assert d["runtime_env"] == {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
+    assert p["max_task_retries"] == 0 and p["max_restarts"] == 3
+
+
+def test_the_router_gets_the_router_and_server_settings() -> None:
+    config = config_from_dict(
+        nested(
+            {
+                "router.policy": "round_robin",
+                "router.prefill_retries": 3,
+                "router.local_prefill_fallback": False,
+                "server.request_timeout_s": 42.0,
+                "kvcache.page_size": 32,
+            }
+        )
+    )
+    handles = ClusterHandles(config, None, [WorkerSlot("p", None)], [WorkerSlot("d", None)])
+    r = handles.router()
+    assert (r.policy, r.prefill_retries, r.local_prefill_fallback) == ("round_robin", 3, False)
+    assert (r.call_timeout_s, r.page_size) == (42.0, 32)

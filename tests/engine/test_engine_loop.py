@@ -1,0 +1,55 @@
+"""EngineLoop's tick: on the loop thread, after the step, before that step's outputs are delivered;
+a failing tick never stops the loop."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+
+from engine.engine_core import LLMEngine
+from engine.engine_loop import EngineLoop
+from engine.outputs import RequestOutput
+from tests.tiny_engine import greedy, tiny_engine
+
+
+def test_the_tick_sees_a_finished_requests_stats_before_its_consumer_hears_of_it() -> None:
+    seen: list[str] = []  # request ids whose stats the tick took, in order
+    threads: set[str] = set()
+    order: list[tuple[str, list[str]]] = []  # (what the consumer saw, what the tick had taken)
+    done = concurrent.futures.Future()
+
+    def tick(engine: LLMEngine) -> None:
+        threads.add(threading.current_thread().name)
+        seen.extend(r.request_id for r in engine.drain_request_stats())
+
+    def sink(out: RequestOutput) -> None:
+        if out.finished:
+            order.append((out.request_id, list(seen)))
+            done.set_result(None)
+
+    loop = EngineLoop(tiny_engine(32), name="tick-test", on_tick=tick)
+    try:
+        loop.subscribe("r", sink)
+        loop.call(lambda e: e.add_request("r", list(range(1, 9)), greedy(3)))
+        done.result(30)
+    finally:
+        loop.stop()
+    assert order == [("r", ["r"])] and threads == {"tick-test"}
+
+
+def test_a_failing_tick_does_not_stop_the_loop() -> None:
+    ticks = []
+
+    def tick(engine: LLMEngine) -> None:
+        ticks.append(1)
+        raise RuntimeError("stats broke")
+
+    finished: concurrent.futures.Future[RequestOutput] = concurrent.futures.Future()
+    loop = EngineLoop(tiny_engine(32), on_tick=tick)
+    try:
+        loop.subscribe("r", lambda out: out.finished and finished.set_result(out))
+        loop.call(lambda e: e.add_request("r", list(range(1, 9)), greedy(3)))
+        assert len(finished.result(30).token_ids) == 3 and loop.alive
+    finally:
+        loop.stop()
+    assert len(ticks) >= 3

@@ -1,0 +1,39 @@
+"""A worker's transceiver on its own node: what only that node can settle (the address of
+``transfer.interface``, whether ``transfer.port`` is free) fails there, naming the field."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+
+import pytest
+
+from cluster.config import config_from_dict
+from cluster.worker_specs import worker_spec
+from tests.tiny_engine import tiny_engine
+from worker_common.messages import Role
+from worker_common.transfer_setup import make_publisher, node_transceiver_config
+
+
+def spec_of(transfer: dict):  # noqa: ANN201
+    return worker_spec(
+        config_from_dict({"transfer": transfer}), Role.PREFILL, 0, None, transfer_secret="x"
+    )
+
+
+def test_an_interface_is_resolved_on_the_workers_node() -> None:
+    spec = spec_of({"interface": "lo"})
+    assert spec.transfer_interface == "lo"
+    assert node_transceiver_config(spec).host == "127.0.0.1"
+    with pytest.raises(ValueError, match="transfer.interface 'nosuch0': no IPv4 address"):
+        node_transceiver_config(dataclasses.replace(spec, transfer_interface="nosuch0"))
+
+
+def test_a_port_taken_on_this_node_names_its_field() -> None:
+    taken = socket.create_server(("127.0.0.1", 0))
+    try:
+        port = taken.getsockname()[1]
+        with pytest.raises(ValueError, match=rf"transfer.host / port \(127.0.0.1:{port}\)"):
+            make_publisher(tiny_engine(16), spec_of({"port": port}), lambda rid: None)
+    finally:
+        taken.close()

@@ -1,0 +1,69 @@
+"""What both worker actors share: set-up from a WorkerSpec, and the calls that only read or stop the
+plain worker behind them.
+
+Each role's actor subclasses this and adds its own request calls; the plain worker is ``self.worker``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import ray
+
+from worker_common.messages import ModelInfo, RequestTimings, StatsBatch, WorkerSpec, WorkerStats
+from worker_common.request_report import Sink
+
+
+class WorkerActorBase:
+    worker: Any  # PrefillWorker or DecodeWorker
+
+    def setup(self, spec: WorkerSpec) -> Sink | None:
+        """Logging as the spec says; the per-request report sink (fire and forget to the
+        perf-metrics collector, looked up by name), or None when per-request stats are off."""
+        logging.basicConfig(level=spec.log_level)
+        logging.getLogger().setLevel(spec.log_level)
+        self._stats_released = asyncio.Event()
+        self._stats_released.set()
+        if spec.collector_name is None:
+            return None
+        # By name, not as a constructor argument: Ray logs an ERROR for every restartable actor
+        # whose arguments hold a reference (ray-project/ray#53727), and a name survives restarts.
+        collector = ray.get_actor(spec.collector_name)
+
+        def report(records: list[RequestTimings]) -> None:
+            collector.ingest.remote(records)
+
+        return report
+
+    async def ready(self) -> str:
+        return self.worker.worker_id
+
+    async def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    async def model_info(self) -> ModelInfo:
+        engine = self.worker.loop.engine
+        return ModelInfo(engine.max_model_len, engine.model_config.vocab_size)
+
+    async def stats(self) -> WorkerStats:
+        return self.worker.stats()
+
+    async def drain_stats(self) -> StatsBatch:
+        batch = self.worker.drain_stats()
+        # The test hook: hold the reply of a batch already drained (what a slow worker does).
+        await self._stats_released.wait()
+        return batch
+
+    async def hold_stats_for_test(self, hold: bool) -> None:
+        """Test hook: while held, ``drain_stats`` drains and then does not answer."""
+        if hold:
+            self._stats_released.clear()
+        else:
+            self._stats_released.set()
+
+    async def close(self) -> None:
+        # Off this actor's event loop: the worker's close waits for pulls (direct reads among
+        # them) that only this loop can finish.
+        await asyncio.get_running_loop().run_in_executor(None, self.worker.close)

@@ -1,0 +1,76 @@
+"""A worker's engine, built from its WorkerSpec on its own node (where its GPU is picked)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from cluster.config.loader import ConfigError
+from engine.cpu_share import apply_cpu_share
+from engine.engine_core import LLMEngine
+from kvcache.sizing import KVSizingError
+from worker_common.messages import WorkerSpec
+
+# Set on GPU workers by cluster/builder.py: Ray then leaves CUDA_VISIBLE_DEVICES alone, so every GPU
+# of the node is visible and a decode worker can open a prefill worker's KV pools over CUDA IPC.
+NOSET_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+
+
+def gpu_device() -> str:
+    """This worker's GPU as a torch device: "cuda" when Ray narrowed CUDA_VISIBLE_DEVICES to it,
+    else "cuda:<index>" of the GPU Ray assigned, among the ones this process sees; that GPU also
+    becomes the calling thread's current device (the actor's, which builds the engine)."""
+    if os.environ.get(NOSET_VISIBLE_DEVICES) != "1":
+        return "cuda"
+    import ray
+    import torch
+
+    ids = [str(i) for i in ray.get_gpu_ids()]
+    if not ids:
+        return "cuda"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    order = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    if ids[0] not in order:
+        raise RuntimeError(f"Ray assigned GPU {ids[0]}, which is not among the visible {order}")
+    index = order.index(ids[0])
+    torch.cuda.set_device(index)
+    return f"cuda:{index}"
+
+
+def build_engine(spec: WorkerSpec) -> LLMEngine:
+    """The worker's engine. A KV cache its settings cannot size (a pool_ratio naming groups the
+    model lacks, or a group that cannot hold one max_model_len request) is a ConfigError naming the
+    cluster fields to change; so is a model with sliding-window pool groups in a disaggregated
+    cluster (the worker has a transceiver).
+
+    On a CPU device it first sizes this process's torch threads to the worker's CPUs and returns it
+    to the default priority (engine/cpu_share.py): call it before the worker's first torch op."""
+    config = spec.engine
+    if config.device == "cuda":
+        config = dataclasses.replace(config, device=gpu_device())
+    apply_cpu_share(spec.num_cpus, config.device)
+    where = f"{spec.worker_id} start-up"
+    try:
+        engine = LLMEngine.from_config(config)
+    except KVSizingError as e:
+        raise ConfigError(where, [f"{_SIZING_FIELDS[e.setting]}: {e}"]) from e
+    windows = sorted(g for g, s in engine.kv.specs.items() if s.sliding_window is not None)
+    if windows and spec.transceiver is not None:
+        # A ticket would carry a window group's released positions as null pages, which D would
+        # then commit for reuse: refused until the transfer moves pools group by group.
+        raise ConfigError(
+            where,
+            [
+                f"prefill.replicas: the model has sliding-window KV pool groups {windows}; "
+                "disaggregated serving of such models is not supported yet (the KV transfer is "
+                "full-attention only): set prefill.replicas to 0 (aggregated)"
+            ],
+        )
+    return engine
+
+
+# What a kvcache.sizing.KVSizingError asks to change, in the cluster config's words.
+_SIZING_FIELDS = {
+    "pool_ratio": "kvcache.pool_ratio",
+    "budget": "kvcache.num_pages / cpu_bytes / gpu_memory_fraction / pool_ratio, or model.max_model_len",
+}

@@ -1,0 +1,221 @@
+"""What crosses the router/worker boundary: small typed messages, plain data only.
+
+Every call between the server process (router, stats poller, builder) and a worker actor takes and
+returns these (or the engine's and the transfer's own dataclasses they embed). Each is validated
+once where it is made: a request at the HTTP edge (its SamplingParams validate on construction and
+are never re-validated: unpickling does not run ``__init__``), a WorkerSpec by the cluster config.
+
+Clocks: every timestamp is wall-clock seconds (``time.time()``) taken on the reporting worker, so P's
+and D's timings of one request can be joined; a span across two roles includes their clock skew.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from engine.sampling_params import SamplingParams
+from worker_common.prompt_tokens import PromptTokens
+
+if TYPE_CHECKING:
+    from engine.engine_config import EngineConfig
+    from engine.stats import IterationStats
+    from kvcache.stats import KVCacheStats
+    from transfer.config import TransceiverConfig
+    from transfer.messages import TransferTicket
+    from transfer.stats import TransferStats
+
+
+class Role(str, enum.Enum):
+    """Which side of the disaggregated pipeline a worker (or a timing record) is."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+# ---- building a worker --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerDeadlines:
+    """Every wait a worker bounds on its own (the transfer's waits are in TransceiverConfig)."""
+
+    prefill_s: float = 300.0  # P: from admission to the first token
+    page_wait_s: float = 60.0  # D: waiting for free KV pages for an incoming request
+    token_s: float = 300.0  # D: between two tokens of one request
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything one worker actor is built from (the builder makes it from the cluster config).
+
+    ``engine.device`` is "cuda" for a GPU worker: the worker picks its own GPU on its node
+    (worker_common/engine_setup.py), as it resolves ``transfer_interface`` to an address there.
+    """
+
+    worker_id: str
+    role: Role
+    engine: EngineConfig
+    transceiver: TransceiverConfig | None  # None: no transfer (a decode worker in aggregated mode)
+    transfer_interface: str | None  # network interface whose address the P listener binds to
+    deadlines: WorkerDeadlines
+    stats_interval_s: float  # the KV peak interval: peaks reset at each end
+    collector_name: str | None  # the perf-metrics collector actor; None: per-request stats off
+    log_level: str = "INFO"
+    # D: after a failed, expired or refused pull, "fail" the request or "recompute" (prefill it
+    # here); transfer.on_failure.
+    on_transfer_failure: Literal["fail", "recompute"] = "fail"
+    # CPUs Ray reserves for this worker (resources.num_cpus): on a CPU device, its torch threads
+    # (engine/cpu_share.py); None: every core the process may use.
+    num_cpus: float | None = None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the HTTP edge needs to know of the model the workers run."""
+
+    max_model_len: int
+    vocab_size: int
+
+
+# ---- requests -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One request as the router hands it to a worker, already validated at the HTTP edge."""
+
+    request_id: str
+    prompt_token_ids: PromptTokens
+    sampling: SamplingParams
+    arrival_time: float  # time.time() at the router
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prompt_token_ids, PromptTokens):
+            object.__setattr__(self, "prompt_token_ids", PromptTokens(self.prompt_token_ids))
+        if not isinstance(self.sampling, SamplingParams):
+            raise TypeError(
+                f"GenerateRequest.sampling must be a SamplingParams, got {type(self.sampling).__name__}"
+            )
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """What a prefill worker replies once context finalization is done and the pages are leased.
+
+    ``ticket`` is None when the request already finished at its first token (max_tokens == 1 or a
+    stop condition); the prefill worker then released the pages itself.
+    """
+
+    request_id: str
+    first_token_id: int
+    first_token_text: str
+    finish_reason: str | None
+    ticket: TransferTicket | None
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """A piece of a streamed answer: new tokens, their text, and the finish reason on the last one."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str | None = None  # set when the request failed on our side
+
+
+# ---- per-request stats (to the perf-metrics collector) -----------------------------------------
+
+
+@dataclass(frozen=True)
+class RequestTimings:
+    """What one worker saw of one request. A field the role never reaches stays None (or 0).
+
+    ``last_report`` tells the collector that no other role will report this request: the decode
+    worker sets it when it prefilled the request itself (aggregated mode, or fallback when no prefill
+    worker was healthy); the prefill worker sets it when the request ended on it before handoff
+    (error, abort, a stop at the first token). Without it, the collector waits for every expected
+    role.
+    """
+
+    request_id: str
+    role: Role
+    worker_id: str
+    arrival_time: float | None = None  # the request reached this worker
+    queue_start: float | None = None  # entered the worker's scheduler queue
+    queue_end: float | None = None  # first scheduled
+    prefill_start: float | None = None  # first prefill chunk started
+    prefill_end: float | None = None  # last prefill chunk finished
+    first_token_time: float | None = None  # the first output token was sampled
+    transfer_start: float | None = None  # KV transfer began (D: pull sent)
+    transfer_end: float | None = None  # KV transfer finished (D: done checked)
+    transfer_bytes: int = 0
+    transfer_path: str | None = None  # D: "ucx", "cuda_ipc" or "host_shm" (transfer/paths/)
+    decode_start: float | None = None  # first decode step that included this request
+    last_token_time: float | None = None
+    finish_time: float | None = None  # the worker released the request
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens this worker did not compute: its prefix-cache hit
+    # The same hit by where the pages were found: "device" is the worker's KV pool (GPU memory, or
+    # host memory on a CPU worker). A host tier would add "host".
+    cached_tokens_by_medium: dict[str, int] = field(default_factory=dict)
+    output_tokens: int = 0  # output tokens produced by this worker
+    num_preemptions: int = 0  # times the worker's scheduler preempted it (recomputed)
+    token_gaps_s: tuple[float, ...] = ()  # gaps between consecutive tokens this worker sampled
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"; None if handed off
+    last_report: bool = False
+
+    def __post_init__(self) -> None:
+        # Accept the plain string too ("prefill"), as JSON and YAML hand it over.
+        object.__setattr__(self, "role", Role(self.role))
+        object.__setattr__(self, "token_gaps_s", tuple(self.token_gaps_s))
+
+
+# ---- worker stats (to the server's stats poller) ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TransferTotals:
+    """A worker's running totals of its KV transfers (sender on P, receiver on D)."""
+
+    transfers_ok: int = 0
+    failures: int = 0  # D: every pull that failed or could not run; P: failed sends
+    bytes: int = 0
+    expired_leases: int = 0  # P: leases that ran out before D acknowledged
+    refused_peers: int = 0  # peers refused in the handshake (no secret, another model, ...)
+    injected_faults: int = 0  # pulls failed on purpose (transfer.fault_injection)
+    recomputed: int = 0  # D: failed pulls whose request D prefilled itself (on_failure: recompute)
+    failed_requests: int = 0  # D: failed pulls whose request ended with an error
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """One worker's state now. ``kv_interval`` is the KV snapshot taken at the end of the last
+    complete stats interval (its ``peak_used`` is that interval's peak); None before one ended."""
+
+    worker_id: str
+    role: Role
+    pid: int
+    healthy: bool
+    num_waiting: int
+    num_running: int
+    num_in_flight: int  # P: prefills admitted and not answered; D: KV receives in flight
+    free_pages: int
+    kv: KVCacheStats
+    kv_interval: KVCacheStats | None
+    transfer: TransferTotals
+    num_iterations: int  # engine steps so far: the last IterationStats.iteration
+
+
+@dataclass(frozen=True)
+class StatsBatch:
+    """What one stats poll takes from a worker: its state, and the iteration stats and transfer
+    records recorded since the previous poll (drained: each record is handed out once)."""
+
+    stats: WorkerStats
+    iterations: list[IterationStats]
+    transfers: list[TransferStats]

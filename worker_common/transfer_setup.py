@@ -1,0 +1,64 @@
+"""A worker's KV sender or receiver, made from its WorkerSpec on its own node.
+
+The cluster config's ``transfer`` section becomes a TransceiverConfig in the server process
+(cluster/transfer_setup.py); what only the worker's node can settle (the address of
+``transfer.interface``, whether the port is free) is settled here, and an error names the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+from collections.abc import Callable
+
+from engine.engine_core import LLMEngine
+from transfer import KVReceiver, KVSender, TransceiverConfig
+from worker_common.messages import WorkerSpec
+
+
+def interface_address(name: str) -> str:
+    """The IPv4 address of network interface ``name`` (Linux), for ``transfer.interface``."""
+    import fcntl
+    import struct
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            packed = fcntl.ioctl(
+                s.fileno(), 0x8915, struct.pack("256s", name[:15].encode())
+            )  # SIOCGIFADDR
+    except OSError as e:
+        raise ValueError(
+            f"transfer.interface {name!r}: no IPv4 address here ({e.strerror})"
+        ) from None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def node_transceiver_config(spec: WorkerSpec) -> TransceiverConfig:
+    """The spec's TransceiverConfig with the listener address of this node."""
+    if spec.transceiver is None:
+        raise ValueError(f"worker {spec.worker_id} has no transfer settings (aggregated mode)")
+    if spec.transfer_interface is None:
+        return spec.transceiver
+    return dataclasses.replace(spec.transceiver, host=interface_address(spec.transfer_interface))
+
+
+def _model_identity(engine: LLMEngine) -> str:
+    # Part of the compatibility hash: peers must run the same model (name and shape).
+    mc = engine.model_config
+    return f"{engine.model_name}:{mc.num_layers}x{mc.num_kv_heads}x{mc.head_dim}:v{mc.vocab_size}"
+
+
+def make_publisher(engine: LLMEngine, spec: WorkerSpec, release: Callable[[str], None]) -> KVSender:
+    kv, tc = engine.kv, node_transceiver_config(spec)
+    try:
+        return KVSender(kv.buffers, list(kv.specs.values()), _model_identity(engine), tc, release)
+    except OSError as e:  # the listener: name the setting that chose the address
+        field = "interface" if spec.transfer_interface else "host / port"
+        raise ValueError(f"transfer.{field} ({tc.host}:{tc.port}): cannot listen here: {e}") from e
+
+
+def make_puller(engine: LLMEngine, spec: WorkerSpec) -> KVReceiver:
+    kv = engine.kv
+    return KVReceiver(
+        kv.buffers, list(kv.specs.values()), _model_identity(engine), node_transceiver_config(spec)
+    )
