@@ -272,12 +272,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def rotary(
     q: torch.Tensor,
     k: torch.Tensor,
-    positions: torch.Tensor,
+    positions: torch.Tensor | None,
     cos_cache: torch.Tensor,
     sin_cache: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half RoPE of q [T, Hq, D] and k [T, Hk, D] at ``positions`` from cos/sin caches
-    [max_positions, D]; returns new tensors."""
+    [max_positions, D], or (``positions`` None) from per-token tables [T, D]; returns new tensors."""
     if use_triton(q):
         from kernels.layer_ops_triton import rotary as impl
     else:

@@ -8,13 +8,13 @@ from torch import nn
 from engine.forward_batch import ForwardBatch
 from engine.model.linear import Linear, MergedLinear
 from engine.model.norm import RMSNorm
-from engine.model.rotary import apply_rotary
 from engine.model_config import ModelConfig
 from kernels import (
     AttentionPlan,
     paged_decode_attention,
     paged_prefill_attention,
     plan_paged_attention,
+    rotary,
     store_kv,
 )
 from kvcache.spec import FULL_GROUP
@@ -76,7 +76,7 @@ class PagedAttention(nn.Module):
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = rotary(q, k, None, cos, sin)  # cos/sin: this step's per-token tables
         k_cache, v_cache = kv_cache
         store_kv(k, v, k_cache, v_cache, batch.slot_mappings[self.kv_group])
         page_table = batch.page_tables[self.kv_group]
