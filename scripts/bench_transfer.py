@@ -5,8 +5,10 @@ measured in the same run.
     python scripts/bench_transfer.py --device cuda --out transfer_gpu.json   # ucx and cuda_ipc
 
 The parent process is the decode side (one KVReceiver per path), a spawned child the prefill side
-(KVSender; on GPUs cuda:0, and D on cuda:1 when there is a second GPU, else cuda:0 too). Pages are
-scattered on both sides (random page ids). Each pull is timed on D from ``pull`` to its result.
+(KVSender; on GPUs cuda:0, and D on cuda:1 when there is a second GPU, else cuda:0 too). D runs as
+a decode worker does: its receivers on an event loop of its own (a worker actor's), which the
+transfer runtime adopts, and each pull is awaited and timed there, from ``pull`` to its result.
+Pages are scattered on both sides (random page ids).
 Baselines, per path:
 
 - ucx: raw ucxx between the same two processes: D posts a receive of the same number of bytes and
@@ -32,6 +34,7 @@ import multiprocessing
 import os
 import statistics
 import sys
+import threading
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -160,15 +163,25 @@ class Bench:
         self.spec = spec(args.device, self.num_pages)
         self.buffers = allocate_buffers([self.spec], torch.device(d_dev))
         self.rows = pool_rows(self.buffers, {"full": self.spec.page_bytes})["full"]
-        self.receivers = {
-            path: KVReceiver(
-                self.buffers,
-                [self.spec],
-                "bench",
-                config(args.device, path != "ucx", args.staging_tokens),
-            )
-            for path in args.paths
-        }
+        # D's "worker loop": the receivers are made on it and the runtime runs there.
+        self.loop = asyncio.new_event_loop()
+        self.loop_thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.loop_thread.start()
+
+        async def make() -> dict[str, KVReceiver]:
+            loop = asyncio.get_running_loop()
+            return {
+                path: KVReceiver(
+                    self.buffers,
+                    [self.spec],
+                    "bench",
+                    config(args.device, path != "ucx", args.staging_tokens),
+                    loop=loop,
+                )
+                for path in args.paths
+            }
+
+        self.receivers = asyncio.run_coroutine_threadsafe(make(), self.loop).result(300)
         self.runtime = next(iter(self.receivers.values())).runtime
         self.rng = np.random.default_rng(2)
         self.count = 0
@@ -198,9 +211,13 @@ class Bench:
         self.count += 1
         ticket, digest = self.ask("publish", f"r{self.count}", n)
         dst = (self.rng.permutation(self.num_pages - 1)[:n] + 1).tolist()
-        start = time.perf_counter()
-        result = self.receivers[path].pull_blocking(ticket, {"full": dst}, 0, n * 16)
-        took = time.perf_counter() - start
+
+        async def timed() -> tuple[Any, float]:
+            start = time.perf_counter()
+            result = await self.receivers[path].pull(ticket, {"full": dst}, 0, n * 16)
+            return result, time.perf_counter() - start
+
+        result, took = self.runtime.run(timed(), 600)
         if not result.ok:
             raise RuntimeError(f"{path} pull of {n} pages failed: {result.error}")
         if check and _digest(self.rows, dst) != digest:
@@ -284,6 +301,8 @@ class Bench:
             receiver.close()
         self.ask("close")
         self.proc.join(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.loop_thread.join(30)
 
 
 BASELINES = {

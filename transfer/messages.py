@@ -16,7 +16,7 @@ Conversation (D = decode worker, which pulls; P = prefill worker, which serves):
     D -> P  Ready        the data path D chose for the link: "ucx", "host_shm" or "cuda_ipc"
   A pull (pull.py on D, serve.py on P):
     D -> P  PullRequest  the ticket's lease and pages, D's pages, the expected prompt length;
-                         over UCX also the chunk plan and the chunks D posted receives for
+                         over UCX also D's chunk plan and the chunks D posted receives for
     P -> D  PullError    P refuses (after answering each credited chunk with an empty message)
     UCX path (paths/ucx.py):
       P -> D  data chunks   tag = data_tag(pull_id, chunk), only chunks D credited
@@ -117,9 +117,10 @@ class Ready:
 @dataclass(frozen=True)
 class PullRequest:
     """``src_page_ids`` are the ticket's pages (P checks them against its lease); ``dst_page_ids[g]``
-    are D's pages for ``src_page_ids[g][skip_pages[g]:]``. ``chunk_bytes``, ``num_chunks`` and
-    ``total_bytes`` are D's plan (P must make the same one; a direct read has no chunks);
-    ``credits`` the chunks D already posted receives for."""
+    are D's pages for ``src_page_ids[g][skip_pages[g]:]``. ``chunk_sizes`` (the bytes of each
+    chunk, in order: whole pages, each within a staging buffer) and ``total_bytes`` are D's plan
+    (P cuts the same chunks; a direct read has none); ``credits`` the chunks D already posted
+    receives for."""
 
     request_id: str
     pull_id: int
@@ -128,8 +129,7 @@ class PullRequest:
     dst_page_ids: dict[str, list[int]]
     skip_pages: dict[str, int]
     expected_prompt_len: int
-    chunk_bytes: int
-    num_chunks: int
+    chunk_sizes: list[int]
     total_bytes: int
     credits: list[int]
 

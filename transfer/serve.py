@@ -144,10 +144,11 @@ def admit(sender: KVSender, link: Link, req: PullRequest) -> ServeSession | Pull
 
     sender.book.bump("expired_leases", sender.leases.expire_due())
     direct = link.path.name != "ucx"
-    if (direct and req.num_chunks) or len(set(req.credits)) != len(req.credits):
-        return refuse("mismatch", f"a plan of {req.num_chunks} chunks on the {link.path.name} path")
-    if any(not 0 <= i < req.num_chunks for i in req.credits):
-        return refuse("mismatch", f"credits {req.credits[:8]} for {req.num_chunks} chunks")
+    num_chunks = len(req.chunk_sizes)
+    if (direct and num_chunks) or len(set(req.credits)) != len(req.credits):
+        return refuse("mismatch", f"a plan of {num_chunks} chunks on the {link.path.name} path")
+    if any(not 0 <= i < num_chunks for i in req.credits):
+        return refuse("mismatch", f"credits {req.credits[:8]} for {num_chunks} chunks")
     lease = sender.leases.find(rid, req.lease_gen)
     if not isinstance(lease, Lease):
         return refuse(*lease)
@@ -160,14 +161,13 @@ def admit(sender: KVSender, link: Link, req: PullRequest) -> ServeSession | Pull
     try:
         src = {g: p[req.skip_pages[g] :] for g, p in lease.page_ids.items()}
         segments = map_pages(sender.page_table, link.peer_table, src, req.dst_page_ids)
-        chunks = [] if direct else sender.cut(segments, req.chunk_bytes)
+        chunks = [] if direct else sender.cut(segments, req.chunk_sizes)
     except (MapperError, ValueError) as e:
         return refuse("mismatch", f"cannot map the pages of {rid!r}: {e}")
-    if (len(chunks), total_bytes(segments)) != (req.num_chunks, req.total_bytes):
+    if total_bytes(segments) != req.total_bytes:
         return refuse(
             "mismatch",
-            f"plans differ: ours {len(chunks)} chunks / {total_bytes(segments)} bytes, "
-            f"D's {req.num_chunks} / {req.total_bytes}",
+            f"plans differ: ours {total_bytes(segments)} bytes, D's {req.total_bytes}",
         )
     if not sender.leases.begin(lease):
         return refuse("busy", f"request {rid!r} is already being pulled, or its lease ended")

@@ -195,6 +195,7 @@ def test_prefill_worker_restart_on_the_same_port(path: str) -> None:
         d.free("before")
         stale = first.publish("stale", p.allocate("stale", 8), 8)
         first.close()  # releases "stale" too: its pages are gone with the old instance
+        wait_until(lambda: not receiver.links)  # D saw the old link close
         second = KVSender(p.kv.buffers, p.specs, MODEL, config(path, port=port), p.release)
         try:
             result = receiver.pull_blocking(stale, d.allocate("stale", 8), 0, 8)

@@ -60,8 +60,7 @@ class DirectPath(DataPath):
                 pull.dst,
                 pull.skip,
                 pull.expected,
-                0,
-                0,
+                [],
                 nbytes,
                 [],
             )

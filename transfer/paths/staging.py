@@ -8,7 +8,8 @@ into its pages (kernels.scatter_pages). So UCX never touches pool memory: a fail
 its receives whenever it likes, and a page is written only by D's own scatter.
 
 The copies block until the bytes are in place (on CUDA they wait for their side stream, which
-orders itself after the model's), so they run on the transceiver's copy thread.
+orders itself after the model's): host copies run on the transceiver's loop itself, device ones
+on its copy thread (UcxRuntime.copy).
 """
 
 from __future__ import annotations
@@ -35,29 +36,81 @@ class Chunk:
         return sum(s.nbytes for s in self.segments)
 
 
-def cut_chunks(segments: Sequence[Segment], chunk_bytes: int) -> list[Chunk]:
-    """Pack the segments' pages, in order, into chunks of at most ``chunk_bytes``."""
+def plan_chunks(segments: Sequence[Segment], buffer_bytes: int) -> list[int]:
+    """D's chunk plan for a pull: the bytes of each chunk, in order, each whole pages and at
+    most ``buffer_bytes`` (a staging buffer).
+
+    The chunks go one after the other (P sends the next once the previous left), so gathering a
+    chunk on P overlaps the sending of the one before, and scattering a chunk on D the receiving
+    of the one after: only the first chunk's gather and the last chunk's scatter are exposed.
+    Hence a small first and last chunk (an eighth of the pull each, at least a page) around the
+    rest, which is cut only where a staging buffer ends. A pull below PIPELINE_MIN_BYTES goes in
+    one chunk: its copies cost less than another message."""
+    pages = [s.nbytes_per_page for s in segments for _ in range(len(s.src_ids))]
+    if pages and max(pages) > buffer_bytes:
+        raise ValueError(
+            f"a page of {max(pages)} bytes is larger than a staging buffer ({buffer_bytes})"
+        )
+    total = sum(pages)
+    groups = [pages]
+    if total >= PIPELINE_MIN_BYTES:
+        first, last = _pages_reaching(pages, total // 8), _pages_reaching(pages[::-1], total // 8)
+        if first + last < len(pages):
+            groups = [pages[:first], pages[first:-last], pages[-last:]]
+    sizes: list[int] = []
+    for group in groups:  # each cut only where a staging buffer ends
+        filled = 0
+        for page in group:
+            if filled + page > buffer_bytes:
+                sizes.append(filled)
+                filled = 0
+            filled += page
+        if filled:
+            sizes.append(filled)
+    return sizes
+
+
+def _pages_reaching(pages: Sequence[int], nbytes: int) -> int:
+    """How many of ``pages``, from the first, it takes to hold ``nbytes`` (at least one)."""
+    held = 0
+    for i, page in enumerate(pages):
+        held += page
+        if held >= nbytes:
+            return i + 1
+    return len(pages)
+
+
+PIPELINE_MIN_BYTES = 8 << 20
+
+
+def cut_chunks(segments: Sequence[Segment], sizes: Sequence[int]) -> list[Chunk]:
+    """The segments' pages, in order, cut into chunks of ``sizes`` bytes (a plan from
+    ``plan_chunks``). Raises ValueError when the sizes do not fall on page boundaries or do not
+    add up to the segments' bytes."""
     chunks: list[Chunk] = []
     current: list[Segment] = []
-    room = chunk_bytes
+    want = list(sizes)
+    room = want[0] if want else 0
     for seg in segments:
-        if seg.nbytes_per_page > chunk_bytes:
-            raise ValueError(
-                f"a page of pool {seg.src_pool!r} ({seg.nbytes_per_page} bytes) is larger than a "
-                f"chunk ({chunk_bytes})"
-            )
         start = 0
         while start < len(seg.src_ids):
+            if room <= 0 or room % seg.nbytes_per_page and room < seg.nbytes_per_page:
+                raise ValueError(
+                    f"the chunk sizes {list(sizes)[:8]} do not fall on page boundaries"
+                )
             take = min(len(seg.src_ids) - start, room // seg.nbytes_per_page)
-            if take == 0:
-                chunks.append(Chunk(len(chunks), tuple(current)))
-                current, room = [], chunk_bytes
-                continue
             current.append(seg.part(start, start + take))
             start += take
             room -= take * seg.nbytes_per_page
-    if current:
-        chunks.append(Chunk(len(chunks), tuple(current)))
+            if room == 0:
+                chunks.append(Chunk(len(chunks), tuple(current)))
+                current = []
+                room = want[len(chunks)] if len(chunks) < len(want) else 0
+    if current or len(chunks) != len(want):
+        raise ValueError(
+            f"the chunk sizes {list(sizes)[:8]} (of {sum(sizes)} bytes) do not cut these "
+            f"{sum(s.nbytes for s in segments)} bytes"
+        )
     return chunks
 
 
