@@ -22,7 +22,7 @@ import torch
 from transfer.faults import P_POINTS, injected
 from transfer.leases import Lease
 from transfer.link import Link
-from transfer.mapper import MapperError, Segment, map_pages, total_bytes
+from transfer.mapper import MapperError, Segment, map_pages, source_bytes, total_bytes
 from transfer.messages import Message, PullError, PullRequest, TransferAck, data_tag
 from transfer.paths.base import ServeFailed
 from transfer.paths.staging import Chunk
@@ -158,17 +158,20 @@ def admit(sender: KVSender, link: Link, req: PullRequest) -> ServeSession | Pull
         not 0 <= req.skip_pages[g] <= len(p) for g, p in lease.page_ids.items()
     ):
         return refuse("mismatch", f"skip_pages {req.skip_pages} do not fit the pages of {rid!r}")
-    try:
-        src = {g: p[req.skip_pages[g] :] for g, p in lease.page_ids.items()}
-        segments = map_pages(sender.page_table, link.peer_table, src, req.dst_page_ids)
-        chunks = [] if direct else sender.cut(segments, req.chunk_sizes)
-    except (MapperError, ValueError) as e:
-        return refuse("mismatch", f"cannot map the pages of {rid!r}: {e}")
-    if total_bytes(segments) != req.total_bytes:
-        return refuse(
-            "mismatch",
-            f"plans differ: ours {total_bytes(segments)} bytes, D's {req.total_bytes}",
-        )
+    src = {g: p[req.skip_pages[g] :] for g, p in lease.page_ids.items()}
+    segments: list[Segment] = []
+    chunks: list[Chunk] = []
+    if direct:  # D maps and copies the pages itself: only the bytes it declares are checked
+        ours = source_bytes(sender.page_table, src)
+    else:
+        try:
+            segments = map_pages(sender.page_table, link.peer_table, src, req.dst_page_ids)
+            chunks = sender.cut(segments, req.chunk_sizes)
+        except (MapperError, ValueError) as e:
+            return refuse("mismatch", f"cannot map the pages of {rid!r}: {e}")
+        ours = total_bytes(segments)
+    if ours != req.total_bytes:
+        return refuse("mismatch", f"plans differ: ours {ours} bytes, D's {req.total_bytes}")
     if not sender.leases.begin(lease):
         return refuse("busy", f"request {rid!r} is already being pulled, or its lease ended")
     if lease.declared_prompt_len != req.expected_prompt_len:  # the request is lost: pages go

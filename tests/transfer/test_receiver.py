@@ -158,6 +158,22 @@ def test_the_wrong_number_of_destination_pages_fails_before_any_byte(pair: Pair)
     wait_until(lambda: pair.p.released == ["w"])
 
 
+def test_destination_pages_that_do_not_map_fail_the_pull_and_free_ps_pages(pair: Pair) -> None:
+    """A page listed twice: the pull fails before any byte lands (a direct read maps its pages
+    after asking P, while P admits it: P then hears of the failure and lets its pages go)."""
+    ticket, _ = pair.publish("dup", 12)
+    dst = pair.d.allocate("dup", 12)
+    before = pair.d.pages_of(dst)
+    twice = {g: [ids[0], *ids[:-1]] for g, ids in dst.items()}
+    result = pair.receiver.pull_blocking(ticket, twice, 0, 12)
+    assert not result.ok and "a page id is listed twice" in result.error
+    assert all(torch.equal(pair.d.pages_of(dst)[g], before[g]) for g in dst)
+    pair.d.free("dup")
+    wait_until(lambda: pair.p.released == ["dup"])
+    assert pair.sender.stats()["leases"] == 0
+    pair.pull_ok("after")  # the link stays usable
+
+
 def test_a_second_pull_of_a_finished_request_is_refused(pair: Pair) -> None:
     ticket, _ = pair.publish("twice", 8)
     dst = pair.d.allocate("twice", 8)

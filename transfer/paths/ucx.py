@@ -51,7 +51,7 @@ class UcxPath(DataPath):
     async def fetch(self, pull: PullSession) -> int:
         r, cfg, link, t = pull.r, pull.config, pull.link, pull.ticket
         assert link is not None
-        chunks = r.cut(pull.segments)
+        chunks = r.cut(pull.map())
         pull.chunks = len(chunks)
         pending = collections.deque(chunks)
         receives: list[asyncio.Task] = []
