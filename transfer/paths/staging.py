@@ -1,8 +1,9 @@
 """Staging for the UCX path: chunks, the buffers they are gathered into or received into, and the
 page copies between pools and buffers.
 
-A pull's segments are cut into chunks of at most one staging buffer, at page boundaries; chunk
-``i`` means the same pages on both sides, since both cut the same segments at the same size. P
+A pull's segments are cut into chunks of at most one staging buffer, at page boundaries: D plans
+the cut and sends it (PullRequest.chunk_sizes), P cuts its own segments the same way and refuses
+a plan that does not fit them or its buffers, so chunk ``i`` means the same pages on both sides. P
 gathers a chunk's pages into a buffer (kernels.gather_pages), UCX moves the buffer, D scatters it
 into its pages (kernels.scatter_pages). So UCX never touches pool memory: a failed pull can end
 its receives whenever it likes, and a page is written only by D's own scatter.
@@ -37,50 +38,37 @@ class Chunk:
 
 
 def plan_chunks(segments: Sequence[Segment], buffer_bytes: int) -> list[int]:
-    """D's chunk plan for a pull: the bytes of each chunk, in order, each whole pages and at
-    most ``buffer_bytes`` (a staging buffer).
+    """D's chunk plan for a pull: the bytes of each chunk, in order, whole pages each and cut only
+    where a staging buffer (``buffer_bytes``) ends: a pull that fits one buffer goes in one
+    message.
 
-    The chunks go one after the other (P sends the next once the previous left), so gathering a
-    chunk on P overlaps the sending of the one before, and scattering a chunk on D the receiving
-    of the one after: only the first chunk's gather and the last chunk's scatter are exposed.
-    Hence a small first and last chunk (an eighth of the pull each, at least a page) around the
-    rest, which is cut only where a staging buffer ends. A pull below PIPELINE_MIN_BYTES goes in
-    one chunk: its copies cost less than another message."""
-    pages = [s.nbytes_per_page for s in segments for _ in range(len(s.src_ids))]
-    if pages and max(pages) > buffer_bytes:
-        raise ValueError(
-            f"a page of {max(pages)} bytes is larger than a staging buffer ({buffer_bytes})"
-        )
-    total = sum(pages)
-    groups = [pages]
-    if total >= PIPELINE_MIN_BYTES:
-        first, last = _pages_reaching(pages, total // 8), _pages_reaching(pages[::-1], total // 8)
-        if first + last < len(pages):
-            groups = [pages[:first], pages[first:-last], pages[-last:]]
+    (Smaller first and last chunks, so that gathers and scatters run under other chunks'
+    transfers, did not pay on 2 cores: over TCP loopback the transfer itself keeps both cores
+    busy, and a gather on the loop holds up P's notice that the previous send left, which the
+    next one waits for. Same-run paired time, one chunk / pipelined: 16 MiB 0.96, 0.79 and 1.05
+    [quartiles 0.85-1.20]; 64 MiB 1.00, 1.02 and 1.00, three runs of 15-21 repetitions at load
+    3-8; docs/benchmarks/transfer.md.)"""
     sizes: list[int] = []
-    for group in groups:  # each cut only where a staging buffer ends
-        filled = 0
-        for page in group:
-            if filled + page > buffer_bytes:
+    filled = 0
+    for seg in segments:
+        if seg.nbytes_per_page > buffer_bytes:
+            raise ValueError(
+                f"a page of {seg.nbytes_per_page} bytes is larger than a staging buffer "
+                f"({buffer_bytes})"
+            )
+        per_buffer = buffer_bytes // seg.nbytes_per_page  # pages of this segment a buffer holds
+        pages = len(seg.src_ids)
+        while pages:
+            take = min(pages, (buffer_bytes - filled) // seg.nbytes_per_page)
+            if take == 0:
                 sizes.append(filled)
                 filled = 0
-            filled += page
-        if filled:
-            sizes.append(filled)
+                take = min(pages, per_buffer)
+            filled += take * seg.nbytes_per_page
+            pages -= take
+    if filled:
+        sizes.append(filled)
     return sizes
-
-
-def _pages_reaching(pages: Sequence[int], nbytes: int) -> int:
-    """How many of ``pages``, from the first, it takes to hold ``nbytes`` (at least one)."""
-    held = 0
-    for i, page in enumerate(pages):
-        held += page
-        if held >= nbytes:
-            return i + 1
-    return len(pages)
-
-
-PIPELINE_MIN_BYTES = 8 << 20
 
 
 def cut_chunks(segments: Sequence[Segment], sizes: Sequence[int]) -> list[Chunk]:

@@ -1,6 +1,6 @@
-"""Staging for the UCX path: D's chunk plan (whole pages within a buffer, a small first and last
-chunk around the rest of a large pull), the cut both sides make of it, gather and scatter moving
-exactly a chunk's pages, and buffers made once and bounded."""
+"""Staging for the UCX path: D's chunk plan (whole pages, cut where a buffer ends), the cut both
+sides make of it, gather and scatter moving exactly a chunk's pages, and buffers made once and
+bounded."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from tests.transfer.conftest import MODEL, specs
 from transfer.mapper import Segment, map_pages
 from transfer.page_table import PageTable
 from transfer.paths.staging import (
-    PIPELINE_MIN_BYTES,
     StagingBuffers,
     chunk_bytes_for,
     cut_chunks,
@@ -52,18 +51,11 @@ def test_chunks_hold_whole_pages_in_order_and_never_exceed_the_buffer() -> None:
         chunk_bytes_for(TABLE, 3)
 
 
-def test_a_large_pull_has_a_small_first_and_last_chunk() -> None:
-    """First and last chunk an eighth of the pull (rounded up to pages), the rest between them
-    cut where a buffer ends: only those two chunks' copies are not under another's transfer."""
+def test_a_pull_that_fits_a_buffer_goes_in_one_chunk() -> None:
     page = 64 << 10
-    n = PIPELINE_MIN_BYTES // page * 2  # 16 MiB of 64 KiB pages
-    seg = Segment("full", "full", np.arange(1, n + 1), np.arange(1, n + 1), page)
-    plan = plan_chunks([seg], 1 << 30)
-    assert plan == [n // 8 * page, (n - n // 4) * page, n // 8 * page]
-    small = plan_chunks([seg], 4 << 20)  # buffers of 4 MiB: the middle cut where each ends
-    assert small == [2 << 20, 4 << 20, 4 << 20, 4 << 20, 2 << 20]
-    below = plan_chunks([seg.part(0, PIPELINE_MIN_BYTES // page - 1)], 1 << 30)
-    assert below == [PIPELINE_MIN_BYTES - page]  # below the threshold: one chunk
+    seg = Segment("full", "full", np.arange(1, 257), np.arange(1, 257), page)  # 16 MiB
+    assert plan_chunks([seg], 1 << 30) == [16 << 20]
+    assert plan_chunks([seg], (5 << 20) + 1) == [5 << 20, 5 << 20, 5 << 20, 1 << 20]
 
 
 def test_a_plan_that_does_not_cut_the_pages_is_refused() -> None:
