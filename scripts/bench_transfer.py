@@ -175,6 +175,8 @@ class Bench:
 
         async def make() -> dict[str, KVReceiver]:
             loop = asyncio.get_running_loop()
+            if cuda:  # D's GPU is its loop thread's current one, as in a decode worker
+                torch.cuda.set_device(d_dev)
             return {
                 path: KVReceiver(
                     self.buffers,

@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# A success notice waits this long, so that the caller has the result before the write wakes P:
+# same run, paired, notice at once / after the caller: 1 MiB 1.04 (host_shm and ucx), 16 MiB
+# 1.09 [1.02-1.14] host_shm and 1.04 ucx (25 repetitions, load 8; docs/benchmarks/transfer.md).
 ACK_DELAY_S = 0.0005
 
 

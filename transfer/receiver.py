@@ -38,7 +38,7 @@ from transfer.page_table import PageTable
 from transfer.paths.base import PullFailed
 from transfer.paths.staging import Chunk, StagingBuffers, chunk_bytes_for, cut_chunks, plan_chunks
 from transfer.pools import pool_rows
-from transfer.pull import PullSession
+from transfer.pull import ACK_DELAY_S, PullSession
 from transfer.runtime import UcxRuntime
 from transfer.stats import StatsBook, TransferResult
 
@@ -140,6 +140,7 @@ class KVReceiver:
             self.runtime.release()
 
     async def _stop(self) -> None:
+        await asyncio.sleep(ACK_DELAY_S)  # the last pulls' success notices go out first
         for link in list(self.links.values()):
             link.abort("the receiver is closing")
         for session in list(self.sessions.values()):

@@ -177,9 +177,12 @@ class UcxRuntime:
         """Run a page copy ``fn(*args)`` between buffers on ``device`` and wait for it.
 
         Host memory: right here on the loop. It is bounded CPU work that torch runs without the
-        GIL, and a hop to a thread and back cost two wake-ups per copy, which on a loaded 2-core
-        host are most of a small pull's time (docs/benchmarks/transfer.md). On a GPU the copy
-        waits for a stream: on the copy thread, so the loop never waits for the device."""
+        GIL, and a hop to a thread and back costs two wake-ups per copy. Same run, paired, a
+        pull awaited on another loop with copies on the copy thread (as before) / on the
+        runtime's loop with copies there: host_shm 1.13-1.31 at 1 MiB, 1.03-1.14 at 16 MiB,
+        1.01-1.06 at 64 MiB; ucx 1.04-1.22 (two runs of 15 repetitions, load 3-7;
+        docs/benchmarks/transfer.md). On a GPU the copy waits for a stream: on the copy thread,
+        so the loop never waits for the device."""
         if device.type == "cpu":
             return fn(*args)
         return await self.off_loop(fn, *args)
