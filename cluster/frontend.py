@@ -144,6 +144,8 @@ class ClusterFrontend:
             transfer_failed_requests_total=s.transfer.failed_requests,
             refused_peers_total=s.transfer.refused_peers,
             injected_faults_total=s.transfer.injected_faults,
+            kv_groups=s.kv.groups,
+            kv_interval_groups=s.kv_interval.groups if s.kv_interval is not None else None,
         )
 
     async def perf_metrics(self) -> list[dict[str, Any]]:

@@ -2,7 +2,8 @@
 
 Names follow vLLM's where one exists (``vllm:time_to_first_token_seconds`` becomes
 ``duet:time_to_first_token_seconds``), so existing dashboards need only a prefix change. Every metric
-carries a ``model_name`` label; per-worker gauges add ``role`` and ``worker``.
+carries a ``model_name`` label; per-worker gauges add ``role`` and ``worker``; per pool group gauges
+add ``group`` (the KV pool group: "full", "swa_<window>") and ``medium`` ("device").
 
 Counters that workers keep themselves (transfer failures and their outcomes, expired leases,
 refused peers, injected faults) arrive as running totals
@@ -14,12 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from cluster.messages import PerfRecord
+from kvcache.stats import PoolGroupStats
 from worker_common.messages import Role
 
 PREFIX = "duet:"
@@ -43,6 +46,8 @@ class _WorkerTotals:
     transfer_failed_requests: int = 0
     refused_peers: int = 0
     injected_faults: int = 0
+    # Label tails (after model, role, worker) of each per-group gauge this worker set.
+    group_series: dict[Gauge, set[tuple[str, ...]]] = field(default_factory=dict)
 
 
 class ServingMetrics:
@@ -112,6 +117,36 @@ class ServingMetrics:
             "Most of a worker's KV cache pages in use at once during its last complete stats "
             "interval (stats.interval_s).",
             worker,
+            registry=reg,
+        )
+
+        group = [*worker, "group", "medium"]
+        self.kv_group_pages = Gauge(
+            PREFIX + "kv_cache_pages",
+            "Pages of a KV pool group by state: used (held by requests), free (what an allocation "
+            "may take, evictable ones included), evictable (cached, held by nobody).",
+            [*group, "state"],
+            registry=reg,
+        )
+        self.kv_group_peak_pages = Gauge(
+            PREFIX + "kv_cache_peak_pages",
+            "Most pages of a KV pool group in a state at once during the worker's last complete "
+            "stats interval (stats.interval_s): used, evictable.",
+            [*group, "state"],
+            registry=reg,
+        )
+        self.kv_group_free_low_water = Gauge(
+            PREFIX + "kv_cache_free_low_water_pages",
+            "Fewest plain free pages (neither held nor cached) of a KV pool group at once during "
+            "the last complete stats interval; 0: it evicted cached pages or came close.",
+            group,
+            registry=reg,
+        )
+        self.kv_group_window = Gauge(
+            PREFIX + "kv_cache_sliding_window_tokens",
+            "The attention window of a sliding-window KV pool group, in tokens (full-attention "
+            "groups have none).",
+            [*worker, "group"],
             registry=reg,
         )
 
@@ -207,9 +242,13 @@ class ServingMetrics:
         transfer_failed_requests_total: int = 0,
         refused_peers_total: int = 0,
         injected_faults_total: int = 0,
+        kv_groups: Mapping[str, PoolGroupStats] | None = None,
+        kv_interval_groups: Mapping[str, PoolGroupStats] | None = None,
     ) -> None:
         """Update one worker's gauges; the ``*_total`` arguments are the worker's running totals;
-        ``peak_kv_usage`` is None until the worker's first stats interval ended."""
+        ``peak_kv_usage`` is None until the worker's first stats interval ended.
+        ``kv_groups``: the KV stats of each pool group now; ``kv_interval_groups``: those taken at
+        the end of the last complete stats interval (their peaks), None before the first."""
         for name, value in (("kv_usage", kv_usage), ("peak_kv_usage", peak_kv_usage)):
             if value is not None and not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} is a fraction in [0, 1], got {value}")
@@ -234,6 +273,29 @@ class ServingMetrics:
                 setattr(seen, k, v)
         for name, delta in deltas.items():
             getattr(self, name).labels(*labels).inc(delta)
+        self._set_group_gauges(labels, seen, kv_groups or {}, kv_interval_groups)
+
+    def _set_group_gauges(
+        self,
+        labels: tuple[str, str, str],
+        seen: _WorkerTotals,
+        groups: Mapping[str, PoolGroupStats],
+        interval: Mapping[str, PoolGroupStats] | None,
+    ) -> None:
+        values: list[tuple[Gauge, tuple[str, ...], float]] = []
+        for name, g in groups.items():
+            for state, n in (("used", g.used), ("free", g.free), ("evictable", g.evictable)):
+                values.append((self.kv_group_pages, (name, "device", state), n))
+            if g.sliding_window is not None:
+                values.append((self.kv_group_window, (name,), g.sliding_window))
+        for name, g in (interval or {}).items():
+            for state, n in (("used", g.peak_used), ("evictable", g.peak_evictable)):
+                values.append((self.kv_group_peak_pages, (name, "device", state), n))
+            values.append((self.kv_group_free_low_water, (name, "device"), g.free_low_water))
+        with self._totals_lock:
+            for gauge, tail, value in values:
+                gauge.labels(*labels, *tail).set(value)
+                seen.group_series.setdefault(gauge, set()).add(tail)
 
     def remove_worker(self, worker_id: str, role: Role | str) -> None:
         """Forget a worker that left the cluster, so its gauges stop being exported."""
@@ -243,7 +305,17 @@ class ServingMetrics:
                 metric.remove(*labels)
         # Counters stay: their totals are history, and Prometheus handles a series that stops.
         with self._totals_lock:
-            self._worker_totals.pop((labels[1], worker_id), None)
+            seen = self._worker_totals.pop((labels[1], worker_id), None)
+            group_gauges = (
+                self.kv_group_pages,
+                self.kv_group_peak_pages,
+                self.kv_group_free_low_water,
+                self.kv_group_window,
+            )
+            for gauge in group_gauges:
+                for tail in seen.group_series.get(gauge, ()) if seen else ():
+                    with contextlib.suppress(KeyError):
+                        gauge.remove(*labels, *tail)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric in this registry."""

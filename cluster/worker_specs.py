@@ -38,6 +38,8 @@ def engine_config_for(config: ClusterConfig, role: Role) -> EngineConfig:
         prefill_chunk_size=pool.scheduler.prefill_chunk_size,
         max_model_len=config.model.max_model_len,
         reuse_policy=kv.reuse_policy,
+        pool_ratio=dict(kv.pool_ratio) if kv.pool_ratio is not None else None,
+        swa_scratch_reuse=kv.swa_scratch_reuse,
         seed=config.model.seed,
         dummy_config=dummy,
         max_stats_len=config.stats.max_stats_len,

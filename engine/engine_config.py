@@ -39,8 +39,8 @@ class EngineConfig:
     page_size: int = 16
     """Tokens per KV page."""
     num_pages: int | None = None
-    """Pages of the KV pool, the null page included (as PoolGroupSpec.num_pages); None sizes the
-    pool from ``kv_cache_memory_bytes``."""
+    """Pages of each KV pool group, the null page included (as PoolGroupSpec.num_pages); None
+    sizes the groups from ``kv_cache_memory_bytes``."""
     kv_cache_memory_bytes: int | None = None
     """KV budget in bytes when ``num_pages`` is None; None: 1 GiB on CPU, 90% of the free memory
     left after weights and an activation estimate on CUDA."""
@@ -56,10 +56,21 @@ class EngineConfig:
     """Longest prompt + output; None takes the model's max_position_embeddings."""
     reuse_policy: str = "all_reusable"
     """Prefix reuse: "none", "all_reusable" or "per_request"."""
+    pool_ratio: dict[str, float] | None = None
+    """Share of the KV budget per pool group ("full", "swa_<window>"), e.g. {"full": 3,
+    "swa_1024": 1}; must name exactly the model's groups. None: in proportion to what one request
+    of max_model_len tokens holds in each group. Not allowed with ``num_pages``."""
+    swa_scratch_reuse: bool = False
+    """Rewrite a long prefill's out-of-window pages of sliding-window groups in place, keeping
+    its footprint near (window + chunk) pages; costs prefix hits inside long prompts
+    (kvcache/manager.py)."""
     seed: int = 0
     """Seed of the sampler's shared generator (requests without their own seed) and of dummy weights."""
     dummy_config: ModelConfig | dict[str, Any] | None = None
     """ModelConfig (or its field dict) for load_format="dummy" without a preset name."""
+    cuda_graphs: bool = True
+    """On CUDA, replay decode steps of up to max_num_seqs requests from CUDA graphs captured at
+    start-up (engine/cuda_graphs.py); False runs every step eagerly. Ignored on CPU, which has none."""
     max_stats_len: int = 1000
     """Iteration stats kept between drains: -1 unbounded, 0 none (not recorded), N the newest N."""
     max_request_stats_len: int | None = None
@@ -95,6 +106,23 @@ class EngineConfig:
             _positive_int(owner, "kv_max_tokens", self.kv_max_tokens)
         if self.max_model_len is not None:
             _positive_int(owner, "max_model_len", self.max_model_len)
+        if self.pool_ratio is not None:
+            if self.num_pages is not None:
+                raise ValueError(
+                    f"{owner}.pool_ratio splits a memory budget; with num_pages every pool group "
+                    "gets num_pages pages (give one or the other)"
+                )
+            if not isinstance(self.pool_ratio, dict) or not self.pool_ratio:
+                raise ValueError(
+                    f"{owner}.pool_ratio must be a non-empty dict of group name -> share, got {self.pool_ratio!r}"
+                )
+            bad = sorted(g for g, r in self.pool_ratio.items() if not r > 0)
+            if bad:
+                raise ValueError(f"{owner}.pool_ratio shares must be > 0, got <= 0 for {bad}")
+        if not isinstance(self.swa_scratch_reuse, bool):
+            raise ValueError(
+                f"{owner}.swa_scratch_reuse must be a bool, got {self.swa_scratch_reuse!r}"
+            )
         if self.reuse_policy not in {p.value for p in ReusePolicy}:
             raise ValueError(
                 f"{owner}.reuse_policy must be one of {[p.value for p in ReusePolicy]}, got {self.reuse_policy!r}"
@@ -104,6 +132,8 @@ class EngineConfig:
         _positive_int(owner, "max_stats_len", self.max_stats_len, minimum=-1)
         if self.max_request_stats_len is not None:
             _positive_int(owner, "max_request_stats_len", self.max_request_stats_len, minimum=-1)
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"{owner}.cuda_graphs must be true or false, got {self.cuda_graphs!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

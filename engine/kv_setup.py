@@ -1,35 +1,50 @@
-"""The KV cache of an engine: one full-attention pool group sized from the config's budget."""
+"""The KV cache of an engine: one pool group per attention window of the model, sized from the
+config's budget, and refused when one request of max_model_len tokens cannot fit."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 
 from engine.engine_config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from engine.model_config import ModelConfig
 from kvcache.manager import KVCacheManager
-from kvcache.sizing import cuda_free_bytes, device_kv_budget, size_pool_groups
+from kvcache.sizing import (
+    check_one_request_fits,
+    cuda_free_bytes,
+    device_kv_budget,
+    pages_per_request,
+    size_pool_groups,
+)
 from kvcache.spec import PoolGroupSpec
 
-FULL_GROUP = "full"
+logger = logging.getLogger(__name__)
 
 
-def kv_pool_template(model: ModelConfig, page_size: int, dtype: torch.dtype) -> PoolGroupSpec:
-    """The single pool group of a Llama-family model (``num_pages`` still to be sized).
-
-    A sliding-window model (Mistral v0.1) keeps full-attention pages: the window is applied by the
-    attention, and the pool simply keeps pages the window no longer reads.
-    """
-    return PoolGroupSpec(
-        name=FULL_GROUP,
-        layer_ids=tuple(range(model.num_layers)),
-        num_pages=2,
-        page_size=page_size,
-        num_kv_heads=model.num_kv_heads,
-        head_dim=model.head_dim,
-        dtype=dtype,
-    )
+def kv_pool_templates(
+    model: ModelConfig, page_size: int, dtype: torch.dtype
+) -> list[PoolGroupSpec]:
+    """The model's pool groups (``num_pages`` still to be sized): "full" for its full-attention
+    layers, "swa_<W>" for the layers of each window size W; full first, then by window."""
+    layers: dict[int | None, list[int]] = {}
+    for layer in range(model.num_layers):
+        layers.setdefault(model.layer_window(layer), []).append(layer)
+    order = sorted(layers, key=lambda w: -1 if w is None else w)
+    return [
+        PoolGroupSpec(
+            name=model.kv_group(layers[window][0]),
+            layer_ids=tuple(layers[window]),
+            num_pages=2,
+            page_size=page_size,
+            num_kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim,
+            dtype=dtype,
+            sliding_window=window,
+        )
+        for window in order
+    ]
 
 
 def activation_peak_estimate(model: ModelConfig, config: EngineConfig) -> int:
@@ -43,12 +58,18 @@ def activation_peak_estimate(model: ModelConfig, config: EngineConfig) -> int:
 
 
 def build_kv_cache(model: ModelConfig, config: EngineConfig, max_model_len: int) -> KVCacheManager:
-    """A KVCacheManager with ``config.num_pages`` pages, or as many as the memory budget holds
-    (capped at what ``max_num_seqs`` sequences of ``max_model_len`` tokens can use)."""
+    """A KVCacheManager with ``config.num_pages`` pages per group, or as many as the memory budget
+    holds (split by ``config.pool_ratio``, or by what one request holds in each group; capped at
+    what ``max_num_seqs`` requests of ``max_model_len`` tokens can use). Logs the pages per group.
+
+    Raises kvcache.sizing.KVSizingError (a ValueError; ``setting`` says what to change) for a bad
+    pool_ratio, or when some group cannot hold one request of ``max_model_len`` tokens.
+    """
     device = torch.device(config.device)
-    template = kv_pool_template(model, config.page_size, config.torch_dtype)
+    templates = kv_pool_templates(model, config.page_size, config.torch_dtype)
+    need = pages_per_request(templates, max_model_len, config.prefill_chunk_size)
     if config.num_pages is not None:
-        spec = dataclasses.replace(template, num_pages=config.num_pages)
+        specs = [dataclasses.replace(t, num_pages=config.num_pages) for t in templates]
     else:
         budget = config.kv_cache_memory_bytes
         if budget is None:
@@ -61,8 +82,20 @@ def build_kv_cache(model: ModelConfig, config: EngineConfig, max_model_len: int)
                 )
             else:
                 budget = DEFAULT_CPU_KV_BYTES
-        cap = max_model_len * config.max_num_seqs
-        if config.kv_max_tokens is not None:
-            cap = min(cap, config.kv_max_tokens)
-        (spec,) = size_pool_groups([template], budget, max_tokens=cap)
-    return KVCacheManager([spec], config.reuse_policy, device)
+        specs = size_pool_groups(
+            templates,
+            budget,
+            need,
+            max_requests=config.max_num_seqs,
+            max_tokens=config.kv_max_tokens,
+            pool_ratios=config.pool_ratio,
+        )
+    logger.info(
+        "KV cache: %s (pages of %d tokens; one request of %d tokens holds at most %s)",
+        ", ".join(f"{s.name} {s.usable_pages} pages of {s.page_bytes} B" for s in specs),
+        config.page_size,
+        max_model_len,
+        need,
+    )
+    check_one_request_fits(specs, need, max_model_len)
+    return KVCacheManager(specs, config.reuse_policy, device, config.swa_scratch_reuse)

@@ -1,7 +1,13 @@
-"""The shape of a Llama-family model, independent of where its weights come from.
+"""The shape of a decoder model (the Llama family, and Gemma 3's text model), independent of where
+its weights come from.
 
 One frozen dataclass that the model, the loaders and the KV cache sizing agree on. HF ``config.json``
-dicts enter through :meth:`ModelConfig.from_hf_config`; GGUF metadata through engine/loaders/gguf_config.py.
+dicts enter through :meth:`ModelConfig.from_hf_config` (Gemma 3's through engine/gemma3_config.py);
+GGUF metadata through engine/loaders/gguf_config.py.
+
+Attention per layer: ``layer_types`` says which layers use a sliding window of ``sliding_window``
+tokens; each such window size is its own KV pool group (``kv_group``), full-attention layers share
+the group "full".
 """
 
 from __future__ import annotations
@@ -10,7 +16,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
+from kvcache.spec import group_name
+
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+HIDDEN_ACTS: tuple[str, ...] = ("silu", "gelu_pytorch_tanh")
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
 
 # HF defaults where a config.json leaves a key out (the values of the transformers config classes).
 _DEFAULT_ROPE_THETA = 10000.0
@@ -47,7 +58,8 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Everything needed to build a Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3)."""
+    """Everything needed to build a decoder: the Llama family (Llama 2/3, Mistral, Qwen2/2.5,
+    Qwen3) or Gemma 3's text model."""
 
     architecture: str
     """HF ``model_type``: one of SUPPORTED_MODEL_TYPES."""
@@ -60,7 +72,9 @@ class ModelConfig:
     """Key/value heads (GQA when smaller than num_heads); num_heads must be a multiple of it."""
     head_dim: int
     intermediate_size: int
-    """Width of the SwiGLU MLP."""
+    """Width of the gated MLP."""
+    hidden_act: str = "silu"
+    """Gate activation of the MLP: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU, Gemma)."""
     rms_norm_eps: float = _DEFAULT_RMS_NORM_EPS
     rope_theta: float = _DEFAULT_ROPE_THETA
     rope_scaling: RopeScaling | None = None
@@ -76,7 +90,19 @@ class ModelConfig:
     qk_norm: bool = False
     """RMSNorm over head_dim on queries and keys before rotary (Qwen3)."""
     sliding_window: int | None = None
-    """Attention window in tokens for every layer (Mistral v0.1), None for full attention."""
+    """Attention window in tokens of the sliding-window layers (a query at p reads p - W + 1 .. p)."""
+    layer_types: tuple[str, ...] = ()
+    """Per layer "full_attention" or "sliding_attention"; empty: every layer slides when
+    ``sliding_window`` is set (Mistral), none otherwise."""
+    rope_local_theta: float | None = None
+    """RoPE base of the sliding-window layers, which then get plain RoPE (Gemma 3's local base);
+    None: every layer uses ``rope_theta`` and ``rope_scaling``."""
+    query_pre_attn_scalar: float | None = None
+    """Attention scores are scaled by this to the power -0.5 (Gemma); None: head_dim ** -0.5."""
+    attn_logit_softcapping: float | None = None
+    """Attention scores become ``cap * tanh(score / cap)`` before the softmax; None: no cap."""
+    final_logit_softcapping: float | None = None
+    """Logits become ``cap * tanh(logit / cap)``; None: no cap."""
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default=())
     """End-of-sequence ids of the model config (a list in Llama 3 instruct configs)."""
@@ -107,6 +133,30 @@ class ModelConfig:
             raise ValueError(
                 f"rope_freq_factors needs head_dim/2 = {self.head_dim // 2} values, got {len(self.rope_freq_factors)}"
             )
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"hidden_act must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
+        if self.layer_types:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(
+                    f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers"
+                )
+            bad = sorted(set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION})
+            if bad:
+                raise ValueError(
+                    f"layer_types may hold {FULL_ATTENTION!r} and {SLIDING_ATTENTION!r} only, got {bad}"
+                )
+            if SLIDING_ATTENTION in self.layer_types and self.sliding_window is None:
+                raise ValueError(
+                    "layer_types names sliding_attention layers but sliding_window is None"
+                )
+        if self.rope_local_theta is not None and self.architecture != "gemma3_text":
+            raise ValueError("rope_local_theta is implemented for architecture 'gemma3_text' only")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 or None, got {value}")
 
     @property
     def q_size(self) -> int:
@@ -118,7 +168,25 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
+        if self.query_pre_attn_scalar is not None:
+            return self.query_pre_attn_scalar**-0.5
         return 1.0 / math.sqrt(self.head_dim)
+
+    @property
+    def attention_types(self) -> tuple[str, ...]:
+        """The attention type of every layer: "full_attention" or "sliding_attention"."""
+        if self.layer_types:
+            return self.layer_types
+        kind = FULL_ATTENTION if self.sliding_window is None else SLIDING_ATTENTION
+        return (kind,) * self.num_layers
+
+    def layer_window(self, layer: int) -> int | None:
+        """Attention window of ``layer`` in tokens; None for full attention."""
+        return self.sliding_window if self.attention_types[layer] == SLIDING_ATTENTION else None
+
+    def kv_group(self, layer: int) -> str:
+        """The KV pool group holding ``layer`` ("full", or "swa_<window>")."""
+        return group_name(self.layer_window(layer))
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
@@ -130,6 +198,8 @@ class ModelConfig:
             values["eos_token_ids"] = _as_id_tuple(values["eos_token_ids"])
         if values.get("rope_freq_factors") is not None:
             values["rope_freq_factors"] = tuple(float(x) for x in values["rope_freq_factors"])
+        if values.get("layer_types") is not None:
+            values["layer_types"] = tuple(values["layer_types"])
         unknown = set(values) - set(cls.__dataclass_fields__)
         if unknown:
             raise ValueError(
@@ -141,6 +211,15 @@ class ModelConfig:
     def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:
         """Translate a HF ``config.json`` dict (transformers 4 or 5 spelling of rope parameters)."""
         model_type = hf.get("model_type")
+        if model_type == "gemma3_text":
+            from engine.gemma3_config import gemma3_config_from_hf  # its own module; no cycle
+
+            return gemma3_config_from_hf(hf)
+        if model_type == "gemma3":
+            raise ValueError(
+                "model_type 'gemma3' (Gemma3ForConditionalGeneration) is the multimodal model and is "
+                "not supported; the text model 'gemma3_text' (Gemma3ForCausalLM) is"
+            )
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"model_type {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}"
@@ -176,7 +255,7 @@ class ModelConfig:
             attention_bias=qkv_bias,
             attention_out_bias=out_bias,
             qk_norm=model_type == "qwen3",
-            sliding_window=_sliding_window_from_hf(model_type, hf),
+            **_windows_from_hf(model_type, hf),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=_as_id_tuple(hf.get("eos_token_id")),
         )
@@ -214,11 +293,20 @@ def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     )
 
 
-def _sliding_window_from_hf(model_type: str, hf: dict[str, Any]) -> int | None:
-    if model_type == "mistral":
+def _windows_from_hf(model_type: str, hf: dict[str, Any]) -> dict[str, Any]:
+    """``sliding_window`` and ``layer_types`` as transformers reads them for each model type."""
+    num_layers = int(hf["num_hidden_layers"])
+    if model_type == "mistral":  # one window for every layer (transformers ignores layer_types)
         window = hf.get("sliding_window")
-        return int(window) if window else None
-    if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
-        # Qwen's window applies to only some layers (max_window_layers), which one pool group cannot hold.
-        raise ValueError(f"model_type {model_type!r} with use_sliding_window=True is not supported")
-    return None
+        return {"sliding_window": int(window) if window else None, "layer_types": ()}
+    if model_type in ("qwen2", "qwen3"):
+        window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+        if not window:
+            return {"sliding_window": None, "layer_types": ()}
+        # transformers: layers from max_window_layers on slide, unless layer_types says otherwise
+        types = hf.get("layer_types") or [
+            SLIDING_ATTENTION if i >= int(hf.get("max_window_layers", 28)) else FULL_ATTENTION
+            for i in range(num_layers)
+        ]
+        return {"sliding_window": int(window), "layer_types": tuple(types)}
+    return {"sliding_window": None, "layer_types": ()}

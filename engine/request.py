@@ -10,6 +10,7 @@ from typing import Any, Literal
 import torch
 
 from engine.sampling_params import SamplingParams
+from kvcache.manager import NO_RELEASE
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -88,14 +89,16 @@ class Request:
     ``all_token_ids`` is prompt + output; the KV of its first ``num_computed_tokens`` tokens is in
     the request's pages. The newest output token has no KV yet: the next step computes it. After a
     preemption ``num_computed_tokens`` drops to 0 and prompt + output are recomputed (outputs kept).
-    ``page_ids`` caches the request's pages of the attention pool group, refreshed by the scheduler
-    after each allocation that adds pages.
+    ``page_ids`` caches the request's page lists per KV pool group (kvcache's ``page_ids``), with
+    ``kv_capacity`` (tokens they cover) and ``kv_release_at`` (computed tokens from which a window
+    group would release a page), refreshed by the scheduler after each allocation.
     """
 
     __slots__ = (
         "request_id", "prompt", "prompt_token_ids", "sampling_params", "eos_token_ids",
         "all_token_ids", "output_token_ids", "num_computed_tokens", "status", "stop_reason",
-        "error", "prefill_only", "metrics", "page_ids", "detokenizer", "output_text",
+        "error", "prefill_only", "metrics", "page_ids", "kv_capacity", "kv_release_at",
+        "detokenizer", "output_text",
         "num_text_sent", "num_tokens_sent", "generator", "committed_pages", "committed_prompt",
         "stats_recorded", "token_gaps", "last_sampled_time",
     )  # fmt: skip
@@ -131,7 +134,9 @@ class Request:
             arrival_time=time.time() if arrival_time is None else arrival_time,
             num_prompt_tokens=len(prompt_token_ids),
         )
-        self.page_ids: list[int] = []
+        self.page_ids: dict[str, list[int]] = {}
+        self.kv_capacity = 0
+        self.kv_release_at = NO_RELEASE
         self.detokenizer = detokenizer  # IncrementalDetokenizer, or None (token ids only)
         self.output_text = ""
         self.num_text_sent = 0  # characters of output_text already streamed
@@ -183,7 +188,9 @@ class Request:
     def reset_for_recompute(self) -> None:
         """Forget all KV progress (pages are freed by the caller); outputs are kept."""
         self.num_computed_tokens = 0
-        self.page_ids = []
+        self.page_ids = {}
+        self.kv_capacity = 0
+        self.kv_release_at = NO_RELEASE
         self.committed_pages = 0
         self.committed_prompt = False
 

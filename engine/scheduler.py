@@ -30,18 +30,13 @@ class Scheduler:
     and free pages allow; admission starts from the longest cached prefix.
     """
 
-    def __init__(
-        self, config: SchedulerConfig, kv: KVCacheManager, group: str | None = None
-    ) -> None:
-        """``group``: the pool group whose page ids feed the page table (default: the only one)."""
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         if kv.page_size != config.page_size:
             raise ValueError(
                 f"SchedulerConfig.page_size={config.page_size} differs from the KV cache's {kv.page_size}"
             )
         self.config = config
         self.kv = kv
-        self.group = group if group is not None else next(iter(kv.specs))
-        self.pool_pages = kv.specs[self.group].usable_pages
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # every request the scheduler still knows: waiting, running, or prefilled holding pages
@@ -80,14 +75,13 @@ class Scheduler:
             raise ValueError(
                 f"request {request.request_id!r} holds no pages: allocate and fill them first"
             )
-        pages = self.kv.page_ids(request.request_id)[self.group]
-        if len(pages) * self.config.page_size < request.num_prompt_tokens:
+        self._sync_pages(request)
+        if request.kv_capacity < request.num_prompt_tokens:
             raise ValueError(
-                f"request {request.request_id!r} holds {len(pages)} pages, fewer than its "
-                f"{request.num_prompt_tokens} prompt tokens need"
+                f"request {request.request_id!r} holds pages for {request.kv_capacity} tokens, fewer "
+                f"than its {request.num_prompt_tokens} prompt tokens need"
             )
         now = time.time()
-        request.page_ids = pages
         request.num_computed_tokens = request.num_prompt_tokens
         request.metrics.first_scheduled_time = now
         self.kv.commit(request.request_id, request.all_token_ids, request.num_computed_tokens, True)
@@ -144,15 +138,19 @@ class Scheduler:
         cfg = self.config
         out = SchedulerOutput()
         budget = cfg.max_num_batched_tokens
-        chunk, ps = cfg.prefill_chunk_size, cfg.page_size
+        chunk = cfg.prefill_chunk_size
         running = self.running  # _reserve_running pops from this same list
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            n = min(len(req.all_token_ids) - req.num_computed_tokens, chunk, budget)
-            total = req.num_computed_tokens + n
-            # Most decode steps need no new page: skip the manager call (the hot path, every step).
-            if total > len(req.page_ids) * ps and not self._reserve_running(i, total, out):
+            computed = req.num_computed_tokens
+            n = min(len(req.all_token_ids) - computed, chunk, budget)
+            total = computed + n
+            # Most decode steps need no new page and release none: skip the manager call (the hot
+            # path, every step).
+            if (
+                total > req.kv_capacity or computed >= req.kv_release_at
+            ) and not self._reserve_running(i, total, out):
                 continue  # running[i] left the running set (preempted or failed); i now names the next
             out.add(req, n)
             budget -= n
@@ -175,7 +173,7 @@ class Scheduler:
         passed_over: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[0]
-            if self._pages_for(req.num_tokens) > self.pool_pages:
+            if not self.kv.fits_alone(req.num_tokens, cfg.prefill_chunk_size):
                 self.waiting.popleft()
                 self._finish_never_fits(req, req.num_tokens, now)
                 out.finished.append(req)
@@ -185,14 +183,16 @@ class Scheduler:
                 passed_over.append(self.waiting.popleft())
                 continue
             n = min(req.num_tokens - prefix.num_tokens, cfg.prefill_chunk_size, budget)
-            if not self.kv.allocate_slots(req.request_id, prefix.num_tokens + n, prefix):
+            if not self.kv.allocate_slots(
+                req.request_id, prefix.num_tokens + n, prefix, num_computed_tokens=prefix.num_tokens
+            ):
                 break
             self.waiting.popleft()
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
                 req.metrics.num_cached_tokens = prefix.num_tokens
             req.num_computed_tokens = prefix.num_tokens
-            req.page_ids = self.kv.page_ids(req.request_id)[self.group]
+            self._sync_pages(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.add(req, n)
@@ -268,15 +268,24 @@ class Scheduler:
                 f"request {request.request_id!r} is not new (status {request.status.name})"
             )
 
-    def _pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.config.page_size)
+    def _sync_pages(self, req: Request) -> None:
+        """Refresh the request's cached view of its pages after an allocation."""
+        rid = req.request_id
+        req.page_ids = self.kv.page_ids(rid)
+        req.kv_capacity = len(next(iter(req.page_ids.values()))) * self.config.page_size
+        req.kv_release_at = self.kv.next_release_at(rid)
 
     def _reserve_running(self, index: int, num_total_tokens: int, out: SchedulerOutput) -> bool:
-        """Make ``running[index]`` hold pages for ``num_total_tokens``, preempting the newest
-        running requests as needed. False when the request itself left the running set."""
+        """Make ``running[index]`` hold pages for ``num_total_tokens`` (releasing what its windows
+        no longer read), preempting the newest running requests as needed. False when the request
+        itself left the running set."""
         req = self.running[index]
-        while not self.kv.allocate_slots(req.request_id, num_total_tokens):
-            if self._pages_for(num_total_tokens) > self.pool_pages:
+        chunk = self.config.prefill_chunk_size
+        computed = req.num_computed_tokens
+        while not self.kv.allocate_slots(
+            req.request_id, num_total_tokens, num_computed_tokens=computed
+        ):
+            if not self.kv.fits_alone(num_total_tokens, chunk):
                 self.running.pop(index)
                 self._finish_never_fits(req, num_total_tokens, time.time())
                 out.finished.append(req)
@@ -286,7 +295,7 @@ class Scheduler:
             out.preempted.append(victim)
             if victim is req:
                 return False
-        req.page_ids = self.kv.page_ids(req.request_id)[self.group]
+        self._sync_pages(req)
         return True
 
     def _preempt(self, req: Request) -> None:
@@ -300,9 +309,16 @@ class Scheduler:
         self._released.append(req.request_id)
 
     def _finish_never_fits(self, req: Request, num_tokens: int, now: float) -> None:
+        need = self.kv.max_pages_per_request(num_tokens, self.config.prefill_chunk_size)
+        have = {g: spec.usable_pages for g, spec in self.kv.specs.items()}
+        if len(need) == 1:
+            (g,) = need
+            need_text, have_text = f"{need[g]} pages", f"{have[g]} pages"
+        else:
+            need_text, have_text = f"{need} pages per KV pool group", str(have)
         req.error = (
-            f"request {req.request_id!r} needs {self._pages_for(num_tokens)} pages for {num_tokens} "
-            f"tokens, but the KV cache has only {self.pool_pages} pages"
+            f"request {req.request_id!r} needs {need_text} for {num_tokens} tokens, but the KV "
+            f"cache has only {have_text}"
         )
         self._finish(req, RequestStatus.FINISHED_ERROR, now)
 

@@ -19,6 +19,7 @@ from kernels.attention_ref import (
     paged_prefill_attention_ref,
     store_kv_ref,
 )
+from kernels.layer_ops_ref import add_rms_norm_ref, rotary_ref, silu_and_mul_ref
 from kernels.page_copy_ref import copy_pages_ref, gather_pages_ref, scatter_pages_ref
 
 __all__ = [
@@ -34,6 +35,12 @@ __all__ = [
     "gather_pages_ref",
     "scatter_pages_ref",
     "copy_pages_ref",
+    "add_rms_norm",
+    "silu_and_mul",
+    "rotary",
+    "add_rms_norm_ref",
+    "silu_and_mul_ref",
+    "rotary_ref",
     "use_triton",
 ]
 
@@ -69,13 +76,15 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """q [B, Hq, D] attends over the first seq_lens[b] cached tokens of sequence b -> [B, Hq, D]."""
+    """q [B, Hq, D] attends over the first seq_lens[b] cached tokens of sequence b -> [B, Hq, D];
+    with ``sliding_window`` W only over the last W of them; ``softcap`` caps scores by tanh."""
     if use_triton(q):
         from kernels.decode_attention_triton import paged_decode_attention as impl
     else:
         impl = paged_decode_attention_ref
-    return impl(q, k_cache, v_cache, page_table, seq_lens, scale, sliding_window)
+    return impl(q, k_cache, v_cache, page_table, seq_lens, scale, sliding_window, softcap)
 
 
 def paged_prefill_attention(
@@ -87,14 +96,18 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Packed q [T, Hq, D], causal over the whole context: query i of sequence b sits at
-    position seq_lens[b] - q_len_b + i. Returns [T, Hq, D]."""
+    position seq_lens[b] - q_len_b + i (with ``sliding_window`` W it reads keys p - W + 1 .. p;
+    ``softcap`` caps scores by tanh). Returns [T, Hq, D]."""
     if use_triton(q):
         from kernels.prefill_attention_triton import paged_prefill_attention as impl
     else:
         impl = paged_prefill_attention_ref
-    return impl(q, k_cache, v_cache, page_table, cu_seqlens_q, seq_lens, scale, sliding_window)
+    return impl(
+        q, k_cache, v_cache, page_table, cu_seqlens_q, seq_lens, scale, sliding_window, softcap
+    )
 
 
 def gather_pages(src: torch.Tensor, page_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -129,3 +142,43 @@ def copy_pages(
 
         return impl(src, src_ids, dst, dst_ids, first_row=first_row)
     return copy_pages_ref(src, src_ids, dst, dst_ids, first_row)
+
+
+def add_rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    offset: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm of s, s) where s = x + residual (or x): x, residual [T, H]; see layer_ops_ref."""
+    if use_triton(x):
+        from kernels.layer_ops_triton import add_rms_norm as impl
+    else:
+        impl = add_rms_norm_ref
+    return impl(x, weight, eps, residual, offset)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a stacked gate/up projection [T, 2 * I] -> [T, I]."""
+    if use_triton(gate_up):
+        from kernels.layer_ops_triton import silu_and_mul as impl
+    else:
+        impl = silu_and_mul_ref
+    return impl(gate_up)
+
+
+def rotary(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE of q [T, Hq, D] and k [T, Hk, D] at ``positions`` from cos/sin caches
+    [max_positions, D]; returns new tensors."""
+    if use_triton(q):
+        from kernels.layer_ops_triton import rotary as impl
+    else:
+        impl = rotary_ref
+    return impl(q, k, positions, cos_cache, sin_cache)

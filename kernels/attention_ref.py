@@ -2,12 +2,17 @@
 
 Cache views: ``k_cache``/``v_cache`` are [num_pages, page_size, num_kv_heads, head_dim], possibly
 strided (one layer of a page-major pool, see kvcache/spec.py). GQA: query head h reads kv head
-h // (num_q_heads // num_kv_heads).
+h // (num_q_heads // num_kv_heads). ``softcap``: scores s = scale * q.k become softcap * tanh(s /
+softcap) before the mask and softmax (Gemma 2's attention soft-capping, as transformers applies it).
 """
 
 from __future__ import annotations
 
 import torch
+
+
+def _soft_cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return scores if softcap is None else softcap * torch.tanh(scores / softcap)
 
 
 def store_kv_ref(
@@ -33,6 +38,7 @@ def paged_decode_attention_ref(
     seq_lens: torch.Tensor,  # [B] int32
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [B, Hq, D]
     B, Hq, D = q.shape
     page_size, Hkv = k_cache.shape[1], k_cache.shape[2]
@@ -44,7 +50,7 @@ def paged_decode_attention_ref(
     v = v_cache[pt].reshape(B, n_pages * page_size, Hkv, D)[:, :max_len].float()
     group = Hq // Hkv
     qf = q.float().view(B, Hkv, group, D)
-    scores = torch.einsum("bhgd,blhd->bhgl", qf, k) * scale  # [B, Hkv, group, L]
+    scores = _soft_cap(torch.einsum("bhgd,blhd->bhgl", qf, k) * scale, softcap)  # [B, Hkv, G, L]
     pos = torch.arange(max_len, device=q.device)
     lens = seq_lens.to(q.device).long()[:, None]
     mask = pos[None, :] < lens
@@ -65,6 +71,7 @@ def paged_prefill_attention_ref(
     seq_lens: torch.Tensor,  # [B] int32, context length including the new tokens
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     T, Hq, D = q.shape
     page_size, Hkv = k_cache.shape[1], k_cache.shape[2]
@@ -82,7 +89,7 @@ def paged_prefill_attention_ref(
         k = k_cache[pages].reshape(-1, Hkv, D)[:ctx_len].float()  # [L, Hkv, D]
         v = v_cache[pages].reshape(-1, Hkv, D)[:ctx_len].float()
         qb = q[q_start:q_end].float().view(q_len, Hkv, group, D)
-        scores = torch.einsum("qhgd,lhd->hgql", qb, k) * scale  # [Hkv, group, q_len, L]
+        scores = _soft_cap(torch.einsum("qhgd,lhd->hgql", qb, k) * scale, softcap)
         q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
         k_pos = torch.arange(ctx_len, device=q.device)[None, :]
         mask = k_pos <= q_pos

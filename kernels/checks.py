@@ -63,6 +63,17 @@ def window_arg(sliding_window: int | None) -> int:
     return min(sliding_window, NO_WINDOW)
 
 
+def softcap_args(scale: float, softcap: float | None, log2e: float) -> tuple[float, float]:
+    """(qk_scale, cap_scale) of the kernels, whose softmax runs in the log2 domain: scores are
+    ``dot * qk_scale``, then with soft-capping ``cap_scale * tanh(that)``, so that both ways the
+    result is the capped score times log2(e)."""
+    if softcap is None:
+        return scale * log2e, 1.0
+    if not softcap > 0:
+        raise ValueError(f"softcap must be > 0 or None, got {softcap}")
+    return scale / softcap, softcap * log2e
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 caches get exact fp32 products (tf32 would cost ~1e-3 relative error); 16-bit ones
     run on the tensor cores either way."""

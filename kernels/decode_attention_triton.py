@@ -23,9 +23,10 @@ from kernels.checks import (
     check_query,
     dot_precision,
     next_power_of_2,
+    softcap_args,
     window_arg,
 )
-from kernels.paged_addressing import token_page_and_slot
+from kernels.paged_addressing import soft_cap_tanh, token_page_and_slot
 
 LOG2E = 1.4426950408889634
 
@@ -83,9 +84,23 @@ def _load_kv_tile(
 
 
 @triton.jit
-def _online_softmax_step(q, k, v, ok, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
+def _online_softmax_step(
+    q,
+    k,
+    v,
+    ok,
+    m_i,
+    l_i,
+    acc,
+    qk_scale,
+    cap_scale,
+    SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     """Folds one K/V tile into the running max m_i, sum l_i and un-normalized acc (log2 domain)."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
+    if SOFTCAP:
+        s = cap_scale * soft_cap_tanh(s)
     s = tl.where(ok[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
@@ -124,7 +139,9 @@ def _decode_split_kernel(
     num_q_heads,
     num_splits,
     qk_scale,
+    cap_scale,
     window,
+    SOFTCAP: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -180,7 +197,9 @@ def _decode_split_kernel(
             PAGE_SIZE,
             BLOCK_N,
         )
-        m_i, l_i, acc = _online_softmax_step(q, k, v, ok, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+        m_i, l_i, acc = _online_softmax_step(
+            q, k, v, ok, m_i, l_i, acc, qk_scale, cap_scale, SOFTCAP, DOT_PRECISION
+        )
 
     if WRITE_OUTPUT:  # a single split: normalize here and skip the merge kernel
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -236,15 +255,17 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(
-    batch: int, num_kv_heads: int, max_tokens: int, device: torch.device, config: DecodeConfig
+    batch: int, num_kv_heads: int, device: torch.device, config: DecodeConfig
 ) -> int:
-    """Splits per sequence, from shapes alone (no device sync: `max_tokens` is the page table's
-    capacity, not the true longest sequence)."""
+    """Splits per sequence, from the batch shape alone: not from the page table's width, which a
+    CUDA graph fixes at max_pages_per_seq while an eager step trims it, so that both run the same
+    splits and sum in the same order (graph replays give the eager tokens). A split past a
+    sequence's end exits at once."""
     if config.num_splits is not None:
         return max(1, config.num_splits)
     target = config.programs_per_sm * _num_sms(device)
     splits = math.ceil(target / max(1, batch * num_kv_heads))
-    return max(1, min(splits, math.ceil(max_tokens / config.block_n), 64))
+    return max(1, min(splits, 64))
 
 
 def paged_decode_attention(
@@ -255,9 +276,11 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,  # [B] int32
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
     config: DecodeConfig | None = None,
 ) -> torch.Tensor:  # [B, Hq, D], q's dtype
     """Attention of each sequence's one new query over its first seq_lens[b] cached tokens."""
+    qk_scale, cap_scale = softcap_args(scale, softcap, LOG2E)
     config = config or default_decode_config(q.device)
     page_size, num_kv_heads, head_dim = check_cache_pair(k_cache, v_cache)
     group = check_query(q, num_kv_heads, head_dim)
@@ -265,9 +288,7 @@ def paged_decode_attention(
     out = torch.empty_like(q)
     if batch == 0:
         return out
-    splits = choose_num_splits(
-        batch, num_kv_heads, page_table.shape[1] * page_size, q.device, config
-    )
+    splits = choose_num_splits(batch, num_kv_heads, q.device, config)
     if splits > 1:
         m = torch.empty((batch, num_q_heads, splits), dtype=torch.float32, device=q.device)
         l_sum = torch.empty_like(m)
@@ -293,8 +314,10 @@ def paged_decode_attention(
         *out.stride(),
         num_q_heads,
         splits,
-        scale * LOG2E,
+        qk_scale,
+        cap_scale,
         window_arg(sliding_window),
+        SOFTCAP=softcap is not None,
         GROUP=group,
         BLOCK_H=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim,

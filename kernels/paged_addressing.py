@@ -1,4 +1,5 @@
-"""Triton helper shared by the paged attention kernels: where token `tok` of a sequence lives.
+"""Triton helpers shared by the paged attention kernels: where token `tok` of a sequence lives, and
+the tanh of score soft-capping.
 
 A sequence's token `tok` sits in page ``page_table[b, tok // page_size]`` at slot
 ``tok % page_size``. Offsets are computed in int64: a page-major pool of many GiB puts
@@ -20,3 +21,9 @@ def token_page_and_slot(page_row_ptr, tok, mask, PAGE_SIZE: tl.constexpr):
     """
     page = tl.load(page_row_ptr + tok // PAGE_SIZE, mask=mask, other=0).to(tl.int64)
     return page, (tok % PAGE_SIZE).to(tl.int64)
+
+
+@triton.jit
+def soft_cap_tanh(x):
+    """tanh(x) in float32 from the sigmoid (the same on every backend, the interpreter included)."""
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0

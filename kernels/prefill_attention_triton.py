@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import check_cache_pair, check_query, dot_precision, window_arg
-from kernels.paged_addressing import token_page_and_slot
+from kernels.checks import check_cache_pair, check_query, dot_precision, softcap_args, window_arg
+from kernels.paged_addressing import soft_cap_tanh, token_page_and_slot
 
 LOG2E = 1.4426950408889634
 
@@ -65,7 +65,9 @@ def _attend_tiles(
     stride_vt,
     stride_vd,
     qk_scale,
+    cap_scale,
     window,
+    SOFTCAP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -84,6 +86,8 @@ def _attend_tiles(
             other=0.0,
         )
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        if SOFTCAP:
+            s = cap_scale * soft_cap_tanh(s)
         if MASKED:
             seen = (tok[None, :] <= q_pos[:, None]) & (tok[None, :] > q_pos[:, None] - window)
             s = tl.where(seen & ok[None, :], s, float("-inf"))
@@ -126,7 +130,9 @@ def _prefill_kernel(
     stride_oh,
     stride_od,
     qk_scale,
+    cap_scale,
     window,
+    SOFTCAP: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -191,7 +197,9 @@ def _prefill_kernel(
         stride_vt,
         stride_vd,
         qk_scale,
+        cap_scale,
         window,
+        SOFTCAP,
         HEAD_DIM,
         PAGE_SIZE,
         BLOCK_N,
@@ -217,7 +225,9 @@ def _prefill_kernel(
         stride_vt,
         stride_vd,
         qk_scale,
+        cap_scale,
         window,
+        SOFTCAP,
         HEAD_DIM,
         PAGE_SIZE,
         BLOCK_N,
@@ -243,7 +253,9 @@ def _prefill_kernel(
         stride_vt,
         stride_vd,
         qk_scale,
+        cap_scale,
         window,
+        SOFTCAP,
         HEAD_DIM,
         PAGE_SIZE,
         BLOCK_N,
@@ -266,6 +278,7 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,  # [B] int32, context length including the new tokens
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
     config: PrefillConfig | None = None,
 ) -> torch.Tensor:  # [T, Hq, D], q's dtype
     """Causal attention of the packed new tokens over each sequence's whole cached context.
@@ -300,8 +313,9 @@ def paged_prefill_attention(
         *v_cache.stride(),
         page_table.stride(0),
         *out.stride(),
-        scale * LOG2E,
+        *softcap_args(scale, softcap, LOG2E),
         window_arg(sliding_window),
+        SOFTCAP=softcap is not None,
         GROUP=group,
         HEAD_DIM=head_dim,
         PAGE_SIZE=page_size,

@@ -1,28 +1,62 @@
 """KVCacheManager: which pages each request holds, prefix reuse, and the KV storage.
 
 Layering (as in vLLM v1): the scheduler talks to this manager in tokens and request ids; the manager
-turns tokens into pages and drives one ``PagePool`` per pool group. All groups are full attention and
-share one page size, so a request holds the same number of pages in every group.
+turns tokens into pages and drives one ``PagePool`` per pool group. Groups share one page size, and
+a request's page list in every group has one entry per page of its context (kvcache/spec.py): a
+full-attention group holds all of them, a sliding-window group only those its window still reads
+plus the page being written, the rest showing the null page.
 
-Ownership: a request owns one ref on each page listed by ``page_ids(request_id)`` from the
-``allocate_slots`` that gave it until ``free(request_id)``. Pinning a page (e.g. for a transfer lease)
-means not calling ``free`` yet. Not thread-safe: one owner (the worker's step loop) calls it.
+Window groups release pages as the request runs: ``allocate_slots(..., num_computed_tokens=c)``
+drops the pages wholly before c - W + 1 (in chunked prefill and in decode alike). A released page
+that was committed stays in the prefix index as evictable, so a later request can still hit it.
+
+SWA scratch reuse (``swa_scratch_reuse=True``): while a request's prompt is not done, a window page
+that leaves the window is rewritten in place as one of the request's next pages instead of going
+back to the pool and a fresh page being taken. A long prefill then touches about
+(window + chunk) / page_size pages of the group, whatever the prompt length, and leaves no trail of
+cached pages behind it that would evict other requests' prefixes. What reuse loses: window pages
+are not committed before the prompt is done (their content is about to be overwritten), so the only
+prefix hits such a prompt leaves in a window group are at its end (the last window, committed when
+the prompt is done, and what decode adds after); a later request sharing only part of a long prompt
+misses in the window group and so recomputes from the start, where without scratch reuse it would
+hit at any page boundary (while the pages last). Pages shared through a prefix hit or registered in
+the index are never rewritten; they are released as usual.
+
+Ownership: a request owns one ref on each non-null page listed by ``page_ids(request_id)`` from the
+``allocate_slots`` that gave it until ``free(request_id)`` (or until a later ``allocate_slots``
+releases it from a window). Pinning a page (e.g. for a transfer lease) means not calling ``free``
+yet. Not thread-safe: one owner (the worker's step loop) calls it.
 """
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 
-from kvcache.block_hash import hash_block, hash_full_pages
+from kvcache.block_hash import hash_full_pages
 from kvcache.kv_buffer import allocate_buffers, layer_views
 from kvcache.page_pool import PagePool
-from kvcache.prefix_match import PrefixMatch
+from kvcache.prefix_match import PrefixMatch, find_cached_prefix
 from kvcache.request_pages import RequestPages
 from kvcache.reuse_policy import ReusePolicy
-from kvcache.spec import PoolGroupSpec
+from kvcache.sliding_window import first_needed_page, max_pages_held, release_point
+from kvcache.spec import NULL_PAGE, PoolGroupSpec
 from kvcache.stats import KVCacheStats, PoolGroupStats, ReuseCounters
+
+NO_RELEASE = sys.maxsize  # ``next_release_at`` of a request no window will ever release from
+
+
+@dataclass
+class _GroupPlan:
+    """What one ``allocate_slots`` call does in one group, decided before anything changes."""
+
+    start: int  # first page index the group keeps (entries before it become the null page)
+    release: list[int]  # held pages that leave the window, in token order
+    recycle: list[int]  # of those, the ones rewritten in place as new pages (scratch reuse)
+    num_fresh: int  # new pages taken from the pool
 
 
 class KVCacheManager:
@@ -33,6 +67,7 @@ class KVCacheManager:
         specs: list[PoolGroupSpec],
         reuse_policy: ReusePolicy | str = ReusePolicy.NONE,
         device: torch.device | str = "cpu",
+        swa_scratch_reuse: bool = False,
     ) -> None:
         """Build the pools and allocate the storage.
 
@@ -40,30 +75,27 @@ class KVCacheManager:
             specs: one spec per pool group (unique names, disjoint layer ids, equal page sizes).
             reuse_policy: prefix reuse policy (a ReusePolicy or its string value).
             device: where the storage tensors live.
+            swa_scratch_reuse: rewrite a prefill's out-of-window pages in place (module docstring).
         """
         if not specs:
             raise ValueError("KVCacheManager needs at least one pool group spec")
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
             raise ValueError(f"pool group names must be unique, got {names}")
-        for s in specs:
-            if s.sliding_window is not None:
-                raise NotImplementedError(
-                    f"pool group {s.name!r} has sliding_window={s.sliding_window}: sliding-window "
-                    "groups are not supported yet; only full attention (sliding_window=None)"
-                )
         page_sizes = {s.page_size for s in specs}
         if len(page_sizes) != 1:
             raise ValueError(f"all pool groups must share one page_size, got {sorted(page_sizes)}")
         self.page_size: int = specs[0].page_size
         self.reuse_policy = ReusePolicy(reuse_policy)
+        self.swa_scratch_reuse = swa_scratch_reuse
         self.device = torch.device(device)
         self.specs: dict[str, PoolGroupSpec] = {s.name: s for s in specs}
+        self.windows: dict[str, int | None] = {s.name: s.sliding_window for s in specs}
         self.buffers: dict[str, torch.Tensor] = allocate_buffers(specs, self.device)
         self._layer_views = layer_views(specs, self.buffers)
         self._pools: dict[str, PagePool] = {s.name: PagePool(s.num_pages) for s in specs}
+        self._windowed = [g for g, w in self.windows.items() if w is not None]
         self._requests: dict[str, RequestPages] = {}
-        self._peak_used: dict[str, int] = {name: 0 for name in names}
         self._reuse = ReuseCounters()
 
     # ---- storage ----
@@ -78,7 +110,8 @@ class KVCacheManager:
 
     # ---- prefix reuse ----
     def match_prefix(self, token_ids: list[int]) -> PrefixMatch:
-        """Longest cached prefix of ``token_ids``, in whole pages, present in every pool group.
+        """Longest cached prefix of ``token_ids``, in whole pages, that every group can serve
+        (kvcache/prefix_match.py says what a window group must hold for a hit).
 
         Pure lookup: takes no refs and changes no state. At least one token is always left to
         compute, so ``num_tokens <= len(token_ids) - 1`` (an exact multiple of page_size loses its last
@@ -87,69 +120,144 @@ class KVCacheManager:
         n = len(token_ids)
         if not self.reuse_policy.reuses or n <= 1:
             return PrefixMatch(0, {g: [] for g in self._pools}, [], n)
-        max_pages = (n - 1) // self.page_size
-        pages: dict[str, list[int]] = {g: [] for g in self._pools}
-        hashes: list[int] = []
-        parent: int | None = None
-        ps = self.page_size
-        for i in range(max_pages):
-            block_hash = hash_block(parent, token_ids[i * ps : (i + 1) * ps])
-            hit = [(g, pool.lookup(block_hash)) for g, pool in self._pools.items()]
-            if any(p is None for _, p in hit):
-                break
-            for g, p in hit:
-                pages[g].append(p)  # type: ignore[arg-type]  # not None, checked above
-            hashes.append(block_hash)
-            parent = block_hash
-        return PrefixMatch(len(hashes) * self.page_size, pages, hashes, n)
+        return find_cached_prefix(token_ids, self.page_size, self._pools, self.windows)
 
     # ---- allocation ----
     def allocate_slots(
-        self, request_id: str, num_total_tokens: int, prefix: PrefixMatch | None = None
+        self,
+        request_id: str,
+        num_total_tokens: int,
+        prefix: PrefixMatch | None = None,
+        num_computed_tokens: int | None = None,
     ) -> bool:
         """Make ``request_id`` hold pages for ``num_total_tokens`` tokens (its whole context so far).
+
+        ``num_computed_tokens``: tokens whose KV is written (the next step's first query sits
+        there); window groups then hold only pages from the window before it on, releasing held
+        pages wholly before (never taken again: a later smaller value changes nothing). None: the
+        prefix's tokens on a request's first call, no release on later calls.
 
         On a request's first call (it holds nothing yet; also the first call after ``free``), the
         ``prefix`` pages are taken first (ref +1 each; an evictable page leaves the free queue) and
         counted in the reuse stats; pass the match even when empty so the query is counted. On later
         calls ``prefix`` is ignored. Holding more pages than needed already is fine (never shrinks).
 
-        All or nothing: returns False, changing nothing (no eviction, no stats), when some group
-        lacks free + evictable pages for the new pages plus the evictable prefix pages it would take.
-        Raises ValueError for a prefix that is longer than ``num_total_tokens`` or stale (an
-        allocation since ``match_prefix`` evicted one of its pages).
+        All or nothing: returns False, changing nothing (no eviction, no release, no stats), when
+        some group lacks free + evictable pages (counting those this call releases) for its new
+        pages plus the evictable prefix pages it would take. Raises ValueError for a prefix that is
+        longer than ``num_total_tokens``, past ``num_computed_tokens``, or stale (an allocation since
+        ``match_prefix`` evicted one of its pages).
         """
         if num_total_tokens < 0:
             raise ValueError(f"num_total_tokens must be >= 0, got {num_total_tokens}")
         state = self._requests.get(request_id)
-        held = 0 if state is None else state.num_pages
-        taken = prefix if state is None and prefix is not None else None
+        taken = prefix if state is None else None
+        computed = num_computed_tokens
+        if computed is not None and not 0 <= computed <= num_total_tokens:
+            raise ValueError(
+                f"num_computed_tokens={computed} outside [0, num_total_tokens={num_total_tokens}]"
+            )
         if taken is not None:
             self._check_prefix(taken, num_total_tokens)
-        prefix_pages = 0 if taken is None else taken.num_pages
+            if computed is None:
+                computed = taken.num_tokens
+            elif computed < taken.num_tokens:
+                raise ValueError(
+                    f"num_computed_tokens={computed} is below the prefix's {taken.num_tokens} tokens"
+                )
         needed = -(-num_total_tokens // self.page_size)
-        new_pages = max(0, needed - held - prefix_pages)
+        if state is not None and not self._windowed:  # full attention only: grow every group
+            grow = needed - state.num_pages
+            if grow > 0:
+                if any(pool.num_free < grow for pool in self._pools.values()):
+                    return False
+                for g, pool in self._pools.items():
+                    state.pages[g].extend(pool.allocate(grow))
+            return True
+        plans: dict[str, _GroupPlan] = {}
         for g, pool in self._pools.items():
-            # Evictable prefix pages leave the free queue when taken, so they need room too.
-            cached = [] if taken is None else taken.page_ids.get(g, [])
-            cached_to_take = sum(1 for p in cached if pool.ref_count(p) == 0)
-            if new_pages + cached_to_take > pool.num_free:
+            plan = self._plan(g, pool, state, taken, computed, needed)
+            if plan is None:
                 return False
+            plans[g] = plan
         if state is None:
-            state = RequestPages(pages={g: [] for g in self._pools})
+            state = RequestPages.empty(list(self._pools))
             self._requests[request_id] = state
             if taken is not None:
-                for g, pool in self._pools.items():
-                    for p in taken.page_ids.get(g, []):
-                        pool.touch(p)
-                        state.pages[g].append(p)
-                state.block_hashes = list(taken.block_hashes)
-                state.num_committed_pages = taken.num_pages
-                self._reuse.record(taken.num_tokens, taken.num_query_tokens)
+                self._take_prefix(state, taken, plans)
         for g, pool in self._pools.items():
-            state.pages[g].extend(pool.allocate(new_pages))
-            self._peak_used[g] = max(self._peak_used[g], pool.num_used)
+            self._apply(state, g, pool, plans[g], needed)
         return True
+
+    def _plan(
+        self,
+        g: str,
+        pool: PagePool,
+        state: RequestPages | None,
+        taken: PrefixMatch | None,
+        computed: int | None,
+        needed: int,
+    ) -> _GroupPlan | None:
+        window = self.windows[g]
+        if state is not None:
+            pages, first = state.pages[g], state.first_live[g]
+        else:
+            pages = taken.page_ids.get(g, []) if taken is not None else []
+            first = next((i for i, p in enumerate(pages) if p != NULL_PAGE), len(pages))
+        start = first
+        if window is not None and computed is not None:
+            start = max(first, first_needed_page(computed, window, self.page_size))
+        kept_from = min(start, len(pages))
+        fresh = max(needed, len(pages)) - max(len(pages), start)
+        if state is None:  # prefix pages before the window are simply not taken
+            release: list[int] = []
+            recycle: list[int] = []
+            to_take = pages[kept_from:]
+            room = pool.num_free - sum(1 for p in to_take if pool.ref_count(p) == 0)
+        else:
+            release = pages[first:kept_from]
+            recycle = []
+            if self.swa_scratch_reuse and window is not None and not state.prompt_done:
+                recycle = [
+                    p for p in release if pool.ref_count(p) == 1 and pool.page_hash(p) is None
+                ][:fresh]
+            room = pool.num_free + sum(1 for p in release if pool.ref_count(p) == 1)
+            room -= len(recycle)  # a recycled page never reaches the free queue
+        plan = _GroupPlan(start, release, recycle, fresh - len(recycle))
+        return plan if plan.num_fresh <= room else None
+
+    def _take_prefix(
+        self, state: RequestPages, prefix: PrefixMatch, plans: dict[str, _GroupPlan]
+    ) -> None:
+        for g, pool in self._pools.items():
+            ids = prefix.page_ids.get(g, [])
+            start = min(plans[g].start, len(ids))
+            for p in ids[start:]:
+                pool.touch(p)
+            state.pages[g] = [NULL_PAGE] * start + ids[start:]
+            state.first_live[g] = start
+            state.num_committed[g] = prefix.num_pages
+        state.block_hashes = list(prefix.block_hashes)
+        self._reuse.record(prefix.num_tokens, prefix.num_query_tokens)
+
+    def _apply(
+        self, state: RequestPages, g: str, pool: PagePool, plan: _GroupPlan, needed: int
+    ) -> None:
+        pages = state.pages[g]
+        if plan.release:
+            recycled = set(plan.recycle)
+            # Oldest first: of a window's released pages, the oldest are evicted first.
+            pool.free(p for p in plan.release if p not in recycled)
+            first = state.first_live[g]
+            pages[first : first + len(plan.release)] = [NULL_PAGE] * len(plan.release)
+        if plan.start > len(pages):  # positions no step will read: never given a page
+            pages.extend([NULL_PAGE] * (plan.start - len(pages)))
+        state.first_live[g] = max(state.first_live[g], plan.start)
+        if plan.recycle or plan.num_fresh:
+            pages.extend(plan.recycle)
+            pages.extend(pool.allocate(plan.num_fresh))
+        if len(pages) < needed:
+            raise RuntimeError(f"{g}: planned {len(pages)} pages for {needed}")
 
     def _check_prefix(self, prefix: PrefixMatch, num_total_tokens: int) -> None:
         if prefix.num_tokens != prefix.num_pages * self.page_size:
@@ -168,11 +276,14 @@ class KVCacheManager:
                 raise ValueError(
                     f"prefix has {len(ids)} pages for group {g!r}, expected {prefix.num_pages}"
                 )
-            for p, h in zip(ids, prefix.block_hashes, strict=True):
-                if pool.lookup(h) != p:
+            first = next((i for i, p in enumerate(ids) if p != NULL_PAGE), len(ids))
+            if NULL_PAGE in ids[first:] or (first and self.windows[g] is None):
+                raise ValueError(f"prefix pages of group {g!r} have a gap: {ids}")
+            for i in range(first, len(ids)):
+                if pool.lookup(prefix.block_hashes[i]) != ids[i]:
                     raise ValueError(
-                        f"stale PrefixMatch: page {p} of group {g!r} no longer holds block {h:#x}; "
-                        "call match_prefix right before allocate_slots"
+                        f"stale PrefixMatch: page {ids[i]} of group {g!r} no longer holds block "
+                        f"{prefix.block_hashes[i]:#x}; call match_prefix right before allocate_slots"
                     )
 
     # ---- reuse registration ----
@@ -184,8 +295,10 @@ class KVCacheManager:
         ``token_ids`` is the request's sequence from its first token (at least ``num_computed_tokens``
         long); those tokens' KV must already be written. Whether anything is registered depends on the
         policy (``none``: never; ``all_reusable``: every call; ``per_request``: when ``prompt_done``).
-        Idempotent: pages already offered are skipped. A page whose hash already belongs to another
-        page stays unregistered (no duplicate index entries). Raises KeyError for an unknown request.
+        Pages a window group already released are not registered (they are gone); with scratch
+        reuse, window groups register nothing until the prompt is done. Idempotent: pages already
+        offered are skipped. A page whose hash already belongs to another page stays unregistered
+        (no duplicate index entries). Raises KeyError for an unknown request.
         """
         state = self._requests.get(request_id)
         if state is None:
@@ -202,10 +315,16 @@ class KVCacheManager:
                 f"request {request_id!r}: {num_computed_tokens} computed tokens need {num_full} pages, "
                 f"it holds {state.num_pages}"
             )
-        if (
-            not self.reuse_policy.registers_on_commit(prompt_done)
-            or num_full <= state.num_committed_pages
-        ):
+        state.prompt_done = state.prompt_done or prompt_done
+        if not self.reuse_policy.registers_on_commit(prompt_done):
+            return
+        groups = [
+            g
+            for g in self._pools
+            if state.num_committed[g] < num_full
+            and not (self.swa_scratch_reuse and g in self._windowed and not state.prompt_done)
+        ]
+        if not groups:
             return
         known = len(state.block_hashes)
         if num_full > known:
@@ -217,10 +336,11 @@ class KVCacheManager:
                     parent_hash=parent,
                 )
             )
-        for i in range(state.num_committed_pages, num_full):
-            for g, pool in self._pools.items():
-                pool.register(state.pages[g][i], state.block_hashes[i])
-        state.num_committed_pages = num_full
+        for g in groups:
+            pool, pages = self._pools[g], state.pages[g]
+            for i in range(max(state.num_committed[g], state.first_live[g]), num_full):
+                pool.register(pages[i], state.block_hashes[i])
+            state.num_committed[g] = num_full
 
     # ---- release ----
     def free(self, request_id: str) -> None:
@@ -233,33 +353,66 @@ class KVCacheManager:
         if state is None:
             return
         for g, pool in self._pools.items():
-            pool.free(reversed(state.pages[g]))
+            pool.free(reversed(state.held(g)))
 
     # ---- queries ----
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
 
     def page_ids(self, request_id: str) -> dict[str, list[int]]:
-        """Group name -> page ids held by the request, in token order (a copy). KeyError if unknown."""
+        """Group name -> the request's page list, one entry per page of its context in token order
+        (a copy; a window group shows the null page where its pages were released). KeyError if
+        unknown."""
         state = self._requests.get(request_id)
         if state is None:
             raise KeyError(f"unknown request {request_id!r} (not allocated, or already freed)")
         return {g: list(p) for g, p in state.pages.items()}
+
+    def next_release_at(self, request_id: str) -> int:
+        """The ``num_computed_tokens`` from which an ``allocate_slots`` would release a window page
+        of this request (``NO_RELEASE`` when none can), so callers may skip calls before then."""
+        state = self._requests.get(request_id)
+        if state is None:
+            raise KeyError(f"unknown request {request_id!r} (not allocated, or already freed)")
+        if not self._windowed:
+            return NO_RELEASE
+        points = [
+            release_point(state.first_live[g], self.specs[g].sliding_window or 0, self.page_size)
+            for g in self._windowed
+            if state.first_live[g] < len(state.pages[g])
+        ]
+        return min(points, default=NO_RELEASE)
+
+    def max_pages_per_request(self, num_tokens: int, max_step_tokens: int) -> dict[str, int]:
+        """Group -> the most pages one request of ``num_tokens`` tokens holds at once, computing at
+        most ``max_step_tokens`` per step (kvcache/sliding_window.py)."""
+        return {
+            g: max_pages_held(num_tokens, self.page_size, w, max_step_tokens)
+            for g, w in self.windows.items()
+        }
+
+    def fits_alone(self, num_tokens: int, max_step_tokens: int) -> bool:
+        """Whether one request of ``num_tokens`` tokens fits in every group of an empty cache."""
+        need = self.max_pages_per_request(num_tokens, max_step_tokens)
+        return all(need[g] <= pool.num_usable for g, pool in self._pools.items())
 
     def num_free_pages(self, group: str) -> int:
         """Pages of ``group`` an allocation could take now: plain free plus evictable."""
         return self._pools[group].num_free
 
     def stats(self) -> KVCacheStats:
-        """A snapshot of page counts per group and the reuse counters."""
+        """A snapshot of page counts and interval peaks per group, and the reuse counters."""
         groups = {
             g: PoolGroupStats(
                 total=pool.num_usable,
                 free=pool.num_free,
                 used=pool.num_used,
                 evictable=pool.num_evictable,
-                peak_used=self._peak_used[g],
+                peak_used=pool.peak_used,
                 evictions=pool.num_evictions,
+                peak_evictable=pool.peak_evictable,
+                free_low_water=pool.free_low_water,
+                sliding_window=self.windows[g],
             )
             for g, pool in self._pools.items()
         }
@@ -267,19 +420,17 @@ class KVCacheManager:
         return KVCacheStats(groups, r.queries, r.hit_tokens, r.miss_tokens, 0, len(self._requests))
 
     def reset_peak(self) -> None:
-        """Start a new stats interval: each group's peak becomes its current usage."""
-        for g, pool in self._pools.items():
-            self._peak_used[g] = pool.num_used
+        """Start a new stats interval: every group's peaks (used, evictable, free low-water) become
+        the current counts."""
+        for pool in self._pools.values():
+            pool.reset_peaks()
 
     def check_integrity(self) -> None:
-        """Verify every accounting invariant; raise RuntimeError naming the first one broken."""
+        """Verify every accounting invariant of every group; raise RuntimeError naming the first
+        one broken."""
         for g, pool in self._pools.items():
             holders: Counter[int] = Counter()
             for rid, state in self._requests.items():
-                state.check(rid, g, pool)
-                holders.update(state.pages[g])
+                state.check(rid, g, pool, windowed=self.windows[g] is not None)
+                holders.update(state.held(g))
             pool.check_integrity(holders, name=f"pool group {g!r}")
-            if self._peak_used[g] < pool.num_used:
-                raise RuntimeError(
-                    f"{g}: peak {self._peak_used[g]} below current usage {pool.num_used}"
-                )

@@ -10,6 +10,9 @@ States of a usable page (page 0, the null page, is in none of them and never cha
 Every page with ref count 0 is in the free queue. Evictable pages join it at the tail (kept as long as
 possible); plain free pages join at the head (handed out before any cached page is evicted).
 This class knows nothing about requests: the manager says which pages to take and release.
+
+Interval peaks (since construction or the last ``reset_peaks``): the most pages used at once, the
+most evictable at once, and the fewest plain free (neither used nor cached) at once.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ class PagePool:
             self._free_queue.append(page_id)
         self._num_evictable = 0
         self.num_evictions = 0  # cached pages whose hash was dropped to make room
+        self.peak_used = 0
+        self.peak_evictable = 0
+        self.free_low_water = self.num_usable
 
     # ---- counts (pages) ----
     @property
@@ -54,6 +60,17 @@ class PagePool:
     @property
     def num_used(self) -> int:
         return self.num_usable - self.num_free
+
+    @property
+    def num_plain_free(self) -> int:
+        """Pages neither held nor cached: what an allocation takes before evicting anything."""
+        return self.num_free - self._num_evictable
+
+    def reset_peaks(self) -> None:
+        """Start a new stats interval: every peak becomes the current count."""
+        self.peak_used = self.num_used
+        self.peak_evictable = self._num_evictable
+        self.free_low_water = self.num_plain_free
 
     def ref_count(self, page_id: int) -> int:
         return self._ref_counts[page_id]
@@ -113,6 +130,11 @@ class PagePool:
                 self.num_evictions += 1
             self._ref_counts[page_id] = 1
             pages.append(page_id)
+        free = len(self._free_queue)
+        if self.num_usable - free > self.peak_used:
+            self.peak_used = self.num_usable - free
+        if free - self._num_evictable < self.free_low_water:
+            self.free_low_water = free - self._num_evictable
         return pages
 
     def touch(self, page_id: int) -> None:
@@ -123,6 +145,7 @@ class PagePool:
         if self._ref_counts[page_id] == 0:
             self._free_queue.remove(page_id)
             self._num_evictable -= 1
+            self.peak_used = max(self.peak_used, self.num_used)
         self._ref_counts[page_id] += 1
 
     def free(self, page_ids: Iterable[int]) -> None:
@@ -144,6 +167,8 @@ class PagePool:
                 else:
                     self._free_queue.append(page_id)
                     self._num_evictable += 1
+        if self._num_evictable > self.peak_evictable:
+            self.peak_evictable = self._num_evictable
 
     def _check_page(self, page_id: int) -> None:
         if page_id == NULL_PAGE or not 0 < page_id < self.num_pages:
@@ -191,3 +216,9 @@ class PagePool:
         used = sum(1 for p in range(1, self.num_pages) if self._ref_counts[p] > 0)
         if used + self.num_free != self.num_usable:
             fail(f"free {self.num_free} + used {used} != usable {self.num_usable}")
+        if self.peak_used < used:
+            fail(f"peak used {self.peak_used} below current usage {used}")
+        if self.peak_evictable < evictable:
+            fail(f"peak evictable {self.peak_evictable} below current {evictable}")
+        if self.free_low_water > self.num_plain_free:
+            fail(f"free low-water {self.free_low_water} above current {self.num_plain_free}")

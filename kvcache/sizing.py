@@ -5,9 +5,13 @@ The arithmetic is pure (numbers in, numbers out) so it is tested on any machine;
 profiling forward pass measured the activation peak:
 
     budget = device_kv_budget(cuda_free_bytes(dev), fraction=0.9, weights_bytes=0, activation_peak_bytes=peak)
-    specs = size_pool_groups(templates, budget, max_tokens=max_model_len * max_num_seqs)
+    need = pages_per_request(templates, max_model_len, prefill_chunk_size)
+    specs = size_pool_groups(templates, budget, need, max_requests=max_num_seqs)
+    check_one_request_fits(specs, need, max_model_len)
 
-and on CPU ``size_pool_groups(templates, cpu_budget_bytes, ...)``.
+and on CPU ``size_pool_groups(templates, cpu_budget_bytes, ...)``. Without ``pool_ratios`` the budget
+splits by each group's bytes per token times the tokens one request holds there: max_model_len in a
+full-attention group, about window + chunk in a sliding-window group.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import dataclasses
 
 import torch
 
+from kvcache.sliding_window import max_pages_held
 from kvcache.spec import PoolGroupSpec
 
 
@@ -53,30 +58,65 @@ def device_kv_budget(
     return int(remaining * fraction)
 
 
-def split_budget(
-    budget_bytes: int, page_bytes: dict[str, int], pool_ratios: dict[str, float] | None
-) -> dict[str, int]:
-    """Pages per group (null page included) that fit in ``budget_bytes``.
+class KVSizingError(ValueError):
+    """A KV cache that cannot be sized as asked. ``setting`` names what the caller should change:
+    ``"pool_ratio"``, ``"budget"`` (the memory budget or the page count) or ``"max_model_len"``."""
 
-    Without ratios every group gets the same number of pages (what full-attention groups need, since
-    a request holds as many pages in each). With ratios, group g gets ``ratio_g / sum(ratios)`` of
-    the bytes.
-    """
+    def __init__(self, setting: str, message: str) -> None:
+        self.setting = setting
+        super().__init__(message)
+
+
+def pages_per_request(
+    templates: list[PoolGroupSpec], max_model_len: int, max_step_tokens: int
+) -> dict[str, int]:
+    """Group -> the most pages one request of ``max_model_len`` tokens holds there at once, when a
+    step computes at most ``max_step_tokens`` (the prefill chunk): its whole context in a full
+    group, about (window + chunk) / page_size in a window group (kvcache/sliding_window.py)."""
+    return {
+        t.name: max_pages_held(max_model_len, t.page_size, t.sliding_window, max_step_tokens)
+        for t in templates
+    }
+
+
+def budget_shares(
+    templates: list[PoolGroupSpec],
+    request_pages: dict[str, int],
+    pool_ratios: dict[str, float] | None = None,
+) -> dict[str, float]:
+    """How the budget splits between groups: ``pool_ratios`` when given (it must name exactly the
+    groups, each share > 0), else each group's bytes per token times the tokens one request holds
+    there (``request_pages``), so that every group fits the same number of longest requests."""
+    names = [t.name for t in templates]
+    if pool_ratios is None:
+        return {t.name: float(t.page_bytes * request_pages[t.name]) for t in templates}
+    unknown = sorted(set(pool_ratios) - set(names))
+    missing = sorted(set(names) - set(pool_ratios))
+    if unknown or missing:
+        said = f"names {unknown}, which the model does not have" if unknown else ""
+        lacks = f"lacks {missing}" if missing else ""
+        raise KVSizingError(
+            "pool_ratio",
+            f"pool_ratio {' and '.join(x for x in (said, lacks) if x)}; the model's pool groups "
+            f"are {names}",
+        )
+    bad = sorted(g for g, r in pool_ratios.items() if not r > 0)
+    if bad:
+        raise KVSizingError("pool_ratio", f"pool_ratio shares must be > 0, got <= 0 for {bad}")
+    return dict(pool_ratios)
+
+
+def split_budget(
+    budget_bytes: int, page_bytes: dict[str, int], shares: dict[str, float]
+) -> dict[str, int]:
+    """Pages per group (null page included) when group g gets ``shares[g] / sum(shares)`` of the
+    bytes."""
     if budget_bytes < 0:
         raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
     if any(b <= 0 for b in page_bytes.values()):
         raise ValueError(f"page sizes in bytes must be > 0, got {page_bytes}")
-    if pool_ratios is None:
-        pages = budget_bytes // sum(page_bytes.values())
-        return {g: pages for g in page_bytes}
-    if set(pool_ratios) != set(page_bytes):
-        raise ValueError(
-            f"pool_ratios must name exactly the groups {sorted(page_bytes)}, got {sorted(pool_ratios)}"
-        )
-    if any(r <= 0 for r in pool_ratios.values()):
-        raise ValueError(f"pool ratios must be > 0, got {pool_ratios}")
-    total = sum(pool_ratios.values())
-    return {g: int(budget_bytes * pool_ratios[g] / total) // page_bytes[g] for g in page_bytes}
+    total = sum(shares.values())
+    return {g: int(budget_bytes * shares[g] / total) // page_bytes[g] for g in page_bytes}
 
 
 def cap_pages_by_tokens(num_pages: int, max_tokens: int | None, page_size: int) -> int:
@@ -91,6 +131,9 @@ def cap_pages_by_tokens(num_pages: int, max_tokens: int | None, page_size: int) 
 def size_pool_groups(
     templates: list[PoolGroupSpec],
     budget_bytes: int,
+    request_pages: dict[str, int],
+    *,
+    max_requests: int | None = None,
     max_tokens: int | None = None,
     pool_ratios: dict[str, float] | None = None,
 ) -> list[PoolGroupSpec]:
@@ -99,20 +142,45 @@ def size_pool_groups(
     Args:
         templates: one spec per group; everything but ``num_pages`` is final.
         budget_bytes: bytes for all KV storage, null pages included.
-        max_tokens: cap on tokens the cache must ever hold (None: no cap).
-        pool_ratios: optional byte split between groups (see ``split_budget``).
+        request_pages: group -> pages one longest request holds there (``pages_per_request``).
+        max_requests: cap: no group gets more than this many longest requests' pages.
+        max_tokens: cap on the tokens any group holds (None: no cap).
+        pool_ratios: optional byte split between groups (``budget_shares``).
 
-    Raises ValueError when a group would get fewer than 2 pages (null page + one usable).
+    Raises KVSizingError when a group would get fewer than 2 pages (null page + one usable), or
+    for a bad ``pool_ratios``.
     """
-    page_bytes = {t.name: t.page_bytes for t in templates}
-    pages = split_budget(budget_bytes, page_bytes, pool_ratios)
+    shares = budget_shares(templates, request_pages, pool_ratios)
+    pages = split_budget(budget_bytes, {t.name: t.page_bytes for t in templates}, shares)
     sized: list[PoolGroupSpec] = []
     for t in templates:
         n = cap_pages_by_tokens(pages[t.name], max_tokens, t.page_size)
+        if max_requests is not None:
+            n = min(n, max_requests * request_pages[t.name] + 1)
         if n < 2:
-            raise ValueError(
-                f"pool group {t.name!r}: budget of {budget_bytes} B gives {n} pages of {t.page_bytes} B; "
-                "need at least 2 (the null page and one usable page)"
+            raise KVSizingError(
+                "pool_ratio" if pool_ratios is not None else "budget",
+                f"pool group {t.name!r}: a budget of {budget_bytes} B gives it {n} pages of "
+                f"{t.page_bytes} B; need at least 2 (the null page and one usable page)",
             )
         sized.append(dataclasses.replace(t, num_pages=n))
     return sized
+
+
+def check_one_request_fits(
+    specs: list[PoolGroupSpec], request_pages: dict[str, int], max_model_len: int
+) -> None:
+    """Raise KVSizingError unless every group holds one request of ``max_model_len`` tokens."""
+    short = [s for s in specs if s.usable_pages < request_pages[s.name]]
+    if short:
+        detail = "; ".join(
+            f"group {s.name!r} has {s.usable_pages} usable pages, one request needs "
+            f"{request_pages[s.name]}"
+            for s in short
+        )
+        raise KVSizingError(
+            "budget",
+            f"one request of max_model_len={max_model_len} tokens cannot fit: {detail}. Give the "
+            "KV cache more memory or pages, lower max_model_len, or shift pool_ratio toward "
+            "those groups",
+        )

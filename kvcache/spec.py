@@ -12,7 +12,12 @@ contiguous page ids merge into one fragment. Attention kernels see one layer thr
 page: the NHD mapper kind).
 
 Page 0 of every pool is the reserved null page: never handed to a request, used as padding in page
-tables so kernels never index out of bounds.
+tables so kernels never index out of bounds, and in a sliding-window group's page list for the
+positions whose page was released (they left the window): page lists stay aligned with token
+positions (entry i holds tokens i*page_size .. (i+1)*page_size - 1), so kernels index by position.
+
+Group names: ``"full"`` for full attention, ``"swa_<window>"`` for a sliding window of that many
+tokens (``group_name``); configs (``kvcache.pool_ratio``) and logs use them.
 """
 
 from __future__ import annotations
@@ -23,6 +28,12 @@ from dataclasses import dataclass, field
 import torch
 
 NULL_PAGE = 0
+FULL_GROUP = "full"
+
+
+def group_name(sliding_window: int | None) -> str:
+    """The pool group of layers with this attention window (None: full attention)."""
+    return FULL_GROUP if sliding_window is None else f"swa_{sliding_window}"
 
 
 class MapperKind(str, enum.Enum):
@@ -41,7 +52,9 @@ KV_ROLES: frozenset[str] = frozenset({"key", "value"})
 class PoolGroupSpec:
     """One pool group: layers that share a page life cycle (full attention, or one window size).
 
-    ``sliding_window`` is None for full attention. ``num_pages`` counts the null page.
+    ``sliding_window`` is None for full attention; W means a query at position p attends to keys
+    p - W + 1 .. p (W tokens, itself included: transformers' ``kv_idx > q_idx - W``). ``num_pages``
+    counts the null page.
     """
 
     name: str
@@ -66,6 +79,10 @@ class PoolGroupSpec:
             )
         if not self.layer_ids:
             raise ValueError(f"pool group {self.name!r}: layer_ids must not be empty")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(
+                f"pool group {self.name!r}: sliding_window must be >= 1 or None, got {self.sliding_window}"
+            )
 
     @property
     def num_layers(self) -> int:

@@ -9,8 +9,13 @@ from dataclasses import dataclass, field
 class PoolGroupStats:
     """Page counts of one pool group (all in pages; the null page is never counted).
 
-    ``free`` includes ``evictable`` (cached pages nobody holds), so ``free + used == total``.
-    ``peak_used`` is the most pages held at once since the last ``reset_peak``.
+    ``free`` is what an allocation may take: plain free pages plus ``evictable`` ones (cached pages
+    nobody holds), so ``free + used == total``; ``plain_free = free - evictable``.
+
+    Interval peaks, since the last ``KVCacheManager.reset_peak()`` (call it once per stats
+    interval): ``peak_used`` is the most pages held at once, ``peak_evictable`` the most cached
+    pages nobody held at once, and ``free_low_water`` the fewest plain free pages at once (0: the
+    interval ran out of plain free pages and evicted cached ones, or came close).
     """
 
     total: int
@@ -19,10 +24,18 @@ class PoolGroupStats:
     evictable: int
     peak_used: int
     evictions: int  # cached pages dropped from the index to make room, since construction
+    peak_evictable: int
+    free_low_water: int
+    sliding_window: int | None = None  # the group's window in tokens; None for full attention
 
     @property
     def usage(self) -> float:
         return self.used / self.total if self.total else 0.0
+
+    @property
+    def plain_free(self) -> int:
+        """Pages neither held nor cached."""
+        return self.free - self.evictable
 
 
 @dataclass

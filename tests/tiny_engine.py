@@ -20,12 +20,14 @@ PAGE = 4
 
 
 def tiny_engine(num_pages: int) -> LLMEngine:
+    """An engine of ``num_pages`` pages (the null page included); its max_model_len is what they
+    hold, up to 256 (an engine refuses to start when one longest request cannot fit)."""
     cfg = EngineConfig(
         load_format="dummy",
         dummy_config=TINY,
         num_pages=num_pages,
         page_size=PAGE,
-        max_model_len=256,
+        max_model_len=min(256, (num_pages - 1) * PAGE),
     )
     return LLMEngine.from_config(cfg)
 

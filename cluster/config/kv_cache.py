@@ -12,9 +12,12 @@ MAX_PAGE_SIZE = 1024
 
 
 class KVCacheConfig(Section):
-    """Each worker's paged KV cache. Sizing: ``num_pages`` when given, else the memory budget of
-    the worker's device (``cpu_bytes`` on CPU, ``gpu_memory_fraction`` on GPU), capped by
-    ``max_tokens``."""
+    """Each worker's paged KV cache: one pool group per attention window of the model ("full";
+    "swa_<window>" for sliding-window layers). Sizing: ``num_pages`` per group when given, else the
+    memory budget of the worker's device (``cpu_bytes`` on CPU, ``gpu_memory_fraction`` on GPU)
+    split between the groups (``pool_ratio``), capped by ``max_tokens``. A worker logs its pages per
+    group at start-up and refuses to start when one request of ``model.max_model_len`` tokens does
+    not fit in some group."""
 
     page_size: int = Field(
         16, description=f"Tokens per page: a power of two from 1 to {MAX_PAGE_SIZE}."
@@ -24,7 +27,7 @@ class KVCacheConfig(Section):
         ge=2,
         description=(
             "Exact pages per pool group, counting the reserved null page; "
-            "excludes cpu_bytes and gpu_memory_fraction."
+            "excludes cpu_bytes, gpu_memory_fraction and pool_ratio."
         ),
     )
     cpu_bytes: ByteSize = Field(
@@ -54,9 +57,20 @@ class KVCacheConfig(Section):
     pool_ratio: dict[str, float] | None = Field(
         None,
         description=(
-            'Share of the budget per pool group, e.g. {"full": 3, "swa_4096": 1}; normalised. '
-            "None = in proportion to each group's bytes per token. Not supported yet (every "
-            "model runs one pool group today): any value but None is refused."
+            'Share of the budget per pool group, e.g. {"full": 3, "swa_4096": 1}; normalised; '
+            "must name exactly the model's groups (a worker refuses to start otherwise, listing "
+            "them). None = each group's bytes per token times the tokens one request holds there "
+            "(model.max_model_len in full; window + prefill chunk in a window group)."
+        ),
+    )
+    swa_scratch_reuse: bool = Field(
+        False,
+        description=(
+            "During a long chunked prefill, rewrite the out-of-window pages of sliding-window "
+            "groups in place instead of taking new ones: the prefill touches about "
+            "(window + chunk) / page_size pages of such a group whatever the prompt length, and "
+            "evicts no cached prefixes; a window group then caches only the last window of "
+            "each prompt, so a later prompt sharing only part of a long one recomputes it."
         ),
     )
     host_tier_bytes: ByteSize = Field(
@@ -84,10 +98,6 @@ class KVCacheConfig(Section):
             bad = sorted(name for name, share in value.items() if share <= 0)
             if bad:
                 raise ValueError(f"shares must be > 0, got <= 0 for {bad}")
-            # Until sliding-window pool groups land (issue 25), nothing would read it.
-            raise ValueError(
-                "not supported yet: every model runs one pool group today; leave it out"
-            )
         return value
 
     @field_validator("host_tier_bytes")
@@ -104,6 +114,14 @@ class KVCacheConfig(Section):
             # Only an explicit budget conflicts; the defaults simply do not apply.
             for budget in sorted({"cpu_bytes", "gpu_memory_fraction"} & self.model_fields_set):
                 issues.append((budget, "not allowed together with num_pages (pick one sizing)"))
+            if self.pool_ratio is not None:
+                issues.append(
+                    (
+                        "pool_ratio",
+                        "splits a memory budget; with num_pages every group gets num_pages pages "
+                        "(pick one sizing)",
+                    )
+                )
         check_fields(issues)
         return self
 

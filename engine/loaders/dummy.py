@@ -61,7 +61,8 @@ DUMMY_STD = 0.02
 
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int, std: float = DUMMY_STD) -> None:
-    """Fill every parameter deterministically from ``seed``: norm weights 1, everything else N(0, std).
+    """Fill every parameter deterministically from ``seed``: norm weights the identity scale (1, or
+    0 for Gemma's (1 + w) norms), everything else N(0, std).
 
     A small std keeps the residual stream and the logits finite at any depth. Values depend on the
     seed and the device (CPU and CUDA generators differ), not on anything else.
@@ -69,7 +70,9 @@ def init_dummy_weights(model: nn.Module, seed: int, std: float = DUMMY_STD) -> N
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
-            param.fill_(1.0)
+        owner, _, attr = name.rpartition(".")
+        identity = getattr(model.get_submodule(owner), "identity_weight", None)
+        if identity is not None and attr == "weight":
+            param.fill_(identity)
         else:
             param.normal_(0.0, std, generator=generator)

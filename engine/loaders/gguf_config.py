@@ -7,7 +7,15 @@ from typing import Any
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-from engine.model_config import SUPPORTED_MODEL_TYPES, ModelConfig, RopeScaling
+from engine.model_config import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    ModelConfig,
+    RopeScaling,
+)
+
+# gemma3_text is not read from GGUF (llama.cpp stores its norms as 1 + w, among other changes).
+GGUF_ARCHITECTURES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
 
 _MISSING = object()
 
@@ -24,9 +32,9 @@ def gguf_field(reader: GGUFReader, key: str, default: Any = _MISSING) -> Any:
 
 def gguf_architecture(reader: GGUFReader) -> str:
     arch = gguf_field(reader, "general.architecture")
-    if arch not in SUPPORTED_MODEL_TYPES:
+    if arch not in GGUF_ARCHITECTURES:
         raise ValueError(
-            f"GGUF architecture {arch!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}"
+            f"GGUF architecture {arch!r} is not supported; expected one of {GGUF_ARCHITECTURES}"
         )
     return arch
 
@@ -70,10 +78,34 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
         attention_bias=has_qkv_bias,
         attention_out_bias="blk.0.attn_output.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
-        sliding_window=None,
+        **_windows(reader, arch, int(key("block_count"))),
         bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id", None),
         eos_token_ids=(int(eos),) if eos is not None else (),
     )
+
+
+def _windows(reader: GGUFReader, arch: str, num_layers: int) -> dict[str, Any]:
+    """``sliding_window`` and ``layer_types`` from ``{arch}.attention.sliding_window`` and, when
+    present, ``{arch}.attention.sliding_window_pattern`` (a bool per layer, true = sliding; or an
+    int N: every Nth layer full, as llama.cpp reads it); a window without a pattern covers every
+    layer."""
+    window = gguf_field(reader, f"{arch}.attention.sliding_window", None)
+    if not window:
+        return {"sliding_window": None, "layer_types": ()}
+    pattern = gguf_field(reader, f"{arch}.attention.sliding_window_pattern", None)
+    if pattern is None:
+        return {"sliding_window": int(window), "layer_types": ()}
+    if isinstance(pattern, list):
+        if len(pattern) != num_layers:
+            raise ValueError(
+                f"GGUF {arch}.attention.sliding_window_pattern has {len(pattern)} entries for "
+                f"{num_layers} layers"
+            )
+        sliding = [bool(x) for x in pattern]
+    else:
+        sliding = [(i + 1) % int(pattern) != 0 for i in range(num_layers)]
+    types = tuple(SLIDING_ATTENTION if s else FULL_ATTENTION for s in sliding)
+    return {"sliding_window": int(window), "layer_types": types}
 
 
 def _rope_scaling(reader: GGUFReader, arch: str) -> RopeScaling | None:

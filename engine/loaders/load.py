@@ -19,7 +19,7 @@ from engine.loaders.source import (
     is_default,
     model_name,
 )
-from engine.model import LlamaForCausalLM
+from engine.model import PagedCausalLMBase, model_class
 from engine.model_config import ModelConfig
 from engine.tokenizer import Tokenizer
 
@@ -27,7 +27,7 @@ from engine.tokenizer import Tokenizer
 @dataclass(frozen=True)
 class LoadedModel:
     config: ModelConfig
-    model: LlamaForCausalLM
+    model: PagedCausalLMBase
     tokenizer: Tokenizer | None
     """None when the source has no tokenizer (dummy configs): callers pass token ids."""
     name: str
@@ -91,14 +91,14 @@ def _load_gguf(
     from engine.loaders.gguf_weights import iter_gguf_weights
 
     reader, config, tokenizer = _open_gguf(path)
-    model = LlamaForCausalLM.build(config, dtype, device)
+    model = model_class(config).build(config, dtype, device)
     model.load_weights(iter_gguf_weights(reader, config))
     return LoadedModel(config, model, tokenizer, name)
 
 
 def _load_hf(path: Path, name: str, dtype: torch.dtype, device: torch.device | str) -> LoadedModel:
     config = config_from_hf_dir(path)
-    model = LlamaForCausalLM.build(config, dtype, device)
+    model = model_class(config).build(config, dtype, device)
     model.load_weights(iter_safetensors_weights(path))
     return LoadedModel(config, model, tokenizer_from_hf_dir(path, config), name)
 
@@ -139,6 +139,6 @@ def _load_dummy(
         else:
             config = config_from_hf_dir(path)
             tokenizer = tokenizer_from_hf_dir(path, config)
-    model = LlamaForCausalLM.build(config, dtype, device)
+    model = model_class(config).build(config, dtype, device)
     init_dummy_weights(model, seed)
     return LoadedModel(config, model, tokenizer, name)

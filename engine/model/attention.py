@@ -11,19 +11,35 @@ from engine.model.norm import RMSNorm
 from engine.model.rotary import apply_rotary
 from engine.model_config import ModelConfig
 from kernels import paged_decode_attention, paged_prefill_attention, store_kv
+from kvcache.spec import FULL_GROUP
 
 
 class PagedAttention(nn.Module):
     """One layer's attention. The new tokens' K/V go to their slots first, then attention reads the
-    whole context (cached prefix, earlier chunks and the new tokens) from the pages."""
+    whole context (cached prefix, earlier chunks and the new tokens) from the pages.
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None) -> None:
+    Per layer: ``sliding_window`` (None: full attention), ``kv_group`` (the pool group holding this
+    layer's pages, whose page table and slot mapping it reads from the batch) and ``softcap`` (of
+    the attention scores; None: none).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype | None = None,
+        *,
+        sliding_window: int | None = None,
+        kv_group: str = FULL_GROUP,
+        softcap: float | None = None,
+    ) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.scale = config.attention_scale
-        self.sliding_window = config.sliding_window
+        self.sliding_window = sliding_window
+        self.kv_group = kv_group
+        self.softcap = softcap
         self.qkv_proj = MergedLinear(
             config.hidden_size,
             (config.q_size, config.kv_size, config.kv_size),
@@ -56,27 +72,30 @@ class PagedAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         k_cache, v_cache = kv_cache
-        store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        store_kv(k, v, k_cache, v_cache, batch.slot_mappings[self.kv_group])
+        page_table = batch.page_tables[self.kv_group]
         if batch.is_decode_only:
             # One new token per sequence: row b of q belongs to sequence b (T == num_seqs).
             out = paged_decode_attention(
                 q,
                 k_cache,
                 v_cache,
-                batch.page_table,
+                page_table,
                 batch.seq_lens,
                 self.scale,
                 self.sliding_window,
+                self.softcap,
             )
         else:
             out = paged_prefill_attention(
                 q,
                 k_cache,
                 v_cache,
-                batch.page_table,
+                page_table,
                 batch.cu_seqlens_q,
                 batch.seq_lens,
                 self.scale,
                 self.sliding_window,
+                self.softcap,
             )
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))

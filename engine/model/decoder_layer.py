@@ -1,4 +1,4 @@
-"""One pre-norm transformer block: attention then SwiGLU MLP, each with a residual connection."""
+"""One pre-norm transformer block: attention then the gated MLP, each with a residual connection."""
 
 from __future__ import annotations
 
@@ -7,20 +7,26 @@ from torch import nn
 
 from engine.forward_batch import ForwardBatch
 from engine.model.attention import PagedAttention
-from engine.model.mlp import SwiGLUMLP
+from engine.model.mlp import GatedMLP
 from engine.model.norm import RMSNorm
 from engine.model_config import ModelConfig
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-        self.self_attn = PagedAttention(config, dtype=dtype)
+        self.self_attn = PagedAttention(
+            config,
+            dtype=dtype,
+            sliding_window=config.layer_window(layer),
+            kv_group=config.kv_group(layer),
+            softcap=config.attn_logit_softcapping,
+        )
         self.post_attention_layernorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, dtype=dtype
         )
-        self.mlp = SwiGLUMLP(config, dtype=dtype)
+        self.mlp = GatedMLP(config, dtype=dtype)
 
     def forward(
         self,

@@ -1,4 +1,4 @@
-"""The SwiGLU feed-forward block of Llama-family models."""
+"""The gated feed-forward block: SwiGLU (Llama family) or GeGLU with tanh GELU (Gemma)."""
 
 from __future__ import annotations
 
@@ -10,15 +10,18 @@ from engine.model.linear import MergedLinear
 from engine.model_config import ModelConfig
 
 
-class SwiGLUMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))``; gate and up share one matmul (shards 0 and 1 of ``gate_up_proj``)."""
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))``, act = silu or tanh-approximated GELU (``config.hidden_act``);
+    gate and up share one matmul (shards 0 and 1 of ``gate_up_proj``)."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         size = config.intermediate_size
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"
         self.gate_up_proj = MergedLinear(config.hidden_size, (size, size), bias=False, dtype=dtype)
         self.down_proj = nn.Linear(size, config.hidden_size, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
-        return self.down_proj(F.silu(gate) * up)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act * up)

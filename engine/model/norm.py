@@ -9,6 +9,8 @@ from torch import nn
 class RMSNorm(nn.Module):
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension."""
 
+    identity_weight = 1.0  # the weight that leaves the normalized input unscaled (dummy init)
+
     def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.eps = eps

@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 import ray
+from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.serve import start_cluster
 from tests.cluster.cluster_fixtures import get_json, local_config, wait_no_pages_held
@@ -172,6 +173,8 @@ def test_iteration_stats_carry_the_intervals_kv_peak(cluster: Any) -> None:
     for r in short:
         group = r["kv"]["groups"]["full"]
         assert group["peak_used"] >= group["used"]
+        assert group["peak_evictable"] >= group["evictable"] and group["sliding_window"] is None
+        assert 0 <= group["free_low_water"] <= group["free"] - group["evictable"]
 
     def peaks() -> list[float]:
         text = httpx.get(cluster.url + "/metrics", timeout=30).text
@@ -188,6 +191,16 @@ def test_iteration_stats_carry_the_intervals_kv_peak(cluster: Any) -> None:
         time.sleep(INTERVAL_S)
     stats = ray.get([w.handle.stats.remote() for w in slots(cluster)], timeout=30)
     assert all(s.kv_interval is not None for s in stats)
+    # The per-pool-group gauges: every worker's "full" group, now and at the last interval's end.
+    text = httpx.get(cluster.url + "/metrics", timeout=30).text
+    families = {f.name: f.samples for f in text_string_to_metric_families(text)}
+    for name in ("kv_cache_pages", "kv_cache_peak_pages", "kv_cache_free_low_water_pages"):
+        series = families["duet:" + name]
+        assert {(x.labels["worker"], x.labels["group"], x.labels["medium"]) for x in series} == {
+            (w.worker_id, "full", "device") for w in slots(cluster)
+        }, name
+    held = [x.value for x in families["duet:kv_cache_pages"] if x.labels["state"] == "used"]
+    assert held == [0.0, 0.0]
 
 
 @pytest.mark.parametrize("cluster", [-1], indirect=True)

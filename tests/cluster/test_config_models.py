@@ -179,19 +179,34 @@ def test_kvcache_sizing_rules() -> None:
     assert KVCacheConfig().max_pages is None
 
 
-def test_settings_of_features_not_there_yet_are_refused_not_ignored() -> None:
-    """kvcache.pool_ratio and kvcache.host_tier_bytes (and resources.num_gpus > 1, below) would
-    change nothing today: a value that asks for them is an error, never silently accepted."""
-    assert issues_of({"kvcache": {"pool_ratio": {"full": 3, "swa": 1}}}) == [
-        "kvcache.pool_ratio: not supported yet: every model runs one pool group today; leave it out"
-    ]
+def test_kvcache_pool_ratio() -> None:
+    ratio = {"full": 3.0, "swa_32": 1.0}
+    assert config_from_dict({"kvcache": {"pool_ratio": ratio}}).kvcache.pool_ratio == ratio
     assert issues_of({"kvcache": {"pool_ratio": {"full": 0}}}) == [
         "kvcache.pool_ratio: shares must be > 0, got <= 0 for ['full']"
     ]
+    assert issues_of({"kvcache": {"pool_ratio": {}}}) == [
+        "kvcache.pool_ratio: must name at least one pool group, or be left out"
+    ]
+    assert issues_of({"kvcache": {"num_pages": 10, "pool_ratio": {"full": 1}}}) == [
+        "kvcache.pool_ratio: splits a memory budget; with num_pages every group gets num_pages "
+        "pages (pick one sizing)"
+    ]
+
+
+def test_settings_of_features_not_there_yet_are_refused_not_ignored() -> None:
+    """kvcache.host_tier_bytes (and resources.num_gpus > 1, above) would change nothing today: a
+    value that asks for them is an error, never silently accepted."""
     assert issues_of({"kvcache": {"host_tier_bytes": "1GiB"}}) == [
         "kvcache.host_tier_bytes: not supported yet (the KV host tier): must be 0, got 1073741824"
     ]
     assert config_from_dict({"kvcache": {"host_tier_bytes": 0, "pool_ratio": None}}).kvcache
+
+
+def test_kvcache_swa_scratch_reuse() -> None:
+    assert KVCacheConfig().swa_scratch_reuse is False
+    assert KVCacheConfig(swa_scratch_reuse=True).swa_scratch_reuse is True
+    assert issues_of({"kvcache": {"swa_scratch_reuse": "sometimes"}})
 
 
 def test_one_request_must_fit_the_kv_cache() -> None:

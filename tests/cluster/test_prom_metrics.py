@@ -8,6 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.messages import PerfRecord
 from cluster.prom_metrics import ServingMetrics
+from kvcache.stats import PoolGroupStats
 from tests.cluster.conftest import decode_timings, prefill_timings
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -127,6 +128,48 @@ def test_worker_gauges_and_running_totals() -> None:
         "duet:kv_transfer_refused_peers_total",
         "duet:kv_transfer_injected_faults_total",
     }
+
+
+def group_stats(**fields: int | None) -> PoolGroupStats:
+    base: dict[str, int | None] = dict(
+        total=10, free=7, used=3, evictable=2, peak_used=5, evictions=0, peak_evictable=4,
+        free_low_water=1,
+    )  # fmt: skip
+    return PoolGroupStats(**{**base, **fields})  # type: ignore[arg-type]
+
+
+def test_per_pool_group_gauges() -> None:
+    """Each pool group of a hybrid worker gets its own series: pages by state now, the last
+    interval's peaks and free low water, and a window group's window."""
+    metrics = ServingMetrics(MODEL)
+    now = {"full": group_stats(), "swa_32": group_stats(used=6, free=4, sliding_window=32)}
+    metrics.set_worker_stats("d0", "decode", 0, 1, 0.3, kv_groups=now)
+    d0 = {"role": "decode", "worker": "d0"}
+    full, swa = {**d0, "group": "full", "medium": "device"}, {**d0, "group": "swa_32"}
+    assert value(metrics, "duet:kv_cache_pages", **full, state="used") == 3
+    assert value(metrics, "duet:kv_cache_pages", **full, state="free") == 7
+    assert value(metrics, "duet:kv_cache_pages", **full, state="evictable") == 2
+    assert value(metrics, "duet:kv_cache_pages", **swa, medium="device", state="used") == 6
+    assert value(metrics, "duet:kv_cache_sliding_window_tokens", **swa) == 32
+    names = {name for name, _ in samples(metrics)}
+    assert "duet:kv_cache_sliding_window_tokens" in names
+    assert not {"duet:kv_cache_peak_pages", "duet:kv_cache_free_low_water_pages"} & names
+    windows = [dict(labels)["group"] for name, labels in samples(metrics) if "window" in name]
+    assert windows == ["swa_32"]  # a full-attention group has no window
+
+    swa_interval = group_stats(peak_used=9, peak_evictable=0, free_low_water=0, sliding_window=32)
+    interval = {"full": group_stats(), "swa_32": swa_interval}
+    metrics.set_worker_stats("d0", "decode", 0, 1, 0.3, kv_groups=now, kv_interval_groups=interval)
+    swa_device = {**swa, "medium": "device"}
+    assert value(metrics, "duet:kv_cache_peak_pages", **full, state="used") == 5
+    assert value(metrics, "duet:kv_cache_peak_pages", **full, state="evictable") == 4
+    assert value(metrics, "duet:kv_cache_peak_pages", **swa_device, state="used") == 9
+    assert value(metrics, "duet:kv_cache_free_low_water_pages", **full) == 1
+    assert value(metrics, "duet:kv_cache_free_low_water_pages", **swa_device) == 0
+
+    metrics.remove_worker("d0", "decode")
+    left = [n for n, labels in samples(metrics) if ("worker", "d0") in labels and "kv_cache" in n]
+    assert left == []
 
 
 def test_rejects_usage_outside_zero_one() -> None:

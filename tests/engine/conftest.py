@@ -107,6 +107,64 @@ TINY_HF_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+# Hybrid models: sliding-window layers (a window of 32 tokens) next to full-attention ones.
+HYBRID_WINDOW = 32
+HYBRID_HF_CONFIGS: dict[str, dict[str, Any]] = {
+    "gemma3": {  # 5 sliding : 1 full, as Gemma 3 (the default sliding_window_pattern of 6)
+        "model_type": "gemma3_text",
+        "vocab_size": TINY_VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "sliding_window": HYBRID_WINDOW,
+        "max_position_embeddings": 512,
+        "query_pre_attn_scalar": 24,  # not head_dim: the scale must come from it
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 4.0},  # full layers only
+        "final_logit_softcapping": 10.0,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+    },
+    "qwen3_swa": {  # layer 0 full, layers 1 and 2 sliding (max_window_layers=1)
+        "model_type": "qwen3",
+        "vocab_size": TINY_VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "use_sliding_window": True,
+        "sliding_window": HYBRID_WINDOW,
+        "max_window_layers": 1,
+        "max_position_embeddings": 512,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+    },
+    "mistral_swa": {  # every layer slides: one window group, no full group
+        "model_type": "mistral",
+        "vocab_size": TINY_VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "sliding_window": HYBRID_WINDOW,
+        "max_position_embeddings": 512,
+        "rope_theta": 10000.0,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+    },
+}
+
+
 def _write_tiny_tokenizer(directory: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -181,6 +239,16 @@ def tiny_hf_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, P
 
 
 @pytest.fixture(scope="session")
+def tiny_hybrid_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny random HF checkpoints with sliding-window layers (HYBRID_HF_CONFIGS)."""
+    root = tmp_path_factory.mktemp("tiny_hybrid")
+    return {
+        name: write_tiny_checkpoint(root / name, cfg, seed=10 + i)
+        for i, (name, cfg) in enumerate(HYBRID_HF_CONFIGS.items())
+    }
+
+
+@pytest.fixture(scope="session")
 def tiny_llama3_dir(tiny_hf_checkpoints: dict[str, Path]) -> Path:
     return tiny_hf_checkpoints["llama3"]
 
@@ -208,8 +276,14 @@ class PagedKV:
             for layer in range(self.buffer.shape[1])
         ]
 
-    def batch(self, steps: Sequence[tuple[Sequence[int], int, Sequence[int]]]) -> ForwardBatch:
-        """One ForwardBatch from (new token ids, tokens already cached, page ids) per sequence; every row is sampled."""
+    def batch(
+        self,
+        steps: Sequence[tuple[Sequence[int], int, Sequence[int]]],
+        groups: Sequence[str] = ("full",),
+    ) -> ForwardBatch:
+        """One ForwardBatch from (new token ids, tokens already cached, page ids) per sequence;
+        every row is sampled. All layers share this one buffer, so every pool group the model's
+        layers name (``groups``) gets the same page table and slots (windows release nothing)."""
         ids, positions, slots, lens, cu = [], [], [], [], [0]
         max_pages = max(len(pages) for _, _, pages in steps)
         table = torch.zeros(len(steps), max_pages, dtype=torch.int32)  # padded with the null page
@@ -225,8 +299,8 @@ class PagedKV:
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64),
             positions=torch.tensor(positions, dtype=torch.int64),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            page_table=table,
+            slot_mappings=dict.fromkeys(groups, torch.tensor(slots, dtype=torch.int64)),
+            page_tables=dict.fromkeys(groups, table),
             seq_lens=torch.tensor(lens, dtype=torch.int32),
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
             max_query_len=max(len(new_ids) for new_ids, _, _ in steps),

@@ -127,6 +127,7 @@ def make_tiny_engine(tiny_llama3_loaded: LoadedModel) -> Iterator[Callable[..., 
             "max_num_seqs": 8,
             "max_num_batched_tokens": 64,
             "prefill_chunk_size": 32,
+            "max_model_len": 128,  # 32 pages: one request fits (the engine refuses to start else)
         }
         fields.update(kwargs)
         engine = LLMEngine.from_loaded(tiny_llama3_loaded, EngineConfig(model="tiny", **fields))

@@ -24,17 +24,17 @@ def test_chunked_prefill_then_decode_batches() -> None:
 
     out = sched.schedule()  # a: [0, 6), b: [0, 2)
     batch = builder.build(out)
-    assert a.page_ids == [1, 2] and b.page_ids == [3]
+    assert a.page_ids == {"full": [1, 2]} and b.page_ids == {"full": [3]}
     assert ints(batch.input_ids) == list(range(100, 106)) + [200, 201]
     assert ints(batch.positions) == [0, 1, 2, 3, 4, 5, 0, 1]
-    assert ints(batch.slot_mapping) == [4, 5, 6, 7, 8, 9, 12, 13]
-    assert ints(batch.page_table) == [[1, 2], [3, 0]]
+    assert ints(batch.slot_mappings["full"]) == [4, 5, 6, 7, 8, 9, 12, 13]
+    assert ints(batch.page_tables["full"]) == [[1, 2], [3, 0]]
     assert ints(batch.seq_lens) == [6, 2] and ints(batch.cu_seqlens_q) == [0, 6, 8]
     assert (
         batch.max_query_len == 6 and ints(batch.logits_indices) == [] and not batch.is_decode_only
     )
-    assert batch.input_ids.dtype == torch.int64 and batch.slot_mapping.dtype == torch.int64
-    assert batch.page_table.dtype == torch.int32 and batch.seq_lens.dtype == torch.int32
+    assert batch.input_ids.dtype == torch.int64 and batch.slot_mappings["full"].dtype == torch.int64
+    assert batch.page_tables["full"].dtype == torch.int32 and batch.seq_lens.dtype == torch.int32
     assert batch.cu_seqlens_q.dtype == torch.int32 and batch.logits_indices.dtype == torch.int64
     sched.update(out, [])
 
@@ -42,11 +42,11 @@ def test_chunked_prefill_then_decode_batches() -> None:
         sched.schedule()
     )  # a: [6, 10) into a new third page, b: [2, 3); both complete their prompt
     batch = builder.build(out)
-    assert a.page_ids == [1, 2, 4]
+    assert a.page_ids == {"full": [1, 2, 4]}
     assert ints(batch.input_ids) == [106, 107, 108, 109, 202]
     assert ints(batch.positions) == [6, 7, 8, 9, 2]
-    assert ints(batch.slot_mapping) == [10, 11, 16, 17, 14]
-    assert ints(batch.page_table) == [[1, 2, 4], [3, 0, 0]]
+    assert ints(batch.slot_mappings["full"]) == [10, 11, 16, 17, 14]
+    assert ints(batch.page_tables["full"]) == [[1, 2, 4], [3, 0, 0]]
     assert ints(batch.seq_lens) == [10, 3] and ints(batch.cu_seqlens_q) == [0, 4, 5]
     assert ints(batch.logits_indices) == [3, 4]
     sched.update(out, [71, 72])
@@ -54,8 +54,8 @@ def test_chunked_prefill_then_decode_batches() -> None:
     out = sched.schedule()  # decode: one token each, at positions 10 and 3
     batch = builder.build(out)
     assert ints(batch.input_ids) == [71, 72] and ints(batch.positions) == [10, 3]
-    assert ints(batch.slot_mapping) == [18, 15]
-    assert ints(batch.page_table) == [[1, 2, 4], [3, 0, 0]]
+    assert ints(batch.slot_mappings["full"]) == [18, 15]
+    assert ints(batch.page_tables["full"]) == [[1, 2, 4], [3, 0, 0]]
     assert ints(batch.seq_lens) == [11, 4] and ints(batch.cu_seqlens_q) == [0, 1, 2]
     assert ints(batch.logits_indices) == [0, 1] and batch.is_decode_only
 
@@ -73,23 +73,54 @@ def test_only_requests_completing_their_tokens_are_sampled() -> None:
 
 
 def test_page_table_rows_sync_release_and_grow() -> None:
-    rows = PageTableRows(max_pages_per_seq=4, num_rows=2)
+    rows = PageTableRows(["full"], max_pages_per_seq=4, num_rows=2)
+    table = lambda: rows.tables["full"]  # noqa: E731 (the table is replaced when it grows)
     reqs = [make_request(f"r{i}", 3) for i in range(3)]
     for i, r in enumerate(reqs):
-        r.page_ids = [10 * i + 1]
+        r.page_ids = {"full": [10 * i + 1]}
     assert [rows.row(r) for r in reqs] == [0, 1, 2]  # the third row grows the table
-    assert rows.table.shape == (4, 4) and len(rows) == 3
-    reqs[1].page_ids = [11, 12, 13]
+    assert table().shape == (4, 4) and len(rows) == 3
+    reqs[1].page_ids = {"full": [11, 12, 13]}
     assert rows.row(reqs[1]) == 1
-    assert rows.table[:3].tolist() == [[1, 0, 0, 0], [11, 12, 13, 0], [21, 0, 0, 0]]
+    assert table()[:3].tolist() == [[1, 0, 0, 0], [11, 12, 13, 0], [21, 0, 0, 0]]
     rows.release("r1")
-    assert rows.table[1].tolist() == [0, 0, 0, 0] and len(rows) == 2
+    assert table()[1].tolist() == [0, 0, 0, 0] and len(rows) == 2
     rows.row(reqs[1])
-    assert rows.table[1].tolist() == [11, 12, 13, 0]  # re-added after release: rewritten
-    reqs[1].page_ids = [7]  # fewer pages than synced: the row is rewritten, not appended to
+    assert table()[1].tolist() == [11, 12, 13, 0]  # re-added after release: rewritten
+    reqs[1].page_ids = {"full": [7]}  # fewer pages than synced: rewritten, not appended to
     rows.row(reqs[1])
-    assert rows.table[1].tolist() == [7, 0, 0, 0]
+    assert table()[1].tolist() == [7, 0, 0, 0]
     rows.release("unknown")  # late releases are a no-op
+
+
+def test_window_rows_show_released_pages_as_null() -> None:
+    rows = PageTableRows(["full", "swa_8"], max_pages_per_seq=6, num_rows=2)
+    r = make_request("r", 3)
+    r.page_ids = {"full": [1, 2, 3], "swa_8": [4, 5, 6]}
+    assert rows.row(r) == 0
+    r.page_ids = {"full": [1, 2, 3, 7, 8], "swa_8": [0, 0, 6, 4, 5]}  # two released, reused
+    rows.row(r)
+    assert rows.tables["full"][0].tolist() == [1, 2, 3, 7, 8, 0]
+    assert rows.tables["swa_8"][0].tolist() == [0, 0, 6, 4, 5, 0]
+    r.page_ids = {"full": [1, 2, 3, 7, 8], "swa_8": [0, 0, 0, 4, 5]}  # one more released
+    rows.row(r)
+    assert rows.tables["swa_8"][0].tolist() == [0, 0, 0, 4, 5, 0]
+    rows.release("r")
+    assert rows.tables["swa_8"][0].tolist() == [0] * 6
+
+
+def test_batch_has_a_page_table_and_slots_per_group() -> None:
+    builder = BatchBuilder(4, 8, groups=["full", "swa_4"])
+    r = make_request("r", list(range(12)))
+    r.num_computed_tokens = 8  # a chunk of 4 new tokens at positions 8..11
+    r.page_ids = {"full": [1, 2, 3], "swa_4": [0, 5, 6]}  # the window's page 0 was released
+    out = SchedulerOutput()
+    out.add(r, 4)
+    batch = builder.build(out)
+    assert ints(batch.page_tables["full"]) == [[1, 2, 3]]
+    assert ints(batch.page_tables["swa_4"]) == [[0, 5, 6]]
+    assert ints(batch.slot_mappings["full"]) == [12, 13, 14, 15]
+    assert ints(batch.slot_mappings["swa_4"]) == [24, 25, 26, 27]
 
 
 def test_released_rows_are_reused_with_fresh_pages() -> None:
@@ -108,7 +139,7 @@ def test_released_rows_are_reused_with_fresh_pages() -> None:
     assert out.released_ids == ["first"]
     builder.release(out.released_ids)
     batch = builder.build(out)
-    assert ints(batch.page_table) == [second.page_ids] and len(builder.rows) == 1
+    assert ints(batch.page_tables["full"]) == [second.page_ids["full"]] and len(builder.rows) == 1
 
 
 def test_empty_output_cannot_be_built() -> None:

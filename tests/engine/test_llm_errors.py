@@ -122,17 +122,14 @@ def test_max_model_len_beyond_the_model(tiny_llama3_loaded: LoadedModel) -> None
         LLM.from_loaded(tiny_llama3_loaded, num_pages=8, max_model_len=1000)
 
 
-def test_prompt_larger_than_the_whole_pool_ends_with_an_error_output(
+def test_a_pool_too_small_for_one_longest_request_refuses_to_start(
     tiny_llama3_loaded: LoadedModel,
 ) -> None:
-    llm = LLM.from_loaded(
-        tiny_llama3_loaded, page_size=4, num_pages=3, max_model_len=64
-    )  # 8 tokens of KV
-    big, small = llm.generate([[5] * 9, [5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4))
-    assert (
-        big.finish_reason == "abort"
-        and big.token_ids == []
-        and "needs 3 pages for 9 tokens" in (big.error or "")
-    )
-    assert small.finish_reason == "length" and len(small.token_ids) == 4 and small.error is None
-    assert_no_leak(llm.engine.kv)
+    """(A request that can never fit a pool the scheduler was given ends with an error output:
+    tests/engine/test_scheduler_preemption.py.)"""
+    with pytest.raises(
+        ValueError,
+        match="one request of max_model_len=64 tokens cannot fit: group 'full' has 2 usable "
+        "pages, one request needs 16",
+    ):
+        LLM.from_loaded(tiny_llama3_loaded, page_size=4, num_pages=3, max_model_len=64)

@@ -72,7 +72,7 @@ def test_preemption_with_a_small_page_budget_keeps_tokens_exact(
         num_pages=13,
         max_num_seqs=8,
         prefill_chunk_size=64,
-        max_model_len=2048,
+        max_model_len=192,  # what 12 pages hold: one longest request must fit
         max_stats_len=-1,
     )
     prompts = PROMPTS[:6] + PROMPTS[7:9]

@@ -19,7 +19,7 @@ def test_stats_buffers(
     tiny_llama3_loaded: LoadedModel, max_stats_len: int, iterations: int, requests: int
 ) -> None:
     llm = LLM.from_loaded(
-        tiny_llama3_loaded, page_size=4, num_pages=16, max_stats_len=max_stats_len
+        tiny_llama3_loaded, page_size=4, num_pages=16, max_model_len=60, max_stats_len=max_stats_len
     )
     llm.generate(PROMPTS, PARAMS)  # one prefill step, then 4 decode steps
     iters = llm.engine.drain_iteration_stats()

@@ -88,3 +88,22 @@ def test_presets() -> None:
     )
     assert llama.rope_scaling is not None and llama.rope_scaling.factor == 8.0
     assert DUMMY_PRESETS["qwen3-8b"].qk_norm and DUMMY_PRESETS["llama-3-8b"].rope_scaling is None
+
+
+def test_gemma3_dummy_norms_are_the_identity_scale() -> None:
+    from engine.model import Gemma3ForCausalLM
+
+    from .conftest import HYBRID_HF_CONFIGS
+
+    loaded = load_model(load_format="dummy", dummy_config=HYBRID_HF_CONFIGS["gemma3"], seed=2)
+    assert isinstance(loaded.model, Gemma3ForCausalLM)
+    params = dict(loaded.model.named_parameters())
+    norms = [n for n in params if n.endswith("norm.weight")]
+    assert len(norms) == 6 * 6 + 1  # four per layer, q/k norms, the final norm
+    assert all(not params[n].any() for n in norms)  # (1 + w): w = 0 leaves the input unscaled
+    assert params["model.layers.0.self_attn.qkv_proj.weight"].std() > 0.01
+    groups = sorted({loaded.config.kv_group(i) for i in range(loaded.config.num_layers)})
+    kv = PagedKV.allocate(loaded.config, num_pages=4, page_size=8)
+    with torch.inference_mode():
+        hidden = loaded.model(kv.batch([(list(range(9)), 0, [2, 3])], groups), kv.layer_caches())
+        assert torch.isfinite(loaded.model.compute_logits(hidden)).all()

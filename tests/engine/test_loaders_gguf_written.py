@@ -70,7 +70,14 @@ def gguf_name(hf: str) -> str:
     return f"blk.{layer}.{_TO_GGUF['.'.join(rest[:-1])]}.{rest[-1]}"
 
 
-def write_gguf(hf_dir: Path, path: Path, arch: str, tokenizer_model: str = "gpt2") -> Path:
+def write_gguf(
+    hf_dir: Path,
+    path: Path,
+    arch: str,
+    tokenizer_model: str = "gpt2",
+    sliding_window: int | None = None,
+    window_pattern: list[bool] | None = None,
+) -> Path:
     cfg = json.loads((hf_dir / "config.json").read_text())
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -86,6 +93,10 @@ def write_gguf(hf_dir: Path, path: Path, arch: str, tokenizer_model: str = "gpt2
     writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_vocab_size(cfg["vocab_size"])
+    if sliding_window is not None:
+        writer.add_sliding_window(sliding_window)
+    if window_pattern is not None:
+        writer.add_sliding_window_pattern(window_pattern)
     tok = json.loads((hf_dir / "tokenizer.json").read_text())
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
     specials = {t["content"] for t in tok["added_tokens"] if t["special"]}
@@ -172,6 +183,40 @@ def test_written_gguf_equals_hf_directory(
     messages = [{"role": "user", "content": "hi"}]
     assert tok_gguf.apply_chat_template(messages) == tok_hf.apply_chat_template(messages)
     assert (tok_gguf.bos_token_id, tok_gguf.eos_token_id, tok_gguf.stop_token_ids) == (0, 1, (1, 4))
+
+
+@pytest.mark.parametrize(
+    ("name", "arch", "pattern"),
+    [("qwen3_swa", "qwen3", [False, True, True]), ("mistral_swa", "llama", None)],
+)
+def test_gguf_sliding_window_key(
+    name: str,
+    arch: str,
+    pattern: list[bool] | None,
+    tiny_hybrid_checkpoints: dict[str, Path],
+    tmp_path: Path,
+) -> None:
+    """``{arch}.attention.sliding_window`` (with a per-layer pattern, or for every layer) gives the
+    windows of the HF directory, and the same logits over a sequence longer than the window."""
+    hf_dir = tiny_hybrid_checkpoints[name]
+    path = write_gguf(
+        hf_dir, tmp_path / f"{name}.gguf", arch, sliding_window=32, window_pattern=pattern
+    )
+    from_gguf, from_hf = load_model(str(path)), load_model(str(hf_dir))
+    layers = range(from_hf.config.num_layers)
+    assert [from_gguf.config.layer_window(i) for i in layers] == [
+        from_hf.config.layer_window(i) for i in layers
+    ]
+    assert any(from_hf.config.layer_window(i) == 32 for i in layers)
+    ids = torch.randint(0, TINY_VOCAB, (70,), generator=torch.Generator().manual_seed(4)).tolist()
+    logits = []
+    for loaded in (from_gguf, from_hf):
+        kv = PagedKV.allocate(loaded.config, num_pages=12, page_size=8)
+        groups = sorted({loaded.config.kv_group(i) for i in layers})
+        batch = kv.batch([(ids, 0, [4, 1, 3, 2, 9, 11, 5, 7, 6])], groups)
+        with torch.inference_mode():
+            logits.append(loaded.model.compute_logits(loaded.model(batch, kv.layer_caches())))
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=1e-4)
 
 
 def test_sentencepiece_gguf_tokenizer_is_refused(

@@ -108,10 +108,42 @@ def test_errors_name_the_problem(change: dict[str, Any], message: str) -> None:
         ModelConfig.from_hf_config({**LLAMA31_8B, **change})
 
 
-def test_qwen_sliding_window_is_refused() -> None:
-    hf = {**LLAMA31_8B, "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4096}
-    with pytest.raises(ValueError, match="use_sliding_window"):
-        ModelConfig.from_hf_config(hf)
+def test_windows_per_layer_as_transformers_reads_them() -> None:
+    base = {**LLAMA31_8B, "num_hidden_layers": 4, "sliding_window": 64}
+    qwen = ModelConfig.from_hf_config(
+        {**base, "model_type": "qwen3", "use_sliding_window": True, "max_window_layers": 1}
+    )
+    # layers from max_window_layers on slide (transformers' Qwen2/Qwen3 configs)
+    assert [qwen.layer_window(i) for i in range(4)] == [None, 64, 64, 64]
+    assert [qwen.kv_group(i) for i in range(4)] == ["full", "swa_64", "swa_64", "swa_64"]
+    explicit = ModelConfig.from_hf_config(
+        {
+            **base,
+            "model_type": "qwen2",
+            "use_sliding_window": True,
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+        }
+    )
+    assert [explicit.layer_window(i) for i in range(4)] == [64, None, 64, None]
+    # use_sliding_window False: no window at all, whatever sliding_window says
+    off = ModelConfig.from_hf_config({**base, "model_type": "qwen3"})
+    assert off.sliding_window is None and off.kv_group(3) == "full"
+    mistral = ModelConfig.from_hf_config({**base, "model_type": "mistral"})
+    assert {mistral.kv_group(i) for i in range(4)} == {"swa_64"}  # one window, every layer
+    llama = ModelConfig.from_hf_config(base)  # transformers' Llama has no window
+    assert llama.sliding_window is None and llama.attention_types == ("full_attention",) * 4
+
+
+def test_layer_types_are_checked() -> None:
+    base = dataclasses.asdict(ModelConfig.from_hf_config({**LLAMA31_8B, "num_hidden_layers": 2}))
+    with pytest.raises(ValueError, match="2 layers"):
+        ModelConfig.from_dict({**base, "sliding_window": 8, "layer_types": ["full_attention"]})
+    with pytest.raises(ValueError, match="sliding_window is None"):
+        ModelConfig.from_dict({**base, "layer_types": ["sliding_attention"] * 2})
+    with pytest.raises(ValueError, match="'local'"):
+        ModelConfig.from_dict({**base, "sliding_window": 8, "layer_types": ["local"] * 2})
+    with pytest.raises(ValueError, match="'gemma3_text' only"):
+        ModelConfig.from_dict({**base, "rope_local_theta": 10000.0})
 
 
 def test_frozen_and_dict_round_trip() -> None:

@@ -13,15 +13,15 @@ import pytest
 import torch
 
 from engine.loaders import LoadedModel, load_model
-from engine.model import LlamaForCausalLM
+from engine.model import PagedCausalLMBase
 
-from .conftest import TINY_VOCAB, PagedKV
+from .conftest import HYBRID_WINDOW, TINY_VOCAB, PagedKV
 
 NUM_DECODE = 3
 
 
 def paged_logits(
-    model: LlamaForCausalLM,
+    model: PagedCausalLMBase,
     kv: PagedKV,
     seqs: list[list[int]],
     splits: list[int],
@@ -29,6 +29,7 @@ def paged_logits(
 ) -> list[torch.Tensor]:
     """Logits [len(seq), vocab] per sequence: chunk [0, split), chunk [split, prompt_len), then decode steps."""
     prompt_lens = [len(s) - NUM_DECODE for s in seqs]
+    groups = sorted({model.config.kv_group(i) for i in range(model.config.num_layers)})
     rows: list[list[torch.Tensor]] = [[] for _ in seqs]
     caches = kv.layer_caches()
     steps: list[list[tuple[int, int]]] = [
@@ -39,7 +40,8 @@ def paged_logits(
     with torch.inference_mode():
         for step in steps:
             batch = kv.batch(
-                [(seq[a:b], a, pg) for seq, (a, b), pg in zip(seqs, step, pages, strict=True)]
+                [(seq[a:b], a, pg) for seq, (a, b), pg in zip(seqs, step, pages, strict=True)],
+                groups,
             )
             assert batch.is_decode_only == all(b - a == 1 for a, b in step)
             logits = model.compute_logits(model(batch, caches), batch.logits_indices)
@@ -76,6 +78,27 @@ def test_tiny_checkpoint_logits_match_transformers(
     kv = PagedKV.allocate(loaded.config, num_pages=12, page_size=4)
     ours = paged_logits(loaded.model, kv, seqs, splits=[6, 5], pages=[[7, 2, 9, 4], [3, 11, 5]])
     assert_logits_match(ours, reference_logits(hf_model, seqs), atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["qwen3_swa", "mistral_swa"])
+def test_sliding_window_logits_match_transformers(
+    name: str, tiny_hybrid_checkpoints: dict[str, Path]
+) -> None:
+    """Prompts past the window, prefilled in two chunks across its edge, then decoded."""
+    from transformers import AutoModelForCausalLM
+
+    directory = tiny_hybrid_checkpoints[name]
+    loaded = load_model(str(directory))
+    hf_model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(8)
+    seqs = [torch.randint(0, TINY_VOCAB, (n,), generator=gen).tolist() for n in (90, 45)]
+    assert min(len(s) for s in seqs) > HYBRID_WINDOW
+    kv = PagedKV.allocate(loaded.config, num_pages=30, page_size=8)
+    pages = [[29, 3, 17, 8, 22, 1, 12, 25, 6, 14, 19, 27], [4, 23, 11, 2, 16, 9, 28]]
+    ours = paged_logits(loaded.model, kv, seqs, splits=[40, 20], pages=pages)
+    assert_logits_match(ours, reference_logits(hf_model, seqs), atol=1e-4)
+    # the window matters: without it the logits past the window differ
+    assert loaded.config.layer_window(1) == HYBRID_WINDOW
 
 
 def test_gguf_logits_match_transformers(default_model: LoadedModel, hf_gguf_model: Any) -> None:

@@ -46,9 +46,9 @@ def test_output_tokens_and_recompute_reset() -> None:
     m = r.metrics
     assert (m.first_token_time, m.last_token_time, m.num_output_tokens) == (11.0, 13.0, 2)
     assert m.ttft == 1.0 and m.tpot == 2.0 and m.e2e_latency is None
-    r.num_computed_tokens, r.page_ids, r.committed_pages = 3, [4, 5], 1
+    r.num_computed_tokens, r.page_ids, r.committed_pages = 3, {"full": [4, 5]}, 1
     r.reset_for_recompute()
-    assert (r.num_computed_tokens, r.page_ids, r.committed_pages) == (0, [], 0)
+    assert (r.num_computed_tokens, r.page_ids, r.committed_pages) == (0, {}, 0)
     assert r.output_token_ids == [9, 8]
 
 

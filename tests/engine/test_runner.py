@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.batch_builder import BatchBuilder
-from engine.kv_setup import kv_pool_template
+from engine.kv_setup import kv_pool_templates
 from engine.loaders import LoadedModel
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
@@ -26,7 +26,8 @@ def run(
     loaded: LoadedModel, prompts: list[list[int]], chunk: int, steps: int
 ) -> list[list[torch.Tensor]]:
     """Logits of every sampled row, per request, over ``steps`` engine steps (greedy tokens)."""
-    spec = dataclasses.replace(kv_pool_template(loaded.config, 4, torch.float32), num_pages=40)
+    (spec,) = kv_pool_templates(loaded.config, 4, torch.float32)
+    spec = dataclasses.replace(spec, num_pages=40)
     kv = KVCacheManager([spec], "none")
     sched = Scheduler(
         SchedulerConfig(max_num_batched_tokens=64, prefill_chunk_size=chunk, page_size=4), kv
@@ -67,7 +68,7 @@ def test_chunked_prefill_and_decode_match_a_single_prefill(tiny_llama3_loaded: L
 
 
 def test_runner_samples_one_token_per_sampled_row(tiny_llama3_loaded: LoadedModel) -> None:
-    spec = kv_pool_template(tiny_llama3_loaded.config, 4, torch.float32)
+    (spec,) = kv_pool_templates(tiny_llama3_loaded.config, 4, torch.float32)
     kv = KVCacheManager([dataclasses.replace(spec, num_pages=8)], "none")
     sched = Scheduler(SchedulerConfig(page_size=4), kv)
     runner = ModelRunner(

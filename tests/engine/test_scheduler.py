@@ -4,8 +4,11 @@ prefix reuse, stop conditions and aborts, with exact per-step decisions."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.request import RequestStatus
+from kvcache.manager import KVCacheManager
+from kvcache.spec import PoolGroupSpec
 
 from .conftest_engine import assert_no_leak, make_request, run_step, tiny_kv, tiny_scheduler
 
@@ -21,7 +24,7 @@ def test_token_budget_and_prefill_chunks_per_step() -> None:
     assert out.requests == [a, b] and out.num_new_tokens == [6, 2] and out.sample == [False, False]
     assert (out.num_prefill_tokens, out.num_decode_tokens) == (8, 0) and changed == []
     assert (a.num_computed_tokens, b.num_computed_tokens) == (6, 2)
-    assert a.page_ids == kv.page_ids("a")["full"] and len(a.page_ids) == 2
+    assert a.page_ids == kv.page_ids("a") and len(a.page_ids["full"]) == 2
 
     out, changed = run_step(sched)  # the rest of both prompts; both sample their first token
     assert out.num_new_tokens == [4, 1] and out.sample == [True, True] and changed == [a, b]
@@ -33,7 +36,7 @@ def test_token_budget_and_prefill_chunks_per_step() -> None:
         0,
         2,
     )
-    assert len(a.page_ids) == 3  # 11 tokens of context
+    assert len(a.page_ids["full"]) == 3  # 11 tokens of context
     for rid in ("a", "b"):
         sched.abort(rid)
     assert_no_leak(kv)
@@ -98,7 +101,7 @@ def test_shared_prefix_in_one_batch_is_computed_once(policy: str) -> None:
     out, _ = run_step(sched)
     assert out.requests == [a, b] and out.num_new_tokens == [1, 3]
     assert b.metrics.num_cached_tokens == 8
-    assert b.page_ids[:2] == a.page_ids[:2]  # the same physical pages
+    assert b.page_ids["full"][:2] == a.page_ids["full"][:2]  # the same physical pages
     while sched.has_unfinished():
         run_step(sched)
     assert_no_leak(kv)
@@ -120,7 +123,7 @@ def test_request_sharing_a_chunked_prefill_waits_for_its_pages_without_blocking_
         assert list(sched.waiting) == ([b] if b.status is RequestStatus.WAITING else [])
     # "b" keeps its place while "a" computes the shared pages; "c" behind it is not held up
     assert steps == [["a", "c"], ["a", "c"], ["a", "c"], ["a", "c", "b"]]
-    assert b.metrics.num_cached_tokens == 12 and b.page_ids[:3] == a.page_ids[:3]
+    assert b.metrics.num_cached_tokens == 12 and b.page_ids["full"][:3] == a.page_ids["full"][:3]
     assert len(sched.inflight) == 0
     sched.abort("b")
     assert_no_leak(kv)
@@ -194,3 +197,27 @@ def test_duplicate_and_reused_requests_are_rejected() -> None:
     sched.abort("x")
     with pytest.raises(ValueError, match="is not new"):
         sched.add_request(req)
+
+
+def test_window_pages_are_released_as_decode_runs() -> None:
+    """A full group and a window of 4 tokens, pages of 2: decode steps that need no new page still
+    reach the manager when a page leaves the window, and the request's page lists follow."""
+    groups = [
+        PoolGroupSpec("full", (0,), 12, 2, 1, 2, torch.float32),
+        PoolGroupSpec("swa_4", (1,), 12, 2, 1, 2, torch.float32, sliding_window=4),
+    ]
+    kv = KVCacheManager(groups, "none")
+    sched = tiny_scheduler(kv, max_model_len=32)
+    a = make_request("a", 6, max_tokens=5)
+    sched.add_request(a)
+    run_step(sched)  # prefill 6 tokens: pages 1, 2, 3 in both groups
+    assert a.page_ids == {"full": [1, 2, 3], "swa_4": [1, 2, 3]} and a.kv_release_at == 5
+    run_step(sched)  # decode at 6 reads 3..6: page 0 released (and taken back for position 3)
+    assert a.page_ids == {"full": [1, 2, 3, 4], "swa_4": [0, 2, 3, 1]}
+    assert (a.kv_capacity, a.kv_release_at) == (8, 7)
+    run_step(sched)  # decode at 7 needs no new page, but page 1 leaves the window
+    assert a.page_ids["swa_4"] == [0, 0, 3, 1]
+    while sched.has_unfinished():
+        run_step(sched)
+    assert a.is_finished
+    assert_no_leak(kv)

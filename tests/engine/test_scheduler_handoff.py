@@ -22,7 +22,7 @@ def test_prefill_only_request_keeps_committed_pages_until_release() -> None:
     assert changed == [req] and req.status is RequestStatus.PREFILLED and not req.is_finished
     assert req.output_token_ids == [7] and req.finish_reason is None
     assert not sched.has_unfinished() and sched.running == []
-    assert kv.page_ids("p")["full"] == req.page_ids and len(req.page_ids) == 3
+    assert kv.page_ids("p") == req.page_ids and len(req.page_ids["full"]) == 3
     assert kv.match_prefix(prompt + [1]).num_tokens == 8  # finalized: full pages committed
     out, _ = run_step(sched)
     assert out.released_ids == ["p"] and out.requests == []
@@ -55,7 +55,7 @@ def test_prefilled_request_starts_with_a_decode_step() -> None:
     out, _ = run_step(sched)
     assert out.requests == [req] and out.num_new_tokens == [1] and out.sample == [True]
     assert (out.num_prefill_tokens, out.num_decode_tokens) == (0, 1)
-    assert len(req.page_ids) == 2  # 7 tokens of context
+    assert len(req.page_ids["full"]) == 2  # 7 tokens of context
     run_step(sched)
     assert req.output_token_ids == [42, 7, 7] and req.finish_reason == "length"
     assert_no_leak(kv)
@@ -77,7 +77,9 @@ def test_prefilled_request_needs_its_pages() -> None:
     with pytest.raises(ValueError, match="holds no pages"):
         sched.add_prefilled_request(make_request("d", 5), 1)
     assert kv.allocate_slots("d", 4)
-    with pytest.raises(ValueError, match="holds 1 pages, fewer than its 5 prompt tokens need"):
+    with pytest.raises(
+        ValueError, match="holds pages for 4 tokens, fewer than its 5 prompt tokens need"
+    ):
         sched.add_prefilled_request(make_request("d", 5), 1)
     kv.free("d")
     assert_no_leak(kv)

@@ -27,7 +27,7 @@ def test_newest_running_request_is_preempted_and_recomputed_with_its_outputs() -
     out, _ = run_step(sched, counting_token)  # a needs a third page: b (admitted last) makes room
     assert out.preempted == [b] and out.requests == [a]
     assert b.status is RequestStatus.PREEMPTED and list(sched.waiting) == [b]
-    assert b.num_computed_tokens == 0 and b.page_ids == [] and not kv.has_request("b")
+    assert b.num_computed_tokens == 0 and b.page_ids == {} and not kv.has_request("b")
     assert b.output_token_ids == [50, 51, 52, 53, 54]  # produced tokens are kept
     assert b.metrics.num_preemptions == 1 and sched.num_preemptions == 1
     assert out.released_ids == ["b"]

@@ -99,6 +99,43 @@ def sdpa_oracle(
     return out.permute(1, 0, 2)
 
 
+def eager_softcap_oracle(
+    q: torch.Tensor,  # [q_len, Hq, D], the last q_len positions of the context
+    k: torch.Tensor,  # [L, Hkv, D] contiguous
+    v: torch.Tensor,
+    scale: float,
+    softcap: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # [q_len, Hq, D] float64
+    """Soft-capped dense causal attention in float64 through transformers' own eager attention
+    (Gemma 2's, the one that applies ``softcap``)."""
+    from types import SimpleNamespace
+
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    q_len, num_q_heads, head_dim = q.shape
+    ctx_len, num_kv_heads, _ = k.shape
+    q_pos = torch.arange(ctx_len - q_len, ctx_len)[:, None]
+    k_pos = torch.arange(ctx_len)[None, :]
+    seen = k_pos <= q_pos
+    if sliding_window is not None:
+        seen &= k_pos > q_pos - sliding_window
+    mask = torch.zeros(seen.shape, dtype=torch.float64).masked_fill(~seen, float("-inf"))
+    module = SimpleNamespace(
+        num_key_value_groups=num_q_heads // num_kv_heads, training=False, head_dim=head_dim
+    )
+    out, _ = eager_attention_forward(
+        module,  # type: ignore[arg-type]
+        q.double().permute(1, 0, 2)[None],  # [1, Hq, q_len, D]
+        k.double().permute(1, 0, 2)[None],  # [1, Hkv, L, D]
+        v.double().permute(1, 0, 2)[None],
+        mask[None, None],
+        scaling=scale,
+        softcap=softcap,
+    )
+    return out[0]  # [q_len, Hq, D]
+
+
 def pack_queries(
     q_lens: list[int],
     num_q_heads: int,

@@ -9,7 +9,12 @@ import pytest
 import torch
 
 from kernels import paged_decode_attention_ref, paged_prefill_attention_ref, store_kv_ref
-from tests.kernels.paged_inputs import make_paged_kv, pack_queries, sdpa_oracle
+from tests.kernels.paged_inputs import (
+    eager_softcap_oracle,
+    make_paged_kv,
+    pack_queries,
+    sdpa_oracle,
+)
 
 # (dtype, tolerance on max abs error vs the float64 oracle): the reference computes in float32 and
 # rounds its output to the input dtype (one bf16 ulp is 2**-7 relative, outputs here are below 4).
@@ -82,3 +87,38 @@ def test_store_kv_ref_writes_exactly_the_mapped_slots() -> None:
         expected[page, 1, 0, off] = key[t].half()  # layer 1 is the view under test
         expected[page, 1, 1, off] = value[t].half()
     assert torch.equal(kv.buffer, expected)
+
+
+@pytest.mark.parametrize("window", [None, 9])
+def test_softcap_refs_match_transformers_eager(window: int | None) -> None:
+    """Scores large enough that the cap bites (|score| up to ~4x the cap), decode and prefill."""
+    gen = torch.Generator().manual_seed(3)
+    ctx = [37, 5, 20]
+    kv = make_paged_kv(ctx, 8, 2, 32, torch.float32, gen)
+    scale, cap = 1.0, 5.0
+    q = 3 * torch.randn((len(ctx), 4, 32), generator=gen)
+    out = paged_decode_attention_ref(
+        q, kv.k_cache, kv.v_cache, kv.page_table, kv.seq_lens, scale, window, cap
+    )
+    uncapped = paged_decode_attention_ref(
+        q, kv.k_cache, kv.v_cache, kv.page_table, kv.seq_lens, scale, window
+    )
+    assert float((out - uncapped).abs().max()) > 0.1  # the cap changes the result
+    for b in range(len(ctx)):
+        expected = eager_softcap_oracle(
+            q[b : b + 1], kv.dense_k[b], kv.dense_v[b], scale, cap, window
+        )[0]
+        assert float((out[b].double() - expected).abs().max()) <= 1e-5
+    q_lens = [5, 0, 20]
+    qp, cu = pack_queries(q_lens, 4, 32, torch.float32, gen)
+    qp = 3 * qp
+    out = paged_prefill_attention_ref(
+        qp, kv.k_cache, kv.v_cache, kv.page_table, cu, kv.seq_lens, scale, window, cap
+    )
+    for b, (start, end) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
+        if start == end:
+            continue
+        expected = eager_softcap_oracle(
+            qp[start:end], kv.dense_k[b], kv.dense_v[b], scale, cap, window
+        )
+        assert float((out[start:end].double() - expected).abs().max()) <= 1e-5

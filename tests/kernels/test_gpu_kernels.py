@@ -188,3 +188,23 @@ def test_copy_pages_repeats_exactly_and_skips_ids_outside_the_pools() -> None:
     expected[6] = src[3]
     assert torch.equal(dst, expected)
     assert int(dst[0].count_nonzero()) == 0  # the null page is never written
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_softcap_kernels_match_reference(dtype, record_property) -> None:
+    """Gemma-shaped soft-capped attention (head_dim 256, window 512 and none), decode and prefill."""
+    gen = torch.Generator().manual_seed(7)
+    head_dim, page_size, heads, cap = 256, 16, (8, 4), 50.0
+    scale = 0.5  # scores of tens: the cap bites
+    for window in (512, None):
+        ctx = [1500, 1, 700]
+        kv = make_paged_kv(ctx, page_size, heads[1], head_dim, dtype, gen, device="cuda")
+        q = torch.randn((len(ctx), heads[0], head_dim), generator=gen).to(dtype).cuda()
+        args = (q, kv.k_cache, kv.v_cache, kv.page_table, kv.seq_lens, scale, window, cap)
+        out, ref = kernels.paged_decode_attention(*args), kernels.paged_decode_attention_ref(*args)
+        _check_close(f"decode_softcap_{dtype}_w{window}", out, ref, dtype, record_property)
+        qp, cu = pack_queries([300, 1, 700], heads[0], head_dim, dtype, gen, device="cuda")
+        args = (qp, kv.k_cache, kv.v_cache, kv.page_table, cu, kv.seq_lens, scale, window, cap)
+        out = kernels.paged_prefill_attention(*args)
+        ref = kernels.paged_prefill_attention_ref(*args)
+        _check_close(f"prefill_softcap_{dtype}_w{window}", out, ref, dtype, record_property)

@@ -39,7 +39,8 @@ MakeManager = Callable[..., KVCacheManager]
 
 @pytest.fixture
 def make_manager() -> Iterator[MakeManager]:
-    """``make_manager(policy, num_pages=6, page_size=2, groups=None)``; check_integrity at teardown."""
+    """``make_manager(policy, num_pages=6, page_size=2, groups=None, swa_scratch_reuse=False)``;
+    check_integrity at teardown."""
     made: list[KVCacheManager] = []
 
     def factory(
@@ -47,9 +48,10 @@ def make_manager() -> Iterator[MakeManager]:
         num_pages: int = 6,
         page_size: int = 2,
         groups: list[PoolGroupSpec] | None = None,
+        swa_scratch_reuse: bool = False,
     ) -> KVCacheManager:
         specs = groups or [group_spec(num_pages=num_pages, page_size=page_size)]
-        manager = KVCacheManager(specs, policy, "cpu")
+        manager = KVCacheManager(specs, policy, "cpu", swa_scratch_reuse)
         made.append(manager)
         return manager
 

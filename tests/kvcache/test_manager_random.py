@@ -1,9 +1,11 @@
-"""Random admit/grow/commit/free sequences against the real manager, checked after every step.
+"""Random admit/receive/grow/commit/free sequences against the real manager, checked after every step,
+over mixed pool groups (full attention, sliding windows, both), with and without scratch reuse.
 
 Besides ``check_integrity``, the test plays the model: each computed token writes ``token + 1`` into its
-KV slot (layer 0's keys). Then a prefix hit must find exactly the prompt's tokens in the matched pages,
-and every live request must still read its own tokens back: no page is reused while held, and a hash
-never points at other content.
+KV slot (layer 0's keys of each group). Then a prefix hit must find exactly the prompt's tokens in the
+matched pages, and every live request must still read its own tokens back wherever its group holds
+them, which must include everything its window reads: no page is reused while held, a hash never
+points at other content, and a window never loses a page it still needs.
 """
 
 from __future__ import annotations
@@ -15,76 +17,133 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvcache.manager import KVCacheManager
 from kvcache.reuse_policy import ReusePolicy
-from kvcache.spec import PoolGroupSpec
+from kvcache.sliding_window import first_needed_page
+from kvcache.spec import NULL_PAGE, PoolGroupSpec
 
 PAGE_SIZE = 2
 # Prompts share stems, so prefix hits, duplicates and evictions of cached pages all happen often.
-STEMS = [[], [1, 1, 1, 1], [1, 1, 2, 2, 2], [2, 2, 2, 2, 2, 2]]
+STEMS = [[], [1, 1, 1, 1], [1, 1, 2, 2, 2], [2, 2, 2, 2, 2, 2], [1, 1, 2, 2, 2, 2, 1, 1, 2, 2]]
 TOKENS = st.builds(
     lambda stem, tail: stem + tail,
     st.sampled_from(STEMS),
-    st.lists(st.integers(min_value=0, max_value=2), min_size=1, max_size=4),
+    st.lists(st.integers(min_value=0, max_value=2), min_size=1, max_size=8),
 )
+# name -> (window, pages); layer ids are assigned in order.
+LAYOUTS: dict[str, list[tuple[str, int | None, int]]] = {
+    "full": [("full", None, 11)],
+    "two_full": [("a", None, 11), ("b", None, 9)],
+    "hybrid": [("full", None, 14), ("swa_3", 3, 7)],
+    "window_only": [("swa_4", 4, 7)],
+    "two_windows": [("full", None, 14), ("swa_2", 2, 6), ("swa_5", 5, 8)],
+}
 
 
-def make_specs(two_groups: bool) -> list[PoolGroupSpec]:
-    def spec(name: str, layers: tuple[int, ...], num_pages: int) -> PoolGroupSpec:
-        return PoolGroupSpec(name, layers, num_pages, PAGE_SIZE, 1, 1, torch.float32)
-
-    if two_groups:
-        return [spec("a", (0,), 9), spec("b", (1,), 7)]
-    return [spec("full", (0, 1), 9)]
+def make_specs(layout: str) -> list[PoolGroupSpec]:
+    return [
+        PoolGroupSpec(name, (i,), pages, PAGE_SIZE, 1, 1, torch.float32, sliding_window=window)
+        for i, (name, window, pages) in enumerate(LAYOUTS[layout])
+    ]
 
 
 class ManagerMachine(RuleBasedStateMachine):
-    @initialize(policy=st.sampled_from(list(ReusePolicy)), two_groups=st.booleans())
-    def setup(self, policy: ReusePolicy, two_groups: bool) -> None:
-        self.m = KVCacheManager(make_specs(two_groups), policy, "cpu")
+    @initialize(
+        policy=st.sampled_from(list(ReusePolicy)),
+        layout=st.sampled_from(sorted(LAYOUTS)),
+        scratch=st.booleans(),
+    )
+    def setup(self, policy: ReusePolicy, layout: str, scratch: bool) -> None:
+        self.m = KVCacheManager(make_specs(layout), policy, "cpu", swa_scratch_reuse=scratch)
         self.tokens: dict[str, list[int]] = {}  # live request -> its sequence so far
         self.computed: dict[str, int] = {}
+        self.read_from: dict[str, int] = {}  # computed tokens at its last allocation
+        self.history: list[list[int]] = [[1, 1, 2, 2]]  # sequences admitted so far (to extend)
         self.next_id = 0
 
     # ---- the "model": KV content of a slot is token + 1 ----
-    def _slot_values(self, rid: str, start: int, end: int) -> list[int]:
-        out = []
-        for g, pages in self.m.page_ids(rid).items():
-            k = self.m.layer_cache(self.m.specs[g].layer_ids[0])[0]
-            out.append(
-                [int(k[pages[i // PAGE_SIZE], i % PAGE_SIZE, 0, 0]) for i in range(start, end)]
-            )
-        assert all(vals == out[0] for vals in out), f"groups disagree for {rid}: {out}"
-        return out[0]
+    def _cache(self, g: str) -> torch.Tensor:
+        return self.m.layer_cache(self.m.specs[g].layer_ids[0])[0]
 
-    def _compute(self, rid: str, end: int) -> None:
+    def _held_values(self, rid: str, g: str, start: int, end: int) -> dict[int, int]:
+        """position -> value of the positions in [start, end) that group ``g`` holds for ``rid``."""
+        pages, k = self.m.page_ids(rid)[g], self._cache(g)
+        return {
+            i: int(k[pages[i // PAGE_SIZE], i % PAGE_SIZE, 0, 0])
+            for i in range(start, end)
+            if pages[i // PAGE_SIZE] != NULL_PAGE
+        }
+
+    def _write(self, rid: str, start: int, end: int) -> None:
         for g, pages in self.m.page_ids(rid).items():
-            k = self.m.layer_cache(self.m.specs[g].layer_ids[0])[0]
-            for i in range(self.computed[rid], end):
-                k[pages[i // PAGE_SIZE], i % PAGE_SIZE, 0, 0] = self.tokens[rid][i] + 1
-        self.computed[rid] = end
+            k = self._cache(g)
+            for i in range(start, end):
+                if pages[i // PAGE_SIZE] != NULL_PAGE:
+                    k[pages[i // PAGE_SIZE], i % PAGE_SIZE, 0, 0] = self.tokens[rid][i] + 1
 
     def _snapshot(self) -> tuple:
         return self.m.stats(), {g: p.free_order() for g, p in self.m._pools.items()}
 
-    # ---- rules ----
-    @rule(tokens=TOKENS, chunk=st.integers(min_value=1, max_value=9))
-    def admit(self, tokens: list[int], chunk: int) -> None:
+    def _check_hit(self, tokens: list[int], hit: int, page_ids: dict[str, list[int]]) -> None:
+        for g, ids in page_ids.items():
+            window = self.m.windows[g]
+            start = 0 if window is None else max(0, hit - window + 1)
+            k = self._cache(g)
+            for i in range(start, hit):  # everything the query at `hit` reads is there
+                page = ids[i // PAGE_SIZE]
+                assert page != NULL_PAGE, (g, i, ids)
+                assert int(k[page, i % PAGE_SIZE, 0, 0]) == tokens[i] + 1
+
+    def _new(self, tokens: list[int]) -> tuple[str, object]:
         rid = f"r{self.next_id}"
         self.next_id += 1
         match = self.m.match_prefix(tokens)
         assert match.num_tokens % PAGE_SIZE == 0 and match.num_tokens < len(tokens)
         if not self.m.reuse_policy.reuses:
             assert match.num_tokens == 0
+        self._check_hit(tokens, match.num_tokens, match.page_ids)
+        return rid, match
+
+    # ---- rules ----
+    @rule(tokens=TOKENS, chunk=st.integers(min_value=1, max_value=9))
+    def admit(self, tokens: list[int], chunk: int) -> None:
+        self._admit(tokens, chunk)
+
+    @rule(
+        data=st.data(),
+        tail=st.lists(st.integers(0, 2), min_size=1, max_size=10),
+        chunk=st.integers(min_value=1, max_value=6),
+    )
+    def extend(self, data: st.DataObject, tail: list[int], chunk: int) -> None:
+        """A later turn of an earlier conversation: its whole sequence plus more (prefix hits)."""
+        self._admit(data.draw(st.sampled_from(self.history)) + tail, chunk)
+
+    def _admit(self, tokens: list[int], chunk: int) -> None:
+        self.history.append(tokens)
+        rid, match = self._new(tokens)
         end = min(len(tokens), match.num_tokens + chunk)
         before = self._snapshot()
-        if not self.m.allocate_slots(rid, end, match):
+        if not self.m.allocate_slots(rid, end, match, num_computed_tokens=match.num_tokens):
             assert self._snapshot() == before and not self.m.has_request(rid)
             return
         self.tokens[rid], self.computed[rid] = list(tokens), match.num_tokens
-        assert self._slot_values(rid, 0, match.num_tokens) == [
-            t + 1 for t in tokens[: match.num_tokens]
-        ]
-        self._compute(rid, end)
+        self.read_from[rid] = match.num_tokens
+        self._write(rid, match.num_tokens, end)
+        self.computed[rid] = end
         self.m.commit(rid, tokens, end, prompt_done=end == len(tokens))
+
+    @rule(tokens=TOKENS)
+    def receive(self, tokens: list[int]) -> None:
+        """A decode worker's entry: a whole prompt arrives (filled as a transfer would) plus one
+        page position for the next token; only what the windows read is allocated."""
+        rid, match = self._new(tokens)
+        n = len(tokens)
+        if not self.m.allocate_slots(rid, n + 1, match, num_computed_tokens=n):
+            assert not self.m.has_request(rid)
+            return
+        self.tokens[rid], self.read_from[rid] = list(tokens), n
+        self._write(rid, match.num_tokens, n)
+        self.computed[rid] = n
+        self.m.commit(rid, tokens, n, prompt_done=True)
+        self.tokens[rid].append(0)  # its first output token, to be computed next
 
     @precondition(lambda self: bool(self.tokens))
     @rule(data=st.data(), chunk=st.integers(min_value=1, max_value=4), new_token=st.integers(0, 2))
@@ -92,13 +151,16 @@ class ManagerMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.tokens)))
         if self.computed[rid] == len(self.tokens[rid]):
             self.tokens[rid].append(new_token)  # decode: one generated token
-        end = min(len(self.tokens[rid]), self.computed[rid] + chunk)
+        done = self.computed[rid]
+        end = min(len(self.tokens[rid]), done + chunk)
         before = self._snapshot()
         held = self.m.page_ids(rid)
-        if not self.m.allocate_slots(rid, end):
+        if not self.m.allocate_slots(rid, end, num_computed_tokens=done):
             assert self._snapshot() == before and self.m.page_ids(rid) == held
             return
-        self._compute(rid, end)
+        self.read_from[rid] = done
+        self._write(rid, done, end)
+        self.computed[rid] = end
         self.m.commit(rid, self.tokens[rid], end, prompt_done=end >= len(self.tokens[rid]))
 
     @precondition(lambda self: bool(self.tokens))
@@ -106,7 +168,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def free(self, data: st.DataObject) -> None:
         rid = data.draw(st.sampled_from(sorted(self.tokens)))
         self.m.free(rid)
-        del self.tokens[rid], self.computed[rid]
+        del self.tokens[rid], self.computed[rid], self.read_from[rid]
         assert not self.m.has_request(rid)
 
     @rule()
@@ -127,22 +189,29 @@ class ManagerMachine(RuleBasedStateMachine):
     @invariant()
     def live_requests_keep_their_kv(self) -> None:
         for rid, tokens in self.tokens.items():
-            assert self._slot_values(rid, 0, self.computed[rid]) == [
-                t + 1 for t in tokens[: self.computed[rid]]
-            ]
-            num_pages = -(-self.computed[rid] // PAGE_SIZE)  # allocation always runs to `computed`
-            assert all(len(p) == num_pages for p in self.m.page_ids(rid).values())
+            computed = self.computed[rid]
+            for g, pages in self.m.page_ids(rid).items():
+                window = self.m.windows[g]
+                assert len(pages) >= -(-computed // PAGE_SIZE)
+                values = self._held_values(rid, g, 0, computed)
+                assert values == {i: tokens[i] + 1 for i in values}, (rid, g)
+                if window is not None:  # it holds everything its last step read, and no more
+                    first = first_needed_page(self.read_from[rid], window, PAGE_SIZE)
+                    assert pages[:first] == [NULL_PAGE] * first and NULL_PAGE not in pages[first:]
+                else:
+                    assert len(values) == computed
 
     @invariant()
     def stats_add_up(self) -> None:
         for g, s in self.m.stats().groups.items():
-            distinct = {p for rid in self.tokens for p in self.m.page_ids(rid)[g]}
+            distinct = {p for rid in self.tokens for p in self.m.page_ids(rid)[g] if p != NULL_PAGE}
             assert s.used == len(distinct) and s.free + s.used == s.total
             assert s.evictable <= s.free and s.peak_used >= s.used
+            assert s.peak_evictable >= s.evictable and s.free_low_water <= s.plain_free
 
 
 ManagerMachine.TestCase.settings = settings(
-    max_examples=100,
+    max_examples=200,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

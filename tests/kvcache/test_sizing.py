@@ -2,9 +2,13 @@ import pytest
 import torch
 
 from kvcache.sizing import (
+    KVSizingError,
+    budget_shares,
     cap_pages_by_tokens,
+    check_one_request_fits,
     cuda_free_bytes,
     device_kv_budget,
+    pages_per_request,
     size_pool_groups,
     split_budget,
 )
@@ -25,16 +29,41 @@ def test_device_budget() -> None:
         device_kv_budget(100, 0.5, weights_bytes=-1)
 
 
-def test_split_equal_pages_without_ratio() -> None:
-    assert split_budget(1000, {"a": 64, "b": 32}, None) == {"a": 10, "b": 10}
-
-
-def test_split_by_ratio() -> None:
+def test_split_by_shares() -> None:
     assert split_budget(1000, {"a": 64, "b": 32}, {"a": 3.0, "b": 1.0}) == {"a": 11, "b": 7}
-    with pytest.raises(ValueError, match="exactly the groups"):
-        split_budget(1000, {"a": 64}, {"b": 1.0})
-    with pytest.raises(ValueError, match="> 0"):
-        split_budget(1000, {"a": 64}, {"a": 0.0})
+    assert split_budget(1000, {"a": 64, "b": 32}, {"a": 1.0, "b": 1.0}) == {"a": 7, "b": 15}
+
+
+def test_pages_per_request_full_and_window() -> None:
+    full = group_spec("full", (0,), page_size=4)
+    window = group_spec("swa_32", (1,), page_size=4, sliding_window=32)
+    need = pages_per_request([full, window], max_model_len=1000, max_step_tokens=64)
+    assert need == {"full": 250, "swa_32": 25}  # ceil((32 + 64 - 2) / 4) + 1
+    assert pages_per_request([window], max_model_len=40, max_step_tokens=64) == {"swa_32": 10}
+
+
+def test_default_shares_are_bytes_per_token_times_tokens_held() -> None:
+    full = group_spec("full", (0,), page_size=4)  # 2 * 4 * 2 * 4 = 64 B per page
+    window = group_spec("swa_32", (1, 2, 3, 4, 5), page_size=4, sliding_window=32)  # 320 B
+    need = {"full": 250, "swa_32": 25}
+    assert budget_shares([full, window], need) == {"full": 64 * 250, "swa_32": 320 * 25}
+    sized = size_pool_groups([full, window], 4 * (64 * 250 + 320 * 25), need)
+    # 2/3 and 1/3 of the bytes: each group holds 3 longest requests (4 without the null pages)
+    assert [s.num_pages for s in sized] == [1000, 100]
+
+
+def test_pool_ratio_must_name_the_models_groups() -> None:
+    full = group_spec("full", (0,))
+    window = group_spec("swa_32", (1,), sliding_window=32)
+    need = {"full": 10, "swa_32": 3}
+    assert budget_shares([full, window], need, {"full": 3, "swa_32": 1}) == {"full": 3, "swa_32": 1}
+    with pytest.raises(KVSizingError, match=r"names \['swa_64'\].*groups are \['full', 'swa_32'\]"):
+        budget_shares([full, window], need, {"full": 3, "swa_64": 1})
+    with pytest.raises(KVSizingError, match=r"lacks \['swa_32'\]") as e:
+        budget_shares([full, window], need, {"full": 1})
+    assert e.value.setting == "pool_ratio"
+    with pytest.raises(KVSizingError, match="> 0"):
+        budget_shares([full, window], need, {"full": 1, "swa_32": 0})
 
 
 def test_cap_by_tokens_rounds_up_and_adds_null_page() -> None:
@@ -46,23 +75,35 @@ def test_cap_by_tokens_rounds_up_and_adds_null_page() -> None:
 def test_size_pool_groups_sets_num_pages_only() -> None:
     template = group_spec("full", (0, 1), num_pages=2, page_size=2)
     assert template.page_bytes == PAGE_BYTES_2_LAYERS
-    (sized,) = size_pool_groups([template], budget_bytes=10 * 64 + 63)
+    (sized,) = size_pool_groups([template], 10 * 64 + 63, {"full": 3})
     assert sized.num_pages == 10
     assert sized.page_bytes == template.page_bytes and sized.layer_ids == template.layer_ids
-    (capped,) = size_pool_groups([template], budget_bytes=10 * 64, max_tokens=5)
+    (capped,) = size_pool_groups([template], 10 * 64, {"full": 3}, max_tokens=5)
     assert capped.num_pages == 4  # 3 usable pages hold 6 >= 5 tokens, plus the null page
+    (capped,) = size_pool_groups([template], 10 * 64, {"full": 3}, max_requests=2)
+    assert capped.num_pages == 7
 
 
 def test_size_pool_groups_two_groups_with_ratio() -> None:
     a = group_spec("a", (0, 1), num_pages=2)  # 64 B pages
     b = group_spec("b", (2,), num_pages=2)  # 32 B pages
-    sized = size_pool_groups([a, b], budget_bytes=960, pool_ratios={"a": 1.0, "b": 1.0})
+    sized = size_pool_groups([a, b], 960, {"a": 1, "b": 1}, pool_ratios={"a": 1.0, "b": 1.0})
     assert [s.num_pages for s in sized] == [7, 15]
 
 
 def test_too_small_budget_is_a_clear_error() -> None:
-    with pytest.raises(ValueError, match="need at least 2"):
-        size_pool_groups([group_spec()], budget_bytes=100)
+    with pytest.raises(KVSizingError, match="need at least 2"):
+        size_pool_groups([group_spec()], 100, {"full": 1})
+
+
+def test_one_request_must_fit_in_every_group() -> None:
+    full = group_spec("full", (0,), num_pages=11)
+    window = group_spec("swa_32", (1,), num_pages=3, sliding_window=32)
+    check_one_request_fits([full, window], {"full": 10, "swa_32": 2}, 20)
+    with pytest.raises(
+        KVSizingError, match=r"group 'swa_32' has 2 usable pages, one request needs 3"
+    ):
+        check_one_request_fits([full, window], {"full": 10, "swa_32": 3}, 20)
 
 
 def test_cuda_free_bytes_refuses_cpu() -> None:

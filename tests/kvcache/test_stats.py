@@ -11,5 +11,8 @@ def test_reuse_counters_record_hits_and_misses() -> None:
 def test_hit_rate_and_usage() -> None:
     assert KVCacheStats().hit_rate == 0.0
     assert KVCacheStats(reuse_hit_tokens=1, reuse_miss_tokens=3).hit_rate == 0.25
-    g = PoolGroupStats(total=8, free=6, used=2, evictable=1, peak_used=5, evictions=0)
-    assert g.usage == 0.25
+    g = PoolGroupStats(
+        total=8, free=6, used=2, evictable=1, peak_used=5, evictions=0, peak_evictable=3,
+        free_low_water=1,
+    )  # fmt: skip
+    assert g.usage == 0.25 and g.plain_free == 5 and g.sliding_window is None

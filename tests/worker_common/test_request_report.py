@@ -90,7 +90,7 @@ def test_without_request_stats_nothing_is_reported() -> None:
         EngineConfig(
             load_format="dummy",
             dummy_config=TINY,
-            num_pages=64,
+            num_pages=65,  # one max_model_len request (64 pages) + the null page
             page_size=PAGE,
             max_model_len=256,
             max_request_stats_len=0,
