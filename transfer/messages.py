@@ -62,15 +62,18 @@ class TransferProtocolError(ValueError):
 @dataclass(frozen=True)
 class TransferTicket:
     """What P hands the router (and the router D) for one prefilled request. Plain data: it crosses
-    Ray actor boundaries. ``page_ids`` are P's pages per pool group in token order (groups may hold
-    different numbers of pages); ``lease_gen`` names this lease of the request (a later publish of
-    the same id has another); ``lease_expires_at`` is wall-clock time (time.time())."""
+    Ray actor boundaries. ``page_ids`` are the pages P holds per pool group, in token order, from
+    the request's page ``first_page[g]`` to its last: a full-attention group all of them, a
+    sliding-window group those its window still reads (groups list different numbers of pages);
+    ``lease_gen`` names this lease of the request (a later publish of the same id has another);
+    ``lease_expires_at`` is wall-clock time (time.time())."""
 
     request_id: str
     host: str
     port: int
     instance_id: str
     page_ids: dict[str, list[int]]
+    first_page: dict[str, int]
     declared_prompt_len: int
     compat_hash: str
     lease_gen: int

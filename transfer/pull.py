@@ -49,7 +49,10 @@ class PullSession:
         self.config = receiver.config
         self.ticket = ticket
         self.dst = {g: list(ids) for g, ids in dst_page_ids.items()}
-        self.skip = dict(skip_pages)
+        # Pages D holds or does not need, per group, counted in the ticket's list (the caller
+        # counts them from the request's first page: check_ticket converts).
+        self.wanted_from = dict(skip_pages)
+        self.skip: dict[str, int] = {}
         self.expected = expected_prompt_len
         self.pull_id = random.getrandbits(63)
         self.link: Link | None = None
@@ -178,16 +181,28 @@ class PullSession:
                 f"compatibility hash mismatch: the ticket's prefill worker has {t.compat_hash}, "
                 f"we have {own.compat_hash}"
             )
-        if sorted(self.dst) != sorted(t.page_ids) or sorted(self.skip) != sorted(t.page_ids):
+        groups = sorted(t.page_ids)
+        if (
+            sorted(t.first_page) != groups
+            or sorted(self.dst) != groups
+            or sorted(self.wanted_from) != groups
+        ):
             raise PullFailed(
                 f"destination pools {sorted(self.dst)} differ from the ticket's {sorted(t.page_ids)}"
             )
         for g, ids in t.page_ids.items():
-            skip = self.skip[g]
-            if not 0 <= skip <= len(ids) or len(self.dst[g]) != len(ids) - skip:
+            first = t.first_page[g]
+            skip = self.skip[g] = self.wanted_from[g] - first
+            if skip < 0:
                 raise PullFailed(
-                    f"pool {g!r}: the ticket has {len(ids)} pages, skip_pages={skip}, so "
-                    f"{len(ids) - skip} destination pages are needed, got {len(self.dst[g])}"
+                    f"pool {g!r}: we need the request's pages from {self.wanted_from[g]} on, the "
+                    f"prefill worker holds them from {first} on (different windows?)"
+                )
+            if skip > len(ids) or len(self.dst[g]) != len(ids) - skip:
+                raise PullFailed(
+                    f"pool {g!r}: the ticket has {len(ids)} pages from page {first}, we need "
+                    f"those from page {self.wanted_from[g]}, so {len(ids) - skip} destination "
+                    f"pages, got {len(self.dst[g])}"
                 )
 
     def _result(self, start: float, ok: bool, error: str, nbytes: int) -> TransferResult:

@@ -4,8 +4,11 @@
     result = await receiver.pull(ticket, dst_page_ids, skip_pages, expected_prompt_len)
     if not result.ok: free the pages (result.error says why)
 
-``dst_page_ids[g]`` are D's pages for ``ticket.page_ids[g][skip_pages:]`` (the first pages D
-already holds from its own prefix hit), one for one; ``skip_pages`` may also be given per group.
+``dst_page_ids[g]`` are D's pages for the request's pages from ``skip_pages`` on, up to its last,
+one for one: the request's first ``skip_pages`` pages D already holds from its own prefix hit, or
+does not need (a sliding-window group's pages before its window). ``skip_pages`` counts from the
+request's first page (the ticket lists group g's pages from ``ticket.first_page[g]``), and may be
+given per group.
 ``pull`` returns only when the transfer is complete and checked, or has failed and nothing of it
 can still write the pages, so the caller may free them then; a cancelled ``pull`` too, before its
 CancelledError. It never raises for transfer problems: they are a failed TransferResult.

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from kvcache.spec import PoolGroupSpec
+from kvcache.spec import NULL_PAGE, PoolGroupSpec
 from transfer import paths
 from transfer.config import TransceiverConfig
 from transfer.faults import FaultInjector
@@ -118,20 +118,29 @@ class KVSender:
     def publish(
         self, request_id: str, page_ids: Mapping[str, Sequence[int]], declared_prompt_len: int
     ) -> TransferTicket:
-        """Pin the request's pages under a lease and return the ticket D pulls with. Groups may
-        list different numbers of pages."""
-        pages = {g: [int(p) for p in ids] for g, ids in page_ids.items()}
+        """Pin the request's pages under a lease and return the ticket D pulls with.
+        ``page_ids``: per group, the request's page list in token order (KVCacheManager.page_ids:
+        a window group shows the null page where it released pages); the ticket lists only the
+        pages each group holds."""
+        pages: dict[str, list[int]] = {}
+        first_page: dict[str, int] = {}
         names = [p.name for p in self.page_table.pools]
-        if sorted(pages) != sorted(names):
+        if sorted(page_ids) != sorted(names):
             raise ValueError(
-                f"publish {request_id!r}: page ids name pools {sorted(pages)}, expected {sorted(names)}"
+                f"publish {request_id!r}: page ids name pools {sorted(page_ids)}, expected "
+                f"{sorted(names)}"
             )
         for pool in self.page_table.pools:
-            bad = [p for p in pages[pool.name] if not 0 < p < pool.num_pages]
+            ids = [int(p) for p in page_ids[pool.name]]
+            first = next((i for i, p in enumerate(ids) if p != NULL_PAGE), len(ids))
+            held = ids[first:]
+            bad = [p for p in held if not 0 < p < pool.num_pages]
             if bad:
                 raise ValueError(
-                    f"publish {request_id!r}: pool {pool.name!r} has no pages {bad[:8]}"
+                    f"publish {request_id!r}: pool {pool.name!r} has no pages {bad[:8]} (only a "
+                    "window group's first pages may be the null page)"
                 )
+            pages[pool.name], first_page[pool.name] = held, first
         if declared_prompt_len < 0:
             raise ValueError(f"publish {request_id!r}: declared_prompt_len must be >= 0")
         if self._closed:
@@ -143,6 +152,7 @@ class KVSender:
             port=self.port,
             instance_id=self.instance_id,
             page_ids=pages,
+            first_page=first_page,
             declared_prompt_len=declared_prompt_len,
             compat_hash=self.page_table.compat_hash,
             lease_gen=lease.gen,

@@ -174,8 +174,8 @@ class StalledPrefill:
 
         pages = list(range(1, -(-prompt_len // PAGE) + 1))
         return TransferTicket(
-            rid, "127.0.0.1", self.server.port, "rogue", {"full": pages}, prompt_len,
-            self.table.compat_hash, 1, time.time() + 30,
+            rid, "127.0.0.1", self.server.port, "rogue", {"full": pages}, {"full": 0},
+            prompt_len, self.table.compat_hash, 1, time.time() + 30,
         )  # fmt: skip
 
     def close(self) -> None:
