@@ -55,42 +55,42 @@ class Side:
         return self.kv.buffers[group][pages].clone()
 
 
-def test_a_window_group_moves_only_the_window_d_needs() -> None:
-    for path in CPU_PATHS:
-        p, d = Side(seed=1), Side(seed=2)
-        sender = KVSender(p.kv.buffers, hybrid_specs(), MODEL, config(path), p.release)
-        receiver = KVReceiver(d.kv.buffers, hybrid_specs(), MODEL, config(path))
-        try:
-            n = 20  # 5 prompt pages
-            # P ran its last prefill chunk from token 12: its window group still holds the pages
-            # that chunk read, from page (12 - 8 + 1) // 4 = 1 on.
-            assert p.kv.allocate_slots("r", n, num_computed_tokens=12)
-            held = p.kv.page_ids("r")
-            assert held["swa"][0] == NULL_PAGE and NULL_PAGE not in held["swa"][1:]
-            ticket = sender.publish("r", held, n)
-            assert ticket.first_page == {"full": 0, "swa": 1}
-            assert ticket.page_ids == {"full": held["full"], "swa": held["swa"][1:]}
-            # D, as a decode worker allocates: as if the prompt were computed, so its window group
-            # holds pages (20 - 8 + 1) // 4 = 3 on (and one for the next token).
-            assert d.kv.allocate_slots("r", n + 1, num_computed_tokens=n)
-            mine = d.kv.page_ids("r")
-            skips = {"full": 0, "swa": 3}
-            dst = {g: mine[g][skips[g] : 5] for g in mine}
-            assert len(dst["swa"]) == 2
-            result = receiver.pull_blocking(ticket, dst, skips, n)
-            assert result.ok, result.error
-            full_bytes = d.kv.specs["full"].page_bytes
-            swa_bytes = d.kv.specs["swa"].page_bytes
-            assert result.bytes == 5 * full_bytes + 2 * swa_bytes  # the window's pages only
-            assert torch.equal(d.rows("full", dst["full"]), p.rows("full", held["full"]))
-            assert torch.equal(d.rows("swa", dst["swa"]), p.rows("swa", held["swa"][3:5]))
-            wait_until(lambda: p.released == ["r"])
-            d.kv.free("r")
-        finally:
-            receiver.close()
-            sender.close()
-        p.kv.check_integrity()
-        d.kv.check_integrity()
+@pytest.mark.parametrize("path", CPU_PATHS)
+def test_a_window_group_moves_only_the_window_d_needs(path: str) -> None:
+    p, d = Side(seed=1), Side(seed=2)
+    sender = KVSender(p.kv.buffers, hybrid_specs(), MODEL, config(path), p.release)
+    receiver = KVReceiver(d.kv.buffers, hybrid_specs(), MODEL, config(path))
+    try:
+        n = 20  # 5 prompt pages
+        # P ran its last prefill chunk from token 12: its window group still holds the pages
+        # that chunk read, from page (12 - 8 + 1) // 4 = 1 on.
+        assert p.kv.allocate_slots("r", n, num_computed_tokens=12)
+        held = p.kv.page_ids("r")
+        assert held["swa"][0] == NULL_PAGE and NULL_PAGE not in held["swa"][1:]
+        ticket = sender.publish("r", held, n)
+        assert ticket.first_page == {"full": 0, "swa": 1}
+        assert ticket.page_ids == {"full": held["full"], "swa": held["swa"][1:]}
+        # D, as a decode worker allocates: as if the prompt were computed, so its window group
+        # holds pages (20 - 8 + 1) // 4 = 3 on (and one for the next token).
+        assert d.kv.allocate_slots("r", n + 1, num_computed_tokens=n)
+        mine = d.kv.page_ids("r")
+        skips = {"full": 0, "swa": 3}
+        dst = {g: mine[g][skips[g] : 5] for g in mine}
+        assert len(dst["swa"]) == 2
+        result = receiver.pull_blocking(ticket, dst, skips, n)
+        assert result.ok, result.error
+        full_bytes = d.kv.specs["full"].page_bytes
+        swa_bytes = d.kv.specs["swa"].page_bytes
+        assert result.bytes == 5 * full_bytes + 2 * swa_bytes  # the window's pages only
+        assert torch.equal(d.rows("full", dst["full"]), p.rows("full", held["full"]))
+        assert torch.equal(d.rows("swa", dst["swa"]), p.rows("swa", held["swa"][3:5]))
+        wait_until(lambda: p.released == ["r"])
+        d.kv.free("r")
+    finally:
+        receiver.close()
+        sender.close()
+    p.kv.check_integrity()
+    d.kv.check_integrity()
 
 
 def test_a_page_d_needs_that_p_let_go_fails_the_pull_clearly() -> None:

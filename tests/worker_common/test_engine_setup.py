@@ -4,15 +4,25 @@ hybrid models build on both roles of a disaggregated cluster."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from cluster.config import ClusterConfig, ConfigError, config_from_dict
 from cluster.worker_specs import worker_spec
 from tests.engine.conftest import HYBRID_HF_CONFIGS, write_tiny_checkpoint
 from worker_common.engine_setup import build_engine
 from worker_common.messages import Role
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads() -> Iterator[None]:
+    """build_engine sizes the process's torch threads to the worker's CPUs: undone for later tests."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -78,3 +88,19 @@ def test_hybrid_models_serve_disaggregated(gemma_dir: Path) -> None:
         spec = worker_spec(config, role, 0, None, transfer_secret="test")
         assert spec.transceiver is not None
         assert build_engine(spec).kv.specs["swa_32"].sliding_window == 32
+
+
+def test_a_cpu_worker_runs_torch_threads_for_its_cpus(gemma_dir: Path) -> None:
+    config = config_from_dict(
+        {
+            "model": {"source": str(gemma_dir), "max_model_len": 256},
+            "kvcache": {"page_size": 8},
+            "prefill": {"replicas": 0},
+            "decode": {"resources": {"num_cpus": 1}},
+        }
+    )
+    spec = worker_spec(config, Role.DECODE, 0, None)
+    assert spec.num_cpus == 1
+    torch.set_num_threads(2)
+    build_engine(spec)
+    assert torch.get_num_threads() == 1
