@@ -216,6 +216,7 @@ class PullSession:
             ok,
             error,
             path,
+            {g: len(ids) for g, ids in self.dst.items()} if ok else {},
         )
         self.r.book.record(stats)
         return TransferResult(self.ticket.request_id, ok, error, stats)

@@ -126,9 +126,10 @@ class ServeSession:
             self.sender.leases.end(self.lease, how)
             nbytes = 0 if error else self.request.total_bytes
             chunks = len(self.chunks) or 1
+            pages = {} if error else {g: len(ids) for g, ids in self.request.dst_page_ids.items()}
             stats = TransferStats(
                 rid, "send", nbytes, chunks, time.perf_counter() - start, not error, error,
-                self.link.path.name,
+                self.link.path.name, pages,
             )  # fmt: skip
             self.sender.book.record(stats)
 

@@ -82,9 +82,13 @@ def test_a_window_group_moves_only_the_window_d_needs(path: str) -> None:
         full_bytes = d.kv.specs["full"].page_bytes
         swa_bytes = d.kv.specs["swa"].page_bytes
         assert result.bytes == 5 * full_bytes + 2 * swa_bytes  # the window's pages only
+        assert result.stats.pages == {"full": 5, "swa": 2}
         assert torch.equal(d.rows("full", dst["full"]), p.rows("full", held["full"]))
         assert torch.equal(d.rows("swa", dst["swa"]), p.rows("swa", held["swa"][3:5]))
         wait_until(lambda: p.released == ["r"])
+        # P counts the same pages (recorded just after the release).
+        wait_until(lambda: "last_transfer" in sender.stats())
+        assert sender.stats()["last_transfer"]["pages"] == {"full": 5, "swa": 2}
         d.kv.free("r")
     finally:
         receiver.close()
@@ -142,6 +146,7 @@ def test_peers_with_different_windows_refuse_each_other(path: str) -> None:
         forged = dataclasses.replace(ticket, compat_hash=receiver.page_table.compat_hash)
         result = receiver.pull_blocking(forged, dst, 0, 8)
         assert not result.ok and "compatibility hash mismatch" in result.error
+        assert "sliding windows differ: 'swa': ours window 8, peer's window 16" in result.error
         # Each pull tries a link first, and P refuses both in the handshake.
         wait_until(lambda: sender.stats()["refused_peers"] == 2)
         d.kv.free("r")
