@@ -2,8 +2,8 @@
 
 A Segment says "copy bytes ``[src_offset, src_offset + nbytes_per_page)`` of page ``src_ids[i]`` of
 the source pool to ``[dst_offset, ...)`` of page ``dst_ids[i]`` of the destination pool", for one
-matched pool pair (pools match by ``pool_role``). Every data path moves segments: the UCX path
-gathers them into a staging buffer, the direct paths copy them page to page.
+matched pool pair (pools match by ``pool_role`` and sliding window). Every data path moves
+segments: the UCX path gathers them into a staging buffer, the direct paths copy them page to page.
 
 Only pools of equal geometry are served today (the identity mapping: whole pages, offsets 0).
 Head-sharded (HND) pools of ranks holding other head ranges would map each page to the slice of
@@ -59,27 +59,37 @@ class Segment:
 
 @functools.lru_cache(maxsize=64)  # asked on every pull, for the few page tables a worker meets
 def match_pools(src: PageTable, dst: PageTable) -> Mapping[str, str]:
-    """Source pool name -> destination pool name, matched by equal ``pool_role``."""
-    by_role: dict[tuple[str, ...], PoolDescriptor] = {}
+    """Source pool name -> destination pool name, matched by equal ``pool_role`` and sliding
+    window (a hybrid model's full-attention and window groups both hold keys and values)."""
+    by_kind: dict[tuple[tuple[str, ...], int], PoolDescriptor] = {}
     for pool in dst.pools:
-        if pool.pool_role in by_role:
-            raise MapperError(f"destination has two pools with roles {list(pool.pool_role)}")
-        by_role[pool.pool_role] = pool
+        if _kind(pool) in by_kind:
+            raise MapperError(f"destination has two pools with {_describe(pool)}")
+        by_kind[_kind(pool)] = pool
     matched: dict[str, str] = {}
     for pool in src.pools:
-        peer = by_role.pop(pool.pool_role, None)
+        peer = by_kind.pop(_kind(pool), None)
         if peer is None:
             raise MapperError(
-                f"source pool {pool.name!r} (roles {list(pool.pool_role)}) has no destination pool "
-                "with the same roles (or shares them with another source pool)"
+                f"source pool {pool.name!r} ({_describe(pool)}) has no destination pool with the "
+                "same roles and window (or shares them with another source pool)"
             )
         _check_servable(pool, peer)
         matched[pool.name] = peer.name
-    if by_role:  # their pages would never be filled
+    if by_kind:  # their pages would never be filled
         raise MapperError(
-            f"destination pools {[p.name for p in by_role.values()]} have no source pool"
+            f"destination pools {[p.name for p in by_kind.values()]} have no source pool"
         )
     return MappingProxyType(matched)
+
+
+def _kind(pool: PoolDescriptor) -> tuple[tuple[str, ...], int]:
+    return pool.pool_role, pool.window
+
+
+def _describe(pool: PoolDescriptor) -> str:
+    window = f"a window of {pool.window}" if pool.window else "full attention"
+    return f"roles {list(pool.pool_role)}, {window}"
 
 
 def _check_servable(src: PoolDescriptor, dst: PoolDescriptor) -> None:

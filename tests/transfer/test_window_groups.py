@@ -22,7 +22,8 @@ WINDOW = 8
 
 
 def hybrid_specs(window: int = WINDOW) -> list[PoolGroupSpec]:
-    """A full-attention group (3 layers) and a window group (1 layer) of one page size."""
+    """A full-attention group (3 layers) and a window group (1 layer) of one page size, both of
+    the default roles (key, value), as the engine makes them."""
     return [
         PoolGroupSpec("full", (0, 1, 2), 64, PAGE, 2, 8, torch.float32),
         PoolGroupSpec(
@@ -33,7 +34,6 @@ def hybrid_specs(window: int = WINDOW) -> list[PoolGroupSpec]:
             2,
             8,
             torch.float32,
-            pool_role=frozenset({"key_swa", "value_swa"}),
             sliding_window=window,
         ),
     ]
