@@ -4,7 +4,8 @@ Life of a request here (DESIGN section 3):
   gen-init (allocate pages for the prompt plus the next token as if the prompt were computed, so a
   sliding-window group holds only its last window; minus D's own prefix hit)
   -> pull the remaining pages from P, group by group -> check (every chunk arrived, declared
-  history == prompt length) -> finalize context (commit the prompt's pages) and only then schedule decode -> stream tokens.
+  history == prompt length) -> finalize context (commit the prompt's pages) and only then
+  schedule decode -> stream tokens.
 Pages allocated for a receive are freed only after the receive is known finished or failed, even
 when the client went away meanwhile. A failed, expired or refused pull fails the request, or with
 ``on_failure="recompute"`` (transfer.on_failure) the request is prefilled here instead and the
