@@ -72,7 +72,7 @@ class PrefillWorker:
         # Prefilled, their lease being made -> whether their client went away meanwhile.
         self._publishing: dict[str, bool] = {}
 
-    # ---- called by the transfer layer (its own thread) ----
+    # ---- called by the transfer layer (on its loop: the actor's, or its own thread's) ----
     def _release(self, request_id: str) -> None:
         def release(engine: LLMEngine) -> None:
             try:

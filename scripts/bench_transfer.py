@@ -5,8 +5,10 @@ measured in the same run.
     python scripts/bench_transfer.py --device cuda --out transfer_gpu.json   # ucx and cuda_ipc
 
 The parent process is the decode side (one KVReceiver per path), a spawned child the prefill side
-(KVSender; on GPUs cuda:0, and D on cuda:1 when there is a second GPU, else cuda:0 too). Pages are
-scattered on both sides (random page ids). Each pull is timed on D from ``pull`` to its result.
+(KVSender; on GPUs cuda:0, and D on cuda:1 when there is a second GPU, else cuda:0 too). D runs as
+a decode worker does: its receivers on an event loop of its own (a worker actor's), which the
+transfer runtime adopts, and each pull is awaited and timed there, from ``pull`` to its result.
+Pages are scattered on both sides (random page ids).
 Baselines, per path:
 
 - ucx: raw ucxx between the same two processes: D posts a receive of the same number of bytes and
@@ -18,8 +20,11 @@ Baselines, per path:
 
 Every repetition runs each path and its baseline back to back, the order turning each time, so a
 busy spell of a shared host hits both alike; a ratio (baseline time / path time) is taken per
-repetition and reported as the median with quartiles. The first pull of each size is byte-checked
-against P's pages. The JSON keeps every time.
+repetition and reported as the median with quartiles, and so is the fixed cost (path time minus
+baseline time, per repetition: at 1 MiB, where the bytes cost little, nearly all of it is what a
+pull costs beyond its bytes). Each operation's CPU time is measured too, on both processes (all
+their threads): less noisy than times on a busy host. The first pull of each size is
+byte-checked against P's pages. The JSON keeps every time.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import multiprocessing
 import os
 import statistics
 import sys
+import threading
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -113,6 +119,8 @@ def prefill_proc(conn: Connection, device: str, num_pages: int, staging_tokens: 
             rid, n = args
             pages = (rng.permutation(num_pages - 1)[:n] + 1).tolist()
             conn.send((sender.publish(rid, {"full": pages}, n * 16), _digest(rows, pages)))
+        elif cmd == "cpu":  # this process's CPU seconds so far (every thread)
+            conn.send(time.process_time())
         elif cmd == "raw":  # serve raw requests from D's address until closed
             serving = runtime.submit(_serve_raw(runtime, args[0], raw))
             conn.send("serving")
@@ -160,15 +168,27 @@ class Bench:
         self.spec = spec(args.device, self.num_pages)
         self.buffers = allocate_buffers([self.spec], torch.device(d_dev))
         self.rows = pool_rows(self.buffers, {"full": self.spec.page_bytes})["full"]
-        self.receivers = {
-            path: KVReceiver(
-                self.buffers,
-                [self.spec],
-                "bench",
-                config(args.device, path != "ucx", args.staging_tokens),
-            )
-            for path in args.paths
-        }
+        # D's "worker loop": the receivers are made on it and the runtime runs there.
+        self.loop = asyncio.new_event_loop()
+        self.loop_thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.loop_thread.start()
+
+        async def make() -> dict[str, KVReceiver]:
+            loop = asyncio.get_running_loop()
+            if cuda:  # D's GPU is its loop thread's current one, as in a decode worker
+                torch.cuda.set_device(d_dev)
+            return {
+                path: KVReceiver(
+                    self.buffers,
+                    [self.spec],
+                    "bench",
+                    config(args.device, path != "ucx", args.staging_tokens),
+                    loop=loop,
+                )
+                for path in args.paths
+            }
+
+        self.receivers = asyncio.run_coroutine_threadsafe(make(), self.loop).result(300)
         self.runtime = next(iter(self.receivers.values())).runtime
         self.rng = np.random.default_rng(2)
         self.count = 0
@@ -194,13 +214,22 @@ class Bench:
         assert self.conn.poll(600), f"no answer to {cmd[0]}"
         return self.conn.recv()
 
-    def pull(self, path: str, n: int, check: bool) -> float:
+    def publish(self, n: int) -> tuple[Any, str]:
+        """P publishes a fresh request of ``n`` random pages: (its ticket, the pages' digest)."""
         self.count += 1
-        ticket, digest = self.ask("publish", f"r{self.count}", n)
+        return self.ask("publish", f"r{self.count}", n)
+
+    def pull(self, path: str, published: tuple[Any, str], check: bool) -> float:
+        """Pull a published request into random pages of D, awaited on D's worker loop."""
+        (ticket, digest), n = published, len(published[0].page_ids["full"])
         dst = (self.rng.permutation(self.num_pages - 1)[:n] + 1).tolist()
-        start = time.perf_counter()
-        result = self.receivers[path].pull_blocking(ticket, {"full": dst}, 0, n * 16)
-        took = time.perf_counter() - start
+
+        async def timed() -> tuple[Any, float]:
+            start = time.perf_counter()
+            result = await self.receivers[path].pull(ticket, {"full": dst}, 0, n * 16)
+            return result, time.perf_counter() - start
+
+        result, took = self.runtime.run(timed(), 600)
         if not result.ok:
             raise RuntimeError(f"{path} pull of {n} pages failed: {result.error}")
         if check and _digest(self.rows, dst) != digest:
@@ -242,28 +271,36 @@ class Bench:
             n = self.pages_for[mib]
             row: dict[str, Any] = {"pages": n, "bytes": n * self.spec.page_bytes}
             for path in self.args.paths:
-                self.pull(path, n, check=True)  # warm-up and byte check
+                self.pull(path, self.publish(n), check=True)  # warm-up and byte check
                 self.baseline(path, n)
                 ours, base = [], []
+                cpu: dict[str, list[float]] = {"ours": [], "base": []}  # D + P, per operation
                 for rep in range(self.args.repeats):
                     first_ours = rep % 2 == 0  # the order turns each repetition
                     for which in ("ours", "base") if first_ours else ("base", "ours"):
-                        if which == "ours":
-                            ours.append(self.pull(path, n, check=False))
+                        ticket = self.publish(n) if which == "ours" else None
+                        p_cpu, d_cpu = self.ask("cpu"), time.process_time()
+                        if ticket is not None:
+                            ours.append(self.pull(path, ticket, check=False))
                         else:
                             base.append(self.baseline(path, n))
+                        d_cpu = time.process_time() - d_cpu
+                        cpu[which].append(d_cpu + self.ask("cpu") - p_cpu)
                 ratios = sorted(b / o for o, b in zip(ours, base, strict=True))
-                q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+                fixed = sorted(o - b for o, b in zip(ours, base, strict=True))
                 row[path] = {
                     "ms": 1e3 * statistics.median(ours),
                     "baseline_ms": 1e3 * statistics.median(base),
                     "gbps": row["bytes"] / statistics.median(ours) / 1e9,
                     "baseline_gbps": row["bytes"] / statistics.median(base) / 1e9,
-                    "ratio": statistics.median(ratios),
-                    "ratio_q1": q[0],
-                    "ratio_q3": q[2],
+                    **_median_quartiles("ratio", ratios),
+                    **_median_quartiles("fixed_ms", [1e3 * f for f in fixed]),
+                    "cpu_ms": 1e3 * statistics.median(cpu["ours"]),
+                    "baseline_cpu_ms": 1e3 * statistics.median(cpu["base"]),
                     "times_s": ours,
                     "baseline_times_s": base,
+                    "cpu_s": cpu["ours"],
+                    "baseline_cpu_s": cpu["base"],
                 }
             out["sizes"][str(mib)] = row
             self.report(mib, row)
@@ -273,9 +310,12 @@ class Bench:
         for path in self.args.paths:
             r = row[path]
             print(
-                f"{mib:5d} MiB {path:8s} {r['ms']:9.2f} ms {r['gbps']:7.2f} GB/s | baseline "
-                f"{r['baseline_ms']:9.2f} ms {r['baseline_gbps']:7.2f} GB/s | ratio {r['ratio']:.2f} "
-                f"[{r['ratio_q1']:.2f}-{r['ratio_q3']:.2f}]",
+                f"{mib:5d} MiB {path:8s} {r['ms']:8.2f} ms {r['gbps']:6.2f} GB/s | baseline "
+                f"{r['baseline_ms']:8.2f} ms {r['baseline_gbps']:6.2f} GB/s | ratio "
+                f"{r['ratio']:.2f} [{r['ratio_q1']:.2f}-{r['ratio_q3']:.2f}] | fixed "
+                f"{r['fixed_ms']:.2f} [{r['fixed_ms_q1']:.2f}-{r['fixed_ms_q3']:.2f}] ms | CPU "
+                f"{r['cpu_ms']:.2f} ms (baseline {r['baseline_cpu_ms']:.2f}) | load "
+                f"{os.getloadavg()[0]:.1f}",
                 flush=True,
             )
 
@@ -284,6 +324,13 @@ class Bench:
             receiver.close()
         self.ask("close")
         self.proc.join(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.loop_thread.join(30)
+
+
+def _median_quartiles(name: str, values: list[float]) -> dict[str, float]:
+    q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
+    return {name: statistics.median(values), f"{name}_q1": q[0], f"{name}_q3": q[2]}
 
 
 BASELINES = {

@@ -32,5 +32,23 @@ def tiny_engine(num_pages: int) -> LLMEngine:
     return LLMEngine.from_config(cfg)
 
 
+def tiny_hybrid_engine(num_pages: int, prefill_chunk_size: int = 24) -> LLMEngine:
+    """A tiny Gemma 3 (5 sliding layers, a window of 32 tokens : 1 full layer) on random weights
+    (the same on every call), pool groups "full" and "swa_32" of ``num_pages`` pages each, prompts
+    prefilled in chunks of ``prefill_chunk_size`` tokens, pages kept for prefix reuse."""
+    from tests.engine.conftest import HYBRID_HF_CONFIGS
+
+    cfg = EngineConfig(
+        load_format="dummy",
+        dummy_config=HYBRID_HF_CONFIGS["gemma3"],
+        num_pages=num_pages,
+        page_size=PAGE,
+        max_model_len=128,
+        prefill_chunk_size=prefill_chunk_size,
+        reuse_policy="all_reusable",
+    )
+    return LLMEngine.from_config(cfg)
+
+
 def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)

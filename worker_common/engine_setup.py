@@ -40,8 +40,7 @@ def gpu_device() -> str:
 def build_engine(spec: WorkerSpec) -> LLMEngine:
     """The worker's engine. A KV cache its settings cannot size (a pool_ratio naming groups the
     model lacks, or a group that cannot hold one max_model_len request) is a ConfigError naming the
-    cluster fields to change; so is a model with sliding-window pool groups in a disaggregated
-    cluster (the worker has a transceiver).
+    cluster fields to change.
 
     On a CPU device it first sizes this process's torch threads to the worker's CPUs and returns it
     to the default priority (engine/cpu_share.py): call it before the worker's first torch op."""
@@ -54,18 +53,6 @@ def build_engine(spec: WorkerSpec) -> LLMEngine:
         engine = LLMEngine.from_config(config)
     except KVSizingError as e:
         raise ConfigError(where, [f"{_SIZING_FIELDS[e.setting]}: {e}"]) from e
-    windows = sorted(g for g, s in engine.kv.specs.items() if s.sliding_window is not None)
-    if windows and spec.transceiver is not None:
-        # A ticket would carry a window group's released positions as null pages, which D would
-        # then commit for reuse: refused until the transfer moves pools group by group.
-        raise ConfigError(
-            where,
-            [
-                f"prefill.replicas: the model has sliding-window KV pool groups {windows}; "
-                "disaggregated serving of such models is not supported yet (the KV transfer is "
-                "full-attention only): set prefill.replicas to 0 (aggregated)"
-            ],
-        )
     return engine
 
 

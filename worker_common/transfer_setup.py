@@ -3,10 +3,13 @@
 The cluster config's ``transfer`` section becomes a TransceiverConfig in the server process
 (cluster/transfer_setup.py); what only the worker's node can settle (the address of
 ``transfer.interface``, whether the port is free) is settled here, and an error names the field.
+A worker actor passes its own event loop: the transceiver runs there (transfer/runtime.py), so a
+pull, its control messages and its host copies run where the worker awaits them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import socket
 from collections.abc import Callable
@@ -48,17 +51,30 @@ def _model_identity(engine: LLMEngine) -> str:
     return f"{engine.model_name}:{mc.num_layers}x{mc.num_kv_heads}x{mc.head_dim}:v{mc.vocab_size}"
 
 
-def make_publisher(engine: LLMEngine, spec: WorkerSpec, release: Callable[[str], None]) -> KVSender:
+def make_publisher(
+    engine: LLMEngine,
+    spec: WorkerSpec,
+    release: Callable[[str], None],
+    loop: asyncio.AbstractEventLoop | None = None,
+) -> KVSender:
     kv, tc = engine.kv, node_transceiver_config(spec)
     try:
-        return KVSender(kv.buffers, list(kv.specs.values()), _model_identity(engine), tc, release)
+        return KVSender(
+            kv.buffers, list(kv.specs.values()), _model_identity(engine), tc, release, loop
+        )
     except OSError as e:  # the listener: name the setting that chose the address
         field = "interface" if spec.transfer_interface else "host / port"
         raise ValueError(f"transfer.{field} ({tc.host}:{tc.port}): cannot listen here: {e}") from e
 
 
-def make_puller(engine: LLMEngine, spec: WorkerSpec) -> KVReceiver:
+def make_puller(
+    engine: LLMEngine, spec: WorkerSpec, loop: asyncio.AbstractEventLoop | None = None
+) -> KVReceiver:
     kv = engine.kv
     return KVReceiver(
-        kv.buffers, list(kv.specs.values()), _model_identity(engine), node_transceiver_config(spec)
+        kv.buffers,
+        list(kv.specs.values()),
+        _model_identity(engine),
+        node_transceiver_config(spec),
+        loop,
     )

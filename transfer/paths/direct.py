@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 import kernels
-from transfer.mapper import Segment, total_bytes
+from transfer.mapper import Segment, source_bytes, total_bytes
 from transfer.messages import PullRequest, ReadGrant
 from transfer.paths.base import DataPath, PullFailed
 from transfer.pools import as_words, page_slice, segment_ids
@@ -50,7 +50,10 @@ class DirectPath(DataPath):
         cfg, t = pull.config, pull.ticket
         loop = asyncio.get_running_loop()
         deadline = loop.time() + cfg.chunk_deadline_s + cfg.ack_deadline_s
-        nbytes = total_bytes(pull.segments)
+        assert pull.link is not None
+        # Ask first, then map the pages while P admits the pull: the mapping is off the round
+        # trip that every direct read waits for (a mapping error fails the pull all the same).
+        declared = source_bytes(pull.link.peer_table, pull.source_pages())
         await pull.send(
             PullRequest(
                 t.request_id,
@@ -60,12 +63,13 @@ class DirectPath(DataPath):
                 pull.dst,
                 pull.skip,
                 pull.expected,
-                0,
-                0,
-                nbytes,
+                [],
+                declared,
                 [],
             )
         )
+        segments = pull.map()
+        nbytes = total_bytes(segments)
         wait = min(cfg.pull_deadline_s, deadline - loop.time())
         _, grant = await pull.next_event(wait, "P's grant of the read")
         if not isinstance(grant, ReadGrant):
@@ -73,10 +77,9 @@ class DirectPath(DataPath):
         pull.check_declared(grant.declared_prompt_len)
         pull.chunks = 1
         if pull.fault == "mid_data":
-            await self.copy(pull, [s.part(0, len(s.src_ids) // 2) for s in pull.segments], deadline)
+            await self.copy(pull, [s.part(0, len(s.src_ids) // 2) for s in segments], deadline)
             pull.inject("mid_data")
-        await self.copy(pull, pull.segments, deadline)
-        assert pull.link is not None
+        await self.copy(pull, segments, deadline)
         if loop.time() > deadline:
             raise PullFailed(
                 f"the read took longer than {cfg.chunk_deadline_s + cfg.ack_deadline_s}s "

@@ -3,8 +3,8 @@
 Host pools live in memfd files from the start (kvcache/kv_buffer.py). P exports each pool as its
 file descriptor number with the file's device and inode; D opens it through /proc/<P's pid>/fd
 (the same user and PID namespace), checks it is that very file, and maps it read-only: D can read
-P's pages, never write them. The copy runs on D's copy thread (paths/direct.py: the lease, the
-grant and the deadline).
+P's pages, never write them. The copy runs on D's transfer loop, where the pull is awaited
+(paths/direct.py: the lease, the grant and the deadline).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class HostShmPath(DirectPath):
         # (A copy of host memory is bounded work: it runs to its end, and fetch checks the time.)
         assert self.peer_rows is not None
         cpu = torch.device("cpu")
-        await pull.r.runtime.copy(copy_segments, segments, self.peer_rows, pull.r.rows, cpu)
+        await pull.r.runtime.copy(cpu, copy_segments, segments, self.peer_rows, pull.r.rows, cpu)
 
     def close(self) -> None:
         self.peer_rows = None  # the mappings go with the last tensor viewing them
