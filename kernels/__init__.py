@@ -184,13 +184,29 @@ def paged_prefill_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     plan: AttentionPlan | None = None,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:
     """Packed q [T, Hq, D], causal over the whole context: query i of sequence b sits at
     position seq_lens[b] - q_len_b + i (with ``sliding_window`` W it reads keys p - W + 1 .. p;
-    ``softcap`` caps scores by tanh; ``plan`` as in paged_decode_attention). Returns [T, Hq, D]."""
+    ``softcap`` caps scores by tanh; ``plan`` as in paged_decode_attention; ``max_query_len``,
+    the longest q_len_b where the caller knows it, spares the GPU kernel a device sync). Returns
+    [T, Hq, D]."""
     if use_triton(q):
-        from kernels.prefill_attention_triton import paged_prefill_attention as impl
-    elif use_reference():
+        from kernels.prefill_attention_triton import paged_prefill_attention as triton_impl
+
+        return triton_impl(
+            q,
+            k_cache,
+            v_cache,
+            page_table,
+            cu_seqlens_q,
+            seq_lens,
+            scale,
+            sliding_window,
+            softcap,
+            max_query_len=max_query_len,
+        )
+    if use_reference():
         impl = paged_prefill_attention_ref
     else:
         assert plan is None or isinstance(plan, PrefillPlan)

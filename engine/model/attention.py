@@ -106,6 +106,7 @@ class PagedAttention(nn.Module):
                 self.sliding_window,
                 self.softcap,
                 plan,
+                max_query_len=batch.max_query_len,
             )
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
 
