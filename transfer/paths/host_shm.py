@@ -20,7 +20,7 @@ import torch
 
 from transfer.mapper import Segment
 from transfer.paths.base import PoolsUnavailable
-from transfer.paths.direct import DirectPath, copy_segments
+from transfer.paths.direct import DirectPath, SegmentIds, copy_segments
 
 if TYPE_CHECKING:
     from transfer.pull import PullSession
@@ -29,8 +29,14 @@ if TYPE_CHECKING:
 class HostShmPath(DirectPath):
     name = "host_shm"
 
-    async def copy(self, pull: PullSession, segments: Sequence[Segment], deadline: float) -> None:
-        # (A copy of host memory is bounded work: it runs to its end, and fetch checks the time.)
+    async def copy(
+        self,
+        pull: PullSession,
+        segments: Sequence[Segment],
+        deadline: float,
+        ids: SegmentIds | None = None,
+    ) -> None:
+        # (CPU ids need no preparing.) (A copy of host memory is bounded work: it runs to its end, and fetch checks the time.)
         assert self.peer_rows is not None
         cpu = torch.device("cpu")
         await pull.r.runtime.copy(cpu, copy_segments, segments, self.peer_rows, pull.r.rows, cpu)
