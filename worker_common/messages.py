@@ -157,7 +157,7 @@ class RequestTimings:
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens this worker did not compute: its prefix-cache hit
     # The same hit by where the pages were found: "device" is the worker's KV pool (GPU memory, or
-    # host memory on a CPU worker). A host tier would add "host".
+    # host memory on a CPU worker), "host" its KV host tier (loaded back for this request).
     cached_tokens_by_medium: dict[str, int] = field(default_factory=dict)
     output_tokens: int = 0  # output tokens produced by this worker
     num_preemptions: int = 0  # times the worker's scheduler preempted it (recomputed)
