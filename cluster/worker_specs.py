@@ -40,6 +40,7 @@ def engine_config_for(config: ClusterConfig, role: Role) -> EngineConfig:
         reuse_policy=kv.reuse_policy,
         pool_ratio=dict(kv.pool_ratio) if kv.pool_ratio is not None else None,
         swa_scratch_reuse=kv.swa_scratch_reuse,
+        host_tier_bytes=int(kv.host_tier_bytes),
         seed=config.model.seed,
         dummy_config=dummy,
         max_stats_len=config.stats.max_stats_len,
@@ -70,6 +71,7 @@ def worker_spec(
             token_s=config.decode.token_deadline_s,
         ),
         stats_interval_s=config.stats.interval_s,
+        publish_kv_events=config.router.uses_kv_events,
         collector_name=collector_name if config.stats.perf_buffer_len != 0 else None,
         log_level=log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel()),
     )

@@ -23,7 +23,13 @@ class _DecodeWorkerActor(WorkerActorBase):
         engine = build_engine(spec)
         puller = None if spec.transceiver is None else make_puller(engine, spec)
         self.worker = DecodeWorker(
-            spec.worker_id, engine, puller, report, spec.deadlines, spec.stats_interval_s
+            spec.worker_id,
+            engine,
+            puller,
+            report,
+            spec.deadlines,
+            spec.stats_interval_s,
+            spec.publish_kv_events,
         )
 
     async def decode(self, req: GenerateRequest, pre: PrefillResult) -> AsyncIterator[TokenDelta]:

@@ -23,6 +23,7 @@ from engine.output_stream import OutputStream
 from engine.outputs import RequestOutput
 from transfer.messages import TransferTicket
 from transfer.stats import TransferResult, TransferStats
+from worker_common.kv_events import KVEventPublisher
 from worker_common.messages import (
     GenerateRequest,
     PrefillResult,
@@ -55,7 +56,8 @@ class KVPuller(Protocol):
 
 class DecodeWorker:
     """Plain class behind the decode Ray actor. ``report`` receives the per-request stats (None:
-    none are recorded)."""
+    none are recorded); with ``publish_kv_events`` the worker's KV events are kept for the router
+    (``kv_events``)."""
 
     def __init__(
         self,
@@ -65,10 +67,12 @@ class DecodeWorker:
         report: Sink | None = None,
         deadlines: WorkerDeadlines | None = None,
         stats_interval_s: float = 10.0,
+        publish_kv_events: bool = False,
     ) -> None:
         self.worker_id = worker_id
         self.keeper = WorkerStatsKeeper(worker_id, Role.DECODE, stats_interval_s, report)
-        self.loop = EngineLoop(engine, name=f"{worker_id}-engine", on_tick=self.keeper.tick)
+        self.kv_events = KVEventPublisher(worker_id, engine) if publish_kv_events else None
+        self.loop = EngineLoop(engine, name=f"{worker_id}-engine", on_tick=self._tick)
         self.puller = puller
         deadlines = deadlines or WorkerDeadlines()
         self._gen_init_deadline_s = deadlines.page_wait_s
@@ -76,6 +80,11 @@ class DecodeWorker:
         self._receiving: dict[str, asyncio.Task] = {}  # request id -> its pull, while in flight
         self._aborted: set[str] = set()
         self.num_transfer_failures = 0
+
+    def _tick(self, engine: LLMEngine) -> None:
+        self.keeper.tick(engine)
+        if self.kv_events is not None:
+            self.kv_events.collect(engine)
 
     # ---- disaggregated path ----
     async def decode(self, req: GenerateRequest, pre: PrefillResult) -> AsyncIterator[TokenDelta]:
@@ -138,9 +147,12 @@ class DecodeWorker:
         the transfer must fill per group). Waits for free pages, within a deadline."""
 
         def allocate(engine: LLMEngine) -> tuple[int, dict[str, list[int]]] | None:
-            prefix = engine.kv.match_prefix(prompt)
+            prefix = engine.kv.match_prefix(prompt)  # D's own hit: device or host tier
             if not engine.kv.allocate_slots(rid, len(prompt) + 1, prefix):
                 return None
+            # The pull writes the pages outside the model's stream: no offload of a page this
+            # allocation evicted may still be reading it (a no-op without a GPU host tier).
+            engine.kv.wait_offloads()
             n_hit = prefix.num_tokens // engine.kv.page_size
             n_prompt_pages = -(-len(prompt) // engine.kv.page_size)
             pages = engine.kv.page_ids(rid)
