@@ -99,6 +99,9 @@ def server_table(entry: dict[str, Any]) -> str | None:
         "transfer ms",
         "transfer KiB",
         "decode queue ms",
+        "hit device %",
+        "hit host %",
+        "prefilled on D",
     ]
     rows = []
     for run in runs:
@@ -114,9 +117,16 @@ def server_table(entry: dict[str, Any]) -> str | None:
                 fmt(run["mean_transfer_ms"], 2),
                 fmt(kib),
                 fmt(run["mean_decode_queue_ms"], 2),
+                _percent(run.get("prefix_hit_rate_device")),
+                _percent(run.get("prefix_hit_rate_host")),
+                fmt(run.get("num_prefilled_on_decode")),
             ]
         )
     return format_table(headers, rows)
+
+
+def _percent(rate: float | None) -> str:
+    return fmt(None if rate is None else 100.0 * rate, 1)
 
 
 def comparison_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
