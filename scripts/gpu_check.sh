@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU work of one device call, on a 2-GPU machine: `. .gpu/setup.sh` first (see README of the GPU
 # machines), then this. Results go under $OUT (or ./out). STEPS picks what runs (default: all):
-#   tests     GPU tests of kernels/ and transfer/ (CUDA IPC between two processes included)
+#   tests     GPU tests of kernels/, transfer/ (CUDA IPC between two processes included), kvcache/ and the engine (the KV host tier over pinned memory, hybrid models)
 #   pagecopy  scripts/bench_page_copy.py: the direct path's copy kernel variants vs peer copy
 #   transfer  scripts/bench_transfer.py, 1 MiB .. 1 GiB: ucx and direct paths, raw ucxx, peer copy
 #   direct    the same with the direct path alone (its process then runs as a direct decode worker),
@@ -34,7 +34,7 @@ for step in ${STEPS:-tests transfer cluster bench}; do
   echo "== $step"
   case $step in
     tests)
-      python -m pytest -q -m gpu tests/kernels tests/transfer ${TEST_FILTER:+-k "$TEST_FILTER"} 2>&1 \
+      python -m pytest -q -m gpu tests/kernels tests/transfer tests/kvcache tests/engine ${TEST_FILTER:+-k "$TEST_FILTER"} 2>&1 \
         | tee "$OUT/gpu_tests.log" | tail -15 ;;
     pagecopy)
       python scripts/bench_page_copy.py --out "$OUT/page_copy_gpu.json" 2>&1 | tee "$OUT/page_copy.log" | tail -8 ;;
