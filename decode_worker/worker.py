@@ -95,7 +95,7 @@ class DecodeWorker:
             )
         rid, prompt = req.request_id, req.prompt_token_ids.tolist()
         received = time.time()
-        skip, dst = await self._gen_init(rid, prompt)
+        skip, host_tokens, dst = await self._gen_init(rid, prompt)
         transfer_start = time.time()
         pull = asyncio.ensure_future(self.puller.pull(pre.ticket, dst, skip, len(prompt)))
         self._receiving[rid] = pull
@@ -137,16 +137,18 @@ class DecodeWorker:
                 req.sampling,
                 arrival_time=req.arrival_time,
                 num_cached_tokens=skip * page_size,
+                num_cached_host_tokens=host_tokens,
             )
 
         async for delta in self._run(req, add):
             yield delta
 
-    async def _gen_init(self, rid: str, prompt: list[int]) -> tuple[int, dict[str, list[int]]]:
-        """Allocate pages for the prompt and the next token; return (pages D already had, the pages
-        the transfer must fill per group). Waits for free pages, within a deadline."""
+    async def _gen_init(self, rid: str, prompt: list[int]) -> tuple[int, int, dict[str, list[int]]]:
+        """Allocate pages for the prompt and the next token; return (pages D already had, the
+        tokens of those it loaded back from its host tier, the pages the transfer must fill per
+        group). Waits for free pages, within a deadline."""
 
-        def allocate(engine: LLMEngine) -> tuple[int, dict[str, list[int]]] | None:
+        def allocate(engine: LLMEngine) -> tuple[int, int, dict[str, list[int]]] | None:
             prefix = engine.kv.match_prefix(prompt)  # D's own hit: device or host tier
             if not engine.kv.allocate_slots(rid, len(prompt) + 1, prefix):
                 return None
@@ -156,7 +158,11 @@ class DecodeWorker:
             n_hit = prefix.num_tokens // engine.kv.page_size
             n_prompt_pages = -(-len(prompt) // engine.kv.page_size)
             pages = engine.kv.page_ids(rid)
-            return n_hit, {g: p[n_hit:n_prompt_pages] for g, p in pages.items()}
+            return (
+                n_hit,
+                prefix.num_host_tokens,
+                {g: p[n_hit:n_prompt_pages] for g, p in pages.items()},
+            )
 
         deadline = time.monotonic() + self._gen_init_deadline_s
         while True:

@@ -234,6 +234,10 @@ def test_the_decode_workers_own_prefix_hit_comes_from_its_host_tier() -> None:
         answers = asyncio.run(main())
         host = de.kv.stats().groups["full"].host
         assert host is not None and host.loaded_back >= 1 and host.hit_tokens >= PAGE
+        (b,) = [r.metrics for r in de.drain_request_stats() if r.request_id == "b"]
+        assert (
+            b.num_cached_tokens >= 4 * PAGE and 0 < b.num_cached_host_tokens <= b.num_cached_tokens
+        )
         alone = tiny_engine(64)  # the same weights (seeded): one engine doing all of it
         for rid, prompt, got in (("a", first, answers[0]), ("b", second, answers[1])):
             alone.add_request(rid, prompt, greedy(3))
