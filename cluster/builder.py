@@ -21,6 +21,7 @@ from cluster.collector_actor import start_collector_actor
 from cluster.config import ClusterConfig
 from cluster.kv_index import KVIndex
 from cluster.router import Router, WorkerSlot
+from cluster.transfer_setup import cluster_secret
 from cluster.worker_specs import worker_spec
 from decode_worker.actor import DecodeWorkerActor
 from prefill_worker.actor import PrefillWorkerActor
@@ -80,7 +81,7 @@ def _actor_options(config: ClusterConfig, role: str, index: int) -> dict[str, An
     }
     if pool.resources.num_gpus > 0 and config.transfer.direct_copy and not config.aggregated:
         # Every GPU of the node visible to the worker (it picks its own by Ray's GPU id), so the
-        # prefill worker can open the decode worker's pool through CUDA IPC (transfer/ipc.py).
+        # decode worker can open the prefill worker's pools through CUDA IPC (transfer/paths/).
         options["runtime_env"] = {"env_vars": {NOSET_VISIBLE_DEVICES: "1"}}
     return options
 
@@ -96,10 +97,17 @@ def start_collector(config: ClusterConfig, name: str) -> Any:
 
 
 def build_cluster(
-    config: ClusterConfig, ready_timeout_s: float = 600.0, worker_log_level: str | None = None
+    config: ClusterConfig,
+    ready_timeout_s: float = 600.0,
+    worker_log_level: str | None = None,
+    transfer_secret: str | None = None,
 ) -> ClusterHandles:
     """Create every actor of ``config`` in the connected Ray cluster; return when all are healthy.
-    ``worker_log_level``: the workers' logging level (default: this process's)."""
+    ``worker_log_level``: the workers' logging level (default: this process's).
+    ``transfer_secret``: the secret the workers' transceivers prove to each other (None: from
+    ``transfer.secret`` or DUET_TRANSFER_SECRET, else a fresh one for this cluster)."""
+    # Handed to the workers inside their TransceiverConfig (it never appears in its repr).
+    secret = None if config.aggregated else transfer_secret or cluster_secret(config, make=True)
     # Workers find the collector by this name (a name, not a handle in their constructor
     # arguments: worker_common/actor_base.py says why).
     collector_name = f"duet-collector-{uuid.uuid4().hex[:12]}"
@@ -107,11 +115,11 @@ def build_cluster(
     handles = ClusterHandles(config, collector)
     try:
         for i in range(config.prefill.replicas):
-            spec = worker_spec(config, Role.PREFILL, i, collector_name, worker_log_level)
+            spec = worker_spec(config, Role.PREFILL, i, collector_name, worker_log_level, secret)
             h = PrefillWorkerActor.options(**_actor_options(config, "prefill", i)).remote(spec)
             handles.prefill.append(WorkerSlot(spec.worker_id, h))
         for i in range(config.decode.replicas):
-            spec = worker_spec(config, Role.DECODE, i, collector_name, worker_log_level)
+            spec = worker_spec(config, Role.DECODE, i, collector_name, worker_log_level, secret)
             h = DecodeWorkerActor.options(**_actor_options(config, "decode", i)).remote(spec)
             handles.decode.append(WorkerSlot(spec.worker_id, h))
         _wait_ready(handles, ready_timeout_s)

@@ -149,6 +149,10 @@ class ClusterFrontend:
             else None,
             transfer_failures_total=s.transfer.failures,
             expired_leases_total=s.transfer.expired_leases,
+            transfer_recomputed_total=s.transfer.recomputed,
+            transfer_failed_requests_total=s.transfer.failed_requests,
+            refused_peers_total=s.transfer.refused_peers,
+            injected_faults_total=s.transfer.injected_faults,
             kv=s.kv,
             kv_interval=s.kv_interval,
         )

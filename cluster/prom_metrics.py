@@ -6,7 +6,8 @@ carries a ``model_name`` label; per-worker gauges add ``role`` and ``worker``; p
 add ``group`` (the KV pool group: "full", "swa_<window>") and ``medium``: "device" (the worker's KV
 pool) or "host" (the KV host tier beneath it, ``kvcache.host_tier_bytes``).
 
-Counters that workers keep themselves (transfer failures, expired leases) arrive as running totals
+Counters that workers keep themselves (transfer failures and their outcomes, expired leases,
+refused peers, injected faults) arrive as running totals
 through ``set_worker_stats``; the difference to the previous total is added, and a total that went
 down (the worker restarted) counts from zero again.
 """
@@ -41,6 +42,10 @@ TOKEN_LATENCY_BUCKETS = (
 class _WorkerTotals:
     transfer_failures: int = 0
     expired_leases: int = 0
+    transfer_recomputed: int = 0
+    transfer_failed_requests: int = 0
+    refused_peers: int = 0
+    injected_faults: int = 0
     # Label tails (after model, role, worker) of each per-group gauge this worker set.
     group_series: dict[Gauge, set[tuple[str, ...]]] = field(default_factory=dict)
     # The worker's last running total of each KV counter series (metric, label tail).
@@ -215,6 +220,31 @@ class ServingMetrics:
             worker,
             registry=reg,
         )
+        # What a decode worker did after a failed pull (transfer.on_failure).
+        self.transfer_recomputed = Counter(
+            PREFIX + "kv_transfer_recomputed_total",
+            "Requests whose KV transfer failed and that the decode worker prefilled itself.",
+            worker,
+            registry=reg,
+        )
+        self.transfer_failed_requests = Counter(
+            PREFIX + "kv_transfer_failed_requests_total",
+            "Requests that ended with an error because their KV transfer failed.",
+            worker,
+            registry=reg,
+        )
+        self.refused_peers = Counter(
+            PREFIX + "kv_transfer_refused_peers_total",
+            "Transfer peers refused in the handshake (no cluster secret, another model, ...).",
+            worker,
+            registry=reg,
+        )
+        self.injected_faults = Counter(
+            PREFIX + "kv_transfer_injected_faults_total",
+            "KV pulls failed on purpose (transfer.fault_injection).",
+            worker,
+            registry=reg,
+        )
         self._worker_totals: dict[tuple[str, str], _WorkerTotals] = {}
         self._totals_lock = threading.Lock()  # stats pollers may run on several threads
 
@@ -251,11 +281,15 @@ class ServingMetrics:
         transfer_failures_total: int = 0,
         expired_leases_total: int = 0,
         peak_kv_usage: float | None = None,
+        transfer_recomputed_total: int = 0,
+        transfer_failed_requests_total: int = 0,
+        refused_peers_total: int = 0,
+        injected_faults_total: int = 0,
         kv: KVCacheStats | None = None,
         kv_interval: KVCacheStats | None = None,
     ) -> None:
-        """Update one worker's gauges; the two ``*_total`` arguments are the worker's running
-        totals; ``peak_kv_usage`` is None until the worker's first stats interval ended.
+        """Update one worker's gauges; the ``*_total`` arguments are the worker's running totals;
+        ``peak_kv_usage`` is None until the worker's first stats interval ended.
         ``kv``: the worker's KV stats now (per pool group and tier; its counters are running
         totals); ``kv_interval``: those taken at the end of its last complete stats interval (its
         peaks), None before the first."""
@@ -268,16 +302,21 @@ class ServingMetrics:
         self.kv_usage.labels(*labels).set(kv_usage)
         if peak_kv_usage is not None:
             self.kv_peak_usage.labels(*labels).set(peak_kv_usage)
+        totals = {  # _WorkerTotals field and counter attribute -> the worker's running total
+            "transfer_failures": transfer_failures_total,
+            "expired_leases": expired_leases_total,
+            "transfer_recomputed": transfer_recomputed_total,
+            "transfer_failed_requests": transfer_failed_requests_total,
+            "refused_peers": refused_peers_total,
+            "injected_faults": injected_faults_total,
+        }
         with self._totals_lock:
             seen = self._worker_totals.setdefault((labels[1], worker_id), _WorkerTotals())
-            failures = _delta(seen.transfer_failures, transfer_failures_total)
-            expired = _delta(seen.expired_leases, expired_leases_total)
-            seen.transfer_failures, seen.expired_leases = (
-                transfer_failures_total,
-                expired_leases_total,
-            )
-        self.transfer_failures.labels(*labels).inc(failures)
-        self.expired_leases.labels(*labels).inc(expired)
+            deltas = {k: _delta(getattr(seen, k), v) for k, v in totals.items()}
+            for k, v in totals.items():
+                setattr(seen, k, v)
+        for name, delta in deltas.items():
+            getattr(self, name).labels(*labels).inc(delta)
         if kv is not None:
             self._set_kv(labels, seen, kv, kv_interval)
 

@@ -124,6 +124,8 @@ def start_cluster(
 def serve(config: ClusterConfig) -> None:
     """Run until interrupted (what `duet serve CONFIG` does)."""
     owns_ray = connect_ray(config)
+    # A fresh transfer secret unless the config or DUET_TRANSFER_SECRET gives one: the workers'
+    # transceivers authenticate each other with it (transfer/handshake.py).
     handles = build_cluster(config)
     try:
         frontend = make_frontend(config, handles)

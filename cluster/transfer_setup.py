@@ -1,4 +1,5 @@
-"""From the cluster config's ``transfer`` section to the TransceiverConfig every worker gets.
+"""From the cluster config's ``transfer`` section to the TransceiverConfig every worker gets, and
+the cluster's transfer secret (made by ``duet serve``, handed to every worker inside it).
 
 What only a worker's own node can settle (the address of ``transfer.interface``) is settled there
 (worker_common/transfer_setup.py).
@@ -6,19 +7,41 @@ What only a worker's own node can settle (the address of ``transfer.interface``)
 
 from __future__ import annotations
 
+import os
+import secrets
+
 from cluster.config import ClusterConfig
-from transfer import TransceiverConfig
+from cluster.config.transfer import SECRET_ENV
+from transfer import FaultInjection, TransceiverConfig
 
 
-def transceiver_config(config: ClusterConfig) -> TransceiverConfig:
+def cluster_secret(config: ClusterConfig, make: bool = False) -> str:
+    """The cluster's transfer secret: ``transfer.secret``, else the environment variable
+    DUET_TRANSFER_SECRET, else (``make``: what `duet serve` does) a fresh random one. Raises
+    ValueError when there is none and none may be made."""
+    if config.transfer.secret is not None:
+        return config.transfer.secret.get_secret_value()
+    if os.environ.get(SECRET_ENV):
+        return os.environ[SECRET_ENV]
+    if make:
+        return secrets.token_urlsafe(32)
+    raise ValueError(
+        f"no transfer secret: set transfer.secret or {SECRET_ENV} for workers started "
+        "without `duet serve`"
+    )
+
+
+def transceiver_config(config: ClusterConfig, secret: str | None = None) -> TransceiverConfig:
+    """The transceiver settings of ``config``; ``secret`` as made by `duet serve`, else
+    ``cluster_secret(config)``."""
     t = config.transfer
+    faults = t.fault_injection
     return TransceiverConfig(
+        secret=secret or cluster_secret(config),
         host=t.host,  # replaced on the worker's node when t.interface is set
         port=t.port,
         staging_tokens=t.staging_tokens,
         staging_buffers=t.staging_buffers,
-        piece_chunk_tokens=t.piece_chunk_tokens,
-        progress_mode=t.progress_mode,
         direct_copy=t.direct_copy,
         lease_s=t.lease_s,
         connect_deadline_s=t.connect_deadline_s,
@@ -27,6 +50,8 @@ def transceiver_config(config: ClusterConfig) -> TransceiverConfig:
         done_deadline_s=t.done_deadline_s,
         ack_deadline_s=t.ack_deadline_s,
         ucx_env=t.ucx_environment,
+        progress_mode=t.progress_mode,
         # The server's stats poller drains the transfer records every stats.interval_s.
         max_stats_len=config.stats.max_stats_len,
+        fault_injection=FaultInjection(faults.fraction, tuple(faults.points), faults.seed),
     )

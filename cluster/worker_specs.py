@@ -55,10 +55,13 @@ def worker_spec(
     index: int,
     collector_name: str | None,
     log_level: str | None = None,
+    transfer_secret: str | None = None,
 ) -> WorkerSpec:
     """The spec of worker ``index`` of ``role``; ``collector_name`` is the perf-metrics collector
-    actor (None when ``stats.perf_buffer_len`` is 0: the workers report nothing)."""
-    transfer = None if config.aggregated else transceiver_config(config)
+    actor (None when ``stats.perf_buffer_len`` is 0: the workers report nothing);
+    ``transfer_secret`` the cluster's (None: ``cluster_secret(config)``, which raises when the
+    config and the environment give none)."""
+    transfer = None if config.aggregated else transceiver_config(config, transfer_secret)
     return WorkerSpec(
         worker_id=f"{role.value}-{index}",
         role=role,
@@ -74,4 +77,6 @@ def worker_spec(
         publish_kv_events=config.router.uses_kv_events,
         collector_name=collector_name if config.stats.perf_buffer_len != 0 else None,
         log_level=log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel()),
+        on_transfer_failure=config.transfer.on_failure,
+        num_cpus=(config.prefill if role is Role.PREFILL else config.decode).resources.num_cpus,
     )

@@ -30,6 +30,7 @@ class _DecodeWorkerActor(WorkerActorBase):
             spec.deadlines,
             spec.stats_interval_s,
             spec.publish_kv_events,
+            on_failure=spec.on_transfer_failure,
         )
 
     async def decode(self, req: GenerateRequest, pre: PrefillResult) -> AsyncIterator[TokenDelta]:

@@ -5,7 +5,9 @@ Life of a request here (DESIGN section 3):
   -> pull the remaining pages from P -> check (every chunk arrived, declared history == prompt length)
   -> finalize context (commit the prompt's pages) and only then schedule decode -> stream tokens.
 Pages allocated for a receive are freed only after the receive is known finished or failed, even
-when the client went away meanwhile. The same class also serves whole requests locally (the
+when the client went away meanwhile. A failed, expired or refused pull fails the request, or with
+``on_failure="recompute"`` (transfer.on_failure) the request is prefilled here instead and the
+client gets a normal completion. The same class also serves whole requests locally (the
 aggregated mode, and the fallback when no prefill worker is healthy).
 """
 
@@ -68,7 +70,10 @@ class DecodeWorker:
         deadlines: WorkerDeadlines | None = None,
         stats_interval_s: float = 10.0,
         publish_kv_events: bool = False,
+        on_failure: str = "fail",
     ) -> None:
+        if on_failure not in ("fail", "recompute"):
+            raise ValueError(f"on_failure must be 'fail' or 'recompute', got {on_failure!r}")
         self.worker_id = worker_id
         self.keeper = WorkerStatsKeeper(worker_id, Role.DECODE, stats_interval_s, report)
         self.kv_events = KVEventPublisher(worker_id, engine) if publish_kv_events else None
@@ -79,7 +84,10 @@ class DecodeWorker:
         self._token_deadline_s = deadlines.token_s
         self._receiving: dict[str, asyncio.Task] = {}  # request id -> its pull, while in flight
         self._aborted: set[str] = set()
-        self.num_transfer_failures = 0
+        self.on_failure = on_failure
+        self.num_transfer_failures = 0  # failed pulls (and pulls that could not run)
+        self.num_transfer_recomputed = 0  # ... whose request was prefilled here instead
+        self.num_transfer_failed_requests = 0  # ... whose request ended with an error
 
     def _tick(self, engine: LLMEngine) -> None:
         self.keeper.tick(engine)
@@ -112,24 +120,41 @@ class DecodeWorker:
             self._receiving.pop(rid, None)
         transfer_end = time.time()
         ok = result is not None and result.ok
-        if rid in self._aborted or not ok:
+        aborted = rid in self._aborted
+        if aborted or not ok:
             self._aborted.discard(rid)
             await asyncio.wrap_future(self._free_pages(rid))
-            if not ok:
-                self.num_transfer_failures += 1
-                why = result.error if result is not None else error
+        if not ok:
+            self.num_transfer_failures += 1
+        if aborted:
+            return
+        if not ok:
+            why = result.error if result is not None else error
+            if self.on_failure != "recompute":
+                self.num_transfer_failed_requests += 1
                 yield TokenDelta(
                     rid, [], "", "abort", len(prompt), 1, error=f"KV transfer failed: {why}"
                 )
-            return
+                return
+            log.warning("KV transfer of %s failed (%s): prefilling it here", rid, why)
+            self.num_transfer_recomputed += 1
         facts = WorkerFacts(
             received,
-            TransferFacts(transfer_start, transfer_end, int(result.bytes), result.stats.path),
+            TransferFacts(
+                transfer_start,
+                transfer_end,
+                int(result.bytes) if ok else 0,
+                result.stats.path if result is not None else None,
+            ),
         )
         page_size = self.loop.engine.kv.page_size
 
         def add(e: LLMEngine) -> Any:
             self.keeper.note(rid, facts)
+            if not ok:  # recompute: the prompt's KV is computed here
+                return e.add_recomputed_request(
+                    rid, prompt, pre.first_token_id, req.sampling, arrival_time=req.arrival_time
+                )
             return e.add_prefilled_request(
                 rid,
                 prompt,
@@ -262,7 +287,10 @@ class DecodeWorker:
 
     def stats(self) -> WorkerStats:
         totals = transfer_totals(
-            self.puller.stats() if self.puller else {}, failures=self.num_transfer_failures
+            self.puller.stats() if self.puller else {},
+            failures=self.num_transfer_failures,
+            recomputed=self.num_transfer_recomputed,
+            failed_requests=self.num_transfer_failed_requests,
         )
         return self.keeper.stats(self.loop, len(self._receiving), totals)
 

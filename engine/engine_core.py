@@ -45,6 +45,7 @@ class LLMEngine:
         max_stats_len: int = 1000,
         max_request_stats_len: int | None = None,
         model_name: str = "",
+        cuda_graphs: bool = False,
     ) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -58,6 +59,10 @@ class LLMEngine:
             list(kv.specs),
         )
         self.runner = ModelRunner(model, kv, model_config.num_layers, Sampler(seed, kv.device))
+        if cuda_graphs and kv.device.type == "cuda":
+            self.runner.capture_cuda_graphs(
+                scheduler_config.max_num_seqs, scheduler_config.max_pages_per_seq
+            )
         stop_ids = set(model_config.eos_token_ids) | set(
             tokenizer.stop_token_ids if tokenizer else ()
         )
@@ -118,6 +123,7 @@ class LLMEngine:
             max_stats_len=config.max_stats_len,
             max_request_stats_len=config.max_request_stats_len,
             model_name=loaded.name,
+            cuda_graphs=config.cuda_graphs,
         )
 
     @property
@@ -216,6 +222,26 @@ class LLMEngine:
         request.metrics.num_cached_tokens = num_cached_tokens
         request.metrics.num_cached_host_tokens = num_cached_host_tokens
         self.scheduler.add_prefilled_request(request, first_token_id)
+        request.num_tokens_sent = request.num_output_tokens  # the prefill side streamed it
+        request.num_text_sent = len(request.output_text)
+        if request.is_finished:
+            self._record_finished(request)
+        return request
+
+    def add_recomputed_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        first_token_id: int,
+        params: SamplingParams | None = None,
+        *,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Queue a prefilled request whose KV never arrived (transfer.on_failure: recompute): its
+        prompt and the first token (sampled and streamed elsewhere) are computed here, as a
+        preempted request is recomputed, and decoding goes on from there."""
+        request = self.make_request(request_id, prompt_token_ids, params, arrival_time=arrival_time)
+        self.scheduler.add_recomputed_request(request, first_token_id)
         request.num_tokens_sent = request.num_output_tokens  # the prefill side streamed it
         request.num_text_sent = len(request.output_text)
         if request.is_finished:

@@ -103,6 +103,21 @@ class Scheduler:
             self.running.remove(request)
         return request
 
+    def add_recomputed_request(self, request: Request, first_token_id: int) -> Request:
+        """Queue a prefilled request whose prompt KV never arrived (the decode worker's
+        ``transfer.on_failure: recompute``): it waits with ``first_token_id`` (sampled by the
+        prefill worker) as its first output, so its prefill computes the prompt and that token,
+        as a preempted request is recomputed, and samples the next one. It may finish at once
+        (the first token met a stop condition)."""
+        self.add_request(request)
+        now = time.time()
+        request.append_output_token(first_token_id, now)
+        status = check_stop(request, first_token_id, self.config.max_model_len)
+        if status is not None:
+            self.waiting.remove(request)
+            self._finish(request, status, now)
+        return request
+
     def abort(self, request_id: str) -> Request | None:
         """Finish a request as aborted and free its pages; None when it is unknown or already done."""
         request = self.requests.get(request_id)

@@ -33,6 +33,16 @@ def copy_pages_ref(
     s, d = src_ids.to(src.device).long(), dst_ids.to(dst.device).long()
     keep = (s >= first_row) & (s < src.shape[0]) & (d.to(s.device) >= first_row)
     keep &= d.to(s.device) < dst.shape[0]
-    rows = torch.index_select(src, 0, s[keep])
-    dst.index_copy_(0, d[keep.to(d.device)], rows.to(dst.device))
+    s, d = s[keep], d[keep.to(d.device)]
+    if src.device == dst.device and src.shape[1] * src.element_size() >= ROW_BY_ROW_BYTES:
+        # Row by row: an indexed copy goes through a temporary as large as the copy, whose
+        # fresh pages cost more than the copy itself (several times, for tens of MiB).
+        for si, di in zip(s.tolist(), d.tolist(), strict=True):
+            dst[di].copy_(src[si])
+        return dst
+    rows = torch.index_select(src, 0, s)
+    dst.index_copy_(0, d, rows.to(dst.device))
     return dst
+
+
+ROW_BY_ROW_BYTES = 64 << 10  # rows at least this long are copied one by one (a page usually is)

@@ -8,9 +8,6 @@ of BLOCK elements each, and rows whose bytes allow it are reinterpreted as int32
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any
-
 import torch
 import triton
 import triton.language as tl
@@ -49,8 +46,7 @@ def _copy_rows_kernel(
     tl.store(dst_ptr + dst_row * stride_dst_row + offs * stride_dst_col, x, mask=ok)
 
 
-# The bounds are not specialized on: one compiled kernel serves pools of any size, so the one a
-# decode side compiles at start-up (transfer/ipc.py warm_up) is the one its direct reads use.
+# The bounds are not specialized on: one compiled kernel serves pools of any size.
 @triton.jit(do_not_specialize=["first_row", "src_rows", "dst_rows"])
 def _copy_pairs_kernel(
     src_ptr,
@@ -74,7 +70,7 @@ def _copy_pairs_kernel(
     src_row = tl.load(src_ids_ptr + i).to(tl.int64)
     dst_row = tl.load(dst_ids_ptr + i).to(tl.int64)
     # A pair with an id outside [first_row, rows) is skipped: no access outside either pool, even
-    # for ids nobody has checked yet (the direct reads check them while the copy runs).
+    # for ids nobody has checked.
     in_pools = (src_row >= first_row) & (src_row < src_rows)
     in_pools = in_pools & (dst_row >= first_row) & (dst_row < dst_rows)
     ok = offs < tl.where(in_pools, row_elems, 0)
@@ -167,124 +163,37 @@ def copy_pages(
     first_row: int = 0,
 ) -> torch.Tensor:
     """dst[dst_ids[i]] = src[src_ids[i]]; src [N, E], dst [M, E], ids [n] (dst_ids distinct).
-    A pair with either id outside [first_row, N) / [first_row, M) is skipped. ``dst`` may be
-    another GPU's memory mapped into this process (CUDA IPC): one launch copies every page over
-    NVLink. Returns dst."""
+    A pair with either id outside [first_row, N) / [first_row, M) is skipped. ``src`` or ``dst``
+    may be another GPU's memory mapped into this process (CUDA IPC): one launch on the current
+    device copies every page over NVLink. Returns dst."""
     if src_ids.dim() != 1 or src_ids.shape != dst_ids.shape:
         raise ValueError(
             f"copy_pages: src_ids and dst_ids must be 1-D of one length, got {tuple(src_ids.shape)} "
             f"and {tuple(dst_ids.shape)}"
         )
-    copy = PreparedCopy(src, dst, block_bytes, num_warps, first_row)  # checks the pools
+    _check_rows(src, dst, "copy_pages", "[N, E] and [M, E]")
+    n = src_ids.shape[0]
+    src_w, dst_w, row_elems, block, blocks_per_row = _tiling(src, dst, block_bytes)
+    if src_w.stride(1) != 1 or dst_w.stride(1) != 1:
+        raise ValueError("copy_pages: page rows must be contiguous")
+    if n == 0 or row_elems == 0:
+        return dst
     # The ids go to the GPU the kernel runs on (the current one), which reads them locally even
     # when src or dst is a peer GPU's memory.
     device = torch.device("cuda", torch.cuda.current_device()) if src.is_cuda else src.device
-    copy.launch(src_ids.to(device), dst_ids.to(device), src_ids.shape[0])
+    _copy_pairs_kernel[(n * blocks_per_row,)](
+        src_w,
+        dst_w,
+        src_ids.to(device),
+        dst_ids.to(device),
+        src_w.stride(0),
+        dst_w.stride(0),
+        row_elems,
+        blocks_per_row,
+        first_row,
+        src_w.shape[0],
+        dst_w.shape[0],
+        BLOCK=block,
+        num_warps=num_warps,
+    )
     return dst
-
-
-class PreparedCopy:
-    """``copy_pages`` between one fixed pair of row tensors, for callers that launch it many times
-    (the direct reads of transfer/direct_copy.py): the tiling is worked out once, and after the
-    first launch (``launch``) the compiled kernel can be called directly (``launch_ptrs``) with raw
-    addresses on a given stream. Triton's dispatch (argument binding, specialization key, stream
-    lookup, a driver query per pointer) costs more host time than the launch itself. Page ids may
-    be in pinned host memory: the kernel reads them from there.
-
-    The compiled kernel is specialized on its arguments' values and 16-byte alignment; only the id
-    addresses change between launches, and ``launch_ptrs`` takes 16-byte aligned ones only. Pairs
-    with an id outside [first_row, rows) of either side are skipped (as in ``copy_pages``).
-    """
-
-    def __init__(
-        self,
-        src: torch.Tensor,
-        dst: torch.Tensor,
-        block_bytes: int = BLOCK_BYTES,
-        num_warps: int = 4,
-        first_row: int = 0,
-    ) -> None:
-        _check_rows(src, dst, "copy_pages", "[N, E] and [M, E]")
-        self.src, self.dst, self.row_elems, self.block, self.blocks_per_row = _tiling(
-            src, dst, block_bytes
-        )
-        if self.src.stride(1) != 1 or self.dst.stride(1) != 1:
-            raise ValueError("copy_pages: page rows must be contiguous")
-        self.num_warps = num_warps
-        # The scalar arguments after the four pointers (BLOCK last: the compiled kernel's launcher
-        # takes every argument, constexprs included).
-        self._scalars = (
-            self.src.stride(0),
-            self.dst.stride(0),
-            self.row_elems,
-            self.blocks_per_row,
-            first_row,
-            self.src.shape[0],
-            self.dst.shape[0],
-            self.block,
-        )
-        self._pointers = (self.src.data_ptr(), self.dst.data_ptr())  # the rows outlive us
-        self._compiled = None  # the kernel as compiled for these rows, after a launch
-        self._native: Any = None  # its C launch handle (kernels/native_launch.py), or False
-
-    @property
-    def ready(self) -> bool:
-        """Whether ``launch_ptrs`` may be called (after a first ``launch`` with aligned ids)."""
-        return self._compiled is not None
-
-    def native(self) -> Any | None:
-        """This copy's handle for the C launcher (``native_launch.module().queue``, which takes
-        16-byte aligned ids), or None: before the first launch, or without the C launcher."""
-        if self._native is None and self._compiled is not None:
-            from kernels import native_launch
-
-            names = list(_copy_pairs_kernel.arg_names)
-            # The ids' addresses are the C launcher's to fill in, per call.
-            values = dict(zip(names, (*self._pointers, 0, 0, *self._scalars), strict=True))
-            handle = native_launch.prepared_launch(
-                self._compiled, names, values, "src_ids_ptr", "dst_ids_ptr", self.blocks_per_row
-            )
-            self._native = False if handle is None else handle
-        return self._native or None
-
-    def launch(
-        self,
-        src_ids: torch.Tensor,
-        dst_ids: torch.Tensor,
-        n: int,
-        stream: torch.cuda.Stream | None = None,
-    ) -> None:
-        """Queue dst[dst_ids[i]] = src[src_ids[i]] for i < n on ``stream`` (default: the current
-        stream) of the current device, which must be the one the kernel runs on. ``n`` is given so
-        that no length is read from a device tensor."""
-        if n == 0 or self.row_elems == 0:
-            return
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            compiled = _copy_pairs_kernel[(n * self.blocks_per_row,)](
-                self.src,
-                self.dst,
-                src_ids,
-                dst_ids,
-                *self._scalars[:-1],
-                BLOCK=self.block,
-                num_warps=self.num_warps,
-            )
-        aligned = src_ids.data_ptr() % 16 == 0 and dst_ids.data_ptr() % 16 == 0
-        if aligned and hasattr(compiled, "function"):  # not under the interpreter
-            self._compiled = compiled
-
-    def launch_ptrs(self, src_ids: int, dst_ids: int, n: int, stream: int) -> None:
-        """``launch`` with the ids' addresses (device or pinned host memory, 16-byte aligned, kept
-        unchanged until the kernel has run) and a raw stream handle; only once ``ready``."""
-        if src_ids % 16 or dst_ids % 16:
-            raise ValueError("launch_ptrs: page id addresses must be 16-byte aligned")
-        if n == 0 or self.row_elems == 0:
-            return
-        assert self._compiled is not None
-        self._compiled[(n * self.blocks_per_row, 1, 1)](
-            *self._pointers,
-            src_ids,
-            dst_ids,
-            *self._scalars,
-            stream=stream,
-        )

@@ -17,7 +17,7 @@ def allocate_buffers(specs: list[PoolGroupSpec], device: torch.device) -> dict[s
     be NaN would still poison ``0 * v`` in the weighted sum.
 
     Host pools live in anonymous shared memory (``shared_zeros``), so that a decode worker of the
-    same host can read a prefill worker's pages (transfer/ipc.py) without the pools being copied.
+    same host can read a prefill worker's pages (transfer/paths/host_shm.py) without the pools being copied.
     """
     if device.type == "cpu":
         return {s.name: shared_zeros(s.buffer_shape, s.dtype, s.name) for s in specs}

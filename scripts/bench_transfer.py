@@ -1,399 +1,335 @@
-"""Benchmark: one request's KV moved P -> D by the transceiver, next to raw ucxx send/recv of the same
-bytes between the same two processes and, on GPUs, a torch peer copy GPU0 -> GPU1, all in one run.
+"""Benchmark: one request's KV moved P -> D by the transceiver, next to a baseline of the same bytes
+measured in the same run.
 
-    python scripts/bench_transfer.py                      # CPU, 1 MiB .. 256 MiB
-    python scripts/bench_transfer.py --device cuda --max-mib 1024 --out results.json
+    python scripts/bench_transfer.py                                  # CPU: ucx and host_shm
+    python scripts/bench_transfer.py --device cuda --out transfer_gpu.json   # ucx and cuda_ipc
 
-The parent process is the decode side (KVReceiver; cuda:1 on GPUs), a spawned child the prefill side
-(KVSender; cuda:0). "ours" is the wall time of one ``pull`` (pull request, chunks, TransferDone, ack);
-"raw" is a request message plus one ucxx send of the same number of bytes, over endpoints made the
-same way (worker address, peer error handling). Pages are one run (``contiguous``: chunks go
-straight between the pools), a random permutation (``scattered``: on the CPU each chunk one UCX
-message listing its pages, ``--no-host-iov`` to stage them as GPUs do: gathered into and scattered
-from staging buffers), or one run on one side only (``p-run``, ``d-run``). "direct" is a second decode-side receiver over the same pool that
-reads P's pages itself (CUDA IPC on GPUs, shared memory on the CPU, checked against P's lease
-board: direct_read.py). Each figure is the median of --repeats runs after one warm-up; the variants
-and the raw exchange run interleaved, one of each per repetition in an order that turns by one each
-repetition, so a busy spell of a shared host hits them alike (the JSON keeps every time, in
-``times_s``); each ratio is also taken repetition by repetition (``*_paired_vs_*``: the median
-of the per-repetition ratios, with quartiles in ``*_paired_q_*``). The last run of each size is
-checked: D's pages are overwritten first, then compared with P's by three sums per page, one
-plain and two weighted by byte position (so bytes moved within a page count too). A failed variant
-is reported as its ``_error``, left out of the ratios, and makes the script exit non-zero.
+The parent process is the decode side (one KVReceiver per path), a spawned child the prefill side
+(KVSender; on GPUs cuda:0, and D on cuda:1 when there is a second GPU, else cuda:0 too). Pages are
+scattered on both sides (random page ids). Each pull is timed on D from ``pull`` to its result.
+Baselines, per path:
 
-On GPUs the peer copy is timed two ways: back to back (``peer_copy``, GPUs and caller always busy)
-and, inside the interleaved loop, right after the same pipe round trip to P that precedes each pull
-(``peer_copy_gap``: idle GPUs and a caller that just woke up, as for the pulls; P sums a checked
-pull's pages after it). ``--hot`` also times every variant's pulls back to back (``*_hot``, tickets
-published first; the last one checked as above). Like-for-like ratios are a pull against
-``peer_copy_gap`` and a hot pull against ``peer_copy``; every ratio is printed.
-On the CPU the direct path is also set next to ``host_copy`` (the same bytes between two warm buffers).
+- ucx: raw ucxx between the same two processes: D posts a receive of the same number of bytes and
+  sends an 8-byte request, P answers with one contiguous message (a round trip, as a pull's
+  request is).
+- host_shm: an in-process copy of the same pages, with the same copy function (kernels.copy_pages)
+  between two pools of D's process.
+- cuda_ipc: a torch peer copy (``dst.copy_(src)``) of the same bytes from P's GPU to D's.
+
+Every repetition runs each path and its baseline back to back, the order turning each time, so a
+busy spell of a shared host hits both alike; a ratio (baseline time / path time) is taken per
+repetition and reported as the median with quartiles. The first pull of each size is byte-checked
+against P's pages. The JSON keeps every time.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
+import multiprocessing
 import os
+import statistics
 import sys
-import threading
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from transfer_baselines import (  # noqa: E402
-    host_copy_times,
-    peer_buffers,
-    peer_copy_once,
-    peer_copy_times,
-    raw_once,
-    send_stop,
-    staging_copy_ms,
-)
-from transfer_bench_setup import (  # noqa: E402
-    LAYOUTS,
-    MIB,
-    bench_spec,
-    choose_pages,
-    config,
-    format_row,
-    gil_load,
-    median_gbps,
-    overwrite,
-    page_sums,
-    paired_ratios,
-    start_prefill,
-    sums_of,
-)
 
+from kvcache.kv_buffer import allocate_buffers  # noqa: E402
 from kvcache.spec import PoolGroupSpec  # noqa: E402
-from transfer import KVReceiver, TransceiverConfig  # noqa: E402
-from transfer.config import PROGRESS_MODES, resolve_progress_mode  # noqa: E402
+from transfer import KVReceiver, KVSender, TransceiverConfig  # noqa: E402
+from transfer.mapper import Segment  # noqa: E402
+from transfer.paths.direct import copy_segments  # noqa: E402
+from transfer.pools import pool_rows  # noqa: E402
+from transfer.runtime import UcxRuntime  # noqa: E402
+
+MIB = 1 << 20
+RAW_REQUEST, RAW_DATA = 0x5EED_0001, 0x5EED_0002
+SECRET = "bench-secret"
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    device = torch.device("cuda:1" if args.device == "cuda" else "cpu")
-    if args.device == "cuda":
-        # D's GPU is the current one, as in a decode worker (worker_common/engine_setup.py): a launch
-        # for another device than the current one pays a context switch.
+def geometry(device: str) -> dict[str, Any]:
+    """A page of the embedded SmolLM2 in float32 on the CPU (720 KiB), of the Llama-3-8B shape
+    in bf16 on GPUs (2 MiB); 16 tokens each."""
+    if device == "cpu":
+        return dict(layers=30, heads=3, head_dim=64, dtype=torch.float32)
+    return dict(layers=32, heads=8, head_dim=128, dtype=torch.bfloat16)
+
+
+def spec(device: str, num_pages: int) -> PoolGroupSpec:
+    g = geometry(device)
+    layers = tuple(range(g["layers"]))
+    return PoolGroupSpec("full", layers, num_pages, 16, g["heads"], g["head_dim"], g["dtype"])
+
+
+def config(device: str, direct: bool, staging_tokens: int) -> TransceiverConfig:
+    tls = "tcp,self" if device == "cpu" else "tcp,cuda_copy,cuda_ipc"
+    return TransceiverConfig(
+        secret=SECRET,
+        staging_tokens=staging_tokens,
+        direct_copy=direct,
+        ucx_env={"UCX_TLS": tls, "UCX_NET_DEVICES": "lo"},
+        pull_deadline_s=60.0,
+        chunk_deadline_s=60.0,
+        lease_s=120.0,
+        connect_deadline_s=60.0,
+    )
+
+
+def _digest(rows: torch.Tensor, pages: list[int]) -> str:
+    data = rows[torch.tensor(pages, device=rows.device)].cpu().numpy().tobytes()
+    return hashlib.sha256(data).hexdigest()
+
+
+def prefill_proc(conn: Connection, device: str, num_pages: int, staging_tokens: int) -> None:
+    """P: a KVSender over random pages, and the raw ucxx server of the baseline."""
+    if device != "cpu":
         torch.cuda.set_device(device)
-    spec = bench_spec(args.max_mib * MIB)
-    conn, child, child_address = start_prefill(args)
-    buf = torch.zeros(spec.buffer_shape, dtype=spec.dtype, device=device)
-    # The first transceiver of a process sets its UCX progress mode. With the direct path alone,
-    # that is the direct receiver, as in a decode worker that reads directly (its progress thread
-    # sleeps: a spinning one slows direct reads); the other receiver then serves raw ucxx only.
-    direct_first = "ucx" not in args.paths
-    direct = None
-    if direct_first:
-        direct = KVReceiver({"full": buf}, [spec], "bench", config(args))
-    receiver = KVReceiver({"full": buf}, [spec], "bench", config(args, direct_copy=False))
-    if "direct" in args.paths and direct is None:
-        # Same pool, second receiver: it opens P's pools and reads them directly (cuda_ipc).
-        direct = KVReceiver({"full": buf}, [spec], "bench", config(args))
-    # --async: the direct reads also awaited on an event loop, as a decode worker's actor does.
-    loop = asyncio.new_event_loop() if args.async_pulls else None
-    runtime = receiver.runtime
-    conn.send(runtime.worker_address)
-    raw_ep = runtime.run(runtime.create_endpoint(child_address), timeout=30)
-    raw_dst = torch.empty(args.max_mib * MIB, dtype=torch.uint8, device=device)
-    gen = torch.Generator().manual_seed(0)
-    sizes = [MIB << i for i in range(32) if args.min_mib * MIB <= MIB << i <= args.max_mib * MIB]
-    diag = staging_copy_ms(
-        buf,
-        spec.page_bytes,
-        choose_pages(receiver.chunk_bytes // spec.page_bytes, spec, "scattered", gen),
-    )
-    print(
-        f"one staged chunk ({receiver.chunk_bytes / MIB:.0f} MiB, scattered pages) on {device}: "
-        f"gather {diag['gather_ms']:.3f} ms, scatter {diag['scatter_ms']:.3f} ms",
-        flush=True,
-    )
-    variants = [
-        (name, rec, layout, on_loop)
-        for name, rec, on_loop in (
-            ("ours", receiver if "ucx" in args.paths else None, None),
-            ("direct", direct, None),
-            ("direct_async", direct if loop is not None else None, loop),
+    s = spec("cpu" if device == "cpu" else "cuda", num_pages)
+    buffers = allocate_buffers([s], torch.device(device))
+    for b in buffers.values():
+        b.view(torch.uint8).copy_(
+            torch.randint(0, 256, b.view(torch.uint8).shape, dtype=torch.uint8)
         )
-        if rec is not None
-        for layout in args.layouts
-    ]
-    stop_load = threading.Event()
-    load = (
-        threading.Thread(target=gil_load, args=(stop_load,), daemon=True) if args.gil_load else None
+    rows = pool_rows(buffers, {"full": s.page_bytes})["full"]
+    sender = KVSender(
+        buffers, [s], "bench", config(device.split(":")[0], True, staging_tokens), lambda rid: None
     )
-    if load is not None:
-        load.start()
-    rows: list[dict[str, Any]] = []
-    for size in sizes:
-        n = size // spec.page_bytes
-        row: dict[str, Any] = {"bytes": size}
-        times: dict[str, list[float]] = {f"{name}_{layout}": [] for name, _, layout, _ in variants}
-        times["raw_ucxx"] = []
-        if args.device == "cuda":
-            times["peer_copy_gap"] = []
-            peer = peer_buffers(size)
-        failed: dict[str, str] = {}
-        # Interleaved: each repetition runs every variant and the raw exchange back to back, so a
-        # busy spell of a shared host hits them alike (one warm-up repetition first); the order
-        # turns by one each repetition, so none always runs first, or right after another's ack.
-        cases = [*variants, None]  # (None: the raw exchange)
-        for rep in range(args.repeats + 1):
-            last = rep == args.repeats
-            for case in cases[rep % len(cases) :] + cases[: rep % len(cases)]:
-                if case is None:
-                    if "raw_ucxx" not in failed:
-                        try:
-                            elapsed = raw_once(runtime, raw_ep, raw_dst, size)
-                            if rep:
-                                times["raw_ucxx"].append(elapsed)
-                        except Exception as e:
-                            failed["raw_ucxx"] = f"{type(e).__name__}: {e}"
-                    continue
-                name, rec, layout, on_loop = case
-                key = f"{name}_{layout}"
-                if key in failed:
-                    continue
-                try:
-                    elapsed, result = one_pull(
-                        conn, rec, buf, spec, n, layout, gen, f"{name}-{rep}", last, on_loop
-                    )
-                except Exception as e:  # keep the other figures of this run
-                    failed[key] = f"{type(e).__name__}: {e}"
-                    continue
-                if rep:
-                    times[key].append(elapsed)
-                row[f"{key}_chunks"], row[f"{key}_path"] = result.stats.chunks, result.stats.path
-            if args.device == "cuda":  # after a round trip to P, as each pull is
-                conn.send(("ping",))
-                conn.recv()
-                elapsed = peer_copy_once(*peer)
-                if rep:
-                    times["peer_copy_gap"].append(elapsed)
-        if args.hot:  # every ticket first, then the pulls back to back
-            for name, rec, layout, on_loop in variants:
-                key = f"{name}_{layout}"
-                if key not in failed:
-                    try:
-                        times[f"{key}_hot"] = hot_pulls(
-                            conn, rec, buf, spec, n, layout, gen, args.repeats, name, on_loop
-                        )
-                    except Exception as e:  # keep the other figures of this run
-                        failed[f"{key}_hot"] = f"{type(e).__name__}: {e}"
-                        times[f"{key}_hot"] = []  # (reported below as its _error)
-        for key, ts in times.items():
-            if key in failed:
-                row[f"{key}_error"] = failed[key]
-            else:
-                row[f"{key}_gbps"] = median_gbps(size, ts)
-        row["times_s"] = {key: ts for key, ts in times.items() if key not in failed}
-        if args.device == "cuda":
-            row["peer_copy_gbps"] = median_gbps(size, peer_copy_times(size, args.repeats))
-        elif "direct" in args.paths:
-            row["host_copy_gbps"] = median_gbps(size, host_copy_times(size, args.repeats))
-        for key in [k for k in row if k.startswith(("ours_", "direct_")) and k.endswith("_gbps")]:
-            for base in ("raw_ucxx", "peer_copy", "peer_copy_gap", "host_copy"):
-                if f"{base}_gbps" in row:
-                    row[key.replace("_gbps", f"_vs_{base}")] = row[key] / row[f"{base}_gbps"]
-        for base in ("raw_ucxx", "peer_copy_gap"):
-            paired_ratios(row, times, base)
-        for key in [k for k in row if k.startswith("direct_async_") and k.endswith("_gbps")]:
-            blocking = key.replace("direct_async_", "direct_")  # an awaited pull, same run
-            if blocking in row:
-                row[key.replace("_gbps", "_vs_blocking")] = row[key] / row[blocking]
-        rows.append(row)
-        print(format_row(row), flush=True)
-    if load is not None:
-        stop_load.set()
-        load.join(10)
-    runtime.run(send_stop(raw_ep), timeout=30)
-    conn.send(("stop",))
-    prefill_stats = conn.recv()
-    child.join(60)
-    raw_ep.abort()
-    if direct is not None:
-        direct.close()
-    receiver.close()
-    if loop is not None:
-        loop.close()
-    return {
-        "device": args.device,
-        "page_bytes": spec.page_bytes,
-        "staging_tokens": args.staging_tokens,
-        "piece_chunk_tokens": args.piece_chunk_tokens,
-        "staging_buffers": args.staging_buffers,
-        "prestage": args.prestage,
-        "prefill_stats": prefill_stats,
-        "progress_mode": resolve_progress_mode(
-            args.progress_mode, args.device == "cuda", direct_first
-        ),
-        "repeats": args.repeats,
-        "paths": args.paths,
-        "hot": args.hot,
-        "async": args.async_pulls,
-        "gil_load": args.gil_load,
-        "staging_copy": diag,
-        "rows": rows,
-    }
+    runtime = sender.runtime
+    raw = torch.randint(0, 256, (num_pages * s.page_bytes,), dtype=torch.uint8).to(device)
+    conn.send((sender.port, runtime.worker_address))
+    rng = np.random.default_rng(1)
+    serving: Any = None
+    while True:
+        cmd, *args = conn.recv()
+        if cmd == "publish":
+            rid, n = args
+            pages = (rng.permutation(num_pages - 1)[:n] + 1).tolist()
+            conn.send((sender.publish(rid, {"full": pages}, n * 16), _digest(rows, pages)))
+        elif cmd == "raw":  # serve raw requests from D's address until closed
+            serving = runtime.submit(_serve_raw(runtime, args[0], raw))
+            conn.send("serving")
+        elif cmd == "close":
+            if serving is not None:
+                serving.cancel()
+            sender.close()
+            conn.send("closed")
+            return
 
 
-def one_pull(
-    conn: Any,
-    receiver: KVReceiver,
-    buf: torch.Tensor,
-    spec: PoolGroupSpec,
-    n: int,
-    layout: str,
-    gen: torch.Generator,
-    run_name: str,
-    check: bool,
-    loop: asyncio.AbstractEventLoop | None = None,
-) -> tuple[float, Any]:
-    """Wall time of one pull as the caller sees it (awaited on ``loop`` if given), and its result;
-    with ``check``, D's pages are overwritten first (a pull that writes nothing must not pass on
-    an earlier run's bytes) and compared after with the sent ones (page_sums on both sides)."""
-    src = choose_pages(n, spec, layout, gen, "p")
-    dst = choose_pages(n, spec, layout, gen, "d")
-    conn.send(("publish", f"{receiver.instance_id}-{layout}-{n}-{run_name}", src))
-    ticket = conn.recv()
-    if check:
-        overwrite(buf, spec, dst)
-    elapsed, result = timed_pull(receiver, ticket, dst, loop)
-    if check and page_sums(buf, spec, dst) != sums_of(conn, src):
-        raise RuntimeError(f"{layout} {n} pages: the received bytes differ from the sent ones")
-    return elapsed, result
+async def _serve_raw(runtime: UcxRuntime, address: bytes, buf: torch.Tensor) -> None:
+    ep = await runtime.create_endpoint(address)
+    size = np.zeros(1, dtype=np.int64)
+    while True:
+        await ep.recv(size, tag=RAW_REQUEST, force_tag=True)
+        n = int(size[0])
+        await ep.send(
+            buf[:n].numpy() if buf.device.type == "cpu" else buf[:n], tag=RAW_DATA, force_tag=True
+        )
 
 
-def hot_pulls(
-    conn: Any,
-    receiver: KVReceiver,
-    buf: torch.Tensor,
-    spec: PoolGroupSpec,
-    n: int,
-    layout: str,
-    gen: torch.Generator,
-    repeats: int,
-    name: str,
-    loop: asyncio.AbstractEventLoop | None = None,
-) -> list[float]:
-    """Pulls back to back, as a busy decode worker's: P publishes every ticket first, so no pull
-    waits on P's answer (the default runs wait for it before each pull). Like the peer copies of
-    ``peer_copy_times``, which run back to back too. The last one is checked as ``one_pull`` does."""
-    tickets, srcs = [], []
-    for rep in range(repeats + 1):
-        rid = f"{receiver.instance_id}-hot-{name}-{layout}-{n}-{rep}"
-        srcs.append(choose_pages(n, spec, layout, gen, "p"))
-        conn.send(("publish", rid, srcs[-1]))
-        tickets.append(conn.recv())
-    dsts = [choose_pages(n, spec, layout, gen, "d") for _ in tickets]
-    overwrite(buf, spec, dsts[-1])  # (the last pull writes those pages last)
-    times = [timed_pull(receiver, t, dst, loop)[0] for t, dst in zip(tickets, dsts)]
-    if page_sums(buf, spec, dsts[-1]) != sums_of(conn, srcs[-1]):
-        raise RuntimeError(f"{layout} {n} pages, back to back: the received bytes differ")
-    return times[1:]
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        cuda = args.device == "cuda"
+        page = spec(args.device, 2).page_bytes
+        self.pages_for = {mib: max(1, round(mib * MIB / page)) for mib in args.sizes}
+        self.num_pages = 2 * max(self.pages_for.values()) + 2
+        p_dev = "cuda:0" if cuda else "cpu"
+        d_dev = ("cuda:1" if torch.cuda.device_count() > 1 else "cuda:0") if cuda else "cpu"
+        self.p_dev, self.d_dev = p_dev, d_dev
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(
+            target=prefill_proc,
+            args=(child, p_dev, self.num_pages, args.staging_tokens),
+            daemon=True,
+        )
+        self.proc.start()
+        assert self.conn.poll(300), "the prefill process did not start"
+        _, p_address = self.conn.recv()
+        if cuda:
+            torch.cuda.set_device(d_dev)
+        self.spec = spec(args.device, self.num_pages)
+        self.buffers = allocate_buffers([self.spec], torch.device(d_dev))
+        self.rows = pool_rows(self.buffers, {"full": self.spec.page_bytes})["full"]
+        self.receivers = {
+            path: KVReceiver(
+                self.buffers,
+                [self.spec],
+                "bench",
+                config(args.device, path != "ucx", args.staging_tokens),
+            )
+            for path in args.paths
+        }
+        self.runtime = next(iter(self.receivers.values())).runtime
+        self.rng = np.random.default_rng(2)
+        self.count = 0
+        # Baselines: raw ucxx to P, a local pool for the in-process copy, peer buffers.
+        self.ep = self.runtime.run(self.runtime.create_endpoint(p_address), 60)
+        self.ask("raw", self.runtime.worker_address)
+        # (Every page and buffer written once first: no run pays the first touch of memory.)
+        self.rows.fill_(1)
+        self.raw_buf = torch.ones(
+            self.num_pages * self.spec.page_bytes, dtype=torch.uint8, device=d_dev
+        )
+        if "host_shm" in args.paths:
+            local = allocate_buffers([self.spec], torch.device("cpu"))
+            self.local_rows = pool_rows(local, {"full": self.spec.page_bytes})["full"]
+            self.local_rows.copy_(torch.randint(0, 256, self.local_rows.shape, dtype=torch.uint8))
+        if "cuda_ipc" in args.paths:
+            self.peer_src = torch.randint(
+                0, 256, self.raw_buf.shape, dtype=torch.uint8, device=p_dev
+            )
+
+    def ask(self, *cmd: Any) -> Any:
+        self.conn.send(cmd)
+        assert self.conn.poll(600), f"no answer to {cmd[0]}"
+        return self.conn.recv()
+
+    def pull(self, path: str, n: int, check: bool) -> float:
+        self.count += 1
+        ticket, digest = self.ask("publish", f"r{self.count}", n)
+        dst = (self.rng.permutation(self.num_pages - 1)[:n] + 1).tolist()
+        start = time.perf_counter()
+        result = self.receivers[path].pull_blocking(ticket, {"full": dst}, 0, n * 16)
+        took = time.perf_counter() - start
+        if not result.ok:
+            raise RuntimeError(f"{path} pull of {n} pages failed: {result.error}")
+        if check and _digest(self.rows, dst) != digest:
+            raise RuntimeError(f"{path} pull of {n} pages: the bytes differ from P's")
+        return took
+
+    def baseline(self, path: str, n: int) -> float:
+        nbytes = n * self.spec.page_bytes
+        if path == "ucx":
+            return self.runtime.run(self._raw(nbytes), 600)
+        if path == "host_shm":
+            src = self.rng.permutation(self.num_pages - 1)[:n] + 1
+            dst = self.rng.permutation(self.num_pages - 1)[:n] + 1
+            seg = [Segment("full", "full", src, dst, self.spec.page_bytes)]
+            start = time.perf_counter()
+            copy_segments(seg, {"full": self.local_rows}, {"full": self.rows}, torch.device("cpu"))
+            return time.perf_counter() - start
+        torch.cuda.synchronize(self.d_dev)
+        start = time.perf_counter()
+        self.raw_buf[:nbytes].copy_(self.peer_src[:nbytes])
+        torch.cuda.synchronize(self.d_dev)
+        return time.perf_counter() - start
+
+    async def _raw(self, nbytes: int) -> float:
+        dst = self.raw_buf[:nbytes]
+        start = time.perf_counter()
+        recv = asyncio.ensure_future(
+            self.ep.recv(
+                dst.numpy() if dst.device.type == "cpu" else dst, tag=RAW_DATA, force_tag=True
+            )
+        )
+        await self.ep.send(np.array([nbytes], dtype=np.int64), tag=RAW_REQUEST, force_tag=True)
+        await recv
+        return time.perf_counter() - start
+
+    def run(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"sizes": {}}
+        for mib in self.args.sizes:
+            n = self.pages_for[mib]
+            row: dict[str, Any] = {"pages": n, "bytes": n * self.spec.page_bytes}
+            for path in self.args.paths:
+                self.pull(path, n, check=True)  # warm-up and byte check
+                self.baseline(path, n)
+                ours, base = [], []
+                for rep in range(self.args.repeats):
+                    first_ours = rep % 2 == 0  # the order turns each repetition
+                    for which in ("ours", "base") if first_ours else ("base", "ours"):
+                        if which == "ours":
+                            ours.append(self.pull(path, n, check=False))
+                        else:
+                            base.append(self.baseline(path, n))
+                ratios = sorted(b / o for o, b in zip(ours, base, strict=True))
+                q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+                row[path] = {
+                    "ms": 1e3 * statistics.median(ours),
+                    "baseline_ms": 1e3 * statistics.median(base),
+                    "gbps": row["bytes"] / statistics.median(ours) / 1e9,
+                    "baseline_gbps": row["bytes"] / statistics.median(base) / 1e9,
+                    "ratio": statistics.median(ratios),
+                    "ratio_q1": q[0],
+                    "ratio_q3": q[2],
+                    "times_s": ours,
+                    "baseline_times_s": base,
+                }
+            out["sizes"][str(mib)] = row
+            self.report(mib, row)
+        return out
+
+    def report(self, mib: int, row: dict[str, Any]) -> None:
+        for path in self.args.paths:
+            r = row[path]
+            print(
+                f"{mib:5d} MiB {path:8s} {r['ms']:9.2f} ms {r['gbps']:7.2f} GB/s | baseline "
+                f"{r['baseline_ms']:9.2f} ms {r['baseline_gbps']:7.2f} GB/s | ratio {r['ratio']:.2f} "
+                f"[{r['ratio_q1']:.2f}-{r['ratio_q3']:.2f}]",
+                flush=True,
+            )
+
+    def close(self) -> None:
+        for receiver in self.receivers.values():
+            receiver.close()
+        self.ask("close")
+        self.proc.join(30)
 
 
-def timed_pull(
-    receiver: KVReceiver,
-    ticket: Any,
-    dst: list[int],
-    loop: asyncio.AbstractEventLoop | None = None,
-) -> tuple[float, Any]:
-    """Wall time of one pull of the whole ticket into ``dst`` (``pull`` awaited on ``loop``, else
-    ``pull_blocking``), and its result (raises if it failed)."""
-    pages, n = {"full": dst}, ticket.declared_prompt_len
-    start = time.perf_counter()
-    if loop is None:
-        result = receiver.pull_blocking(ticket, pages, 0, n)
-    else:
-        result = loop.run_until_complete(receiver.pull(ticket, pages, 0, n))
-    elapsed = time.perf_counter() - start
-    if not result.ok:
-        raise RuntimeError(f"transfer failed: {result.error}")
-    return elapsed, result
+BASELINES = {
+    "ucx": "raw ucxx send/recv of the same bytes (request + one message)",
+    "host_shm": "in-process copy of the same pages (kernels.copy_pages)",
+    "cuda_ipc": "torch peer copy of the same bytes",
+}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--min-mib", type=int, default=1)
-    parser.add_argument("--max-mib", type=int, help="default 256 on CPU, 1024 on GPUs (doubling)")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument(
-        "--staging-tokens", type=int, help="a chunk: 4096 (64 MiB) on CPU, 16384 GPU"
-    )
-    parser.add_argument(
-        "--piece-chunk-tokens",
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument(
+        "--sizes",
         type=int,
-        default=TransceiverConfig.piece_chunk_tokens,
-        help="CPU: a chunk where both sides list their pages (default: the library's, 256 MiB here)",
-    )
-    parser.add_argument("--progress-mode", choices=list(PROGRESS_MODES), default="auto")
-    parser.add_argument("--proto-info", action="store_true", help="set UCX_PROTO_INFO=y")
-    parser.add_argument("--staging-buffers", type=int, default=4)
-    for flag, text in (
-        ("prestage", "P gathers each request's first chunk at publish time (transfer/prestage.py)"),
-        (
-            "host-iov",
-            "CPU: scattered pages go as UCX piece lists, not staged (transfer/ucp_iov.py)",
-        ),
-    ):
-        parser.add_argument(
-            f"--{flag}", action=argparse.BooleanOptionalAction, default=True, help=text
-        )
-    parser.add_argument(
-        "--layouts", nargs="+", choices=LAYOUTS, default=["contiguous", "scattered"]
-    )
-    parser.add_argument(
-        "--paths",
         nargs="+",
-        choices=["ucx", "direct"],
-        default=None,
-        help="data paths to time: ucx (staged chunks over UCX) and direct (D reads P's pages "
-        "through CUDA IPC, or shared memory on the CPU); default both",
+        help="MiB per pull (default: CPU 1 4 16 64, GPU 1 16 64 256 1024)",
     )
-    parser.add_argument(
-        "--hot",
-        action="store_true",
-        help="also time each variant's pulls back to back (every ticket published first)",
-    )
-    parser.add_argument(
-        "--async",
-        dest="async_pulls",
-        action="store_true",
-        help="also await the direct reads on an event loop, as a decode worker does (direct_async)",
-    )
-    parser.add_argument(
-        "--gil-load",
-        action="store_true",
-        help="run a thread that executes Python without pause meanwhile (a busy engine thread)",
-    )
-    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
-    args = parser.parse_args()
-    if args.max_mib is None:
-        args.max_mib = 256 if args.device == "cpu" else 1024
-    if args.paths is None:
-        args.paths = ["ucx", "direct"]
-    if args.staging_tokens is None:
-        args.staging_tokens = 4096 if args.device == "cpu" else 16384
-    if args.repeats < 1 or args.staging_buffers < 1 or args.staging_tokens % 16:
-        parser.error(
-            "--repeats and --staging-buffers must be >= 1, --staging-tokens a multiple of 16"
-        )
-    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-    results = run(args)
-    if args.out is not None:
-        args.out.write_text(json.dumps(results, indent=2))
-    failed = [k for row in results["rows"] for k in row if k.endswith("_error")]
-    if failed:
-        sys.exit(f"failed: {failed}")
+    ap.add_argument("--paths", nargs="+", help="default: ucx host_shm (CPU), ucx cuda_ipc (GPU)")
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--staging-tokens", type=int, default=1024)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    cuda = args.device == "cuda"
+    args.sizes = args.sizes or ([1, 16, 64, 256, 1024] if cuda else [1, 4, 16, 64])
+    args.paths = args.paths or ["ucx", "cuda_ipc" if cuda else "host_shm"]
+    bench = Bench(args)
+    try:
+        results = bench.run()
+    finally:
+        bench.close()
+    results["setup"] = {
+        "device": args.device,
+        "devices": [bench.p_dev, bench.d_dev],
+        "cores": os.cpu_count(),
+        "page_bytes": bench.spec.page_bytes,
+        "repeats": args.repeats,
+        "staging_tokens": args.staging_tokens,
+        "baselines": {p: BASELINES[p] for p in args.paths},
+        "torch": torch.__version__,
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,7 +1,7 @@
-"""GPU check of the whole cluster (run by scripts/gpu_check.sh on a 2-GPU machine).
+"""GPU check of the whole cluster (run by scripts/gpu_check.sh on a machine with 2 GPUs or more).
 
-Starts configs/gpu_1p1d.yaml (prefill on GPU 0, decode on GPU 1, KV written by the prefill worker
-into the decode worker's pool through CUDA IPC: transfer_path "cuda_ipc"), sends greedy
+Starts configs/gpu_1p1d.yaml (prefill on GPU 0, decode on GPU 1, the decode worker reading the
+prefill worker's pages through CUDA IPC: transfer_path "cuda_ipc"), sends greedy
 requests as token ids (dummy weights have no tokenizer), then does the same on the aggregated twin
 and checks that both give the same tokens; prints the transfer figures from /perf_metrics.
 """

@@ -1,4 +1,5 @@
-"""TransceiverConfig: staging, leases, deadlines and UCX settings of one worker's transceiver.
+"""TransceiverConfig: the cluster secret, staging, leases, deadlines, UCX settings and fault injection
+of one worker's transceiver.
 
 The field names match the ``transfer`` section of the cluster config (cluster/config/transfer.py),
 which validates the YAML and builds this from it; tests build it directly.
@@ -9,77 +10,72 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 PROGRESS_MODES = ("auto", "thread", "thread-polling")
+# Where an injected fault fails a pull (faults.py says which side acts on which).
+FAULT_POINTS = ("connect", "before_data", "mid_data", "before_ack")
 
 
-def resolve_progress_mode(mode: str, cuda: bool, direct_copy: bool = False) -> str:
-    """The ucxx progress mode for ``mode`` ("auto" picks by where the KV lives and how it moves)."""
-    if mode == "auto":
-        return "thread-polling" if cuda and not direct_copy else "thread"
-    return mode
+@dataclass(frozen=True)
+class FaultInjection:
+    """Fail a seeded ``fraction`` of pulls at one of ``points`` each (for tests and rehearsals)."""
+
+    fraction: float = 0.0
+    points: tuple[str, ...] = FAULT_POINTS
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.fraction <= 1.0:
+            raise ValueError(f"fault fraction must be in [0, 1], got {self.fraction}")
+        unknown = sorted(set(self.points) - set(FAULT_POINTS))
+        if not self.points or unknown:
+            raise ValueError(f"fault points must be some of {FAULT_POINTS}, got {self.points}")
 
 
 @dataclass(frozen=True)
 class TransceiverConfig:
+    secret: str = field(default="", repr=False)
+    """The cluster's shared secret: peers prove they know it (HMAC challenge-response) before any
+    page table, address or pool export is sent. Required."""
     host: str = "127.0.0.1"
     """Address the control listener binds to (prefill side)."""
     port: int = 0
     """Listener port; 0 = any free port."""
     staging_tokens: int = 4096
-    """Tokens per chunk (one staging buffer holds this many tokens of every pool group). Requests
-    larger than this travel in several pipelined chunks."""
+    """Tokens per UCX chunk: one staging buffer holds this many tokens of every pool group. Larger
+    requests travel in several pipelined chunks."""
     staging_buffers: int = 4
-    """Staging buffers per side, shared by concurrent transfers; made on first use. Also the number
-    of staged chunks one transfer can have in flight."""
-    prestage: bool = True
-    """While some decode worker pulls from this prefill worker over UCX, gather each published
-    request's first staged chunk at publish time (transfer/prestage.py): the pull then starts
-    sending at once instead of after a copy. Holds at most half of the staging buffers."""
-    zero_copy: bool = True
-    """Send a chunk whose pages are one run on this side straight from the pool, and receive one
-    straight into the pool, without a gather / scatter on this side (the other side may still
-    stage it). (Runs longer than a staging buffer always go straight.)"""
-    host_iov: bool = True
-    """With ``zero_copy``, and pools in host memory: a chunk whose pages are not one run on this
-    side also skips the staging copy, sent or received as one UCX message that lists its pages
-    (UCP's IOV datatype, transfer/ucp_iov.py). GPU pools always stage such chunks."""
-    piece_chunk_tokens: int = 16384
-    """Tokens per chunk on a link where both sides list host pages (``host_iov``): no staging
-    buffer bounds those chunks, and on a few cores each UCX message costs wake-ups of several
-    threads on both sides, so they are larger than ``staging_tokens`` (at least that many tokens,
-    and at most 1 GiB: transfer.plan.DIRECT_MAX_BYTES)."""
+    """Staging buffers per side, shared by its concurrent UCX pulls; made on first use."""
     direct_copy: bool = True
-    """P offers its pools (CUDA IPC on GPUs; on the CPU, the pools' shared-memory files) and its
-    lease board in the handshake; a decode side that can open them (two GPUs of one host, two
-    processes of one host on the CPU, or one process) reads each request's pages itself with one
-    copy instead of receiving them through UCX (transfer/direct_read.py). Links where it cannot
-    fall back to UCX on their own."""
+    """P offers its pools in the handshake (CUDA IPC on GPUs, memfd files on the CPU); a decode
+    side of the same host that can open them reads pages itself instead of over UCX."""
     lease_s: float = 30.0
-    """How long P keeps a published request's pages for D; renewed while the pull progresses."""
+    """How long P keeps a published request's pages for D before the lease expires (a pull in
+    progress holds the lease: it never expires under it)."""
     connect_deadline_s: float = 10.0
-    """Control connection, handshake and UCX endpoint to a peer."""
+    """Control connection, authentication, handshake and UCX endpoint to a peer."""
     pull_deadline_s: float = 30.0
-    """From the pull request to the first chunk (or P's answer)."""
+    """From the pull request to P's first chunk or its answer."""
     chunk_deadline_s: float = 10.0
-    """Between two chunks, on both sides (P waits this long for D's credits, too)."""
+    """Between two chunks on both sides; also the longest a direct read's copy may take."""
     done_deadline_s: float = 10.0
     """From the last chunk to TransferDone."""
     ack_deadline_s: float = 10.0
-    """P waits this long after TransferDone for D's ack, then frees the pages."""
+    """P waits this long for D's final notice after the data, then releases the pages."""
     ucx_env: dict[str, str] = field(default_factory=dict)
     """UCX_* settings of the process's UCX context (e.g. UCX_TLS, UCX_NET_DEVICES)."""
     progress_mode: str = "auto"
-    """How UCX is progressed: "thread" (its thread sleeps until the network wakes it: no idle CPU,
-    but each message pays wake-ups), "thread-polling" (its thread spins: one busy core per
-    process, several times less latency per message), or "auto": polling when the KV is on a
-    GPU and moves over UCX (latency decides NVLink throughput there), sleeping on CPU and when
-    ``direct_copy`` is on (same-host peers then read directly, without UCX messages, and a
-    spinning progress thread made each direct read about 25% slower on 2 H200s:
-    docs/benchmarks/transfer.md). Multi-host GPU clusters with direct_copy on may still prefer
-    "thread-polling" for their UCX pulls."""
+    """How ucxx progresses UCX: "thread" (sleeps until woken), "thread-polling" (spins: lower
+    latency per message, one busy core), or "auto": polling only when GPU KV moves over UCX."""
     max_stats_len: int = 1000
     """Finished transfers kept for ``drain_transfer_stats``: -1 unbounded, 0 none, N the last N."""
+    fault_injection: FaultInjection = field(default_factory=FaultInjection)
+    """Pulls to fail on purpose (off by default)."""
 
     def __post_init__(self) -> None:
+        if not self.secret:
+            raise ValueError(
+                "the transceiver needs the cluster's secret (transfer.secret, or "
+                "DUET_TRANSFER_SECRET; `duet serve` makes one)"
+            )
         deadlines = {
             "lease_s": self.lease_s,
             "connect_deadline_s": self.connect_deadline_s,
@@ -93,13 +89,18 @@ class TransceiverConfig:
             raise ValueError(f"deadlines must be > 0 seconds, got {bad}")
         if self.staging_tokens < 1 or self.staging_buffers < 1:
             raise ValueError(
-                f"staging_tokens and staging_buffers must be >= 1, got {self.staging_tokens}, {self.staging_buffers}"
+                f"staging_tokens and staging_buffers must be >= 1, got {self.staging_tokens}, "
+                f"{self.staging_buffers}"
             )
-        if self.piece_chunk_tokens < 1:
-            raise ValueError(f"piece_chunk_tokens must be >= 1, got {self.piece_chunk_tokens}")
         if self.progress_mode not in PROGRESS_MODES:
             raise ValueError(
                 f"progress_mode must be one of {PROGRESS_MODES}, got {self.progress_mode!r}"
             )
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+
+    def ucx_progress_mode(self, cuda: bool) -> str:
+        """The ucxx progress mode for KV on a GPU (``cuda``) or in host memory."""
+        if self.progress_mode == "auto":
+            return "thread-polling" if cuda and not self.direct_copy else "thread"
+        return self.progress_mode

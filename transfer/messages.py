@@ -6,29 +6,28 @@ missing or extra field, or a field of the wrong type raises TransferProtocolErro
 anything that is not msgpack at all; nothing else ever escapes it.
 
 Conversation (D = decode worker, which pulls; P = prefill worker, which serves):
-    D -> P  Hello            page table, UCX worker address, chunk size, D's done board, and
-                             when D lists host pages its piece chunk size and primer (primer.py)
-    P -> D  primer           over UCX, when asked and P lists host pages: one contiguous message
-    P -> D  HelloReply       the same from P, plus P's pool export and lease board (ipc.py,
-                             lease_board.py) for a same-host peer and whether it opened D's done
-                             board (done_board.py), or an error (compatibility hash)
-  A pull over UCX:
-    D -> P  PullRequest      request id, pull id, page ids on both sides, D's plan (chunks, bytes),
-                             and the chunks D has already posted receives for (credits)
-    P -> D  data chunks      over UCX, tag = data_tag(pull_id, chunk index); only credited chunks
-    D -> P  ChunkReady       more credits, as D's staging buffers free up
-    P -> D  TransferDone     declared prompt length, bytes, chunks (once every send is posted)
-    P -> D  PullError        instead, when P refuses or gives up the pull
-    D -> P  TransferAck      ok, or the reason D failed the transfer; P releases that pull's lease
-                             (also sent for a ticket D gave up before its PullRequest: then P
-                             releases the lease the ticket's generation names, if no pull has it)
-  A direct read (D opened P's pools, direct_read.py): D checks the lease on P's board, copies P's
-  pages into its own and checks the board again; no message until then.
-    (no message)             a read that succeeded is a record on D's done board, which P polls
-    D -> P  ReadDone         a read that failed, with the reason (or any read, when P did not
-                             open the done board); P releases the pages
-  Either way:
-    either  Reject           a message of the peer could not be decoded
+
+  Handshake, once per link (handshake.py); nothing about either worker before both proved the
+  cluster secret:
+    D -> P  Hello        D's instance id and a fresh nonce
+    P -> D  Challenge    P's instance id, its nonce, and its proof over both nonces
+    D -> P  Join         D's proof, then its page table and UCX worker address
+    P -> D  Welcome      P's page table, UCX address and pool export (or Refused, and P closes)
+    D -> P  Ready        the data path D chose for the link: "ucx", "host_shm" or "cuda_ipc"
+  A pull (pull.py on D, serve.py on P):
+    D -> P  PullRequest  the ticket's lease and pages, D's pages, the expected prompt length;
+                         over UCX also the chunk plan and the chunks D posted receives for
+    P -> D  PullError    P refuses (after answering each credited chunk with an empty message)
+    UCX path (paths/ucx.py):
+      P -> D  data chunks   tag = data_tag(pull_id, chunk), only chunks D credited
+      D -> P  ChunkReady    more credits, as D's staging buffers free up
+      P -> D  TransferDone  every chunk sent with its bytes, and the declared prompt length
+    Direct paths (paths/direct.py):
+      P -> D  ReadGrant     P holds the lease for the read: it cannot expire until D's notice
+    D -> P  TransferAck   the final notice: ok, or why D failed; P releases the lease. Also sent
+                          with pull_id 0 for a ticket D gave up before asking (P then ends that
+                          lease if no pull has it).
+    either  Reject        a message of the peer could not be decoded
 """
 
 from __future__ import annotations
@@ -63,8 +62,9 @@ class TransferProtocolError(ValueError):
 @dataclass(frozen=True)
 class TransferTicket:
     """What P hands the router (and the router D) for one prefilled request. Plain data: it crosses
-    Ray actor boundaries. ``page_ids`` are P's pages per pool group, in token order;
-    ``lease_expires_at`` is wall-clock time (time.time()) when P frees them unless pulled."""
+    Ray actor boundaries. ``page_ids`` are P's pages per pool group in token order (groups may hold
+    different numbers of pages); ``lease_gen`` names this lease of the request (a later publish of
+    the same id has another); ``lease_expires_at`` is wall-clock time (time.time())."""
 
     request_id: str
     host: str
@@ -73,63 +73,65 @@ class TransferTicket:
     page_ids: dict[str, list[int]]
     declared_prompt_len: int
     compat_hash: str
+    lease_gen: int
     lease_expires_at: float
-    # The lease's slot and generation on P's lease board (lease_board.py); -1 when it has none,
-    # and then it is pulled over UCX whatever the link.
-    lease_slot: int = -1
-    lease_gen: int = 0
 
 
 @dataclass(frozen=True)
 class Hello:
     instance_id: str
-    page_table: PageTable
-    ucx_address: bytes
-    chunk_bytes: int
-    # The path of D's done board for this link (done_board.py), or "" (D then sends ReadDone).
-    done_board: str = ""
-    # D receives host pages as piece lists (ucp_iov.py): the chunk size it takes for pulls whose
-    # chunks both sides list, or 0. With it, the tag and size of the primer D has posted a receive
-    # for: one contiguous message P sends on its new endpoint so that piece lists work there from
-    # the start (primer.py).
-    piece_chunk_bytes: int = 0
-    primer_tag: int = 0
-    primer_bytes: int = 0
+    nonce: bytes
 
 
 @dataclass(frozen=True)
-class HelloReply:
+class Challenge:
     instance_id: str
+    nonce: bytes
+    proof: bytes
+
+
+@dataclass(frozen=True)
+class Join:
+    proof: bytes
     page_table: PageTable
     ucx_address: bytes
-    chunk_bytes: int
-    error: str  # "" when P accepts the peer
-    pool_export: bytes  # ipc.IpcExport.to_wire(), or b"" when P offers no direct reads
-    lease_board: str  # the path of P's lease board, or "" (with pool_export)
-    # P mapped D's done board (Hello.done_board) and reads direct reads' ends from it.
-    done_board_open: bool = False
-    # P sent D's primer and lists its host pages from the first chunk on: the chunk size it takes
-    # for pulls whose chunks both sides list (the link uses the smaller of the two), or 0.
-    piece_chunk_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Welcome:
+    page_table: PageTable
+    ucx_address: bytes
+    pool_export: bytes  # paths.offer(): b"" when P offers no direct reads
+
+
+@dataclass(frozen=True)
+class Refused:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Ready:
+    path: str
 
 
 @dataclass(frozen=True)
 class PullRequest:
-    """``src_page_ids`` are the ticket's pages (P checks them against what it published);
-    ``dst_page_ids`` are D's pages for ``src_page_ids[g][skip_pages:]``. ``num_chunks`` and
-    ``total_bytes`` are D's plan, which P must reproduce exactly. ``lease_gen`` is the ticket's:
-    P serves only that lease, never a later publish of the request."""
+    """``src_page_ids`` are the ticket's pages (P checks them against its lease); ``dst_page_ids[g]``
+    are D's pages for ``src_page_ids[g][skip_pages[g]:]``. ``chunk_bytes``, ``num_chunks`` and
+    ``total_bytes`` are D's plan (P must make the same one; a direct read has no chunks);
+    ``credits`` the chunks D already posted receives for."""
 
     request_id: str
     pull_id: int
+    lease_gen: int
     src_page_ids: dict[str, list[int]]
     dst_page_ids: dict[str, list[int]]
-    skip_pages: int
+    skip_pages: dict[str, int]
+    expected_prompt_len: int
     chunk_bytes: int
     num_chunks: int
     total_bytes: int
-    ready_chunks: list[int]
-    lease_gen: int
+    credits: list[int]
 
 
 @dataclass(frozen=True)
@@ -141,16 +143,12 @@ class ChunkReady:
 
 @dataclass(frozen=True)
 class PullError:
-    """P refuses or gives up a pull. ``code``: expired, unknown, busy, mismatch, failed, or conflict
-    (the pull id or the credits are unusable; nothing drained).
-    ``drained``: P completed every credited chunk it will not send with an empty message, so D's
-    receives have all ended (otherwise D must abort the link to cancel them)."""
+    """``code``: expired, unknown, busy, mismatch, or failed."""
 
     request_id: str
     pull_id: int
     code: str
     reason: str
-    drained: bool
 
 
 @dataclass(frozen=True)
@@ -163,29 +161,19 @@ class TransferDone:
 
 
 @dataclass(frozen=True)
-class TransferAck:
-    """D is done with a ticket: ``ok`` after a complete pull, else why it gave up (also when it
-    never sent the PullRequest). ``lease_gen`` is the ticket's: P releases only that lease."""
-
+class ReadGrant:
     request_id: str
     pull_id: int
-    ok: bool
-    error: str
-    lease_gen: int
+    declared_prompt_len: int
 
 
 @dataclass(frozen=True)
-class ReadDone:
-    """D read a lease's pages directly (or gave up): P may release them. ``lease_gen`` names the
-    lease, so a late one cannot release a later lease of the same request id."""
-
+class TransferAck:
     request_id: str
+    pull_id: int
     lease_gen: int
     ok: bool
     error: str
-    total_bytes: int
-    micros: int  # the pull as D timed it
-    data_path: str  # "cuda_ipc", "host_shm" or "local"
 
 
 @dataclass(frozen=True)
@@ -196,29 +184,20 @@ class Reject:
 
 Message = (
     Hello
-    | HelloReply
+    | Challenge
+    | Join
+    | Welcome
+    | Refused
+    | Ready
     | PullRequest
     | ChunkReady
     | PullError
     | TransferDone
+    | ReadGrant
     | TransferAck
-    | ReadDone
     | Reject
 )
-MESSAGE_TYPES: dict[str, type] = {
-    cls.__name__: cls
-    for cls in (
-        Hello,
-        HelloReply,
-        PullRequest,
-        ChunkReady,
-        PullError,
-        TransferDone,
-        TransferAck,
-        ReadDone,
-        Reject,
-    )
-}
+MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in typing.get_args(Message)}
 _HINTS: dict[type, dict[str, Any]] = {
     cls: typing.get_type_hints(cls) for cls in MESSAGE_TYPES.values()
 }
@@ -226,7 +205,7 @@ _HINTS: dict[type, dict[str, Any]] = {
 
 def data_tag(pull_id: int, chunk_index: int) -> int:
     """The 64-bit UCX tag of one data chunk: distinct for every chunk of a pull, and scoped to the
-    pull by D's random ``pull_id`` so concurrent transfers never match each other's chunks."""
+    pull by D's random ``pull_id`` so concurrent pulls never match each other's chunks."""
     x = (pull_id ^ (chunk_index * 0x9E3779B97F4A7C15)) & _MASK64
     return (x * 0xBF58476D1CE4E5B9) & _MASK64
 
@@ -296,17 +275,18 @@ def _check(value: Any, kind: Any) -> Any:
             raise TypeError(f"expected {kind.__name__}, got {_describe(value)}")
         return value
     if kind == list[int]:
-        # No Python-level loop (map/set/min/max run in C): page lists run to thousands of ints.
-        # type() is int, not isinstance: a bool is not a page id.
+        # type() is int, not isinstance: a bool is not a page id. (map/set/min/max run in C:
+        # page lists run to thousands of ints.)
         if not isinstance(value, list) or (value and set(map(type, value)) != {int}):
             raise TypeError(f"expected a list of ints, got {_describe(value)}")
         if value and (min(value) < 0 or max(value) > _INT64_MAX):
             raise TypeError(f"expected non-negative int64 values, got {_describe(value)}")
         return value
-    if kind == dict[str, list[int]]:
+    if kind in (dict[str, list[int]], dict[str, int]):
+        inner = typing.get_args(kind)[1]
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-            raise TypeError(f"expected a map of string to list of ints, got {_describe(value)}")
-        return {k: _check(v, list[int]) for k, v in value.items()}
+            raise TypeError(f"expected a map of string to {inner}, got {_describe(value)}")
+        return {k: _check(v, inner) for k, v in value.items()}
     raise TypeError(f"no wire rule for {kind}")  # a bug in this module, not in the peer
 
 

@@ -1,8 +1,9 @@
 """PageTable: what one worker tells a peer about its KV pools, and the compatibility hash.
 
-Peers exchange page tables once per connection (in Hello / HelloReply). The mapper (mapper.py) reads
-both tables to turn page ids into byte fragments; the compatibility hash lets two workers refuse each
-other before any byte moves when they serve different models or lay KV out differently.
+Peers exchange page tables once per connection, after authentication (handshake.py). The mapper
+(mapper.py) reads both tables to turn page ids into page segments; the compatibility hash lets two
+workers refuse each other before any byte moves when they serve different models or lay KV out
+differently.
 """
 
 from __future__ import annotations
@@ -22,8 +23,11 @@ from transfer.version import PAGE_LAYOUT, PROTOCOL_VERSION
 
 @dataclass(frozen=True)
 class PoolDescriptor:
-    """One pool group as a peer sees it. ``pool_role`` is sorted; pools match across peers iff
-    their roles are equal. ``page_bytes`` is the size of one page (all layers, keys and values)."""
+    """One pool group as a peer sees it. ``pool_role`` is sorted; pools match across peers iff their
+    roles are equal. ``page_bytes`` is one page (all layers, keys and values). ``head_start`` is the
+    first KV head this worker holds (0 unless the pool is head-sharded across ranks: its heads are
+    ``[head_start, head_start + num_kv_heads)``); ``window`` the sliding window in tokens (0: full
+    attention), whose group holds only the window's pages."""
 
     name: str
     pool_role: tuple[str, ...]
@@ -35,10 +39,11 @@ class PoolDescriptor:
     dtype: str
     page_bytes: int
     num_pages: int
+    head_start: int = 0
+    window: int = 0
     layout: str = PAGE_LAYOUT
 
     def __post_init__(self) -> None:
-        # Sorted however it was made: equal roles must hash and match equal.
         object.__setattr__(self, "pool_role", tuple(sorted(self.pool_role)))
 
     @classmethod
@@ -54,15 +59,17 @@ class PoolDescriptor:
             dtype=dtype_name(spec.dtype),
             page_bytes=spec.page_bytes,
             num_pages=spec.num_pages,
+            window=spec.sliding_window or 0,
         )
 
     def geometry(self) -> tuple[Any, ...]:
-        """Everything that decides where a byte of a page lives (two pools with equal geometry
-        can exchange whole pages byte for byte)."""
+        """Everything that decides where a byte of a page lives: two pools of equal geometry
+        exchange whole pages byte for byte."""
         return (
             self.layout,
             self.layer_ids,
             self.tokens_per_page,
+            self.head_start,
             self.num_kv_heads,
             self.head_dim,
             self.dtype,
@@ -90,18 +97,11 @@ class PageTable:
         for p in self.pools:
             if p.name == name:
                 return p
-        raise KeyError(
-            f"no pool group {name!r} in this page table (have {[p.name for p in self.pools]})"
-        )
+        raise KeyError(f"no pool group {name!r} here (have {[p.name for p in self.pools]})")
 
-    @functools.cached_property  # asked on every pull: JSON and sha256 are tens of microseconds
+    @functools.cached_property
     def compat_hash(self) -> str:
         return compat_hash(self.model, self.pools)
-
-    @property
-    def bytes_per_token(self) -> float:
-        """KV bytes one token takes across all pools."""
-        return sum(p.page_bytes / p.tokens_per_page for p in self.pools)
 
     def to_wire(self) -> dict[str, Any]:
         """Plain msgpack-able form (lists, ints, strings)."""
@@ -134,8 +134,11 @@ _POOL_FIELDS: dict[str, type] = {
     "dtype": str,
     "page_bytes": int,
     "num_pages": int,
+    "head_start": int,
+    "window": int,
     "layout": str,
 }
+_MAY_BE_ZERO = {"head_start", "window"}
 
 
 def _pool_from_wire(data: Any) -> PoolDescriptor:
@@ -147,8 +150,8 @@ def _pool_from_wire(data: Any) -> PoolDescriptor:
             raise ValueError(
                 f"page table pool field {key!r}: expected {kind.__name__}, got {type(value).__name__}"
             )
-        if kind is int and value < 1:
-            raise ValueError(f"page table pool field {key!r}: must be >= 1, got {value}")
+        if kind is int and value < (0 if key in _MAY_BE_ZERO else 1):
+            raise ValueError(f"page table pool field {key!r}: out of range, got {value}")
     if not all(isinstance(r, str) for r in data["pool_role"]):
         raise ValueError("page table pool field 'pool_role': expected a list of strings")
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in data["layer_ids"]):
@@ -161,8 +164,8 @@ def _pool_from_wire(data: Any) -> PoolDescriptor:
 
 def compat_hash(model: str, pools: Iterable[PoolDescriptor]) -> str:
     """Hash of what two peers must share to exchange KV: model, dtype, layers, heads, head dim,
-    page size, layout, protocol version, and each pool's name (tickets and PullRequests name pools)
-    and mapper kind (the mapper serves equal kinds only), 16 hex digits. Pool sizes may differ."""
+    page size, layout, windows, protocol version, and each pool's name (tickets name pools) and
+    mapper kind, 16 hex digits. Pool sizes and head ranges may differ (the mapper decides)."""
     identity = {
         "protocol_version": PROTOCOL_VERSION,
         "model": model,
@@ -174,10 +177,11 @@ def compat_hash(model: str, pools: Iterable[PoolDescriptor]) -> str:
                 p.layout,
                 list(p.layer_ids),
                 p.tokens_per_page,
-                p.num_kv_heads,
                 p.head_dim,
                 p.dtype,
+                p.window,
             ]
+            + ([] if p.mapper_kind == "HND" else [p.num_kv_heads])
             for p in pools
         ),
     }

@@ -1,21 +1,13 @@
-"""ServeSession: the prefill side of one pull, from PullRequest to the release of the pages.
+"""The prefill side of one pull: admission (``admit``), then a ServeSession from the lease's hold to
+its release.
 
-D grants credits (PullRequest.ready_chunks, then ChunkReady): the chunks it has posted receives for.
-P gathers and sends exactly those, so a send never waits for a receive D could not post, and the
-staging buffers of the two sides cannot deadlock. Once every chunk's copy or send has begun P sends
-TransferDone (it travels while the last bytes do); the pages are released when every send has
-completed and D has acked, or at the ack deadline. Every wait is bounded by chunk_deadline_s.
-
-On failure: with sends in flight the link is aborted (UCX cancels them) and the pages are released
-only after every send has ended; without, the credited chunks that will never be sent are completed
-with empty messages ("drained") so D's receives end without tearing the link down. When D failed
-the pull first (its negative ack), D ignores every byte of it: chunks not yet handed to UCX then go
-as empty messages, posted sends may finish, and the link stays up. A drained
-receive looks like data to D (ucxx does not report a short message), so a chunk is drained only
-while TransferDone is unsent: D completes a pull only after TransferDone, and the PullError that
-follows the drain fails it instead.
-
-(A decode worker that reads P's pools directly never sends a PullRequest: see direct_read.py.)
+Admission checks a PullRequest against the request's lease: the lease's generation (a ticket of an
+ended lease never gets a later publish of the request), the ticket's pages, the skips, the mapping
+onto D's pages, the declared history against D's expected prompt length, and D's chunk plan. A
+refusal is a PullError (counted as ``refused_pulls``); it leaves the lease alone (the right ticket
+may still come), except for a declared-history mismatch, which fails the request: its pages go.
+An admitted pull holds the lease (it cannot expire) until the session releases it, after the data
+path is done with the pages (paths/base.py: ``DataPath.serve``).
 """
 
 from __future__ import annotations
@@ -27,16 +19,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from transfer.deadline import next_item
-from transfer.messages import PullError, PullRequest, TransferDone, data_tag
-from transfer.peer import PeerLink
-from transfer.plan import Chunk, TransferPlan
-from transfer.staging import gather_chunk, pool_region
+from transfer.faults import P_POINTS, injected
+from transfer.leases import Lease
+from transfer.link import Link
+from transfer.mapper import MapperError, Segment, map_pages, total_bytes
+from transfer.messages import Message, PullError, PullRequest, TransferAck, data_tag
+from transfer.paths.base import ServeFailed
+from transfer.paths.staging import Chunk
 from transfer.stats import TransferStats
-from transfer.ucp_iov import chunk_pieces
 
 if TYPE_CHECKING:
-    from transfer.leases import Lease
     from transfer.sender import KVSender
 
 log = logging.getLogger(__name__)
@@ -44,292 +36,157 @@ log = logging.getLogger(__name__)
 _EMPTY = torch.empty(0, dtype=torch.uint8)
 
 
-class ServeFailed(Exception):
-    pass
-
-
-DRAIN_IN_FLIGHT = 64  # empty messages in flight at a time: memory stays bounded, whatever D asks
-HOST_SENDS_IN_FLIGHT = 2  # staged chunks P sends at once when its KV is in host memory
-
-
-async def drain(link: PeerLink, pull_id: int, chunks: list[int]) -> None:
-    """Complete D's receives for ``chunks`` with empty messages (nothing is written), each chunk
-    once however often D named it."""
-    chunks = sorted(set(chunks))
-    for start in range(0, len(chunks), DRAIN_IN_FLIGHT):
-        part = chunks[start : start + DRAIN_IN_FLIGHT]
-        await asyncio.gather(*(link.send_data(_EMPTY, data_tag(pull_id, i)) for i in part))
-
-
 class ServeSession:
     def __init__(
         self,
         sender: KVSender,
-        link: PeerLink,
-        req: PullRequest,
-        plan: TransferPlan,
+        link: Link,
+        request: PullRequest,
         lease: Lease,
+        segments: list[Segment],
+        chunks: list[Chunk],
     ) -> None:
         self.sender = sender
+        self.config = sender.config
         self.link = link
-        self.req = req
-        self.plan = plan
-        self.serving = True  # until every send has ended; acks go to the session meanwhile
+        self.request = request
+        self.lease = lease
+        self.segments = segments
+        self.chunks = chunks  # the UCX path's (empty for a direct read)
         self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        self._tasks: dict[int, asyncio.Task] = {}
-        self._io_started: set[int] = set()  # chunks whose copy/send began (not cancellable)
-        self._acked: tuple[bool, str] | None = None
-        self._failing = False  # credits from now on are completed empty at once
-        # D failed the pull first (its negative ack): D ignores every byte of it from then on,
-        # so a chunk whose send is not posted yet goes as an empty message instead.
-        self._d_gave_up = False
-        # On CPU (TCP) at most two sends at a time, in credit order: the next chunk's rendezvous
-        # overlaps the bytes of the one before it (0.71-0.84 -> 0.83-0.92 of raw ucxx at 64-256
-        # MiB of scattered pages on 16 cores; docs/benchmarks/transfer.md, fifteenth pass), but
-        # all at once would share the wire and end together, so D's scatters would run after the
-        # last byte instead of under the next chunk. Between GPUs (cuda_ipc) concurrent messages
-        # overlap their rendezvous latency.
-        self._send_slot = asyncio.Semaphore(
-            self.plan.num_chunks if sender.rows_on_gpu else HOST_SENDS_IN_FLIGHT
-        )
-        # D credits at once every chunk it receives straight into its pool, also those P must
-        # stage: at most this many of them wait for or hold a staging buffer, so the chunks of
-        # other pulls get buffers in between (as when D's own buffers bound its credits).
-        self._stage_slots = asyncio.Semaphore(sender.staging.max_buffers)
-        # Chunk 0 gathered at publish time (prestage.py), if it is this plan's chunk 0.
-        self._prestaged = (
-            sender.prestage.take(lease, plan.chunks[0], 0 in req.ready_chunks)
-            if plan.chunks
-            else None
-        )
-        self._on_closed = lambda reason: self.events.put_nowait(("closed", reason))
+        self.failing = False
+        self.ack: TransferAck | None = None  # D's final notice, once it came
+        point = sender.faults.point(request.request_id)
+        self.fault = point if point in P_POINTS else None
 
-    def credit(self, chunks: list[int]) -> None:
-        if self._failing:
-            self.sender.drain_late(self.link, self.req.pull_id, self._ungranted(chunks))
-        else:
-            self.events.put_nowait(("credit", chunks))
+    def deliver(self, msg: Message) -> None:
+        self.events.put_nowait(("msg", msg))
 
-    def _ungranted(self, chunks: list[int]) -> list[int]:
-        return [i for i in chunks if 0 <= i < self.plan.num_chunks and i not in self._tasks]
+    def _on_closed(self, reason: str) -> None:
+        self.events.put_nowait(("closed", reason))
 
-    def ack(self, ok: bool, error: str) -> None:
-        self.events.put_nowait(("ack", (ok, error)))
+    async def send(self, msg: Message) -> None:
+        await self.link.send(msg, self.config.done_deadline_s)
 
-    def begin(self) -> None:
-        """Start the sends D credited in its PullRequest (``admit`` checked those credits) in the
-        loop step that admitted the pull, ahead of ``run``'s first step, which came before them
-        (docs/benchmarks/transfer.md, eighteenth pass). Then ``run``."""
-        self.link.add_close_listener(self._on_closed)
-        self._grant(self.req.ready_chunks)
+    async def next_event(self, timeout: float, what: str) -> tuple[str, Any]:
+        """The next event; raises ServeFailed for a timeout or a closed link."""
+        try:
+            async with asyncio.timeout(timeout):
+                kind, value = await self.events.get()
+        except TimeoutError:
+            raise ServeFailed(f"no progress for {timeout}s waiting for {what}") from None
+        if kind == "closed":
+            raise ServeFailed(f"link closed: {value}")
+        return kind, value
+
+    async def wait_for_notice(self, timeout: float) -> bool:
+        """Wait for D's final notice (kept in ``ack``); False when none came within ``timeout``."""
+        try:
+            async with asyncio.timeout(timeout):
+                while self.ack is None:
+                    kind, value = await self.events.get()
+                    if kind == "closed":
+                        return False
+                    if isinstance(value, TransferAck):
+                        self.ack = value
+        except TimeoutError:
+            return False
+        return True
+
+    def inject(self, point: str) -> None:
+        if self.fault == point:
+            self.sender.book.bump("injected_faults")
+            raise ServeFailed(injected(point))
 
     async def run(self) -> None:
-        cfg, rid = self.sender.config, self.req.request_id
-        start = time.perf_counter()
+        start, rid = time.perf_counter(), self.request.request_id
+        self.link.add_close_listener(self._on_closed)
+        error = ""
         try:
-            await self._serve()
-            self._take_queued_acks()
-            self.serving = False
-            if self._acked is not None:  # D had every byte before our send completions came in
-                self.sender.leases.release(rid, "acked", force=True)
-            elif not self.sender.leases.await_ack(rid, cfg.ack_deadline_s):
-                self.sender.leases.release(rid, "cancelled", force=True)  # while we served it
-            self._record(start, ok=True)
+            await self.link.path.serve(self)
+            if self.ack is None:
+                how = "served; no notice from the decode side within its deadline"
+            elif self.ack.ok:
+                how = "acked"
+            else:
+                error = how = f"the decode side failed the transfer: {self.ack.error}"
         except (ServeFailed, ConnectionError) as e:
-            self.serving = False
-            await self._fail(str(e), start)
+            error = str(e)
+            how = f"failed: {error}"
+            if self.ack is None and not self.link.closed:  # (D gave up first: it knows)
+                err = PullError(rid, self.request.pull_id, "failed", error)
+                self.link.post(err, self.config.done_deadline_s)
+            log.warning("serving %s failed: %s", rid, error)
+        except Exception as e:  # a bug, or a device error: the pages still go back
+            log.exception("serving %s failed unexpectedly", rid)
+            error = how = f"internal error: {e!r}"
+            self.link.abort(f"serving {rid} failed: {e!r}")
         finally:
             self.link.remove_close_listener(self._on_closed)
-            pre, self._prestaged = self._prestaged, None
-            if pre is not None:  # chunk 0 was never sent
-                self.sender.prestage.give_back(pre)
+            self.sender.leases.end(self.lease, how)
+            nbytes = 0 if error else self.request.total_bytes
+            chunks = len(self.chunks) or 1
+            stats = TransferStats(
+                rid, "send", nbytes, chunks, time.perf_counter() - start, not error, error,
+                self.link.path.name,
+            )  # fmt: skip
+            self.sender.book.record(stats)
 
-    async def _serve(self) -> None:
-        cfg, n = self.sender.config, self.plan.num_chunks
-        sent, done_sent = 0, False
-        while True:
-            if not done_sent and len(self._io_started) == n:  # nothing left to drain
-                declared = self._lease_declared()
-                done = TransferDone(
-                    self.req.request_id, self.req.pull_id, declared, self.plan.total_bytes, n
-                )
-                await self.link.send(done, cfg.done_deadline_s)
-                done_sent = True
-            if sent == n:
-                return
-            try:
-                kind, value = await next_item(self.events, cfg.chunk_deadline_s)
-            except asyncio.TimeoutError:
-                raise ServeFailed(
-                    f"no progress for {cfg.chunk_deadline_s}s (chunk_deadline_s) with {sent}/{n} chunks sent"
-                ) from None
-            if kind == "credit":
-                self._grant(value)
-            elif kind == "started":
-                pass  # the loop's head sends TransferDone once every chunk has started
-            elif kind == "sent":
-                sent += 1
-                self.sender.book.counters.chunks += 1
-                self.sender.leases.renew(self.req.request_id, cfg.lease_s)
-            elif kind == "send_failed":
-                raise ServeFailed(f"sending chunk {value[0]} failed: {value[1]}")
-            elif kind == "ack":
-                if not value[0]:
-                    self._d_gave_up = True
-                    raise ServeFailed(f"decode side gave up: {value[1]}")
-                self._acked = value
-            elif kind == "closed":
-                raise ServeFailed(f"link closed: {value}")
 
-    def _take_queued_acks(self) -> None:
-        """An ack that came in while TransferDone was still draining sits in the queue once the
-        serving loop has returned: take it, or P would wait for it until the ack deadline."""
-        while not self.events.empty():
-            kind, value = self.events.get_nowait()
-            if kind == "ack":
-                if not value[0]:
-                    raise ServeFailed(f"decode side gave up: {value[1]}")
-                self._acked = value
+def admit(sender: KVSender, link: Link, req: PullRequest) -> ServeSession | PullError:
+    """The session for ``req``, its lease held; or the PullError to refuse it with."""
+    rid = req.request_id
 
-    def _grant(self, chunks: list[int]) -> None:
-        for i in chunks:
-            if not 0 <= i < self.plan.num_chunks or i in self._tasks:
-                raise ServeFailed(
-                    f"invalid credit for chunk {i} (plan has {self.plan.num_chunks} chunks)"
-                )
-            self._tasks[i] = asyncio.ensure_future(self._send_chunk(self.plan.chunks[i]))
-        self.sender.leases.renew(self.req.request_id, self.sender.config.lease_s)
+    def refuse(code: str, reason: str) -> PullError:
+        sender.book.bump("refused_pulls")
+        log.info("pull of %s refused: %s", rid, reason)
+        return PullError(rid, req.pull_id, code, reason)
 
-    async def _send_chunk(self, chunk: Chunk) -> None:
-        s, tag = self.sender, data_tag(self.req.pull_id, chunk.index)
-        try:
-            lists = self._lists_pages()
-            if chunk.sends_straight(s.config.zero_copy, s.staging.buffer_bytes) and not lists:
-                pool, offset = chunk.src_run  # type: ignore[misc]  (sends_straight: one run)
-                self._started(chunk.index)
-                async with self._send_slot:
-                    await self.link.send_data(
-                        self._payload(pool_region(s.rows[pool], offset, chunk.nbytes)), tag
-                    )
-            elif lists:  # (a run too: one piece goes as plain bytes, ucp_iov)
-                await self._send_pieces(chunk, tag)
-            else:
-                # (the slot's wait and the buffer's: the only cancellable waits of this task)
-                async with self._stage_slots:
-                    staged = not self._lists_pages()  # (the link may have become able meanwhile)
-                    if staged:
-                        await self._send_staged(chunk, tag)
-                if not staged:
-                    await self._send_pieces(chunk, tag)
-            self.events.put_nowait(("sent", chunk.index))
-        except Exception as e:
-            self.events.put_nowait(("send_failed", (chunk.index, e)))
-
-    def _lists_pages(self) -> bool:
-        """Whether scattered host pages go as a piece list now (``KVSender.iov``, and the link's
-        endpoint able to: ``PeerLink.piece_sends_ok``), rather than staged."""
-        return self.sender.iov is not None and self.link.piece_sends_ok
-
-    async def _send_pieces(self, chunk: Chunk, tag: int) -> None:
-        self._started(chunk.index)
-        async with self._send_slot:
-            if self._d_gave_up:
-                await self.link.send_data(_EMPTY, tag)
-            else:
-                pieces = chunk_pieces(chunk, self.sender.rows, True)
-                await self.link.send_pieces(self.sender.iov, pieces, tag)
-
-    async def _send_staged(self, chunk: Chunk, tag: int) -> None:
-        s, pre = self.sender, None
-        if chunk.index == 0:
-            pre, self._prestaged = self._prestaged, None
-        buf = pre.buf if pre is not None else await s.staging.acquire()
-        self._started(chunk.index)
-        try:
-            staged = buf[: chunk.nbytes]
-            if pre is None or not await pre.ready():
-                await s.runtime.copy(gather_chunk, chunk, s.rows, staged)
-            else:
-                s.book.counters.prestaged_chunks += 1
-            async with self._send_slot:
-                await self.link.send_data(self._payload(staged), tag)
-        finally:
-            if pre is not None:
-                s.prestage.give_back(pre)
-            else:
-                s.staging.release(buf)
-
-    def _payload(self, data: torch.Tensor) -> torch.Tensor:
-        """What a chunk's send carries: its bytes, or nothing once D has given up (see
-        ``_d_gave_up``; D's receive must still end)."""
-        return _EMPTY if self._d_gave_up else data
-
-    def _started(self, index: int) -> None:
-        """From here on chunk ``index`` is never drained (nor its task cancelled)."""
-        self._io_started.add(index)
-        self.events.put_nowait(("started", index))
-
-    async def _fail(self, reason: str, start: float) -> None:
-        rid, cfg = self.req.request_id, self.sender.config
-        self._failing = True
-        unsent = [i for i, t in self._tasks.items() if not t.done() and i not in self._io_started]
-        for i in unsent:
-            self._tasks[i].cancel()
-        while not self.events.empty():  # credits that came in but were not granted yet
-            kind, value = self.events.get_nowait()
-            if kind == "credit":
-                unsent += self._ungranted(value)
-        in_flight = [i for i, t in self._tasks.items() if not t.done() and i in self._io_started]
-        if self.link.closed or (in_flight and not self._d_gave_up):
-            # The only way to stop UCX reading the pages / staging buffers: cancel its requests.
-            self.link.abort(f"serving {rid} failed: {reason}")
-        settled = await settle(list(self._tasks.values()), cfg.chunk_deadline_s)
-        if not settled and not self.link.closed:  # D gave up, but a send did not end
-            self.link.abort(f"serving {rid} failed: {reason}; a send did not end")
-            settled = await settle(list(self._tasks.values()), cfg.chunk_deadline_s)
-        if settled:
-            self.sender.leases.release(rid, f"failed: {reason}", force=True)
-        else:
-            log.error(
-                "sends of %s did not end after the link was aborted; its pages stay pinned", rid
-            )
-        if not self.link.closed:
-            try:
-                await asyncio.wait_for(
-                    drain(self.link, self.req.pull_id, unsent), cfg.chunk_deadline_s
-                )
-                await self.link.send(
-                    PullError(rid, self.req.pull_id, "failed", reason, True), cfg.done_deadline_s
-                )
-            except Exception as e:  # ucxx errors are not all ConnectionErrors
-                self.link.abort(f"ending the failed pull of {rid} failed: {e!r}")
-        log.warning("serving %s failed: %s", rid, reason)
-        self._record(start, ok=False, error=reason)
-
-    def _lease_declared(self) -> int:
-        lease = self.sender.leases.get(self.req.request_id)
-        if lease is None:  # only release() removes a SERVING lease, and only this session calls it
-            raise ServeFailed("the lease vanished while serving")
-        return lease.declared_prompt_len
-
-    def _record(self, start: float, ok: bool, error: str = "") -> None:
-        stats = TransferStats(
-            self.req.request_id,
-            "send",
-            self.plan.total_bytes if ok else 0,
-            self.plan.num_chunks,
-            time.perf_counter() - start,
-            ok,
-            error,
-            "ucx",  # P serves only UCX pulls; direct reads are recorded on ReadDone
+    sender.book.bump("expired_leases", sender.leases.expire_due())
+    direct = link.path.name != "ucx"
+    if (direct and req.num_chunks) or len(set(req.credits)) != len(req.credits):
+        return refuse("mismatch", f"a plan of {req.num_chunks} chunks on the {link.path.name} path")
+    if any(not 0 <= i < req.num_chunks for i in req.credits):
+        return refuse("mismatch", f"credits {req.credits[:8]} for {req.num_chunks} chunks")
+    lease = sender.leases.find(rid, req.lease_gen)
+    if not isinstance(lease, Lease):
+        return refuse(*lease)
+    if req.src_page_ids != lease.page_ids:
+        return refuse("mismatch", f"the ticket's pages of {rid!r} differ from the published ones")
+    if set(req.skip_pages) != set(lease.page_ids) or any(
+        not 0 <= req.skip_pages[g] <= len(p) for g, p in lease.page_ids.items()
+    ):
+        return refuse("mismatch", f"skip_pages {req.skip_pages} do not fit the pages of {rid!r}")
+    try:
+        src = {g: p[req.skip_pages[g] :] for g, p in lease.page_ids.items()}
+        segments = map_pages(sender.page_table, link.peer_table, src, req.dst_page_ids)
+        chunks = [] if direct else sender.cut(segments, req.chunk_bytes)
+    except (MapperError, ValueError) as e:
+        return refuse("mismatch", f"cannot map the pages of {rid!r}: {e}")
+    if (len(chunks), total_bytes(segments)) != (req.num_chunks, req.total_bytes):
+        return refuse(
+            "mismatch",
+            f"plans differ: ours {len(chunks)} chunks / {total_bytes(segments)} bytes, "
+            f"D's {req.num_chunks} / {req.total_bytes}",
         )
-        self.sender.book.record(stats)
+    if not sender.leases.begin(lease):
+        return refuse("busy", f"request {rid!r} is already being pulled, or its lease ended")
+    if lease.declared_prompt_len != req.expected_prompt_len:  # the request is lost: pages go
+        reason = (
+            f"declared history mismatch: P declares {lease.declared_prompt_len} prompt tokens, "
+            f"expected {req.expected_prompt_len}"
+        )
+        sender.leases.end(lease, reason)
+        return refuse("mismatch", reason)
+    return ServeSession(sender, link, req, lease, segments, chunks)
 
 
-async def settle(tasks: list[asyncio.Future], timeout: float) -> bool:
-    """Wait until every task has ended; False if some are still running after ``timeout``."""
-    pending = [t for t in tasks if not t.done()]
-    if pending:
-        _, still = await asyncio.wait(pending, timeout=timeout)
-        return not still
-    return True
+async def answer_credits(link: Link, req: PullRequest, timeout: float) -> None:
+    """Complete the receives D posted for ``req.credits`` with empty messages (nothing is
+    written), so a refused pull costs D neither its buffers nor the link."""
+    try:
+        async with asyncio.timeout(timeout):
+            for i in req.credits:
+                await link.send_data(_EMPTY, data_tag(req.pull_id, i))
+    except Exception as e:  # ucxx's errors are not all ConnectionErrors
+        link.abort(f"answering the credits of a refused pull failed: {e!r}")

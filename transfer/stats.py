@@ -1,5 +1,5 @@
 """Transfer results and statistics: one TransferStats per finished transfer, running counters per
-transceiver side. Workers put ``stats()`` of their sender/receiver into their own stats."""
+transceiver side. Workers put ``stats()`` of their sender or receiver into their own stats."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any
 
 @dataclass(frozen=True)
 class TransferStats:
-    """One transfer as one side saw it. ``latency_s``: D from pull() to the checked TransferDone,
-    P from the PullRequest to TransferDone sent."""
+    """One transfer as one side saw it. ``latency_s``: D from ``pull()`` to the checked end, P from
+    the pull request to the release of the pages. ``path``: "ucx", "host_shm" or "cuda_ipc"."""
 
     request_id: str
     role: str  # "send" (P) or "recv" (D)
@@ -21,7 +21,7 @@ class TransferStats:
     latency_s: float
     ok: bool
     error: str = ""
-    path: str = "ucx"  # the link's data path: "ucx", "cuda_ipc", "host_shm" or "local" (ipc.py)
+    path: str = "ucx"
 
     @property
     def gbps(self) -> float:
@@ -31,8 +31,8 @@ class TransferStats:
 
 @dataclass(frozen=True)
 class TransferResult:
-    """What ``KVReceiver.pull`` returns. ``ok`` only when every chunk arrived and P's declared
-    prompt length equals the expected one; otherwise ``error`` says why."""
+    """What ``KVReceiver.pull`` returns: ``ok`` only when every page landed and the declared prompt
+    length equals the expected one; otherwise ``error`` says why."""
 
     request_id: str
     ok: bool
@@ -50,25 +50,24 @@ class TransferResult:
 
 @dataclass
 class TransferCounters:
-    """Running totals of one side (sender or receiver). Updated on the loop thread, or under the
-    book's lock (``StatsBook.record``) from other threads."""
+    """Running totals of one side. Changed on the transceiver's loop thread (or under the book's
+    lock)."""
 
     transfers_ok: int = 0
     failures: int = 0
     bytes: int = 0
     chunks: int = 0
     expired_leases: int = 0
-    rejected_messages: int = 0
-    refused_peers: int = 0
+    rejected_messages: int = 0  # malformed control messages from a peer
+    refused_peers: int = 0  # failed authentication, another compatibility hash, a bad address
+    refused_pulls: int = 0  # P: pulls of unknown, ended or forged tickets, or of the wrong history
     reconnects: int = 0
-    prestaged_chunks: int = 0  # P: first chunks sent as gathered at publish (prestage.py)
-    late_copies: int = 0  # D: direct copies still running when their pull ended (fenced)
-    late_copy_waits: int = 0  # D: UCX pulls into pool memory that first waited for one
+    injected_faults: int = 0
 
 
 @dataclass
 class StatsBook:
-    """Counters plus the last transfers (``max_stats_len``: -1 unbounded, 0 none kept, N the last N)."""
+    """Counters plus the last transfers (``max_stats_len``: -1 unbounded, 0 none, N the last N)."""
 
     max_stats_len: int = 1000
     counters: TransferCounters = field(default_factory=TransferCounters)
@@ -79,12 +78,9 @@ class StatsBook:
             maxlen=None if self.max_stats_len < 0 else self.max_stats_len
         )
 
-    def record(self, stats: TransferStats, chunks: int = 0) -> None:
-        """One finished transfer; ``chunks`` are added to the chunk counter under the same lock
-        (for transfers that end off the loop thread, such as direct reads)."""
+    def record(self, stats: TransferStats) -> None:
         with self._lock:
             c = self.counters
-            c.chunks += chunks
             if stats.ok:
                 c.transfers_ok += 1
                 c.bytes += stats.bytes
@@ -93,10 +89,9 @@ class StatsBook:
             if self.max_stats_len != 0:
                 self._recent.append(stats)
 
-    def bump(self, counter: str) -> None:
-        """Add one to ``counter``, from any thread."""
+    def bump(self, counter: str, n: int = 1) -> None:
         with self._lock:
-            setattr(self.counters, counter, getattr(self.counters, counter) + 1)
+            setattr(self.counters, counter, getattr(self.counters, counter) + n)
 
     def drain(self) -> list[TransferStats]:
         """The transfers recorded since the last drain (oldest first)."""

@@ -7,10 +7,9 @@ exchanging bytes they would read differently.
 
 from __future__ import annotations
 
-# 3: P exports its pools and lease board, D reads; 4: D's done board in Hello; 5: PullRequest and
-# TransferAck name the ticket's lease (lease_gen); 6: piece chunk sizes and the primer in Hello and
-# HelloReply
-PROTOCOL_VERSION = 6
+# 7: the authenticated handshake (Hello, Challenge, Join, Welcome, Ready), one data path per link,
+# the declared-history check at admission, and direct reads that hold P's lease (ReadGrant).
+PROTOCOL_VERSION = 7
 
 # The page-major layout of kvcache/spec.py: one page of a pool group is one contiguous run of bytes.
 PAGE_LAYOUT = "page_major[num_pages,num_layers,2,page_size,num_kv_heads,head_dim]"

@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from engine.cpu_share import apply_cpu_share
 from engine.engine_core import LLMEngine
 from kvcache.sizing import KVSizingError
 from worker_common.config_error import ConfigError
 from worker_common.messages import WorkerSpec
 
 # Set on GPU workers by cluster/builder.py: Ray then leaves CUDA_VISIBLE_DEVICES alone, so every GPU
-# of the node is visible and a prefill worker can open a decode worker's KV pool over CUDA IPC.
+# of the node is visible and a decode worker can open a prefill worker's KV pools over CUDA IPC.
 NOSET_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 
 
@@ -40,10 +41,14 @@ def build_engine(spec: WorkerSpec) -> LLMEngine:
     """The worker's engine. A KV cache its settings cannot size (a pool_ratio naming groups the
     model lacks, or a group that cannot hold one max_model_len request) is a ConfigError naming the
     cluster fields to change; so is a model with sliding-window pool groups in a disaggregated
-    cluster (the worker has a transceiver)."""
+    cluster (the worker has a transceiver).
+
+    On a CPU device it first sizes this process's torch threads to the worker's CPUs and returns it
+    to the default priority (engine/cpu_share.py): call it before the worker's first torch op."""
     config = spec.engine
     if config.device == "cuda":
         config = dataclasses.replace(config, device=gpu_device())
+    apply_cpu_share(spec.num_cpus, config.device)
     where = f"{spec.worker_id} start-up"
     try:
         engine = LLMEngine.from_config(config)

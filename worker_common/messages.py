@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from engine.sampling_params import SamplingParams
 from worker_common.prompt_tokens import PromptTokens
@@ -65,6 +65,12 @@ class WorkerSpec:
     collector_name: str | None  # the perf-metrics collector actor; None: per-request stats off
     log_level: str = "INFO"
     publish_kv_events: bool = False  # the router indexes what this worker caches (kv_aware, ...)
+    # D: after a failed, expired or refused pull, "fail" the request or "recompute" (prefill it
+    # here); transfer.on_failure.
+    on_transfer_failure: Literal["fail", "recompute"] = "fail"
+    # CPUs Ray reserves for this worker (resources.num_cpus): on a CPU device, its torch threads
+    # (engine/cpu_share.py); None: every core the process may use.
+    num_cpus: float | None = None
 
 
 @dataclass(frozen=True)
@@ -150,9 +156,7 @@ class RequestTimings:
     transfer_start: float | None = None  # KV transfer began (D: pull sent)
     transfer_end: float | None = None  # KV transfer finished (D: done checked)
     transfer_bytes: int = 0
-    transfer_path: str | None = (
-        None  # D: "ucx", "cuda_ipc", "host_shm" or "local" (transfer/ipc.py)
-    )
+    transfer_path: str | None = None  # D: "ucx", "cuda_ipc" or "host_shm" (transfer/paths/)
     decode_start: float | None = None  # first decode step that included this request
     last_token_time: float | None = None
     finish_time: float | None = None  # the worker released the request
@@ -184,6 +188,10 @@ class TransferTotals:
     failures: int = 0  # D: every pull that failed or could not run; P: failed sends
     bytes: int = 0
     expired_leases: int = 0  # P: leases that ran out before D acknowledged
+    refused_peers: int = 0  # peers refused in the handshake (no secret, another model, ...)
+    injected_faults: int = 0  # pulls failed on purpose (transfer.fault_injection)
+    recomputed: int = 0  # D: failed pulls whose request D prefilled itself (on_failure: recompute)
+    failed_requests: int = 0  # D: failed pulls whose request ended with an error
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ class TransferFacts:
     start: float
     end: float
     bytes: int
-    path: str
+    path: str | None  # None: the pull could not run at all
 
 
 @dataclass(frozen=True)

@@ -27,13 +27,23 @@ class TransferRecords(Protocol):
     def drain_transfer_stats(self) -> list[TransferStats]: ...
 
 
-def transfer_totals(counters: Mapping[str, Any], failures: int | None = None) -> TransferTotals:
-    """A transceiver's ``stats()`` counters as TransferTotals (``failures`` overrides its own)."""
+def transfer_totals(
+    counters: Mapping[str, Any],
+    failures: int | None = None,
+    recomputed: int = 0,
+    failed_requests: int = 0,
+) -> TransferTotals:
+    """A transceiver's ``stats()`` counters as TransferTotals (``failures`` overrides its own; a
+    decode worker adds what became of its failed pulls' requests)."""
     return TransferTotals(
         transfers_ok=int(counters.get("transfers_ok", 0)),
         failures=int(counters.get("failures", 0) if failures is None else failures),
         bytes=int(counters.get("bytes", 0)),
         expired_leases=int(counters.get("expired_leases", 0)),
+        refused_peers=int(counters.get("refused_peers", 0)),
+        injected_faults=int(counters.get("injected_faults", 0)),
+        recomputed=recomputed,
+        failed_requests=failed_requests,
     )
 
 

@@ -53,15 +53,14 @@ class ClusterConfig(Section):
                     f"on port {self.transfer.port}: use 0 (any free port)",
                 )
             )
-        for name in ("staging_tokens", "piece_chunk_tokens"):
-            tokens = getattr(self.transfer, name)
-            if tokens % page_size:
-                issues.append(
-                    (
-                        f"transfer.{name}",
-                        f"must be a multiple of kvcache.page_size ({page_size}), got {tokens}",
-                    )
+        if self.transfer.staging_tokens % page_size:
+            issues.append(
+                (
+                    "transfer.staging_tokens",
+                    f"must be a multiple of kvcache.page_size ({page_size}), got "
+                    f"{self.transfer.staging_tokens}",
                 )
+            )
         max_model_len = self.model.max_model_len
         if max_model_len is not None:
             if self.kvcache.max_tokens is not None and self.kvcache.max_tokens < max_model_len:

@@ -1,4 +1,5 @@
-"""The ``transfer`` section: staging buffers, leases, deadlines and UCX settings of the KV transfer."""
+"""The ``transfer`` section: the cluster secret, data paths, staging, leases, deadlines, UCX settings,
+the failure policy and fault injection of the KV transfer."""
 
 from __future__ import annotations
 
@@ -6,9 +7,12 @@ import difflib
 import re
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from cluster.config.base import Section, check_fields
+
+FAULT_POINTS = ("connect", "before_data", "mid_data", "before_ack")
+SECRET_ENV = "DUET_TRANSFER_SECRET"
 
 _UCX_TRANSPORT = re.compile(r"\^?[a-z][a-z0-9_]*")
 # UCX's transport names and aliases (UCX 1.21: ucp_context.c and its uct components). UCX only warns
@@ -45,47 +49,76 @@ def _deadline(default: float, what: str) -> Any:
     )
 
 
+class FaultInjectionConfig(Section):
+    """Fail a chosen fraction of KV pulls on purpose, where the real transport would fail: for
+    tests, and for rehearsing failures (with ``on_failure``). Off by default."""
+
+    fraction: float = Field(
+        0.0, ge=0.0, le=1.0, description="Fraction of pulls that fail (0 = off, 1 = every pull)."
+    )
+    points: tuple[Literal["connect", "before_data", "mid_data", "before_ack"], ...] = Field(
+        FAULT_POINTS,
+        min_length=1,
+        description=(
+            "Where a chosen pull fails, one of these each: connect (connecting to the prefill "
+            "worker), before_data (the prefill worker refuses it before any page), mid_data "
+            "(about half of the pages landed), before_ack (every page landed and was checked)."
+        ),
+    )
+    seed: int = Field(
+        0, description="Which pulls fail: the same seed and request ids fail the same pulls."
+    )
+
+
 class TransferConfig(Section):
     """How a decode worker pulls a request's KV cache from a prefill worker. Every wait has a
     deadline, so a lost message ends in an error rather than a hang."""
 
+    secret: SecretStr | None = Field(
+        None,
+        description=(
+            "The cluster's shared secret: workers prove it to each other (HMAC challenge-response) "
+            "before any page table, address or pool export is sent. Unset: the "
+            f"{SECRET_ENV} environment variable, or else `duet serve` makes a fresh one per "
+            "cluster and hands it to the workers."
+        ),
+    )
+    on_failure: Literal["fail", "recompute"] = Field(
+        "fail",
+        description=(
+            "What a decode worker does when a pull fails, expires or is refused: fail the request "
+            "(the client gets an error), or recompute it (prefill the prompt itself, then decode "
+            "on: the client gets a normal completion). vLLM's kv_load_failure_policy."
+        ),
+    )
+    fault_injection: FaultInjectionConfig = Field(
+        default_factory=FaultInjectionConfig, description="Pulls to fail on purpose."
+    )
     staging_tokens: int = Field(
         4096,
         gt=0,
         description=(
-            "Tokens per transfer chunk (the staging buffer's size); a multiple of "
+            "Tokens per UCX transfer chunk (the staging buffer's size); a multiple of "
             "kvcache.page_size. Longer prompts go in several pipelined chunks. Staging takes "
             "staging_buffers x staging_tokens x the KV bytes of a token on each worker, outside "
-            "the KV budget, made on its first staged UCX pull (direct reads never stage)."
+            "the KV budget, made on its first UCX pull (direct reads never stage)."
         ),
     )
     staging_buffers: int = Field(
         4,
         ge=1,
         description=(
-            "Staging buffers per worker, shared by its transfers (each one chunk of staging_tokens; "
-            "made on the first staged UCX pull, outside the KV budget)."
-        ),
-    )
-    piece_chunk_tokens: int = Field(
-        16384,
-        gt=0,
-        description=(
-            "Tokens per chunk where both workers keep KV in host memory and send scattered pages "
-            "as UCX messages that list them (no staging copy, so no staging buffer bounds the "
-            "chunk; a multiple of kvcache.page_size; at least staging_tokens, at most 1 GiB). "
-            "Fewer, larger messages cost fewer thread wake-ups per request on a host with few "
-            "cores."
+            "Staging buffers per worker, shared by its UCX pulls (each one chunk of "
+            "staging_tokens; made on the first UCX pull, outside the KV budget)."
         ),
     )
     direct_copy: bool = Field(
         True,
         description=(
             "When a prefill and a decode worker run on one host, the decode worker reads the "
-            "prefill worker's KV pages itself (GPUs: through CUDA IPC, one copy kernel over "
-            "NVLink; CPU: through shared memory, the pools being memfd files), checked against "
-            "the prefill worker's lease board in shared memory, instead of receiving them "
-            "through UCX. Other pairs use UCX either way."
+            "prefill worker's KV pages itself (GPUs: CUDA IPC and one copy kernel; CPU: the "
+            "pools' shared memory, mapped read-only), holding the prefill worker's lease for the "
+            "read, instead of receiving them over UCX. Other pairs use UCX either way."
         ),
     )
     lease_s: float = Field(
@@ -96,11 +129,11 @@ class TransferConfig(Section):
             "renewed while the pull progresses, released on ack or expiry."
         ),
     )
-    connect_deadline_s: float = _deadline(10.0, "a UCX endpoint to a peer")
+    connect_deadline_s: float = _deadline(10.0, "a connection to a peer (with its handshake)")
     pull_deadline_s: float = _deadline(30.0, "the first chunk after sending a pull request")
-    chunk_deadline_s: float = _deadline(10.0, "each following chunk")
+    chunk_deadline_s: float = _deadline(10.0, "each following chunk (and for a direct read's copy)")
     done_deadline_s: float = _deadline(10.0, "TransferDone after the last chunk")
-    ack_deadline_s: float = _deadline(10.0, "the decode worker's ack after TransferDone")
+    ack_deadline_s: float = _deadline(10.0, "the decode worker's final notice after the data")
     host: str = Field(
         "127.0.0.1",
         min_length=1,
@@ -140,7 +173,7 @@ class TransferConfig(Section):
         default_factory=dict,
         description=(
             "Further UCX_* environment variables for the workers' UCX contexts. Unset, "
-            "UCX_TCP_TX_SEG_SIZE is 64k instead of UCX's 8k (2-3x faster over TCP)."
+            "UCX_TCP_TX_SEG_SIZE is 64k instead of UCX's 8k (faster pulls over TCP)."
         ),
     )
 

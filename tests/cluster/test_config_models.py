@@ -57,7 +57,7 @@ def test_empty_config_is_local_disaggregated_cpu() -> None:
 
 def test_every_field_of_every_section_has_a_description() -> None:
     sections = all_sections(ClusterConfig, set())
-    assert len(sections) == 13
+    assert len(sections) == 14
     missing = [
         f"{section.__name__}.{name}"
         for section in sections
@@ -229,9 +229,6 @@ def test_chunks_hold_whole_pages() -> None:
     assert issues_of({"kvcache": {"page_size": 32}, "transfer": {"staging_tokens": 1000}}) == [
         "transfer.staging_tokens: must be a multiple of kvcache.page_size (32), got 1000"
     ]
-    assert issues_of({"kvcache": {"page_size": 32}, "transfer": {"piece_chunk_tokens": 1000}}) == [
-        "transfer.piece_chunk_tokens: must be a multiple of kvcache.page_size (32), got 1000"
-    ]
 
 
 def test_transfer_rules_and_ucx_environment() -> None:
@@ -294,6 +291,33 @@ def test_transfer_settings_that_would_validate_and_then_fail() -> None:
     assert "cannot all listen on port 5555" in issues_of(two)[0]  # the second failed to bind
     two["ray"] = {"address": "auto"}  # a cluster of nodes: one per node may share the port
     assert config_from_dict(two).transfer.port == 5555
+
+
+def test_transfer_secret_failure_policy_and_fault_injection() -> None:
+    t = config_from_dict(
+        {
+            "transfer": {
+                "secret": "s3cret",
+                "on_failure": "recompute",
+                "fault_injection": {"fraction": 0.1, "points": ["connect", "mid_data"], "seed": 4},
+            }
+        }
+    ).transfer
+    assert t.secret is not None and t.secret.get_secret_value() == "s3cret"
+    assert "s3cret" not in repr(t) and "s3cret" not in str(t.model_dump(mode="json"))
+    assert (t.on_failure, t.fault_injection.fraction, t.fault_injection.points) == (
+        "recompute",
+        0.1,
+        ("connect", "mid_data"),
+    )
+    assert config_from_dict({}).transfer.fault_injection.fraction == 0.0  # off by default
+    assert issues_of({"transfer": {"on_failure": "retry"}})[0].startswith("transfer.on_failure")
+    assert issues_of({"transfer": {"fault_injection": {"fraction": 2}}})[0].startswith(
+        "transfer.fault_injection.fraction"
+    )
+    assert issues_of({"transfer": {"fault_injection": {"points": ["nowhere"]}}})[0].startswith(
+        "transfer.fault_injection.points"
+    )
 
 
 def test_prefix_aware_routing_needs_reuse() -> None:

@@ -96,6 +96,23 @@ def test_worker_gauges_and_running_totals() -> None:
     # A restarted worker reports small totals again: they count from zero.
     metrics.set_worker_stats("d0", "decode", 0, 0, 0.0, transfer_failures_total=1)
     assert value(metrics, "duet:kv_transfer_failures_total", **d0) == 6
+    # What became of failed pulls, refused peers and injected faults: running totals alike.
+    for total in (3, 4):
+        metrics.set_worker_stats(
+            "d0",
+            "decode",
+            0,
+            0,
+            0.0,
+            transfer_recomputed_total=total,
+            transfer_failed_requests_total=total - 1,
+            refused_peers_total=total + 1,
+            injected_faults_total=total + 2,
+        )
+    assert value(metrics, "duet:kv_transfer_recomputed_total", **d0) == 4
+    assert value(metrics, "duet:kv_transfer_failed_requests_total", **d0) == 3
+    assert value(metrics, "duet:kv_transfer_refused_peers_total", **d0) == 5
+    assert value(metrics, "duet:kv_transfer_injected_faults_total", **d0) == 6
 
     metrics.remove_worker("p0", "prefill")
     names = {
@@ -103,7 +120,14 @@ def test_worker_gauges_and_running_totals() -> None:
         for name, labels in samples(metrics)
         if ("worker", "p0") in labels and not name.endswith("_created")
     }
-    assert names == {"duet:kv_transfer_failures_total", "duet:kv_transfer_expired_leases_total"}
+    assert names == {  # counters stay (history); gauges go
+        "duet:kv_transfer_failures_total",
+        "duet:kv_transfer_expired_leases_total",
+        "duet:kv_transfer_recomputed_total",
+        "duet:kv_transfer_failed_requests_total",
+        "duet:kv_transfer_refused_peers_total",
+        "duet:kv_transfer_injected_faults_total",
+    }
 
 
 def group_stats(**fields: int | None) -> PoolGroupStats:

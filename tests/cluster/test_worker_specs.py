@@ -54,6 +54,7 @@ SETTINGS: dict[str, Any] = {
     "stats.max_stats_len": 17,
     "stats.perf_buffer_len": 19,
     "stats.interval_s": 2.5,
+    "transfer.on_failure": "recompute",
 }
 
 
@@ -71,8 +72,8 @@ def nested(flat: dict[str, Any]) -> dict[str, Any]:
 
 def test_every_worker_setting_reaches_its_spec() -> None:
     config = config_from_dict(nested(SETTINGS))
-    p = worker_spec(config, Role.PREFILL, 0, "collector-x", "WARNING")
-    d = worker_spec(config, Role.DECODE, 1, "collector-x", "WARNING")
+    p = worker_spec(config, Role.PREFILL, 0, "collector-x", "WARNING", "s3cret")
+    d = worker_spec(config, Role.DECODE, 1, "collector-x", "WARNING", "s3cret")
     assert (p.worker_id, d.worker_id, p.role, d.role) == (
         "prefill-0",
         "decode-1",
@@ -106,13 +107,18 @@ def test_every_worker_setting_reaches_its_spec() -> None:
         assert spec.deadlines == WorkerDeadlines(prefill_s=11.0, page_wait_s=12.0, token_s=13.0)
         assert spec.collector_name == "collector-x" and spec.log_level == "WARNING"
         assert spec.transceiver is not None and spec.transceiver.max_stats_len == 17
+        # the secret `duet serve` made travels inside the transceiver settings
+        assert spec.transceiver.secret == "s3cret" and "s3cret" not in repr(spec)
+        assert spec.on_transfer_failure == "recompute"
 
 
 def test_the_dummy_model_is_built_as_configured() -> None:
     """The model.dummy_config.* fields shape the weights the engine runs."""
     flat = {**SETTINGS, "model.dtype": "float32", "kvcache.num_pages": 90}
     engine = LLMEngine.from_config(
-        worker_spec(config_from_dict(nested(flat)), Role.DECODE, 0, None).engine
+        worker_spec(
+            config_from_dict(nested(flat)), Role.DECODE, 0, None, transfer_secret="x"
+        ).engine
     )
     mc = engine.model_config
     assert (mc.hidden_size, mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim) == (
@@ -139,7 +145,7 @@ def test_per_request_stats_off_means_no_collector_and_no_engine_records(
     perf_buffer_len: int,
 ) -> None:
     config = config_from_dict({"stats": {"perf_buffer_len": perf_buffer_len}})
-    spec = worker_spec(config, Role.DECODE, 0, "collector-x")
+    spec = worker_spec(config, Role.DECODE, 0, "collector-x", transfer_secret="x")
     assert spec.engine.max_request_stats_len == perf_buffer_len  # no layer rewrites it
     assert (spec.collector_name is None) == (perf_buffer_len == 0)
 

@@ -54,7 +54,10 @@ def test_local_generate_streams_and_frees_on_disconnect() -> None:
 def test_disconnect_while_waiting_for_pages_leaves_nothing_held() -> None:
     engine = tiny_engine(8)  # 7 usable pages of 4 tokens
     receiver = KVReceiver(
-        engine.kv.buffers, list(engine.kv.specs.values()), "tiny", TransceiverConfig()
+        engine.kv.buffers,
+        list(engine.kv.specs.values()),
+        "tiny",
+        TransceiverConfig(secret="test-secret"),
     )
     worker = DecodeWorker("d0", engine, receiver, deadlines=WorkerDeadlines(page_wait_s=30))
 
@@ -100,7 +103,7 @@ def test_a_failed_transfer_frees_the_pages_and_counts_once() -> None:
     from prefill_worker.worker import PrefillWorker
     from transfer import KVSender
 
-    cfg = TransceiverConfig(lease_s=5.0)
+    cfg = TransceiverConfig(secret="test-secret", lease_s=5.0)
     pe, de = tiny_engine(64), tiny_engine(64)
     specs = list(pe.kv.specs.values())
     prefill = PrefillWorker("p0", pe, lambda rel: KVSender(pe.kv.buffers, specs, "tiny", cfg, rel))
@@ -143,20 +146,112 @@ def test_a_failed_transfer_frees_the_pages_and_counts_once() -> None:
         prefill.close()
 
 
+class StalledPrefill:
+    """A prefill worker (it knows the secret, it speaks the protocol) that takes a pull and never
+    sends a page: a fill stall on the decode side."""
+
+    def __init__(self, engine, runtime_address: bytes) -> None:  # noqa: ANN001
+        import threading
+
+        from tests.transfer.raw_peer import RawServer
+        from transfer.messages import PullRequest
+        from transfer.page_table import PageTable
+
+        self.table = PageTable.from_specs("tiny", list(engine.kv.specs.values()))
+        self.server = RawServer()
+        self.release = threading.Event()
+
+        def serve() -> None:
+            self.server.accept(b"test-secret", self.table, runtime_address)
+            assert isinstance(self.server.recv(), PullRequest)
+            self.release.wait(30)
+
+        self.thread = threading.Thread(target=serve, daemon=True)
+        self.thread.start()
+
+    def ticket(self, rid: str, prompt_len: int):  # noqa: ANN201
+        from transfer import TransferTicket
+
+        pages = list(range(1, -(-prompt_len // PAGE) + 1))
+        return TransferTicket(
+            rid, "127.0.0.1", self.server.port, "rogue", {"full": pages}, prompt_len,
+            self.table.compat_hash, 1, time.time() + 30,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        self.release.set()
+        self.thread.join(10)
+        self.server.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("on_failure", ["fail", "recompute"])
+def test_a_fill_stall_ends_at_the_pull_deadline_and_frees_the_pages(on_failure: str) -> None:
+    """Pages that never land: the pull ends at its deadline with a clear error, every page the
+    request held on D is free again, and with ``recompute`` the request completes all the same,
+    with the tokens a local prefill gives."""
+    engine = tiny_engine(64)
+    cfg = TransceiverConfig(
+        secret="test-secret", direct_copy=False, pull_deadline_s=1.0, chunk_deadline_s=0.5
+    )
+    receiver = KVReceiver(engine.kv.buffers, list(engine.kv.specs.values()), "tiny", cfg)
+    worker = DecodeWorker("d0", engine, receiver, on_failure=on_failure)
+    stalled = StalledPrefill(engine, receiver.runtime.worker_address)
+    prompt = list(range(1, 23))
+
+    async def main() -> None:
+        ref = [
+            d async for d in worker.generate(GenerateRequest("ref", prompt, greedy(6), time.time()))
+        ]
+        want = [t for d in ref for t in d.token_ids]
+        await wait_until_no_page_held(worker)
+        req = GenerateRequest("x", prompt, greedy(6), time.time())
+        pre = PrefillResult("x", want[0], "", None, ticket=stalled.ticket("x", len(prompt)))
+        started = time.monotonic()
+        out = [d async for d in worker.decode(req, pre)]
+        assert time.monotonic() - started >= cfg.pull_deadline_s
+        totals = worker.stats().transfer
+        assert totals.failures == 1
+        if on_failure == "fail":
+            (failed,) = out
+            assert failed.finish_reason == "abort"
+            assert (
+                "KV transfer failed: timed out after 1.0s waiting for the first chunk"
+                in failed.error
+            )
+            assert totals.failed_requests == 1 and totals.recomputed == 0
+        else:
+            assert all(d.error is None for d in out) and out[-1].finish_reason == "length"
+            assert [want[0]] + [t for d in out for t in d.token_ids] == want
+            assert totals.recomputed == 1 and totals.failed_requests == 0
+        await wait_until_no_page_held(worker)
+
+    try:
+        asyncio.run(main())
+    finally:
+        stalled.close()
+        worker.close()
+
+
 def deadlines_of(**decode: float) -> WorkerDeadlines:
     """The deadlines a decode worker of a cluster config with these ``decode`` settings gets."""
     from cluster.config import config_from_dict
     from cluster.worker_specs import worker_spec
     from worker_common.messages import Role
 
-    return worker_spec(config_from_dict({"decode": decode}), Role.DECODE, 0, None).deadlines
+    return worker_spec(
+        config_from_dict({"decode": decode}), Role.DECODE, 0, None, transfer_secret="x"
+    ).deadlines
 
 
 @pytest.mark.timeout(120)
 def test_waiting_for_pages_ends_at_decode_page_wait_deadline_s() -> None:
     engine = tiny_engine(8)
     receiver = KVReceiver(
-        engine.kv.buffers, list(engine.kv.specs.values()), "tiny", TransceiverConfig()
+        engine.kv.buffers,
+        list(engine.kv.specs.values()),
+        "tiny",
+        TransceiverConfig(secret="test-secret"),
     )
     worker = DecodeWorker("d0", engine, receiver, deadlines=deadlines_of(page_wait_deadline_s=0.5))
 
@@ -199,7 +294,7 @@ def test_a_stalled_engine_ends_a_request_at_decode_token_deadline_s() -> None:
 def test_the_decode_workers_own_prefix_hit_comes_from_its_host_tier() -> None:
     """D pulls only what it does not hold: pages of an earlier turn that its device pool evicted
     are loaded back from its host tier, and the tokens are those of one engine doing it all."""
-    cfg = TransceiverConfig(lease_s=30.0)
+    cfg = TransceiverConfig(secret="test-secret", lease_s=30.0)
     pe, de = tiny_engine(64), tiny_engine(16, host_pages=32)  # D: 15 device pages of 4 tokens
     assert de.kv.host_tier is not None and de.kv.host_tier.pools["full"].num_pages == 32
     from prefill_worker.worker import PrefillWorker

@@ -1,5 +1,6 @@
-"""The two disaggregation hooks: prefill-only requests (keep pages after the first token) and
-requests whose KV was filled from elsewhere (start RUNNING at the prompt length)."""
+"""The disaggregation hooks: prefill-only requests (keep pages after the first token), requests
+whose KV was filled from elsewhere (start RUNNING at the prompt length), and requests whose KV
+never arrived (recomputed here from the prompt and the first token)."""
 
 from __future__ import annotations
 
@@ -81,4 +82,31 @@ def test_prefilled_request_needs_its_pages() -> None:
     ):
         sched.add_prefilled_request(make_request("d", 5), 1)
     kv.free("d")
+    assert_no_leak(kv)
+
+
+def test_recomputed_request_prefills_its_prompt_and_first_token_then_decodes() -> None:
+    """A prefilled request whose KV never arrived (transfer.on_failure: recompute): it waits with
+    the prefill worker's first token, its prefill computes prompt and that token, and it samples
+    the next one."""
+    kv = tiny_kv(page_size=4)
+    sched = tiny_scheduler(kv)
+    prompt = list(range(500, 506))
+    req = make_request("r", prompt, max_tokens=3)
+    sched.add_recomputed_request(req, first_token_id=42)
+    assert req.status is RequestStatus.WAITING and req.output_token_ids == [42]
+    out, _ = run_step(sched)
+    assert out.requests == [req] and out.num_new_tokens == [7] and out.sample == [True]
+    assert req.output_token_ids == [42, 7]
+    run_step(sched)
+    assert req.output_token_ids == [42, 7, 7] and req.finish_reason == "length"
+    assert_no_leak(kv)
+
+
+def test_recomputed_request_finishing_at_its_first_token_frees_everything() -> None:
+    kv = tiny_kv()
+    sched = tiny_scheduler(kv)
+    req = make_request("r", 5, eos=(2,))
+    sched.add_recomputed_request(req, first_token_id=2)
+    assert req.status is RequestStatus.FINISHED_STOPPED and not sched.has_unfinished()
     assert_no_leak(kv)

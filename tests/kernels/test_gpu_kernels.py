@@ -164,36 +164,27 @@ def test_copy_pages_matches_reference_exactly(row_bytes: int, peer: bool) -> Non
     assert torch.equal(dst, expected)
 
 
-def test_prepared_copy_reads_pinned_ids_and_repeats_exactly() -> None:
-    """The launch the direct reads use: ids in pinned host memory, read by the kernel itself; the
-    first launch through Triton's dispatch, the later ones through the compiled kernel with raw
-    addresses on a side stream, each with other ids."""
-    from kernels.page_copy_triton import PreparedCopy
-
+def test_copy_pages_repeats_exactly_and_skips_ids_outside_the_pools() -> None:
+    """The direct reads' launch: a side stream, other ids each time, word rows; pairs with an id
+    outside [first_row, rows) are skipped, the others in the launch copied."""
     gen = torch.Generator(device="cuda").manual_seed(8)
     src = torch.randint(0, 256, (64, 32 << 10), dtype=torch.uint8, device="cuda", generator=gen)
     dst = torch.zeros((80, 32 << 10), dtype=torch.uint8, device="cuda")
-    copy = PreparedCopy(src.view(torch.int64), dst.view(torch.int64), first_row=1)
-    ids = torch.empty((2, 64), dtype=torch.int64, pin_memory=True)
     stream = torch.cuda.Stream()
     expected = torch.zeros_like(dst)
     cpu_gen = torch.Generator().manual_seed(9)
-    for k, n in enumerate((1, 30, 7, 63)):
-        ids[0, :n] = torch.randperm(63, generator=cpu_gen)[:n] + 1
-        ids[1, :n] = torch.randperm(79, generator=cpu_gen)[:n] + 1
-        if k == 0:
-            copy.launch(ids[0, :n], ids[1, :n], n, stream)
-            assert copy.ready
-        else:
-            copy.launch_ptrs(ids[0].data_ptr(), ids[1].data_ptr(), n, stream.cuda_stream)
-        stream.synchronize()  # before the ids are rewritten
-        expected[ids[1, :n].cuda()] = src[ids[0, :n].cuda()]
+    for n in (1, 30, 7, 63):
+        s_ids = torch.randperm(63, generator=cpu_gen)[:n] + 1
+        d_ids = torch.randperm(79, generator=cpu_gen)[:n] + 1
+        with torch.cuda.stream(stream):
+            kernels.copy_pages(src.view(torch.int64), s_ids, dst.view(torch.int64), d_ids, 1)
+        stream.synchronize()
+        expected[d_ids.cuda()] = src[s_ids.cuda()]
         assert torch.equal(dst, expected), n
-    # Pairs with an id outside [first_row, rows) are skipped; the others in the launch are copied.
-    ids[0, :6] = torch.tensor([0, 64, 5, -2, 9, 3])
-    ids[1, :6] = torch.tensor([3, 4, 80, 0, 0, 6])
-    copy.launch_ptrs(ids[0].data_ptr(), ids[1].data_ptr(), 6, stream.cuda_stream)
-    stream.synchronize()
+    s_ids = torch.tensor([0, 64, 5, -2, 9, 3])
+    d_ids = torch.tensor([3, 4, 80, 0, 0, 6])
+    kernels.copy_pages(src.view(torch.int64), s_ids, dst.view(torch.int64), d_ids, 1)
+    torch.cuda.synchronize()
     expected[6] = src[3]
     assert torch.equal(dst, expected)
     assert int(dst[0].count_nonzero()) == 0  # the null page is never written

@@ -44,3 +44,16 @@ def test_copy_ref_skips_pairs_outside_the_pools() -> None:
     )
     assert torch.equal(dst[2], src[3])
     assert int(dst[[0, 1, 3, 4, 5]].count_nonzero()) == 0
+
+
+def test_copy_ref_of_page_sized_rows_goes_row_by_row_and_matches() -> None:
+    """Rows of a page's size (>= ROW_BY_ROW_BYTES) are copied one by one, without the indexed
+    copy's temporary: the same result, skipped pairs included."""
+    from kernels.page_copy_ref import ROW_BY_ROW_BYTES
+
+    width = ROW_BY_ROW_BYTES // 8
+    src = torch.randint(0, 1 << 40, (7, width), dtype=torch.int64)
+    dst = torch.zeros((9, width), dtype=torch.int64)
+    copy_pages_ref(src, torch.tensor([6, 2, 0, 9, 3]), dst, torch.tensor([1, 8, 4, 5, 9]), 1)
+    assert torch.equal(dst[1], src[6]) and torch.equal(dst[8], src[2])
+    assert int(dst[[0, 2, 3, 4, 5, 6, 7]].count_nonzero()) == 0

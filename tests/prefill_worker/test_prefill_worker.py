@@ -20,7 +20,9 @@ def make_worker() -> PrefillWorker:
     return PrefillWorker(
         "p0",
         engine,
-        lambda release: KVSender(engine.kv.buffers, specs, "tiny", TransceiverConfig(), release),
+        lambda release: KVSender(
+            engine.kv.buffers, specs, "tiny", TransceiverConfig(secret="test-secret"), release
+        ),
     )
 
 
@@ -155,8 +157,10 @@ def test_a_stalled_prefill_ends_at_prefill_prefill_deadline_s() -> None:
     worker = PrefillWorker(
         "p0",
         engine,
-        lambda release: KVSender(engine.kv.buffers, specs, "tiny", TransceiverConfig(), release),
-        deadlines=worker_spec(config, Role.PREFILL, 0, None).deadlines,
+        lambda release: KVSender(
+            engine.kv.buffers, specs, "tiny", TransceiverConfig(secret="test-secret"), release
+        ),
+        deadlines=worker_spec(config, Role.PREFILL, 0, None, transfer_secret="x").deadlines,
     )
 
     async def main() -> None:

@@ -1,22 +1,28 @@
 """Shared factories for transfer tests: tiny pool groups, a worker-like KV side with page accounting,
-and a transceiver config for real UCX over loopback (TCP on 127.0.0.1)."""
+a transceiver config for real UCX over loopback (TCP on 127.0.0.1), and a sender/receiver pair
+on either data path that this CPU machine runs ("ucx", "host_shm")."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
 
 from kvcache.manager import KVCacheManager
 from kvcache.spec import PoolGroupSpec
-from transfer.config import TransceiverConfig
+from transfer import KVReceiver, KVSender, TransceiverConfig
 from transfer.runtime import UcxRuntime
 
 # One UCX context per process: every test of this package uses these settings.
 UCX_ENV = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"}
 MODEL = "tiny-test-model"
+SECRET = "test-cluster-secret"
+CPU_PATHS = ("ucx", "host_shm")
 
 
 def specs(
@@ -45,13 +51,12 @@ def specs(
     return out
 
 
-def config(**overrides: object) -> TransceiverConfig:
-    """Short deadlines so failure tests end quickly; chunks of 8 tokens (2 pages) by default, also
-    where both sides list host pages (``piece_chunk_tokens``: many chunks in flight; the larger
-    piece chunks have tests of their own in test_host_iov.py)."""
-    base: dict[str, object] = dict(
+def config(path: str = "ucx", **overrides: Any) -> TransceiverConfig:
+    """Short deadlines so failure tests end quickly; chunks of 8 tokens (2 pages) on the UCX path;
+    ``path`` "host_shm" turns direct reads on (two CPU sides of one host take it)."""
+    base: dict[str, Any] = dict(
+        secret=SECRET,
         staging_tokens=8,
-        piece_chunk_tokens=8,
         staging_buffers=2,
         lease_s=10.0,
         connect_deadline_s=5.0,
@@ -60,12 +65,10 @@ def config(**overrides: object) -> TransceiverConfig:
         done_deadline_s=3.0,
         ack_deadline_s=3.0,
         ucx_env=UCX_ENV,
-        # The UCX data path: most tests here run both sides in one process, which would otherwise
-        # take the direct-read path (tests/transfer/test_direct_read.py covers that one).
-        direct_copy=False,
+        direct_copy=path != "ucx",
     )
     base.update(overrides)
-    return TransceiverConfig(**base)  # type: ignore[arg-type]
+    return TransceiverConfig(**base)
 
 
 class KVSide:
@@ -97,8 +100,8 @@ class KVSide:
         return pages
 
     def scramble_free_queue(self) -> None:
-        """Take every free page one by one and give them back in random order, so later
-        allocations get non-contiguous, unordered pages."""
+        """Take every free page and give them back in random order, so later allocations get
+        non-contiguous, unordered pages."""
         with self.lock:
             n = min(self.kv.num_free_pages(g) for g in self.kv.buffers)
             for i in range(n):
@@ -124,10 +127,77 @@ class KVSide:
         assert self.free_pages() == self.initial_free
 
 
+class Pair:
+    """A sender and a receiver in this process, on the data path ``path``."""
+
+    def __init__(self, path: str = "ucx", two_groups: bool = False, **cfg: Any) -> None:
+        self.p = KVSide(specs(two_groups=two_groups), seed=1)
+        self.d = KVSide(specs(two_groups=two_groups), seed=2)
+        self.p.scramble_free_queue()
+        self.d.scramble_free_queue()
+        cfg_obj = config(path, **cfg)
+        self.sender = KVSender(self.p.kv.buffers, self.p.specs, MODEL, cfg_obj, self.p.release)
+        self.receiver = KVReceiver(self.d.kv.buffers, self.d.specs, MODEL, cfg_obj)
+
+    def publish(self, rid: str, num_tokens: int, declared: int | None = None):  # noqa: ANN201
+        pages = self.p.allocate(rid, num_tokens)
+        return self.sender.publish(rid, pages, num_tokens if declared is None else declared), pages
+
+    def pull(self, rid: str, tokens: int, expected: int | None = None):  # noqa: ANN201
+        """Publish ``tokens`` tokens of ``rid`` and pull them into fresh pages of D."""
+        ticket, src = self.publish(rid, tokens)
+        dst = self.d.allocate(rid, tokens)
+        result = self.receiver.pull_blocking(
+            ticket, dst, 0, tokens if expected is None else expected
+        )
+        return result, src, dst
+
+    def same(self, src: dict[str, list[int]], dst: dict[str, list[int]]) -> bool:
+        got, want = self.d.pages_of(dst), self.p.pages_of(src)
+        return all(torch.equal(got[g], want[g]) for g in src)
+
+    def pull_ok(self, rid: str, tokens: int = 8) -> None:
+        result, src, dst = self.pull(rid, tokens)
+        assert result.ok, result.error
+        assert self.same(src, dst)
+        self.d.free(rid)
+        wait_until(lambda: rid in self.p.released)
+
+    def close(self) -> None:
+        self.receiver.close()
+        self.sender.close()
+
+
+@contextlib.contextmanager
+def checked_pair(path: str = "ucx", two_groups: bool = False, **cfg: Any) -> Iterator[Pair]:
+    """A Pair that is closed afterwards, and then must have every page back on both sides."""
+    made = Pair(path, two_groups, **cfg)
+    try:
+        yield made
+    finally:
+        made.close()
+    made.p.assert_clean()
+    made.d.assert_clean()
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def ucx_runtime() -> Iterator[UcxRuntime]:
     """Hold the process's UCX runtime for the whole session, so tests do not pay for starting and
-    stopping UCX each time (test_runtime.py checks the shutdown in a fresh process)."""
+    stopping UCX each time."""
     runtime = UcxRuntime.acquire(UCX_ENV)
     yield runtime
     runtime.release()
+
+
+@pytest.fixture(params=CPU_PATHS)
+def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
+    """A checked pair on each data path this machine runs."""
+    with checked_pair(request.param) as made:
+        yield made

@@ -1,16 +1,17 @@
-"""The mapper: pools matched by role, identity runs merged, unsupported mappings refused."""
+"""The mapper: pools matched by role, one segment of page pairs per pool pair, pool groups of
+different lengths, and mappings it cannot serve refused with the reason."""
 
 from __future__ import annotations
 
 import dataclasses
-import random
 
+import numpy as np
 import pytest
 
 from tests.transfer.conftest import MODEL, specs
-from transfer.mapper import SMALL_RUNS, Fragment, MapperError, map_pages, match_pools
+from transfer.handshake import check_compatible
+from transfer.mapper import MapperError, map_pages, match_pools, total_bytes
 from transfer.page_table import PageTable
-from transfer.peer import check_compatible
 
 TABLE = PageTable.from_specs(MODEL, specs(two_groups=True))
 PB = TABLE.pool("full").page_bytes
@@ -23,76 +24,53 @@ def renamed(table: PageTable, **names: str) -> PageTable:
     )
 
 
-def test_identity_merges_runs_consecutive_on_both_sides() -> None:
-    frags = map_pages(
-        TABLE,
-        TABLE,
-        {"full": [3, 4, 5, 9, 10, 20], "extra": []},
-        {"full": [7, 8, 2, 11, 12, 13], "extra": []},
+def test_identity_pairs_pages_in_order_per_pool() -> None:
+    (seg,) = map_pages(
+        TABLE, TABLE, {"full": [3, 4, 9], "extra": []}, {"full": [7, 8, 2], "extra": []}
     )
-    assert frags == [
-        Fragment("full", "full", 3 * PB, 7 * PB, 2 * PB),
-        Fragment("full", "full", 5 * PB, 2 * PB, PB),
-        Fragment("full", "full", 9 * PB, 11 * PB, 2 * PB),
-        Fragment("full", "full", 20 * PB, 13 * PB, PB),
-    ]
+    assert (seg.src_pool, seg.dst_pool) == ("full", "full")
+    assert seg.src_ids.tolist() == [3, 4, 9] and seg.dst_ids.tolist() == [7, 8, 2]
+    assert seg.src_ids.dtype == np.int64 and (seg.src_offset, seg.dst_offset) == (0, 0)
+    assert seg.nbytes_per_page == PB and seg.nbytes == 3 * PB
+    assert seg.part(1, 3).src_ids.tolist() == [4, 9]
 
 
-def naive_runs(src: list[int], dst: list[int]) -> list[Fragment]:
-    """The identity mapping page by page: each page extends the run before it if both of its ids
-    follow that run's."""
-    out: list[Fragment] = []
-    for s, d in zip(src, dst):
-        last = out[-1] if out else None
-        if (
-            last
-            and s * PB == last.src_offset + last.nbytes
-            and d * PB == last.dst_offset + last.nbytes
-        ):
-            out[-1] = last._replace(nbytes=last.nbytes + PB)
-        else:
-            out.append(Fragment("full", "full", s * PB, d * PB, PB))
-    return out
-
-
-@pytest.mark.parametrize("count", [1, SMALL_RUNS, SMALL_RUNS + 1, 200])
-@pytest.mark.parametrize("seed", range(4))
-def test_runs_short_and_long_lists_match_the_page_by_page_mapping(count: int, seed: int) -> None:
-    # (long lists take the numpy path: runs of both kinds, single pages and a run on one side only)
-    rng = random.Random(seed)
-    ids = rng.sample(range(1, 256), 255)
-    src, dst = ids[:count], sorted(ids)[:count] if seed % 2 else ids[-count:]
-    frags = map_pages(TABLE, TABLE, {"full": src, "extra": []}, {"full": dst, "extra": []})
-    assert frags == naive_runs(src, dst)
-    assert all(type(f) is Fragment for f in frags)
+def test_pool_groups_may_list_different_numbers_of_pages() -> None:
+    """A sliding-window group holds only its window's pages: its list is shorter."""
+    segs = map_pages(
+        TABLE, TABLE, {"full": [1, 2, 3, 4], "extra": [5]}, {"full": [9, 8, 7, 6], "extra": [2]}
+    )
+    assert [(s.src_pool, len(s.src_ids)) for s in segs] == [("full", 4), ("extra", 1)]
+    assert total_bytes(segs) == 4 * PB + TABLE.pool("extra").page_bytes
 
 
 def test_pools_are_matched_by_role_not_by_name() -> None:
     dst = renamed(TABLE, full="attn", extra="other")
     assert match_pools(TABLE, dst) == {"full": "attn", "extra": "other"}
-    frags = map_pages(TABLE, dst, {"full": [1], "extra": [2]}, {"attn": [5], "other": [6]})
-    assert [(f.src_pool, f.dst_pool) for f in frags] == [("full", "attn"), ("extra", "other")]
+    segs = map_pages(TABLE, dst, {"full": [1], "extra": [2]}, {"attn": [5], "other": [6]})
+    assert [(s.src_pool, s.dst_pool) for s in segs] == [("full", "attn"), ("extra", "other")]
 
 
 def test_null_source_pages_move_nothing() -> None:
-    frags = map_pages(
+    (seg,) = map_pages(
         TABLE, TABLE, {"full": [0, 0, 4, 5], "extra": []}, {"full": [8, 9, 10, 11], "extra": []}
     )
-    assert frags == [Fragment("full", "full", 4 * PB, 10 * PB, 2 * PB)]
+    assert seg.src_ids.tolist() == [4, 5] and seg.dst_ids.tolist() == [10, 11]
 
 
-def test_head_sharded_pools_with_other_head_counts_are_refused() -> None:
+def test_head_sharded_pools_of_other_head_ranges_are_refused_for_now() -> None:
     hnd = dataclasses.replace(
         TABLE, pools=tuple(dataclasses.replace(p, mapper_kind="HND") for p in TABLE.pools)
     )
     half = dataclasses.replace(
         hnd,
         pools=tuple(
-            dataclasses.replace(p, num_kv_heads=1, page_bytes=p.page_bytes // 2) for p in hnd.pools
+            dataclasses.replace(p, head_start=1, num_kv_heads=1, page_bytes=p.page_bytes // 2)
+            for p in hnd.pools
         ),
     )
     with pytest.raises(
-        MapperError, match=r"\(HND\): head counts differ \(source 2, destination 1\); re-splitting"
+        MapperError, match=r"head ranges differ \(source 0\+2, destination 1\+1\); re-splitting"
     ):
         map_pages(hnd, half, {"full": [1], "extra": [1]}, {"full": [1], "extra": [1]})
 
@@ -121,9 +99,11 @@ def test_head_sharded_pools_with_other_head_counts_are_refused() -> None:
             "2 source pages but 1 destination",
         ),
         (TABLE, {"full": [1, 256], "extra": []}, {"full": [1, 2], "extra": []}, "outside [0, 256)"),
+        (TABLE, {"full": [1, -1], "extra": []}, {"full": [1, 2], "extra": []}, "outside [0, 256)"),
         (TABLE, {"full": [1, 2], "extra": []}, {"full": [3, 3], "extra": []}, "listed twice"),
         (TABLE, {"full": [1], "extra": []}, {"full": [0], "extra": []}, "null page cannot receive"),
-        (TABLE, {"full": [1]}, {"full": [1]}, "source page ids name pools"),
+        (TABLE, {"full": [1]}, {"full": [1]}, "page ids name pools"),
+        (TABLE, {"full": ["x"], "extra": []}, {"full": [1], "extra": []}, "not integers"),
     ],
 )
 def test_bad_mappings_are_refused(
@@ -134,11 +114,11 @@ def test_bad_mappings_are_refused(
     assert reason in str(err.value)
 
 
-def test_two_source_pools_never_fill_the_same_destination_pool() -> None:
+def test_two_pools_of_the_same_roles_are_refused_in_the_handshake() -> None:
     twin = dataclasses.replace(TABLE.pool("full"), name="twin")
-    two = dataclasses.replace(TABLE, pools=(*TABLE.pools, twin))  # two pools of the same roles
-    with pytest.raises(MapperError, match="source has two pools with roles"):
+    two = dataclasses.replace(TABLE, pools=(*TABLE.pools, twin))
+    with pytest.raises(MapperError, match="has no destination pool"):
         match_pools(two, TABLE)
-    assert "cannot be mapped" in check_compatible(two, two)  # refused in the handshake
+    assert "cannot be mapped" in check_compatible(two, two)
     with pytest.raises(MapperError, match=r"destination pools \['extra'\] have no source pool"):
         match_pools(dataclasses.replace(TABLE, pools=TABLE.pools[:1]), TABLE)

@@ -16,7 +16,9 @@ from worker_common.transfer_setup import make_publisher, node_transceiver_config
 
 
 def spec_of(transfer: dict):  # noqa: ANN201
-    return worker_spec(config_from_dict({"transfer": transfer}), Role.PREFILL, 0, None)
+    return worker_spec(
+        config_from_dict({"transfer": transfer}), Role.PREFILL, 0, None, transfer_secret="x"
+    )
 
 
 def test_an_interface_is_resolved_on_the_workers_node() -> None:

@@ -218,3 +218,18 @@ def test_multi_turn_workload_through_the_cli(duet_server: Any, tmp_path: Path) -
     assert results["targets"][0]["runs"][0]["completed"] == 6
     code, results = bench([*argv, "--num-prompts", "7"], tmp_path / "b")
     assert code == 1 and "must be a multiple of --num-turns (3" in results["error"]
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_fresh_prompts_per_rate(start_echo: Any, tmp_path: Path, fresh: bool) -> None:
+    """With --fresh-prompts-per-rate no rate repeats a prompt of another (no prefix-cache help
+    across rates); without it every rate sends the same prompts."""
+    with start_echo() as server:
+        argv = [server.url, *SMALL, "--request-rate", "inf", "300", "--num-warmups", "0"]
+        code, results = bench([*argv, *(["--fresh-prompts-per-rate"] if fresh else [])], tmp_path)
+        assert code == 0 and results["error"] is None
+        first, second = (
+            {json.dumps(p) for p in server.state.prompts[i * 6 : (i + 1) * 6]} for i in (0, 1)
+        )
+        assert len(server.state.prompts) == 12 and len(first) == len(second) == 6
+        assert (first & second == set()) if fresh else (first == second)

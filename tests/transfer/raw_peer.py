@@ -1,0 +1,115 @@
+"""A peer that speaks the control protocol over a plain blocking socket: what a misbehaving or
+unauthenticated worker can (and cannot) get out of a real transceiver, and a prefill worker that
+answers pulls as a test tells it to."""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+from transfer.control import frame
+from transfer.handshake import proof
+from transfer.messages import (
+    Challenge,
+    Hello,
+    Join,
+    Message,
+    Ready,
+    Refused,
+    Welcome,
+    decode_message,
+)
+from transfer.page_table import PageTable
+
+
+def read_frame(sock: socket.socket) -> bytes:
+    header = sock.recv(4, socket.MSG_WAITALL)
+    if len(header) < 4:
+        raise ConnectionError("the peer closed the connection")
+    (size,) = struct.unpack("!I", header)
+    return sock.recv(size, socket.MSG_WAITALL)
+
+
+class RawPeer:
+    """The decode side of a handshake with a real KVSender, step by step."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.sock = socket.create_connection((host, port), timeout=10)
+        self.received: list[bytes] = []  # every frame the sender sent us
+
+    def send(self, msg: Message) -> None:
+        self.sock.sendall(frame(msg))
+
+    def send_raw(self, payload: bytes) -> None:
+        self.sock.sendall(struct.pack("!I", len(payload)) + payload)
+
+    def recv(self) -> Message:
+        data = read_frame(self.sock)
+        self.received.append(data)
+        return decode_message(data)
+
+    def handshake(self, secret: bytes, table: PageTable, ucx_address: bytes) -> Message:
+        """Hello, Challenge, Join with our proof; returns P's answer (Welcome or Refused), and on
+        a Welcome says Ready("ucx")."""
+        nonce = b"n" * 32
+        self.send(Hello("raw-peer", nonce))
+        challenge = self.recv()
+        assert isinstance(challenge, Challenge)
+        self.send(Join(proof(secret, b"D", challenge.nonce, nonce), table, ucx_address))
+        answer = self.recv()
+        if isinstance(answer, Welcome):
+            self.send(Ready("ucx"))
+        return answer
+
+    def closed_by_peer(self) -> bool:
+        try:
+            return self.sock.recv(1) == b""
+        except (ConnectionError, OSError):
+            return True
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class RawServer:
+    """The prefill side of a handshake, for a decode worker: authenticates with ``secret`` and
+    welcomes it with ``table``; the test then answers its messages itself."""
+
+    def __init__(self) -> None:
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.conn: socket.socket | None = None
+
+    def accept(self, secret: bytes, table: PageTable, ucx_address: bytes) -> Message:
+        conn, _ = self.server.accept()
+        conn.settimeout(30)
+        self.conn = conn
+        hello = self.recv()
+        assert isinstance(hello, Hello)
+        nonce = b"p" * 32
+        self.send(Challenge("rogue", nonce, proof(secret, b"P", hello.nonce, nonce)))
+        join = self.recv()
+        if not isinstance(join, Join):
+            return join
+        self.send(Welcome(table, ucx_address, b""))
+        return self.recv()  # Ready
+
+    def send(self, msg: Message) -> None:
+        assert self.conn is not None
+        self.conn.sendall(frame(msg))
+
+    def send_raw(self, payload: bytes) -> None:
+        assert self.conn is not None
+        self.conn.sendall(struct.pack("!I", len(payload)) + payload)
+
+    def recv(self) -> Message:
+        assert self.conn is not None
+        return decode_message(read_frame(self.conn))
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+        self.server.close()
+
+
+__all__ = ["RawPeer", "RawServer", "Refused", "read_frame"]

@@ -1,0 +1,148 @@
+"""The control channel after the handshake: a malformed message is rejected with the reason and
+counted, and the connection stays usable; a malformed answer from P fails that pull at once; a P
+that never sends the pages ends the pull at its deadline; a message too large for a frame is
+never sent."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Iterator
+
+import msgpack
+import pytest
+
+from tests.transfer.conftest import SECRET, Pair, checked_pair
+from tests.transfer.raw_peer import RawPeer, RawServer
+from transfer.control import MAX_FRAME_BYTES, FrameTooLarge, frame
+from transfer.messages import PullRequest, Reject, TransferAck, Welcome
+from transfer.version import PROTOCOL_VERSION
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_malformed_messages_to_p_are_rejected_and_the_connection_stays_usable(
+    pair: Pair, ucx_runtime
+) -> None:
+    bad_version = msgpack.packb({"v": 99, "type": "ChunkReady", "body": {}})
+    wrong_type = msgpack.packb(
+        {"v": PROTOCOL_VERSION, "type": "PullRequest", "body": {"request_id": "x", "pull_id": "1"}}
+    )
+    peer = RawPeer(pair.sender.host, pair.sender.port)
+    try:
+        answer = peer.handshake(
+            SECRET.encode(), pair.receiver.page_table, ucx_runtime.worker_address
+        )
+        assert isinstance(answer, Welcome)
+        for payload, reason in [
+            (b"\xc1 definitely not msgpack", "not a msgpack message"),
+            (bad_version, f"unsupported protocol version int 99, expected {PROTOCOL_VERSION}"),
+            (wrong_type, "PullRequest: expected fields"),
+        ]:
+            peer.send_raw(payload)
+            reply = peer.recv()
+            assert isinstance(reply, Reject) and reason in reply.reason
+        # Still usable: a well-formed notice for a ticket nobody has is dropped, not fatal.
+        peer.send(TransferAck("nobody", 1, 1, False, "test"))
+        peer.send_raw(b"\xc1")
+        assert isinstance(peer.recv(), Reject)
+    finally:
+        peer.close()
+    assert pair.sender.stats()["rejected_messages"] == 4
+    pair.pull_ok("after")
+
+
+@pytest.fixture
+def ucx_pair() -> Iterator[Pair]:
+    """A pair on the UCX path with a short pull deadline (the rogue prefill workers below offer
+    no pools, so every path would be UCX)."""
+    with checked_pair("ucx", pull_deadline_s=2.0, chunk_deadline_s=0.5) as made:
+        yield made
+
+
+def test_a_malformed_answer_from_p_fails_the_pull_at_once(ucx_pair: Pair, ucx_runtime) -> None:
+    """A rogue prefill worker (it knows the secret) answers the pull with a TransferDone whose
+    length is a string: D rejects it, fails the pull without waiting for a deadline, and tells
+    P."""
+    pair = ucx_pair
+    rogue = RawServer()
+    seen: list[object] = []
+
+    def serve() -> None:
+        rogue.accept(SECRET.encode(), pair.sender.page_table, ucx_runtime.worker_address)
+        req = rogue.recv()
+        assert isinstance(req, PullRequest)
+        body = {
+            "request_id": req.request_id,
+            "pull_id": req.pull_id,
+            "declared_prompt_len": "eight",
+            "total_bytes": 0,
+            "num_chunks": 0,
+        }
+        rogue.send_raw(msgpack.packb({"v": PROTOCOL_VERSION, "type": "TransferDone", "body": body}))
+        seen.append(rogue.recv())  # D's Reject
+        seen.append(rogue.recv())  # D's negative notice
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        ticket, _ = pair.publish("rogue-req", 8)
+        forged = dataclasses.replace(ticket, port=rogue.port, instance_id="rogue")
+        dst = pair.d.allocate("rogue-req", 8)
+        started = time.monotonic()
+        result = pair.receiver.pull_blocking(forged, dst, 0, 8)
+        assert not result.ok
+        assert "TransferDone.declared_prompt_len: expected a non-negative int64" in result.error
+        assert time.monotonic() - started < pair.receiver.config.pull_deadline_s
+        thread.join(timeout=10)
+        assert isinstance(seen[0], Reject) and isinstance(seen[1], TransferAck)
+        assert not seen[1].ok
+        assert pair.receiver.stats()["rejected_messages"] == 1
+        pair.d.free("rogue-req")
+        assert pair.sender.cancel("rogue-req")
+    finally:
+        rogue.close()
+    pair.pull_ok("after")
+
+
+def test_a_fill_stall_ends_at_the_pull_deadline(ucx_pair: Pair, ucx_runtime) -> None:
+    """P takes the pull and never sends a page: the pull fails when its deadline passes (the link
+    is aborted, ending the receives), not later, and the next pull to a good P succeeds."""
+    pair = ucx_pair
+    rogue = RawServer()
+    stalled = threading.Event()
+
+    def serve() -> None:
+        rogue.accept(SECRET.encode(), pair.sender.page_table, ucx_runtime.worker_address)
+        assert isinstance(rogue.recv(), PullRequest)
+        stalled.wait(30)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        ticket, _ = pair.publish("stall", 16)
+        forged = dataclasses.replace(ticket, port=rogue.port, instance_id="rogue")
+        dst = pair.d.allocate("stall", 16)
+        started = time.monotonic()
+        result = pair.receiver.pull_blocking(forged, dst, 0, 16)
+        took = time.monotonic() - started
+        cfg = pair.receiver.config
+        assert not result.ok
+        assert f"timed out after {cfg.pull_deadline_s}s waiting for the first chunk" in result.error
+        assert cfg.pull_deadline_s <= took < cfg.pull_deadline_s + cfg.chunk_deadline_s + 5
+        pair.d.free("stall")
+        assert pair.sender.cancel("stall")
+    finally:
+        stalled.set()
+        rogue.close()
+    pair.pull_ok("after")
+
+
+def test_a_message_too_large_for_a_frame_is_not_sent() -> None:
+    ids = list(range(1, 2_000_001))  # 2M pages a side: past 16 MiB
+    big = PullRequest("r", 1, 1, {"full": ids}, {"full": ids}, {"full": 0}, 1, 1, 1, 1, [])
+    with pytest.raises(FrameTooLarge, match="frame limit"):
+        frame(big)
+    small = dataclasses.replace(big, src_page_ids={"full": [1]}, dst_page_ids={"full": [2]})
+    assert len(frame(small)) < MAX_FRAME_BYTES

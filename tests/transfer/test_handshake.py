@@ -1,0 +1,159 @@
+"""The handshake: a peer must prove the cluster secret before it sees a page table, an address or
+a pool export; every refusal is counted and serving goes on. Also: another compatibility hash,
+a UCX address UCX would crash on, and garbage in place of a handshake."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tests.transfer.conftest import MODEL, SECRET, KVSide, Pair, checked_pair, config, specs
+from tests.transfer.raw_peer import RawPeer
+from transfer import KVReceiver, KVSender
+from transfer.handshake import proof
+from transfer.messages import Challenge, Hello, Join, Refused, Welcome
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize("secret", [b"", b"not-the-cluster-secret"])
+def test_a_peer_without_the_secret_gets_no_page_table_and_no_pages(
+    pair: Pair, ucx_runtime, secret: bytes
+) -> None:
+    """Right compatibility hash, no secret: P refuses the Join, sends nothing about itself, and
+    no pull can follow; the refusal is counted and a real decode worker still pulls."""
+    ticket, _ = pair.publish("secret", 8)
+    peer = RawPeer(pair.sender.host, pair.sender.port)
+    try:
+        answer = peer.handshake(secret, pair.receiver.page_table, ucx_runtime.worker_address)
+        assert isinstance(answer, Refused) and "authentication failed" in answer.reason
+        assert peer.closed_by_peer()
+        # Nothing P sent names its model, pools, UCX address or pool files.
+        assert [type(m).__name__ for m in map(_decode, peer.received)] == ["Challenge", "Refused"]
+        assert not any(MODEL.encode() in data for data in peer.received)
+    finally:
+        peer.close()
+    assert pair.sender.stats()["refused_peers"] == 1 and pair.sender.stats()["peers"] == 0
+    dst = pair.d.allocate("secret", 8)
+    assert pair.receiver.pull_blocking(ticket, dst, 0, 8).ok  # the ticket still works for D
+    pair.d.free("secret")
+
+
+def _decode(data: bytes):  # noqa: ANN202
+    from transfer.messages import decode_message
+
+    return decode_message(data)
+
+
+def test_the_right_secret_is_welcomed(pair: Pair, ucx_runtime) -> None:
+    peer = RawPeer(pair.sender.host, pair.sender.port)
+    try:
+        answer = peer.handshake(
+            SECRET.encode(), pair.receiver.page_table, ucx_runtime.worker_address
+        )
+        assert isinstance(answer, Welcome) and answer.page_table == pair.sender.page_table
+    finally:
+        peer.close()
+
+
+def test_a_replayed_proof_is_refused(pair: Pair, ucx_runtime) -> None:
+    """A proof seen on one connection does not open another: P's nonce is fresh each time."""
+    first = RawPeer(pair.sender.host, pair.sender.port)
+    first.send(Hello("eavesdropped", b"n" * 32))
+    challenge = first.recv()
+    assert isinstance(challenge, Challenge)
+    stolen = proof(SECRET.encode(), b"D", challenge.nonce, b"n" * 32)
+    first.close()
+    second = RawPeer(pair.sender.host, pair.sender.port)
+    try:
+        second.send(Hello("replay", b"n" * 32))
+        assert isinstance(second.recv(), Challenge)
+        second.send(Join(stolen, pair.receiver.page_table, ucx_runtime.worker_address))
+        assert isinstance(second.recv(), Refused)
+    finally:
+        second.close()
+    pair.pull_ok("after")
+
+
+@pytest.mark.parametrize("path", ["ucx", "host_shm"])
+def test_a_prefill_worker_with_another_secret_is_refused_by_d(path: str) -> None:
+    with checked_pair(path) as made:
+        other = KVSide(specs(), seed=4)
+        rogue = KVSender(
+            other.kv.buffers, other.specs, MODEL, config(path, secret="wrong"), other.release
+        )
+        try:
+            ticket = rogue.publish("r", other.allocate("r", 8), 8)
+            dst = made.d.allocate("r", 8)
+            result = made.receiver.pull_blocking(ticket, dst, 0, 8)
+            assert not result.ok and "did not prove the cluster secret" in result.error
+            assert made.receiver.stats()["refused_peers"] == 1
+            made.d.free("r")
+            assert rogue.cancel("r")
+        finally:
+            rogue.close()
+        other.assert_clean()
+        made.pull_ok("after")
+
+
+def test_a_peer_with_another_compat_hash_is_refused_in_the_handshake(pair: Pair) -> None:
+    other = KVSide(specs(), seed=4)
+    sender = KVSender(other.kv.buffers, other.specs, "another-model", config(), other.release)
+    try:
+        ticket = sender.publish("forged", other.allocate("forged", 8), 8)
+        # A ticket whose hash was rewritten on the way: the handshake still catches it.
+        ticket = dataclasses.replace(ticket, compat_hash=pair.receiver.page_table.compat_hash)
+        dst = pair.d.allocate("forged", 8)
+        result = pair.receiver.pull_blocking(ticket, dst, 0, 8)
+        assert not result.ok
+        assert "compatibility hash mismatch" in result.error and "another-model" in result.error
+        assert sender.stats()["refused_peers"] == 1
+        pair.d.free("forged")
+        assert sender.cancel("forged")
+    finally:
+        sender.close()
+    other.assert_clean()
+
+
+@pytest.mark.parametrize(
+    "address, refused",
+    [
+        (b"\xff", "too short"),  # UCX would abort the process on this header (an assertion)
+        (b"\xff" * 64, "has format 15"),
+        (b"\x00" * 64, "UCX endpoint to the peer failed"),  # read, then refused by UCX: an error
+    ],
+)
+def test_a_bad_ucx_address_is_refused_and_p_lives_on(
+    pair: Pair, address: bytes, refused: str
+) -> None:
+    peer = RawPeer(pair.sender.host, pair.sender.port)
+    try:
+        answer = peer.handshake(SECRET.encode(), pair.receiver.page_table, address)
+        if isinstance(answer, Refused):
+            assert refused in answer.reason
+        assert peer.closed_by_peer()
+    finally:
+        peer.close()
+    assert pair.sender.stats()["peers"] == 0 and pair.sender.stats()["refused_peers"] == 1
+    pair.pull_ok("after")
+
+
+@pytest.mark.parametrize("garbage", [b"\xc1 not msgpack", b"", b"\x00" * 100])
+def test_garbage_instead_of_a_handshake_is_refused_and_counted(pair: Pair, garbage: bytes) -> None:
+    peer = RawPeer(pair.sender.host, pair.sender.port)
+    try:
+        peer.send_raw(garbage)
+        assert peer.closed_by_peer()
+    finally:
+        peer.close()
+    assert pair.sender.stats()["refused_peers"] == 1
+    pair.pull_ok("after")
+
+
+def test_a_receiver_needs_the_secret() -> None:
+    with pytest.raises(ValueError, match="cluster's secret"):
+        config(secret="")
+    side = KVSide(specs(), seed=1)
+    with pytest.raises(TypeError):
+        KVReceiver(side.kv.buffers, side.specs, MODEL)  # type: ignore[call-arg]

@@ -1,0 +1,227 @@
+"""KVSender and KVReceiver in one process over a real control socket, on each data path this CPU
+machine runs (UCX over TCP loopback, and shared memory): byte-exact scattered pages, chunks,
+skipped pages per group, 50 concurrent pulls, pulls from other event loops and cancelled pulls,
+and the checks that fail a pull before any byte moves."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+
+import pytest
+import torch
+
+from tests.transfer.conftest import Pair, checked_pair, wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_scattered_pages_arrive_byte_exact_in_other_pages(pair: Pair) -> None:
+    result, src, dst = pair.pull("r1", 22)  # 6 pages of 4 tokens (3 chunks of 2 pages over UCX)
+    assert result.ok, result.error
+    assert src != dst and pair.same(src, dst)
+    assert result.bytes == 6 * pair.p.specs[0].page_bytes
+    assert result.stats.chunks == (3 if result.stats.path == "ucx" else 1)
+    wait_until(lambda: pair.p.released == ["r1"])  # D's final notice freed P's pages
+    assert pair.sender.stats()["expired_leases"] == 0
+    pair.d.free("r1")
+
+
+@pytest.mark.parametrize("path", ["ucx", "host_shm"])
+def test_two_groups_and_skipped_pages_per_group(path: str) -> None:
+    with checked_pair(path, two_groups=True) as made:
+        ticket, src = made.publish("r2", 40)  # 10 pages per group
+        all_dst = made.d.allocate("r2", 40)
+        before = made.d.pages_of(all_dst)
+        skip = {"full": 3, "extra": 5}  # (a window group would skip more of its pages)
+        dst = {g: ids[skip[g] :] for g, ids in all_dst.items()}
+        result = made.receiver.pull_blocking(ticket, dst, skip, 40)
+        assert result.ok, result.error
+        after, sent = made.d.pages_of(all_dst), made.p.pages_of(src)
+        for g in all_dst:
+            assert torch.equal(after[g][: skip[g]], before[g][: skip[g]])  # skipped: untouched
+            assert torch.equal(after[g][skip[g] :], sent[g][skip[g] :])
+        wait_until(lambda: made.p.released == ["r2"])
+        made.d.free("r2")
+
+
+def test_pages_outside_the_pull_stay_untouched(pair: Pair) -> None:
+    before = {g: b.clone() for g, b in pair.d.kv.buffers.items()}
+    result, _, dst = pair.pull("r3", 9)
+    assert result.ok, result.error
+    for g, buf in pair.d.kv.buffers.items():
+        changed = (buf != before[g]).flatten(1).any(dim=1).nonzero().flatten().tolist()
+        assert set(changed) <= set(dst[g])
+    pair.d.free("r3")
+
+
+def test_fifty_concurrent_pulls_do_not_mix(pair: Pair) -> None:
+    sizes = {f"c{i}": 4 + (i % 5) * 4 for i in range(50)}
+    published = {rid: pair.publish(rid, n) for rid, n in sizes.items()}
+    dsts = {rid: pair.d.allocate(rid, n) for rid, n in sizes.items()}
+    results: dict[str, object] = {}
+
+    def run(rid: str) -> None:
+        ticket, _ = published[rid]
+        results[rid] = pair.receiver.pull_blocking(ticket, dsts[rid], 0, sizes[rid])
+
+    threads = [threading.Thread(target=run, args=(rid,)) for rid in sizes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=50)
+    assert all(r.ok for r in results.values()), [r.error for r in results.values() if not r.ok]
+    for rid, (_, src) in published.items():
+        assert pair.same(src, dsts[rid]), rid
+        pair.d.free(rid)
+    wait_until(lambda: sorted(pair.p.released) == sorted(sizes))
+    assert pair.receiver.stats()["transfers_ok"] == 50
+
+
+def test_pulls_from_another_event_loop_and_concurrent_awaits(pair: Pair) -> None:
+    jobs = {f"a{i}": pair.publish(f"a{i}", 12) for i in range(4)}
+    dsts = {rid: pair.d.allocate(rid, 12) for rid in jobs}
+
+    async def main() -> list:
+        return await asyncio.gather(
+            *(pair.receiver.pull(t, dsts[rid], 0, 12) for rid, (t, _) in jobs.items())
+        )
+
+    results = asyncio.run(main())
+    assert all(r.ok and r.status == "ok" for r in results)
+    for rid, (_, src) in jobs.items():
+        assert pair.same(src, dsts[rid])
+        pair.d.free(rid)
+    wait_until(lambda: len(pair.p.released) == 4)
+
+
+def test_a_cancelled_pull_returns_only_once_it_is_over(pair: Pair) -> None:
+    """The caller's CancelledError comes after the pull ended: the pages are safe to free then,
+    and P gets its pages back (D's negative notice, or the pull completed first)."""
+    ticket, _ = pair.publish("x", 64)
+    dst = pair.d.allocate("x", 64)
+
+    async def main() -> None:
+        task = asyncio.ensure_future(pair.receiver.pull(ticket, dst, 0, 64))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert pair.receiver.stats()["pulls_in_flight"] == 0
+
+    asyncio.run(main())
+    pair.d.free("x")
+    wait_until(lambda: pair.p.released == ["x"])
+    pair.pull_ok("after")
+
+
+def test_a_ticket_with_another_compat_hash_fails_at_once(pair: Pair) -> None:
+    ticket, _ = pair.publish("h", 8)
+    dst = pair.d.allocate("h", 8)
+    forged = dataclasses.replace(ticket, compat_hash="0" * 16)
+    result = pair.receiver.pull_blocking(forged, dst, 0, 8)
+    assert not result.ok and "compatibility hash mismatch" in result.error
+    pair.d.free("h")
+    wait_until(lambda: pair.p.released == ["h"])  # D gave the ticket up: P frees at once
+    pair.pull_ok("after")
+
+
+def test_declared_history_mismatch_fails_and_frees_both_sides(pair: Pair) -> None:
+    result, _, _ = pair.pull("m1", 12, expected=13)  # the ticket says 12, D expects 13
+    assert not result.ok
+    assert "declared history mismatch: P declares 12 prompt tokens, expected 13" in result.error
+    pair.d.free("m1")
+    wait_until(lambda: pair.p.released == ["m1"])
+    # P's own lease declares 11 while the ticket says 12: P refuses it at admission.
+    ticket, _ = pair.publish("m2", 12, declared=11)
+    dst = pair.d.allocate("m2", 12)
+    result = pair.receiver.pull_blocking(
+        dataclasses.replace(ticket, declared_prompt_len=12), dst, 0, 12
+    )
+    assert not result.ok
+    assert "declared history mismatch: P declares 11 prompt tokens, expected 12" in result.error
+    pair.d.free("m2")
+    wait_until(lambda: "m2" in pair.p.released)  # the request is lost: its pages go
+    assert pair.sender.stats()["leases"] == 0
+    pair.pull_ok("after")  # the link stays usable
+
+
+def test_the_wrong_number_of_destination_pages_fails_before_any_byte(pair: Pair) -> None:
+    ticket, _ = pair.publish("w", 12)
+    dst = pair.d.allocate("w", 8)  # 2 pages for 3
+    before = pair.d.pages_of(dst)
+    result = pair.receiver.pull_blocking(ticket, dst, 0, 12)
+    assert not result.ok and "3 destination pages are needed, got 2" in result.error
+    assert all(torch.equal(pair.d.pages_of(dst)[g], before[g]) for g in dst)
+    pair.d.free("w")
+    wait_until(lambda: pair.p.released == ["w"])
+
+
+def test_a_second_pull_of_a_finished_request_is_refused(pair: Pair) -> None:
+    ticket, _ = pair.publish("twice", 8)
+    dst = pair.d.allocate("twice", 8)
+    assert pair.receiver.pull_blocking(ticket, dst, 0, 8).ok
+    wait_until(lambda: pair.p.released == ["twice"])
+    again = pair.receiver.pull_blocking(ticket, dst, 0, 8)
+    assert not again.ok and "ended (acked)" in again.error
+    pair.d.free("twice")
+    assert pair.sender.stats()["refused_pulls"] == 1
+
+
+def test_a_pull_into_a_closed_receiver_raises() -> None:
+    with checked_pair() as made:
+        ticket, _ = made.publish("c", 8)
+        made.receiver.close()
+        with pytest.raises(RuntimeError, match="KVReceiver is closed"):
+            made.receiver.pull_blocking(ticket, {"full": [1, 2]}, 0, 8)
+        assert made.sender.cancel("c")
+
+
+@pytest.mark.parametrize("path", ["ucx", "host_shm"])
+def test_prefill_worker_restart_on_the_same_port(path: str) -> None:
+    """A ticket of the old instance fails as stale (its pages are gone); the new instance's
+    tickets pull through a new link; a stale ticket while the current link is up leaves it up."""
+    from tests.transfer.conftest import MODEL, KVSide, config, specs
+    from transfer import KVReceiver, KVSender
+
+    p, d = KVSide(specs(), seed=5), KVSide(specs(), seed=6)
+    receiver = KVReceiver(d.kv.buffers, d.specs, MODEL, config(path))
+    first = KVSender(p.kv.buffers, p.specs, MODEL, config(path), p.release)
+    port = first.port
+    try:
+        ticket = first.publish("before", p.allocate("before", 8), 8)
+        assert receiver.pull_blocking(ticket, d.allocate("before", 8), 0, 8).ok
+        d.free("before")
+        stale = first.publish("stale", p.allocate("stale", 8), 8)
+        first.close()  # releases "stale" too: its pages are gone with the old instance
+        second = KVSender(p.kv.buffers, p.specs, MODEL, config(path, port=port), p.release)
+        try:
+            result = receiver.pull_blocking(stale, d.allocate("stale", 8), 0, 8)
+            assert not result.ok and "stale ticket" in result.error
+            d.free("stale")
+            ticket = second.publish("after", p.allocate("after", 8), 8)
+            dst = d.allocate("after", 8)
+            assert receiver.pull_blocking(ticket, dst, 0, 8).ok
+            assert torch.equal(d.pages_of(dst)["full"], p.pages_of(ticket.page_ids)["full"])
+            d.free("after")
+            (link,) = receiver.links.values()
+            again = receiver.pull_blocking(stale, d.allocate("stale", 8), 0, 8)
+            assert not again.ok and "stale ticket" in again.error
+            d.free("stale")
+            assert receiver.links[(second.host, second.port)] is link and not link.closed
+            wait_until(lambda: "after" in p.released)
+        finally:
+            second.close()
+    finally:
+        receiver.close()
+    assert sorted(p.released) == ["after", "before", "stale"]
+    p.assert_clean()
+    d.assert_clean()
+
+
+def test_a_pull_with_every_page_already_held_moves_nothing_and_succeeds(pair: Pair) -> None:
+    ticket, _ = pair.publish("held", 8)
+    result = pair.receiver.pull_blocking(ticket, {"full": []}, 2, 8)
+    assert result.ok and result.bytes == 0, result.error
+    wait_until(lambda: pair.p.released == ["held"])

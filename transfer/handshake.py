@@ -1,0 +1,207 @@
+"""The handshake that makes a Link: authentication first, then page tables, addresses and pools.
+
+    D -> P  Hello(D's instance, nonce_d)
+    P -> D  Challenge(P's instance, nonce_p, HMAC(secret, "P" + nonce_d + nonce_p))
+            D checks P's proof before it says anything about itself
+    D -> P  Join(HMAC(secret, "D" + nonce_p + nonce_d), D's page table, D's UCX address)
+            P checks D's proof, then the compatibility hash and the address
+    P -> D  Welcome(P's page table, UCX address, pool export) or Refused(reason)
+    D -> P  Ready(the data path D chose: it opened P's pools, or "ucx")
+
+Both proofs are over both fresh nonces with the role in front, so neither can be replayed or
+reflected. A peer without the cluster secret learns nothing but the other side's instance id; each
+refusal is counted (``refused_peers``) and ends the connection, and serving goes on. The channel
+itself is not encrypted: the secret keeps out peers that do not have it, not an eavesdropper.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import secrets
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from transfer.control import ControlChannel
+from transfer.link import Link
+from transfer.mapper import MapperError, match_pools
+from transfer.messages import Challenge, Hello, Join, Message, Ready, Refused, Welcome
+from transfer.page_table import PageTable
+from transfer.paths.base import DataPath
+from transfer.runtime import UcxRuntime
+from transfer.stats import TransferCounters
+
+log = logging.getLogger(__name__)
+
+NONCE_BYTES = 32
+T = TypeVar("T")
+
+
+class PeerRefused(ConnectionError):
+    """The peer cannot be used: it failed authentication, serves another model, or broke the
+    handshake."""
+
+
+def proof(secret: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
+    return hmac.new(secret, role + first + second, hashlib.sha256).digest()
+
+
+def _proven(secret: bytes, role: bytes, first: bytes, second: bytes, given: bytes) -> bool:
+    return hmac.compare_digest(proof(secret, role, first, second), given)
+
+
+async def connect(
+    runtime: UcxRuntime,
+    host: str,
+    port: int,
+    secret: bytes,
+    instance_id: str,
+    own: PageTable,
+    timeout: float,
+    counters: TransferCounters,
+    choose_path: Callable[[bytes, PageTable], Awaitable[DataPath]],
+) -> Link:
+    """D side: a link to the prefill worker at ``host:port`` within ``timeout`` in all;
+    ``choose_path`` opens P's pool export (or picks UCX). Raises PeerRefused, or OSError /
+    TimeoutError when P cannot be reached."""
+    name = f"link to {host}:{port}"
+    async with asyncio.timeout(timeout):
+        reader, writer = await asyncio.open_connection(host, port)
+        channel = ControlChannel(reader, writer, name, counters)
+        endpoint = None
+        try:
+            nonce = secrets.token_bytes(NONCE_BYTES)
+            await channel.send(Hello(instance_id, nonce), timeout)
+            challenge = _expect(await channel.receive(timeout), Challenge)
+            if not _proven(secret, b"P", nonce, challenge.nonce, challenge.proof):
+                counters.refused_peers += 1
+                raise PeerRefused(f"{name}: the peer did not prove the cluster secret")
+            mine = proof(secret, b"D", challenge.nonce, nonce)
+            await channel.send(Join(mine, own, runtime.worker_address), timeout)
+            welcome = _expect(await channel.receive(timeout), Welcome)
+            problem = check_compatible(own, welcome.page_table) or ucx_address_problem(
+                welcome.ucx_address
+            )
+            if problem:
+                counters.refused_peers += 1
+                raise PeerRefused(f"{name}: {problem}")
+            endpoint = await _endpoint(runtime, welcome.ucx_address, name)
+            path = await choose_path(welcome.pool_export, welcome.page_table)
+            await channel.send(Ready(path.name), timeout)
+        except BaseException:
+            channel.close("handshake failed")
+            if endpoint is not None:
+                endpoint.abort()
+            raise
+    return Link(channel, endpoint, challenge.instance_id, welcome.page_table, path, name)
+
+
+async def accept(
+    runtime: UcxRuntime,
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    secret: bytes,
+    instance_id: str,
+    own: PageTable,
+    pool_export: bytes,
+    timeout: float,
+    counters: TransferCounters,
+    path_for: Callable[[str], DataPath | None],
+) -> Link | None:
+    """P side: authenticate the peer, then welcome it. None (the refusal counted and the connection
+    closed) for a peer that fails authentication or anything after it."""
+    name = f"link from {writer.get_extra_info('peername')}"
+    channel = ControlChannel(reader, writer, name, counters)
+    endpoint = None
+    try:
+        async with asyncio.timeout(timeout):
+            hello = _expect(await channel.receive(timeout), Hello)
+            nonce = secrets.token_bytes(NONCE_BYTES)
+            mine = proof(secret, b"P", hello.nonce, nonce)
+            await channel.send(Challenge(instance_id, nonce, mine), timeout)
+            join = _expect(await channel.receive(timeout), Join)
+            if not _proven(secret, b"D", nonce, hello.nonce, join.proof):
+                await _refuse(channel, "authentication failed: the cluster secret differs", timeout)
+                raise PeerRefused("the peer did not prove the cluster secret")
+            problem = check_compatible(own, join.page_table) or ucx_address_problem(
+                join.ucx_address
+            )
+            if problem:
+                await _refuse(channel, problem, timeout)
+                raise PeerRefused(problem)
+            try:
+                endpoint = await _endpoint(runtime, join.ucx_address, name)
+            except PeerRefused as e:
+                await _refuse(channel, str(e), timeout)
+                raise
+            await channel.send(Welcome(own, runtime.worker_address, pool_export), timeout)
+            ready = _expect(await channel.receive(timeout), Ready)
+            path = path_for(ready.path)
+            if path is None:
+                raise PeerRefused(f"the peer chose data path {ready.path!r}, which we do not offer")
+    except Exception as e:  # refused, malformed, silent, or gone: no link, serving goes on
+        counters.refused_peers += 1
+        log.warning("%s: handshake refused or failed: %r", name, e)
+        channel.close(f"handshake failed: {e!r}")
+        if endpoint is not None:
+            endpoint.abort()
+        return None
+    return Link(channel, endpoint, hello.instance_id, join.page_table, path, name)
+
+
+def _expect(msg: Message, kind: type[T]) -> T:
+    if isinstance(msg, Refused):
+        raise PeerRefused(f"peer refused us: {msg.reason}")
+    if not isinstance(msg, kind):
+        raise PeerRefused(f"expected {kind.__name__}, got {type(msg).__name__}")
+    return msg
+
+
+async def _refuse(channel: ControlChannel, reason: str, timeout: float) -> None:
+    try:
+        await channel.send(Refused(reason), timeout)
+    except ConnectionError:
+        pass
+
+
+async def _endpoint(runtime: UcxRuntime, address: bytes, name: str) -> object:
+    try:
+        return await runtime.create_endpoint(address)
+    except (TimeoutError, ConnectionError):
+        raise
+    except Exception as e:  # ucxx's own errors: an address UCX could not use
+        raise PeerRefused(f"{name}: UCX endpoint to the peer failed: {e!r}") from None
+
+
+def check_compatible(ours: PageTable, theirs: PageTable) -> str:
+    """ "" if the two tables may exchange KV, else the reason they may not."""
+    if ours.compat_hash != theirs.compat_hash:
+        return (
+            f"compatibility hash mismatch: ours {ours.compat_hash} (model {ours.model!r}), "
+            f"peer {theirs.compat_hash} (model {theirs.model!r})"
+        )
+    try:  # (equal hashes, and still no pull could map: two pools with the same roles, say)
+        match_pools(ours, theirs)
+        match_pools(theirs, ours)
+    except MapperError as e:
+        return f"the page tables cannot be mapped onto each other: {e}"
+    return ""
+
+
+_UCX_ADDRESS_MIN_BYTES = 9  # the header byte and the 64-bit worker id that follows it
+_UCX_ADDRESS_FORMATS = frozenset({0, 1})  # ucp/wireup/address.c: v1 and v2
+
+
+def ucx_address_problem(theirs: bytes) -> str:
+    """Why a peer's UCX worker address must not be handed to UCX, or "". UCX parses it on trust and
+    aborts the whole process on a header it does not expect (an assertion, not an error): the low
+    4 bits of the first byte are the address format, v1 (0) or v2 (1)."""
+    if len(theirs) < _UCX_ADDRESS_MIN_BYTES:
+        return f"the peer's UCX worker address is {len(theirs)} bytes, too short to be one"
+    if theirs[0] & 0x0F not in _UCX_ADDRESS_FORMATS:
+        return (
+            f"the peer's UCX worker address has format {theirs[0] & 0x0F}, which UCX does not read"
+        )
+    return ""

@@ -1,0 +1,112 @@
+"""Link: one authenticated peer, i.e. its control channel, a UCX endpoint to its worker, its page
+table, and the data path chosen for the pair (handshake.py makes links).
+
+Closing a link is how a broken pair ends its transfers: ``abort`` closes the UCX endpoint, which
+cancels every receive and send posted on it, and the control channel, so the peer learns at once;
+transfers on the link hear it through their close listeners and fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from transfer.control import ChannelClosed, ControlChannel
+from transfer.messages import Message
+from transfer.page_table import PageTable
+
+if TYPE_CHECKING:
+    from transfer.paths.base import DataPath
+
+log = logging.getLogger(__name__)
+
+
+class Link:
+    def __init__(
+        self,
+        channel: ControlChannel,
+        endpoint: Any,
+        peer_instance: str,
+        peer_table: PageTable,
+        path: DataPath,
+        name: str,
+    ) -> None:
+        self.channel = channel
+        self.endpoint = endpoint
+        self.peer_instance = peer_instance
+        self.peer_table = peer_table
+        self.path = path
+        self.name = f"{name} ({path.name})"
+        self.closed_reason: str | None = None
+        self._listeners: list[Callable[[str], None]] = []
+        self._reader: asyncio.Task | None = None
+        loop = asyncio.get_running_loop()
+        # UCX calls this from its progress thread when the endpoint fails (the peer died).
+        endpoint.set_close_callback(
+            lambda: loop.call_soon_threadsafe(self.abort, "UCX endpoint to the peer failed")
+        )
+
+    @property
+    def closed(self) -> bool:
+        return self.closed_reason is not None
+
+    def start(self, on_message: Callable[[Message], None]) -> None:
+        """Read the peer's messages in the background until the link closes."""
+        self._reader = asyncio.ensure_future(
+            self.channel.serve(on_message, lambda why: self.abort(f"control connection: {why}"))
+        )
+
+    def add_close_listener(self, fn: Callable[[str], None]) -> None:
+        self._listeners.append(fn)
+
+    def remove_close_listener(self, fn: Callable[[str], None]) -> None:
+        if fn in self._listeners:
+            self._listeners.remove(fn)
+
+    async def send(self, msg: Message, timeout: float) -> None:
+        if self.closed:
+            raise ChannelClosed(f"{self.name}: {self.closed_reason}")
+        await self.channel.send(msg, timeout)
+
+    def post(self, msg: Message, timeout: float) -> None:
+        """Send ``msg`` without waiting for it (a notice nobody waits on: a lost one only delays
+        the peer until a deadline)."""
+
+        async def send() -> None:
+            try:
+                await self.send(msg, timeout)
+            except ConnectionError as e:
+                log.info("%s not sent: %s", type(msg).__name__, e)
+
+        asyncio.ensure_future(send())
+
+    async def send_data(self, buf: torch.Tensor, tag: int) -> None:
+        await self.endpoint.send(_ucx_buffer(buf), tag=tag, force_tag=True)
+
+    async def recv_data(self, buf: torch.Tensor, tag: int) -> None:
+        await self.endpoint.recv(_ucx_buffer(buf), tag=tag, force_tag=True)
+
+    def abort(self, reason: str) -> None:
+        """Close everything now; UCX requests posted on the endpoint end with an error."""
+        if self.closed_reason is not None:
+            return
+        self.closed_reason = reason
+        log.info("%s: closing link (%s)", self.name, reason)
+        self.channel.close(reason)
+        try:
+            self.endpoint.abort()
+        except Exception:  # already torn down by UCX
+            log.debug("%s: endpoint abort failed", self.name, exc_info=True)
+        self.path.close()
+        for fn in list(self._listeners):
+            fn(reason)
+
+
+def _ucx_buffer(buf: torch.Tensor) -> Any:
+    # ucxx takes host memory through the buffer protocol and device memory through
+    # __cuda_array_interface__ (which torch CUDA tensors have).
+    return buf.numpy() if buf.device.type == "cpu" else buf

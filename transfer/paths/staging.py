@@ -1,0 +1,157 @@
+"""Staging for the UCX path: chunks, the buffers they are gathered into or received into, and the
+page copies between pools and buffers.
+
+A pull's segments are cut into chunks of at most one staging buffer, at page boundaries; chunk
+``i`` means the same pages on both sides, since both cut the same segments at the same size. P
+gathers a chunk's pages into a buffer (kernels.gather_pages), UCX moves the buffer, D scatters it
+into its pages (kernels.scatter_pages). So UCX never touches pool memory: a failed pull can end
+its receives whenever it likes, and a page is written only by D's own scatter.
+
+The copies block until the bytes are in place (on CUDA they wait for their side stream, which
+orders itself after the model's), so they run on the transceiver's copy thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+import kernels
+from transfer.mapper import Segment
+from transfer.page_table import PageTable
+from transfer.pools import as_words, page_slice, segment_ids
+
+
+@dataclass(frozen=True)
+class Chunk:
+    index: int
+    segments: tuple[Segment, ...]  # back to back in the buffer, in this order
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.segments)
+
+
+def cut_chunks(segments: Sequence[Segment], chunk_bytes: int) -> list[Chunk]:
+    """Pack the segments' pages, in order, into chunks of at most ``chunk_bytes``."""
+    chunks: list[Chunk] = []
+    current: list[Segment] = []
+    room = chunk_bytes
+    for seg in segments:
+        if seg.nbytes_per_page > chunk_bytes:
+            raise ValueError(
+                f"a page of pool {seg.src_pool!r} ({seg.nbytes_per_page} bytes) is larger than a "
+                f"chunk ({chunk_bytes})"
+            )
+        start = 0
+        while start < len(seg.src_ids):
+            take = min(len(seg.src_ids) - start, room // seg.nbytes_per_page)
+            if take == 0:
+                chunks.append(Chunk(len(chunks), tuple(current)))
+                current, room = [], chunk_bytes
+                continue
+            current.append(seg.part(start, start + take))
+            start += take
+            room -= take * seg.nbytes_per_page
+    if current:
+        chunks.append(Chunk(len(chunks), tuple(current)))
+    return chunks
+
+
+def chunk_bytes_for(table: PageTable, staging_tokens: int) -> int:
+    """Bytes of one staging buffer: ``staging_tokens`` tokens of every pool, in whole pages."""
+    largest = max(p.tokens_per_page for p in table.pools)
+    if staging_tokens < largest:
+        raise ValueError(
+            f"staging_tokens ({staging_tokens}) must hold at least one page ({largest} tokens)"
+        )
+    return sum(staging_tokens // p.tokens_per_page * p.page_bytes for p in table.pools)
+
+
+def gather(chunk: Chunk, rows: Mapping[str, torch.Tensor], out: torch.Tensor) -> None:
+    """Copy the chunk's source pages into ``out`` (uint8, at least ``chunk.nbytes``)."""
+    with _on_side_stream(out.device):
+        for seg, part in _parts(chunk, out):
+            src = page_slice(rows[seg.src_pool], seg.src_offset, seg.nbytes_per_page)
+            ids, _ = segment_ids(seg, out.device)
+            src, part = as_words(src, part)
+            kernels.gather_pages(src, ids, part)
+
+
+def scatter(chunk: Chunk, staged: torch.Tensor, rows: Mapping[str, torch.Tensor]) -> None:
+    """Copy a received chunk from ``staged`` into its destination pages."""
+    with _on_side_stream(staged.device):
+        for seg, part in _parts(chunk, staged):
+            dst = page_slice(rows[seg.dst_pool], seg.dst_offset, seg.nbytes_per_page)
+            _, ids = segment_ids(seg, staged.device)
+            part, dst = as_words(part, dst)
+            kernels.scatter_pages(part, dst, ids)
+
+
+def _parts(chunk: Chunk, buf: torch.Tensor) -> list[tuple[Segment, torch.Tensor]]:
+    """Each segment with its [pages, bytes per page] part of ``buf``."""
+    out, offset = [], 0
+    for seg in chunk.segments:
+        n = len(seg.src_ids)
+        out.append((seg, buf[offset : offset + seg.nbytes].view(n, seg.nbytes_per_page)))
+        offset += seg.nbytes
+    return out
+
+
+class _on_side_stream:
+    """On CUDA: run the copies on the staging stream after the model's stream, and wait for them."""
+
+    streams: dict[torch.device, torch.cuda.Stream] = {}  # one per device, made on first use
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __enter__(self) -> None:
+        if self.device.type == "cuda":
+            stream = self.streams.get(self.device)
+            if stream is None:
+                stream = self.streams[self.device] = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.default_stream(self.device))
+            self.stream, self.ctx = stream, torch.cuda.stream(stream)
+            self.ctx.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.device.type == "cuda":
+            self.ctx.__exit__(*exc)
+            self.stream.synchronize()
+
+
+class StagingBuffers:
+    """``count`` buffers of ``nbytes`` each, allocated together on first use and shared by the
+    pulls of one side. Loop thread only."""
+
+    def __init__(self, device: torch.device, nbytes: int, count: int) -> None:
+        self.device = device
+        self.nbytes = nbytes
+        self.count = count
+        self._free: asyncio.Queue[torch.Tensor] = asyncio.Queue()
+        self._made = 0
+        self._block: torch.Tensor | None = None
+
+    def try_acquire(self) -> torch.Tensor | None:
+        if not self._free.empty():
+            return self._free.get_nowait()
+        if self._made == self.count:
+            return None
+        if self._block is None:
+            # One allocation: UCX registers it once. Host memory is written now, so that no
+            # chunk pays the first touch of its buffer.
+            make = torch.empty if self.device.type == "cuda" else torch.zeros
+            self._block = make(self.count * self.nbytes, dtype=torch.uint8, device=self.device)
+        self._made += 1
+        return self._block[(self._made - 1) * self.nbytes : self._made * self.nbytes]
+
+    async def acquire(self) -> torch.Tensor:
+        buf = self.try_acquire()
+        return buf if buf is not None else await self._free.get()
+
+    def release(self, buf: torch.Tensor) -> None:
+        self._free.put_nowait(buf)
