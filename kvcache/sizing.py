@@ -199,7 +199,8 @@ def host_pages_per_group(specs: list[PoolGroupSpec], host_bytes: int) -> dict[st
         detail = ", ".join(f"{s.name!r} gets {pages[s.name]} of {s.page_bytes} B" for s in short)
         raise KVSizingError(
             "host_tier_bytes",
-            f"a host tier of {host_bytes} B holds less than one page in some pool group ({detail}); "
+            f"the host tier (host_tier_bytes {host_bytes} B) holds less than one page in some pool "
+            f"group ({detail}); "
             "give it at least one page per group, or 0 to turn it off",
         )
     return pages

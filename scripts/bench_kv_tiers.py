@@ -10,7 +10,8 @@ rate by medium (device, host; from /perf_metrics), requests prefilled on the dec
 goodput (requests/s meeting the TTFT SLO), median over repetitions with each repetition's figure
 kept in the JSON.
 
-    .venv/bin/python scripts/bench_kv_tiers.py --repetitions 3 --out docs/benchmarks/kv_tiers.json
+    PYTHONPATH=. .venv/bin/python scripts/bench_kv_tiers.py --repetitions 2 --conversations 8 \
+        --out docs/benchmarks/kv_tiers.json
 """
 
 from __future__ import annotations
@@ -100,7 +101,8 @@ def run_variant(args: argparse.Namespace, name: str, rep: int, workdir: Path) ->
         "completed", "failed", "duration", "median_ttft_ms", "p99_ttft_ms", "mean_ttft_ms",
         "request_throughput", "request_goodput", "slo_attainment", "prefix_hit_rate_device",
         "prefix_hit_rate_host", "num_prefilled_on_decode", "mean_transfer_bytes",
-        "num_server_metrics",
+        "num_server_metrics", "kv_host_offloaded_pages", "kv_host_loaded_back_pages",
+        "kv_host_host_hit_tokens", "kv_host_host_drops", "kv_host_skipped_stores",
     )  # fmt: skip
     return {k: run.get(k) for k in keep}
 
@@ -124,12 +126,25 @@ def main() -> None:
     args = p.parse_args()
     names = list(VARIANTS)
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    load = {"start": os.getloadavg()}
     with tempfile.TemporaryDirectory(prefix="kv_tiers_") as tmp:
         for rep in range(args.repetitions):
             order = names[rep % len(names) :] + names[: rep % len(names)]
             for name in order:
                 runs[name].append(run_variant(args, name, rep, Path(tmp)))
                 print(f"rep {rep} {name}: {runs[name][-1]}", flush=True)
+    load["end"] = os.getloadavg()
+
+    # TTFT over the same repetition's baseline (the first variant): paired, so that the load
+    # of the shared machine during that repetition cancels out as far as it can.
+    ratios = {
+        name: [
+            r["median_ttft_ms"] / b["median_ttft_ms"]
+            for r, b in zip(runs[name], runs[names[0]], strict=True)
+            if r.get("median_ttft_ms") and b.get("median_ttft_ms")
+        ]
+        for name in names
+    }
 
     def med(name: str, key: str) -> float | None:
         values = [r[key] for r in runs[name] if r.get(key) is not None]
@@ -146,11 +161,15 @@ def main() -> None:
                 "num_prefilled_on_decode",
                 "request_goodput",
                 "slo_attainment",
+                "kv_host_offloaded_pages",
+                "kv_host_loaded_back_pages",
+                "kv_host_host_drops",
+                "kv_host_skipped_stores",
             )  # fmt: skip
         }
+        | {"median_ttft_paired_ratio": statistics.median(ratios[name]) if ratios[name] else None}
         for name in names
     }
-    base = summary[names[0]]["median_ttft_ms"]
     header = (
         f"{'variant':32} {'TTFT p50 ms':>11} {'x base':>7} {'TTFT p99 ms':>11} {'hit dev':>8} "
         f"{'hit host':>8} {'on D':>5} {'goodput':>8}"
@@ -158,7 +177,7 @@ def main() -> None:
     print(header)
     for name in names:
         s = summary[name]
-        ratio = s["median_ttft_ms"] / base if base and s["median_ttft_ms"] else float("nan")
+        ratio = s["median_ttft_paired_ratio"] or float("nan")
         print(
             f"{name:32} {s['median_ttft_ms'] or float('nan'):11.0f} {ratio:7.2f} "
             f"{s['p99_ttft_ms'] or float('nan'):11.0f} {100 * (s['prefix_hit_rate_device'] or 0):7.1f}% "
@@ -166,7 +185,13 @@ def main() -> None:
             f"{s['request_goodput'] or 0:8.3f}"
         )
     if args.out is not None:
-        doc = {"settings": vars(args) | {"out": str(args.out)}, "summary": summary, "runs": runs}
+        doc = {
+            "settings": vars(args) | {"out": str(args.out)},
+            "load_average_1_5_15": load,
+            "summary": summary,
+            "ttft_paired_ratios": ratios,
+            "runs": runs,
+        }
         args.out.write_text(json.dumps(doc, indent=1) + "\n")
 
 

@@ -103,7 +103,10 @@ def test_second_turns_hit_the_host_tier_and_keep_their_tokens(
 
 
 def test_a_host_tier_smaller_than_one_page_is_refused(default_model: LoadedModel) -> None:
-    with pytest.raises(ValueError, match="holds less than one page in some pool group"):
+    with pytest.raises(
+        ValueError,
+        match=r"host tier \(host_tier_bytes 1000 B\) holds less than one page in some pool group",
+    ):
         LLM.from_loaded(default_model, page_size=16, num_pages=20, max_model_len=64,
                         host_tier_bytes=1000)  # fmt: skip
     with pytest.raises(ValueError, match="needs prefix reuse"):

@@ -91,7 +91,9 @@ def test_a_host_tier_below_one_page_stops_the_worker(gemma_dir: Path) -> None:
     with pytest.raises(ConfigError) as e:
         build_engine(worker_spec(config, Role.DECODE, 0, None))
     (issue,) = e.value.issues
-    assert issue.startswith("kvcache.host_tier_bytes: a host tier of 4096 B holds less than one")
+    assert issue.startswith(
+        "kvcache.host_tier_bytes: the host tier (host_tier_bytes 4096 B) holds less than one"
+    )
     big = cluster(gemma_dir, {"host_tier_bytes": 1 << 20})
     tier = build_engine(worker_spec(big, Role.DECODE, 0, None)).kv.host_tier
     assert tier is not None and set(tier.pools) == {"full", "swa_32"}
