@@ -5,10 +5,11 @@ Variants (2 prefill + 1 decode workers of SmolLM2-135M, float32, each with a sma
 the host tier off / on x router.policy load_balance / kv_aware, and kv_aware with the tier and
 conditional disaggregation (router.local_prefill_max_tokens). Each repetition runs every variant
 once, the order turned by one each repetition; every run is a fresh cluster (`duet bench CONFIG`
-starts and stops it) and the same requests. Reported per variant: TTFT median and p99, prefix hit
-rate by medium (device, host; from /perf_metrics), requests prefilled on the decode worker, and
-goodput (requests/s meeting the TTFT SLO), median over repetitions with each repetition's figure
-kept in the JSON.
+starts and stops it) and the same requests. Reported per variant: TTFT median and p99 (and the
+median's ratio to the baseline's of the same repetition), prefix hit rate by medium (device, host;
+from /perf_metrics), requests prefilled on the decode worker, the host tiers' counters (offloaded,
+loaded back, drops, skipped stores; from /metrics) and goodput (requests/s meeting the TTFT SLO),
+median over repetitions with each repetition's figure and the load average kept in the JSON.
 
     PYTHONPATH=. .venv/bin/python scripts/bench_kv_tiers.py --repetitions 2 --conversations 8 \
         --out docs/benchmarks/kv_tiers.json
