@@ -11,7 +11,7 @@ from /perf_metrics), requests prefilled on the decode worker, the host tiers' co
 loaded back, drops, skipped stores; from /metrics) and goodput (requests/s meeting the TTFT SLO),
 median over repetitions with each repetition's figure and the load average kept in the JSON.
 
-    PYTHONPATH=. .venv/bin/python scripts/bench_kv_tiers.py --repetitions 2 --conversations 8 \
+    PYTHONPATH=. .venv/bin/python scripts/bench_kv_tiers.py --repetitions 3 --conversations 8 \
         --out docs/benchmarks/kv_tiers.json
 """
 
