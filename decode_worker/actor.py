@@ -32,6 +32,7 @@ class _DecodeWorkerActor(WorkerActorBase):
             report,
             spec.deadlines,
             spec.stats_interval_s,
+            spec.publish_kv_events,
             on_failure=spec.on_transfer_failure,
         )
 

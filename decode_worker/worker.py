@@ -28,6 +28,7 @@ from engine.outputs import RequestOutput
 from kvcache.spec import NULL_PAGE
 from transfer.messages import TransferTicket
 from transfer.stats import TransferResult, TransferStats
+from worker_common.kv_events import KVEventPublisher
 from worker_common.messages import (
     GenerateRequest,
     PrefillResult,
@@ -60,7 +61,8 @@ class KVPuller(Protocol):
 
 class DecodeWorker:
     """Plain class behind the decode Ray actor. ``report`` receives the per-request stats (None:
-    none are recorded)."""
+    none are recorded); with ``publish_kv_events`` the worker's KV events are kept for the router
+    (``kv_events``)."""
 
     def __init__(
         self,
@@ -70,13 +72,15 @@ class DecodeWorker:
         report: Sink | None = None,
         deadlines: WorkerDeadlines | None = None,
         stats_interval_s: float = 10.0,
+        publish_kv_events: bool = False,
         on_failure: str = "fail",
     ) -> None:
         if on_failure not in ("fail", "recompute"):
             raise ValueError(f"on_failure must be 'fail' or 'recompute', got {on_failure!r}")
         self.worker_id = worker_id
         self.keeper = WorkerStatsKeeper(worker_id, Role.DECODE, stats_interval_s, report)
-        self.loop = EngineLoop(engine, name=f"{worker_id}-engine", on_tick=self.keeper.tick)
+        self.kv_events = KVEventPublisher(worker_id, engine) if publish_kv_events else None
+        self.loop = EngineLoop(engine, name=f"{worker_id}-engine", on_tick=self._tick)
         self.puller = puller
         deadlines = deadlines or WorkerDeadlines()
         self._gen_init_deadline_s = deadlines.page_wait_s
@@ -88,6 +92,11 @@ class DecodeWorker:
         self.num_transfer_recomputed = 0  # ... whose request was prefilled here instead
         self.num_transfer_failed_requests = 0  # ... whose request ended with an error
 
+    def _tick(self, engine: LLMEngine) -> None:
+        self.keeper.tick(engine)
+        if self.kv_events is not None:
+            self.kv_events.collect(engine)
+
     # ---- disaggregated path ----
     async def decode(self, req: GenerateRequest, pre: PrefillResult) -> AsyncIterator[TokenDelta]:
         """Receive the KV of a prefilled request and stream its tokens after the first one."""
@@ -97,7 +106,7 @@ class DecodeWorker:
             )
         rid, prompt = req.request_id, req.prompt_token_ids.tolist()
         received = time.time()
-        hit, skips, dst = await self._gen_init(rid, prompt)
+        hit, host_tokens, skips, dst = await self._gen_init(rid, prompt)
         transfer_start = time.time()
         pull = asyncio.ensure_future(self.puller.pull(pre.ticket, dst, skips, len(prompt)))
         self._receiving[rid] = pull
@@ -156,6 +165,7 @@ class DecodeWorker:
                 req.sampling,
                 arrival_time=req.arrival_time,
                 num_cached_tokens=hit * page_size,
+                num_cached_host_tokens=host_tokens,
             )
 
         async for delta in self._run(req, add):
@@ -163,18 +173,23 @@ class DecodeWorker:
 
     async def _gen_init(
         self, rid: str, prompt: list[int]
-    ) -> tuple[int, dict[str, int], dict[str, list[int]]]:
+    ) -> tuple[int, int, dict[str, int], dict[str, list[int]]]:
         """Allocate pages for the prompt and the next token, as if the prompt were computed: a
         sliding-window group takes only its last window's pages. Return (the prompt pages D's own
-        prefix hit covers, the request's pages per group that D holds or does not need, the pages
-        the transfer must fill per group: the rest of the prompt's). Waits for free pages,
-        within a deadline."""
+        prefix hit covers, the tokens of that hit loaded back from D's host tier, the request's
+        pages per group that D holds or does not need, the pages the transfer must fill per
+        group: the rest of the prompt's). Waits for free pages, within a deadline."""
 
-        def allocate(engine: LLMEngine) -> tuple[int, dict[str, int], dict[str, list[int]]] | None:
+        def allocate(
+            engine: LLMEngine,
+        ) -> tuple[int, int, dict[str, int], dict[str, list[int]]] | None:
             kv, n = engine.kv, len(prompt)
-            prefix = kv.match_prefix(prompt)
+            prefix = kv.match_prefix(prompt)  # D's own hit: device or host tier
             if not kv.allocate_slots(rid, n + 1, prefix, num_computed_tokens=n):
                 return None
+            # The pull writes the pages outside the model's stream: no offload of a page this
+            # allocation evicted may still be reading it (a no-op without a GPU host tier).
+            kv.wait_offloads()
             n_hit = prefix.num_tokens // kv.page_size
             n_prompt_pages = -(-n // kv.page_size)
             skips, dst = {}, {}
@@ -182,7 +197,7 @@ class DecodeWorker:
                 first_held = next((i for i, p in enumerate(pages) if p != NULL_PAGE), len(pages))
                 skips[g] = min(max(n_hit, first_held), n_prompt_pages)
                 dst[g] = pages[skips[g] : n_prompt_pages]
-            return n_hit, skips, dst
+            return n_hit, prefix.num_host_tokens, skips, dst
 
         deadline = time.monotonic() + self._gen_init_deadline_s
         while True:

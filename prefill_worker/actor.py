@@ -25,6 +25,7 @@ class _PrefillWorkerActor(WorkerActorBase):
             report,
             spec.deadlines,
             spec.stats_interval_s,
+            spec.publish_kv_events,
         )
 
     async def prefill(self, req: GenerateRequest) -> PrefillResult:

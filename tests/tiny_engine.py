@@ -19,15 +19,20 @@ TINY = {
 PAGE = 4
 
 
-def tiny_engine(num_pages: int) -> LLMEngine:
+PAGE_BYTES = 2 * 2 * PAGE * 2 * 16 * 4  # layers, key/value, tokens, kv heads, head dim, float32
+
+
+def tiny_engine(num_pages: int, host_pages: int = 0) -> LLMEngine:
     """An engine of ``num_pages`` pages (the null page included); its max_model_len is what they
-    hold, up to 256 (an engine refuses to start when one longest request cannot fit)."""
+    hold, up to 256 (an engine refuses to start when one longest request cannot fit). With
+    ``host_pages``, a KV host tier of that many pages beneath them."""
     cfg = EngineConfig(
         load_format="dummy",
         dummy_config=TINY,
         num_pages=num_pages,
         page_size=PAGE,
         max_model_len=min(256, (num_pages - 1) * PAGE),
+        host_tier_bytes=host_pages * PAGE_BYTES,
     )
     return LLMEngine.from_config(cfg)
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from cluster.config.loader import ConfigError
 from engine.cpu_share import apply_cpu_share
 from engine.engine_core import LLMEngine
 from kvcache.sizing import KVSizingError
+from worker_common.config_error import ConfigError
 from worker_common.messages import WorkerSpec
 
 # Set on GPU workers by cluster/builder.py: Ray then leaves CUDA_VISIBLE_DEVICES alone, so every GPU
@@ -59,5 +59,6 @@ def build_engine(spec: WorkerSpec) -> LLMEngine:
 # What a kvcache.sizing.KVSizingError asks to change, in the cluster config's words.
 _SIZING_FIELDS = {
     "pool_ratio": "kvcache.pool_ratio",
+    "host_tier_bytes": "kvcache.host_tier_bytes",
     "budget": "kvcache.num_pages / cpu_bytes / gpu_memory_fraction / pool_ratio, or model.max_model_len",
 }

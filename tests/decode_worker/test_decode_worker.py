@@ -348,3 +348,58 @@ def test_a_hybrid_request_pulls_per_group_what_d_lacks() -> None:
     finally:
         worker.close()
         prefill.close()
+
+
+@pytest.mark.timeout(120)
+def test_the_decode_workers_own_prefix_hit_comes_from_its_host_tier() -> None:
+    """D pulls only what it does not hold: pages of an earlier turn that its device pool evicted
+    are loaded back from its host tier, and the tokens are those of one engine doing it all."""
+    cfg = TransceiverConfig(secret="test-secret", lease_s=30.0)
+    pe, de = tiny_engine(64), tiny_engine(16, host_pages=32)  # D: 15 device pages of 4 tokens
+    assert de.kv.host_tier is not None and de.kv.host_tier.pools["full"].num_pages == 32
+    from prefill_worker.worker import PrefillWorker
+    from transfer import KVSender
+
+    specs = list(pe.kv.specs.values())
+    prefill = PrefillWorker("p0", pe, lambda rel: KVSender(pe.kv.buffers, specs, "tiny", cfg, rel))
+    receiver = KVReceiver(de.kv.buffers, list(de.kv.specs.values()), "tiny", cfg)
+    worker = DecodeWorker("d0", de, receiver)
+    first = list(range(1, 25))  # 6 pages
+    second = first + list(range(30, 38))  # 8 pages: D holds the first 6 (on host by then)
+
+    async def disaggregated(rid: str, prompt: list[int]) -> list[int]:
+        req = GenerateRequest(rid, prompt, greedy(3), time.time())
+        pre = await prefill.prefill(req)
+        tokens = [pre.first_token_id]
+        async for d in worker.decode(req, pre):
+            tokens += d.token_ids
+        return tokens
+
+    async def main() -> list[list[int]]:
+        out = [await disaggregated("a", first)]
+        for i in range(3):  # other prompts push "a"'s pages out of D's device pool
+            await disaggregated(f"other-{i}", list(range(40 + 30 * i, 64 + 30 * i)))
+        stats = await asyncio.wrap_future(worker.loop.call(lambda e: e.kv.stats()))
+        assert stats.groups["full"].host.offloaded >= 6  # type: ignore[union-attr]
+        out.append(await disaggregated("b", second))
+        await wait_until_no_page_held(worker)
+        return out
+
+    try:
+        answers = asyncio.run(main())
+        host = de.kv.stats().groups["full"].host
+        assert host is not None and host.loaded_back >= 1 and host.hit_tokens >= PAGE
+        (b,) = [r.metrics for r in de.drain_request_stats() if r.request_id == "b"]
+        assert (
+            b.num_cached_tokens >= 4 * PAGE and 0 < b.num_cached_host_tokens <= b.num_cached_tokens
+        )
+        alone = tiny_engine(64)  # the same weights (seeded): one engine doing all of it
+        for rid, prompt, got in (("a", first, answers[0]), ("b", second, answers[1])):
+            alone.add_request(rid, prompt, greedy(3))
+            final = None
+            while alone.has_unfinished():
+                final = next((o for o in alone.step() if o.finished), final)
+            assert final is not None and got == final.token_ids, rid
+    finally:
+        worker.close()
+        prefill.close()
