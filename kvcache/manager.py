@@ -38,7 +38,9 @@ yet. Not thread-safe: one owner (the worker's step loop) calls it.
 
 from __future__ import annotations
 
+import functools
 import sys
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 
@@ -120,8 +122,12 @@ class KVCacheManager:
             self.host_tier = HostTier(
                 specs, host_tier_pages, self.buffers, self.device, self.events
             )
+        # Weakly: a pool that held its manager would make a cycle, and the device memory of a
+        # dropped engine's KV cache would wait for the garbage collector (an engine built after
+        # it then finds too little free memory and sizes a small cache).
+        me = weakref.ref(self)
         for g, pool in self._pools.items():
-            pool.on_evict = lambda page, block_hash, g=g: self._evicted(g, page, block_hash)
+            pool.on_evict = functools.partial(_evict_hook, me, g)
 
     # ---- storage ----
     def layer_cache(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -525,3 +531,11 @@ class KVCacheManager:
                     raise RuntimeError(f"load-back {item} of {rid!r}: the page is not held by it")
                 if self._pools[item.group].page_hash(item.device_page) is not None:
                     raise RuntimeError(f"load-back {item} of {rid!r}: registered before it landed")
+
+
+def _evict_hook(
+    manager: weakref.ref[KVCacheManager], group: str, page: int, block_hash: int
+) -> None:
+    m = manager()
+    if m is not None:
+        m._evicted(group, page, block_hash)

@@ -114,19 +114,46 @@ def test_a_host_tier_smaller_than_one_page_is_refused(default_model: LoadedModel
                         host_tier_bytes=1 << 24, reuse_policy="none")  # fmt: skip
 
 
+# A random-weight Llama for the GPU test (the embedded SmolLM2 is not on the GPU machines).
+GPU_DUMMY = {
+    "model_type": "llama",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 512,
+}
+
+
+def id_conversation(llm: LLM) -> tuple[list[list[int]], list[list[int]]]:
+    """conversation() in token ids: five first turns of 130 tokens (two shared pages, then their
+    own), then each turn 1 + its answer + a follow-up."""
+    gen = torch.Generator().manual_seed(3)
+    shared = torch.randint(1, 512, (32,), generator=gen).tolist()
+    prompts1 = [shared + torch.randint(1, 512, (98,), generator=gen).tolist() for _ in TOPICS]
+    params = SamplingParams(temperature=0.0, max_tokens=TURN_TOKENS, ignore_eos=True)
+    answers1 = [o.token_ids for o in llm.generate(prompts1, params)]
+    prompts2 = [p + a + [7, 8, 9] for p, a in zip(prompts1, answers1, strict=True)]
+    answers2 = [llm.generate([p], params)[0].token_ids for p in prompts2]
+    return prompts1 + prompts2, answers1 + answers2
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_host_tier_pinned_copies_keep_the_tokens() -> None:
-    """Offloads on their own stream, load-backs awaited by the scheduler: tokens equal tier off."""
+    """Offloads on their own stream, load-backs awaited by the scheduler (CUDA graphs on, the
+    default): tokens equal tier off."""
     from engine.loaders import load_model
 
-    loaded = load_model("default", "auto", torch.float32, "cuda")
+    loaded = load_model("gpu-dummy", "dummy", torch.float32, "cuda", dummy_config=GPU_DUMMY)
     with_tier = make_llm(loaded, HOST_PAGES)
     tier = with_tier.engine.kv.host_tier
     assert tier is not None and tier.buffers["full"].is_pinned()
     without = make_llm(loaded, 0)
-    prompts, answers = conversation(with_tier)
+    prompts, answers = id_conversation(with_tier)
     host = with_tier.engine.kv.stats().groups["full"].host
     assert host is not None and host.loaded_back >= 4 and host.pinned == 0
-    assert conversation(without) == (prompts, answers)
+    assert id_conversation(without) == (prompts, answers)
     assert_no_leak(with_tier.engine.kv)

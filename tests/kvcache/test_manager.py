@@ -147,3 +147,31 @@ def test_check_integrity_reports_broken_accounting(make_manager: MakeManager) ->
     with pytest.raises(RuntimeError, match="peak used 0 below current usage 2"):
         m.check_integrity()
     m.reset_peak()
+
+
+@pytest.mark.parametrize("host_pages", [None, 4])
+def test_a_dropped_manager_frees_its_buffers_without_the_garbage_collector(
+    host_pages: int | None,
+) -> None:
+    """No reference cycle keeps a manager alive: its device memory goes when its last reference
+    does (a cycle made an engine built after a dropped one size a small cache on a GPU)."""
+    import gc
+    import weakref
+
+    spec = group_spec(num_pages=6, page_size=2)
+    manager = KVCacheManager(
+        [spec],
+        ReusePolicy.ALL_REUSABLE,
+        torch.device("cpu"),
+        False,
+        {"full": host_pages} if host_pages else None,
+    )
+    manager.allocate_slots("a", 6)  # evictions and the host tier's hooks in place
+    manager.free("a")
+    alive = weakref.ref(manager)
+    gc.disable()
+    try:
+        del manager
+        assert alive() is None
+    finally:
+        gc.enable()
