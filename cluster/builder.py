@@ -19,6 +19,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from cluster.collector import expected_roles_for
 from cluster.collector_actor import start_collector_actor
 from cluster.config import ClusterConfig
+from cluster.preflight import preflight
 from cluster.router import Router, WorkerSlot
 from cluster.transfer_setup import cluster_secret
 from cluster.worker_specs import worker_spec
@@ -96,7 +97,11 @@ def build_cluster(
     """Create every actor of ``config`` in the connected Ray cluster; return when all are healthy.
     ``worker_log_level``: the workers' logging level (default: this process's).
     ``transfer_secret``: the secret the workers' transceivers prove to each other (None: from
-    ``transfer.secret`` or DUET_TRANSFER_SECRET, else a fresh one for this cluster)."""
+    ``transfer.secret`` or DUET_TRANSFER_SECRET, else a fresh one for this cluster).
+
+    Raises ConfigError, before any actor starts, for a tensor_parallel_size the model cannot be
+    split by or no node can host (cluster/preflight.py)."""
+    preflight(config)
     # Handed to the workers inside their TransceiverConfig (it never appears in its repr).
     secret = None if config.aggregated else transfer_secret or cluster_secret(config, make=True)
     # Workers find the collector by this name (a name, not a handle in their constructor

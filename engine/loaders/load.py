@@ -115,6 +115,57 @@ def _as_config(value: ModelConfig | dict[str, Any]) -> ModelConfig:
     raise TypeError(f"dummy_config must be a ModelConfig or a dict, got {type(value).__name__}")
 
 
+def read_model_config(
+    source: str = "default",
+    load_format: LoadFormat = "auto",
+    dummy_config: ModelConfig | dict[str, Any] | None = None,
+) -> ModelConfig:
+    """The shape ``load_model`` would build for these arguments, read without any weight (a
+    config.json, a GGUF file's metadata, a dummy config or preset): what checks of a setting
+    against the model need before anything is loaded."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(
+            f"load_format {load_format!r} is not supported; expected one of {LOAD_FORMATS}"
+        )
+    if load_format == "dummy":
+        return _dummy_shape(source, dummy_config, with_tokenizer=False)[0]
+    path = checkpoint_path(source)
+    if detect_format(path) == "gguf":
+        from gguf import GGUFReader
+
+        from engine.loaders.gguf_config import config_from_gguf
+
+        return config_from_gguf(GGUFReader(str(path)))
+    return config_from_hf_dir(path)
+
+
+def _dummy_shape(
+    source: str, dummy_config: ModelConfig | dict[str, Any] | None, with_tokenizer: bool
+) -> tuple[ModelConfig, str, Tokenizer | None]:
+    """(config, name, tokenizer) of a dummy model: its config, a preset, or a checkpoint's shape."""
+    if dummy_config is not None:
+        return _as_config(dummy_config), "dummy" if is_default(source) else source, None
+    if source in DUMMY_PRESETS:
+        return DUMMY_PRESETS[source], source, None
+    if not is_default(source) and not Path(source).expanduser().exists():
+        raise FileNotFoundError(
+            f"dummy model source {source!r} is neither a preset {sorted(DUMMY_PRESETS)} nor an existing checkpoint path"
+        )
+    path = checkpoint_path(source)
+    name = model_name(source, path)
+    if detect_format(path) == "gguf":
+        if with_tokenizer:
+            _, config, tokenizer = _open_gguf(path)
+            return config, name, tokenizer
+        from gguf import GGUFReader
+
+        from engine.loaders.gguf_config import config_from_gguf
+
+        return config_from_gguf(GGUFReader(str(path))), name, None
+    config = config_from_hf_dir(path)
+    return config, name, tokenizer_from_hf_dir(path, config) if with_tokenizer else None
+
+
 def _load_dummy(
     source: str,
     dtype: torch.dtype,
@@ -122,23 +173,7 @@ def _load_dummy(
     dummy_config: ModelConfig | dict[str, Any] | None,
     seed: int,
 ) -> LoadedModel:
-    tokenizer: Tokenizer | None = None
-    if dummy_config is not None:
-        config, name = _as_config(dummy_config), "dummy" if is_default(source) else source
-    elif source in DUMMY_PRESETS:
-        config, name = DUMMY_PRESETS[source], source
-    else:
-        if not is_default(source) and not Path(source).expanduser().exists():
-            raise FileNotFoundError(
-                f"dummy model source {source!r} is neither a preset {sorted(DUMMY_PRESETS)} nor an existing checkpoint path"
-            )
-        path = checkpoint_path(source)
-        name = model_name(source, path)
-        if detect_format(path) == "gguf":
-            _, config, tokenizer = _open_gguf(path)
-        else:
-            config = config_from_hf_dir(path)
-            tokenizer = tokenizer_from_hf_dir(path, config)
+    config, name, tokenizer = _dummy_shape(source, dummy_config, with_tokenizer=True)
     model = model_class(config).build(config, dtype, device)
     init_dummy_weights(model, seed)
     return LoadedModel(config, model, tokenizer, name)

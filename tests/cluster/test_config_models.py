@@ -108,11 +108,37 @@ def test_worker_resources() -> None:
     assert WorkerResources(num_gpus=0.5).num_gpus == 0.5
     data = {"prefill": {"resources": {"num_gpus": 2, "resources": {"GPU": 1, "x": -1}}}}
     assert issues_of(data) == [
-        "prefill.resources.num_gpus: not supported yet: a worker uses at most 1 GPU until tensor "
-        "parallelism lands, got 2.0",
+        "prefill.resources.num_gpus: must be <= 1: a rank runs on one GPU (for more GPUs per "
+        "worker, raise tensor_parallel_size), got 2",
         "prefill.resources.resources: built-in resources ['GPU'] go in num_cpus / num_gpus, "
         "not in resources",
     ]
+    bundle = WorkerResources(num_cpus=0.5, num_gpus=1, resources={"node_a": 1}).bundle
+    assert bundle == {"CPU": 0.5, "GPU": 1.0, "node_a": 1.0}
+    assert WorkerResources(num_cpus=1, num_gpus=0).bundle == {"CPU": 1.0}
+
+
+def test_tensor_parallel_size_counts_ranks_of_a_gpu_each() -> None:
+    """prefill.tensor_parallel_size and decode.tensor_parallel_size: ranks per worker (default 1),
+    each with resources.num_gpus of 0 or 1 (ranks of one worker never share a GPU); the checks
+    against the model and the nodes are in tests/cluster/test_preflight.py."""
+    config = config_from_dict({"prefill": {"tensor_parallel_size": 2}})
+    assert (config.prefill.num_ranks, config.decode.num_ranks) == (2, 1)
+    assert (
+        config_from_dict({"decode": {"tensor_parallel_size": 4}}).decode.tensor_parallel_size == 4
+    )
+    assert issues_of(
+        {"prefill": {"tensor_parallel_size": 0}, "decode": {"tensor_parallel_size": -1}}
+    ) == [
+        "prefill.tensor_parallel_size: must be >= 1, got 0",
+        "decode.tensor_parallel_size: must be >= 1, got -1",
+    ]
+    shared = {"tensor_parallel_size": 2, "resources": {"num_gpus": 0.5}}
+    assert issues_of({"decode": shared}) == [
+        "decode.resources.num_gpus: must be 0 or 1 with tensor_parallel_size 2 (each rank needs a "
+        "GPU of its own), got 0.5"
+    ]
+    assert config_from_dict({"decode": {"resources": {"num_gpus": 0.5}}}).decode.num_ranks == 1
 
 
 def test_dummy_config_required_iff_load_format_dummy() -> None:
@@ -195,8 +221,8 @@ def test_kvcache_pool_ratio() -> None:
 
 
 def test_settings_of_features_not_there_yet_are_refused_not_ignored() -> None:
-    """kvcache.host_tier_bytes (and resources.num_gpus > 1, above) would change nothing today: a
-    value that asks for them is an error, never silently accepted."""
+    """kvcache.host_tier_bytes would change nothing today: a value that asks for it is an error,
+    never silently accepted."""
     assert issues_of({"kvcache": {"host_tier_bytes": "1GiB"}}) == [
         "kvcache.host_tier_bytes: not supported yet (the KV host tier): must be 0, got 1073741824"
     ]
