@@ -11,5 +11,6 @@ from __future__ import annotations
 # the declared-history check at admission, and direct reads that hold P's lease (ReadGrant).
 PROTOCOL_VERSION = 7
 
-# The page-major layout of kvcache/spec.py: one page of a pool group is one contiguous run of bytes.
-PAGE_LAYOUT = "page_major[num_pages,num_layers,2,page_size,num_kv_heads,head_dim]"
+# The page-major layout of kvcache/spec.py: one page of a pool group is one contiguous run of bytes,
+# and so is each run of consecutive heads within it (heads outermost).
+PAGE_LAYOUT = "page_major[num_pages,num_kv_heads,num_layers,2,page_size,head_dim]"

@@ -52,7 +52,7 @@ class LlamaForCausalLM(PagedCausalLMBase):
         """Run one step over ``batch``; returns the final-norm hidden states [T, hidden].
 
         ``kv_caches[i]`` is layer i's (k_cache, v_cache), each [num_pages, page_size, Hkv, head_dim]
-        (``buffer[:, j, 0]`` / ``buffer[:, j, 1]`` of its pool group's layout, kvcache/spec.py). The
+        (``kv_buffer.layer_view(buffer, j)`` of its pool group's layout, kvcache/spec.py). The
         new tokens' K/V are written to the slots of each layer's group (``batch.slot_mappings``)
         before attention reads the pages.
         """
