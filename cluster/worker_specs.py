@@ -76,4 +76,5 @@ def worker_spec(
         collector_name=collector_name if config.stats.perf_buffer_len != 0 else None,
         log_level=log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel()),
         on_transfer_failure=config.transfer.on_failure,
+        num_cpus=(config.prefill if role is Role.PREFILL else config.decode).resources.num_cpus,
     )

@@ -68,6 +68,9 @@ class EngineConfig:
     """Seed of the sampler's shared generator (requests without their own seed) and of dummy weights."""
     dummy_config: ModelConfig | dict[str, Any] | None = None
     """ModelConfig (or its field dict) for load_format="dummy" without a preset name."""
+    cuda_graphs: bool = True
+    """On CUDA, replay decode steps of up to max_num_seqs requests from CUDA graphs captured at
+    start-up (engine/cuda_graphs.py); False runs every step eagerly. Ignored on CPU, which has none."""
     max_stats_len: int = 1000
     """Iteration stats kept between drains: -1 unbounded, 0 none (not recorded), N the newest N."""
     max_request_stats_len: int | None = None
@@ -129,6 +132,8 @@ class EngineConfig:
         _positive_int(owner, "max_stats_len", self.max_stats_len, minimum=-1)
         if self.max_request_stats_len is not None:
             _positive_int(owner, "max_request_stats_len", self.max_request_stats_len, minimum=-1)
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"{owner}.cuda_graphs must be true or false, got {self.cuda_graphs!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

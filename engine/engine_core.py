@@ -45,6 +45,7 @@ class LLMEngine:
         max_stats_len: int = 1000,
         max_request_stats_len: int | None = None,
         model_name: str = "",
+        cuda_graphs: bool = False,
     ) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -58,6 +59,10 @@ class LLMEngine:
             list(kv.specs),
         )
         self.runner = ModelRunner(model, kv, model_config.num_layers, Sampler(seed, kv.device))
+        if cuda_graphs and kv.device.type == "cuda":
+            self.runner.capture_cuda_graphs(
+                scheduler_config.max_num_seqs, scheduler_config.max_pages_per_seq
+            )
         stop_ids = set(model_config.eos_token_ids) | set(
             tokenizer.stop_token_ids if tokenizer else ()
         )
@@ -118,6 +123,7 @@ class LLMEngine:
             max_stats_len=config.max_stats_len,
             max_request_stats_len=config.max_request_stats_len,
             model_name=loaded.name,
+            cuda_graphs=config.cuda_graphs,
         )
 
     @property

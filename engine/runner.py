@@ -6,6 +6,7 @@ from typing import Protocol
 
 import torch
 
+from engine.cuda_graphs import DecodeGraphs
 from engine.forward_batch import ForwardBatch
 from engine.request import Request
 from engine.sampler import Sampler
@@ -35,12 +36,27 @@ class ModelRunner:
         self, model: PagedCausalLM, kv: KVCacheManager, num_layers: int, sampler: Sampler
     ) -> None:
         self.model = model
+        self.kv_groups = list(kv.specs)
         self.kv_caches = [kv.layer_cache(layer) for layer in range(num_layers)]
         self.sampler = sampler
+        self.graphs: DecodeGraphs | None = None
+
+    def capture_cuda_graphs(self, max_num_seqs: int, max_pages_per_seq: int) -> None:
+        """From now on, decode steps of up to ``max_num_seqs`` rows replay CUDA graphs."""
+        device = self.kv_caches[0][0].device
+        graphs = DecodeGraphs(
+            self.model, self.kv_caches, self.kv_groups, max_num_seqs, max_pages_per_seq, device
+        )
+        graphs.capture()
+        self.graphs = graphs
 
     def compute_logits(self, batch: ForwardBatch) -> torch.Tensor:
         """Forward ``batch`` (filling the KV pages) and return the logits [S, vocab] of its sampled rows."""
         with torch.inference_mode():
+            if self.graphs is not None:
+                logits = self.graphs.run(batch)
+                if logits is not None:
+                    return logits
             hidden = self.model.forward(batch, self.kv_caches)
             return self.model.compute_logits(hidden, batch.logits_indices)
 

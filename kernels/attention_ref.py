@@ -1,4 +1,4 @@
-"""Plain-torch reference twins of the paged attention kernels (also the CPU implementation).
+"""Plain-torch reference twins of the paged attention kernels (the oracle of the Triton and CPU paths).
 
 Cache views: ``k_cache``/``v_cache`` are [num_pages, page_size, num_kv_heads, head_dim], possibly
 strided (one layer of a page-major pool, see kvcache/spec.py). GQA: query head h reads kv head

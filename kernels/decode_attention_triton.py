@@ -255,15 +255,17 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(
-    batch: int, num_kv_heads: int, max_tokens: int, device: torch.device, config: DecodeConfig
+    batch: int, num_kv_heads: int, device: torch.device, config: DecodeConfig
 ) -> int:
-    """Splits per sequence, from shapes alone (no device sync: `max_tokens` is the page table's
-    capacity, not the true longest sequence)."""
+    """Splits per sequence, from the batch shape alone: not from the page table's width, which a
+    CUDA graph fixes at max_pages_per_seq while an eager step trims it, so that both run the same
+    splits and sum in the same order (graph replays give the eager tokens). A split past a
+    sequence's end exits at once."""
     if config.num_splits is not None:
         return max(1, config.num_splits)
     target = config.programs_per_sm * _num_sms(device)
     splits = math.ceil(target / max(1, batch * num_kv_heads))
-    return max(1, min(splits, math.ceil(max_tokens / config.block_n), 64))
+    return max(1, min(splits, 64))
 
 
 def paged_decode_attention(
@@ -286,9 +288,7 @@ def paged_decode_attention(
     out = torch.empty_like(q)
     if batch == 0:
         return out
-    splits = choose_num_splits(
-        batch, num_kv_heads, page_table.shape[1] * page_size, q.device, config
-    )
+    splits = choose_num_splits(batch, num_kv_heads, q.device, config)
     if splits > 1:
         m = torch.empty((batch, num_q_heads, splits), dtype=torch.float32, device=q.device)
         l_sum = torch.empty_like(m)

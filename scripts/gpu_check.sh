@@ -1,25 +1,37 @@
 #!/usr/bin/env bash
 # GPU work of one device call: `. .gpu/setup.sh` first (see README of the GPU machines), then this.
 # Works on one GPU or more: steps that need two GPUs say so and are skipped on one. Results go under
-# $OUT (or ./out). STEPS picks what runs (default: tests transfer cluster bench):
-#   tests     GPU tests of kernels/ and transfer/ (cuda_ipc between two processes: on two GPUs when
-#             there are two, else both on GPU 0)
+# $OUT (or ./out). STEPS picks what runs (default: tests decode transfer cluster bench goodput tp):
+#   tests     every GPU test (marker gpu): kernels/, transfer/ (cuda_ipc between two processes: on
+#             two GPUs when there are two, else both on GPU 0), engine/ (CUDA graphs, hybrid KV),
+#             kvcache/ (the pinned host tier)
+#   decode    scripts/bench_decode_gpu.py: the 8B shape's decode step at batch 1 / 16 / 64 and 1k
+#             context against the memory floor from the copy bandwidth of the same run, and
+#             offline throughput against HF generate on the same random model
 #   transfer  scripts/bench_transfer.py --device cuda, 1 MiB .. 1 GiB: the ucx and cuda_ipc paths
 #             next to raw ucxx and a torch peer copy of the same bytes, in the same run
 #   cpu       scripts/bench_transfer.py on the CPU (ucx and host_shm) on this host's cores
 #   cluster   scripts/gpu_cluster_check.py: 1P1D vs aggregated tokens, transfer path and figures (2 GPUs)
 #   bench     duet bench of configs/gpu_1p1d.yaml against its aggregated twin (2 GPUs)
+#   goodput   the ISL 4096 / OSL 256 rate sweep of configs/gpu_1p1d.yaml against its aggregated
+#             twin, distinct prompts at every rate, goodput at TTFT <= 1 s and TPOT <= 50 ms (p90),
+#             with plots (2 GPUs)
+#   tp        configs/gpu_tp.yaml (prefill tp 2, decode tp 2) and a prefill tp 2 / decode tp 1
+#             cluster against the tp 1 cluster's tokens, and tp 2 decode TPOT against tp 1 (4 GPUs)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0   # keep Ray on loopback
 GPUS=$(python -c "import torch; print(torch.cuda.device_count())")
 echo "$GPUS GPU(s)"
-for step in ${STEPS:-tests transfer cluster bench}; do
+for step in ${STEPS:-tests decode transfer cluster bench goodput tp}; do
   echo "== $step"
   case $step in
     tests)
-      python -m pytest -q -m gpu tests/kernels tests/transfer ${TEST_FILTER:+-k "$TEST_FILTER"} 2>&1 \
-        | tee "$OUT/gpu_tests.log" | tail -15 ;;
+      python -m pytest -q -m gpu tests/kernels tests/transfer tests/engine tests/kvcache \
+        ${TEST_FILTER:+-k "$TEST_FILTER"} 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
+    decode)
+      python scripts/bench_decode_gpu.py ${DECODE_ARGS:-} --out "$OUT/decode_gpu.json" 2>&1 \
+        | tee "$OUT/decode_gpu.log" | grep -E "bandwidth|batch|offline" ;;
     transfer)
       python scripts/bench_transfer.py --device cuda --repeats 9 \
         --out "$OUT/transfer_gpu.json" 2>&1 | tee "$OUT/transfer_gpu.log" | grep MiB ;;
@@ -27,13 +39,27 @@ for step in ${STEPS:-tests transfer cluster bench}; do
       echo "$(nproc) cores" | tee "$OUT/transfer_cpu.log"
       python scripts/bench_transfer.py --device cpu --repeats 9 \
         --out "$OUT/transfer_cpu.json" 2>&1 | tee -a "$OUT/transfer_cpu.log" | grep MiB ;;
-    cluster|bench)
+    tp)
+      if [ "$GPUS" -lt 4 ]; then
+        echo "skipped: configs/gpu_tp.yaml needs 4 GPUs, this machine has $GPUS"
+        continue
+      fi
+      python scripts/gpu_tp_check.py 2>&1 | tee "$OUT/gpu_tp.log" | tail -40 ;;
+    cluster|bench|goodput)
       if [ "$GPUS" -lt 2 ]; then
         echo "skipped: configs/gpu_1p1d.yaml puts prefill and decode on two GPUs, this machine has $GPUS"
         continue
       fi
       if [ $step = cluster ]; then
         python scripts/gpu_cluster_check.py 2>&1 | tee "$OUT/gpu_cluster.log" | grep -v "^\s*$" | tail -60
+      elif [ $step = goodput ]; then
+        # Distinct random prompts at every rate (no prefix-cache help across rates); the rates
+        # go past the knee of both modes.
+        python -m cluster.bench configs/gpu_1p1d.yaml --compare aggregated --tokenizer none \
+          --vocab-size 128000 --num-prompts 200 --input-len 4096 --output-len 256 \
+          --request-rate ${GOODPUT_RATES:-1 2 4 6 8 12 16} --fresh-prompts-per-rate --goodput ttft:1000 tpot:50 \
+          --disable-tqdm --output-dir "$OUT/goodput" 2>&1 \
+          | tee "$OUT/goodput.log" | tail -60
       else
         python -m cluster.bench configs/gpu_1p1d.yaml --compare aggregated --tokenizer none \
           --vocab-size 128000 --num-prompts 32 --input-len 2048 --output-len 64 --request-rate 2 8 inf \

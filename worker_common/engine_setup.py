@@ -6,6 +6,7 @@ import dataclasses
 import os
 
 from cluster.config.loader import ConfigError
+from engine.cpu_share import apply_cpu_share
 from engine.engine_core import LLMEngine
 from kvcache.sizing import KVSizingError
 from worker_common.messages import WorkerSpec
@@ -40,10 +41,14 @@ def build_engine(spec: WorkerSpec) -> LLMEngine:
     """The worker's engine. A KV cache its settings cannot size (a pool_ratio naming groups the
     model lacks, or a group that cannot hold one max_model_len request) is a ConfigError naming the
     cluster fields to change; so is a model with sliding-window pool groups in a disaggregated
-    cluster (the worker has a transceiver)."""
+    cluster (the worker has a transceiver).
+
+    On a CPU device it first sizes this process's torch threads to the worker's CPUs and returns it
+    to the default priority (engine/cpu_share.py): call it before the worker's first torch op."""
     config = spec.engine
     if config.device == "cuda":
         config = dataclasses.replace(config, device=gpu_device())
+    apply_cpu_share(spec.num_cpus, config.device)
     where = f"{spec.worker_id} start-up"
     try:
         engine = LLMEngine.from_config(config)

@@ -66,6 +66,9 @@ class WorkerSpec:
     # D: after a failed, expired or refused pull, "fail" the request or "recompute" (prefill it
     # here); transfer.on_failure.
     on_transfer_failure: Literal["fail", "recompute"] = "fail"
+    # CPUs Ray reserves for this worker (resources.num_cpus): on a CPU device, its torch threads
+    # (engine/cpu_share.py); None: every core the process may use.
+    num_cpus: float | None = None
 
 
 @dataclass(frozen=True)

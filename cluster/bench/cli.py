@@ -81,6 +81,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --tokenizer none: random prompts of token ids 0..N-1",
     )
     work.add_argument("--seed", type=int, default=0)
+    work.add_argument(
+        "--fresh-prompts-per-rate",
+        action="store_true",
+        help="draw another workload (seed + rate index) at every rate of a sweep, so that no rate "
+        "hits the prefix cache of an earlier one; every target sees the same prompts at a rate",
+    )
     load = parser.add_argument_group("arrivals")
     load.add_argument(
         "--request-rate",
@@ -199,6 +205,12 @@ def run_bench(args: argparse.Namespace) -> int:
             options = build_sweep_options(args)
             targets = build_targets(args.target, args.compare, args.compare_target)
             requests = build_workload(args)
+            per_rate = None
+            if args.fresh_prompts_per_rate:
+                per_rate = [
+                    build_workload(argparse.Namespace(**{**vars(args), "seed": args.seed + i}))
+                    for i in range(len(args.request_rate))
+                ]
         except (SloSpecError, WorkloadError) as exc:
             raise BenchError(str(exc)) from None
         except (ValueError, OSError) as exc:
@@ -206,7 +218,7 @@ def run_bench(args: argparse.Namespace) -> int:
         results["percentiles"] = list(options.percentiles)
         results["goodput_slos"] = options.slos.as_dict() if options.slos else None
         results["workload"] = describe_workload(args, requests)
-        run_sweeps(targets, requests, options, results)
+        run_sweeps(targets, requests, options, results, per_rate)
     except BenchError as exc:
         results["error"] = str(exc)
     except KeyboardInterrupt:

@@ -85,9 +85,14 @@ def update_goodput(entry: dict[str, Any]) -> None:
 
 
 async def sweep_url(
-    url: str, entry: dict[str, Any], requests: Sequence[BenchRequest], options: SweepOptions
+    url: str,
+    entry: dict[str, Any],
+    requests: Sequence[BenchRequest],
+    options: SweepOptions,
+    per_rate: Sequence[Sequence[BenchRequest]] | None = None,
 ) -> None:
     """Run every rate of the sweep against the server at ``url``, appending to ``entry["runs"]``.
+    ``per_rate[i]``, when given, is the workload of the i-th rate (else ``requests`` at every rate).
 
     Raises BenchError when the server cannot be reached, warm-up fails, or every request of a run
     failed (the sweep stops there; that run's results are in ``entry`` already).
@@ -111,11 +116,16 @@ async def sweep_url(
                 url,
             )
             await fetch_perf_metrics(url)  # drain the warm-up's entries
-        for rate in options.request_rates:
+        for i, rate in enumerate(options.request_rates):
             arrivals = replace(options.arrivals, request_rate=rate)
             label = f"{entry['label']} @ {rate:g} req/s"
             outcome = await run_requests(
-                client, requests, arrivals, options.run_deadline_s, options.show_progress, label
+                client,
+                per_rate[i] if per_rate is not None else requests,
+                arrivals,
+                options.run_deadline_s,
+                options.show_progress,
+                label,
             )
             await collect_server_timings(url, outcome.records, options.server_metrics_wait_s)
             duration = max(outcome.duration_s, 1e-9)  # a run of instant failures can measure 0
@@ -134,11 +144,13 @@ def run_sweeps(
     requests: Sequence[BenchRequest],
     options: SweepOptions,
     results: dict[str, Any],
+    per_rate: Sequence[Sequence[BenchRequest]] | None = None,
 ) -> None:
-    """Sweep every target in turn (each started and stopped around its sweep) into ``results``."""
+    """Sweep every target in turn (each started and stopped around its sweep) into ``results``;
+    ``per_rate`` as in ``sweep_url``."""
     for target in targets:
         entry: dict[str, Any] = {"label": target.label, "url": None, "runs": []}
         results["targets"].append(entry)
         with target as url:
             entry["url"] = url
-            asyncio.run(sweep_url(url, entry, requests, options))
+            asyncio.run(sweep_url(url, entry, requests, options, per_rate))

@@ -6,11 +6,17 @@ import torch
 from torch import nn
 
 from engine.forward_batch import ForwardBatch
-from engine.model.linear import MergedLinear
+from engine.model.linear import Linear, MergedLinear
 from engine.model.norm import RMSNorm
 from engine.model.rotary import apply_rotary
 from engine.model_config import ModelConfig
-from kernels import paged_decode_attention, paged_prefill_attention, store_kv
+from kernels import (
+    AttentionPlan,
+    paged_decode_attention,
+    paged_prefill_attention,
+    plan_paged_attention,
+    store_kv,
+)
 from kvcache.spec import FULL_GROUP
 
 
@@ -46,7 +52,7 @@ class PagedAttention(nn.Module):
             bias=config.attention_bias,
             dtype=dtype,
         )
-        self.o_proj = nn.Linear(
+        self.o_proj = Linear(
             config.q_size, config.hidden_size, bias=config.attention_out_bias, dtype=dtype
         )
         self.q_norm: RMSNorm | None = None
@@ -74,6 +80,7 @@ class PagedAttention(nn.Module):
         k_cache, v_cache = kv_cache
         store_kv(k, v, k_cache, v_cache, batch.slot_mappings[self.kv_group])
         page_table = batch.page_tables[self.kv_group]
+        plan = self._plan(batch, page_table, k_cache.shape[1])
         if batch.is_decode_only:
             # One new token per sequence: row b of q belongs to sequence b (T == num_seqs).
             out = paged_decode_attention(
@@ -85,6 +92,7 @@ class PagedAttention(nn.Module):
                 self.scale,
                 self.sliding_window,
                 self.softcap,
+                plan,
             )
         else:
             out = paged_prefill_attention(
@@ -97,5 +105,18 @@ class PagedAttention(nn.Module):
                 self.scale,
                 self.sliding_window,
                 self.softcap,
+                plan,
             )
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+
+    def _plan(
+        self, batch: ForwardBatch, page_table: torch.Tensor, page_size: int
+    ) -> AttentionPlan | None:
+        """This step's attention plan for the layer's group and window, made once per step."""
+        key = (self.kv_group, self.sliding_window)
+        if key not in batch.attention_plans:
+            cu_seqlens_q = None if batch.is_decode_only else batch.cu_seqlens_q
+            batch.attention_plans[key] = plan_paged_attention(
+                page_table, batch.seq_lens, cu_seqlens_q, page_size, self.sliding_window
+            )
+        return batch.attention_plans[key]

@@ -11,8 +11,9 @@ from typing import Self
 import torch
 from torch import nn
 
-from engine.model.linear import MergedLinear
+from engine.model.linear import Linear, MergedLinear, PackedWeight
 from engine.model_config import ModelConfig
+from kernels import linear
 
 # HF projection name -> (merged module, shard index); the checkpoint keeps them apart, we stack them.
 _STACKED: dict[str, tuple[str, int]] = {
@@ -37,7 +38,12 @@ class PagedCausalLMBase(nn.Module):
 
     config: ModelConfig
     model: nn.Module
-    lm_head: nn.Linear | None
+    lm_head: Linear | None
+
+    def __init__(self) -> None:
+        super().__init__()
+        # The tied embedding in kernels.linear's layout (remade when the weight is written).
+        self.tied_lm_head = PackedWeight()
 
     @classmethod
     def build(cls, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> Self:
@@ -59,8 +65,11 @@ class PagedCausalLMBase(nn.Module):
         if None), soft-capped when the config says so."""
         if logits_indices is not None:
             hidden = hidden[logits_indices]
-        weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
-        logits = torch.nn.functional.linear(hidden, weight)
+        if self.lm_head is not None:
+            logits = self.lm_head(hidden)
+        else:
+            weight = self.model.embed_tokens.weight
+            logits = linear(hidden, weight, packed=self.tied_lm_head.get(weight))
         cap = self.config.final_logit_softcapping
         if cap is not None:  # in the model's dtype, as transformers does, then float32
             logits = torch.tanh(logits / cap) * cap

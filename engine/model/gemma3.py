@@ -19,6 +19,7 @@ from torch import nn
 from engine.forward_batch import ForwardBatch
 from engine.model.attention import PagedAttention
 from engine.model.causal_lm import PagedCausalLMBase
+from engine.model.linear import Linear
 from engine.model.mlp import GatedMLP
 from engine.model.rotary import RotaryEmbedding
 from engine.model_config import ModelConfig
@@ -109,9 +110,9 @@ class Gemma3ForCausalLM(PagedCausalLMBase):
         local_theta = config.rope_local_theta or config.rope_theta
         local = dataclasses.replace(config, rope_theta=local_theta, rope_scaling=None)
         self.rotary_local = RotaryEmbedding(local)
-        self.lm_head: nn.Linear | None = None
+        self.lm_head: Linear | None = None
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
 
     def forward(
         self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]

@@ -1,12 +1,46 @@
-"""A linear layer that stacks several checkpoint projections into one matmul (q/k/v, gate/up)."""
+"""Linear layers of the model: ``Linear`` runs kernels.linear (oneDNN on CPU, with the weight packed
+once into oneDNN's layout), and ``MergedLinear`` stacks several checkpoint projections into one
+matmul (q/k/v, gate/up)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from kernels import linear, pack_linear_weight
 
-class MergedLinear(nn.Linear):
+
+class PackedWeight:
+    """A weight's copy in kernels.linear's packed layout, made on first use and made again whenever
+    the weight was written since (its in-place version counter changed) or replaced (another
+    storage, shape or strides: a new Parameter, a slice of the old one)."""
+
+    def __init__(self) -> None:
+        self._packed: torch.Tensor | None = None
+        self._key: tuple[object, ...] | None = None
+
+    def get(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The packed copy of ``weight``; None where kernels.linear uses none (GPU, other dtypes)."""
+        # Inference tensors keep no version counter; their writes cannot be seen, only new storage.
+        version = -1 if weight.is_inference() else weight._version
+        key = (version, weight.data_ptr(), tuple(weight.shape), weight.stride())
+        if key != self._key:
+            self._packed, self._key = pack_linear_weight(weight), key
+        return self._packed
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters and names) whose product goes through kernels.linear."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.packed_weight = PackedWeight()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.packed_weight.get(self.weight))
+
+
+class MergedLinear(Linear):
     """``nn.Linear`` whose output rows are the concatenation of ``shard_sizes`` separate projections.
 
     Checkpoints store the projections separately (``q_proj``, ``k_proj``, ...); ``load_shard`` copies

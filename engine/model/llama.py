@@ -8,6 +8,7 @@ from torch import nn
 from engine.forward_batch import ForwardBatch
 from engine.model.causal_lm import PagedCausalLMBase
 from engine.model.decoder_layer import DecoderLayer
+from engine.model.linear import Linear
 from engine.model.norm import RMSNorm
 from engine.model.rotary import RotaryEmbedding
 from engine.model_config import ModelConfig
@@ -42,9 +43,9 @@ class LlamaForCausalLM(PagedCausalLMBase):
         self.config = config
         self.model = LlamaModel(config, dtype=dtype)
         self.rotary_emb = RotaryEmbedding(config)
-        self.lm_head: nn.Linear | None = None
+        self.lm_head: Linear | None = None
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
 
     def forward(
         self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.linear import MergedLinear
+from engine.model.linear import Linear, MergedLinear
 from engine.model_config import ModelConfig
 
 
@@ -19,7 +19,7 @@ class GatedMLP(nn.Module):
         size = config.intermediate_size
         self.gelu = config.hidden_act == "gelu_pytorch_tanh"
         self.gate_up_proj = MergedLinear(config.hidden_size, (size, size), bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(size, config.hidden_size, bias=False, dtype=dtype)
+        self.down_proj = Linear(size, config.hidden_size, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))

@@ -132,6 +132,43 @@ def _page_copy(dtype: torch.dtype, row_elems: int, column_offset: int) -> CaseFn
     return run
 
 
+def _rms_norm(dtype: torch.dtype, residual: bool, offset: float) -> CaseFn:
+    def run(gen: torch.Generator) -> float:
+        x = torch.randn((5, 96), generator=gen).to(dtype)
+        res = torch.randn((5, 96), generator=gen).to(dtype) if residual else None
+        w = (1 + 0.1 * torch.randn(96, generator=gen)).to(dtype)
+        out, s = kernels.add_rms_norm(x, w, 1e-6, res, offset)
+        want, want_s = kernels.add_rms_norm_ref(x, w, 1e-6, res, offset)
+        return max(_err(out, want), _err(s, want_s))
+
+    return run
+
+
+def _silu_and_mul(dtype: torch.dtype) -> CaseFn:
+    def run(gen: torch.Generator) -> float:
+        gate_up = (3 * torch.randn((4, 2 * 1500), generator=gen)).to(dtype)  # crosses a block
+        return _err(kernels.silu_and_mul(gate_up), kernels.silu_and_mul_ref(gate_up))
+
+    return run
+
+
+def _rotary(dtype: torch.dtype) -> CaseFn:
+    def run(gen: torch.Generator) -> float:
+        from kernels.layer_ops_ref import rotary_cos_sin_cache
+
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, 32, 2, dtype=torch.float32) / 32))
+        cos, sin = rotary_cos_sin_cache(inv_freq, 300, dtype, torch.device("cpu"))
+        qkv = torch.randn((6, (5 + 2 + 2) * 32), generator=gen).to(dtype)
+        q = qkv[:, : 5 * 32].view(6, 5, 32)  # strided views of one projection, as the model has
+        k = qkv[:, 5 * 32 : 7 * 32].view(6, 2, 32)
+        positions = torch.tensor([0, 1, 7, 299, 150, 3])
+        got = kernels.rotary(q, k, positions, cos, sin)
+        want = kernels.rotary_ref(q, k, positions, cos, sin)
+        return max(_err(got[0], want[0]), _err(got[1], want[1]))
+
+    return run
+
+
 # Two fp16 ulps at |out| < 2: kernel and reference round P and the output at different points.
 FP16_TOL = 2**-8
 # name -> (case, tolerance on the max abs error)
@@ -165,6 +202,13 @@ CASES: dict[str, tuple[CaseFn, float]] = {
     "page_copy_uint8_widened": (_page_copy(torch.uint8, 4096 * 3 + 16, 0), 0.0),
     "page_copy_uint8_unaligned": (_page_copy(torch.uint8, 37, 1), 0.0),
     "page_copy_fp32": (_page_copy(torch.float32, 300, 0), 0.0),
+    "rms_norm_fp32_residual": (_rms_norm(torch.float32, True, 0.0), 1e-5),
+    "rms_norm_fp16": (_rms_norm(torch.float16, False, 0.0), FP16_TOL),
+    "rms_norm_fp16_residual_gemma": (_rms_norm(torch.float16, True, 1.0), FP16_TOL),
+    "silu_and_mul_fp32": (_silu_and_mul(torch.float32), 1e-5),
+    "silu_and_mul_fp16": (_silu_and_mul(torch.float16), 2**-6),  # one fp16 ulp at |y| < 16
+    "rotary_fp32": (_rotary(torch.float32), 1e-5),
+    "rotary_fp16": (_rotary(torch.float16), FP16_TOL),
 }
 
 

@@ -1,5 +1,5 @@
-"""kernels/__init__ dispatch (Triton on CUDA or when asked, else the reference) and the Triton
-wrappers' argument checks, which fail before any launch."""
+"""kernels/__init__ dispatch (Triton on CUDA or when asked, the reference when asked, else the CPU
+path) and the Triton wrappers' argument checks, which fail before any launch."""
 
 from __future__ import annotations
 
@@ -21,12 +21,16 @@ def test_use_triton_follows_device_and_env(monkeypatch: pytest.MonkeyPatch) -> N
     assert not kernels.use_triton(cpu)
 
 
-def test_cpu_call_runs_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cpu_call_runs_the_cpu_path_and_ref_on_request(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("DUET_KERNELS", raising=False)
     gen = torch.Generator().manual_seed(0)
     kv = make_paged_kv([7, 3], 4, 2, 16, torch.float32, gen)
     q = torch.randn((2, 4, 16), generator=gen)
     args = (q, kv.k_cache, kv.v_cache, kv.page_table, kv.seq_lens, 0.25)
+    assert torch.equal(
+        kernels.paged_decode_attention(*args), kernels.paged_decode_attention_cpu(*args)
+    )
+    monkeypatch.setenv("DUET_KERNELS", "ref")
     assert torch.equal(
         kernels.paged_decode_attention(*args), kernels.paged_decode_attention_ref(*args)
     )

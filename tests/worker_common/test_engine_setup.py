@@ -3,15 +3,25 @@ and a cache the config cannot size stops the worker with a ConfigError naming th
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from cluster.config import ClusterConfig, ConfigError, config_from_dict
 from cluster.worker_specs import worker_spec
 from tests.engine.conftest import HYBRID_HF_CONFIGS, write_tiny_checkpoint
 from worker_common.engine_setup import build_engine
 from worker_common.messages import Role
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads() -> Iterator[None]:
+    """build_engine sizes the process's torch threads to the worker's CPUs: undone for later tests."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -76,3 +86,19 @@ def test_hybrid_models_are_refused_in_disaggregated_mode(gemma_dir: Path) -> Non
             build_engine(worker_spec(config, role, 0, None, transfer_secret="test"))
     aggregated = cluster(gemma_dir, {}, prefill_replicas=0)
     assert build_engine(worker_spec(aggregated, Role.DECODE, 0, None)).kv.specs["swa_32"]
+
+
+def test_a_cpu_worker_runs_torch_threads_for_its_cpus(gemma_dir: Path) -> None:
+    config = config_from_dict(
+        {
+            "model": {"source": str(gemma_dir), "max_model_len": 256},
+            "kvcache": {"page_size": 8},
+            "prefill": {"replicas": 0},
+            "decode": {"resources": {"num_cpus": 1}},
+        }
+    )
+    spec = worker_spec(config, Role.DECODE, 0, None)
+    assert spec.num_cpus == 1
+    torch.set_num_threads(2)
+    build_engine(spec)
+    assert torch.get_num_threads() == 1

@@ -43,6 +43,7 @@ class EchoState:
     max_in_flight: int = 0
     num_requests: int = 0
     next_id: int = 0
+    prompts: list[Any] = field(default_factory=list)  # every request's prompt, in arrival order
 
 
 def _prompt_tokens(body: dict[str, Any]) -> int:
@@ -71,6 +72,7 @@ def build_app(state: EchoState) -> FastAPI:
     async def generate(request: Request, chat: bool) -> Any:
         body = await request.json()
         state.num_requests += 1
+        state.prompts.append(body.get("prompt", body.get("messages")))
         max_tokens = int(body["max_tokens"])
         if max_tokens == 13:
             return JSONResponse({"error": {"message": "injected failure"}}, status_code=500)

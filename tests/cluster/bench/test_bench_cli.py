@@ -206,3 +206,18 @@ def test_bad_request_rate_is_a_usage_error(capsys: Any) -> None:
         parse_bench_args(["--request-rate", "0"])
     assert info.value.code == 2
     assert "bad request rate '0': must be > 0 (or inf)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_fresh_prompts_per_rate(start_echo: Any, tmp_path: Path, fresh: bool) -> None:
+    """With --fresh-prompts-per-rate no rate repeats a prompt of another (no prefix-cache help
+    across rates); without it every rate sends the same prompts."""
+    with start_echo() as server:
+        argv = [server.url, *SMALL, "--request-rate", "inf", "300", "--num-warmups", "0"]
+        code, results = bench([*argv, *(["--fresh-prompts-per-rate"] if fresh else [])], tmp_path)
+        assert code == 0 and results["error"] is None
+        first, second = (
+            {json.dumps(p) for p in server.state.prompts[i * 6 : (i + 1) * 6]} for i in (0, 1)
+        )
+        assert len(server.state.prompts) == 12 and len(first) == len(second) == 6
+        assert (first & second == set()) if fresh else (first == second)
