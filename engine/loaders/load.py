@@ -22,6 +22,7 @@ from engine.loaders.source import (
 from engine.model import PagedCausalLMBase, model_class
 from engine.model_config import ModelConfig
 from engine.tokenizer import Tokenizer
+from engine.tp.context import TPContext
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ def load_model(
     device: torch.device | str = "cpu",
     dummy_config: ModelConfig | dict[str, Any] | None = None,
     seed: int = 0,
+    tp: TPContext | None = None,
 ) -> LoadedModel:
     """Build the model (in eval mode, on ``device``, parameters in ``dtype``) and its tokenizer.
 
@@ -51,6 +53,9 @@ def load_model(
     ``dummy``: random weights from ``seed``. The shape is ``dummy_config`` (a ModelConfig, a HF
     config.json dict, or a dict of ModelConfig fields) if given, else the preset named by ``source``,
     else the config of the checkpoint at ``source`` (whose tokenizer then comes along too).
+
+    ``tp``: build and load only this tensor-parallel rank's shard (engine/tp/shard_weights.py);
+    safetensors are read slice by slice, other formats one whole tensor at a time.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(
@@ -61,7 +66,7 @@ def load_model(
             f"dummy_config is only used with load_format='dummy', got load_format={load_format!r}"
         )
     if load_format == "dummy":
-        return _load_dummy(source, dtype, device, dummy_config, seed)
+        return _load_dummy(source, dtype, device, dummy_config, seed, tp)
     path = checkpoint_path(source)
     actual = detect_format(path)
     if load_format != "auto" and load_format != actual:
@@ -69,8 +74,8 @@ def load_model(
             f"model source {source!r} is a {actual} checkpoint, but load_format={load_format!r} was asked for"
         )
     if actual == "gguf":
-        return _load_gguf(path, model_name(source, path), dtype, device)
-    return _load_hf(path, model_name(source, path), dtype, device)
+        return _load_gguf(path, model_name(source, path), dtype, device, tp)
+    return _load_hf(path, model_name(source, path), dtype, device, tp)
 
 
 def _open_gguf(path: Path) -> tuple[Any, ModelConfig, Tokenizer]:
@@ -86,21 +91,31 @@ def _open_gguf(path: Path) -> tuple[Any, ModelConfig, Tokenizer]:
 
 
 def _load_gguf(
-    path: Path, name: str, dtype: torch.dtype, device: torch.device | str
+    path: Path, name: str, dtype: torch.dtype, device: torch.device | str, tp: TPContext | None
 ) -> LoadedModel:
     from engine.loaders.gguf_weights import iter_gguf_weights
 
     reader, config, tokenizer = _open_gguf(path)
-    model = model_class(config).build(config, dtype, device)
+    model = model_class(config).build(config, dtype, device, _check_tp(config, tp))
     model.load_weights(iter_gguf_weights(reader, config))
     return LoadedModel(config, model, tokenizer, name)
 
 
-def _load_hf(path: Path, name: str, dtype: torch.dtype, device: torch.device | str) -> LoadedModel:
+def _load_hf(
+    path: Path, name: str, dtype: torch.dtype, device: torch.device | str, tp: TPContext | None
+) -> LoadedModel:
     config = config_from_hf_dir(path)
-    model = model_class(config).build(config, dtype, device)
-    model.load_weights(iter_safetensors_weights(path))
+    model = model_class(config).build(config, dtype, device, _check_tp(config, tp))
+    model.load_weights(iter_safetensors_weights(path, tp.partition if tp else None))
     return LoadedModel(config, model, tokenizer_from_hf_dir(path, config), name)
+
+
+def _check_tp(config: ModelConfig, tp: TPContext | None) -> TPContext | None:
+    """``tp`` with its partition's shape checked against the checkpoint's (the partition was made
+    from the config the caller read before loading)."""
+    if tp is not None and tp.partition.config != config:
+        raise ValueError("the tensor-parallel partition was made for another model config")
+    return tp
 
 
 def _as_config(value: ModelConfig | dict[str, Any]) -> ModelConfig:
@@ -172,8 +187,9 @@ def _load_dummy(
     device: torch.device | str,
     dummy_config: ModelConfig | dict[str, Any] | None,
     seed: int,
+    tp: TPContext | None,
 ) -> LoadedModel:
     config, name, tokenizer = _dummy_shape(source, dummy_config, with_tokenizer=True)
-    model = model_class(config).build(config, dtype, device)
+    model = model_class(config).build(config, dtype, device, _check_tp(config, tp))
     init_dummy_weights(model, seed)
     return LoadedModel(config, model, tokenizer, name)
