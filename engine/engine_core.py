@@ -27,7 +27,7 @@ from engine.scheduler_config import SchedulerConfig
 from engine.stats import IterationStats, RequestStats, StatsBuffer
 from engine.tokenizer import Tokenizer
 from engine.tp.context import TPContext
-from engine.tp.local_ranks import LocalRanks, rank_device
+from engine.tp.local_ranks import LocalRanks, Ranks, StartRanks, rank_device
 from engine.tp.messages import TPSetup
 from engine.tp.partition import TPPartition, tp_problems
 from kvcache.manager import KVCacheManager
@@ -66,9 +66,8 @@ class LLMEngine:
             list(kv.specs),
         )
         self.tp = tp
-        self.local_ranks: LocalRanks | None = (
-            None  # the offline API's ranks 1.. (close() ends them)
-        )
+        # ranks 1.. of a tensor-parallel engine (close() ends them)
+        self.local_ranks: Ranks | None = None
         self.runner = ModelRunner(
             model,
             kv,
@@ -92,12 +91,16 @@ class LLMEngine:
         self.num_iterations = 0
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> LLMEngine:
-        """Load the model, size the KV cache and build the engine. Bad sources raise ValueError."""
+    def from_config(cls, config: EngineConfig, start_ranks: StartRanks | None = None) -> LLMEngine:
+        """Load the model, size the KV cache and build the engine. Bad sources raise ValueError.
+
+        With ``tensor_parallel_size`` > 1 this process is rank 0; ``start_ranks(config, size)``
+        starts the others (default: local processes, engine/tp/local_ranks.py; the cluster's
+        workers start Ray actors instead, worker_common/tp_ranks.py)."""
         from engine.loaders import load_model  # deferred: pulls in gguf, safetensors, the model
 
         if config.tensor_parallel_size > 1:
-            return cls._from_config_tp(config)
+            return cls._from_config_tp(config, start_ranks or LocalRanks)
         try:
             loaded = load_model(
                 config.model,
@@ -114,8 +117,8 @@ class LLMEngine:
         return cls.from_loaded(loaded, config)
 
     @classmethod
-    def _from_config_tp(cls, config: EngineConfig) -> LLMEngine:
-        """Rank 0 here, ranks 1.. as local processes (engine/tp/local_ranks.py)."""
+    def _from_config_tp(cls, config: EngineConfig, start_ranks: StartRanks) -> LLMEngine:
+        """Rank 0 here, ranks 1.. started by ``start_ranks``."""
         from engine.loaders import load_model
         from engine.loaders.load import read_model_config
 
@@ -134,7 +137,7 @@ class LLMEngine:
                 f"LLM.tensor_parallel_size={size} needs {size} GPUs, this host has "
                 f"{torch.cuda.device_count()}"
             )
-        ranks = LocalRanks(config, size)
+        ranks = start_ranks(config, size)
         try:
             tp = TPContext(TPPartition(model_config, 0, size), ranks.group)
             loaded = load_model(

@@ -7,7 +7,9 @@ import os
 
 from cluster.config.loader import ConfigError
 from engine.cpu_share import apply_cpu_share
+from engine.engine_config import EngineConfig
 from engine.engine_core import LLMEngine
+from engine.tp.local_ranks import Ranks, StartRanks
 from kvcache.sizing import KVSizingError
 from worker_common.messages import WorkerSpec
 
@@ -51,9 +53,19 @@ def build_engine(spec: WorkerSpec) -> LLMEngine:
     apply_cpu_share(spec.num_cpus, config.device)
     where = f"{spec.worker_id} start-up"
     try:
-        engine = LLMEngine.from_config(config)
+        engine = LLMEngine.from_config(config, _start_ranks(spec))
     except KVSizingError as e:
         raise ConfigError(where, [f"{_SIZING_FIELDS[e.setting]}: {e}"]) from e
+    if config.tensor_parallel_size > 1 and spec.transceiver is not None:
+        engine.close()
+        raise ConfigError(
+            where,
+            [
+                f"{spec.role.value}.tensor_parallel_size: {config.tensor_parallel_size} in a "
+                "disaggregated cluster is not supported yet (the KV transfer moves rank 0's head "
+                "shard only); use it with prefill.replicas 0 (aggregated)"
+            ],
+        )
     windows = sorted(g for g, s in engine.kv.specs.items() if s.sliding_window is not None)
     if windows and spec.transceiver is not None:
         # A ticket would carry a window group's released positions as null pages, which D would
@@ -67,6 +79,19 @@ def build_engine(spec: WorkerSpec) -> LLMEngine:
             ],
         )
     return engine
+
+
+def _start_ranks(spec: WorkerSpec) -> StartRanks | None:
+    """Ranks 1.. of a tensor-parallel worker as Ray actors in its placement group."""
+    if spec.engine.tensor_parallel_size == 1:
+        return None
+
+    def start(config: EngineConfig, size: int) -> Ranks:
+        from worker_common.tp_ranks import RayRanks
+
+        return RayRanks(config, size, spec.worker_id, spec.num_cpus, spec.num_gpus, spec.log_level)
+
+    return start
 
 
 # What a kvcache.sizing.KVSizingError asks to change, in the cluster config's words.

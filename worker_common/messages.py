@@ -69,6 +69,9 @@ class WorkerSpec:
     # CPUs Ray reserves for this worker (resources.num_cpus): on a CPU device, its torch threads
     # (engine/cpu_share.py); None: every core the process may use.
     num_cpus: float | None = None
+    # GPUs Ray reserves per rank (resources.num_gpus): what ranks 1.. of a tensor-parallel worker
+    # ask for in its placement group (worker_common/tp_ranks.py).
+    num_gpus: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,8 @@ import logging
 import pickle
 import subprocess
 import sys
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -18,6 +20,23 @@ from engine.tp.comm import TPGroup, open_store
 logger = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_S = 30.0
+
+
+class Ranks(Protocol):
+    """Ranks 1..size-1 of a tensor-parallel engine, as rank 0 sees them."""
+
+    group: TPGroup
+
+    def close(self) -> None:
+        """Tell the ranks to stop and wait for them."""
+        ...
+
+    def kill(self) -> None:
+        """End the ranks now (after a failure)."""
+        ...
+
+
+StartRanks = Callable[[EngineConfig, int], Ranks]
 
 
 def rank_device(config: EngineConfig, rank: int) -> str:

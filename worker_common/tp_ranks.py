@@ -1,0 +1,125 @@
+"""Ranks 1..tp-1 of a tensor-parallel cluster worker, as Ray actors in the worker's placement group.
+
+Rank 0 is the worker actor itself (prefill or decode): it owns the scheduler, the page accounting,
+the transceiver and the sampling. While building its engine it starts the other ranks here, in
+bundles 1..tp-1 of the placement group the builder made for the worker (all on one node, so the
+ranks meet on 127.0.0.1). Rank 0 owns these actors: when it dies, Ray ends them with it, and a
+restarted rank 0 starts fresh ones. A rank whose loop fails exits its process, so rank 0's next
+collective raises and the whole worker goes down (worker_common/tp_failure.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+
+import ray
+import torch
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from engine.cpu_share import apply_cpu_share
+from engine.engine_config import EngineConfig
+from engine.tp.comm import TPGroup, open_store
+from worker_common.engine_setup import NOSET_VISIBLE_DEVICES, gpu_device
+
+log = logging.getLogger(__name__)
+
+
+class _TPRankActor:
+    """Rank ``rank`` > 0: builds its TPFollower (weights and KV head shard) and runs its loop on
+    a thread of its own (the actor stays responsive to ``ping``)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        rank: int,
+        size: int,
+        port: int,
+        num_cpus: float | None,
+        log_level: str,
+        worker_id: str,
+    ) -> None:
+        logging.basicConfig(level=log_level)
+        self.name = f"{worker_id} rank {rank}"
+        device = gpu_device() if torch.device(config.device).type == "cuda" else config.device
+        config = dataclasses.replace(config, device=device)
+        apply_cpu_share(num_cpus, device)
+        self._thread = threading.Thread(
+            target=self._run, args=(config, rank, size, port, device), daemon=True, name=self.name
+        )
+        self._thread.start()
+
+    def _run(self, config: EngineConfig, rank: int, size: int, port: int, device: str) -> None:
+        from engine.tp.follower import TPFollower
+
+        try:
+            TPFollower(config, rank, size, port, device).run()
+        except BaseException:
+            log.exception("%s failed; its worker goes down with it", self.name)
+            os._exit(1)
+
+    def ping(self) -> bool:
+        return self._thread.is_alive()
+
+
+TPRankActor = ray.remote(_TPRankActor)
+
+
+class RayRanks:
+    """Rank 0's handle on ranks 1..size-1 (engine.tp.local_ranks.Ranks)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        size: int,
+        worker_id: str,
+        num_cpus: float | None,
+        num_gpus: float,
+        log_level: str,
+    ) -> None:
+        pg = ray.util.get_current_placement_group()
+        if pg is None:
+            raise RuntimeError(
+                f"{worker_id}: a tensor-parallel worker's rank 0 must run in its placement group "
+                "(cluster/builder.py makes one per worker)"
+            )
+        store = open_store()
+        options: dict[str, object] = {
+            "num_cpus": num_cpus if num_cpus is not None else 1.0,
+            "num_gpus": num_gpus,
+            "max_restarts": 0,  # a rank never comes back alone: its worker restarts whole
+            "max_concurrency": 2,
+        }
+        if os.environ.get(NOSET_VISIBLE_DEVICES) == "1":
+            options["runtime_env"] = {"env_vars": {NOSET_VISIBLE_DEVICES: "1"}}
+        self.actors = [
+            TPRankActor.options(
+                **options,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    pg, placement_group_bundle_index=rank
+                ),
+                name=None,
+            ).remote(config, rank, size, store.port, num_cpus, log_level, worker_id)
+            for rank in range(1, size)
+        ]
+        try:
+            self.group = TPGroup.connect(
+                0, size, store.port, torch.device(config.device), store=store
+            )
+        except BaseException:
+            self.kill()
+            raise
+
+    def close(self) -> None:
+        try:
+            self.group.broadcast_object(None)
+        except Exception:  # a rank already gone: nothing to tell
+            log.warning("tensor-parallel ranks did not take the stop message", exc_info=True)
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
