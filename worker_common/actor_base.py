@@ -63,6 +63,11 @@ class WorkerActorBase:
         else:
             self._stats_released.set()
 
+    async def tp_rank_actors_for_test(self) -> list[Any]:
+        """Test hook: the Ray actors of ranks 1.. of a tensor-parallel worker ([] otherwise)."""
+        ranks = self.worker.loop.engine.local_ranks
+        return list(getattr(ranks, "actors", []))
+
     async def close(self) -> None:
         # Off this actor's event loop: the worker's close waits for pulls (direct reads among
         # them) that only this loop can finish.

@@ -26,6 +26,9 @@ from worker_common.engine_setup import NOSET_VISIBLE_DEVICES, gpu_device
 
 log = logging.getLogger(__name__)
 
+WATCH_INTERVAL_S = 0.5  # how often rank 0 checks that every other rank is alive
+WATCH_TIMEOUT_S = 30.0  # a rank that does not answer in this time counts as lost
+
 
 class _TPRankActor:
     """Rank ``rank`` > 0: builds its TPFollower (weights and KV head shard) and runs its loop on
@@ -100,10 +103,10 @@ class RayRanks:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     pg, placement_group_bundle_index=rank
                 ),
-                name=None,
             ).remote(config, rank, size, store.port, num_cpus, log_level, worker_id)
             for rank in range(1, size)
         ]
+        self._closing = threading.Event()
         try:
             self.group = TPGroup.connect(
                 0, size, store.port, torch.device(config.device), store=store
@@ -111,8 +114,30 @@ class RayRanks:
         except BaseException:
             self.kill()
             raise
+        self._watch = threading.Thread(
+            target=self._watch_ranks, args=(worker_id,), daemon=True, name=f"{worker_id} tp watch"
+        )
+        self._watch.start()
+
+    def _watch_ranks(self, worker_id: str) -> None:
+        """A rank that dies takes its worker down as a whole: rank 0's process exits, so the
+        router sees the worker gone (its in-flight calls fail, it stops sending) and Ray restarts
+        rank 0, which starts all other ranks afresh (the old ones die with their owner)."""
+        while not self._closing.wait(WATCH_INTERVAL_S):
+            try:
+                alive = ray.get([a.ping.remote() for a in self.actors], timeout=WATCH_TIMEOUT_S)
+                problem = None if all(alive) else "a rank's loop ended"
+            except Exception as e:  # RayActorError, a timeout: the rank is gone or hung
+                problem = f"{type(e).__name__}: {e}"
+            if problem is not None and not self._closing.is_set():
+                log.error(
+                    "%s: tensor-parallel rank lost (%s); the worker goes down", worker_id, problem
+                )
+                logging.shutdown()
+                os._exit(1)
 
     def close(self) -> None:
+        self._closing.set()
         try:
             self.group.broadcast_object(None)
         except Exception:  # a rank already gone: nothing to tell
@@ -121,5 +146,6 @@ class RayRanks:
             self.kill()
 
     def kill(self) -> None:
+        self._closing.set()
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
