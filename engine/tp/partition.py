@@ -1,12 +1,13 @@
 """How a model splits across ``tp`` tensor-parallel ranks: query heads, KV heads, the MLP width and
-the vocabulary (pure arithmetic; the layers that use it are in engine/model/parallel_linear.py and
-engine/model/vocab_parallel.py).
+the vocabulary (pure arithmetic; engine/tp/shard_weights.py cuts the checkpoint by it, and the
+attention and MLP layers size their shards by it).
 
 - Query heads: ``num_heads / tp`` consecutive heads per rank (tp must divide them).
 - KV heads: kvcache/head_shard.py (sharded when tp divides them, else replicated).
 - MLP: ``intermediate_size / tp`` consecutive columns of gate and up (rows of down) per rank.
-- Vocabulary: ``ceil(vocab / tp)`` consecutive rows of the embedding and the LM head per rank, the
-  last rank's padded with zero rows, so every rank's logits slice has one size (a gather needs it).
+- Vocabulary: ``ceil(vocab / tp)`` consecutive rows per rank, the last rank's padded with zero rows,
+  so every rank's logits slice has one size. Not used yet: the embedding and the LM head are
+  replicated on every rank, and only rank 0 computes logits.
 """
 
 from __future__ import annotations
