@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -26,6 +27,14 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+# NVLink multicast stays off on shared GPU hosts (it can take the host's GPUs out of service);
+# every rank process inherits these.
+for _name, _value in (
+    ("NCCL_NVLS_ENABLE", "0"),
+    ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+    ("NVSHMEM_DISABLE_NVLS", "1"),
+):
+    os.environ.setdefault(_name, _value)
 
 from cluster.config import ConfigError, config_from_dict, load_config  # noqa: E402
 from cluster.preflight import tensor_parallel_issues  # noqa: E402

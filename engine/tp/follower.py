@@ -35,6 +35,8 @@ class TPFollower:
         from engine.loaders.load import read_model_config
 
         self.device = torch.device(device)
+        if self.device.type == "cuda":  # NCCL and the kernels launch on the current device
+            torch.cuda.set_device(self.device)
         model_config = read_model_config(config.model, config.load_format, config.dummy_config)
         partition = TPPartition(model_config, rank, size)
         self.group = TPGroup.connect(rank, size, port, self.device, host)
