@@ -42,31 +42,40 @@ def test_replicated_kv_heads_give_each_rank_its_one_head() -> None:
     assert cuts == [(0, 0, d), (0, 0, d), (0, d, 2 * d), (0, d, 2 * d)]
 
 
-@pytest.mark.parametrize("source", ["hf", "dummy"])
+@pytest.mark.parametrize(("source", "size"), [("hf", 2), ("dummy", 2), ("gguf", 3)])
 def test_every_rank_holds_its_slice_of_the_one_model(
-    source: str, tp_checkpoints: dict[str, Path]
+    source: str, size: int, tp_checkpoints: dict[str, Path]
 ) -> None:
-    path = str(tp_checkpoints["llama"])
-    fmt = "hf" if source == "hf" else "dummy"
+    """hf and dummy: the tiny Llama at tp 2; gguf: the embedded SmolLM2 (9 query heads, 3 KV
+    heads) at tp 3, its last rank."""
+    path = "default" if source == "gguf" else str(tp_checkpoints["llama"])
+    fmt = {"hf": "hf", "dummy": "dummy", "gguf": "gguf"}[source]
     whole = dict(load_model(path, fmt, seed=3).model.named_parameters())
     cfg = read_model_config(path, fmt)
-    for rank in range(2):
-        tp = TPContext(TPPartition(cfg, rank, 2))  # shapes and loading only: no group needed
+    for rank in range(size) if size == 2 else [size - 1]:
+        part = TPPartition(cfg, rank, size)
+        tp = TPContext(part)  # shapes and loading only: no group needed
         shard = dict(load_model(path, fmt, seed=3, tp=tp).model.named_parameters())
-        qkv = shard["model.layers.1.self_attn.qkv_proj.weight"]
         full = whole["model.layers.1.self_attn.qkv_proj.weight"]
         q, k, v = full.split([cfg.q_size, cfg.kv_size, cfg.kv_size])
-        d, nq, nkv = cfg.head_dim, 4, 2
+        d, nq, kv = cfg.head_dim, part.num_heads, part.kv
         expected = torch.cat(
             [
-                q[rank * nq * d : (rank + 1) * nq * d],
-                k[rank * nkv * d : (rank + 1) * nkv * d],
-                v[rank * nkv * d : (rank + 1) * nkv * d],
+                q[part.q_start * d : (part.q_start + nq) * d],
+                k[kv.start * d : kv.stop * d],
+                v[kv.start * d : kv.stop * d],
             ]
         )
-        assert torch.equal(qkv, expected)
+        assert torch.equal(shard["model.layers.1.self_attn.qkv_proj.weight"], expected)
+        width = part.intermediate_size
         down = whole["model.layers.0.mlp.down_proj.weight"]
         assert torch.equal(
-            shard["model.layers.0.mlp.down_proj.weight"], down[:, rank * 48 : (rank + 1) * 48]
+            shard["model.layers.0.mlp.down_proj.weight"],
+            down[:, rank * width : (rank + 1) * width],
+        )
+        o = whole["model.layers.0.self_attn.o_proj.weight"]
+        assert torch.equal(
+            shard["model.layers.0.self_attn.o_proj.weight"],
+            o[:, part.q_start * d : (part.q_start + nq) * d],
         )
         assert torch.equal(shard["model.embed_tokens.weight"], whole["model.embed_tokens.weight"])
