@@ -57,13 +57,11 @@ def build_engine(spec: WorkerSpec) -> LLMEngine:
     except KVSizingError as e:
         raise ConfigError(where, [f"{_SIZING_FIELDS[e.setting]}: {e}"]) from e
     if config.tensor_parallel_size > 1 and spec.transceiver is not None:
-        engine.close()
+        engine.close()  # cluster/preflight.py refuses this before any actor starts
         raise ConfigError(
             where,
             [
-                f"{spec.role.value}.tensor_parallel_size: {config.tensor_parallel_size} in a "
-                "disaggregated cluster is not supported yet (the KV transfer moves rank 0's head "
-                "shard only); use it with prefill.replicas 0 (aggregated)"
+                f"{spec.role.value}.tensor_parallel_size: not supported in a disaggregated cluster yet"
             ],
         )
     windows = sorted(g for g, s in engine.kv.specs.items() if s.sliding_window is not None)
