@@ -33,21 +33,6 @@ def tensor_parallel_issues(config: ClusterConfig, model: ModelConfig) -> list[st
     ]
 
 
-def unsupported_issues(config: ClusterConfig) -> list[str]:
-    """Splits the model allows but the cluster cannot serve yet: tensor-parallel workers in a
-    disaggregated cluster (the KV transfer between the ranks of both workers is not built; the
-    mapper of transfer/tp_mapper.py is)."""
-    if config.aggregated:
-        return []
-    return [
-        f"{name}.tensor_parallel_size: {pool.tensor_parallel_size} is not supported yet in a "
-        "disaggregated cluster (the KV transfer between tensor-parallel ranks is not built): use "
-        "1, or prefill.replicas 0 (aggregated)"
-        for name, pool in pools_in_use(config)
-        if pool.tensor_parallel_size > 1
-    ]
-
-
 def placement_issues(config: ClusterConfig, nodes: Sequence[Mapping[str, float]]) -> list[str]:
     """One line per pool whose ranks (``tensor_parallel_size`` bundles of its resources, packed on
     one node) no node of ``nodes`` (each node's total resources) can hold."""
@@ -86,7 +71,7 @@ def preflight(config: ClusterConfig, model: ModelConfig | None = None) -> None:
             config.model.load_format,
             dummy.as_hf_dict() if dummy is not None else None,
         )
-    issues = tensor_parallel_issues(config, model) or unsupported_issues(config)
+    issues = tensor_parallel_issues(config, model)
     if not issues and any(pool.tensor_parallel_size > 1 for _, pool in pools_in_use(config)):
         issues += placement_issues(config, ray_node_resources())
     if issues:

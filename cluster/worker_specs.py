@@ -79,4 +79,7 @@ def worker_spec(
         on_transfer_failure=config.transfer.on_failure,
         num_cpus=(config.prefill if role is Role.PREFILL else config.decode).resources.num_cpus,
         num_gpus=(config.prefill if role is Role.PREFILL else config.decode).resources.num_gpus,
+        peer_tensor_parallel_size=(
+            config.decode if role is Role.PREFILL else config.prefill
+        ).tensor_parallel_size,
     )

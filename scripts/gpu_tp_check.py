@@ -6,9 +6,10 @@
    tokens agree (random weights give small logit margins: a late flip is reported, not hidden).
 3. Offline decode TPOT at tp 1 against tp 2 (bfloat16, 16 requests, 64 new tokens), interleaved
    repetitions in rotating order, each figure with its same-run tp 1 baseline.
-4. The cluster of configs/gpu_tp.yaml: disaggregated tensor-parallel serving is refused today (the
-   KV transfer between the ranks is not implemented): the script prints the ConfigError and then
-   serves the aggregated twin (decode tp 2, 70B shape) through the HTTP API, with its TPOT.
+4. The clusters: configs/gpu_tp.yaml (prefill tp 2 on GPUs 0-1, decode tp 2 on GPUs 2-3, the
+   70B shape) and a prefill tp 2 / decode tp 1 cluster of the 8B shape, each against its
+   aggregated tp 1 twin's greedy tokens where that fits one GPU (the 8B one), with the transfer
+   figures from /perf_metrics.
 
 ``--dry-run`` (what runs on CPU) does step 1 only. Prints one JSON document at the end.
 """
@@ -130,22 +131,12 @@ def decode_tpot(prompts: list[list[int]], max_tokens: int, reps: int) -> dict[st
     }
 
 
-def cluster_run(prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+def _serve(data: dict[str, Any], prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
     import httpx
 
     from cluster.serve import start_cluster
 
-    result: dict[str, Any] = {}
-    data = load_config(CONFIG).model_dump(mode="json")
     data["server"]["port"] = 0
-    try:
-        running = start_cluster(config_from_dict(data))
-    except ConfigError as e:
-        result["disaggregated"] = f"refused: {e}"
-    else:
-        running.stop()
-        result["disaggregated"] = "started (the refusal above is gone: check its tokens)"
-    data["prefill"]["replicas"] = 0
     running = start_cluster(config_from_dict(data))
     try:
         model = httpx.get(running.url + "/v1/models", timeout=60).json()["data"][0]["id"]
@@ -166,12 +157,33 @@ def cluster_run(prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
             r.raise_for_status()
             seconds.append(time.perf_counter() - t0)
             tokens.append(r.json()["choices"][0]["token_ids"])
-        result["aggregated_decode_tp2"] = {
-            "tokens_per_request": [len(t) for t in tokens],
-            "request_seconds": seconds,
-        }
+        perf = httpx.get(running.url + "/perf_metrics", timeout=60).json()
     finally:
         running.stop()
+    return {"tokens": tokens, "request_seconds": seconds, "perf_metrics": perf}
+
+
+def cluster_run(prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    big = load_config(CONFIG).model_dump(mode="json")
+    run = _serve(big, prompts, max_tokens)
+    result["gpu_tp_yaml"] = {
+        "tokens_per_request": [len(t) for t in run["tokens"]],
+        "request_seconds": run["request_seconds"],
+    }
+    small = load_config(REPO / "configs" / "gpu_1p1d.yaml").model_dump(mode="json")
+    small["prefill"]["tensor_parallel_size"] = 2
+    disagg = _serve(small, prompts, max_tokens)
+    small["prefill"]["tensor_parallel_size"] = 1
+    small["prefill"]["replicas"] = 0
+    agg = _serve(small, prompts, max_tokens)
+    result["8b_prefill_tp2_decode_tp1_vs_aggregated_tp1"] = {
+        "identical": [a == b for a, b in zip(disagg["tokens"], agg["tokens"], strict=True)],
+        "first_divergence": [
+            next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+            for a, b in zip(disagg["tokens"], agg["tokens"], strict=True)
+        ],
+    }
     return result
 
 

@@ -24,6 +24,7 @@ from transfer.mapper import MapperError, Segment, map_pages
 from transfer.messages import Message, PullError, Reject, TransferAck, TransferTicket
 from transfer.paths.base import PullFailed
 from transfer.stats import TransferResult, TransferStats
+from transfer.tp_mapper import map_heads
 
 if TYPE_CHECKING:
     from transfer.receiver import KVReceiver
@@ -39,8 +40,10 @@ class PullSession:
         dst_page_ids: Mapping[str, Sequence[int]],
         skip_pages: Mapping[str, int],
         expected_prompt_len: int,
+        heads: tuple[int, int] | None = None,
     ) -> None:
         self.r = receiver
+        self.heads = heads
         self.config = receiver.config
         self.ticket = ticket
         self.dst = {g: list(ids) for g, ids in dst_page_ids.items()}
@@ -165,6 +168,8 @@ class PullSession:
                 )
             src[g] = ids[skip:]
         try:
+            if self.heads is not None:
+                return map_heads(self.link.peer_table, own, src, self.dst, *self.heads)
             return map_pages(self.link.peer_table, own, src, self.dst)
         except MapperError as e:
             raise PullFailed(f"cannot map the pages: {e}") from None

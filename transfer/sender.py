@@ -111,10 +111,15 @@ class KVSender:
 
     # ---- API (any thread) ----
     def publish(
-        self, request_id: str, page_ids: Mapping[str, Sequence[int]], declared_prompt_len: int
+        self,
+        request_id: str,
+        page_ids: Mapping[str, Sequence[int]],
+        declared_prompt_len: int,
+        heads: tuple[int, int] | None = None,
     ) -> TransferTicket:
         """Pin the request's pages under a lease and return the ticket D pulls with. Groups may
-        list different numbers of pages."""
+        list different numbers of pages. ``heads`` (first, count): the one pull of this lease
+        moves only those KV heads of each page (a decode rank of another tensor-parallel size)."""
         pages = {g: [int(p) for p in ids] for g, ids in page_ids.items()}
         names = [p.name for p in self.page_table.pools]
         if sorted(pages) != sorted(names):
@@ -131,7 +136,9 @@ class KVSender:
             raise ValueError(f"publish {request_id!r}: declared_prompt_len must be >= 0")
         if self._closed:
             raise RuntimeError("KVSender is closed")
-        lease = self.leases.publish(request_id, pages, declared_prompt_len, self.config.lease_s)
+        lease = self.leases.publish(
+            request_id, pages, declared_prompt_len, self.config.lease_s, heads
+        )
         return TransferTicket(
             request_id=request_id,
             host=self.host,

@@ -27,6 +27,7 @@ from transfer.messages import Message, PullError, PullRequest, TransferAck, data
 from transfer.paths.base import ServeFailed
 from transfer.paths.staging import Chunk
 from transfer.stats import TransferStats
+from transfer.tp_mapper import map_heads
 
 if TYPE_CHECKING:
     from transfer.sender import KVSender
@@ -159,7 +160,12 @@ def admit(sender: KVSender, link: Link, req: PullRequest) -> ServeSession | Pull
         return refuse("mismatch", f"skip_pages {req.skip_pages} do not fit the pages of {rid!r}")
     try:
         src = {g: p[req.skip_pages[g] :] for g, p in lease.page_ids.items()}
-        segments = map_pages(sender.page_table, link.peer_table, src, req.dst_page_ids)
+        if lease.heads is not None:
+            segments = map_heads(
+                sender.page_table, link.peer_table, src, req.dst_page_ids, *lease.heads
+            )
+        else:
+            segments = map_pages(sender.page_table, link.peer_table, src, req.dst_page_ids)
         chunks = [] if direct else sender.cut(segments, req.chunk_bytes)
     except (MapperError, ValueError) as e:
         return refuse("mismatch", f"cannot map the pages of {rid!r}: {e}")

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import numpy as np
+
 from kvcache.spec import NULL_PAGE
 from transfer.mapper import MapperError, Segment, _ids, match_pools
 from transfer.page_table import PageTable, PoolDescriptor
@@ -90,35 +92,73 @@ def map_tp_pages(
             f"{sorted(matched)} -> {sorted(matched.values())}"
         )
     out: dict[int, list[Segment]] = {}
-    for src_name, dst_name in matched.items():
-        target = dst.pool(dst_name)
-        d = _ids(dst_pages[dst_name], target, "destination")
+    for dst_name in matched.values():
         for rank, first, count in head_sources(srcs, dst, dst_name):
-            source = _peer(srcs[rank], dst, dst_name)
-            _check_head_split(source, target)
-            s = _ids(src_pages[src_name], source, "source")
-            if len(s) != len(d):
-                raise MapperError(
-                    f"pool {src_name!r}: {len(s)} source pages but {len(d)} destination pages"
-                )
-            kept = s != NULL_PAGE
-            s_kept, d_kept = s[kept], d[kept]
-            if (d_kept == NULL_PAGE).any():
-                raise MapperError(
-                    f"destination pool {dst_name!r}: the null page cannot receive data"
-                )
-            if not len(s_kept):
-                continue
-            per_head = head_bytes(source)
-            out.setdefault(rank, []).append(
-                Segment(
-                    source.name,
-                    dst_name,
-                    s_kept,
-                    d_kept,
-                    count * per_head,
-                    (first - source.head_start) * per_head,
-                    (first - target.head_start) * per_head,
+            src_name = _peer(srcs[rank], dst, dst_name).name
+            out.setdefault(rank, []).extend(
+                map_heads(
+                    srcs[rank],
+                    dst,
+                    {src_name: src_pages[src_name]},
+                    {dst_name: dst_pages[dst_name]},
+                    first,
+                    count,
                 )
             )
     return out
+
+
+def map_heads(
+    src: PageTable,
+    dst: PageTable,
+    src_pages: Mapping[str, Sequence[int]],
+    dst_pages: Mapping[str, Sequence[int]],
+    first: int,
+    count: int,
+) -> list[Segment]:
+    """The segments that copy KV heads ``[first, first + count)`` of the pages named, from ``src``
+    (which must hold them) to ``dst`` (which must hold them too): one head-slice fragment per page
+    for each pool named in ``src_pages`` (by source name) and ``dst_pages`` (by destination
+    name). A source page equal to the null page moves nothing."""
+    matched = match_pools(src, dst, resplit=True)
+    segments = []
+    for src_name, src_ids in src_pages.items():
+        if src_name not in matched or matched[src_name] not in dst_pages:
+            raise MapperError(f"pool {src_name!r} has no destination page ids")
+        source, target = src.pool(src_name), dst.pool(matched[src_name])
+        _check_head_split(source, target)
+        for pool, side in ((source, "source"), (target, "destination")):
+            if not (_holds(pool, first) and _holds(pool, first + count - 1)) or count < 1:
+                raise MapperError(
+                    f"{side} pool {pool.name!r} holds KV heads [{pool.head_start}, "
+                    f"{pool.head_start + pool.num_kv_heads}), not all of [{first}, {first + count})"
+                )
+        s = _ids(src_ids, source, "source")
+        d = _ids(dst_pages[target.name], target, "destination")
+        if len(s) != len(d):
+            raise MapperError(
+                f"pool {src_name!r}: {len(s)} source pages but {len(d)} destination pages"
+            )
+        kept = s != NULL_PAGE
+        s, d = s[kept], d[kept]
+        if (d == NULL_PAGE).any():
+            raise MapperError(
+                f"destination pool {target.name!r}: the null page cannot receive data"
+            )
+        if len(np.unique(d)) != len(d):
+            raise MapperError(f"destination pool {target.name!r}: a page id is listed twice")
+        if not len(s):
+            continue
+        per_head = head_bytes(source)
+        segments.append(
+            Segment(
+                source.name,
+                target.name,
+                s,
+                d,
+                count * per_head,
+                (first - source.head_start) * per_head,
+                (first - target.head_start) * per_head,
+            )
+        )
+    return segments

@@ -56,14 +56,6 @@ def build_engine(spec: WorkerSpec) -> LLMEngine:
         engine = LLMEngine.from_config(config, _start_ranks(spec))
     except KVSizingError as e:
         raise ConfigError(where, [f"{_SIZING_FIELDS[e.setting]}: {e}"]) from e
-    if config.tensor_parallel_size > 1 and spec.transceiver is not None:
-        engine.close()  # cluster/preflight.py refuses this before any actor starts
-        raise ConfigError(
-            where,
-            [
-                f"{spec.role.value}.tensor_parallel_size: not supported in a disaggregated cluster yet"
-            ],
-        )
     windows = sorted(g for g, s in engine.kv.specs.items() if s.sliding_window is not None)
     if windows and spec.transceiver is not None:
         # A ticket would carry a window group's released positions as null pages, which D would

@@ -72,6 +72,9 @@ class WorkerSpec:
     # GPUs Ray reserves per rank (resources.num_gpus): what ranks 1.. of a tensor-parallel worker
     # ask for in its placement group (worker_common/tp_ranks.py).
     num_gpus: float = 0.0
+    # The other side's tensor_parallel_size (decode's for a prefill worker, prefill's for a
+    # decode worker): with either above 1, the transfer runs rank to rank (tp_transfer.py).
+    peer_tensor_parallel_size: int = 1
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import os
 import threading
+from typing import Any
 
 import ray
 import torch
@@ -22,10 +23,13 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from engine.cpu_share import apply_cpu_share
 from engine.engine_config import EngineConfig
 from engine.tp.comm import TPGroup, open_store
+from transfer import TransceiverConfig, TransferResult
+from transfer.messages import TransferTicket
 from worker_common.engine_setup import NOSET_VISIBLE_DEVICES, gpu_device
 
 log = logging.getLogger(__name__)
 
+READY_TIMEOUT_S = 600.0  # a rank's model load and pools, before its transfer can start
 WATCH_INTERVAL_S = 0.5  # how often rank 0 checks that every other rank is alive
 WATCH_TIMEOUT_S = 30.0  # a rank that does not answer in this time counts as lost
 
@@ -49,6 +53,12 @@ class _TPRankActor:
         device = gpu_device() if torch.device(config.device).type == "cuda" else config.device
         config = dataclasses.replace(config, device=device)
         apply_cpu_share(num_cpus, device)
+        self._ready = threading.Event()
+        self._follower: Any = None
+        self._sender: Any = None
+        self._receiver: Any = None
+        self._lock = threading.Lock()
+        self._released: dict[str, threading.Event] = {}
         self._thread = threading.Thread(
             target=self._run, args=(config, rank, size, port, device), daemon=True, name=self.name
         )
@@ -58,13 +68,71 @@ class _TPRankActor:
         from engine.tp.follower import TPFollower
 
         try:
-            TPFollower(config, rank, size, port, device).run()
+            self._follower = TPFollower(config, rank, size, port, device)
+            self._ready.set()
+            self._follower.run()
         except BaseException:
             log.exception("%s failed; its worker goes down with it", self.name)
             os._exit(1)
 
     def ping(self) -> bool:
         return self._thread.is_alive()
+
+    # ---- the KV transfer of this rank's pools (worker_common/tp_transfer.py) ----
+    def _pools(self) -> tuple[Any, list[Any]]:
+        if not self._ready.wait(READY_TIMEOUT_S):
+            raise RuntimeError(f"{self.name}: its pools were not ready in {READY_TIMEOUT_S}s")
+        return self._follower.buffers, self._follower.specs
+
+    def start_sender(self, config: TransceiverConfig, model: str) -> None:
+        from transfer import KVSender
+
+        buffers, specs = self._pools()
+        # A port of its own: the ranks of a worker share a node.
+        config = dataclasses.replace(config, port=0)
+        self._sender = KVSender(buffers, specs, model, config, self._on_released)
+
+    def _on_released(self, sub: str) -> None:
+        with self._lock:
+            event = self._released.setdefault(sub, threading.Event())
+        event.set()
+
+    def publish(
+        self, sub: str, page_ids: dict[str, list[int]], declared: int, heads: tuple[int, int]
+    ) -> TransferTicket:
+        with self._lock:
+            self._released[sub] = threading.Event()
+        return self._sender.publish(sub, page_ids, declared, heads)
+
+    def wait_released(self, sub: str) -> bool:
+        """Returns when the lease ``sub`` ended (rank 0 frees the pages once all have)."""
+        with self._lock:
+            event = self._released.setdefault(sub, threading.Event())
+        event.wait()
+        with self._lock:
+            self._released.pop(sub, None)
+        return True
+
+    def cancel(self, sub: str) -> bool:
+        return self._sender.cancel(sub)
+
+    def start_receiver(self, config: TransceiverConfig, model: str) -> None:
+        from transfer import KVReceiver
+
+        buffers, specs = self._pools()
+        self._receiver = KVReceiver(buffers, specs, model, config)
+
+    def pull(
+        self,
+        ticket: TransferTicket,
+        dst_page_ids: dict[str, list[int]],
+        skip_pages: int,
+        expected_prompt_len: int,
+        heads: tuple[int, int],
+    ) -> TransferResult:
+        return self._receiver.pull_blocking(
+            ticket, dst_page_ids, skip_pages, expected_prompt_len, heads
+        )
 
 
 TPRankActor = ray.remote(_TPRankActor)
@@ -93,7 +161,8 @@ class RayRanks:
             "num_cpus": num_cpus if num_cpus is not None else 1.0,
             "num_gpus": num_gpus,
             "max_restarts": 0,  # a rank never comes back alone: its worker restarts whole
-            "max_concurrency": 2,
+            # ping, publish, cancel, and one thread per pull and per lease being waited on
+            "max_concurrency": 1000,
         }
         if os.environ.get(NOSET_VISIBLE_DEVICES) == "1":
             options["runtime_env"] = {"env_vars": {NOSET_VISIBLE_DEVICES: "1"}}

@@ -108,3 +108,42 @@ def test_a_killed_rank_takes_its_worker_down_and_the_cluster_serves_after_restar
         assert time.monotonic() < deadline, "the worker was not restarted"
         time.sleep(0.5)
     wait_no_pages_held(running, timeout_s=60)
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
+def test_disaggregated_tp_matches_transformers_and_holds_no_page(
+    prefill_tp: int, decode_tp: int, checkpoint: Path
+) -> None:
+    """Each decode rank pulls its KV heads from the prefill ranks that hold them; the tokens
+    through the official openai client are transformers' greedy ones, and afterwards no rank of
+    either worker holds a page (rank 0's accounting is every rank's)."""
+    from transformers import AutoModelForCausalLM
+
+    pool = {"replicas": 1, "resources": {"num_cpus": 0.5, "num_gpus": 0}}
+    scheduler = {"max_num_seqs": 4, "max_num_batched_tokens": 64, "prefill_chunk_size": 32}
+    config = local_config(
+        "local.yaml",
+        model={"source": str(checkpoint), "max_model_len": 64},
+        prefill={**pool, "tensor_parallel_size": prefill_tp, "scheduler": scheduler},
+        decode={**pool, "tensor_parallel_size": decode_tp, "scheduler": scheduler},
+        kvcache={"page_size": 4, "cpu_bytes": 1 << 20},
+    )
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    rc = start_cluster(config)
+    try:
+        client = openai.OpenAI(base_url=rc.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        gen = torch.Generator().manual_seed(4)
+        for n in (5, 14):
+            prompt = [0, *torch.randint(5, 300, (n,), generator=gen).tolist()]
+            out = client.completions.create(
+                model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0
+            )
+            assert out.choices[0].model_extra["token_ids"] == hf_greedy_ids(
+                hf, prompt, MAX_TOKENS, [1]
+            ), prompt
+        stats = wait_no_pages_held(rc)
+        (p_stats,) = [s for s in stats if s.role.value == "prefill"]
+        assert p_stats.transfer.failures == 0
+    finally:
+        rc.stop()

@@ -110,18 +110,3 @@ def test_build_cluster_refuses_before_any_actor_starts() -> None:
     assert caught.value.issues[0].startswith("prefill.tensor_parallel_size: must divide")
     assert not ray.is_initialized()
     preflight(config_from_dict(dummy(1, 1)))  # tp 1 everywhere: nothing to ask Ray
-
-
-@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2), (2, 2)])
-def test_disaggregated_tensor_parallelism_is_refused_until_the_transfer_is_built(
-    prefill_tp: int, decode_tp: int
-) -> None:
-    assert not ray.is_initialized()
-    with pytest.raises(ConfigError) as caught:
-        build_cluster(config_from_dict(dummy(prefill_tp, decode_tp)))
-    named = [name for name, tp in (("prefill", prefill_tp), ("decode", decode_tp)) if tp > 1]
-    assert [i.split(":")[0] for i in caught.value.issues] == [
-        f"{name}.tensor_parallel_size" for name in named
-    ]
-    assert all("not supported yet in a disaggregated cluster" in i for i in caught.value.issues)
-    assert not ray.is_initialized()
