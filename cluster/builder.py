@@ -21,6 +21,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from cluster.collector import expected_roles_for
 from cluster.collector_actor import start_collector_actor
 from cluster.config import ClusterConfig
+from cluster.kv_index import KVIndex
 from cluster.preflight import preflight
 from cluster.router import Router, WorkerSlot
 from cluster.transfer_setup import cluster_secret
@@ -47,14 +48,22 @@ class ClusterHandles:
     placement_groups: list[PlacementGroup] = field(default_factory=list)
 
     def router(self) -> Router:
+        """The router over these workers; with a KVIndex of them when it routes by their caches
+        (the frontend's KVEventFeed fills it)."""
+        routing = self.config.router
+        index = None
+        if routing.uses_kv_events:
+            index = KVIndex([w.worker_id for w in self.prefill + self.decode])
         return Router(
             self.prefill,
             self.decode,
-            policy=self.config.router.policy,
-            prefill_retries=self.config.router.prefill_retries,
-            local_prefill_fallback=self.config.router.local_prefill_fallback,
+            policy=routing.policy,
+            prefill_retries=routing.prefill_retries,
+            local_prefill_fallback=routing.local_prefill_fallback,
             page_size=self.config.kvcache.page_size,
             call_timeout_s=self.config.server.request_timeout_s,
+            kv_index=index,
+            local_prefill_max_tokens=routing.local_prefill_max_tokens,
         )
 
     def shutdown(self) -> None:

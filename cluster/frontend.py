@@ -16,6 +16,7 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
+from cluster.kv_event_feed import ActorSource, KVEventFeed
 from cluster.prom_metrics import ServingMetrics
 from cluster.router import Router, WorkerSlot
 from cluster.stats_poller import StatsPoller
@@ -53,6 +54,10 @@ class ClusterFrontend:
         self.collector = collector
         self.metrics = ServingMetrics(model_name)
         self.poller = StatsPoller(router.prefill + router.decode, stats_interval_s, max_stats_len)
+        self.kv_feed: KVEventFeed | None = None
+        if router.kv_index is not None:
+            sources = {w.worker_id: ActorSource(w.handle) for w in router.prefill + router.decode}
+            self.kv_feed = KVEventFeed(sources, router.kv_index)
         self.stats_interval_s = stats_interval_s
         # /perf_metrics is drained on read; what nobody read yet is kept by the buffer rule.
         self._perf: StatsBuffer[dict[str, Any]] = StatsBuffer(perf_buffer_len)
@@ -63,11 +68,15 @@ class ClusterFrontend:
     # ---- life cycle (the HTTP server's lifespan) ----
     async def start(self) -> None:
         self.poller.start()
+        if self.kv_feed is not None:
+            self.kv_feed.start()
         if self._perf_task is None:
             self._perf_task = asyncio.get_running_loop().create_task(self._drain_collector_loop())
 
     async def stop(self) -> None:
         await self.poller.stop()
+        if self.kv_feed is not None:
+            await self.kv_feed.stop()
         if self._perf_task is not None:
             self._perf_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -144,8 +153,8 @@ class ClusterFrontend:
             transfer_failed_requests_total=s.transfer.failed_requests,
             refused_peers_total=s.transfer.refused_peers,
             injected_faults_total=s.transfer.injected_faults,
-            kv_groups=s.kv.groups,
-            kv_interval_groups=s.kv_interval.groups if s.kv_interval is not None else None,
+            kv=s.kv,
+            kv_interval=s.kv_interval,
         )
 
     async def perf_metrics(self) -> list[dict[str, Any]]:

@@ -2,8 +2,9 @@
 
 Names follow vLLM's where one exists (``vllm:time_to_first_token_seconds`` becomes
 ``duet:time_to_first_token_seconds``), so existing dashboards need only a prefix change. Every metric
-carries a ``model_name`` label; per-worker gauges add ``role`` and ``worker``; per pool group gauges
-add ``group`` (the KV pool group: "full", "swa_<window>") and ``medium`` ("device").
+carries a ``model_name`` label; per-worker gauges add ``role`` and ``worker``; per pool group metrics
+add ``group`` (the KV pool group: "full", "swa_<window>") and ``medium``: "device" (the worker's KV
+pool) or "host" (the KV host tier beneath it, ``kvcache.host_tier_bytes``).
 
 Counters that workers keep themselves (transfer failures and their outcomes, expired leases,
 refused peers, injected faults) arrive as running totals
@@ -15,14 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from cluster.messages import PerfRecord
-from kvcache.stats import PoolGroupStats
+from kvcache.stats import KVCacheStats
 from worker_common.messages import Role
 
 PREFIX = "duet:"
@@ -48,6 +48,8 @@ class _WorkerTotals:
     injected_faults: int = 0
     # Label tails (after model, role, worker) of each per-group gauge this worker set.
     group_series: dict[Gauge, set[tuple[str, ...]]] = field(default_factory=dict)
+    # The worker's last running total of each KV counter series (metric, label tail).
+    kv_totals: dict[tuple[Counter, tuple[str, ...]], int] = field(default_factory=dict)
 
 
 class ServingMetrics:
@@ -150,6 +152,47 @@ class ServingMetrics:
             registry=reg,
         )
 
+        def kv_counter(name: str, doc: str, labels: list[str]) -> Counter:
+            return Counter(PREFIX + name, doc, labels, registry=reg)
+
+        self.prefix_queries = kv_counter(
+            "prefix_cache_queries_total",
+            "Prompt tokens looked up in a worker's prefix cache (once per admitted request).",
+            worker,
+        )
+        self.prefix_hits = kv_counter(
+            "prefix_cache_hits_total",
+            "Prompt tokens found in a worker's prefix cache, by where: its KV pool (device) or "
+            "its host tier (loaded back).",
+            [*worker, "medium"],
+        )
+        self.kv_offloaded = kv_counter(
+            "kv_offloaded_pages_total",
+            "Reusable pages a pool group evicted and copied into the host tier.",
+            group,
+        )
+        self.kv_loaded_back = kv_counter(
+            "kv_loaded_back_pages_total",
+            "Host-tier pages copied back into a pool group for a prefix hit.",
+            group,
+        )
+        self.kv_host_hits = kv_counter(
+            "kv_host_hit_tokens_total",
+            "Prompt tokens a pool group served from the host tier (loaded back).",
+            group,
+        )
+        self.kv_host_drops = kv_counter(
+            "kv_host_drops_total",
+            "Pages dropped from the host tier to make room before any prefix hit reused them.",
+            group,
+        )
+        self.kv_skipped_stores = kv_counter(
+            "kv_skipped_stores_total",
+            "Evicted reusable pages not stored in the host tier: every host page was being read "
+            "by a load-back.",
+            group,
+        )
+
         self.request_success = Counter(
             PREFIX + "request_success_total",
             "Finished requests by finish reason.",
@@ -242,13 +285,14 @@ class ServingMetrics:
         transfer_failed_requests_total: int = 0,
         refused_peers_total: int = 0,
         injected_faults_total: int = 0,
-        kv_groups: Mapping[str, PoolGroupStats] | None = None,
-        kv_interval_groups: Mapping[str, PoolGroupStats] | None = None,
+        kv: KVCacheStats | None = None,
+        kv_interval: KVCacheStats | None = None,
     ) -> None:
         """Update one worker's gauges; the ``*_total`` arguments are the worker's running totals;
         ``peak_kv_usage`` is None until the worker's first stats interval ended.
-        ``kv_groups``: the KV stats of each pool group now; ``kv_interval_groups``: those taken at
-        the end of the last complete stats interval (their peaks), None before the first."""
+        ``kv``: the worker's KV stats now (per pool group and tier; its counters are running
+        totals); ``kv_interval``: those taken at the end of its last complete stats interval (its
+        peaks), None before the first."""
         for name, value in (("kv_usage", kv_usage), ("peak_kv_usage", peak_kv_usage)):
             if value is not None and not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} is a fraction in [0, 1], got {value}")
@@ -273,22 +317,42 @@ class ServingMetrics:
                 setattr(seen, k, v)
         for name, delta in deltas.items():
             getattr(self, name).labels(*labels).inc(delta)
-        self._set_group_gauges(labels, seen, kv_groups or {}, kv_interval_groups)
+        if kv is not None:
+            self._set_kv(labels, seen, kv, kv_interval)
 
-    def _set_group_gauges(
+    def _set_kv(
         self,
         labels: tuple[str, str, str],
         seen: _WorkerTotals,
-        groups: Mapping[str, PoolGroupStats],
-        interval: Mapping[str, PoolGroupStats] | None,
+        kv: KVCacheStats,
+        interval: KVCacheStats | None,
     ) -> None:
         values: list[tuple[Gauge, tuple[str, ...], float]] = []
-        for name, g in groups.items():
+        totals: list[tuple[Counter, tuple[str, ...], int]] = [
+            (self.prefix_queries, (), kv.reuse_hit_tokens + kv.reuse_miss_tokens),
+            (self.prefix_hits, ("device",), kv.reuse_hit_tokens - kv.reuse_host_hit_tokens),
+        ]
+        if any(g.host is not None for g in kv.groups.values()):
+            totals.append((self.prefix_hits, ("host",), kv.reuse_host_hit_tokens))
+        for name, g in kv.groups.items():
             for state, n in (("used", g.used), ("free", g.free), ("evictable", g.evictable)):
                 values.append((self.kv_group_pages, (name, "device", state), n))
             if g.sliding_window is not None:
                 values.append((self.kv_group_window, (name,), g.sliding_window))
-        for name, g in (interval or {}).items():
+            h = g.host
+            if h is None:
+                continue
+            for state, n in (("used", h.used), ("free", h.free), ("pinned", h.pinned)):
+                values.append((self.kv_group_pages, (name, "host", state), n))
+            for counter, total in (
+                (self.kv_offloaded, h.offloaded),
+                (self.kv_loaded_back, h.loaded_back),
+                (self.kv_host_hits, h.hit_tokens),
+                (self.kv_host_drops, h.drops),
+                (self.kv_skipped_stores, h.skipped_stores),
+            ):
+                totals.append((counter, (name, "host"), total))
+        for name, g in (interval.groups if interval is not None else {}).items():
             for state, n in (("used", g.peak_used), ("evictable", g.peak_evictable)):
                 values.append((self.kv_group_peak_pages, (name, "device", state), n))
             values.append((self.kv_group_free_low_water, (name, "device"), g.free_low_water))
@@ -296,6 +360,13 @@ class ServingMetrics:
             for gauge, tail, value in values:
                 gauge.labels(*labels, *tail).set(value)
                 seen.group_series.setdefault(gauge, set()).add(tail)
+            increments = []
+            for counter, tail, total in totals:
+                previous = seen.kv_totals.get((counter, tail), 0)
+                seen.kv_totals[(counter, tail)] = total
+                increments.append((counter, tail, _delta(previous, total)))
+        for counter, tail, increment in increments:
+            counter.labels(*labels, *tail).inc(increment)
 
     def remove_worker(self, worker_id: str, role: Role | str) -> None:
         """Forget a worker that left the cluster, so its gauges stop being exported."""

@@ -1,8 +1,19 @@
 """The router: the P/D state machine behind the HTTP server (it implements server.ServingBackend).
 
-For each request: pick a prefill worker (queue length, and for ``prefix_aware`` the worker that saw
-the same first page), get the first token and a transfer ticket, stream the first token, pick a decode
-worker (free pages, running requests) and stream the rest from it. A failed prefill is retried on
+For each request: pick a prefill worker (queue length; for ``prefix_aware`` the worker that saw the
+same first page; for ``kv_aware`` the least cost from what each worker has cached, below), get the
+first token and a transfer ticket, stream the first token, pick a decode worker (running requests,
+then its cached prefix and free pages) and stream the rest from it.
+
+``kv_aware`` (Dynamo's KV router): the router keeps each worker's cached blocks from its KV events
+(cluster/kv_index.py, cluster/kv_event_feed.py) and sends a request to the prefill worker with the
+least cost = prompt tokens it would compute + HOST_HIT_WEIGHT x tokens it would load back from its
+host tier + prefill tokens it already has in flight from this router.
+
+Conditional disaggregation (``local_prefill_max_tokens`` > 0, llm-d's threshold): when the decode
+worker picked for a request already holds all but at most that many of its prompt tokens, it
+prefills the rest itself (its local path) and the request skips the prefill worker and the KV
+transfer. A failed prefill is retried on
 another prefill worker (``router.prefill_retries``); with no healthy prefill worker the decode worker
 prefills locally. A client that goes away cancels the request on both sides, and so does
 ``server.request_timeout_s`` (``call_timeout_s`` here): no request runs longer than that from its
@@ -25,9 +36,16 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
+from cluster.kv_index import KVIndex
+from kvcache.block_hash import hash_full_pages
 from worker_common.messages import GenerateRequest, PrefillResult, TokenDelta, WorkerStats
 
 log = logging.getLogger(__name__)
+
+# Cost of a prompt token a worker would load back from its host tier, in tokens it would compute:
+# a load-back is a copy (host to device), far cheaper than computing the token, yet it takes copy
+# time and device pages. 0.5 is a middle, not a measured figure.
+HOST_HIT_WEIGHT = 0.5
 
 
 @dataclass
@@ -41,6 +59,8 @@ class WorkerSlot:
     healthy: bool = True
     failures: int = 0
     last_stats: WorkerStats | None = None  # the last stats poll's answer
+    queued_prefill_tokens: int = 0  # prompt tokens sent here to compute, not answered yet
+    num_prefills: int = 0  # prefills sent here (kv_aware spreads equal costs by it)
 
 
 def _error_delta(req: GenerateRequest, error: str) -> TokenDelta:
@@ -59,9 +79,13 @@ class Router:
         local_prefill_fallback: bool = True,
         page_size: int = 16,
         call_timeout_s: float = 300.0,
+        kv_index: KVIndex | None = None,
+        local_prefill_max_tokens: int = 0,
     ) -> None:
         if not decode:
             raise ValueError("the router needs at least one decode worker")
+        if kv_index is None and (policy == "kv_aware" or local_prefill_max_tokens):
+            raise ValueError("kv_aware routing and local_prefill_max_tokens need a KVIndex")
         self.prefill = prefill
         self.decode = decode
         self.policy = policy
@@ -72,15 +96,47 @@ class Router:
         self.call_timeout_s = call_timeout_s
         self.num_prefill_retries = 0
         self.num_local_fallbacks = 0
+        self.kv_index = kv_index
+        self.local_prefill_max_tokens = local_prefill_max_tokens
+        self.num_local_prefills = 0  # requests prefilled on their decode worker by the threshold
+
+    # ---- what workers have cached ----
+    def _block_hashes(self, req: GenerateRequest) -> list[int] | None:
+        """The prompt's block hashes, as far as a worker's prefix hit can reach (one token is
+        always computed), when the router indexes the workers' caches."""
+        if self.kv_index is None:
+            return None
+        tokens = req.prompt_token_ids.tolist()
+        return hash_full_pages(tokens[: len(tokens) - 1], self.page_size)
+
+    def _cached_tokens(self, w: WorkerSlot, hashes: list[int] | None) -> tuple[int, int]:
+        """(device, host) prompt tokens ``w`` holds, by its KV events."""
+        if self.kv_index is None or hashes is None:
+            return 0, 0
+        c = self.kv_index.cached_prefix(w.worker_id, hashes)
+        return c.device_pages * self.page_size, c.host_pages * self.page_size
+
+    def _prefill_cost(self, w: WorkerSlot, n_prompt: int, hashes: list[int] | None) -> float:
+        device, host = self._cached_tokens(w, hashes)
+        to_compute = n_prompt - device - host
+        return to_compute + HOST_HIT_WEIGHT * host + w.queued_prefill_tokens
 
     # ---- choosing workers ----
-    def _pick_prefill(self, req: GenerateRequest, exclude: set[str]) -> WorkerSlot | None:
+    def _pick_prefill(
+        self, req: GenerateRequest, exclude: set[str], hashes: list[int] | None = None
+    ) -> WorkerSlot | None:
         live = [w for w in self.prefill if w.healthy and w.worker_id not in exclude]
         if not live:
             return None
         if self.policy == "round_robin":
             self._turn += 1
             return live[self._turn % len(live)]
+        if self.policy == "kv_aware":
+            n = len(req.prompt_token_ids)
+            return min(
+                live,
+                key=lambda w: (self._prefill_cost(w, n, hashes), w.outstanding, w.num_prefills),
+            )
         least = min(w.outstanding for w in live)
         if self.policy == "prefix_aware" and len(req.prompt_token_ids) >= self.page_size:
             # Requests sharing their first page go to the same worker (its prefix cache has it),
@@ -93,9 +149,21 @@ class Router:
                 return preferred
         return min(live, key=lambda w: w.outstanding)
 
-    def _pick_decode(self) -> WorkerSlot:
+    def _pick_decode(self, hashes: list[int] | None = None) -> WorkerSlot:
         live = [w for w in self.decode if w.healthy] or self.decode
-        return min(live, key=lambda w: (w.outstanding, -w.free_pages))
+        return min(
+            live, key=lambda w: (w.outstanding, -sum(self._cached_tokens(w, hashes)), -w.free_pages)
+        )
+
+    def _local_prefill_worker(
+        self, req: GenerateRequest, hashes: list[int] | None
+    ) -> WorkerSlot | None:
+        """The decode worker to prefill ``req`` itself (conditional disaggregation), or None."""
+        if not self.local_prefill_max_tokens or not self.prefill:
+            return None
+        d = self._pick_decode(hashes)
+        to_compute = len(req.prompt_token_ids) - sum(self._cached_tokens(d, hashes))
+        return d if to_compute <= self.local_prefill_max_tokens else None
 
     # ---- the request ----
     def _left_s(self, req: GenerateRequest) -> float:
@@ -103,7 +171,14 @@ class Router:
         return req.arrival_time + self.call_timeout_s - time.time()
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta]:
-        pre, pworker = await self._prefill(req)
+        hashes = self._block_hashes(req)
+        local = self._local_prefill_worker(req, hashes)
+        if local is not None:
+            self.num_local_prefills += 1
+            async for delta in self._stream_decode(req, None, None, prefer=local):
+                yield delta
+            return
+        pre, pworker = await self._prefill(req, hashes)
         if pre is None:
             if self.prefill and not self.local_prefill_fallback:
                 yield _error_delta(
@@ -129,15 +204,18 @@ class Router:
             yield d
 
     async def _prefill(
-        self, req: GenerateRequest
+        self, req: GenerateRequest, hashes: list[int] | None = None
     ) -> tuple[PrefillResult | None, WorkerSlot | None]:
         tried: set[str] = set()
         for attempt in range(1 + self.prefill_retries):
-            w = self._pick_prefill(req, tried)
+            w = self._pick_prefill(req, tried, hashes)
             if w is None or self._left_s(req) <= 0:
                 break  # (out of time: no worker is to blame, none is marked unhealthy)
             tried.add(w.worker_id)
             w.outstanding += 1
+            w.num_prefills += 1
+            queued = len(req.prompt_token_ids) - sum(self._cached_tokens(w, hashes))
+            w.queued_prefill_tokens += queued
             try:
                 left = max(self._left_s(req), 0.0)
                 return await asyncio.wait_for(w.handle.prefill.remote(req), left), w
@@ -157,25 +235,31 @@ class Router:
                 raise
             finally:
                 w.outstanding -= 1
+                w.queued_prefill_tokens -= queued
             w.failures += 1
             if attempt < self.prefill_retries:
                 self.num_prefill_retries += 1
         return None, None
 
     async def _stream_decode(
-        self, req: GenerateRequest, pre: PrefillResult | None, pworker: WorkerSlot | None
+        self,
+        req: GenerateRequest,
+        pre: PrefillResult | None,
+        pworker: WorkerSlot | None,
+        prefer: WorkerSlot | None = None,
     ) -> AsyncIterator[TokenDelta]:
-        """Stream from a decode worker. A worker that is unavailable before it produced anything (it
-        is restarting, or died) is replaced, within ``call_timeout_s``; after the first token, its
-        failure ends the request with an error (the tokens already sent cannot be recalled). At
-        ``call_timeout_s`` from the request's arrival the request is aborted with an error."""
+        """Stream from a decode worker (``prefer`` first, when given). A worker that is unavailable
+        before it produced anything (it is restarting, or died) is replaced, within
+        ``call_timeout_s``; after the first token, its failure ends the request with an error (the
+        tokens already sent cannot be recalled). At ``call_timeout_s`` from the request's arrival
+        the request is aborted with an error."""
         rid = req.request_id
         started = finished = ok = False
         d: WorkerSlot | None = None
         gen: Any = None
         try:
             while not finished:
-                d = self._pick_decode()
+                d, prefer = (prefer, None) if prefer is not None else (self._pick_decode(), None)
                 d.outstanding += 1
                 try:
                     if pre is None:

@@ -36,8 +36,21 @@ def connect_ray(config: ClusterConfig) -> bool:
     if address:
         ray.init(address=address, **kwargs)
         return False
+    _keep_local_ray_on_loopback()
     ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, **kwargs)
     return True
+
+
+def _keep_local_ray_on_loopback() -> None:
+    """Ray 2.60 turns a node address of 127.0.0.1 into the host's external IP (its
+    resolve_ip_for_localhost) unless it believes it runs without a cluster network, which it reads
+    from RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER once, when ray is imported. A Ray this process starts
+    serves only this host, so the processes it starts get the variable, and this process (whose
+    ray is imported already) the constant it became; a driver joining a cluster keeps both."""
+    import ray._private.ray_constants as ray_constants
+
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 def make_frontend(config: ClusterConfig, handles: ClusterHandles) -> ClusterFrontend:

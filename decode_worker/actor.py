@@ -6,6 +6,7 @@ stream TokenDeltas to the router as they are produced.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import ray
@@ -21,7 +22,9 @@ class _DecodeWorkerActor(WorkerActorBase):
     def __init__(self, spec: WorkerSpec) -> None:
         report = self.setup(spec)
         engine = build_engine(spec)
-        puller = None if spec.transceiver is None else make_puller(engine, spec)
+        # Ray runs an async actor's __init__ on the actor's loop: the transceiver runs there too.
+        loop = asyncio.get_running_loop()
+        puller = None if spec.transceiver is None else make_puller(engine, spec, loop)
         self.worker = DecodeWorker(
             spec.worker_id,
             engine,
@@ -29,6 +32,7 @@ class _DecodeWorkerActor(WorkerActorBase):
             report,
             spec.deadlines,
             spec.stats_interval_s,
+            spec.publish_kv_events,
             on_failure=spec.on_transfer_failure,
         )
 

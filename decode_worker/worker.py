@@ -1,9 +1,11 @@
 """DecodeWorker: receives a request's KV from a prefill worker and joins it to the continuous batch.
 
 Life of a request here (DESIGN section 3):
-  gen-init (allocate pages for the prompt plus the next token, minus D's own prefix hit)
-  -> pull the remaining pages from P -> check (every chunk arrived, declared history == prompt length)
-  -> finalize context (commit the prompt's pages) and only then schedule decode -> stream tokens.
+  gen-init (allocate pages for the prompt plus the next token as if the prompt were computed, so a
+  sliding-window group holds only its last window; minus D's own prefix hit)
+  -> pull the remaining pages from P, group by group -> check (every chunk arrived, declared
+  history == prompt length) -> finalize context (commit the prompt's pages) and only then
+  schedule decode -> stream tokens.
 Pages allocated for a receive are freed only after the receive is known finished or failed, even
 when the client went away meanwhile. A failed, expired or refused pull fails the request, or with
 ``on_failure="recompute"`` (transfer.on_failure) the request is prefilled here instead and the
@@ -23,8 +25,10 @@ from engine.engine_core import LLMEngine
 from engine.engine_loop import EngineLoop
 from engine.output_stream import OutputStream
 from engine.outputs import RequestOutput
+from kvcache.spec import NULL_PAGE
 from transfer.messages import TransferTicket
 from transfer.stats import TransferResult, TransferStats
+from worker_common.kv_events import KVEventPublisher
 from worker_common.messages import (
     GenerateRequest,
     PrefillResult,
@@ -47,7 +51,7 @@ class KVPuller(Protocol):
         self,
         ticket: TransferTicket,
         dst_page_ids: dict[str, list[int]],
-        skip_pages: int,
+        skip_pages: int | dict[str, int],
         expected_prompt_len: int,
     ) -> TransferResult: ...
     def stats(self) -> dict[str, Any]: ...
@@ -57,7 +61,8 @@ class KVPuller(Protocol):
 
 class DecodeWorker:
     """Plain class behind the decode Ray actor. ``report`` receives the per-request stats (None:
-    none are recorded)."""
+    none are recorded); with ``publish_kv_events`` the worker's KV events are kept for the router
+    (``kv_events``)."""
 
     def __init__(
         self,
@@ -67,13 +72,15 @@ class DecodeWorker:
         report: Sink | None = None,
         deadlines: WorkerDeadlines | None = None,
         stats_interval_s: float = 10.0,
+        publish_kv_events: bool = False,
         on_failure: str = "fail",
     ) -> None:
         if on_failure not in ("fail", "recompute"):
             raise ValueError(f"on_failure must be 'fail' or 'recompute', got {on_failure!r}")
         self.worker_id = worker_id
         self.keeper = WorkerStatsKeeper(worker_id, Role.DECODE, stats_interval_s, report)
-        self.loop = EngineLoop(engine, name=f"{worker_id}-engine", on_tick=self.keeper.tick)
+        self.kv_events = KVEventPublisher(worker_id, engine) if publish_kv_events else None
+        self.loop = EngineLoop(engine, name=f"{worker_id}-engine", on_tick=self._tick)
         self.puller = puller
         deadlines = deadlines or WorkerDeadlines()
         self._gen_init_deadline_s = deadlines.page_wait_s
@@ -85,6 +92,11 @@ class DecodeWorker:
         self.num_transfer_recomputed = 0  # ... whose request was prefilled here instead
         self.num_transfer_failed_requests = 0  # ... whose request ended with an error
 
+    def _tick(self, engine: LLMEngine) -> None:
+        self.keeper.tick(engine)
+        if self.kv_events is not None:
+            self.kv_events.collect(engine)
+
     # ---- disaggregated path ----
     async def decode(self, req: GenerateRequest, pre: PrefillResult) -> AsyncIterator[TokenDelta]:
         """Receive the KV of a prefilled request and stream its tokens after the first one."""
@@ -94,9 +106,9 @@ class DecodeWorker:
             )
         rid, prompt = req.request_id, req.prompt_token_ids.tolist()
         received = time.time()
-        skip, dst = await self._gen_init(rid, prompt)
+        hit, host_tokens, skips, dst = await self._gen_init(rid, prompt)
         transfer_start = time.time()
-        pull = asyncio.ensure_future(self.puller.pull(pre.ticket, dst, skip, len(prompt)))
+        pull = asyncio.ensure_future(self.puller.pull(pre.ticket, dst, skips, len(prompt)))
         self._receiving[rid] = pull
         try:
             result = await asyncio.shield(pull)
@@ -152,24 +164,40 @@ class DecodeWorker:
                 pre.first_token_id,
                 req.sampling,
                 arrival_time=req.arrival_time,
-                num_cached_tokens=skip * page_size,
+                num_cached_tokens=hit * page_size,
+                num_cached_host_tokens=host_tokens,
             )
 
         async for delta in self._run(req, add):
             yield delta
 
-    async def _gen_init(self, rid: str, prompt: list[int]) -> tuple[int, dict[str, list[int]]]:
-        """Allocate pages for the prompt and the next token; return (pages D already had, the pages
-        the transfer must fill per group). Waits for free pages, within a deadline."""
+    async def _gen_init(
+        self, rid: str, prompt: list[int]
+    ) -> tuple[int, int, dict[str, int], dict[str, list[int]]]:
+        """Allocate pages for the prompt and the next token, as if the prompt were computed: a
+        sliding-window group takes only its last window's pages. Return (the prompt pages D's own
+        prefix hit covers, the tokens of that hit loaded back from D's host tier, the request's
+        pages per group that D holds or does not need, the pages the transfer must fill per
+        group: the rest of the prompt's). Waits for free pages, within a deadline."""
 
-        def allocate(engine: LLMEngine) -> tuple[int, dict[str, list[int]]] | None:
-            prefix = engine.kv.match_prefix(prompt)
-            if not engine.kv.allocate_slots(rid, len(prompt) + 1, prefix):
+        def allocate(
+            engine: LLMEngine,
+        ) -> tuple[int, int, dict[str, int], dict[str, list[int]]] | None:
+            kv, n = engine.kv, len(prompt)
+            prefix = kv.match_prefix(prompt)  # D's own hit: device or host tier
+            if not kv.allocate_slots(rid, n + 1, prefix, num_computed_tokens=n):
                 return None
-            n_hit = prefix.num_tokens // engine.kv.page_size
-            n_prompt_pages = -(-len(prompt) // engine.kv.page_size)
-            pages = engine.kv.page_ids(rid)
-            return n_hit, {g: p[n_hit:n_prompt_pages] for g, p in pages.items()}
+            # The pull writes the pages outside the model's stream: no offload of a page this
+            # allocation evicted may still be reading it (a no-op without a GPU host tier).
+            kv.wait_offloads()
+            n_hit = prefix.num_tokens // kv.page_size
+            n_prompt_pages = -(-n // kv.page_size)
+            skips, dst = {}, {}
+            for g, pages in kv.page_ids(rid).items():
+                first_held = next((i for i, p in enumerate(pages) if p != NULL_PAGE), len(pages))
+                skips[g] = min(max(n_hit, first_held), n_prompt_pages)
+                dst[g] = pages[skips[g] : n_prompt_pages]
+            return n_hit, prefix.num_host_tokens, skips, dst
 
         deadline = time.monotonic() + self._gen_init_deadline_s
         while True:

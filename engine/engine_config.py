@@ -64,6 +64,10 @@ class EngineConfig:
     """Rewrite a long prefill's out-of-window pages of sliding-window groups in place, keeping
     its footprint near (window + chunk) pages; costs prefix hits inside long prompts
     (kvcache/manager.py)."""
+    host_tier_bytes: int = 0
+    """Host memory beneath the KV pools for reusable pages the device evicts, found again by
+    prefix hits and loaded back (pinned memory on CUDA); split between pool groups as the device
+    pools are. 0: no host tier."""
     seed: int = 0
     """Seed of the sampler's shared generator (requests without their own seed) and of dummy weights."""
     dummy_config: ModelConfig | dict[str, Any] | None = None
@@ -131,9 +135,27 @@ class EngineConfig:
             raise ValueError(
                 f"{owner}.reuse_policy must be one of {[p.value for p in ReusePolicy]}, got {self.reuse_policy!r}"
             )
+        if isinstance(self.host_tier_bytes, bool) or not isinstance(self.host_tier_bytes, int):
+            raise ValueError(
+                f"{owner}.host_tier_bytes must be an integer, got {self.host_tier_bytes!r}"
+            )
+        if self.host_tier_bytes < 0:
+            raise ValueError(f"{owner}.host_tier_bytes must be >= 0, got {self.host_tier_bytes}")
+        if self.host_tier_bytes and not ReusePolicy(self.reuse_policy).reuses:
+            raise ValueError(
+                f"{owner}.host_tier_bytes={self.host_tier_bytes} needs prefix reuse: with "
+                "reuse_policy='none' no page is ever reusable, so nothing would go to the host tier"
+            )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"{owner}.seed must be an integer, got {self.seed!r}")
         _positive_int(owner, "tensor_parallel_size", self.tensor_parallel_size)
+        if self.host_tier_bytes and self.tensor_parallel_size > 1:
+            # Ranks 1.. hold their KV heads in processes of their own: the host tier (rank 0's
+            # KVCacheManager) would offload and load back only rank 0's heads.
+            raise ValueError(
+                f"{owner}.host_tier_bytes is not supported with tensor_parallel_size > 1 yet, got "
+                f"{self.host_tier_bytes} with tensor_parallel_size {self.tensor_parallel_size}"
+            )
         _positive_int(owner, "max_stats_len", self.max_stats_len, minimum=-1)
         if self.max_request_stats_len is not None:
             _positive_int(owner, "max_request_stats_len", self.max_request_stats_len, minimum=-1)

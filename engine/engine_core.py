@@ -289,13 +289,16 @@ class LLMEngine:
         *,
         arrival_time: float | None = None,
         num_cached_tokens: int = 0,
+        num_cached_host_tokens: int = 0,
     ) -> Request:
         """Start decoding a request whose prompt KV the caller already placed in ``self.kv`` (pages
         allocated under ``request_id``); the first token was produced and streamed elsewhere.
         ``num_cached_tokens``: how much of the prompt the caller found in this engine's own prefix
-        cache (the rest came from elsewhere), for the request's stats."""
+        cache (the rest came from elsewhere), ``num_cached_host_tokens`` of it from the host tier,
+        for the request's stats."""
         request = self.make_request(request_id, prompt_token_ids, params, arrival_time=arrival_time)
         request.metrics.num_cached_tokens = num_cached_tokens
+        request.metrics.num_cached_host_tokens = num_cached_host_tokens
         self.scheduler.add_prefilled_request(request, first_token_id)
         request.num_tokens_sent = request.num_output_tokens  # the prefill side streamed it
         request.num_text_sent = len(request.output_text)

@@ -16,6 +16,7 @@ from kvcache.sizing import (
     check_one_request_fits,
     cuda_free_bytes,
     device_kv_budget,
+    host_pages_per_group,
     pages_per_request,
     size_pool_groups,
 )
@@ -70,8 +71,11 @@ def build_kv_cache(
     holds (split by ``config.pool_ratio``, or by what one request holds in each group; capped at
     what ``max_num_seqs`` requests of ``max_model_len`` tokens can use). Logs the pages per group.
 
+    With ``config.host_tier_bytes``, a host tier beneath the groups (kvcache/host_tier.py).
+
     Raises kvcache.sizing.KVSizingError (a ValueError; ``setting`` says what to change) for a bad
-    pool_ratio, or when some group cannot hold one request of ``max_model_len`` tokens.
+    pool_ratio, when some group cannot hold one request of ``max_model_len`` tokens, or when the
+    host tier holds less than one page of some group.
     """
     device = torch.device(config.device)
     templates = kv_pool_templates(model, config.page_size, config.torch_dtype, shard)
@@ -106,4 +110,11 @@ def build_kv_cache(
         need,
     )
     check_one_request_fits(specs, need, max_model_len)
-    return KVCacheManager(specs, config.reuse_policy, device, config.swa_scratch_reuse)
+    host_pages = None
+    if config.host_tier_bytes:
+        host_pages = host_pages_per_group(specs, config.host_tier_bytes)
+        logger.info(
+            "KV host tier: %s",
+            ", ".join(f"{s.name} {host_pages[s.name]} pages" for s in specs),
+        )
+    return KVCacheManager(specs, config.reuse_policy, device, config.swa_scratch_reuse, host_pages)

@@ -56,6 +56,7 @@ class RequestMetrics:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    num_cached_host_tokens: int = 0  # of those, the ones loaded back from the KV host tier
     num_preemptions: int = 0
 
     @property

@@ -5,6 +5,10 @@ pass, then ``update()`` (advance progress, commit pages for reuse, append sample
 conditions, free finished requests). Page ownership: a request holds its pages from its admission's
 ``allocate_slots`` until it finishes, is preempted or aborted (``kv.free``); a prefill-only request
 keeps them past its first token until ``release()``.
+
+KV host tier: a request admitted from a prefix hit whose pages are being loaded back from host
+memory (``kv.loads_pending``, only on CUDA workers) holds its pages but waits aside in ``loading``
+until its own copies landed; every other request keeps running meanwhile.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class Scheduler:
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.loading: list[Request] = []  # admitted, waiting for their host-tier load-backs
         # every request the scheduler still knows: waiting, running, or prefilled holding pages
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0  # since construction
@@ -75,6 +80,7 @@ class Scheduler:
             raise ValueError(
                 f"request {request.request_id!r} holds no pages: allocate and fill them first"
             )
+        self.kv.wait_loads(request.request_id)  # its own prefix hit loaded back from host
         self._sync_pages(request)
         if request.kv_capacity < request.num_prompt_tokens:
             raise ValueError(
@@ -117,7 +123,9 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is None:
             return None
-        if request.status is RequestStatus.RUNNING:
+        if request in self.loading:
+            self.loading.remove(request)
+        elif request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
@@ -139,6 +147,8 @@ class Scheduler:
         out = SchedulerOutput()
         budget = cfg.max_num_batched_tokens
         chunk = cfg.prefill_chunk_size
+        if self.loading:
+            self._land_loads()
         running = self.running  # _reserve_running pops from this same list
         i = 0
         while i < len(running) and budget > 0:
@@ -160,6 +170,14 @@ class Scheduler:
         out.released_ids, self._released = self._released, []
         return out
 
+    def _land_loads(self) -> None:
+        """Requests whose load-backs landed join the running set (in admission order)."""
+        self.kv.poll_loads()
+        ready = [r for r in self.loading if not self.kv.loads_pending(r.request_id)]
+        if ready:
+            self.loading = [r for r in self.loading if r not in ready]
+            self.running.extend(ready)
+
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting requests in FIFO order, each from its longest cached prefix.
 
@@ -171,7 +189,9 @@ class Scheduler:
         cfg = self.config
         now = time.time()
         passed_over: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+        while (
+            self.waiting and budget > 0 and len(self.running) + len(self.loading) < cfg.max_num_seqs
+        ):
             req = self.waiting[0]
             if not self.kv.fits_alone(req.num_tokens, cfg.prefill_chunk_size):
                 self.waiting.popleft()
@@ -191,9 +211,15 @@ class Scheduler:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
                 req.metrics.num_cached_tokens = prefix.num_tokens
+                req.metrics.num_cached_host_tokens = prefix.num_host_tokens
             req.num_computed_tokens = prefix.num_tokens
             self._sync_pages(req)
             req.status = RequestStatus.RUNNING
+            if self.kv.loads_pending(req.request_id):
+                self.loading.append(req)  # computes once its own pages landed
+                if self._reuses:
+                    self.inflight.add(req, prefix)
+                continue
             self.running.append(req)
             out.add(req, n)
             budget -= n
@@ -249,7 +275,7 @@ class Scheduler:
 
     # ---- queries ----
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     @property
     def num_waiting(self) -> int:
@@ -257,7 +283,8 @@ class Scheduler:
 
     @property
     def num_running(self) -> int:
-        return len(self.running)
+        """Requests holding pages to compute: running, and loading from the host tier."""
+        return len(self.running) + len(self.loading)
 
     # ---- internals ----
     def _check_new(self, request: Request) -> None:

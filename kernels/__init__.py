@@ -184,13 +184,29 @@ def paged_prefill_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     plan: AttentionPlan | None = None,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:
     """Packed q [T, Hq, D], causal over the whole context: query i of sequence b sits at
     position seq_lens[b] - q_len_b + i (with ``sliding_window`` W it reads keys p - W + 1 .. p;
-    ``softcap`` caps scores by tanh; ``plan`` as in paged_decode_attention). Returns [T, Hq, D]."""
+    ``softcap`` caps scores by tanh; ``plan`` as in paged_decode_attention; ``max_query_len``,
+    the longest q_len_b where the caller knows it, spares the GPU kernel a device sync). Returns
+    [T, Hq, D]."""
     if use_triton(q):
-        from kernels.prefill_attention_triton import paged_prefill_attention as impl
-    elif use_reference():
+        from kernels.prefill_attention_triton import paged_prefill_attention as triton_impl
+
+        return triton_impl(
+            q,
+            k_cache,
+            v_cache,
+            page_table,
+            cu_seqlens_q,
+            seq_lens,
+            scale,
+            sliding_window,
+            softcap,
+            max_query_len=max_query_len,
+        )
+    if use_reference():
         impl = paged_prefill_attention_ref
     else:
         assert plan is None or isinstance(plan, PrefillPlan)
@@ -272,12 +288,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def rotary(
     q: torch.Tensor,
     k: torch.Tensor,
-    positions: torch.Tensor,
+    positions: torch.Tensor | None,
     cos_cache: torch.Tensor,
     sin_cache: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half RoPE of q [T, Hq, D] and k [T, Hk, D] at ``positions`` from cos/sin caches
-    [max_positions, D]; returns new tensors."""
+    [max_positions, D], or (``positions`` None) from per-token tables [T, D]; returns new tensors."""
     if use_triton(q):
         from kernels.layer_ops_triton import rotary as impl
     else:

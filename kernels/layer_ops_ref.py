@@ -53,11 +53,13 @@ def rotary_cos_sin_cache(
 def rotary_ref(
     q: torch.Tensor,  # [T, Hq, D]
     k: torch.Tensor,  # [T, Hk, D]
-    positions: torch.Tensor,  # [T] int
-    cos_cache: torch.Tensor,  # [max_positions, D]
+    positions: torch.Tensor | None,  # [T] int; None: the tables are per token
+    cos_cache: torch.Tensor,  # [max_positions, D], or [T, D] when positions is None
     sin_cache: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    cos, sin = cos_cache[positions][:, None, :], sin_cache[positions][:, None, :]
+    if positions is not None:
+        cos_cache, sin_cache = cos_cache[positions], sin_cache[positions]
+    cos, sin = cos_cache[:, None, :], sin_cache[:, None, :]
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2

@@ -130,12 +130,16 @@ def _rotary_kernel(
     stride_c,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    HAS_POS: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = (heads < num_heads)[:, None]
     d = tl.arange(0, HALF)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
+    if HAS_POS:
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+    else:  # per-token tables: row t is token t's
+        pos = t
     # cos/sin hold the same value at d and d + HALF (the table is cat(freqs, freqs))
     c1 = tl.load(cos_ptr + pos * stride_c + d).to(tl.float32)[None, :]
     c2 = tl.load(cos_ptr + pos * stride_c + HALF + d).to(tl.float32)[None, :]
@@ -155,7 +159,7 @@ def _rotary_kernel(
 
 
 def _rotate(
-    x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    x: torch.Tensor, positions: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
 ) -> torch.Tensor:
     tokens, heads, dim = x.shape
     if x.stride(2) != 1:
@@ -166,7 +170,7 @@ def _rotate(
         _rotary_kernel[(tokens, triton.cdiv(heads, block_h))](
             x,
             out,
-            positions,
+            positions if positions is not None else cos,
             cos,
             sin,
             heads,
@@ -177,6 +181,7 @@ def _rotate(
             cos.stride(0),
             HALF=dim // 2,
             BLOCK_H=block_h,
+            HAS_POS=positions is not None,
             num_warps=4,
         )
     return out
@@ -185,7 +190,7 @@ def _rotate(
 def rotary(
     q: torch.Tensor,
     k: torch.Tensor,
-    positions: torch.Tensor,
+    positions: torch.Tensor | None,
     cos_cache: torch.Tensor,
     sin_cache: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -280,10 +280,14 @@ def paged_prefill_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     config: PrefillConfig | None = None,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:  # [T, Hq, D], q's dtype
     """Causal attention of the packed new tokens over each sequence's whole cached context.
 
-    Reads cu_seqlens_q once on the host (one sync) to size the grid by the longest query run.
+    The grid is sized by the longest query run: ``max_query_len`` when the caller knows it (the
+    engine does, from the host copy of the batch), else read from cu_seqlens_q, which costs a
+    device sync per call, i.e. per layer, and leaves the GPU idle while the next layer's kernels
+    are launched.
     """
     page_size, num_kv_heads, head_dim = check_cache_pair(k_cache, v_cache)
     group = check_query(q, num_kv_heads, head_dim)
@@ -296,7 +300,9 @@ def paged_prefill_attention(
     if batch == 0 or q.shape[0] == 0:
         return out
     config = config or default_prefill_config(q.device, k_cache.dtype, head_dim)
-    max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    max_q_len = max_query_len
+    if max_q_len is None:
+        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     num_m_blocks = triton.cdiv(max_q_len, config.block_m)
     if num_m_blocks == 0:
         return out

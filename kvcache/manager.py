@@ -22,6 +22,14 @@ misses in the window group and so recomputes from the start, where without scrat
 hit at any page boundary (while the pages last). Pages shared through a prefix hit or registered in
 the index are never rewritten; they are released as usual.
 
+Host tier (``host_tier_pages``): a registered page an allocation evicts is offloaded to host memory
+beneath its group and stays findable; a prefix hit on it allocates a device page and loads it back
+(kvcache/host_tier.py says when the copies run and land). A loaded page is registered in the device
+index when its copy landed; until then the request is ``loads_pending`` and must not compute.
+
+KV events (``enable_events``): every change to what ``match_prefix`` can find, by tier and block
+hash (kvcache/kv_events.py), drained by the worker that publishes them.
+
 Ownership: a request owns one ref on each non-null page listed by ``page_ids(request_id)`` from the
 ``allocate_slots`` that gave it until ``free(request_id)`` (or until a later ``allocate_slots``
 releases it from a window). Pinning a page (e.g. for a transfer lease) means not calling ``free``
@@ -37,14 +45,16 @@ from dataclasses import dataclass
 import torch
 
 from kvcache.block_hash import hash_full_pages
+from kvcache.host_tier import HostTier, LoadItem
 from kvcache.kv_buffer import allocate_buffers, layer_views
+from kvcache.kv_events import KVEvent, KVEventLog, Medium
 from kvcache.page_pool import PagePool
-from kvcache.prefix_match import PrefixMatch, find_cached_prefix
+from kvcache.prefix_match import PrefixMatch, check_prefix, find_cached_prefix
 from kvcache.request_pages import RequestPages
 from kvcache.reuse_policy import ReusePolicy
 from kvcache.sliding_window import first_needed_page, max_pages_held, release_point
 from kvcache.spec import NULL_PAGE, PoolGroupSpec
-from kvcache.stats import KVCacheStats, PoolGroupStats, ReuseCounters
+from kvcache.stats import KVCacheStats, ReuseCounters
 
 NO_RELEASE = sys.maxsize  # ``next_release_at`` of a request no window will ever release from
 
@@ -57,6 +67,7 @@ class _GroupPlan:
     release: list[int]  # held pages that leave the window, in token order
     recycle: list[int]  # of those, the ones rewritten in place as new pages (scratch reuse)
     num_fresh: int  # new pages taken from the pool
+    num_load: int = 0  # new pages taken for the prefix's host-tier pages (loaded back)
 
 
 class KVCacheManager:
@@ -68,6 +79,7 @@ class KVCacheManager:
         reuse_policy: ReusePolicy | str = ReusePolicy.NONE,
         device: torch.device | str = "cpu",
         swa_scratch_reuse: bool = False,
+        host_tier_pages: dict[str, int] | None = None,
     ) -> None:
         """Build the pools and allocate the storage.
 
@@ -76,6 +88,7 @@ class KVCacheManager:
             reuse_policy: prefix reuse policy (a ReusePolicy or its string value).
             device: where the storage tensors live.
             swa_scratch_reuse: rewrite a prefill's out-of-window pages in place (module docstring).
+            host_tier_pages: host-tier pages per group (every group, >= 1 each); None: no tier.
         """
         if not specs:
             raise ValueError("KVCacheManager needs at least one pool group spec")
@@ -97,6 +110,18 @@ class KVCacheManager:
         self._windowed = [g for g, w in self.windows.items() if w is not None]
         self._requests: dict[str, RequestPages] = {}
         self._reuse = ReuseCounters()
+        self.events = KVEventLog()
+        self.host_tier: HostTier | None = None
+        if host_tier_pages is not None:
+            if set(host_tier_pages) != set(names):
+                raise ValueError(
+                    f"host_tier_pages must name the groups {names}, got {host_tier_pages}"
+                )
+            self.host_tier = HostTier(
+                specs, host_tier_pages, self.buffers, self.device, self.events
+            )
+        for g, pool in self._pools.items():
+            pool.on_evict = lambda page, block_hash, g=g: self._evicted(g, page, block_hash)
 
     # ---- storage ----
     def layer_cache(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,7 +145,8 @@ class KVCacheManager:
         n = len(token_ids)
         if not self.reuse_policy.reuses or n <= 1:
             return PrefixMatch(0, {g: [] for g in self._pools}, [], n)
-        return find_cached_prefix(token_ids, self.page_size, self._pools, self.windows)
+        host = self.host_tier.pools if self.host_tier is not None else None
+        return find_cached_prefix(token_ids, self.page_size, self._pools, self.windows, host)
 
     # ---- allocation ----
     def allocate_slots(
@@ -158,7 +184,8 @@ class KVCacheManager:
                 f"num_computed_tokens={computed} outside [0, num_total_tokens={num_total_tokens}]"
             )
         if taken is not None:
-            self._check_prefix(taken, num_total_tokens)
+            host = self.host_tier.pools if self.host_tier is not None else None
+            check_prefix(taken, num_total_tokens, self.page_size, self._pools, self.windows, host)
             if computed is None:
                 computed = taken.num_tokens
             elif computed < taken.num_tokens:
@@ -173,6 +200,7 @@ class KVCacheManager:
                     return False
                 for g, pool in self._pools.items():
                     state.pages[g].extend(pool.allocate(grow))
+                self._finish_allocation(request_id)
             return True
         plans: dict[str, _GroupPlan] = {}
         for g, pool in self._pools.items():
@@ -187,6 +215,7 @@ class KVCacheManager:
                 self._take_prefix(state, taken, plans)
         for g, pool in self._pools.items():
             self._apply(state, g, pool, plans[g], needed)
+        self._finish_allocation(request_id)
         return True
 
     def _plan(
@@ -199,21 +228,28 @@ class KVCacheManager:
         needed: int,
     ) -> _GroupPlan | None:
         window = self.windows[g]
+        hosted: dict[int, int] = {}
         if state is not None:
             pages, first = state.pages[g], state.first_live[g]
         else:
             pages = taken.page_ids.get(g, []) if taken is not None else []
-            first = next((i for i, p in enumerate(pages) if p != NULL_PAGE), len(pages))
+            hosted = taken.host_pages.get(g, {}) if taken is not None else {}
+            first = next(
+                (i for i, p in enumerate(pages) if p != NULL_PAGE or i in hosted), len(pages)
+            )
         start = first
         if window is not None and computed is not None:
             start = max(first, first_needed_page(computed, window, self.page_size))
         kept_from = min(start, len(pages))
         fresh = max(needed, len(pages)) - max(len(pages), start)
+        num_load = 0
         if state is None:  # prefix pages before the window are simply not taken
             release: list[int] = []
             recycle: list[int] = []
-            to_take = pages[kept_from:]
+            to_take = [p for p in pages[kept_from:] if p != NULL_PAGE]
             room = pool.num_free - sum(1 for p in to_take if pool.ref_count(p) == 0)
+            num_load = sum(1 for i in hosted if i >= kept_from)
+            room -= num_load
         else:
             release = pages[first:kept_from]
             recycle = []
@@ -223,22 +259,38 @@ class KVCacheManager:
                 ][:fresh]
             room = pool.num_free + sum(1 for p in release if pool.ref_count(p) == 1)
             room -= len(recycle)  # a recycled page never reaches the free queue
-        plan = _GroupPlan(start, release, recycle, fresh - len(recycle))
+        plan = _GroupPlan(start, release, recycle, fresh - len(recycle), num_load)
         return plan if plan.num_fresh <= room else None
 
     def _take_prefix(
         self, state: RequestPages, prefix: PrefixMatch, plans: dict[str, _GroupPlan]
     ) -> None:
+        """Take the prefix's pages: touch its device pages, then (host tier) pin its host pages
+        before anything is allocated for them, since those allocations may evict and offload."""
+        loads: dict[str, list[int]] = {}  # group -> positions loaded back from the host tier
         for g, pool in self._pools.items():
             ids = prefix.page_ids.get(g, [])
             start = min(plans[g].start, len(ids))
             for p in ids[start:]:
-                pool.touch(p)
+                if p != NULL_PAGE:
+                    pool.touch(p)
             state.pages[g] = [NULL_PAGE] * start + ids[start:]
             state.first_live[g] = start
             state.num_committed[g] = prefix.num_pages
+            loads[g] = sorted(i for i in prefix.host_pages.get(g, {}) if i >= start)
+        if self.host_tier is not None:
+            for g, positions in loads.items():
+                for i in positions:
+                    self.host_tier.pin(g, prefix.host_pages[g][i])
+            for g, positions in loads.items():
+                pages = state.pages[g]
+                for i, device_page in zip(positions, self._pools[g].allocate(len(positions))):
+                    pages[i] = device_page
+                    item = LoadItem(g, prefix.host_pages[g][i], device_page, prefix.block_hashes[i])
+                    self.host_tier.stage_load(item)
         state.block_hashes = list(prefix.block_hashes)
-        self._reuse.record(prefix.num_tokens, prefix.num_query_tokens)
+        loaded = len({i for positions in loads.values() for i in positions})
+        self._reuse.record(prefix.num_tokens, prefix.num_query_tokens, loaded * self.page_size)
 
     def _apply(
         self, state: RequestPages, g: str, pool: PagePool, plan: _GroupPlan, needed: int
@@ -259,32 +311,63 @@ class KVCacheManager:
         if len(pages) < needed:
             raise RuntimeError(f"{g}: planned {len(pages)} pages for {needed}")
 
-    def _check_prefix(self, prefix: PrefixMatch, num_total_tokens: int) -> None:
-        if prefix.num_tokens != prefix.num_pages * self.page_size:
-            raise ValueError(
-                f"prefix covers {prefix.num_tokens} tokens but has {prefix.num_pages} pages"
-            )
-        if prefix.num_tokens > num_total_tokens:
-            raise ValueError(
-                f"prefix of {prefix.num_tokens} tokens exceeds num_total_tokens={num_total_tokens}"
-            )
-        if not prefix.num_pages:
-            return
+    def _finish_allocation(self, request_id: str) -> None:
+        if self.host_tier is not None:
+            self._land(self.host_tier.finish_allocation(request_id))
+
+    # ---- the host tier and events ----
+    def _evicted(self, group: str, page: int, block_hash: int) -> None:
+        """A device pool dropped ``page``'s hash to hand it out (its KV is still intact)."""
+        self.events.record("removed", "device", group, block_hash)
+        if self.host_tier is not None:
+            self.host_tier.offload(group, page, block_hash)
+
+    def _register(self, group: str, pool: PagePool, page: int, block_hash: int) -> None:
+        if pool.page_hash(page) is None and pool.register(page, block_hash):
+            self.events.record("stored", "device", group, block_hash)
+
+    def _land(self, items: list[LoadItem]) -> None:
+        """Loaded-back pages whose copy finished become findable on the device."""
+        for item in items:
+            self._register(item.group, self._pools[item.group], item.device_page, item.block_hash)
+
+    def poll_loads(self) -> None:
+        """Land every load-back whose copy finished (the scheduler calls it once per step)."""
+        if self.host_tier is not None:
+            self._land(self.host_tier.poll())
+
+    def loads_pending(self, request_id: str) -> bool:
+        """Whether ``request_id``'s load-backs from the host tier are still being copied: it must
+        not compute until they land (never on a CPU worker, whose copies land at once)."""
+        return self.host_tier is not None and self.host_tier.loading(request_id)
+
+    def wait_loads(self, request_id: str) -> None:
+        """Block until ``request_id``'s own load-backs landed."""
+        if self.host_tier is not None:
+            self._land(self.host_tier.wait(request_id))
+
+    def wait_offloads(self) -> None:
+        """Block until every queued offload read its device page: call before pages this manager
+        handed out are written outside the model's stream (a KV receive into them)."""
+        if self.host_tier is not None:
+            self.host_tier.wait_offloads()
+
+    def enable_events(self) -> None:
+        """Record KV events from now on (a worker that publishes them; ``cached_blocks`` first)."""
+        self.events.enabled = True
+
+    def drain_events(self) -> list[KVEvent]:
+        return self.events.drain()
+
+    def cached_blocks(self) -> dict[str, dict[Medium, list[int]]]:
+        """Group -> medium -> every block hash ``match_prefix`` can find there now (the state that
+        the events since this call continue)."""
+        out: dict[str, dict[Medium, list[int]]] = {}
         for g, pool in self._pools.items():
-            ids = prefix.page_ids.get(g, [])
-            if len(ids) != prefix.num_pages:
-                raise ValueError(
-                    f"prefix has {len(ids)} pages for group {g!r}, expected {prefix.num_pages}"
-                )
-            first = next((i for i, p in enumerate(ids) if p != NULL_PAGE), len(ids))
-            if NULL_PAGE in ids[first:] or (first and self.windows[g] is None):
-                raise ValueError(f"prefix pages of group {g!r} have a gap: {ids}")
-            for i in range(first, len(ids)):
-                if pool.lookup(prefix.block_hashes[i]) != ids[i]:
-                    raise ValueError(
-                        f"stale PrefixMatch: page {ids[i]} of group {g!r} no longer holds block "
-                        f"{prefix.block_hashes[i]:#x}; call match_prefix right before allocate_slots"
-                    )
+            out[g] = {"device": pool.cached_hashes()}
+            if self.host_tier is not None:
+                out[g]["host"] = self.host_tier.pools[g].cached_hashes()
+        return out
 
     # ---- reuse registration ----
     def commit(
@@ -339,7 +422,7 @@ class KVCacheManager:
         for g in groups:
             pool, pages = self._pools[g], state.pages[g]
             for i in range(max(state.num_committed[g], state.first_live[g]), num_full):
-                pool.register(pages[i], state.block_hashes[i])
+                self._register(g, pool, pages[i], state.block_hashes[i])
             state.num_committed[g] = num_full
 
     # ---- release ----
@@ -349,9 +432,11 @@ class KVCacheManager:
         Pages are released last-first, so among a request's cached pages the tail of its prefix is
         evicted before the head (a prefix without its head is unreachable anyway).
         """
-        state = self._requests.pop(request_id, None)
-        if state is None:
+        if request_id not in self._requests:
             return
+        if self.host_tier is not None:  # its load-backs still write its pages: wait for its own
+            self._land(self.host_tier.wait(request_id))
+        state = self._requests.pop(request_id)
         for g, pool in self._pools.items():
             pool.free(reversed(state.held(g)))
 
@@ -401,23 +486,19 @@ class KVCacheManager:
         return self._pools[group].num_free
 
     def stats(self) -> KVCacheStats:
-        """A snapshot of page counts and interval peaks per group, and the reuse counters."""
+        """A snapshot of page counts and interval peaks per group (and its host tier), and the
+        reuse counters."""
+        tier = self.host_tier
         groups = {
-            g: PoolGroupStats(
-                total=pool.num_usable,
-                free=pool.num_free,
-                used=pool.num_used,
-                evictable=pool.num_evictable,
-                peak_used=pool.peak_used,
-                evictions=pool.num_evictions,
-                peak_evictable=pool.peak_evictable,
-                free_low_water=pool.free_low_water,
-                sliding_window=self.windows[g],
+            g: pool.stats(
+                self.windows[g], tier.pools[g].stats(self.page_size) if tier is not None else None
             )
             for g, pool in self._pools.items()
         }
         r = self._reuse
-        return KVCacheStats(groups, r.queries, r.hit_tokens, r.miss_tokens, 0, len(self._requests))
+        return KVCacheStats(
+            groups, r.queries, r.hit_tokens, r.miss_tokens, len(self._requests), r.host_hit_tokens
+        )
 
     def reset_peak(self) -> None:
         """Start a new stats interval: every group's peaks (used, evictable, free low-water) become
@@ -434,3 +515,13 @@ class KVCacheManager:
                 state.check(rid, g, pool, windowed=self.windows[g] is not None)
                 holders.update(state.held(g))
             pool.check_integrity(holders, name=f"pool group {g!r}")
+        if self.host_tier is None:
+            return
+        self.host_tier.check_integrity()
+        for rid, items in self.host_tier.pending_loads().items():
+            state = self._requests.get(rid)
+            for item in items:  # a page being loaded is held by its request, and not findable
+                if state is None or item.device_page not in state.held(item.group):
+                    raise RuntimeError(f"load-back {item} of {rid!r}: the page is not held by it")
+                if self._pools[item.group].page_hash(item.device_page) is not None:
+                    raise RuntimeError(f"load-back {item} of {rid!r}: registered before it landed")

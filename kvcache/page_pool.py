@@ -18,10 +18,11 @@ most evictable at once, and the fewest plain free (neither used nor cached) at o
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from kvcache.free_queue import FreeQueue
 from kvcache.spec import NULL_PAGE
+from kvcache.stats import HostTierStats, PoolGroupStats
 
 
 class PagePool:
@@ -42,6 +43,9 @@ class PagePool:
         self.peak_used = 0
         self.peak_evictable = 0
         self.free_low_water = self.num_usable
+        # Called with (page id, its block hash) when an allocation evicts a cached page, before
+        # the page is handed out: its KV is still intact (the host tier copies it then).
+        self.on_evict: Callable[[int, int], None] | None = None
 
     # ---- counts (pages) ----
     @property
@@ -66,6 +70,20 @@ class PagePool:
         """Pages neither held nor cached: what an allocation takes before evicting anything."""
         return self.num_free - self._num_evictable
 
+    def stats(self, window: int | None, host: HostTierStats | None) -> PoolGroupStats:
+        return PoolGroupStats(
+            total=self.num_usable,
+            free=self.num_free,
+            used=self.num_used,
+            evictable=self._num_evictable,
+            peak_used=self.peak_used,
+            evictions=self.num_evictions,
+            peak_evictable=self.peak_evictable,
+            free_low_water=self.free_low_water,
+            sliding_window=window,
+            host=host,
+        )
+
     def reset_peaks(self) -> None:
         """Start a new stats interval: every peak becomes the current count."""
         self.peak_used = self.num_used
@@ -77,6 +95,10 @@ class PagePool:
 
     def page_hash(self, page_id: int) -> int | None:
         return self._page_hash[page_id]
+
+    def cached_hashes(self) -> list[int]:
+        """Every block hash in the index (held or evictable pages)."""
+        return list(self._index)
 
     def free_order(self) -> list[int]:
         """Page ids with ref count 0, in the order allocation will take them."""
@@ -128,6 +150,8 @@ class PagePool:
                 self._page_hash[page_id] = None
                 self._num_evictable -= 1
                 self.num_evictions += 1
+                if self.on_evict is not None:
+                    self.on_evict(page_id, old_hash)
             self._ref_counts[page_id] = 1
             pages.append(page_id)
         free = len(self._free_queue)

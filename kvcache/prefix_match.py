@@ -1,4 +1,5 @@
-"""Prefix lookup: the cached pages a new request can start from, across full and window groups."""
+"""Prefix lookup: the cached pages a new request can start from, across full and window groups and
+both tiers (device, host), and the check that a match is still good when it is taken."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvcache.block_hash import hash_block
+from kvcache.host_pool import HostPool
 from kvcache.page_pool import PagePool
 from kvcache.sliding_window import longest_window_hit, pages_before_hit
 from kvcache.spec import NULL_PAGE
@@ -21,21 +23,30 @@ class PrefixMatch:
 
     Attributes:
         num_tokens: tokens covered (a multiple of page_size, always < num_query_tokens).
-        page_ids: group name -> the cached page ids, in order (``num_tokens // page_size`` each). A
-            sliding-window group lists only the pages of the window before the hit; the positions
-            before them hold the null page.
+        page_ids: group name -> the cached device page ids, in order (``num_tokens // page_size``
+            each). A sliding-window group lists only the pages of the window before the hit; the
+            positions before them hold the null page. So does a position found in the host tier.
         block_hashes: the chained hash of each matched page, in order.
         num_query_tokens: length of the token list that was looked up (for hit/miss stats).
+        host_pages: group name -> {position: host page} of the pages found only in the host tier
+            (kvcache/host_tier.py): ``allocate_slots`` loads them back into new device pages.
     """
 
     num_tokens: int = 0
     page_ids: dict[str, list[int]] = field(default_factory=dict)
     block_hashes: list[int] = field(default_factory=list)
     num_query_tokens: int = 0
+    host_pages: dict[str, dict[int, int]] = field(default_factory=dict)
 
     @property
     def num_pages(self) -> int:
         return len(self.block_hashes)
+
+    @property
+    def num_host_tokens(self) -> int:
+        """Tokens of the hit whose page some group loads back from the host tier."""
+        positions = {i for pages in self.host_pages.values() for i in pages}
+        return len(positions) * (self.num_tokens // self.num_pages if self.num_pages else 0)
 
 
 def find_cached_prefix(
@@ -43,6 +54,7 @@ def find_cached_prefix(
     page_size: int,
     pools: dict[str, PagePool],
     windows: dict[str, int | None],
+    host: dict[str, HostPool] | None = None,
 ) -> PrefixMatch:
     """The longest prefix, in whole pages and at most ``len(token_ids) - 1`` tokens, that every
     group can serve (vLLM's hybrid allocator).
@@ -51,15 +63,24 @@ def find_cached_prefix(
     window group of window W, the pages holding t - W + 1 .. t - 1 (what the query at t reads). Full
     groups are scanned left to right (a hit at t implies one at every shorter t); window groups right
     to left from there, each shortening t until all agree, since a window hit at t says nothing about
-    shorter ones. Pure lookup: takes no refs and changes nothing.
+    shorter ones. A page counts as cached in a group when the device pool or, given ``host``, the
+    host tier beneath it has it; the device copy is preferred. Pure lookup: takes no refs and
+    changes nothing.
     """
+    host = host or {}
+
+    def cached(g: str, block_hash: int) -> bool:
+        if pools[g].lookup(block_hash) is not None:
+            return True
+        return g in host and host[g].lookup(block_hash) is not None
+
     n = len(token_ids)
     full = [g for g in pools if windows[g] is None]
     hashes: list[int] = []
     parent: int | None = None
     for i in range(max(0, (n - 1) // page_size)):
         block_hash = hash_block(parent, token_ids[i * page_size : (i + 1) * page_size])
-        if any(pools[g].lookup(block_hash) is None for g in full):
+        if not all(cached(g, block_hash) for g in full):
             break
         hashes.append(block_hash)
         parent = block_hash
@@ -68,12 +89,65 @@ def find_cached_prefix(
     while True:
         before = k
         for g, need in needed.items():
-            pool = pools[g]
-            k = longest_window_hit(lambda i, pool=pool: pool.lookup(hashes[i]) is not None, k, need)
+            k = longest_window_hit(lambda i, g=g: cached(g, hashes[i]), k, need)
         if k == before:
             break
     page_ids: dict[str, list[int]] = {}
+    host_pages: dict[str, dict[int, int]] = {}
     for g, pool in pools.items():
         first = max(0, k - needed[g]) if g in needed else 0
-        page_ids[g] = [NULL_PAGE] * first + [pool.lookup(h) for h in hashes[first:k]]  # type: ignore[misc]
-    return PrefixMatch(k * page_size, page_ids, hashes[:k], n)
+        ids = [NULL_PAGE] * first
+        for i in range(first, k):
+            page = pool.lookup(hashes[i])
+            if page is None:
+                host_pages.setdefault(g, {})[i] = host[g].lookup(hashes[i])  # type: ignore[assignment]
+            ids.append(NULL_PAGE if page is None else page)
+        page_ids[g] = ids
+    return PrefixMatch(k * page_size, page_ids, hashes[:k], n, host_pages)
+
+
+def check_prefix(
+    prefix: PrefixMatch,
+    num_total_tokens: int,
+    page_size: int,
+    pools: dict[str, PagePool],
+    windows: dict[str, int | None],
+    host: dict[str, HostPool] | None,
+) -> None:
+    """Raise ValueError unless ``prefix`` can be taken now for a request of ``num_total_tokens``
+    tokens: whole pages, no gap, and every page (device or host) still holding its block (an
+    allocation since ``find_cached_prefix`` may have evicted or dropped one: a stale match)."""
+    if prefix.num_tokens != prefix.num_pages * page_size:
+        raise ValueError(
+            f"prefix covers {prefix.num_tokens} tokens but has {prefix.num_pages} pages"
+        )
+    if prefix.num_tokens > num_total_tokens:
+        raise ValueError(
+            f"prefix of {prefix.num_tokens} tokens exceeds num_total_tokens={num_total_tokens}"
+        )
+    if not prefix.num_pages:
+        return
+    for g, pool in pools.items():
+        ids = prefix.page_ids.get(g, [])
+        hosted = prefix.host_pages.get(g, {})
+        if len(ids) != prefix.num_pages:
+            raise ValueError(
+                f"prefix has {len(ids)} pages for group {g!r}, expected {prefix.num_pages}"
+            )
+        if hosted and (host is None or g not in host):
+            raise ValueError(f"prefix lists host-tier pages of group {g!r}, there is no tier")
+        first = next((i for i, p in enumerate(ids) if p != NULL_PAGE or i in hosted), len(ids))
+        gap = any(p == NULL_PAGE and i not in hosted for i, p in enumerate(ids) if i >= first)
+        if gap or (first and windows[g] is None):
+            raise ValueError(f"prefix pages of group {g!r} have a gap: {ids}")
+        for i in range(first, len(ids)):
+            h = prefix.block_hashes[i]
+            if i in hosted:
+                found, page, where = host[g].lookup(h), hosted[i], "host page"  # type: ignore[index]
+            else:
+                found, page, where = pool.lookup(h), ids[i], "page"
+            if found != page:
+                raise ValueError(
+                    f"stale PrefixMatch: {where} {page} of group {g!r} no longer holds block "
+                    f"{h:#x}; call match_prefix right before allocate_slots"
+                )

@@ -60,7 +60,7 @@ def device_kv_budget(
 
 class KVSizingError(ValueError):
     """A KV cache that cannot be sized as asked. ``setting`` names what the caller should change:
-    ``"pool_ratio"``, ``"budget"`` (the memory budget or the page count) or ``"max_model_len"``."""
+    ``"pool_ratio"``, ``"budget"`` (the memory budget or the page count) or ``"host_tier_bytes"``."""
 
     def __init__(self, setting: str, message: str) -> None:
         self.setting = setting
@@ -184,3 +184,23 @@ def check_one_request_fits(
             "KV cache more memory or pages, lower max_model_len, or shift pool_ratio toward "
             "those groups",
         )
+
+
+def host_pages_per_group(specs: list[PoolGroupSpec], host_bytes: int) -> dict[str, int]:
+    """Host-tier pages per group: ``host_bytes`` split as the device pools split their bytes (each
+    group's pages times its page bytes), so every group keeps about the same multiple of its
+    device pool. Raises KVSizingError ("host_tier_bytes") when some group would get no page."""
+    if host_bytes <= 0:
+        raise ValueError(f"host_bytes must be > 0, got {host_bytes}")
+    device_bytes = {s.name: s.usable_pages * s.page_bytes for s in specs}
+    pages = split_budget(host_bytes, {s.name: s.page_bytes for s in specs}, device_bytes)
+    short = [s for s in specs if pages[s.name] < 1]
+    if short:
+        detail = ", ".join(f"{s.name!r} gets {pages[s.name]} of {s.page_bytes} B" for s in short)
+        raise KVSizingError(
+            "host_tier_bytes",
+            f"the host tier (host_tier_bytes {host_bytes} B) holds less than one page in some pool "
+            f"group ({detail}); "
+            "give it at least one page per group, or 0 to turn it off",
+        )
+    return pages

@@ -1,8 +1,33 @@
-"""KV cache statistics: plain dataclasses of ints, safe to ship across actor boundaries."""
+"""KV cache statistics per pool group and tier: plain dataclasses of ints, safe to ship across
+actor boundaries."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class HostTierStats:
+    """The host tier beneath one pool group (kvcache/host_tier.py). Pages now, and running totals
+    since construction.
+
+    ``used`` pages hold a stored page's KV (findable by hash), ``pinned`` of them are being read by
+    load-backs; ``free`` pages hold nothing. ``offloaded``: device pages copied here on eviction;
+    ``loaded_back``: pages copied back to the device for a prefix hit (``hit_tokens`` = those pages'
+    tokens); ``drops``: stored pages dropped (to make room) before they were ever loaded back;
+    ``skipped_stores``: device evictions that could not be stored because every host page was
+    pinned by a load-back.
+    """
+
+    total: int
+    used: int
+    free: int
+    pinned: int
+    offloaded: int
+    loaded_back: int
+    hit_tokens: int
+    drops: int
+    skipped_stores: int
 
 
 @dataclass(frozen=True)
@@ -27,6 +52,7 @@ class PoolGroupStats:
     peak_evictable: int
     free_low_water: int
     sliding_window: int | None = None  # the group's window in tokens; None for full attention
+    host: HostTierStats | None = None  # the host tier beneath the group; None without one
 
     @property
     def usage(self) -> float:
@@ -43,29 +69,38 @@ class ReuseCounters:
     """Prefix-reuse counters (in tokens), counted once per admitted request.
 
     A query is counted when a ``PrefixMatch`` is consumed by a request's first ``allocate_slots``;
-    ``miss_tokens`` is the looked-up length minus the hit.
+    ``miss_tokens`` is the looked-up length minus the hit; ``host_hit_tokens`` the part of the hit
+    loaded back from the host tier (``PrefixMatch.num_host_tokens``).
     """
 
     queries: int = 0
     hit_tokens: int = 0
     miss_tokens: int = 0
+    host_hit_tokens: int = 0
 
-    def record(self, hit_tokens: int, query_tokens: int) -> None:
+    def record(self, hit_tokens: int, query_tokens: int, host_hit_tokens: int = 0) -> None:
         self.queries += 1
         self.hit_tokens += hit_tokens
         self.miss_tokens += query_tokens - hit_tokens
+        self.host_hit_tokens += host_hit_tokens
 
 
 @dataclass(frozen=True)
 class KVCacheStats:
-    """A snapshot of a KV cache manager."""
+    """A snapshot of a KV cache manager. ``reuse_hit_tokens`` counts hits on either tier, of
+    which ``reuse_host_hit_tokens`` came from the host tier."""
 
     groups: dict[str, PoolGroupStats] = field(default_factory=dict)
     reuse_queries: int = 0
     reuse_hit_tokens: int = 0
     reuse_miss_tokens: int = 0
-    host_drops: int = 0  # reusable pages dropped from the host tier before reuse (no host tier yet)
     num_requests: int = 0
+    reuse_host_hit_tokens: int = 0
+
+    @property
+    def host_drops(self) -> int:
+        """Pages dropped from the host tier before they were reused from there, every group."""
+        return sum(g.host.drops for g in self.groups.values() if g.host is not None)
 
     @property
     def hit_rate(self) -> float:

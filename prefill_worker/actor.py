@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import ray
 
 from prefill_worker.worker import PrefillWorker
@@ -18,10 +20,12 @@ class _PrefillWorkerActor(WorkerActorBase):
         self.worker = PrefillWorker(
             spec.worker_id,
             engine,
-            lambda release: make_publisher(engine, spec, release),
+            # Ray runs an async actor's __init__ on the actor's loop: the transceiver runs there too.
+            lambda release: make_publisher(engine, spec, release, asyncio.get_running_loop()),
             report,
             spec.deadlines,
             spec.stats_interval_s,
+            spec.publish_kv_events,
         )
 
     async def prefill(self, req: GenerateRequest) -> PrefillResult:

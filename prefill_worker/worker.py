@@ -20,6 +20,7 @@ from engine.engine_loop import EngineLoop
 from engine.output_stream import OutputStream
 from transfer.messages import TransferTicket
 from transfer.stats import TransferStats
+from worker_common.kv_events import KVEventPublisher
 from worker_common.messages import (
     GenerateRequest,
     PrefillResult,
@@ -52,7 +53,8 @@ class PrefillError(RuntimeError):
 
 class PrefillWorker:
     """Plain class behind the prefill Ray actor. ``make_publisher`` receives the release callback;
-    ``report`` receives the per-request stats (None: none are recorded)."""
+    ``report`` receives the per-request stats (None: none are recorded); with
+    ``publish_kv_events`` the worker's KV events are kept for the router (``kv_events``)."""
 
     def __init__(
         self,
@@ -62,17 +64,24 @@ class PrefillWorker:
         report: Sink | None = None,
         deadlines: WorkerDeadlines | None = None,
         stats_interval_s: float = 10.0,
+        publish_kv_events: bool = False,
     ) -> None:
         self.worker_id = worker_id
         self.keeper = WorkerStatsKeeper(worker_id, Role.PREFILL, stats_interval_s, report)
-        self.loop = EngineLoop(engine, name=f"{worker_id}-engine", on_tick=self.keeper.tick)
+        self.kv_events = KVEventPublisher(worker_id, engine) if publish_kv_events else None
+        self.loop = EngineLoop(engine, name=f"{worker_id}-engine", on_tick=self._tick)
         self.publisher = make_publisher(self._release)
         self._deadline_s = (deadlines or WorkerDeadlines()).prefill_s
         self._pending: set[str] = set()  # admitted, no reply yet
         # Prefilled, their lease being made -> whether their client went away meanwhile.
         self._publishing: dict[str, bool] = {}
 
-    # ---- called by the transfer layer (its own thread) ----
+    def _tick(self, engine: LLMEngine) -> None:
+        self.keeper.tick(engine)
+        if self.kv_events is not None:
+            self.kv_events.collect(engine)
+
+    # ---- called by the transfer layer (on its loop: the actor's, or its own thread's) ----
     def _release(self, request_id: str) -> None:
         def release(engine: LLMEngine) -> None:
             try:

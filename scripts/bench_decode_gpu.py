@@ -169,9 +169,11 @@ def profile_decode(
             torch.randint(0, loaded.config.vocab_size, (context,), generator=gen).tolist(),
             params,
         )
-    for _ in range(64):
+    for _ in range(1000):  # bounded: the prompts' chunks, then decode
         engine.step()
-        if all(r.num_computed_tokens >= r.num_prompt_tokens for r in engine.scheduler.running):
+        if not engine.scheduler.num_waiting and all(
+            r.num_computed_tokens >= r.num_prompt_tokens for r in engine.scheduler.running
+        ):
             break
     for _ in range(3):
         engine.step()
@@ -202,12 +204,26 @@ def offline(
     total = args.requests * args.output_len
     llm = LLM.from_loaded(loaded, **engine_kwargs)
     llm.generate(prompts[:2], params)  # warm-up
+    runner = llm.engine.runner
+    execute = runner.execute
+    step_s = {"decode": 0.0, "prefill": 0.0}  # execute() ends in a host sync (sampled ids)
+    step_n = {"decode": 0, "prefill": 0}
+
+    def timed_execute(batch: Any, sampling: Any) -> list[int]:
+        t0 = time.perf_counter()
+        out = execute(batch, sampling)
+        kind = "decode" if batch.is_decode_only else "prefill"
+        step_s[kind] += time.perf_counter() - t0
+        step_n[kind] += 1
+        return out
+
+    runner.execute = timed_execute
     sync(device)
     t = time.perf_counter()
     outs = llm.generate(prompts, params)
     sync(device)
     t_engine = time.perf_counter() - t
-    del llm
+    del llm, runner
     hf_tokens: list[list[int]] = []
     t = time.perf_counter()
     for start in range(0, len(prompts), args.hf_batch):
@@ -233,6 +249,13 @@ def offline(
         "output_tokens": total,
         "engine_s": t_engine,
         "engine_tok_s": total / t_engine,
+        # where the engine's time went: steps with prompt tokens, decode-only steps, the rest
+        # (scheduling, batch building, detokenizing)
+        "engine_prefill_steps": step_n["prefill"],
+        "engine_prefill_s": step_s["prefill"],
+        "engine_decode_steps": step_n["decode"],
+        "engine_decode_s": step_s["decode"],
+        "engine_other_s": t_engine - step_s["prefill"] - step_s["decode"],
         "hf_s": t_hf,
         "hf_tok_s": total / t_hf,
         "hf_batch": args.hf_batch,
@@ -257,6 +280,7 @@ def main() -> None:
     p.add_argument("--hf-batch", type=int, default=64)
     p.add_argument("--no-offline", action="store_true")
     p.add_argument("--profile", action="store_true", help="also profile a decode step")
+    p.add_argument("--profile-batches", type=int, nargs="*", help="(default: 1 and the largest)")
     p.add_argument(
         "--engine-arg",
         nargs=2,
@@ -319,7 +343,7 @@ def main() -> None:
         "engine_args": extra,
     }
     if args.profile:
-        for b in (1, max(args.batches)):
+        for b in args.profile_batches or (1, max(args.batches)):
             print(profile_decode(loaded, engine_kwargs, b, args.context))
     if not args.no_offline:
         off = offline(hf, loaded, engine_kwargs, args)
@@ -327,7 +351,10 @@ def main() -> None:
         print(
             f"offline, {off['requests']} requests: engine {off['engine_tok_s']:.0f} tok/s, "
             f"HF generate (batches of {off['hf_batch']}) {off['hf_tok_s']:.0f} tok/s: "
-            f"{off['ratio']:.1f}x; first 8 tokens equal on {off['first_8_tokens_equal']}"
+            f"{off['ratio']:.1f}x; first 8 tokens equal on {off['first_8_tokens_equal']}; "
+            f"engine: {off['engine_prefill_steps']} prompt steps {off['engine_prefill_s']:.2f} s, "
+            f"{off['engine_decode_steps']} decode steps {off['engine_decode_s']:.2f} s, "
+            f"other {off['engine_other_s']:.2f} s"
         )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -3,10 +3,13 @@ measured in the same run.
 
     python scripts/bench_transfer.py                                  # CPU: ucx and host_shm
     python scripts/bench_transfer.py --device cuda --out transfer_gpu.json   # ucx and cuda_ipc
+    python scripts/bench_transfer.py --device cuda --paths cuda_ipc --timeline  # where time goes
 
 The parent process is the decode side (one KVReceiver per path), a spawned child the prefill side
-(KVSender; on GPUs cuda:0, and D on cuda:1 when there is a second GPU, else cuda:0 too). Pages are
-scattered on both sides (random page ids). Each pull is timed on D from ``pull`` to its result.
+(KVSender; on GPUs cuda:0, and D on cuda:1 when there is a second GPU, else cuda:0 too). D runs as
+a decode worker does: its receivers on an event loop of its own (a worker actor's), which the
+transfer runtime adopts, and each pull is awaited and timed there, from ``pull`` to its result.
+Pages are scattered on both sides (random page ids).
 Baselines, per path:
 
 - ucx: raw ucxx between the same two processes: D posts a receive of the same number of bytes and
@@ -18,8 +21,19 @@ Baselines, per path:
 
 Every repetition runs each path and its baseline back to back, the order turning each time, so a
 busy spell of a shared host hits both alike; a ratio (baseline time / path time) is taken per
-repetition and reported as the median with quartiles. The first pull of each size is byte-checked
-against P's pages. The JSON keeps every time.
+repetition and reported as the median with quartiles, and so is the fixed cost (path time minus
+baseline time, per repetition: at 1 MiB, where the bytes cost little, nearly all of it is what a
+pull costs beyond its bytes). Each operation's CPU time is measured too, on both processes (all
+their threads): less noisy than times on a busy host. The first pull of each size is
+byte-checked against P's pages. The JSON keeps every time.
+
+``--timeline`` also marks each stage of every timed pull on both processes (D: request written,
+pages mapped, grant read, ids queued, kernel launched, done event waited, loop resumed, result,
+final notice written; P: request read, admitted, grant written, notice read, lease released) and
+prints each stage's median time from the pull's start; on GPUs the copy kernel's own GPU time, and
+the copy alone (no pull) from P's pools through CUDA IPC, from D's own memory, with a wider
+kernel tiling, and the baseline's copy. It wraps the transceiver's functions; figures for the
+ratios are best taken without it.
 """
 
 from __future__ import annotations
@@ -32,6 +46,7 @@ import multiprocessing
 import os
 import statistics
 import sys
+import threading
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -88,7 +103,9 @@ def _digest(rows: torch.Tensor, pages: list[int]) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def prefill_proc(conn: Connection, device: str, num_pages: int, staging_tokens: int) -> None:
+def prefill_proc(
+    conn: Connection, device: str, num_pages: int, staging_tokens: int, timeline: bool
+) -> None:
     """P: a KVSender over random pages, and the raw ucxx server of the baseline."""
     if device != "cpu":
         torch.cuda.set_device(device)
@@ -96,23 +113,31 @@ def prefill_proc(conn: Connection, device: str, num_pages: int, staging_tokens: 
     buffers = allocate_buffers([s], torch.device(device))
     for b in buffers.values():
         b.view(torch.uint8).copy_(
-            torch.randint(0, 256, b.view(torch.uint8).shape, dtype=torch.uint8)
+            torch.randint(0, 256, b.view(torch.uint8).shape, dtype=torch.uint8, device=device)
         )
     rows = pool_rows(buffers, {"full": s.page_bytes})["full"]
     sender = KVSender(
         buffers, [s], "bench", config(device.split(":")[0], True, staging_tokens), lambda rid: None
     )
     runtime = sender.runtime
-    raw = torch.randint(0, 256, (num_pages * s.page_bytes,), dtype=torch.uint8).to(device)
+    raw = torch.randint(0, 256, (num_pages * s.page_bytes,), dtype=torch.uint8, device=device)
+    marks = install_p_marks() if timeline else {}
     conn.send((sender.port, runtime.worker_address))
     rng = np.random.default_rng(1)
     serving: Any = None
     while True:
         cmd, *args = conn.recv()
         if cmd == "publish":
-            rid, n = args
+            # (The digest only for a checked pull: a gather, a device-to-host copy and a hash of
+            # every byte are seconds at 1 GiB, and device work of P's just before a timed pull.)
+            rid, n, check = args
             pages = (rng.permutation(num_pages - 1)[:n] + 1).tolist()
-            conn.send((sender.publish(rid, {"full": pages}, n * 16), _digest(rows, pages)))
+            digest = _digest(rows, pages) if check else ""
+            conn.send((sender.publish(rid, {"full": pages}, n * 16), digest))
+        elif cmd == "marks":  # the timeline marks of one request's pull (--timeline)
+            conn.send(marks.pop(args[0], {}))
+        elif cmd == "cpu":  # this process's CPU seconds so far (every thread)
+            conn.send(time.process_time())
         elif cmd == "raw":  # serve raw requests from D's address until closed
             serving = runtime.submit(_serve_raw(runtime, args[0], raw))
             conn.send("serving")
@@ -135,6 +160,164 @@ async def _serve_raw(runtime: UcxRuntime, address: bytes, buf: torch.Tensor) -> 
         )
 
 
+# ---- --timeline: marks at each stage of a pull, on both processes ----
+# time.perf_counter is CLOCK_MONOTONIC on Linux, one clock for every process of a host: P's marks
+# go on D's timeline as they are. The marks wrap the transceiver's own functions (nothing of it
+# changes); each costs about a microsecond.
+
+
+class Marks:
+    """D's marks of the pull in progress (the bench runs one pull at a time): name -> time, and
+    the CUDA events around each page-copy launch."""
+
+    def __init__(self) -> None:
+        self.current: dict[str, float] | None = None
+        self.events: list[tuple[Any, Any]] = []
+        self.by_request: dict[str, dict[str, float]] = {}  # every timed pull's marks
+
+    def mark(self, name: str) -> None:
+        if self.current is not None:
+            self.current[name] = time.perf_counter()
+
+
+def install_d_marks(cuda: bool) -> Marks:
+    import kernels
+    from transfer.link import Link
+    from transfer.messages import TransferAck
+    from transfer.paths import direct
+    from transfer.paths.cuda_ipc import CudaIpcPath
+    from transfer.paths.host_shm import HostShmPath
+    from transfer.pull import PullSession
+
+    m = Marks()
+
+    def after_async(cls: Any, attr: str, name: str) -> None:
+        orig = getattr(cls, attr)
+
+        async def wrapped(*a: Any, **k: Any) -> Any:
+            out = await orig(*a, **k)
+            m.mark(name)
+            return out
+
+        setattr(cls, attr, wrapped)
+
+    def after(owner: Any, attr: str, name: str) -> None:
+        orig = getattr(owner, attr)
+
+        def wrapped(*a: Any, **k: Any) -> Any:
+            out = orig(*a, **k)
+            m.mark(name)
+            return out
+
+        setattr(owner, attr, wrapped)
+
+    after_async(PullSession, "send", "D request sent (write returned)")
+    after(PullSession, "map", "D pages mapped")
+    after_async(PullSession, "next_event", "D grant read")
+    after(direct, "segment_ids", "D ids queued" if cuda else "D ids ready")
+    after_async(CudaIpcPath, "copy", "D copy done, loop resumed")
+    after_async(HostShmPath, "copy", "D copy done")
+    copy_pages = kernels.copy_pages
+
+    def timed_copy(src: torch.Tensor, *a: Any, **k: Any) -> Any:
+        if not (cuda and m.current is not None):
+            out = copy_pages(src, *a, **k)
+            m.mark("D copy returned")
+            return out
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        out = copy_pages(src, *a, **k)
+        m.mark("D kernel launched")
+        end.record()
+        m.events.append((begin, end))
+        return out
+
+    kernels.copy_pages = timed_copy
+    if cuda:  # the path's wait for its done event, on the helper thread
+        after(torch.cuda.Event, "synchronize", "D done event waited (helper thread)")
+    post = Link.post
+
+    def post_marked(self: Link, msg: Any, timeout: float) -> None:
+        post(self, msg, timeout)
+        pull = m.by_request.get(msg.request_id) if isinstance(msg, TransferAck) else None
+        if pull is not None:  # (it may be written after the next pull began: by request id)
+            pull["D final notice sent (write returned)"] = time.perf_counter()
+
+    Link.post = post_marked  # type: ignore[method-assign]
+    return m
+
+
+def install_p_marks() -> dict[str, dict[str, float]]:
+    """P's marks, per request id: request read, admitted, grant written, release read, served."""
+    from transfer import sender as sender_mod
+    from transfer.messages import PullRequest, TransferAck
+    from transfer.serve import ServeSession
+
+    marks: dict[str, dict[str, float]] = {}
+    on_message = sender_mod.KVSender._on_message
+
+    def on_message_marked(self: Any, link: Any, msg: Any) -> None:
+        if isinstance(msg, PullRequest):
+            marks.setdefault(msg.request_id, {})["P request read"] = time.perf_counter()
+        elif isinstance(msg, TransferAck):
+            marks.setdefault(msg.request_id, {})["P release read"] = time.perf_counter()
+        on_message(self, link, msg)
+
+    sender_mod.KVSender._on_message = on_message_marked  # type: ignore[method-assign]
+    admit = sender_mod.admit
+
+    def admit_marked(sender: Any, link: Any, req: Any) -> Any:
+        out = admit(sender, link, req)
+        marks.setdefault(req.request_id, {})["P admitted"] = time.perf_counter()
+        return out
+
+    sender_mod.admit = admit_marked
+    send, run = ServeSession.send, ServeSession.run
+
+    async def send_marked(self: ServeSession, msg: Any) -> None:
+        await send(self, msg)
+        marks.setdefault(self.request.request_id, {})["P grant written"] = time.perf_counter()
+
+    async def run_marked(self: ServeSession) -> None:
+        await run(self)
+        marks.setdefault(self.request.request_id, {})["P lease released"] = time.perf_counter()
+
+    ServeSession.send = send_marked  # type: ignore[method-assign]
+    ServeSession.run = run_marked  # type: ignore[method-assign]
+    return marks
+
+
+def sm_clock_mhz(device: str) -> float:
+    """The GPU's current SM clock (NVML, through torch), or 0 where NVML is missing: a GPU left
+    idle lowers its clocks, and a timed operation that follows an idle spell pays for it."""
+    try:
+        return float(torch.cuda.clock_rate(device))
+    except Exception:  # no pynvml, or NVML refuses
+        return 0.0
+
+
+def timeline_medians(pulls: list[dict[str, float]]) -> list[tuple[str, float, float]]:
+    """(stage, median ms from the pull's start, median ms from the stage before it), in order
+    of the medians; each pull's marks relative to its "D pull called"."""
+    names = {k for p in pulls for k in p if k != "D pull called" and not k.startswith("gpu ")}
+    rows = []
+    for name in names:
+        rel = [1e3 * (p[name] - p["D pull called"]) for p in pulls if name in p]
+        rows.append((statistics.median(rel), name))
+    rows.sort()
+    out, prev = [], None
+    for med, name in rows:
+        # The step from the stage before, per pull (a median of differences, not a difference
+        # of medians), where both were marked.
+        if prev is None:
+            steps = [1e3 * (p[name] - p["D pull called"]) for p in pulls if name in p]
+        else:
+            steps = [1e3 * (p[name] - p[prev]) for p in pulls if name in p and prev in p]
+        out.append((name, med, statistics.median(steps) if steps else float("nan")))
+        prev = name
+    return out
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -149,7 +332,7 @@ class Bench:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(
             target=prefill_proc,
-            args=(child, p_dev, self.num_pages, args.staging_tokens),
+            args=(child, p_dev, self.num_pages, args.staging_tokens, args.timeline),
             daemon=True,
         )
         self.proc.start()
@@ -160,18 +343,32 @@ class Bench:
         self.spec = spec(args.device, self.num_pages)
         self.buffers = allocate_buffers([self.spec], torch.device(d_dev))
         self.rows = pool_rows(self.buffers, {"full": self.spec.page_bytes})["full"]
-        self.receivers = {
-            path: KVReceiver(
-                self.buffers,
-                [self.spec],
-                "bench",
-                config(args.device, path != "ucx", args.staging_tokens),
-            )
-            for path in args.paths
-        }
+        # D's "worker loop": the receivers are made on it and the runtime runs there.
+        self.loop = asyncio.new_event_loop()
+        self.loop_thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.loop_thread.start()
+
+        async def make() -> dict[str, KVReceiver]:
+            loop = asyncio.get_running_loop()
+            if cuda:  # D's GPU is its loop thread's current one, as in a decode worker
+                torch.cuda.set_device(d_dev)
+            return {
+                path: KVReceiver(
+                    self.buffers,
+                    [self.spec],
+                    "bench",
+                    config(args.device, path != "ucx", args.staging_tokens),
+                    loop=loop,
+                )
+                for path in args.paths
+            }
+
+        self.receivers = asyncio.run_coroutine_threadsafe(make(), self.loop).result(300)
         self.runtime = next(iter(self.receivers.values())).runtime
         self.rng = np.random.default_rng(2)
         self.count = 0
+        self.marks = install_d_marks(cuda) if args.timeline else None
+        self.timed_pulls: list[tuple[str, dict[str, float]]] = []  # (request id, D's marks)
         # Baselines: raw ucxx to P, a local pool for the in-process copy, peer buffers.
         self.ep = self.runtime.run(self.runtime.create_endpoint(p_address), 60)
         self.ask("raw", self.runtime.worker_address)
@@ -194,13 +391,37 @@ class Bench:
         assert self.conn.poll(600), f"no answer to {cmd[0]}"
         return self.conn.recv()
 
-    def pull(self, path: str, n: int, check: bool) -> float:
+    def publish(self, n: int, check: bool = False) -> tuple[Any, str]:
+        """P publishes a fresh request of ``n`` random pages: (its ticket, the pages' digest, or
+        "" unless ``check``)."""
         self.count += 1
-        ticket, digest = self.ask("publish", f"r{self.count}", n)
+        return self.ask("publish", f"r{self.count}", n, check)
+
+    def pull(self, path: str, published: tuple[Any, str], check: bool) -> float:
+        """Pull a published request into random pages of D, awaited on D's worker loop."""
+        (ticket, digest), n = published, len(published[0].page_ids["full"])
         dst = (self.rng.permutation(self.num_pages - 1)[:n] + 1).tolist()
-        start = time.perf_counter()
-        result = self.receivers[path].pull_blocking(ticket, {"full": dst}, 0, n * 16)
-        took = time.perf_counter() - start
+
+        marks = self.marks
+        if marks is not None:  # its marks, the final notice's included, go in until the next pull
+            marks.current, marks.events = {}, []
+            marks.by_request[ticket.request_id] = marks.current
+            self.timed_pulls.append((ticket.request_id, marks.current))
+
+        async def timed() -> tuple[Any, float]:
+            start = time.perf_counter()
+            if marks is not None and marks.current is not None:
+                marks.current["D pull called"] = start
+            result = await self.receivers[path].pull(ticket, {"full": dst}, 0, n * 16)
+            end = time.perf_counter()
+            if marks is not None:
+                marks.mark("D result")
+            return result, end - start
+
+        result, took = self.runtime.run(timed(), 600)
+        if marks is not None and marks.current is not None and marks.events:
+            torch.cuda.synchronize(self.d_dev)  # (not an event's wait: that is a marked stage)
+            marks.current["gpu kernel ms"] = sum(b.elapsed_time(e) for b, e in marks.events)
         if not result.ok:
             raise RuntimeError(f"{path} pull of {n} pages failed: {result.error}")
         if check and _digest(self.rows, dst) != digest:
@@ -208,6 +429,15 @@ class Bench:
         return took
 
     def baseline(self, path: str, n: int) -> float:
+        if self.marks is None:
+            return self._baseline(path, n)
+        marks, self.marks.current = self.marks.current, None  # not a pull's stage
+        try:
+            return self._baseline(path, n)
+        finally:
+            self.marks.current = marks
+
+    def _baseline(self, path: str, n: int) -> float:
         nbytes = n * self.spec.page_bytes
         if path == "ucx":
             return self.runtime.run(self._raw(nbytes), 600)
@@ -242,40 +472,153 @@ class Bench:
             n = self.pages_for[mib]
             row: dict[str, Any] = {"pages": n, "bytes": n * self.spec.page_bytes}
             for path in self.args.paths:
-                self.pull(path, n, check=True)  # warm-up and byte check
+                self.pull(path, self.publish(n, check=True), check=True)  # warm-up, byte check
                 self.baseline(path, n)
                 ours, base = [], []
+                cpu: dict[str, list[float]] = {"ours": [], "base": []}  # D + P, per operation
+                self.timed_pulls = []
+                clocks: dict[str, list[float]] = {"ours": [], "base": []}  # --timeline, GPU
                 for rep in range(self.args.repeats):
                     first_ours = rep % 2 == 0  # the order turns each repetition
                     for which in ("ours", "base") if first_ours else ("base", "ours"):
-                        if which == "ours":
-                            ours.append(self.pull(path, n, check=False))
+                        ticket = self.publish(n) if which == "ours" else None
+                        if self.marks is not None and self.args.device == "cuda":
+                            clocks[which].append(sm_clock_mhz(self.d_dev))
+                        p_cpu, d_cpu = self.ask("cpu"), time.process_time()
+                        if ticket is not None:
+                            ours.append(self.pull(path, ticket, check=False))
                         else:
                             base.append(self.baseline(path, n))
+                        d_cpu = time.process_time() - d_cpu
+                        cpu[which].append(d_cpu + self.ask("cpu") - p_cpu)
                 ratios = sorted(b / o for o, b in zip(ours, base, strict=True))
-                q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+                fixed = sorted(o - b for o, b in zip(ours, base, strict=True))
                 row[path] = {
                     "ms": 1e3 * statistics.median(ours),
                     "baseline_ms": 1e3 * statistics.median(base),
                     "gbps": row["bytes"] / statistics.median(ours) / 1e9,
                     "baseline_gbps": row["bytes"] / statistics.median(base) / 1e9,
-                    "ratio": statistics.median(ratios),
-                    "ratio_q1": q[0],
-                    "ratio_q3": q[2],
+                    **_median_quartiles("ratio", ratios),
+                    **_median_quartiles("fixed_ms", [1e3 * f for f in fixed]),
+                    "cpu_ms": 1e3 * statistics.median(cpu["ours"]),
+                    "baseline_cpu_ms": 1e3 * statistics.median(cpu["base"]),
                     "times_s": ours,
                     "baseline_times_s": base,
+                    "cpu_s": cpu["ours"],
+                    "baseline_cpu_s": cpu["base"],
                 }
+                if self.marks is not None:
+                    row[path]["timeline"] = self.timeline(path, n)
+                    known = {k: [c for c in v if c > 0] for k, v in clocks.items()}
+                    if all(known.values()):
+                        row[path]["timeline"]["sm_clock_mhz"] = clocks
+                        print(
+                            "    GPU clock just before each (NVML, median MHz): pull "
+                            f"{statistics.median(known['ours']):.0f}, baseline "
+                            f"{statistics.median(known['base']):.0f}"
+                        )
             out["sizes"][str(mib)] = row
             self.report(mib, row)
         return out
+
+    def timeline(self, path: str, n: int) -> dict[str, Any]:
+        """The stages of this size's timed pulls (medians), printed; with the kernel alone
+        against the same copy from D's own memory and the baseline, on a GPU."""
+        assert self.marks is not None
+        self.marks.current = None
+        time.sleep(0.05)  # the last pull's final notice, written after its result, reaches P
+        pulls = []
+        for rid, d_marks in self.timed_pulls:
+            pulls.append({**d_marks, **self.ask("marks", rid)})
+        stages = timeline_medians(pulls)
+        mib = n * self.spec.page_bytes / MIB
+        print(
+            f"  timeline {path} {n} pages, {mib:.1f} MiB ({len(pulls)} pulls; median ms from the "
+            "pull's start, and median step from the line before)"
+        )
+        for name, at, step in stages:
+            print(f"    {at:8.3f}  +{step:7.3f}  {name}")
+        out: dict[str, Any] = {"stages": [list(s) for s in stages], "pulls": pulls}
+        gpu = [p["gpu kernel ms"] for p in pulls if "gpu kernel ms" in p]
+        if gpu:
+            out["gpu_kernel_ms"] = statistics.median(gpu)
+            print(
+                f"    GPU time of the pull's copy kernel (CUDA events around its launch): "
+                f"{out['gpu_kernel_ms']:.3f} ms"
+            )
+        if path == "cuda_ipc":
+            out["kernel_alone"] = self.kernel_alone(n)
+        return out
+
+    def kernel_alone(self, n: int) -> dict[str, float]:
+        """GPU times (CUDA events on D's stream) of the pull's copy without the pull, same page
+        counts, fresh random pages each time, interleaved with the order turning: the path's
+        copy (``copy_segments``: ids upload and kernel) from P's pools as the link opened them
+        (CUDA IPC) and from memory D allocated itself on the same GPU; the kernel with 64 KiB
+        per program and 8 warps (path's: 16 KiB, 4) from each; the baseline's torch copy. Also
+        the host time of the path's launch call (ids upload and Triton's dispatch)."""
+        from kernels.page_copy_triton import copy_pages as triton_copy
+        from transfer.pools import as_words, segment_ids
+
+        link = next(iter(self.receivers["cuda_ipc"].links.values()))
+        page, nbytes, dev = self.spec.page_bytes, n * self.spec.page_bytes, torch.device(self.d_dev)
+        sources = {"ipc": link.path.peer_rows["full"], "own": self.peer_src.view(-1, page)}
+
+        def path_copy(src_rows: torch.Tensor, seg: list[Segment]) -> None:
+            copy_segments(seg, {"full": src_rows}, {"full": self.rows}, dev)
+
+        def wide_copy(src_rows: torch.Tensor, seg: list[Segment]) -> None:
+            src_ids, dst_ids = segment_ids(seg[0], dev)
+            src, dst = as_words(src_rows, self.rows)
+            triton_copy(src, src_ids, dst, dst_ids, block_bytes=65536, num_warps=8)
+
+        variants = {
+            "ipc": lambda seg: path_copy(sources["ipc"], seg),
+            "own": lambda seg: path_copy(sources["own"], seg),
+            "ipc_64k_8w": lambda seg: wide_copy(sources["ipc"], seg),
+            "own_64k_8w": lambda seg: wide_copy(sources["own"], seg),
+            "torch": lambda seg: self.raw_buf[:nbytes].copy_(self.peer_src[:nbytes]),
+        }
+        times: dict[str, list[float]] = {k: [] for k in (*variants, "launch_host")}
+        with torch.cuda.device(dev):
+            for rep in range(self.args.repeats + 1):  # the first round warms up (compiles)
+                order = list(variants)
+                order = order[rep % len(order) :] + order[: rep % len(order)]
+                for which in order:
+                    src = self.rng.permutation(self.num_pages - 1)[:n] + 1
+                    dst = self.rng.permutation(self.num_pages - 1)[:n] + 1
+                    seg = [Segment("full", "full", src, dst, page)]
+                    torch.cuda.synchronize()
+                    begin = torch.cuda.Event(enable_timing=True)
+                    end = torch.cuda.Event(enable_timing=True)
+                    begin.record()
+                    t0 = time.perf_counter()
+                    variants[which](seg)
+                    host = time.perf_counter() - t0
+                    end.record()
+                    torch.cuda.synchronize()
+                    if rep == 0:
+                        continue
+                    times[which].append(begin.elapsed_time(end) / 1e3)
+                    if which == "ipc":
+                        times["launch_host"].append(host)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        print("    the copy alone, GPU time (median ms, GB/s of the bytes moved):", flush=True)
+        for k in variants:
+            print(f"      {k:11s} {1e3 * med[k]:8.3f} ms {nbytes / med[k] / 1e9:7.0f} GB/s")
+        print(f"      host time of the path's launch call: {1e3 * med['launch_host']:.3f} ms")
+        return {f"{k}_ms": 1e3 * v for k, v in med.items()}
 
     def report(self, mib: int, row: dict[str, Any]) -> None:
         for path in self.args.paths:
             r = row[path]
             print(
-                f"{mib:5d} MiB {path:8s} {r['ms']:9.2f} ms {r['gbps']:7.2f} GB/s | baseline "
-                f"{r['baseline_ms']:9.2f} ms {r['baseline_gbps']:7.2f} GB/s | ratio {r['ratio']:.2f} "
-                f"[{r['ratio_q1']:.2f}-{r['ratio_q3']:.2f}]",
+                f"{mib:5d} MiB {path:8s} {r['ms']:8.2f} ms {r['gbps']:6.2f} GB/s | baseline "
+                f"{r['baseline_ms']:8.2f} ms {r['baseline_gbps']:6.2f} GB/s | ratio "
+                f"{r['ratio']:.2f} [{r['ratio_q1']:.2f}-{r['ratio_q3']:.2f}] | fixed "
+                f"{r['fixed_ms']:.2f} [{r['fixed_ms_q1']:.2f}-{r['fixed_ms_q3']:.2f}] ms | CPU "
+                f"{r['cpu_ms']:.2f} ms (baseline {r['baseline_cpu_ms']:.2f}) | load "
+                f"{os.getloadavg()[0]:.1f}",
                 flush=True,
             )
 
@@ -284,6 +627,13 @@ class Bench:
             receiver.close()
         self.ask("close")
         self.proc.join(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.loop_thread.join(30)
+
+
+def _median_quartiles(name: str, values: list[float]) -> dict[str, float]:
+    q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
+    return {name: statistics.median(values), f"{name}_q1": q[0], f"{name}_q3": q[2]}
 
 
 BASELINES = {
@@ -306,6 +656,13 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--staging-tokens", type=int, default=1024)
     ap.add_argument("--out", type=Path)
+    ap.add_argument(
+        "--timeline",
+        action="store_true",
+        help="direct paths: print where each pull's time goes (median time of each stage on D "
+        "and P), and on GPUs the copy kernel alone from P's pools, from D's own memory and the "
+        "baseline's copy",
+    )
     args = ap.parse_args()
     cuda = args.device == "cuda"
     args.sizes = args.sizes or ([1, 16, 64, 256, 1024] if cuda else [1, 4, 16, 64])

@@ -65,18 +65,27 @@ class ControlChannel:
 
     async def send(self, msg: Message, timeout: float) -> None:
         """Write one message; raises ChannelClosed if the connection is gone or the write stalls."""
+        if not self.write(msg):
+            await self.drain(type(msg).__name__, timeout)
+
+    def write(self, msg: Message) -> bool:
+        """Write one message now, without waiting: True when the kernel took it (the usual case),
+        False when it waits in the transport's buffer above its limit (``drain`` then). Raises
+        ChannelClosed if the connection is gone."""
         if self.closed or self.writer.is_closing():
             self.close(self.closed_reason or "connection lost")
             raise ChannelClosed(f"{self.name}: {self.closed_reason}")
         self.writer.write(frame(msg))
         transport = self.writer.transport
-        if transport.get_write_buffer_size() <= transport.get_write_buffer_limits()[1]:
-            return  # the kernel took it (the usual case): no wait, no loop round on the hot path
+        return transport.get_write_buffer_size() <= transport.get_write_buffer_limits()[1]
+
+    async def drain(self, what: str, timeout: float) -> None:
+        """Wait until the transport's buffer is below its limit; a stall closes the channel."""
         try:
             async with asyncio.timeout(timeout):
                 await self.writer.drain()
         except TimeoutError:
-            self.close(f"sending {type(msg).__name__} stalled for {timeout}s")
+            self.close(f"sending {what} stalled for {timeout}s")
             raise ChannelClosed(f"{self.name}: {self.closed_reason}") from None
         except (ConnectionError, OSError) as e:
             self.close(f"connection lost ({e})")

@@ -182,6 +182,7 @@ def check_compatible(ours: PageTable, theirs: PageTable) -> str:
         return (
             f"compatibility hash mismatch: ours {ours.compat_hash} (model {ours.model!r}), "
             f"peer {theirs.compat_hash} (model {theirs.model!r})"
+            + _window_differences(ours, theirs)
         )
     # Head-major pools of ranks holding other heads are matched by role; each pull's mapper then
     # checks the heads it moves (transfer/tp_mapper.py).
@@ -192,6 +193,26 @@ def check_compatible(ours: PageTable, theirs: PageTable) -> str:
     except MapperError as e:
         return f"the page tables cannot be mapped onto each other: {e}"
     return ""
+
+
+def _window_differences(ours: PageTable, theirs: PageTable) -> str:
+    """The pool groups whose sliding windows differ, for the refusal's text (the likeliest cause
+    between two builds of one model: a window setting that differs), or ""."""
+    mine = {p.name: p.window for p in ours.pools}
+    other = {p.name: p.window for p in theirs.pools}
+    names = sorted(set(mine) | set(other))
+    diff = [
+        f"{g!r}: ours {_window(mine.get(g))}, peer's {_window(other.get(g))}"
+        for g in names
+        if mine.get(g) != other.get(g)
+    ]
+    return f"; sliding windows differ: {', '.join(diff)}" if diff else ""
+
+
+def _window(window: int | None) -> str:
+    if window is None:
+        return "absent"
+    return f"window {window}" if window else "full attention"
 
 
 _UCX_ADDRESS_MIN_BYTES = 9  # the header byte and the 64-bit worker id that follows it

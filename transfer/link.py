@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from transfer.control import ChannelClosed, ControlChannel
+from transfer.control import ChannelClosed, ControlChannel, FrameTooLarge
 from transfer.messages import Message
 from transfer.page_table import PageTable
 
@@ -73,16 +73,26 @@ class Link:
         await self.channel.send(msg, timeout)
 
     def post(self, msg: Message, timeout: float) -> None:
-        """Send ``msg`` without waiting for it (a notice nobody waits on: a lost one only delays
-        the peer until a deadline)."""
+        """Send ``msg`` now without waiting for it (a notice nobody waits on: a lost one only
+        delays the peer until a deadline). Written right here, with no task and no loop round;
+        a transport over its buffer limit is drained in the background."""
+        name = type(msg).__name__
+        try:
+            if self.closed:
+                raise ChannelClosed(f"{self.name}: {self.closed_reason}")
+            if self.channel.write(msg):
+                return
+        except (ConnectionError, FrameTooLarge) as e:
+            log.info("%s not sent: %s", name, e)
+            return
 
-        async def send() -> None:
+        async def drain() -> None:
             try:
-                await self.send(msg, timeout)
+                await self.channel.drain(name, timeout)
             except ConnectionError as e:
-                log.info("%s not sent: %s", type(msg).__name__, e)
+                log.info("%s not sent: %s", name, e)
 
-        asyncio.ensure_future(send())
+        asyncio.ensure_future(drain())
 
     async def send_data(self, buf: torch.Tensor, tag: int) -> None:
         await self.endpoint.send(_ucx_buffer(buf), tag=tag, force_tag=True)

@@ -2,19 +2,21 @@
 
 A Segment says "copy bytes ``[src_offset, src_offset + nbytes_per_page)`` of page ``src_ids[i]`` of
 the source pool to ``[dst_offset, ...)`` of page ``dst_ids[i]`` of the destination pool", for one
-matched pool pair (pools match by ``pool_role``). Every data path moves segments: the UCX path
-gathers them into a staging buffer, the direct paths copy them page to page.
+matched pool pair (pools match by ``pool_role`` and sliding window). Every data path moves
+segments: the UCX path gathers them into a staging buffer, the direct paths copy them page to page.
 
 Here only pools of equal geometry are served (the identity mapping: whole pages, offsets 0).
 Head-sharded pools of tensor-parallel ranks holding other head ranges are mapped by
 transfer/tp_mapper.py (each page to the slice of the heads both hold, with the offsets above);
-given to ``map_pages`` they are refused with a MapperError that says so, never copied wrongly. Pool groups may list different
-numbers of pages (a sliding-window group holds only its window's): each pair is mapped on its own.
+given to ``map_pages`` they are refused with a MapperError that says so, never copied wrongly.
+Pool groups may list different numbers of pages (a sliding-window group holds only its window's):
+each pair is mapped on its own.
 """
 
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -58,30 +60,40 @@ class Segment:
 
 @functools.lru_cache(maxsize=64)  # asked on every pull, for the few page tables a worker meets
 def match_pools(src: PageTable, dst: PageTable, resplit: bool = False) -> Mapping[str, str]:
-    """Source pool name -> destination pool name, matched by equal ``pool_role``. With
+    """Source pool name -> destination pool name, matched by equal ``pool_role`` and sliding
+    window (a hybrid model's full-attention and window groups both hold keys and values). With
     ``resplit``, head-major pools of other head ranges match too (transfer/tp_mapper.py moves
     the heads both hold); without, only pools of equal geometry."""
-    by_role: dict[tuple[str, ...], PoolDescriptor] = {}
+    by_kind: dict[tuple[tuple[str, ...], int], PoolDescriptor] = {}
     for pool in dst.pools:
-        if pool.pool_role in by_role:
-            raise MapperError(f"destination has two pools with roles {list(pool.pool_role)}")
-        by_role[pool.pool_role] = pool
+        if _kind(pool) in by_kind:
+            raise MapperError(f"destination has two pools with {_describe(pool)}")
+        by_kind[_kind(pool)] = pool
     matched: dict[str, str] = {}
     for pool in src.pools:
-        peer = by_role.pop(pool.pool_role, None)
+        peer = by_kind.pop(_kind(pool), None)
         if peer is None:
             raise MapperError(
-                f"source pool {pool.name!r} (roles {list(pool.pool_role)}) has no destination pool "
-                "with the same roles (or shares them with another source pool)"
+                f"source pool {pool.name!r} ({_describe(pool)}) has no destination pool with the "
+                "same roles and window (or shares them with another source pool)"
             )
         if not resplit:
             _check_servable(pool, peer)
         matched[pool.name] = peer.name
-    if by_role:  # their pages would never be filled
+    if by_kind:  # their pages would never be filled
         raise MapperError(
-            f"destination pools {[p.name for p in by_role.values()]} have no source pool"
+            f"destination pools {[p.name for p in by_kind.values()]} have no source pool"
         )
     return MappingProxyType(matched)
+
+
+def _kind(pool: PoolDescriptor) -> tuple[tuple[str, ...], int]:
+    return pool.pool_role, pool.window
+
+
+def _describe(pool: PoolDescriptor) -> str:
+    window = f"a window of {pool.window}" if pool.window else "full attention"
+    return f"roles {list(pool.pool_role)}, {window}"
 
 
 def _check_servable(src: PoolDescriptor, dst: PoolDescriptor) -> None:
@@ -129,25 +141,35 @@ def map_pages(
             raise MapperError(
                 f"pool {pool.name!r}: {len(s)} source pages but {len(d)} destination pages"
             )
-        kept = s != NULL_PAGE
-        if not kept.all():
-            s, d = s[kept], d[kept]
-        if (d == NULL_PAGE).any():
+        if NULL_PAGE in s:
+            kept = [k for k, i in enumerate(s) if i != NULL_PAGE]
+            s, d = [s[k] for k in kept], [d[k] for k in kept]
+        if NULL_PAGE in d:
             raise MapperError(f"destination pool {peer.name!r}: the null page cannot receive data")
-        if len(np.unique(d)) != len(d):
+        if len(set(d)) != len(d):
             raise MapperError(f"destination pool {peer.name!r}: a page id is listed twice")
-        if len(s):
-            segments.append(Segment(pool.name, peer.name, s, d, pool.page_bytes))
+        if s:
+            segments.append(
+                Segment(
+                    pool.name,
+                    peer.name,
+                    np.array(s, np.int64),
+                    np.array(d, np.int64),
+                    pool.page_bytes,
+                )
+            )
     return segments
 
 
-def _ids(ids: Sequence[int], pool: PoolDescriptor, side: str) -> np.ndarray:
+def _ids(ids: Sequence[int], pool: PoolDescriptor, side: str) -> list[int]:
+    # Plain Python, not numpy: a pull maps a few to a few thousand ids, where numpy's calls cost
+    # more than the work (a quarter of a millisecond per pull with cold caches).
     try:
-        arr = np.asarray(ids, dtype=np.int64).reshape(-1)
-    except (OverflowError, TypeError, ValueError) as e:
+        arr = [operator.index(i) for i in ids]
+    except TypeError as e:
         raise MapperError(f"{side} pool {pool.name!r}: page ids are not integers ({e})") from None
-    if arr.size and (arr.min() < 0 or arr.max() >= pool.num_pages):
-        bad = arr[(arr < 0) | (arr >= pool.num_pages)][:8].tolist()
+    if arr and (min(arr) < 0 or max(arr) >= pool.num_pages):
+        bad = [i for i in arr if not 0 <= i < pool.num_pages][:8]
         raise MapperError(
             f"{side} pool {pool.name!r}: page ids {bad} outside [0, {pool.num_pages})"
         )
@@ -156,3 +178,12 @@ def _ids(ids: Sequence[int], pool: PoolDescriptor, side: str) -> np.ndarray:
 
 def total_bytes(segments: Sequence[Segment]) -> int:
     return sum(s.nbytes for s in segments)
+
+
+def source_bytes(src: PageTable, src_pages: Mapping[str, Sequence[int]]) -> int:
+    """The bytes ``map_pages`` moves for these source pages (whole pages; the null page moves
+    nothing), counted without mapping them: what a direct read declares and P checks."""
+    return sum(
+        (len(ids) - list(ids).count(NULL_PAGE)) * src.pool(name).page_bytes
+        for name, ids in src_pages.items()
+    )

@@ -16,7 +16,7 @@ Conversation (D = decode worker, which pulls; P = prefill worker, which serves):
     D -> P  Ready        the data path D chose for the link: "ucx", "host_shm" or "cuda_ipc"
   A pull (pull.py on D, serve.py on P):
     D -> P  PullRequest  the ticket's lease and pages, D's pages, the expected prompt length;
-                         over UCX also the chunk plan and the chunks D posted receives for
+                         over UCX also D's chunk plan and the chunks D posted receives for
     P -> D  PullError    P refuses (after answering each credited chunk with an empty message)
     UCX path (paths/ucx.py):
       P -> D  data chunks   tag = data_tag(pull_id, chunk), only chunks D credited
@@ -62,15 +62,18 @@ class TransferProtocolError(ValueError):
 @dataclass(frozen=True)
 class TransferTicket:
     """What P hands the router (and the router D) for one prefilled request. Plain data: it crosses
-    Ray actor boundaries. ``page_ids`` are P's pages per pool group in token order (groups may hold
-    different numbers of pages); ``lease_gen`` names this lease of the request (a later publish of
-    the same id has another); ``lease_expires_at`` is wall-clock time (time.time())."""
+    Ray actor boundaries. ``page_ids`` are the pages P holds per pool group, in token order, from
+    the request's page ``first_page[g]`` to its last: a full-attention group all of them, a
+    sliding-window group those its window still reads (groups list different numbers of pages);
+    ``lease_gen`` names this lease of the request (a later publish of the same id has another);
+    ``lease_expires_at`` is wall-clock time (time.time())."""
 
     request_id: str
     host: str
     port: int
     instance_id: str
     page_ids: dict[str, list[int]]
+    first_page: dict[str, int]
     declared_prompt_len: int
     compat_hash: str
     lease_gen: int
@@ -131,9 +134,10 @@ class Ready:
 @dataclass(frozen=True)
 class PullRequest:
     """``src_page_ids`` are the ticket's pages (P checks them against its lease); ``dst_page_ids[g]``
-    are D's pages for ``src_page_ids[g][skip_pages[g]:]``. ``chunk_bytes``, ``num_chunks`` and
-    ``total_bytes`` are D's plan (P must make the same one; a direct read has no chunks);
-    ``credits`` the chunks D already posted receives for."""
+    are D's pages for ``src_page_ids[g][skip_pages[g]:]``. ``chunk_sizes`` (the bytes of each
+    chunk, in order: whole pages, each within a staging buffer) and ``total_bytes`` are D's plan
+    (P cuts the same chunks; a direct read has none); ``credits`` the chunks D already posted
+    receives for."""
 
     request_id: str
     pull_id: int
@@ -142,8 +146,7 @@ class PullRequest:
     dst_page_ids: dict[str, list[int]]
     skip_pages: dict[str, int]
     expected_prompt_len: int
-    chunk_bytes: int
-    num_chunks: int
+    chunk_sizes: list[int]
     total_bytes: int
     credits: list[int]
 

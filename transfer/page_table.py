@@ -104,6 +104,14 @@ class PageTable:
     def compat_hash(self) -> str:
         return compat_hash(self.model, self.pools)
 
+    @functools.cached_property
+    def _hash(self) -> int:
+        return hash((self.model, self.pools))
+
+    def __hash__(self) -> int:
+        # Once per table (it is immutable): mapper.match_pools looks tables up on every pull.
+        return self._hash
+
     def to_wire(self) -> dict[str, Any]:
         """Plain msgpack-able form (lists, ints, strings)."""
         return {

@@ -51,8 +51,15 @@ def page_slice(rows: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
 
 
 def segment_ids(segment: Segment, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The segment's page ids as int64 tensors on ``device``."""
-    return (
-        torch.from_numpy(np.ascontiguousarray(segment.src_ids)).to(device),
-        torch.from_numpy(np.ascontiguousarray(segment.dst_ids)).to(device),
-    )
+    """The segment's page ids as int64 tensors on ``device``.
+
+    To a GPU they go in one asynchronous copy from pinned memory on the current stream (the
+    copy's side stream), which orders them before the kernel that reads them. A plain ``.to``
+    from numpy's pageable memory is a synchronous copy: the calling thread (D's event loop) waits
+    for the stream, which waits for the model stream's queued work, once per id list. Torch's
+    pinned-memory cache keeps the buffer until the copy has run."""
+    ids = np.stack([segment.src_ids, segment.dst_ids]).astype(np.int64, copy=False)
+    both = torch.from_numpy(ids)
+    if device.type == "cuda":
+        both = both.pin_memory().to(device, non_blocking=True)
+    return both[0], both[1]

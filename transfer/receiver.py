@@ -4,8 +4,11 @@
     result = await receiver.pull(ticket, dst_page_ids, skip_pages, expected_prompt_len)
     if not result.ok: free the pages (result.error says why)
 
-``dst_page_ids[g]`` are D's pages for ``ticket.page_ids[g][skip_pages:]`` (the first pages D
-already holds from its own prefix hit), one for one; ``skip_pages`` may also be given per group.
+``dst_page_ids[g]`` are D's pages for the request's pages from ``skip_pages`` on, up to its last,
+one for one: the request's first ``skip_pages`` pages D already holds from its own prefix hit, or
+does not need (a sliding-window group's pages before its window). ``skip_pages`` counts from the
+request's first page (the ticket lists group g's pages from ``ticket.first_page[g]``), and may be
+given per group.
 ``pull`` returns only when the transfer is complete and checked, or has failed and nothing of it
 can still write the pages, so the caller may free them then; a cancelled ``pull`` too, before its
 CancelledError. It never raises for transfer problems: they are a failed TransferResult.
@@ -36,9 +39,9 @@ from transfer.mapper import Segment
 from transfer.messages import Message, PullError, ReadGrant, Reject, TransferDone, TransferTicket
 from transfer.page_table import PageTable
 from transfer.paths.base import PullFailed
-from transfer.paths.staging import Chunk, StagingBuffers, chunk_bytes_for, cut_chunks
+from transfer.paths.staging import Chunk, StagingBuffers, chunk_bytes_for, cut_chunks, plan_chunks
 from transfer.pools import pool_rows
-from transfer.pull import PullSession
+from transfer.pull import ACK_DELAY_S, PullSession
 from transfer.runtime import UcxRuntime
 from transfer.stats import StatsBook, TransferResult
 
@@ -54,9 +57,12 @@ class KVReceiver:
         specs: Sequence[PoolGroupSpec],
         model: str,
         config: TransceiverConfig,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         """``buffers``: the KV storage per pool group (KVCacheManager.buffers); ``specs``: the
-        pool groups, in order; ``model``: identity for the compatibility hash."""
+        pool groups, in order; ``model``: identity for the compatibility hash; ``loop``: the
+        caller's running loop for the process's transfer runtime to run on (a worker passes its
+        own, where it awaits ``pull``), or None for a loop thread of the runtime's own."""
         self.config = config
         self.page_table = PageTable.from_specs(model, specs)
         self.instance_id = uuid.uuid4().hex
@@ -75,7 +81,7 @@ class KVReceiver:
         if device.type == "cuda" and gpu is None:
             gpu = torch.cuda.current_device()
         self.runtime = UcxRuntime.acquire(
-            config.ucx_env, gpu, config.ucx_progress_mode(device.type == "cuda")
+            config.ucx_env, gpu, config.ucx_progress_mode(device.type == "cuda"), loop
         )
         self.staging = StagingBuffers(device, self.chunk_bytes, config.staging_buffers)
 
@@ -92,13 +98,18 @@ class KVReceiver:
         count), only those KV heads of each page (a tensor-parallel rank's share from one
         prefill rank, transfer/tp_mapper.py); None: whole pages of equal pools."""
         session, done = self._submit(ticket, dst_page_ids, skip_pages, expected_prompt_len, heads)
+        here = isinstance(done, asyncio.Future)  # on the runtime's loop: no hop either way
+        waiting = done if here else asyncio.wrap_future(done)
         try:
-            return await asyncio.shield(asyncio.wrap_future(done))
+            return await asyncio.shield(waiting)
         except asyncio.CancelledError:
-            self.runtime.call_soon(session.cancel)
+            if here:
+                session.cancel()
+            else:
+                self.runtime.call_soon(session.cancel)
             while not done.done():  # its end is bounded by its deadlines; the pages wait for it
                 try:
-                    await asyncio.shield(asyncio.wrap_future(done))
+                    await asyncio.shield(waiting)
                 except asyncio.CancelledError:
                     continue
             raise
@@ -138,11 +149,14 @@ class KVReceiver:
             self.runtime.release()
 
     async def _stop(self) -> None:
+        await asyncio.sleep(ACK_DELAY_S)  # the last pulls' success notices go out first
         for link in list(self.links.values()):
             link.abort("the receiver is closing")
         for session in list(self.sessions.values()):
             session.cancel()
-        running = [asyncio.wrap_future(f) for f in self._running]
+        running = [
+            f if isinstance(f, asyncio.Future) else asyncio.wrap_future(f) for f in self._running
+        ]
         if running:
             await asyncio.wait(running, timeout=self.config.chunk_deadline_s * 3)
 
@@ -153,19 +167,26 @@ class KVReceiver:
         skip: int | Mapping[str, int],
         expected: int,
         heads: tuple[int, int] | None = None,
-    ) -> tuple[PullSession, concurrent.futures.Future[TransferResult]]:
+    ) -> tuple[PullSession, concurrent.futures.Future[TransferResult] | asyncio.Task]:
+        """The pull as a task on the runtime's loop: started right here when the caller runs on
+        that loop (a worker whose loop the runtime adopted), else handed over to it."""
         if self.closed:
             raise RuntimeError("KVReceiver is closed")
         skips = {g: int(skip) for g in ticket.page_ids} if isinstance(skip, int) else dict(skip)
         session = PullSession(self, ticket, dst, skips, int(expected), heads)
-        done = self.runtime.submit(session.run())
+        done: concurrent.futures.Future[TransferResult] | asyncio.Task
+        if self.runtime.on_loop():
+            done = asyncio.ensure_future(session.run())
+        else:
+            done = self.runtime.submit(session.run())
         self._running.add(done)
         done.add_done_callback(self._running.discard)
         return session, done
 
     # ---- for the sessions (loop thread) ----
     def cut(self, segments: list[Segment]) -> list[Chunk]:
-        return cut_chunks(segments, self.chunk_bytes)
+        """Our chunk plan for a pull's segments, cut (paths/staging.py)."""
+        return cut_chunks(segments, plan_chunks(segments, self.chunk_bytes))
 
     async def link_for(self, ticket: TransferTicket) -> Link:
         """The link to the ticket's prefill worker, (re)connected if needed, within one
@@ -210,7 +231,7 @@ class KVReceiver:
 
     async def _connect(self, key: Address) -> Link:
         async def choose(export: bytes, peer: PageTable) -> paths.DataPath:
-            return await self.runtime.copy(paths.choose, export, peer, self.rows)
+            return await self.runtime.off_loop(paths.choose, export, peer, self.rows)
 
         return await connect(
             self.runtime,

@@ -1,10 +1,14 @@
-"""UcxRuntime: the process's UCX context, driven by one asyncio loop on one background thread.
+"""UcxRuntime: the process's UCX context and the one asyncio loop every transfer of the process runs
+on.
 
 ucxx is asyncio based and keeps process-global progress state per event loop, so a process runs one
-loop thread and one UCX context, shared by every transceiver in it (``acquire`` counts users; the
-last ``release`` shuts it down). Callers on any thread hand coroutines over with ``submit``; only
-code on the loop touches UCX objects. Blocking page copies run on one copy thread (``copy``), so
-they never stall the loop.
+loop and one UCX context, shared by every transceiver in it (``acquire`` counts users; the last
+``release`` shuts it down). The loop is the owner's when it says so (``acquire(loop=...)``: a
+worker actor's own loop, so that its pulls, their control messages and their copies run where the
+worker awaits them, with no hop through another thread), else one on a background thread of its
+own. Callers on other threads hand coroutines over with ``submit``; only code on the loop touches
+UCX objects. Copies of host memory run on the loop itself (``copy``); copies that wait for a GPU
+stream run on one copy thread, so the loop never waits for a device.
 
 UCX endpoints are created with peer error handling, so a dead peer fails its requests instead of
 hanging them, and closing an endpoint cancels every request posted on it (UCX 1.21 then leaves out
@@ -20,7 +24,10 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Coroutine, Mapping
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+
+if TYPE_CHECKING:
+    import torch
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
@@ -45,26 +52,35 @@ class UcxRuntime:
         ucx_env: Mapping[str, str] | None = None,
         cuda_device: int | None = None,
         progress_mode: str = "thread",
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> UcxRuntime:
         """The process's runtime, started on first use with ``ucx_env`` (UCX_* settings), the GPU
-        whose memory it registers, and ucxx's ``progress_mode``. A later caller asking for other
-        settings gets a ValueError (one UCX context per process)."""
+        whose memory it registers, ucxx's ``progress_mode``, and the event loop to run on: the
+        caller's running ``loop`` (called on it), or None for a loop thread of its own. A later
+        caller asking for other settings gets a ValueError (one UCX context per process)."""
         env = dict(ucx_env or {})
         with cls._lock:
             if cls._shared is None:
-                cls._shared = cls(env, cuda_device, progress_mode)
-            elif (env and env != cls._shared.ucx_env) or (
-                cuda_device is not None and cuda_device != cls._shared.cuda_device
+                cls._shared = cls(env, cuda_device, progress_mode, loop)
+            elif (
+                (env and env != cls._shared.ucx_env)
+                or (cuda_device is not None and cuda_device != cls._shared.cuda_device)
+                or (loop is not None and loop is not cls._shared.loop)
             ):
                 raise ValueError(
                     f"this process's UCX runtime already runs with {cls._shared.ucx_env} on CUDA "
-                    f"device {cls._shared.cuda_device}, not {env} on {cuda_device}"
+                    f"device {cls._shared.cuda_device} on its loop {cls._shared.loop}, not {env} "
+                    f"on {cuda_device} on {loop}"
                 )
             cls._shared._users += 1
             return cls._shared
 
     def __init__(
-        self, ucx_env: dict[str, str], cuda_device: int | None, progress_mode: str
+        self,
+        ucx_env: dict[str, str],
+        cuda_device: int | None,
+        progress_mode: str,
+        loop: asyncio.AbstractEventLoop | None,
     ) -> None:
         bad = [k for k in ucx_env if not k.startswith("UCX_")]
         if bad:
@@ -76,18 +92,36 @@ class UcxRuntime:
         self.ucx_env = ucx_env
         self.cuda_device = cuda_device
         self._users = 0
-        self.loop = asyncio.new_event_loop()
         self.copy_executor = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="duet-kv-copy"
         )
-        self._thread = threading.Thread(target=self._run_loop, name="duet-ucx-loop", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None  # the loop's, when it is our own
+        if loop is not None:
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is not loop:
+                raise RuntimeError("UcxRuntime.acquire(loop=...) must be called on that loop")
+            self.loop = loop
+            self._loop_thread_id = threading.get_ident()
+        else:
+            self.loop = asyncio.new_event_loop()
+            self._thread = threading.Thread(
+                target=self._run_loop, name="duet-ucx-loop", daemon=True
+            )
+            self._thread.start()
+            self._loop_thread_id = self._thread.ident
         try:
-            self.ctx: Any = self.run(self._start_context(progress_mode), timeout=60.0)
+            if self._thread is None:
+                self.ctx: Any = self._make_context(progress_mode)
+            else:
+                self.ctx = self.run(self._start_context(progress_mode), timeout=60.0)
         except Exception as e:  # a setting UCX refuses, say: no thread of ours stays behind
             self.copy_executor.shutdown(wait=False)
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(timeout=10.0)
+            if self._thread is not None:
+                self.loop.call_soon_threadsafe(self.loop.stop)
+                self._thread.join(timeout=10.0)
             environ = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
             raise RuntimeError(
                 f"the UCX context did not start with the settings {ucx_env or '(none)'} "
@@ -101,6 +135,10 @@ class UcxRuntime:
         self.loop.run_forever()
 
     async def _start_context(self, progress_mode: str) -> Any:
+        return self._make_context(progress_mode)
+
+    def _make_context(self, progress_mode: str) -> Any:
+        """The ucxx context, bound to the running loop (ours: called on it)."""
         from ucxx._lib_async import ApplicationContext, continuous_ucx_progress
 
         device = self.cuda_device
@@ -122,17 +160,35 @@ class UcxRuntime:
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
         """Run ``coro`` on the loop and wait for it (not from the loop thread itself)."""
-        if threading.current_thread() is self._thread:
+        if self.on_loop():
             coro.close()
             raise RuntimeError("UcxRuntime.run called on the loop thread; await instead")
         return self.submit(coro).result(timeout)
+
+    def on_loop(self) -> bool:
+        """Whether the caller runs on the runtime's loop thread."""
+        return threading.get_ident() == self._loop_thread_id
 
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
         """``fn(*args)`` on the loop thread soon; RuntimeError once the loop is closed."""
         self.loop.call_soon_threadsafe(fn, *args)
 
-    async def copy(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run a blocking page copy on the copy thread and wait for it."""
+    async def copy(self, device: torch.device, fn: Callable[..., T], *args: Any) -> T:
+        """Run a page copy ``fn(*args)`` between buffers on ``device`` and wait for it.
+
+        Host memory: right here on the loop. It is bounded CPU work that torch runs without the
+        GIL, and a hop to a thread and back costs two wake-ups per copy. Same run, paired, a
+        pull awaited on another loop with copies on the copy thread (as before) / on the
+        runtime's loop with copies there: host_shm 1.13-1.31 at 1 MiB, 1.03-1.14 at 16 MiB,
+        1.01-1.06 at 64 MiB; ucx 1.04-1.22 (two runs of 15 repetitions, load 3-7;
+        docs/benchmarks/transfer.md). On a GPU the copy waits for a stream: on the copy thread,
+        so the loop never waits for the device."""
+        if device.type == "cpu":
+            return fn(*args)
+        return await self.off_loop(fn, *args)
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run blocking work (a GPU copy's wait, opening a peer's pools) on the copy thread."""
         return await self.loop.run_in_executor(self.copy_executor, fn, *args)
 
     async def create_endpoint(self, address: bytes) -> Any:
@@ -143,8 +199,22 @@ class UcxRuntime:
             UCXAddress.create_from_buffer(address), endpoint_error_handling=True
         )
 
+    async def _stop_context_async(self) -> None:
+        self._stop_context()
+
+    def _stop_context(self) -> None:
+        from ucxx._lib_async.application_context import clear_progress_tasks
+
+        self.ctx.stop_notifier_thread()
+        # Else the progress thread lives as long as the loop object (ucxx keeps a reference to
+        # it from a patched loop.close).
+        self.ctx.worker.stop_progress_thread()
+        clear_progress_tasks()
+        self.ctx = None
+        gc.collect()
+
     def release(self) -> None:
-        """Drop one user; the last one stops UCX, the loop and both threads."""
+        """Drop one user; the last one stops UCX, and the loop and its thread when they are ours."""
         cls = type(self)
         with cls._lock:
             if self._users <= 0:
@@ -156,22 +226,16 @@ class UcxRuntime:
             if cls._shared is self:
                 cls._shared = None
 
-        async def stop_context() -> None:
-            from ucxx._lib_async.application_context import clear_progress_tasks
-
-            self.ctx.stop_notifier_thread()
-            # Else the progress thread lives as long as the loop object (ucxx keeps a reference to
-            # it from a patched loop.close).
-            self.ctx.worker.stop_progress_thread()
-            clear_progress_tasks()
-            self.ctx = None
-            gc.collect()
-
         try:
-            self.run(stop_context(), timeout=30.0)
+            if self.on_loop():
+                self._stop_context()
+            else:
+                self.run(self._stop_context_async(), timeout=30.0)
         except Exception:
             log.exception("stopping the UCX context failed")
         self.copy_executor.shutdown(wait=True)
+        if self._thread is None:  # the owner's loop goes on
+            return
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=30.0)
         if not self._thread.is_alive():

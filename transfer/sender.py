@@ -15,7 +15,9 @@ thread-safe (hand the id to the worker's own loop). Pulls are served in the back
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
+import socket
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -23,7 +25,7 @@ from typing import Any
 
 import torch
 
-from kvcache.spec import PoolGroupSpec
+from kvcache.spec import NULL_PAGE, PoolGroupSpec
 from transfer import paths
 from transfer.config import TransceiverConfig
 from transfer.faults import FaultInjector
@@ -59,6 +61,7 @@ class KVSender:
         model: str,
         config: TransceiverConfig,
         release: Callable[[str], None],
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         """Start listening on ``config.host``/``config.port``.
 
@@ -67,6 +70,8 @@ class KVSender:
             specs: the pool groups, in order.
             model: model identity for the compatibility hash (peers must agree on it).
             release: called with a request id when its pages may be freed (module docstring).
+            loop: the caller's running loop for the process's transfer runtime to run on (a
+                worker passes its own), or None for a loop thread of the runtime's own.
         """
         self.config = config
         self.page_table = PageTable.from_specs(model, specs)
@@ -86,7 +91,7 @@ class KVSender:
         if device.type == "cuda" and gpu is None:
             gpu = torch.cuda.current_device()
         self.runtime = UcxRuntime.acquire(
-            config.ucx_env, gpu, config.ucx_progress_mode(device.type == "cuda")
+            config.ucx_env, gpu, config.ucx_progress_mode(device.type == "cuda"), loop
         )
         try:
             self.staging = StagingBuffers(
@@ -94,20 +99,20 @@ class KVSender:
                 chunk_bytes_for(self.page_table, config.staging_tokens),
                 config.staging_buffers,
             )
-            self.host, self.port = self.runtime.run(
-                self._start(), timeout=config.connect_deadline_s
-            )
+            # Bound here, so that an address that cannot be used fails the constructor; served
+            # on the loop (a pull that comes first waits in the listen backlog).
+            family = socket.getaddrinfo(config.host, config.port, type=socket.SOCK_STREAM)[0][0]
+            listener = socket.create_server((config.host, config.port), family=family)
         except BaseException:
             self.runtime.release()
             raise
+        self.host, self.port = listener.getsockname()[:2]
+        self._started = self.runtime.submit(self._start(listener))
+        self._started.add_done_callback(_log_failure)
 
-    async def _start(self) -> tuple[str, int]:
-        self._server = await asyncio.start_server(
-            self._on_connect, self.config.host, self.config.port
-        )
+    async def _start(self, listener: socket.socket) -> None:
+        self._server = await asyncio.start_server(self._on_connect, sock=listener)
         self._reaper = asyncio.ensure_future(self._reap())
-        host, port = self._server.sockets[0].getsockname()[:2]
-        return host, port
 
     # ---- API (any thread) ----
     def publish(
@@ -117,20 +122,39 @@ class KVSender:
         declared_prompt_len: int,
         heads: tuple[int, int] | None = None,
     ) -> TransferTicket:
-        """Pin the request's pages under a lease and return the ticket D pulls with. Groups may
-        list different numbers of pages. ``heads`` (first, count): the one pull of this lease
-        moves only those KV heads of each page (a decode rank of another tensor-parallel size)."""
-        pages = {g: [int(p) for p in ids] for g, ids in page_ids.items()}
+        """Pin the request's pages under a lease and return the ticket D pulls with.
+        ``page_ids``: per group, the request's page list in token order (KVCacheManager.page_ids:
+        a window group shows the null page where it released pages); the ticket lists only the
+        pages each group holds. ``heads`` (first, count): the one pull of this lease moves only
+        those KV heads of each page (a decode rank of another tensor-parallel size)."""
+        pages: dict[str, list[int]] = {}
+        first_page: dict[str, int] = {}
         names = [p.name for p in self.page_table.pools]
-        if sorted(pages) != sorted(names):
+        if sorted(page_ids) != sorted(names):
             raise ValueError(
-                f"publish {request_id!r}: page ids name pools {sorted(pages)}, expected {sorted(names)}"
+                f"publish {request_id!r}: page ids name pools {sorted(page_ids)}, expected "
+                f"{sorted(names)}"
             )
         for pool in self.page_table.pools:
-            bad = [p for p in pages[pool.name] if not 0 < p < pool.num_pages]
+            ids = [int(p) for p in page_ids[pool.name]]
+            first = next((i for i, p in enumerate(ids) if p != NULL_PAGE), len(ids))
+            held = ids[first:]
+            bad = [p for p in held if not 0 < p < pool.num_pages]
             if bad:
                 raise ValueError(
-                    f"publish {request_id!r}: pool {pool.name!r} has no pages {bad[:8]}"
+                    f"publish {request_id!r}: pool {pool.name!r} has no pages {bad[:8]} (only a "
+                    "window group's first pages may be the null page)"
+                )
+            pages[pool.name], first_page[pool.name] = held, first
+            if heads is not None and not (
+                heads[1] >= 1
+                and pool.head_start <= heads[0]
+                and heads[0] + heads[1] <= pool.head_start + pool.num_kv_heads
+            ):
+                raise ValueError(
+                    f"publish {request_id!r}: pool {pool.name!r} holds KV heads "
+                    f"[{pool.head_start}, {pool.head_start + pool.num_kv_heads}), not all of "
+                    f"[{heads[0]}, {heads[0] + heads[1]})"
                 )
         if declared_prompt_len < 0:
             raise ValueError(f"publish {request_id!r}: declared_prompt_len must be >= 0")
@@ -145,6 +169,7 @@ class KVSender:
             port=self.port,
             instance_id=self.instance_id,
             page_ids=pages,
+            first_page=first_page,
             declared_prompt_len=declared_prompt_len,
             compat_hash=self.page_table.compat_hash,
             lease_gen=lease.gen,
@@ -180,6 +205,10 @@ class KVSender:
             self.runtime.release()
 
     async def _stop(self) -> None:
+        try:
+            await asyncio.wrap_future(self._started)
+        except Exception:  # it never served (logged where it failed): nothing to stop
+            return
         self._reaper.cancel()
         self._server.close()
         for link in list(self.links):
@@ -189,12 +218,15 @@ class KVSender:
         await self._server.wait_closed()
 
     # ---- for the sessions ----
-    def cut(self, segments: list[Segment], chunk_bytes: int) -> list[Chunk]:
-        if chunk_bytes > self.staging.nbytes:
+    def cut(self, segments: list[Segment], sizes: list[int]) -> list[Chunk]:
+        """D's chunk plan for the segments, cut; ValueError when it does not fit them or our
+        staging buffers."""
+        if sizes and max(sizes) > self.staging.nbytes:
             raise ValueError(
-                f"chunks of {chunk_bytes} bytes do not fit our staging buffers of {self.staging.nbytes}"
+                f"a chunk of {max(sizes)} bytes does not fit our staging buffers of "
+                f"{self.staging.nbytes}"
             )
-        return cut_chunks(segments, chunk_bytes)
+        return cut_chunks(segments, sizes)
 
     # ---- loop side ----
     async def _reap(self) -> None:
@@ -276,3 +308,8 @@ class KVSender:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+
+def _log_failure(started: concurrent.futures.Future[None]) -> None:
+    if not started.cancelled() and started.exception() is not None:
+        log.error("the transfer listener did not start serving: %r", started.exception())

@@ -22,12 +22,12 @@ import torch
 from transfer.faults import P_POINTS, injected
 from transfer.leases import Lease
 from transfer.link import Link
-from transfer.mapper import MapperError, Segment, map_pages, total_bytes
+from transfer.mapper import MapperError, Segment, map_pages, source_bytes, total_bytes
 from transfer.messages import Message, PullError, PullRequest, TransferAck, data_tag
 from transfer.paths.base import ServeFailed
 from transfer.paths.staging import Chunk
 from transfer.stats import TransferStats
-from transfer.tp_mapper import map_heads
+from transfer.tp_mapper import head_source_bytes, map_heads
 
 if TYPE_CHECKING:
     from transfer.sender import KVSender
@@ -127,9 +127,10 @@ class ServeSession:
             self.sender.leases.end(self.lease, how)
             nbytes = 0 if error else self.request.total_bytes
             chunks = len(self.chunks) or 1
+            pages = {} if error else {g: len(ids) for g, ids in self.request.dst_page_ids.items()}
             stats = TransferStats(
                 rid, "send", nbytes, chunks, time.perf_counter() - start, not error, error,
-                self.link.path.name,
+                self.link.path.name, pages,
             )  # fmt: skip
             self.sender.book.record(stats)
 
@@ -145,10 +146,11 @@ def admit(sender: KVSender, link: Link, req: PullRequest) -> ServeSession | Pull
 
     sender.book.bump("expired_leases", sender.leases.expire_due())
     direct = link.path.name != "ucx"
-    if (direct and req.num_chunks) or len(set(req.credits)) != len(req.credits):
-        return refuse("mismatch", f"a plan of {req.num_chunks} chunks on the {link.path.name} path")
-    if any(not 0 <= i < req.num_chunks for i in req.credits):
-        return refuse("mismatch", f"credits {req.credits[:8]} for {req.num_chunks} chunks")
+    num_chunks = len(req.chunk_sizes)
+    if (direct and num_chunks) or len(set(req.credits)) != len(req.credits):
+        return refuse("mismatch", f"a plan of {num_chunks} chunks on the {link.path.name} path")
+    if any(not 0 <= i < num_chunks for i in req.credits):
+        return refuse("mismatch", f"credits {req.credits[:8]} for {num_chunks} chunks")
     lease = sender.leases.find(rid, req.lease_gen)
     if not isinstance(lease, Lease):
         return refuse(*lease)
@@ -158,23 +160,28 @@ def admit(sender: KVSender, link: Link, req: PullRequest) -> ServeSession | Pull
         not 0 <= req.skip_pages[g] <= len(p) for g, p in lease.page_ids.items()
     ):
         return refuse("mismatch", f"skip_pages {req.skip_pages} do not fit the pages of {rid!r}")
-    try:
-        src = {g: p[req.skip_pages[g] :] for g, p in lease.page_ids.items()}
-        if lease.heads is not None:
-            segments = map_heads(
-                sender.page_table, link.peer_table, src, req.dst_page_ids, *lease.heads
-            )
-        else:
-            segments = map_pages(sender.page_table, link.peer_table, src, req.dst_page_ids)
-        chunks = [] if direct else sender.cut(segments, req.chunk_bytes)
-    except (MapperError, ValueError) as e:
-        return refuse("mismatch", f"cannot map the pages of {rid!r}: {e}")
-    if (len(chunks), total_bytes(segments)) != (req.num_chunks, req.total_bytes):
-        return refuse(
-            "mismatch",
-            f"plans differ: ours {len(chunks)} chunks / {total_bytes(segments)} bytes, "
-            f"D's {req.num_chunks} / {req.total_bytes}",
-        )
+    src = {g: p[req.skip_pages[g] :] for g, p in lease.page_ids.items()}
+    segments: list[Segment] = []
+    chunks: list[Chunk] = []
+    if direct:  # D maps and copies the pages itself: only the bytes it declares are checked
+        if lease.heads is None:
+            ours = source_bytes(sender.page_table, src)
+        else:  # the lease's head slice of each page (D's map_heads checks it holds them)
+            ours = head_source_bytes(sender.page_table, src, lease.heads[1])
+    else:
+        try:
+            if lease.heads is not None:
+                segments = map_heads(
+                    sender.page_table, link.peer_table, src, req.dst_page_ids, *lease.heads
+                )
+            else:
+                segments = map_pages(sender.page_table, link.peer_table, src, req.dst_page_ids)
+            chunks = sender.cut(segments, req.chunk_sizes)
+        except (MapperError, ValueError) as e:
+            return refuse("mismatch", f"cannot map the pages of {rid!r}: {e}")
+        ours = total_bytes(segments)
+    if ours != req.total_bytes:
+        return refuse("mismatch", f"plans differ: ours {ours} bytes, D's {req.total_bytes}")
     if not sender.leases.begin(lease):
         return refuse("busy", f"request {rid!r} is already being pulled, or its lease ended")
     if lease.declared_prompt_len != req.expected_prompt_len:  # the request is lost: pages go

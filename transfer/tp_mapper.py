@@ -139,26 +139,37 @@ def map_heads(
             raise MapperError(
                 f"pool {src_name!r}: {len(s)} source pages but {len(d)} destination pages"
             )
-        kept = s != NULL_PAGE
-        s, d = s[kept], d[kept]
-        if (d == NULL_PAGE).any():
+        if NULL_PAGE in s:
+            kept = [k for k, i in enumerate(s) if i != NULL_PAGE]
+            s, d = [s[k] for k in kept], [d[k] for k in kept]
+        if NULL_PAGE in d:
             raise MapperError(
                 f"destination pool {target.name!r}: the null page cannot receive data"
             )
-        if len(np.unique(d)) != len(d):
+        if len(set(d)) != len(d):
             raise MapperError(f"destination pool {target.name!r}: a page id is listed twice")
-        if not len(s):
+        if not s:
             continue
         per_head = head_bytes(source)
         segments.append(
             Segment(
                 source.name,
                 target.name,
-                s,
-                d,
+                np.array(s, np.int64),
+                np.array(d, np.int64),
                 count * per_head,
                 (first - source.head_start) * per_head,
                 (first - target.head_start) * per_head,
             )
         )
     return segments
+
+
+def head_source_bytes(src: PageTable, src_pages: Mapping[str, Sequence[int]], count: int) -> int:
+    """The bytes ``map_heads`` moves for ``count`` KV heads of these source pages (the null page
+    moves nothing), counted without mapping them: what a direct read of a head-slice lease
+    declares and P checks (mapper.source_bytes for whole pages)."""
+    return sum(
+        (len(ids) - list(ids).count(NULL_PAGE)) * count * head_bytes(src.pool(name))
+        for name, ids in src_pages.items()
+    )

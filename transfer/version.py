@@ -9,7 +9,9 @@ from __future__ import annotations
 
 # 7: the authenticated handshake (Hello, Challenge, Join, Welcome, Ready), one data path per link,
 # the declared-history check at admission, and direct reads that hold P's lease (ReadGrant).
-PROTOCOL_VERSION = 7
+# 8: D sends its chunk plan (PullRequest.chunk_sizes) instead of one chunk size.
+# 9: tickets list per group only the pages it holds (a window group: its window), from first_page.
+PROTOCOL_VERSION = 9
 
 # The page-major layout of kvcache/spec.py: one page of a pool group is one contiguous run of bytes,
 # and so is each run of consecutive heads within it (heads outermost).

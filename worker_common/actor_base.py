@@ -12,7 +12,16 @@ from typing import Any
 
 import ray
 
-from worker_common.messages import ModelInfo, RequestTimings, StatsBatch, WorkerSpec, WorkerStats
+from worker_common.kv_events import KVEventPublisher
+from worker_common.messages import (
+    KVEventPoll,
+    KVSnapshot,
+    ModelInfo,
+    RequestTimings,
+    StatsBatch,
+    WorkerSpec,
+    WorkerStats,
+)
 from worker_common.request_report import Sink
 
 
@@ -67,6 +76,24 @@ class WorkerActorBase:
         """Test hook: the Ray actors of ranks 1.. of a tensor-parallel worker ([] otherwise)."""
         ranks = self.worker.loop.engine.local_ranks
         return list(getattr(ranks, "actors", []))
+
+    # ---- KV events (worker_common/kv_events.py) ----
+    def _kv_events(self) -> KVEventPublisher:
+        publisher = self.worker.kv_events
+        if publisher is None:
+            raise RuntimeError(f"worker {self.worker.worker_id} does not publish KV events")
+        return publisher
+
+    async def kv_events(self, epoch: str | None, after_seq: int, wait_s: float) -> KVEventPoll:
+        return await self._kv_events().poll(epoch, after_seq, wait_s)
+
+    async def kv_snapshot(self) -> KVSnapshot:
+        publisher = self._kv_events()
+        return await asyncio.wrap_future(self.worker.loop.call(publisher.snapshot))
+
+    async def drop_kv_event_batch_for_test(self) -> None:
+        """Test hook: the worker's next KV event batch is lost (the router must rebuild)."""
+        self._kv_events().drop_next_batch_for_test()
 
     async def close(self) -> None:
         # Off this actor's event loop: the worker's close waits for pulls (direct reads among

@@ -5,12 +5,12 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from cluster.config.loader import ConfigError
 from engine.cpu_share import apply_cpu_share
 from engine.engine_config import EngineConfig
 from engine.engine_core import LLMEngine
 from engine.tp.local_ranks import Ranks, StartRanks
 from kvcache.sizing import KVSizingError
+from worker_common.config_error import ConfigError
 from worker_common.messages import WorkerSpec
 
 # Set on GPU workers by cluster/builder.py: Ray then leaves CUDA_VISIBLE_DEVICES alone, so every GPU
@@ -42,8 +42,7 @@ def gpu_device() -> str:
 def build_engine(spec: WorkerSpec) -> LLMEngine:
     """The worker's engine. A KV cache its settings cannot size (a pool_ratio naming groups the
     model lacks, or a group that cannot hold one max_model_len request) is a ConfigError naming the
-    cluster fields to change; so is a model with sliding-window pool groups in a disaggregated
-    cluster (the worker has a transceiver).
+    cluster fields to change.
 
     On a CPU device it first sizes this process's torch threads to the worker's CPUs and returns it
     to the default priority (engine/cpu_share.py): call it before the worker's first torch op."""
@@ -56,18 +55,6 @@ def build_engine(spec: WorkerSpec) -> LLMEngine:
         engine = LLMEngine.from_config(config, _start_ranks(spec))
     except KVSizingError as e:
         raise ConfigError(where, [f"{_SIZING_FIELDS[e.setting]}: {e}"]) from e
-    windows = sorted(g for g, s in engine.kv.specs.items() if s.sliding_window is not None)
-    if windows and spec.transceiver is not None:
-        # A ticket would carry a window group's released positions as null pages, which D would
-        # then commit for reuse: refused until the transfer moves pools group by group.
-        raise ConfigError(
-            where,
-            [
-                f"prefill.replicas: the model has sliding-window KV pool groups {windows}; "
-                "disaggregated serving of such models is not supported yet (the KV transfer is "
-                "full-attention only): set prefill.replicas to 0 (aggregated)"
-            ],
-        )
     return engine
 
 
@@ -87,5 +74,6 @@ def _start_ranks(spec: WorkerSpec) -> StartRanks | None:
 # What a kvcache.sizing.KVSizingError asks to change, in the cluster config's words.
 _SIZING_FIELDS = {
     "pool_ratio": "kvcache.pool_ratio",
+    "host_tier_bytes": "kvcache.host_tier_bytes",
     "budget": "kvcache.num_pages / cpu_bytes / gpu_memory_fraction / pool_ratio, or model.max_model_len",
 }

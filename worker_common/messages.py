@@ -21,6 +21,7 @@ from worker_common.prompt_tokens import PromptTokens
 if TYPE_CHECKING:
     from engine.engine_config import EngineConfig
     from engine.stats import IterationStats
+    from kvcache.kv_events import KVEvent
     from kvcache.stats import KVCacheStats
     from transfer.config import TransceiverConfig
     from transfer.messages import TransferTicket
@@ -63,6 +64,7 @@ class WorkerSpec:
     stats_interval_s: float  # the KV peak interval: peaks reset at each end
     collector_name: str | None  # the perf-metrics collector actor; None: per-request stats off
     log_level: str = "INFO"
+    publish_kv_events: bool = False  # the router indexes what this worker caches (kv_aware, ...)
     # D: after a failed, expired or refused pull, "fail" the request or "recompute" (prefill it
     # here); transfer.on_failure.
     on_transfer_failure: Literal["fail", "recompute"] = "fail"
@@ -167,7 +169,7 @@ class RequestTimings:
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens this worker did not compute: its prefix-cache hit
     # The same hit by where the pages were found: "device" is the worker's KV pool (GPU memory, or
-    # host memory on a CPU worker). A host tier would add "host".
+    # host memory on a CPU worker), "host" its KV host tier (loaded back for this request).
     cached_tokens_by_medium: dict[str, int] = field(default_factory=dict)
     output_tokens: int = 0  # output tokens produced by this worker
     num_preemptions: int = 0  # times the worker's scheduler preempted it (recomputed)
@@ -225,3 +227,39 @@ class StatsBatch:
     stats: WorkerStats
     iterations: list[IterationStats]
     transfers: list[TransferStats]
+
+
+# ---- KV events (to the router's prefix index) ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KVEventBatch:
+    """The KV events of one worker's engine step (kvcache/kv_events.py), numbered: ``seq`` is 1, 2,
+    ... per ``epoch`` (one per worker process), so a receiver sees any batch it missed."""
+
+    worker_id: str
+    epoch: str
+    seq: int
+    events: list[KVEvent]
+
+
+@dataclass(frozen=True)
+class KVEventPoll:
+    """A worker's answer to the router's poll: its epoch, the batches after the one asked for (none
+    when the epoch asked for is not the worker's: the router must rebuild), and the number of its
+    latest batch (so a lost batch shows even when no later one came)."""
+
+    epoch: str
+    batches: list[KVEventBatch]
+    last_seq: int = 0
+
+
+@dataclass(frozen=True)
+class KVSnapshot:
+    """Every block a worker's KV cache can find now (group -> medium -> block hashes), which
+    includes every batch up to ``seq``: the router rebuilds its index of the worker from it."""
+
+    worker_id: str
+    epoch: str
+    seq: int
+    blocks: dict[str, dict[str, list[int]]] = field(default_factory=dict)

@@ -106,7 +106,7 @@ class RequestReporter:
             finish_time=None if handed_off else (m.finished_time or time.time()),
             prompt_tokens=m.num_prompt_tokens,
             cached_tokens=m.num_cached_tokens,
-            cached_tokens_by_medium={"device": m.num_cached_tokens} if m.num_cached_tokens else {},
+            cached_tokens_by_medium=_by_medium(m.num_cached_tokens, m.num_cached_host_tokens),
             # A transferred request's first token was sampled (and is reported) by P.
             output_tokens=m.num_output_tokens - (transfer is not None and m.num_output_tokens > 0),
             num_preemptions=m.num_preemptions,
@@ -116,3 +116,9 @@ class RequestReporter:
             # the request itself (no prefill worker will report it).
             last_report=not handed_off if self.role is Role.PREFILL else local_prompt,
         )
+
+
+def _by_medium(cached: int, host: int) -> dict[str, int]:
+    """A prefix hit split by where its pages were: the device pool, or loaded back from host."""
+    split = {"device": cached - host, "host": host}
+    return {medium: n for medium, n in split.items() if n}

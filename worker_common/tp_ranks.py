@@ -126,7 +126,7 @@ class _TPRankActor:
         self,
         ticket: TransferTicket,
         dst_page_ids: dict[str, list[int]],
-        skip_pages: int,
+        skip_pages: int | dict[str, int],
         expected_prompt_len: int,
         heads: tuple[int, int],
     ) -> TransferResult:

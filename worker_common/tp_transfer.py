@@ -184,7 +184,7 @@ class TPPuller:
         self,
         ticket: TransferTicket,
         dst_page_ids: dict[str, list[int]],
-        skip_pages: int,
+        skip_pages: int | dict[str, int],
         expected_prompt_len: int,
     ) -> TransferResult:
         """Every decode rank's pulls at once; ok only when all are. Returns once every pull has
@@ -205,6 +205,7 @@ class TPPuller:
                 calls.append(_await_ref(self.rank_actors[part.decode_rank - 1].pull.remote(*args)))
         results = await asyncio.gather(*calls, return_exceptions=True)
         errors, nbytes, chunks, latency, path = [], 0, 0, 0.0, "ucx"
+        pages: dict[str, int] = {}  # every part moves a head slice of the same pages
         for part, res in zip(ticket.parts, results, strict=True):
             if isinstance(res, BaseException):
                 errors.append(f"decode rank {part.decode_rank}: {type(res).__name__}: {res}")
@@ -213,11 +214,15 @@ class TPPuller:
             chunks += res.stats.chunks
             latency = max(latency, res.stats.latency_s)
             path = res.stats.path
+            pages = res.stats.pages
             if not res.ok:
                 errors.append(f"decode rank {part.decode_rank}: {res.error}")
         ok = not errors
         error = "; ".join(errors)
-        stats = TransferStats(ticket.request_id, "recv", nbytes, chunks, latency, ok, error, path)
+        stats = TransferStats(
+            ticket.request_id, "recv", nbytes, chunks, latency, ok, error, path,
+            pages if ok else {},
+        )  # fmt: skip
         return TransferResult(ticket.request_id, ok, error, stats)
 
     def stats(self) -> dict[str, Any]:

@@ -3,10 +3,13 @@
 The cluster config's ``transfer`` section becomes a TransceiverConfig in the server process
 (cluster/transfer_setup.py); what only the worker's node can settle (the address of
 ``transfer.interface``, whether the port is free) is settled here, and an error names the field.
+A worker actor passes its own event loop: the transceiver runs there (transfer/runtime.py), so a
+pull, its control messages and its host copies run where the worker awaits them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import socket
 from collections.abc import Callable
@@ -51,14 +54,19 @@ def _model_identity(engine: LLMEngine) -> str:
 
 
 def make_publisher(
-    engine: LLMEngine, spec: WorkerSpec, release: Callable[[str], None]
+    engine: LLMEngine,
+    spec: WorkerSpec,
+    release: Callable[[str], None],
+    loop: asyncio.AbstractEventLoop | None = None,
 ) -> KVSender | TPPublisher:
+    """Rank 0's KVSender (on ``loop``, the worker's running loop, or None for a loop thread of
+    the transfer runtime's own), wrapped in a TPPublisher when either side is tensor-parallel."""
     kv, tc = engine.kv, node_transceiver_config(spec)
 
     def sender(on_release: Callable[[str], None]) -> KVSender:
         try:
             return KVSender(
-                kv.buffers, list(kv.specs.values()), _model_identity(engine), tc, on_release
+                kv.buffers, list(kv.specs.values()), _model_identity(engine), tc, on_release, loop
             )
         except OSError as e:  # the listener: name the setting that chose the address
             field = "interface" if spec.transfer_interface else "host / port"
@@ -73,9 +81,13 @@ def make_publisher(
     return TPPublisher(sender, rank_actors(engine), reads, release, tc, _model_identity(engine))
 
 
-def make_puller(engine: LLMEngine, spec: WorkerSpec) -> KVReceiver | TPPuller:
+def make_puller(
+    engine: LLMEngine, spec: WorkerSpec, loop: asyncio.AbstractEventLoop | None = None
+) -> KVReceiver | TPPuller:
+    """Rank 0's KVReceiver (on ``loop`` as in make_publisher), wrapped in a TPPuller when either
+    side is tensor-parallel."""
     kv, tc = engine.kv, node_transceiver_config(spec)
-    own = KVReceiver(kv.buffers, list(kv.specs.values()), _model_identity(engine), tc)
+    own = KVReceiver(kv.buffers, list(kv.specs.values()), _model_identity(engine), tc, loop)
     if engine_tp(engine) == 1 and spec.peer_tensor_parallel_size == 1:
         return own
     return TPPuller(own, rank_actors(engine), tc, _model_identity(engine))

@@ -65,6 +65,18 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--num-prefix-groups", type=int, default=4, help="shared-prefix: number of prefixes"
     )
     work.add_argument(
+        "--num-turns",
+        type=int,
+        default=2,
+        help="multi-turn: turns per conversation (--num-prompts / this = conversations)",
+    )
+    work.add_argument(
+        "--turn-len",
+        type=int,
+        default=32,
+        help="multi-turn: new tokens of each later turn (after the previous prompt and answer)",
+    )
+    work.add_argument(
         "--sharegpt-output-len", type=int, default=None, help="fixed output length for ShareGPT"
     )
     work.add_argument(

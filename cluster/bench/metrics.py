@@ -98,6 +98,15 @@ def _server_fields(
     sizes = [s.transfer_bytes for s in joined if s.transfer_bytes is not None]
     out["total_transfer_bytes"] = int(sum(sizes)) if sizes else None
     out["mean_transfer_bytes"] = float(np.mean(sizes)) if sizes else None
+    # Prefix hit rate by medium: cached prompt tokens over prompt tokens, of the requests whose
+    # entries say both.
+    known = [s for s in joined if s.prompt_tokens and s.cached_tokens_by_medium is not None]
+    prompt_tokens = sum(s.prompt_tokens or 0 for s in known)
+    for medium in ("device", "host"):
+        cached = sum((s.cached_tokens_by_medium or {}).get(medium, 0) for s in known)
+        out[f"prefix_hit_rate_{medium}"] = cached / prompt_tokens if prompt_tokens else None
+    flags = [s.prefilled_on_decode for s in joined if s.prefilled_on_decode is not None]
+    out["num_prefilled_on_decode"] = sum(flags) if flags else None
     return out
 
 

@@ -13,9 +13,10 @@ from cluster.bench.runner import ArrivalSettings
 from cluster.bench.slo import parse_slos
 from cluster.bench.sweep import SweepOptions
 from cluster.bench.tokens import HFTokenizerCodec, load_embedded_codec
-from cluster.bench.workloads import random_workload, shared_prefix_workload
+from cluster.bench.workloads import multi_turn_workload, random_workload, shared_prefix_workload
 
-WORKLOADS = ("random", "shared-prefix", "jsonl", "sharegpt")
+WORKLOADS = ("random", "shared-prefix", "multi-turn", "jsonl", "sharegpt")
+SYNTHETIC = ("random", "shared-prefix", "multi-turn")
 
 
 def parse_rate(text: str) -> float:
@@ -117,6 +118,20 @@ def build_workload(args: argparse.Namespace) -> list[BenchRequest]:
         )
         if args.workload == "random":
             requests = random_workload(args.num_prompts, args.input_len, codec=text_codec, **common)  # type: ignore[arg-type]
+        elif args.workload == "multi-turn":
+            if args.num_turns < 1 or args.num_prompts % args.num_turns:
+                raise ValueError(
+                    f"--num-prompts ({args.num_prompts}) must be a multiple of --num-turns "
+                    f"({args.num_turns}, >= 1): whole conversations"
+                )
+            requests = multi_turn_workload(
+                args.num_prompts // args.num_turns,
+                args.num_turns,
+                args.input_len,
+                args.turn_len,
+                codec=text_codec,
+                **common,  # type: ignore[arg-type]
+            )
         else:
             requests = shared_prefix_workload(
                 args.num_prompts,
@@ -140,11 +155,13 @@ def describe_workload(args: argparse.Namespace, requests: list[BenchRequest]) ->
         "name": args.workload,
         "dataset_path": args.dataset_path,
         "num_prompts": len(requests),
-        "input_len": args.input_len if args.workload in ("random", "shared-prefix") else None,
+        "input_len": args.input_len if args.workload in SYNTHETIC else None,
         "output_len": args.output_len,
         "range_ratio": args.range_ratio,
         "prefix_len": args.prefix_len if args.workload == "shared-prefix" else None,
         "num_prefix_groups": args.num_prefix_groups if args.workload == "shared-prefix" else None,
+        "num_turns": args.num_turns if args.workload == "multi-turn" else None,
+        "turn_len": args.turn_len if args.workload == "multi-turn" else None,
         "mean_prompt_len": sum(known) / len(known) if known else None,
         "mean_max_tokens": sum(r.output_len for r in requests) / len(requests),
         "seed": args.seed,

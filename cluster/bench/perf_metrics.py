@@ -5,7 +5,9 @@ Expected contract (what the Duet HTTP server is to serve; other servers simply l
 
     {"request_id": "<the `id` of the request's streamed chunks>",
      "prefill_queue_time": s, "prefill_time": s, "transfer_time": s,
-     "transfer_bytes": n, "decode_queue_time": s}
+     "transfer_bytes": n, "decode_queue_time": s, "prompt_tokens": n,
+     "cached_tokens_by_medium": {"device": n, "host": n},
+     "prefill": {...} or null, "decode": {...} or null}
 
 with times in seconds. Any field may be missing or null; unknown fields are ignored. Entries may be
 drained by the read (as TensorRT-LLM's route does), and may show up a little after the request's
@@ -51,10 +53,18 @@ def parse_perf_metrics(payload: Any) -> dict[str, ServerTimings]:
     for entry in entries:
         if not isinstance(entry, dict) or not isinstance(entry.get("request_id"), str):
             continue
-        values = {attr: _number(entry.get(key)) for key, attr in _FIELDS.items()}
-        size = values["transfer_bytes"]
-        values["transfer_bytes"] = int(size) if size is not None else None
-        out[entry["request_id"]] = ServerTimings(**values)  # type: ignore[arg-type]
+        values: dict[str, Any] = {attr: _number(entry.get(key)) for key, attr in _FIELDS.items()}
+        for name in ("transfer_bytes", "prompt_tokens"):
+            number = _number(entry.get(name))
+            values[name] = int(number) if number is not None else None
+        by_medium = entry.get("cached_tokens_by_medium")
+        if isinstance(by_medium, dict):
+            values["cached_tokens_by_medium"] = {
+                str(medium): int(n) for medium, n in by_medium.items() if _number(n) is not None
+            }
+        if "prefill" in entry and "decode" in entry:
+            values["prefilled_on_decode"] = entry["prefill"] is None and entry["decode"] is not None
+        out[entry["request_id"]] = ServerTimings(**values)
     return out
 
 

@@ -17,15 +17,16 @@ class BenchRequest:
 
     ``prompt_len`` is the prompt's length in tokens when the workload knows it (token-id prompts, or
     text counted with a tokenizer); None when only the server can tell (its `usage.prompt_tokens`).
-    ``output_len`` is sent as `max_tokens`.
+    ``output_len`` is sent as `max_tokens`. ``after``: the index (in the workload) of the request
+    this one follows, a conversation's previous turn: it is sent once that one ended, and not
+    before its own arrival time.
     """
 
     prompt: Prompt
     prompt_len: int | None
     output_len: int
-    prefix_group: int | None = (
-        None  # shared-prefix workloads: the group whose prefix it starts with
-    )
+    prefix_group: int | None = None  # shared-prefix: its group; multi-turn: its conversation
+    after: int | None = None
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,11 @@ class ServerTimings:
     transfer_s: float | None = None  # KV pull, D's pull request to the checked TransferDone
     transfer_bytes: int | None = None  # KV bytes moved P -> D
     decode_queue_s: float | None = None  # KV landed on D to the first decode step that included it
+    prompt_tokens: int | None = None
+    # Prompt tokens the prefilling worker found in its prefix cache, by where: its KV pool
+    # ("device") or its KV host tier ("host").
+    cached_tokens_by_medium: dict[str, int] | None = None
+    prefilled_on_decode: bool | None = None  # no prefill worker: D prefilled it (local path)
 
 
 @dataclass

@@ -7,6 +7,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from cluster.bench.kv_tier_counters import HOST_COUNTERS
 from cluster.bench.metrics import percentile_label
 
 # (column title, field of a run) compared side by side; "p{tail}" is the highest percentile asked for.
@@ -99,6 +100,9 @@ def server_table(entry: dict[str, Any]) -> str | None:
         "transfer ms",
         "transfer KiB",
         "decode queue ms",
+        "hit device %",
+        "hit host %",
+        "prefilled on D",
     ]
     rows = []
     for run in runs:
@@ -114,9 +118,35 @@ def server_table(entry: dict[str, Any]) -> str | None:
                 fmt(run["mean_transfer_ms"], 2),
                 fmt(kib),
                 fmt(run["mean_decode_queue_ms"], 2),
+                _percent(run.get("prefix_hit_rate_device")),
+                _percent(run.get("prefix_hit_rate_host")),
+                fmt(run.get("num_prefilled_on_decode")),
             ]
         )
     return format_table(headers, rows)
+
+
+def kv_tier_table(entry: dict[str, Any]) -> str | None:
+    """The KV host tiers' counters over each run (summed over workers and pool groups), or None
+    when the target has no host tier (cluster/bench/kv_tier_counters.py)."""
+    runs = [r for r in entry["runs"] if "kv_host_offloaded_pages" in r]
+    if not runs:
+        return None
+    keys = list(HOST_COUNTERS)
+    headers = [
+        "rate",
+        "offloaded",
+        "loaded back",
+        "host hit tokens",
+        "host drops",
+        "skipped stores",
+    ]
+    rows = [[fmt_rate(r["request_rate"]), *(fmt(r[f"kv_host_{k}"]) for k in keys)] for r in runs]
+    return format_table(headers, rows)
+
+
+def _percent(rate: float | None) -> str:
+    return fmt(None if rate is None else 100.0 * rate, 1)
 
 
 def comparison_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -176,6 +206,9 @@ def render_report(doc: dict[str, Any]) -> str:
         server = server_table(entry)
         if server:
             parts += ["Duet server timings (means, from /perf_metrics):", server]
+        tier = kv_tier_table(entry)
+        if tier:
+            parts += ["KV host tiers over each run (pages, tokens; from /metrics):", tier]
         if "goodput" in entry:
             limits = ", ".join(f"{k} <= {v:g} ms" for k, v in slos.items())
             bound = (

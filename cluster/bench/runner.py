@@ -62,8 +62,13 @@ async def run_requests(
 ) -> RunOutcome:
     """Send ``requests`` on the arrival schedule and wait for all, or until ``deadline_s`` passes.
 
-    Requests still unsent or in flight at the deadline are cancelled and recorded as failures.
+    A request with ``after`` (a conversation's later turn) is sent once that request ended, and
+    not before its own arrival time. Requests still unsent or in flight at the deadline are
+    cancelled and recorded as failures.
     """
+    for i, request in enumerate(requests):
+        if request.after is not None and not 0 <= request.after < i:
+            raise ValueError(f"request {i} follows request {request.after}: not an earlier one")
     if arrivals.max_concurrency is not None and arrivals.max_concurrency < 1:
         raise ValueError(f"max concurrency must be >= 1, got {arrivals.max_concurrency}")
     offsets = arrival_offsets(
@@ -78,18 +83,24 @@ async def run_requests(
         leave=True,
     )
     start = time.perf_counter()
+    ended = [asyncio.Event() for _ in requests]
 
     async def one(index: int, request: BenchRequest) -> RequestRecord:
-        delay = start + offsets[index] - time.perf_counter()
-        if delay > 0.0:
-            await asyncio.sleep(delay)
-        if limit is None:
-            record = await client.send(index, request)
-        else:
-            async with limit:
+        try:
+            delay = start + offsets[index] - time.perf_counter()
+            if delay > 0.0:
+                await asyncio.sleep(delay)
+            if request.after is not None:
+                await ended[request.after].wait()
+            if limit is None:
                 record = await client.send(index, request)
-        progress.update(1)
-        return record
+            else:
+                async with limit:
+                    record = await client.send(index, request)
+            progress.update(1)
+            return record
+        finally:
+            ended[index].set()
 
     tasks = [asyncio.create_task(one(i, r)) for i, r in enumerate(requests)]
     pending: set[asyncio.Task[RequestRecord]] = set()

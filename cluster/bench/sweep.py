@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from cluster.bench.client import ClientSettings, Endpoint, StreamingClient, probe_models
 from cluster.bench.errors import BenchError
+from cluster.bench.kv_tier_counters import fetch_kv_tier_totals, kv_tier_fields
 from cluster.bench.metrics import DEFAULT_PERCENTILES, summarize_run
 from cluster.bench.perf_metrics import collect_server_timings, fetch_perf_metrics
 from cluster.bench.records import BenchRequest
@@ -90,9 +92,12 @@ async def sweep_url(
     requests: Sequence[BenchRequest],
     options: SweepOptions,
     per_rate: Sequence[Sequence[BenchRequest]] | None = None,
+    stats_interval_s: float | None = None,
 ) -> None:
     """Run every rate of the sweep against the server at ``url``, appending to ``entry["runs"]``.
     ``per_rate[i]``, when given, is the workload of the i-th rate (else ``requests`` at every rate).
+    ``stats_interval_s``: how often the server hears from its workers, when known (a cluster the
+    driver started): a run's KV host-tier figures are read one such interval after its end.
 
     Raises BenchError when the server cannot be reached, warm-up fails, or every request of a run
     failed (the sweep stops there; that run's results are in ``entry`` already).
@@ -116,9 +121,12 @@ async def sweep_url(
                 url,
             )
             await fetch_perf_metrics(url)  # drain the warm-up's entries
+        tier_after = None  # the KV host tiers' counters after the last run
         for i, rate in enumerate(options.request_rates):
             arrivals = replace(options.arrivals, request_rate=rate)
             label = f"{entry['label']} @ {rate:g} req/s"
+            # The previous run's last read waited for the workers' stats: it is this run's start.
+            tier_before = tier_after if tier_after is not None else await fetch_kv_tier_totals(url)
             outcome = await run_requests(
                 client,
                 per_rate[i] if per_rate is not None else requests,
@@ -127,9 +135,16 @@ async def sweep_url(
                 options.show_progress,
                 label,
             )
+            ended = time.monotonic()
             await collect_server_timings(url, outcome.records, options.server_metrics_wait_s)
+            tier_after = await fetch_kv_tier_totals(url)
+            if tier_after is not None and stats_interval_s is not None:
+                # A host tier: read again once the workers' stats cover the run's end.
+                await asyncio.sleep(max(0.0, ended + stats_interval_s + 1.0 - time.monotonic()))
+                tier_after = await fetch_kv_tier_totals(url)
             duration = max(outcome.duration_s, 1e-9)  # a run of instant failures can measure 0
             summary = summarize_run(outcome.records, duration, options.percentiles, options.slos)
+            summary.update(kv_tier_fields(tier_before, tier_after))
             entry["runs"].append(_run_entry(rate, options, summary, outcome.deadline_hit))
             update_goodput(entry)
             if outcome.records and summary["completed"] == 0:
@@ -153,4 +168,4 @@ def run_sweeps(
         results["targets"].append(entry)
         with target as url:
             entry["url"] = url
-            asyncio.run(sweep_url(url, entry, requests, options, per_rate))
+            asyncio.run(sweep_url(url, entry, requests, options, per_rate, target.stats_interval_s))

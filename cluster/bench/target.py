@@ -44,6 +44,11 @@ class Target(ABC):
         """Whether the target is known to be Duet (then /perf_metrics is expected)."""
         return False
 
+    @property
+    def stats_interval_s(self) -> float | None:
+        """How often the server hears from its workers (its /metrics lag), when known."""
+        return None
+
     def __enter__(self) -> str:
         return self.start()
 
@@ -98,6 +103,11 @@ class ConfigTarget(Target):
     @property
     def is_duet(self) -> bool:
         return True
+
+    @property
+    def stats_interval_s(self) -> float | None:
+        stats = getattr(self.config, "stats", None)
+        return float(stats.interval_s) if stats is not None else None
 
     def start(self) -> str:
         try:

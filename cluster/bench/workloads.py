@@ -1,4 +1,5 @@
-"""Synthetic workloads: random prompts and shared-prefix groups, seeded and reproducible.
+"""Synthetic workloads: random prompts, shared-prefix groups and multi-turn conversations, seeded
+and reproducible.
 
 Prompts are token ids drawn uniformly from ``vocab`` (the normal token ids of the model, see
 ``tokens.py``), so their length is exact. With ``codec`` the ids are decoded to text instead (for the
@@ -41,16 +42,16 @@ def _draw_ids(rng: np.random.Generator, vocab: np.ndarray, n: int) -> list[int]:
 
 
 def _request(
-    ids: list[int], output_len: int, codec: TokenCodec | None, group: int | None
+    ids: list[int],
+    output_len: int,
+    codec: TokenCodec | None,
+    group: int | None,
+    after: int | None = None,
 ) -> BenchRequest:
     if codec is None:
-        return BenchRequest(
-            prompt=ids, prompt_len=len(ids), output_len=output_len, prefix_group=group
-        )
+        return BenchRequest(ids, len(ids), output_len, group, after)
     text = codec.decode(ids)
-    return BenchRequest(
-        prompt=text, prompt_len=len(codec.encode(text)), output_len=output_len, prefix_group=group
-    )
+    return BenchRequest(text, len(codec.encode(text)), output_len, group, after)
 
 
 def _check_vocab(vocab: Sequence[int]) -> np.ndarray:
@@ -116,3 +117,46 @@ def shared_prefix_workload(
     ]
     order = rng.permutation(num_prompts)
     return [requests[int(i)] for i in order]
+
+
+def multi_turn_workload(
+    num_conversations: int,
+    num_turns: int,
+    input_len: int,
+    turn_len: int,
+    output_len: int,
+    vocab: Sequence[int],
+    range_ratio: float = 0.0,
+    seed: int = 0,
+    codec: TokenCodec | None = None,
+) -> list[BenchRequest]:
+    """``num_conversations`` conversations of ``num_turns`` turns each, in rounds (every first turn,
+    then every second turn, ...).
+
+    A first turn is ``input_len`` random tokens; turn k + 1 is turn k's prompt, then an answer of
+    ``output_len`` tokens, then ``turn_len`` new tokens (each within the range ratio). The answer
+    is drawn here, not the model's: a later turn reuses the earlier prompts' KV on whichever worker
+    keeps it, not the decode worker's generated pages. Each later turn is sent after the previous
+    turn of its conversation ended (``BenchRequest.after``).
+    """
+    if num_conversations < 1 or num_turns < 1:
+        raise ValueError(
+            f"need >= 1 conversation and >= 1 turn, got {num_conversations} and {num_turns}"
+        )
+    ids_pool = _check_vocab(vocab)
+    rng = np.random.default_rng(seed)
+    history = [
+        _draw_ids(rng, ids_pool, n)
+        for n in _lengths(rng, input_len, range_ratio, num_conversations)
+    ]
+    requests: list[BenchRequest] = []
+    for turn in range(num_turns):
+        out_lens = _lengths(rng, output_len, range_ratio, num_conversations)
+        for c in range(num_conversations):
+            if turn:
+                answer = _draw_ids(rng, ids_pool, requests[-num_conversations].output_len)
+                new = _draw_ids(rng, ids_pool, _lengths(rng, turn_len, range_ratio, 1)[0])
+                history[c] = history[c] + answer + new
+            after = len(requests) - num_conversations if turn else None
+            requests.append(_request(list(history[c]), out_lens[c], codec, c, after))
+    return requests

@@ -81,14 +81,49 @@ class ClusterConfig(Section):
                         f"{page_size}, plus the null page) so one request fits, got {num_pages}",
                     )
                 )
-        if self.router.policy == "prefix_aware" and self.kvcache.reuse_policy == "none":
+        if self.kvcache.host_tier_bytes:
+            pools = [("decode", self.decode)] + (
+                [] if self.aggregated else [("prefill", self.prefill)]
+            )
+            split = [
+                f"{name}.tensor_parallel_size {pool.tensor_parallel_size}"
+                for name, pool in pools
+                if pool.tensor_parallel_size > 1
+            ]
+            if split:
+                issues.append(
+                    (
+                        "kvcache.host_tier_bytes",
+                        "not supported with tensor parallelism yet (ranks 1.. hold their KV heads "
+                        f"in processes the host tier does not copy): {', '.join(split)}; use 0",
+                    )
+                )
+        policy = self.router.policy
+        if policy in ("prefix_aware", "kv_aware") and self.kvcache.reuse_policy == "none":
             issues.append(
                 (
                     "router.policy",
-                    "'prefix_aware' needs prefix reuse: kvcache.reuse_policy must be one of "
+                    f"{policy!r} needs prefix reuse: kvcache.reuse_policy must be one of "
                     "'all_reusable', 'per_request', got 'none'",
                 )
             )
+        if self.router.local_prefill_max_tokens:
+            if self.aggregated:
+                issues.append(
+                    (
+                        "router.local_prefill_max_tokens",
+                        "only means something with prefill workers (prefill.replicas is 0: every "
+                        "request is prefilled on its decode worker already); leave it 0",
+                    )
+                )
+            elif self.kvcache.reuse_policy == "none":
+                issues.append(
+                    (
+                        "router.local_prefill_max_tokens",
+                        "needs prefix reuse on the decode workers: kvcache.reuse_policy must be "
+                        "one of 'all_reusable', 'per_request', got 'none'",
+                    )
+                )
         check_fields(issues)
         return self
 

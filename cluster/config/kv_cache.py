@@ -17,7 +17,7 @@ class KVCacheConfig(Section):
     memory budget of the worker's device (``cpu_bytes`` on CPU, ``gpu_memory_fraction`` on GPU)
     split between the groups (``pool_ratio``), capped by ``max_tokens``. A worker logs its pages per
     group at start-up and refuses to start when one request of ``model.max_model_len`` tokens does
-    not fit in some group."""
+    not fit in some group. ``host_tier_bytes`` adds host memory beneath the pools."""
 
     page_size: int = Field(
         16, description=f"Tokens per page: a power of two from 1 to {MAX_PAGE_SIZE}."
@@ -77,8 +77,10 @@ class KVCacheConfig(Section):
         ByteSize(0),
         ge=0,
         description=(
-            "Host memory for evicted reusable pages; 0 disables the host tier. Not supported yet: "
-            "any value but 0 is refused."
+            'Host memory per worker beneath its KV pools ("4GiB"), for reusable pages the device '
+            "evicts: they stay findable by prefix hits and are loaded back (pinned memory and a "
+            "copy stream on GPU workers). Split between pool groups as the device pools are; a "
+            "worker refuses to start when it holds less than one page of some group. 0 = off."
         ),
     )
 
@@ -100,13 +102,6 @@ class KVCacheConfig(Section):
                 raise ValueError(f"shares must be > 0, got <= 0 for {bad}")
         return value
 
-    @field_validator("host_tier_bytes")
-    @classmethod
-    def _no_host_tier_yet(cls, value: ByteSize) -> ByteSize:
-        if value != 0:  # the host tier lands with issue 26; until then nothing would use it
-            raise ValueError(f"not supported yet (the KV host tier): must be 0, got {int(value)}")
-        return value
-
     @model_validator(mode="after")
     def _one_sizing_rule(self) -> KVCacheConfig:
         issues: list[tuple[str, str]] = []
@@ -122,6 +117,14 @@ class KVCacheConfig(Section):
                         "(pick one sizing)",
                     )
                 )
+        if self.host_tier_bytes and self.reuse_policy == "none":
+            issues.append(
+                (
+                    "host_tier_bytes",
+                    "needs prefix reuse (with reuse_policy 'none' no page is ever reusable, so "
+                    "nothing would go to the host tier): set reuse_policy, or 0",
+                )
+            )
         check_fields(issues)
         return self
 

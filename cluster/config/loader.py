@@ -18,16 +18,9 @@ from pydantic import BaseModel, ValidationError
 
 from cluster.config.base import FieldErrors
 from cluster.config.cluster_config import ClusterConfig
+from worker_common.config_error import ConfigError
 
-
-class ConfigError(Exception):
-    """A cluster config the user must fix. ``issues`` holds one line per problem."""
-
-    def __init__(self, source: str, issues: list[str]) -> None:
-        self.source = source
-        self.issues = issues
-        lines = "\n".join(f"  {issue}" for issue in issues)
-        super().__init__(f"invalid config {source}:\n{lines}")
+__all__ = ["ConfigError", "config_from_dict", "load_config"]
 
 
 def load_config(path: str | os.PathLike[str]) -> ClusterConfig:

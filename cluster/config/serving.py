@@ -14,11 +14,14 @@ UNBOUNDED = -1
 class RouterConfig(Section):
     """How the router picks a prefill and a decode worker for each request."""
 
-    policy: Literal["round_robin", "load_balance", "prefix_aware"] = Field(
+    policy: Literal["round_robin", "load_balance", "prefix_aware", "kv_aware"] = Field(
         "load_balance",
         description=(
             "round_robin: in turn; load_balance: fewest queued + running requests; "
-            "prefix_aware: longest prefix-cache hit on the prefill worker, load as tie-break."
+            "prefix_aware: requests sharing their first page go to one worker (by a hash), load "
+            "as tie-break; kv_aware: the least cost from what each worker has cached, known from "
+            "its KV events: prompt tokens its device does not hold, host-tier hits at half "
+            "weight, plus the prefill tokens already queued there (Dynamo's KV router)."
         ),
     )
     prefill_retries: int = Field(
@@ -28,6 +31,21 @@ class RouterConfig(Section):
         True,
         description="When no prefill worker is healthy, let the decode worker prefill locally.",
     )
+    local_prefill_max_tokens: int = Field(
+        0,
+        ge=0,
+        description=(
+            "Conditional disaggregation: when the decode worker chosen for a request already "
+            "holds all but at most this many of its prompt tokens (its KV events say so; device "
+            "or host tier), it prefills the rest itself and no KV transfer happens. 0 = always "
+            "prefill on a prefill worker."
+        ),
+    )
+
+    @property
+    def uses_kv_events(self) -> bool:
+        """Whether the router needs the workers' KV events (their prefix caches)."""
+        return self.policy == "kv_aware" or self.local_prefill_max_tokens > 0
 
 
 class ServerConfig(Section):

@@ -8,7 +8,6 @@ from torch import nn
 from engine.forward_batch import ForwardBatch
 from engine.model.linear import MergedLinear, RowParallelLinear
 from engine.model.norm import RMSNorm
-from engine.model.rotary import apply_rotary
 from engine.model_config import ModelConfig
 from engine.tp.context import TPContext
 from kernels import (
@@ -16,6 +15,7 @@ from kernels import (
     paged_decode_attention,
     paged_prefill_attention,
     plan_paged_attention,
+    rotary,
     store_kv,
 )
 from kvcache.spec import FULL_GROUP
@@ -80,7 +80,7 @@ class PagedAttention(nn.Module):
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = rotary(q, k, None, cos, sin)  # cos/sin: this step's per-token tables
         k_cache, v_cache = kv_cache
         store_kv(k, v, k_cache, v_cache, batch.slot_mappings[self.kv_group])
         page_table = batch.page_tables[self.kv_group]
@@ -110,6 +110,7 @@ class PagedAttention(nn.Module):
                 self.sliding_window,
                 self.softcap,
                 plan,
+                max_query_len=batch.max_query_len,
             )
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
 

@@ -1,4 +1,9 @@
-"""One pre-norm transformer block: attention then the gated MLP, each with a residual connection."""
+"""One pre-norm transformer block: attention then the gated MLP, each with a residual connection.
+
+The residual stream travels beside the hidden states (vLLM's layout): each norm adds the previous
+block's output to the stream and normalises the sum in one kernel. Addition commutes exactly, so
+the sums are bit for bit transformers' ``hidden + block(hidden)``.
+"""
 
 from __future__ import annotations
 
@@ -38,11 +43,15 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        hidden: torch.Tensor,  # [T, hidden]
+        hidden: torch.Tensor,  # [T, hidden]: the previous layer's MLP output (or the embeddings)
+        residual: torch.Tensor | None,  # the stream before that output; None for the first layer
         cos: torch.Tensor,
         sin: torch.Tensor,
         batch: ForwardBatch,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, batch, kv_cache)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the stream before it); the next norm adds the two."""
+        normed, residual = self.input_layernorm.add_forward(hidden, residual)
+        attn = self.self_attn(normed, cos, sin, batch, kv_cache)
+        normed, residual = self.post_attention_layernorm.add_forward(attn, residual)
+        return self.mlp(normed), residual

@@ -138,8 +138,10 @@ class Gemma3ForCausalLM(PagedCausalLMBase):
                 f"got {len(kv_caches)} layer caches for a model of {self.config.num_layers} layers"
             )
         embed = self.model.embed_tokens
-        # transformers multiplies by the scale as a float32 tensor cast to the weights' dtype
-        scale = torch.tensor(self.embed_scale, device=embed.weight.device).to(embed.weight.dtype)
+        # transformers multiplies by the scale as a float32 tensor cast to the weights' dtype; the
+        # same rounded value as a Python scalar multiplies alike, and makes no host-to-device
+        # copy (which a CUDA graph capture refuses)
+        scale = float(torch.tensor(self.embed_scale).to(embed.weight.dtype))
         hidden = embed(batch.input_ids) * scale  # [T, hidden]
         rope = {
             True: self.rotary_local(batch.positions, hidden.dtype),

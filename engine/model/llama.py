@@ -69,6 +69,7 @@ class LlamaForCausalLM(PagedCausalLMBase):
             )
         hidden = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
         cos, sin = self.rotary_emb(batch.positions, hidden.dtype)
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, batch, kv_cache)
-        return self.model.norm(hidden)
+            hidden, residual = layer(hidden, residual, cos, sin, batch, kv_cache)
+        return self.model.norm.add_forward(hidden, residual)[0]

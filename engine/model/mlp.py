@@ -9,6 +9,7 @@ from torch import nn
 from engine.model.linear import MergedLinear, RowParallelLinear
 from engine.model_config import ModelConfig
 from engine.tp.context import TPContext
+from kernels import silu_and_mul
 
 
 class GatedMLP(nn.Module):
@@ -26,6 +27,8 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias=False, dtype=dtype, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
-        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.down_proj(act * up)
+        gate_up = self.gate_up_proj(x)
+        if not self.gelu:  # one fused kernel on a GPU
+            return self.down_proj(silu_and_mul(gate_up.reshape(-1, gate_up.shape[-1])))
+        gate, up = self.gate_up_proj.split(gate_up)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)

@@ -5,9 +5,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels import add_rms_norm
+
 
 class RMSNorm(nn.Module):
-    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension."""
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension (kernels.add_rms_norm: one
+    Triton kernel on a GPU instead of seven, the same bits as the torch ops)."""
 
     identity_weight = 1.0  # the weight that leaves the normalized input unscaled (dummy init)
 
@@ -17,8 +20,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        input_dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        # Cast back before the weight multiply: transformers rounds here too, and bf16 results then match.
-        return self.weight * xf.to(input_dtype)
+        rows = x.reshape(-1, x.shape[-1])
+        return add_rms_norm(rows, self.weight, self.eps)[0].view(x.shape)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm of s, s) with s = x + residual (x where residual is None), x [T, dim]: the
+        residual add fused into the norm, as the pre-norm block needs it."""
+        return add_rms_norm(x, self.weight, self.eps, residual)

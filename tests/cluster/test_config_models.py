@@ -220,13 +220,28 @@ def test_kvcache_pool_ratio() -> None:
     ]
 
 
-def test_settings_of_features_not_there_yet_are_refused_not_ignored() -> None:
-    """kvcache.host_tier_bytes would change nothing today: a value that asks for it is an error,
-    never silently accepted."""
-    assert issues_of({"kvcache": {"host_tier_bytes": "1GiB"}}) == [
-        "kvcache.host_tier_bytes: not supported yet (the KV host tier): must be 0, got 1073741824"
+def test_kvcache_host_tier_bytes() -> None:
+    """kvcache.host_tier_bytes: bytes or a unit; >= 0; needs prefix reuse (below one page per
+    group is refused at worker start-up: tests/worker_common/test_engine_setup.py); not with
+    tensor-parallel workers yet."""
+    assert KVCacheConfig().host_tier_bytes == 0
+    assert KVCacheConfig(host_tier_bytes="1GiB").host_tier_bytes == 2**30  # type: ignore[arg-type]
+    assert issues_of({"kvcache": {"host_tier_bytes": -1}}) == [
+        "kvcache.host_tier_bytes: must be a byte count (an integer, or a number with a unit like "
+        "'512MiB'), got -1"
     ]
-    assert config_from_dict({"kvcache": {"host_tier_bytes": 0, "pool_ratio": None}}).kvcache
+    assert issues_of({"kvcache": {"host_tier_bytes": "1GiB", "reuse_policy": "none"}}) == [
+        "kvcache.host_tier_bytes: needs prefix reuse (with reuse_policy 'none' no page is ever "
+        "reusable, so nothing would go to the host tier): set reuse_policy, or 0"
+    ]
+    tp = {"tensor_parallel_size": 2}
+    assert issues_of({"kvcache": {"host_tier_bytes": "1GiB"}, "decode": tp, "prefill": tp}) == [
+        "kvcache.host_tier_bytes: not supported with tensor parallelism yet (ranks 1.. hold their "
+        "KV heads in processes the host tier does not copy): decode.tensor_parallel_size 2, "
+        "prefill.tensor_parallel_size 2; use 0"
+    ]
+    aggregated = {"prefill": {"replicas": 0, **tp}, "kvcache": {"host_tier_bytes": "1GiB"}}
+    assert config_from_dict(aggregated).kvcache.host_tier_bytes == 2**30  # no prefill workers
 
 
 def test_kvcache_swa_scratch_reuse() -> None:
@@ -341,10 +356,34 @@ def test_transfer_secret_failure_policy_and_fault_injection() -> None:
 
 
 def test_prefix_aware_routing_needs_reuse() -> None:
-    data = {"router": {"policy": "prefix_aware"}, "kvcache": {"reuse_policy": "none"}}
-    assert issues_of(data) == [
-        "router.policy: 'prefix_aware' needs prefix reuse: kvcache.reuse_policy must be one of "
-        "'all_reusable', 'per_request', got 'none'"
+    for policy in ("prefix_aware", "kv_aware"):
+        data = {"router": {"policy": policy}, "kvcache": {"reuse_policy": "none"}}
+        assert issues_of(data) == [
+            f"router.policy: '{policy}' needs prefix reuse: kvcache.reuse_policy must be one of "
+            "'all_reusable', 'per_request', got 'none'"
+        ]
+
+
+def test_router_policies_and_the_local_prefill_threshold() -> None:
+    config = config_from_dict({"router": {"policy": "kv_aware", "local_prefill_max_tokens": 64}})
+    assert config.router.policy == "kv_aware" and config.router.uses_kv_events
+    assert config.router.local_prefill_max_tokens == 64
+    assert not config_from_dict({}).router.uses_kv_events  # load_balance, threshold 0
+    assert config_from_dict({"router": {"local_prefill_max_tokens": 1}}).router.uses_kv_events
+    issues = issues_of({"router": {"policy": "cache_aware", "local_prefill_max_tokens": -1}})
+    assert issues[0].startswith(
+        "router.policy: must be one of 'round_robin', 'load_balance', 'prefix_aware', 'kv_aware'"
+    )
+    assert issues[1] == "router.local_prefill_max_tokens: must be >= 0, got -1"
+    assert issues_of({"prefill": {"replicas": 0}, "router": {"local_prefill_max_tokens": 8}}) == [
+        "router.local_prefill_max_tokens: only means something with prefill workers "
+        "(prefill.replicas is 0: every request is prefilled on its decode worker already); "
+        "leave it 0"
+    ]
+    no_reuse = {"router": {"local_prefill_max_tokens": 8}, "kvcache": {"reuse_policy": "none"}}
+    assert issues_of(no_reuse) == [
+        "router.local_prefill_max_tokens: needs prefix reuse on the decode workers: "
+        "kvcache.reuse_policy must be one of 'all_reusable', 'per_request', got 'none'"
     ]
 
 

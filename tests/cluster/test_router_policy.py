@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
+from cluster.kv_index import KVIndex
 from cluster.router import Router, WorkerSlot
 from engine.sampling_params import SamplingParams
+from kvcache.kv_events import KVEvent
 from worker_common.messages import GenerateRequest
 
 
@@ -51,3 +55,73 @@ def test_decode_choice_prefers_fewer_requests_then_more_free_pages() -> None:
     assert router._pick_decode().worker_id == "d-2"
     d[2].healthy = False
     assert router._pick_decode().worker_id == "d-1"
+
+
+def indexed_router(policy: str = "kv_aware", threshold: int = 0, n_decode: int = 1) -> Router:
+    p, d = slots("p", 2), slots("d", n_decode)
+    index = KVIndex([w.worker_id for w in p + d])
+    return Router(
+        p,
+        d,
+        policy=policy,
+        page_size=4,
+        kv_index=index,
+        local_prefill_max_tokens=threshold,
+    )
+
+
+PROMPT = list(range(1, 22))  # 21 tokens: 5 full pages a hit can reach (one token is computed)
+
+
+def hashes_of(router: Router, tokens: list[int], pages: int) -> list[int]:
+    full = router._block_hashes(req(tokens))
+    assert full is not None
+    return full[:pages]
+
+
+def test_kv_aware_sends_a_request_where_its_prefix_is_cached() -> None:
+    router = indexed_router()
+    index = router.kv_index
+    assert index is not None
+    assert router._pick_prefill(req(PROMPT), set(), router._block_hashes(req(PROMPT))).worker_id
+    index.apply("p-1", [KVEvent("stored", "device", "full", hashes_of(router, PROMPT, 3))])
+    hashes = router._block_hashes(req(PROMPT))
+    assert router._pick_prefill(req(PROMPT), set(), hashes).worker_id == "p-1"
+    # p-0 holds more, but on its host tier: 5 pages at half weight (10) vs p-1's 12 tokens to go
+    index.apply("p-0", [KVEvent("stored", "host", "full", hashes_of(router, PROMPT, 5))])
+    assert router._prefill_cost(router.prefill[0], 21, hashes) == 1 + 0.5 * 20
+    assert router._prefill_cost(router.prefill[1], 21, hashes) == 21 - 12
+    assert router._pick_prefill(req(PROMPT), set(), hashes).worker_id == "p-1"
+    # ... unless p-1 already has prefill work queued from this router
+    router.prefill[1].queued_prefill_tokens = 5
+    assert router._pick_prefill(req(PROMPT), set(), hashes).worker_id == "p-0"
+    assert router._pick_prefill(req(PROMPT), {"p-0"}, hashes).worker_id == "p-1"  # a retry
+
+
+def test_kv_aware_without_any_cache_is_load_balance() -> None:
+    router = indexed_router()
+    router.prefill[0].outstanding = 2
+    hashes = router._block_hashes(req(PROMPT))
+    assert router._pick_prefill(req(PROMPT), set(), hashes).worker_id == "p-1"
+
+
+def test_conditional_disaggregation_by_the_decode_workers_cache() -> None:
+    router = indexed_router(policy="load_balance", threshold=8, n_decode=2)
+    index = router.kv_index
+    assert index is not None
+    hashes = router._block_hashes(req(PROMPT))
+    assert router._local_prefill_worker(req(PROMPT), hashes) is None  # nothing cached
+    index.apply("d-1", [KVEvent("stored", "device", "full", hashes_of(router, PROMPT, 3))])
+    assert router._local_prefill_worker(req(PROMPT), hashes) is None  # 21 - 12 = 9 > 8
+    index.apply("d-1", [KVEvent("stored", "host", "full", hashes_of(router, PROMPT, 4)[3:])])
+    local = router._local_prefill_worker(req(PROMPT), hashes)  # 21 - 16 = 5 <= 8
+    assert local is not None and local.worker_id == "d-1"  # the one holding the prefix
+    router.decode[1].outstanding = 1  # busier: the idle d-0 is chosen, and holds nothing
+    assert router._local_prefill_worker(req(PROMPT), hashes) is None
+
+
+def test_routing_by_caches_needs_an_index() -> None:
+    with pytest.raises(ValueError, match="need a KVIndex"):
+        Router(slots("p", 1), slots("d", 1), policy="kv_aware")
+    with pytest.raises(ValueError, match="need a KVIndex"):
+        Router(slots("p", 1), slots("d", 1), local_prefill_max_tokens=4)

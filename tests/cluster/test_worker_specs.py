@@ -49,6 +49,8 @@ SETTINGS: dict[str, Any] = {
     "kvcache.num_pages": 90,
     "kvcache.max_tokens": 600,
     "kvcache.reuse_policy": "per_request",
+    "kvcache.host_tier_bytes": 1 << 20,
+    "router.policy": "kv_aware",
     "stats.max_stats_len": 17,
     "stats.perf_buffer_len": 19,
     "stats.interval_s": 2.5,
@@ -99,6 +101,8 @@ def test_every_worker_setting_reaches_its_spec() -> None:
             600,
             "per_request",
         )
+        assert e.host_tier_bytes == 1 << 20
+        assert spec.publish_kv_events  # router.policy kv_aware indexes every worker's cache
         assert (e.max_stats_len, e.max_request_stats_len, spec.stats_interval_s) == (17, 19, 2.5)
         assert spec.deadlines == WorkerDeadlines(prefill_s=11.0, page_wait_s=12.0, token_s=13.0)
         assert spec.collector_name == "collector-x" and spec.log_level == "WARNING"

@@ -39,8 +39,8 @@ MakeManager = Callable[..., KVCacheManager]
 
 @pytest.fixture
 def make_manager() -> Iterator[MakeManager]:
-    """``make_manager(policy, num_pages=6, page_size=2, groups=None, swa_scratch_reuse=False)``;
-    check_integrity at teardown."""
+    """``make_manager(policy, num_pages=6, page_size=2, groups=None, swa_scratch_reuse=False,
+    host_pages=None)`` (host_pages: host-tier pages of every group); check_integrity at teardown."""
     made: list[KVCacheManager] = []
 
     def factory(
@@ -49,9 +49,11 @@ def make_manager() -> Iterator[MakeManager]:
         page_size: int = 2,
         groups: list[PoolGroupSpec] | None = None,
         swa_scratch_reuse: bool = False,
+        host_pages: int | None = None,
     ) -> KVCacheManager:
         specs = groups or [group_spec(num_pages=num_pages, page_size=page_size)]
-        manager = KVCacheManager(specs, policy, "cpu", swa_scratch_reuse)
+        tier = None if host_pages is None else {s.name: host_pages for s in specs}
+        manager = KVCacheManager(specs, policy, "cpu", swa_scratch_reuse, tier)
         made.append(manager)
         return manager
 

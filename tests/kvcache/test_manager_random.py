@@ -1,5 +1,7 @@
 """Random admit/receive/grow/commit/free sequences against the real manager, checked after every step,
-over mixed pool groups (full attention, sliding windows, both), with and without scratch reuse.
+over mixed pool groups (full attention, sliding windows, both), with and without scratch reuse, with
+and without a host tier beneath the groups (both tiers checked: a hit on a host page finds the
+prompt's tokens there, and the page loaded back holds them).
 
 Besides ``check_integrity``, the test plays the model: each computed token writes ``token + 1`` into its
 KV slot (layer 0's keys of each group). Then a prefix hit must find exactly the prompt's tokens in the
@@ -16,6 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvcache.manager import KVCacheManager
+from kvcache.prefix_match import PrefixMatch
 from kvcache.reuse_policy import ReusePolicy
 from kvcache.sliding_window import first_needed_page
 from kvcache.spec import NULL_PAGE, PoolGroupSpec
@@ -35,6 +38,9 @@ LAYOUTS: dict[str, list[tuple[str, int | None, int]]] = {
     "hybrid": [("full", None, 14), ("swa_3", 3, 7)],
     "window_only": [("swa_4", 4, 7)],
     "two_windows": [("full", None, 14), ("swa_2", 2, 6), ("swa_5", 5, 8)],
+    # Small device pools: prefixes leave the device soon, so host hits are frequent with a tier.
+    "small_full": [("full", None, 7)],
+    "small_hybrid": [("full", None, 8), ("swa_3", 3, 7)],
 }
 
 
@@ -50,9 +56,19 @@ class ManagerMachine(RuleBasedStateMachine):
         policy=st.sampled_from(list(ReusePolicy)),
         layout=st.sampled_from(sorted(LAYOUTS)),
         scratch=st.booleans(),
+        host_pages=st.sampled_from([None, 1, 3, 8]),
     )
-    def setup(self, policy: ReusePolicy, layout: str, scratch: bool) -> None:
-        self.m = KVCacheManager(make_specs(layout), policy, "cpu", swa_scratch_reuse=scratch)
+    def setup(
+        self, policy: ReusePolicy, layout: str, scratch: bool, host_pages: int | None
+    ) -> None:
+        specs = make_specs(layout)
+        tier = None if host_pages is None else {s.name: host_pages for s in specs}
+        if tier is not None and not policy.reuses:
+            tier = None  # nothing is ever reusable: engines refuse a tier without reuse
+        self.m = KVCacheManager(specs, policy, "cpu", scratch, tier)
+        self.m.enable_events()
+        # What the events say each tier can find, per group (a router's view of this manager).
+        self.seen: dict[tuple[str, str], set[int]] = {}
         self.tokens: dict[str, list[int]] = {}  # live request -> its sequence so far
         self.computed: dict[str, int] = {}
         self.read_from: dict[str, int] = {}  # computed tokens at its last allocation
@@ -80,17 +96,28 @@ class ManagerMachine(RuleBasedStateMachine):
                     k[pages[i // PAGE_SIZE], i % PAGE_SIZE, 0, 0] = self.tokens[rid][i] + 1
 
     def _snapshot(self) -> tuple:
-        return self.m.stats(), {g: p.free_order() for g, p in self.m._pools.items()}
+        tier = self.m.host_tier
+        host = {g: p.drop_order() for g, p in tier.pools.items()} if tier is not None else {}
+        return self.m.stats(), {g: p.free_order() for g, p in self.m._pools.items()}, host
 
-    def _check_hit(self, tokens: list[int], hit: int, page_ids: dict[str, list[int]]) -> None:
-        for g, ids in page_ids.items():
+    def _check_hit(self, tokens: list[int], match: PrefixMatch) -> None:
+        hit = match.num_tokens
+        for g, ids in match.page_ids.items():
             window = self.m.windows[g]
             start = 0 if window is None else max(0, hit - window + 1)
             k = self._cache(g)
+            hosted = match.host_pages.get(g, {})
             for i in range(start, hit):  # everything the query at `hit` reads is there
                 page = ids[i // PAGE_SIZE]
-                assert page != NULL_PAGE, (g, i, ids)
-                assert int(k[page, i % PAGE_SIZE, 0, 0]) == tokens[i] + 1
+                if i // PAGE_SIZE in hosted:
+                    assert page == NULL_PAGE and self.m.host_tier is not None
+                    # [pages, Hkv, layers, 2, ps, D]: head 0, the group's first layer, K
+                    host_k = self.m.host_tier.buffers[g][:, 0, 0, 0]
+                    value = int(host_k[hosted[i // PAGE_SIZE], i % PAGE_SIZE, 0])
+                else:
+                    assert page != NULL_PAGE, (g, i, ids)
+                    value = int(k[page, i % PAGE_SIZE, 0, 0])
+                assert value == tokens[i] + 1, (g, i, hosted)
 
     def _new(self, tokens: list[int]) -> tuple[str, object]:
         rid = f"r{self.next_id}"
@@ -99,7 +126,7 @@ class ManagerMachine(RuleBasedStateMachine):
         assert match.num_tokens % PAGE_SIZE == 0 and match.num_tokens < len(tokens)
         if not self.m.reuse_policy.reuses:
             assert match.num_tokens == 0
-        self._check_hit(tokens, match.num_tokens, match.page_ids)
+        self._check_hit(tokens, match)
         return rid, match
 
     # ---- rules ----
@@ -115,6 +142,17 @@ class ManagerMachine(RuleBasedStateMachine):
     def extend(self, data: st.DataObject, tail: list[int], chunk: int) -> None:
         """A later turn of an earlier conversation: its whole sequence plus more (prefix hits)."""
         self._admit(data.draw(st.sampled_from(self.history)) + tail, chunk)
+
+    @rule(
+        data=st.data(),
+        tail=st.lists(st.integers(0, 2), min_size=1, max_size=4),
+        chunk=st.integers(min_value=1, max_value=6),
+    )
+    def revisit(self, data: st.DataObject, tail: list[int], chunk: int) -> None:
+        """A later turn of one of the oldest conversations: its pages most likely left the device
+        (a host-tier hit, when there is a tier)."""
+        oldest = self.history[: max(1, len(self.history) // 4)]
+        self._admit(data.draw(st.sampled_from(oldest)) + tail, chunk)
 
     def _admit(self, tokens: list[int], chunk: int) -> None:
         self.history.append(tokens)
@@ -187,6 +225,20 @@ class ManagerMachine(RuleBasedStateMachine):
         self.m.check_integrity()
 
     @invariant()
+    def events_tell_what_each_tier_can_find(self) -> None:
+        for event in self.m.drain_events():
+            blocks = self.seen.setdefault((event.group, event.medium), set())
+            for h in event.block_hashes:
+                if event.kind == "stored":
+                    assert h not in blocks, event
+                    blocks.add(h)
+                else:
+                    blocks.remove(h)
+        for g, by_medium in self.m.cached_blocks().items():
+            for medium, hashes in by_medium.items():
+                assert self.seen.get((g, medium), set()) == set(hashes), (g, medium)
+
+    @invariant()
     def live_requests_keep_their_kv(self) -> None:
         for rid, tokens in self.tokens.items():
             computed = self.computed[rid]
@@ -208,10 +260,14 @@ class ManagerMachine(RuleBasedStateMachine):
             assert s.used == len(distinct) and s.free + s.used == s.total
             assert s.evictable <= s.free and s.peak_used >= s.used
             assert s.peak_evictable >= s.evictable and s.free_low_water <= s.plain_free
+            if s.host is not None:
+                h = s.host
+                assert h.used + h.free == h.total and h.pinned == 0  # CPU load-backs land at once
+                assert h.loaded_back * PAGE_SIZE == h.hit_tokens and h.drops <= h.offloaded
 
 
 ManagerMachine.TestCase.settings = settings(
-    max_examples=200,
+    max_examples=400,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

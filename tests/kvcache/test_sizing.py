@@ -8,6 +8,7 @@ from kvcache.sizing import (
     check_one_request_fits,
     cuda_free_bytes,
     device_kv_budget,
+    host_pages_per_group,
     pages_per_request,
     size_pool_groups,
     split_budget,
@@ -116,3 +117,15 @@ def test_cuda_free_bytes_refuses_cpu() -> None:
 def test_cuda_free_bytes_on_gpu() -> None:
     free = cuda_free_bytes("cuda:0")
     assert 0 < free <= torch.cuda.get_device_properties(0).total_memory
+
+
+def test_host_tier_splits_like_the_device_pools() -> None:
+    # full: 9 usable pages of 32 B (288 B); swa: 4 usable pages of 64 B (256 B) => 544 B of pools
+    full = group_spec("full", (0,), num_pages=10, page_size=2)
+    swa = group_spec("swa_8", (1, 2), num_pages=5, page_size=2, sliding_window=8)
+    assert (full.page_bytes, swa.page_bytes) == (32, 64)
+    assert host_pages_per_group([full, swa], 544) == {"full": 9, "swa_8": 4}
+    assert host_pages_per_group([full, swa], 2 * 544) == {"full": 18, "swa_8": 8}
+    with pytest.raises(KVSizingError, match="holds less than one page") as e:
+        host_pages_per_group([full, swa], 100)  # swa: 100 * 256/544 = 47 B < one 64 B page
+    assert e.value.setting == "host_tier_bytes" and "'swa_8' gets 0 of 64 B" in str(e.value)

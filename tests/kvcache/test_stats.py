@@ -1,4 +1,4 @@
-from kvcache.stats import KVCacheStats, PoolGroupStats, ReuseCounters
+from kvcache.stats import HostTierStats, KVCacheStats, PoolGroupStats, ReuseCounters
 
 
 def test_reuse_counters_record_hits_and_misses() -> None:
@@ -16,3 +16,17 @@ def test_hit_rate_and_usage() -> None:
         free_low_water=1,
     )  # fmt: skip
     assert g.usage == 0.25 and g.plain_free == 5 and g.sliding_window is None
+
+
+def test_host_drops_add_up_over_the_groups() -> None:
+    def group(drops: int | None) -> PoolGroupStats:
+        host = None
+        if drops is not None:
+            host = HostTierStats(
+                total=4, used=3, free=1, pinned=0, offloaded=5, loaded_back=1, hit_tokens=2,
+                drops=drops, skipped_stores=0,
+            )  # fmt: skip
+        return PoolGroupStats(8, 6, 2, 1, 5, 0, 3, 1, host=host)
+
+    assert KVCacheStats({"full": group(None)}).host_drops == 0
+    assert KVCacheStats({"full": group(2), "swa_8": group(3)}).host_drops == 5

@@ -141,7 +141,7 @@ def test_a_fill_stall_ends_at_the_pull_deadline(ucx_pair: Pair, ucx_runtime) -> 
 
 def test_a_message_too_large_for_a_frame_is_not_sent() -> None:
     ids = list(range(1, 2_000_001))  # 2M pages a side: past 16 MiB
-    big = PullRequest("r", 1, 1, {"full": ids}, {"full": ids}, {"full": 0}, 1, 1, 1, 1, [])
+    big = PullRequest("r", 1, 1, {"full": ids}, {"full": ids}, {"full": 0}, 1, [], 1, [])
     with pytest.raises(FrameTooLarge, match="frame limit"):
         frame(big)
     small = dataclasses.replace(big, src_page_ids={"full": [1]}, dst_page_ids={"full": [2]})

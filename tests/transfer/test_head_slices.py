@@ -42,6 +42,10 @@ def test_a_decode_rank_gets_its_two_heads_of_four(path: str) -> None:
         assert not result.ok and "holds KV heads [2, 4), not all of [1, 3)" in result.error
         d.free("bad")
         wait_until(lambda: "bad" in p.released)
+        src = p.allocate("none", 8)
+        with pytest.raises(ValueError, match=r"holds KV heads \[0, 4\), not all of \[3, 5\)"):
+            sender.publish("none", src, 8, heads=(3, 2))  # P's pools hold 4 heads: no lease
+        p.free("none")
     finally:
         receiver.close()
         sender.close()

@@ -1,4 +1,4 @@
-"""The mapper: pools matched by role, one segment of page pairs per pool pair, pool groups of
+"""The mapper: pools matched by role and window, one segment of page pairs per pool pair, pool groups of
 different lengths, and mappings it cannot serve refused with the reason."""
 
 from __future__ import annotations
@@ -7,7 +7,9 @@ import dataclasses
 
 import numpy as np
 import pytest
+import torch
 
+from kvcache.spec import PoolGroupSpec
 from tests.transfer.conftest import MODEL, specs
 from transfer.handshake import check_compatible
 from transfer.mapper import MapperError, map_pages, match_pools, total_bytes
@@ -49,6 +51,19 @@ def test_pools_are_matched_by_role_not_by_name() -> None:
     assert match_pools(TABLE, dst) == {"full": "attn", "extra": "other"}
     segs = map_pages(TABLE, dst, {"full": [1], "extra": [2]}, {"attn": [5], "other": [6]})
     assert [(s.src_pool, s.dst_pool) for s in segs] == [("full", "attn"), ("extra", "other")]
+
+
+def test_a_window_group_and_a_full_group_of_the_same_roles_are_told_apart_by_window() -> None:
+    """A hybrid model's groups all hold keys and values (kvcache/spec.py's default roles)."""
+    full = PoolGroupSpec("full", (5,), 32, 4, 2, 8, torch.float32)
+    window = PoolGroupSpec("swa_8", (0, 1, 2, 3, 4), 32, 4, 2, 8, torch.float32, sliding_window=8)
+    src = PageTable.from_specs(MODEL, [full, window])
+    dst = renamed(PageTable.from_specs(MODEL, [window, full]), full="global", swa_8="local")
+    assert match_pools(src, dst) == {"full": "global", "swa_8": "local"}
+    assert check_compatible(src, src) == ""
+    other = PageTable.from_specs(MODEL, [full, dataclasses.replace(window, sliding_window=16)])
+    with pytest.raises(MapperError, match=r"'swa_8' \(roles \['key', 'value'\], a window of 8\)"):
+        match_pools(src, other)
 
 
 def test_null_source_pages_move_nothing() -> None:

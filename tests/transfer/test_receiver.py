@@ -152,10 +152,26 @@ def test_the_wrong_number_of_destination_pages_fails_before_any_byte(pair: Pair)
     dst = pair.d.allocate("w", 8)  # 2 pages for 3
     before = pair.d.pages_of(dst)
     result = pair.receiver.pull_blocking(ticket, dst, 0, 12)
-    assert not result.ok and "3 destination pages are needed, got 2" in result.error
+    assert not result.ok and "so 3 destination pages, got 2" in result.error
     assert all(torch.equal(pair.d.pages_of(dst)[g], before[g]) for g in dst)
     pair.d.free("w")
     wait_until(lambda: pair.p.released == ["w"])
+
+
+def test_destination_pages_that_do_not_map_fail_the_pull_and_free_ps_pages(pair: Pair) -> None:
+    """A page listed twice: the pull fails before any byte lands (a direct read maps its pages
+    after asking P, while P admits it: P then hears of the failure and lets its pages go)."""
+    ticket, _ = pair.publish("dup", 12)
+    dst = pair.d.allocate("dup", 12)
+    before = pair.d.pages_of(dst)
+    twice = {g: [ids[0], *ids[:-1]] for g, ids in dst.items()}
+    result = pair.receiver.pull_blocking(ticket, twice, 0, 12)
+    assert not result.ok and "a page id is listed twice" in result.error
+    assert all(torch.equal(pair.d.pages_of(dst)[g], before[g]) for g in dst)
+    pair.d.free("dup")
+    wait_until(lambda: pair.p.released == ["dup"])
+    assert pair.sender.stats()["leases"] == 0
+    pair.pull_ok("after")  # the link stays usable
 
 
 def test_a_second_pull_of_a_finished_request_is_refused(pair: Pair) -> None:
@@ -195,6 +211,7 @@ def test_prefill_worker_restart_on_the_same_port(path: str) -> None:
         d.free("before")
         stale = first.publish("stale", p.allocate("stale", 8), 8)
         first.close()  # releases "stale" too: its pages are gone with the old instance
+        wait_until(lambda: not receiver.links)  # D saw the old link close
         second = KVSender(p.kv.buffers, p.specs, MODEL, config(path, port=port), p.release)
         try:
             result = receiver.pull_blocking(stale, d.allocate("stale", 8), 0, 8)

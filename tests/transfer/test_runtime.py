@@ -110,3 +110,84 @@ def test_progress_mode_polls_only_for_gpu_kv_over_ucx() -> None:
     assert config("ucx").ucx_progress_mode(cuda=True) == "thread-polling"
     assert config("host_shm").ucx_progress_mode(cuda=True) == "thread"  # same-host reads skip UCX
     assert config("ucx", progress_mode="thread").ucx_progress_mode(cuda=True) == "thread"
+
+
+def test_a_worker_loop_runs_the_transfers_with_no_thread_of_their_own() -> None:
+    """In a fresh process, as a worker actor: sender and receiver made on the worker's loop, which
+    the runtime adopts (no loop thread of its own; made elsewhere it is refused). A pull awaited
+    there moves the bytes over UCX and over shared memory with no copy on another thread; a
+    plain thread still pulls through the loop; the loop goes on after the last release."""
+    script = textwrap.dedent(
+        f"""
+        import asyncio, threading
+        import torch
+        from tests.transfer.conftest import MODEL, KVSide, config, specs
+        from transfer import KVReceiver, KVSender
+        from transfer.paths import host_shm, ucx
+        from transfer.runtime import UcxRuntime
+
+        copied_on = set()  # the threads every page copy ran on
+        for module, name in ((host_shm, "copy_segments"), (ucx, "gather"), (ucx, "scatter")):
+            def spy(*args, _copy=getattr(module, name)):
+                copied_on.add(threading.get_ident())
+                return _copy(*args)
+            setattr(module, name, spy)
+        loop = asyncio.new_event_loop()
+        threading.Thread(target=loop.run_forever, daemon=True).start()
+        async def ident():
+            return threading.get_ident()
+        loop_thread = asyncio.run_coroutine_threadsafe(ident(), loop).result(10)
+        try:
+            UcxRuntime.acquire({UCX_ENV!r}, loop=loop)  # not on that loop
+            raise SystemExit("acquired off its loop")
+        except RuntimeError as e:
+            assert "must be called on that loop" in str(e), e
+        p, d = KVSide(specs(), seed=1), KVSide(specs(), seed=2)
+
+        async def make(path):
+            lp = asyncio.get_running_loop()
+            return (
+                KVSender(p.kv.buffers, p.specs, MODEL, config(path), p.release, lp),
+                KVReceiver(d.kv.buffers, d.specs, MODEL, config(path), lp),
+            )
+
+        for path in ("ucx", "host_shm"):
+            sender, receiver = asyncio.run_coroutine_threadsafe(make(path), loop).result(60)
+            runtime = receiver.runtime
+            assert runtime.loop is loop and sender.runtime is runtime
+            names = [t.name for t in threading.enumerate()]
+            assert "duet-ucx-loop" not in names, names
+            for i, how in enumerate(("on the loop", "from a thread")):
+                rid = f"{{path}}-{{i}}"
+                ticket = sender.publish(rid, p.allocate(rid, 24), 24)
+                dst = d.allocate(rid, 24)
+                if how == "on the loop":
+                    pull = receiver.pull(ticket, dst, 0, 24)
+                    result = asyncio.run_coroutine_threadsafe(pull, loop).result(60)
+                else:
+                    result = receiver.pull_blocking(ticket, dst, 0, 24)
+                assert result.ok and result.stats.path == path, result
+                assert torch.equal(d.pages_of(dst)["full"], p.pages_of(ticket.page_ids)["full"])
+                d.free(rid)
+            assert copied_on == {{loop_thread}}, copied_on  # on the loop itself, no hop
+            try:
+                other = asyncio.new_event_loop()
+                async def second():
+                    return UcxRuntime.acquire({UCX_ENV!r}, loop=asyncio.get_running_loop())
+                other.run_until_complete(second())
+                raise SystemExit("a second loop was adopted")
+            except ValueError as e:
+                assert "already runs" in str(e), e
+            receiver.close()
+            sender.close()
+            assert UcxRuntime._shared is None
+        assert asyncio.run_coroutine_threadsafe(asyncio.sleep(0, "on"), loop).result(10) == "on"
+        print("ok")
+        """
+    )
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=50
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-1] == "ok", done.stdout[-2000:]

@@ -1,8 +1,10 @@
 """A worker's engine from its spec: the KV fields of the cluster config reach the engine's pools,
-and a cache the config cannot size stops the worker with a ConfigError naming the cluster fields."""
+a cache the config cannot size stops the worker with a ConfigError naming the cluster fields, and
+hybrid models build on both roles of a disaggregated cluster."""
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -64,6 +66,12 @@ def test_pool_ratio_naming_a_missing_group_stops_the_worker(gemma_dir: Path) -> 
     with pytest.raises(ConfigError) as e:
         build_engine(worker_spec(config, Role.DECODE, 0, None))
     assert e.value.source == "decode-0 start-up"
+    again = pickle.loads(pickle.dumps(e.value))  # crosses Ray as itself
+    assert (type(again), again.source, again.issues) == (
+        ConfigError,
+        e.value.source,
+        e.value.issues,
+    )
     (issue,) = e.value.issues
     assert issue.startswith("kvcache.pool_ratio: pool_ratio names ['swa_4096']")
     assert "the model's pool groups are ['full', 'swa_32']" in issue
@@ -79,13 +87,27 @@ def test_a_group_too_small_for_one_request_stops_the_worker(gemma_dir: Path) -> 
     assert "group 'swa_32' has 4 usable pages, one request needs 8" in issue
 
 
-def test_hybrid_models_are_refused_in_disaggregated_mode(gemma_dir: Path) -> None:
+def test_a_host_tier_below_one_page_stops_the_worker(gemma_dir: Path) -> None:
+    config = cluster(gemma_dir, {"host_tier_bytes": 4096})
+    with pytest.raises(ConfigError) as e:
+        build_engine(worker_spec(config, Role.DECODE, 0, None))
+    (issue,) = e.value.issues
+    assert issue.startswith(
+        "kvcache.host_tier_bytes: the host tier (host_tier_bytes 4096 B) holds less than one"
+    )
+    big = cluster(gemma_dir, {"host_tier_bytes": 1 << 20})
+    tier = build_engine(worker_spec(big, Role.DECODE, 0, None)).kv.host_tier
+    assert tier is not None and set(tier.pools) == {"full", "swa_32"}
+
+
+def test_hybrid_models_serve_disaggregated(gemma_dir: Path) -> None:
+    """A model with sliding-window pool groups builds on both roles of a disaggregated cluster
+    (its KV moves group by group: tests/cluster/test_cluster_hybrid.py)."""
     config = cluster(gemma_dir, {}, prefill_replicas=1)
     for role in Role:
-        with pytest.raises(ConfigError, match=r"sliding-window KV pool groups \['swa_32'\]"):
-            build_engine(worker_spec(config, role, 0, None, transfer_secret="test"))
-    aggregated = cluster(gemma_dir, {}, prefill_replicas=0)
-    assert build_engine(worker_spec(aggregated, Role.DECODE, 0, None)).kv.specs["swa_32"]
+        spec = worker_spec(config, role, 0, None, transfer_secret="test")
+        assert spec.transceiver is not None
+        assert build_engine(spec).kv.specs["swa_32"].sliding_window == 32
 
 
 def test_a_cpu_worker_runs_torch_threads_for_its_cpus(gemma_dir: Path) -> None:

@@ -33,6 +33,9 @@ if TYPE_CHECKING:
     from transfer.pull import PullSession
     from transfer.serve import ServeSession
 
+# Per segment, its (source, destination) page ids on the copying device.
+SegmentIds = Sequence[tuple[torch.Tensor, torch.Tensor]]
+
 
 class DirectPath(DataPath):
     def __init__(self, peer_rows: dict[str, torch.Tensor] | None = None) -> None:
@@ -40,17 +43,31 @@ class DirectPath(DataPath):
         self.peer_rows = peer_rows
 
     @abstractmethod
-    async def copy(self, pull: PullSession, segments: Sequence[Segment], deadline: float) -> None:
+    async def copy(
+        self,
+        pull: PullSession,
+        segments: Sequence[Segment],
+        deadline: float,
+        ids: SegmentIds | None = None,
+    ) -> None:
         """Copy ``segments`` from P's rows into ours. Returns when the bytes are in place, or
         raises PullFailed when they are not by ``deadline`` (loop time) and nothing of the copy
-        can write our pages unordered any more."""
+        can write our pages unordered any more. ``ids``: ``prepare(segments)``'s, when it made any."""
+
+    def prepare(self, segments: Sequence[Segment]) -> SegmentIds | None:
+        """Whatever of the copy can be readied before P's grant, while the request travels (the
+        page ids' upload to a GPU); None where nothing can."""
+        return None
 
     # ---- D ----
     async def fetch(self, pull: PullSession) -> int:
         cfg, t = pull.config, pull.ticket
         loop = asyncio.get_running_loop()
         deadline = loop.time() + cfg.chunk_deadline_s + cfg.ack_deadline_s
-        nbytes = total_bytes(pull.segments)
+        assert pull.link is not None
+        # Ask first, then map the pages while P admits the pull: the mapping is off the round
+        # trip that every direct read waits for (a mapping error fails the pull all the same).
+        declared = pull.source_bytes()
         await pull.send(
             PullRequest(
                 t.request_id,
@@ -60,12 +77,14 @@ class DirectPath(DataPath):
                 pull.dst,
                 pull.skip,
                 pull.expected,
-                0,
-                0,
-                nbytes,
+                [],
+                declared,
                 [],
             )
         )
+        segments = pull.map()
+        ids = self.prepare(segments)
+        nbytes = total_bytes(segments)
         wait = min(cfg.pull_deadline_s, deadline - loop.time())
         _, grant = await pull.next_event(wait, "P's grant of the read")
         if not isinstance(grant, ReadGrant):
@@ -73,10 +92,9 @@ class DirectPath(DataPath):
         pull.check_declared(grant.declared_prompt_len)
         pull.chunks = 1
         if pull.fault == "mid_data":
-            await self.copy(pull, [s.part(0, len(s.src_ids) // 2) for s in pull.segments], deadline)
+            await self.copy(pull, [s.part(0, len(s.src_ids) // 2) for s in segments], deadline)
             pull.inject("mid_data")
-        await self.copy(pull, pull.segments, deadline)
-        assert pull.link is not None
+        await self.copy(pull, segments, deadline, ids)
         if loop.time() > deadline:
             raise PullFailed(
                 f"the read took longer than {cfg.chunk_deadline_s + cfg.ack_deadline_s}s "
@@ -108,12 +126,14 @@ def copy_segments(
     src_rows: Mapping[str, torch.Tensor],
     dst_rows: Mapping[str, torch.Tensor],
     device: torch.device,
+    ids: SegmentIds | None = None,
 ) -> None:
     """One page-copy kernel call per segment (the current stream on a GPU; done on return on the
-    CPU). Ids go to ``device``, where the kernel reads them even when one side is a peer's memory."""
-    for seg in segments:
+    CPU). Ids go to ``device``, where the kernel reads them even when one side is a peer's memory
+    (``ids``: already there, one pair per segment)."""
+    for i, seg in enumerate(segments):
         src = page_slice(src_rows[seg.src_pool], seg.src_offset, seg.nbytes_per_page)
         dst = page_slice(dst_rows[seg.dst_pool], seg.dst_offset, seg.nbytes_per_page)
-        src_ids, dst_ids = segment_ids(seg, device)
+        src_ids, dst_ids = segment_ids(seg, device) if ids is None else ids[i]
         src, dst = as_words(src, dst)
         kernels.copy_pages(src, src_ids, dst, dst_ids)

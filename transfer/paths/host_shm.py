@@ -3,8 +3,8 @@
 Host pools live in memfd files from the start (kvcache/kv_buffer.py). P exports each pool as its
 file descriptor number with the file's device and inode; D opens it through /proc/<P's pid>/fd
 (the same user and PID namespace), checks it is that very file, and maps it read-only: D can read
-P's pages, never write them. The copy runs on D's copy thread (paths/direct.py: the lease, the
-grant and the deadline).
+P's pages, never write them. The copy runs on D's transfer loop, where the pull is awaited
+(paths/direct.py: the lease, the grant and the deadline).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 from transfer.mapper import Segment
 from transfer.paths.base import PoolsUnavailable
-from transfer.paths.direct import DirectPath, copy_segments
+from transfer.paths.direct import DirectPath, SegmentIds, copy_segments
 
 if TYPE_CHECKING:
     from transfer.pull import PullSession
@@ -29,11 +29,17 @@ if TYPE_CHECKING:
 class HostShmPath(DirectPath):
     name = "host_shm"
 
-    async def copy(self, pull: PullSession, segments: Sequence[Segment], deadline: float) -> None:
-        # (A copy of host memory is bounded work: it runs to its end, and fetch checks the time.)
+    async def copy(
+        self,
+        pull: PullSession,
+        segments: Sequence[Segment],
+        deadline: float,
+        ids: SegmentIds | None = None,
+    ) -> None:
+        # (CPU ids need no preparing.) (A copy of host memory is bounded work: it runs to its end, and fetch checks the time.)
         assert self.peer_rows is not None
         cpu = torch.device("cpu")
-        await pull.r.runtime.copy(copy_segments, segments, self.peer_rows, pull.r.rows, cpu)
+        await pull.r.runtime.copy(cpu, copy_segments, segments, self.peer_rows, pull.r.rows, cpu)
 
     def close(self) -> None:
         self.peer_rows = None  # the mappings go with the last tensor viewing them

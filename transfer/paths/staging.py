@@ -1,14 +1,16 @@
 """Staging for the UCX path: chunks, the buffers they are gathered into or received into, and the
 page copies between pools and buffers.
 
-A pull's segments are cut into chunks of at most one staging buffer, at page boundaries; chunk
-``i`` means the same pages on both sides, since both cut the same segments at the same size. P
+A pull's segments are cut into chunks of at most one staging buffer, at page boundaries: D plans
+the cut and sends it (PullRequest.chunk_sizes), P cuts its own segments the same way and refuses
+a plan that does not fit them or its buffers, so chunk ``i`` means the same pages on both sides. P
 gathers a chunk's pages into a buffer (kernels.gather_pages), UCX moves the buffer, D scatters it
 into its pages (kernels.scatter_pages). So UCX never touches pool memory: a failed pull can end
 its receives whenever it likes, and a page is written only by D's own scatter.
 
 The copies block until the bytes are in place (on CUDA they wait for their side stream, which
-orders itself after the model's), so they run on the transceiver's copy thread.
+orders itself after the model's): host copies run on the transceiver's loop itself, device ones
+on its copy thread (UcxRuntime.copy).
 """
 
 from __future__ import annotations
@@ -35,29 +37,68 @@ class Chunk:
         return sum(s.nbytes for s in self.segments)
 
 
-def cut_chunks(segments: Sequence[Segment], chunk_bytes: int) -> list[Chunk]:
-    """Pack the segments' pages, in order, into chunks of at most ``chunk_bytes``."""
+def plan_chunks(segments: Sequence[Segment], buffer_bytes: int) -> list[int]:
+    """D's chunk plan for a pull: the bytes of each chunk, in order, whole pages each and cut only
+    where a staging buffer (``buffer_bytes``) ends: a pull that fits one buffer goes in one
+    message.
+
+    (Smaller first and last chunks, so that gathers and scatters run under other chunks'
+    transfers, did not pay on 2 cores: over TCP loopback the transfer itself keeps both cores
+    busy, and a gather on the loop holds up P's notice that the previous send left, which the
+    next one waits for. Same-run paired time, one chunk / pipelined: 16 MiB 0.96, 0.79 and 1.05
+    [quartiles 0.85-1.20]; 64 MiB 1.00, 1.02 and 1.00, three runs of 15-21 repetitions at load
+    3-8; docs/benchmarks/transfer.md.)"""
+    sizes: list[int] = []
+    filled = 0
+    for seg in segments:
+        if seg.nbytes_per_page > buffer_bytes:
+            raise ValueError(
+                f"a page of {seg.nbytes_per_page} bytes is larger than a staging buffer "
+                f"({buffer_bytes})"
+            )
+        per_buffer = buffer_bytes // seg.nbytes_per_page  # pages of this segment a buffer holds
+        pages = len(seg.src_ids)
+        while pages:
+            take = min(pages, (buffer_bytes - filled) // seg.nbytes_per_page)
+            if take == 0:
+                sizes.append(filled)
+                filled = 0
+                take = min(pages, per_buffer)
+            filled += take * seg.nbytes_per_page
+            pages -= take
+    if filled:
+        sizes.append(filled)
+    return sizes
+
+
+def cut_chunks(segments: Sequence[Segment], sizes: Sequence[int]) -> list[Chunk]:
+    """The segments' pages, in order, cut into chunks of ``sizes`` bytes (a plan from
+    ``plan_chunks``). Raises ValueError when the sizes do not fall on page boundaries or do not
+    add up to the segments' bytes."""
     chunks: list[Chunk] = []
     current: list[Segment] = []
-    room = chunk_bytes
+    want = list(sizes)
+    room = want[0] if want else 0
     for seg in segments:
-        if seg.nbytes_per_page > chunk_bytes:
-            raise ValueError(
-                f"a page of pool {seg.src_pool!r} ({seg.nbytes_per_page} bytes) is larger than a "
-                f"chunk ({chunk_bytes})"
-            )
         start = 0
         while start < len(seg.src_ids):
+            if room <= 0 or room % seg.nbytes_per_page and room < seg.nbytes_per_page:
+                raise ValueError(
+                    f"the chunk sizes {list(sizes)[:8]} do not fall on page boundaries"
+                )
             take = min(len(seg.src_ids) - start, room // seg.nbytes_per_page)
-            if take == 0:
-                chunks.append(Chunk(len(chunks), tuple(current)))
-                current, room = [], chunk_bytes
-                continue
             current.append(seg.part(start, start + take))
             start += take
             room -= take * seg.nbytes_per_page
-    if current:
-        chunks.append(Chunk(len(chunks), tuple(current)))
+            if room == 0:
+                chunks.append(Chunk(len(chunks), tuple(current)))
+                current = []
+                room = want[len(chunks)] if len(chunks) < len(want) else 0
+    if current or len(chunks) != len(want):
+        raise ValueError(
+            f"the chunk sizes {list(sizes)[:8]} (of {sum(sizes)} bytes) do not cut these "
+            f"{sum(s.nbytes for s in segments)} bytes"
+        )
     return chunks
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -50,7 +51,7 @@ class UcxPath(DataPath):
     async def fetch(self, pull: PullSession) -> int:
         r, cfg, link, t = pull.r, pull.config, pull.link, pull.ticket
         assert link is not None
-        chunks = r.cut(pull.segments)
+        chunks = r.cut(pull.map())
         pull.chunks = len(chunks)
         pending = collections.deque(chunks)
         receives: list[asyncio.Task] = []
@@ -89,15 +90,15 @@ class UcxPath(DataPath):
             pull.dst,
             pull.skip,
             pull.expected,
-            r.chunk_bytes,
-            len(chunks),
+            [c.nbytes for c in chunks],
             nbytes,
             post(),
         )
         feeder: asyncio.Task | None = None
         try:
             await pull.send(request)
-            feeder = asyncio.ensure_future(feed())
+            if pending:  # (more chunks than free buffers: credit the rest as buffers free up)
+                feeder = asyncio.ensure_future(feed())
             arrived, done = 0, None
             while arrived < len(chunks) or done is None:
                 if arrived == 0:
@@ -140,7 +141,7 @@ class UcxPath(DataPath):
             assert pull.link is not None
             await pull.link.recv_data(buf[: chunk.nbytes], data_tag(pull.pull_id, chunk.index))
             if not pull.failing:  # (a failed pull's late chunks may be empty: never scattered)
-                await r.runtime.copy(scatter, chunk, buf, r.rows)
+                await r.runtime.copy(buf.device, scatter, chunk, buf, r.rows)
             pull.events.put_nowait(("chunk", chunk.index))
         except Exception as e:  # ucxx's errors (a closed endpoint) are not all ConnectionErrors
             pull.events.put_nowait(("recv_failed", f"{type(e).__name__}: {e}"))
@@ -156,12 +157,6 @@ class UcxPath(DataPath):
         # wire and land together). Between GPUs, concurrent messages overlap their latencies.
         gate = asyncio.Semaphore(len(chunks) if pull.sender.staging.device.type == "cuda" else 1)
 
-        def grant(credits: list[int]) -> None:
-            for i in credits:
-                if not 0 <= i < len(chunks) or i in sends:
-                    raise ServeFailed(f"invalid credit for chunk {i} of {len(chunks)}")
-                sends[i] = asyncio.ensure_future(self._send(pull, chunks[i], gate))
-
         done = TransferDone(
             req.request_id,
             req.pull_id,
@@ -169,21 +164,33 @@ class UcxPath(DataPath):
             req.total_bytes,
             len(chunks),
         )
+        started = 0
+
+        def start() -> None:
+            """A chunk's send begins with its bytes. Once every chunk's has, D may finish: it
+            hears so while the last bytes travel (not after them, one more wait on D)."""
+            nonlocal started
+            started += 1
+            if started == len(chunks):
+                pull.link.post(done, cfg.done_deadline_s)
+
+        def grant(credits: list[int]) -> None:
+            for i in credits:
+                if not 0 <= i < len(chunks) or i in sends:
+                    raise ServeFailed(f"invalid credit for chunk {i} of {len(chunks)}")
+                sends[i] = asyncio.ensure_future(self._send(pull, chunks[i], gate, start))
+
         try:
             grant(req.credits)
             pull.inject("before_data")
             if not chunks:  # (nothing to move: D already holds every page)
                 await pull.send(done)
-            started = sent = 0
+            sent = 0
             while sent < len(chunks):
                 kind, value = await pull.next_event(
                     cfg.chunk_deadline_s, f"credits or chunk sends ({sent}/{len(chunks)} sent)"
                 )
-                if kind == "started":
-                    started += 1
-                    if started == len(chunks):  # every chunk goes with its bytes: D may finish
-                        await pull.send(done)
-                elif kind == "sent":
+                if kind == "sent":
                     sent += 1
                 elif kind == "send_failed":
                     pull.link.abort(f"sending a chunk of {req.request_id} failed: {value}")
@@ -202,7 +209,9 @@ class UcxPath(DataPath):
             await _end_sends(pull, sends)
             raise
 
-    async def _send(self, pull: ServeSession, chunk: Chunk, gate: asyncio.Semaphore) -> None:
+    async def _send(
+        self, pull: ServeSession, chunk: Chunk, gate: asyncio.Semaphore, start: Callable[[], None]
+    ) -> None:
         s, tag = pull.sender, data_tag(pull.request.pull_id, chunk.index)
         try:
             if pull.failing:
@@ -211,12 +220,12 @@ class UcxPath(DataPath):
                 buf = await s.staging.acquire()
                 try:
                     if not pull.failing:  # (it may have failed while we waited for the buffer)
-                        await s.runtime.copy(gather, chunk, s.rows, buf[: chunk.nbytes])
+                        await s.runtime.copy(buf.device, gather, chunk, s.rows, buf[: chunk.nbytes])
                     async with gate:
                         if pull.failing:
                             await pull.link.send_data(_EMPTY, tag)
                         else:
-                            pull.events.put_nowait(("started", chunk.index))
+                            start()
                             await pull.link.send_data(buf[: chunk.nbytes], tag)
                 finally:
                     s.staging.release(buf)

@@ -208,6 +208,18 @@ def test_bad_request_rate_is_a_usage_error(capsys: Any) -> None:
     assert "bad request rate '0': must be > 0 (or inf)" in capsys.readouterr().err
 
 
+def test_multi_turn_workload_through_the_cli(duet_server: Any, tmp_path: Path) -> None:
+    argv = [duet_server.url, *SMALL, "--workload", "multi-turn", "--num-turns", "3"]
+    code, results = bench([*argv, "--turn-len", "5", "--no-plots"], tmp_path / "a")
+    assert code == 0, results["error"]
+    workload = results["workload"]
+    assert (workload["name"], workload["num_turns"], workload["turn_len"]) == ("multi-turn", 3, 5)
+    assert workload["mean_prompt_len"] == (8 + 17 + 26) / 3  # 8, +4 answer +5, +4 +5
+    assert results["targets"][0]["runs"][0]["completed"] == 6
+    code, results = bench([*argv, "--num-prompts", "7"], tmp_path / "b")
+    assert code == 1 and "must be a multiple of --num-turns (3" in results["error"]
+
+
 @pytest.mark.parametrize("fresh", [False, True])
 def test_fresh_prompts_per_rate(start_echo: Any, tmp_path: Path, fresh: bool) -> None:
     """With --fresh-prompts-per-rate no rate repeats a prompt of another (no prefix-cache help

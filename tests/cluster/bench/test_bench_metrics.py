@@ -177,6 +177,25 @@ def test_summarize_run_server_timings() -> None:
     assert out["mean_decode_queue_ms"] is None
 
 
+def test_summarize_run_prefix_hit_rate_by_medium() -> None:
+    records = [trace(i, start=0.0, chunks=[0.1], end=0.1) for i in range(3)]
+    records[0].server = ServerTimings(
+        prompt_tokens=100, cached_tokens_by_medium={"device": 50}, prefilled_on_decode=False
+    )
+    records[1].server = ServerTimings(
+        prompt_tokens=100,
+        cached_tokens_by_medium={"device": 10, "host": 30},
+        prefilled_on_decode=True,
+    )
+    records[2].server = ServerTimings(prefill_s=0.1)  # an entry without the KV fields
+    out = summarize_run(records, duration_s=1.0)
+    assert out["prefix_hit_rate_device"] == pytest.approx(0.3)
+    assert out["prefix_hit_rate_host"] == pytest.approx(0.15)
+    assert out["num_prefilled_on_decode"] == 1
+    bare = summarize_run([trace(0, start=0.0, chunks=[0.1], end=0.1)], duration_s=1.0)
+    assert bare["prefix_hit_rate_host"] is None and bare["num_prefilled_on_decode"] is None
+
+
 def test_summarize_run_rejects_non_positive_duration() -> None:
     with pytest.raises(ValueError, match="duration"):
         summarize_run([], duration_s=0.0)

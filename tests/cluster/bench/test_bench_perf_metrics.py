@@ -32,6 +32,22 @@ def test_parse_list_and_wrapped_forms() -> None:
     assert parse_perf_metrics({"requests": [entry]}) == expected
 
 
+def test_parse_prefix_hits_by_medium_and_who_prefilled() -> None:
+    entry = {
+        "request_id": "a",
+        "prompt_tokens": 100,
+        "cached_tokens_by_medium": {"device": 32, "host": 48},
+        "prefill": None,
+        "decode": {"worker_id": "decode-0"},
+    }
+    (timings,) = parse_perf_metrics([entry]).values()
+    assert timings.prompt_tokens == 100 and timings.prefilled_on_decode is True
+    assert timings.cached_tokens_by_medium == {"device": 32, "host": 48}
+    disaggregated = {**entry, "prefill": {"worker_id": "prefill-0"}}
+    assert parse_perf_metrics([disaggregated])["a"].prefilled_on_decode is False
+    assert parse_perf_metrics([{"request_id": "b"}])["b"].prefilled_on_decode is None
+
+
 def test_parse_skips_malformed_and_keeps_partial_entries() -> None:
     payload = [
         {"prefill_time": 1.0},

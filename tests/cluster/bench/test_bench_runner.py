@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -45,6 +46,17 @@ def test_all_at_once_with_concurrency_cap(start_echo: Any) -> None:
     assert outcome.duration_s >= max(r.end for r in outcome.records) - min(
         r.start for r in outcome.records
     )
+
+
+def test_a_later_turn_waits_for_the_previous_one(start_echo: Any) -> None:
+    first = BenchRequest(prompt=[1, 2], prompt_len=2, output_len=6)
+    second = BenchRequest(prompt=[1, 2, 3], prompt_len=3, output_len=1, after=0)
+    with start_echo(per_token_s=0.02) as server:
+        outcome = run(server.url, [first, second], ArrivalSettings(request_rate=math.inf))
+    a, b = outcome.records
+    assert a.success and b.success and b.start >= a.end  # all due at once, yet sent after
+    with pytest.raises(ValueError, match="request 0 follows request 1"):
+        run("http://127.0.0.1:9", [replace(first, after=1), second], ArrivalSettings())
 
 
 def test_poisson_arrivals_complete(duet_server: Any) -> None:

@@ -8,7 +8,12 @@ from typing import Any
 import pytest
 
 from cluster.bench.tokens import load_embedded_codec
-from cluster.bench.workloads import length_bounds, random_workload, shared_prefix_workload
+from cluster.bench.workloads import (
+    length_bounds,
+    multi_turn_workload,
+    random_workload,
+    shared_prefix_workload,
+)
 
 VOCAB = list(range(100, 150))
 
@@ -66,6 +71,24 @@ def test_shared_prefix_groups() -> None:
     assert all(len(p) == 1 for p in prefixes.values())  # one prefix per group
     assert len({next(iter(p)) for p in prefixes.values()}) == 3  # three different prefixes
     assert [r.prefix_group for r in requests] != [i % 3 for i in range(12)]  # shuffled
+
+
+def test_multi_turn_conversations_extend_their_previous_turn() -> None:
+    requests = multi_turn_workload(
+        3, num_turns=3, input_len=8, turn_len=4, output_len=2, vocab=VOCAB, seed=5
+    )
+    assert len(requests) == 9
+    assert [r.prefix_group for r in requests] == [0, 1, 2] * 3  # in rounds
+    assert [r.after for r in requests] == [None, None, None, 0, 1, 2, 3, 4, 5]
+    assert [r.prompt_len for r in requests] == [8] * 3 + [14] * 3 + [20] * 3
+    for i in range(3, 9):  # the previous turn, its (drawn) answer of output_len, 4 new tokens
+        before, now = requests[i - 3].prompt, requests[i].prompt
+        assert isinstance(before, list) and isinstance(now, list)
+        assert now[: len(before)] == before and len(now) == len(before) + 2 + 4
+    assert len({tuple(r.prompt[:8]) for r in requests[:3]}) == 3  # type: ignore[index]
+    assert requests == multi_turn_workload(3, 3, 8, 4, 2, VOCAB, seed=5)
+    with pytest.raises(ValueError, match=">= 1 turn"):
+        multi_turn_workload(3, 0, 8, 4, 2, VOCAB)
 
 
 def test_workload_argument_errors() -> None:

@@ -1,5 +1,6 @@
-"""Staging for the UCX path: chunks cut at page boundaries within the buffer size, gather and
-scatter moving exactly a chunk's pages, and buffers made once and bounded."""
+"""Staging for the UCX path: D's chunk plan (whole pages, cut where a buffer ends), the cut both
+sides make of it, gather and scatter moving exactly a chunk's pages, and buffers made once and
+bounded."""
 
 from __future__ import annotations
 
@@ -12,7 +13,14 @@ import torch
 from tests.transfer.conftest import MODEL, specs
 from transfer.mapper import Segment, map_pages
 from transfer.page_table import PageTable
-from transfer.paths.staging import StagingBuffers, chunk_bytes_for, cut_chunks, gather, scatter
+from transfer.paths.staging import (
+    StagingBuffers,
+    chunk_bytes_for,
+    cut_chunks,
+    gather,
+    plan_chunks,
+    scatter,
+)
 from transfer.pools import pool_rows
 
 TABLE = PageTable.from_specs(MODEL, specs(two_groups=True))
@@ -28,17 +36,34 @@ def test_chunks_hold_whole_pages_in_order_and_never_exceed_the_buffer() -> None:
     )
     size = chunk_bytes_for(TABLE, 8)  # 2 pages of each group
     assert size == 2 * FULL + 2 * EXTRA
-    chunks = cut_chunks(segs, size)
-    assert all(c.nbytes <= size for c in chunks) and [c.index for c in chunks] == list(
+    plan = plan_chunks(segs, size)  # a small pull: cut only where a buffer ends
+    assert plan == [2 * FULL, 2 * FULL, 2 * FULL, FULL + 3 * EXTRA]  # (a third page: too big)
+    chunks = cut_chunks(segs, plan)
+    assert [c.nbytes for c in chunks] == plan and [c.index for c in chunks] == list(
         range(len(chunks))
     )
     flat = [(s.src_pool, i) for c in chunks for s in c.segments for i in s.src_ids.tolist()]
     assert flat == [("full", i) for i in range(1, 8)] + [("extra", i) for i in (1, 2, 3)]
     assert sum(c.nbytes for c in chunks) == 7 * FULL + 3 * EXTRA
-    with pytest.raises(ValueError, match="larger than a chunk"):
-        cut_chunks(segs, FULL - 1)
+    with pytest.raises(ValueError, match="larger than a staging buffer"):
+        plan_chunks(segs, FULL - 1)
     with pytest.raises(ValueError, match="at least one page"):
         chunk_bytes_for(TABLE, 3)
+
+
+def test_a_pull_that_fits_a_buffer_goes_in_one_chunk() -> None:
+    page = 64 << 10
+    seg = Segment("full", "full", np.arange(1, 257), np.arange(1, 257), page)  # 16 MiB
+    assert plan_chunks([seg], 1 << 30) == [16 << 20]
+    assert plan_chunks([seg], (5 << 20) + 1) == [5 << 20, 5 << 20, 5 << 20, 1 << 20]
+
+
+def test_a_plan_that_does_not_cut_the_pages_is_refused() -> None:
+    seg = Segment("full", "full", np.arange(1, 5), np.arange(1, 5), 100)
+    assert [c.nbytes for c in cut_chunks([seg], [100, 300])] == [100, 300]
+    for bad in ([150, 250], [100, 200], [100, 200, 100, 100], [0, 400], []):
+        with pytest.raises(ValueError, match="page boundaries|do not cut"):
+            cut_chunks([seg], bad)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.uint8])
@@ -55,7 +80,7 @@ def test_gather_then_scatter_moves_exactly_the_chunk_pages(dtype: torch.dtype) -
     segs = map_pages(
         table, table, {"full": [9, 3, 7], "extra": [5]}, {"full": [2, 8, 4], "extra": [6]}
     )
-    (chunk,) = cut_chunks(segs, 1 << 20)
+    (chunk,) = cut_chunks(segs, plan_chunks(segs, 1 << 20))
     staged = torch.empty(chunk.nbytes + 3, dtype=torch.uint8)
     gather(chunk, src_rows, staged)
     scatter(chunk, staged, dst_rows)
@@ -71,7 +96,7 @@ def test_a_page_slice_segment_moves_only_its_bytes() -> None:
     rows = {"full": torch.arange(4 * 16, dtype=torch.uint8).view(4, 16)}
     out = {"full": torch.zeros(4, 16, dtype=torch.uint8)}
     seg = Segment("full", "full", np.array([1, 2]), np.array([3, 1]), 8, src_offset=8, dst_offset=0)
-    (chunk,) = cut_chunks([seg], 64)
+    (chunk,) = cut_chunks([seg], [16])
     staged = torch.empty(16, dtype=torch.uint8)
     gather(chunk, rows, staged)
     scatter(chunk, staged, out)

@@ -1,0 +1,97 @@
+"""KVEventFeed against a real engine's KV events (worker_common.KVEventPublisher, as a worker
+keeps them): the router's index follows the cache batch by batch, a lost batch or a restarted
+worker triggers a rebuild from a snapshot, and the index then equals the cache again."""
+
+from __future__ import annotations
+
+import asyncio
+
+from cluster.kv_event_feed import WorkerFeed
+from cluster.kv_index import KVIndex
+from engine.engine_core import LLMEngine
+from tests.tiny_engine import greedy, tiny_engine
+from worker_common.kv_events import KVEventPublisher
+from worker_common.messages import KVEventPoll, KVSnapshot
+
+
+class PublisherSource:
+    """The worker actor's two calls, without Ray: the same publisher, called directly."""
+
+    def __init__(self, publisher: KVEventPublisher, engine: LLMEngine) -> None:
+        self.publisher, self.engine = publisher, engine
+
+    async def poll(self, epoch: str | None, after_seq: int, wait_s: float) -> KVEventPoll:
+        return await self.publisher.poll(epoch, after_seq, wait_s)
+
+    async def snapshot(self) -> KVSnapshot:
+        return self.publisher.snapshot(self.engine)
+
+
+def run(engine: LLMEngine, publisher: KVEventPublisher, rid: str, prompt: list[int]) -> None:
+    """One request to the end, with the engine loop's tick after every step."""
+    engine.add_request(rid, prompt, greedy(2))
+    while engine.has_unfinished():
+        engine.step()
+        publisher.collect(engine)
+
+
+def index_matches_cache(index: KVIndex, engine: LLMEngine) -> bool:
+    held = index.workers["p-0"].groups
+    return {
+        g: {m: set(hashes) for m, hashes in by_medium.items() if hashes}
+        for g, by_medium in engine.kv.cached_blocks().items()
+    } == {g: {m: hs for m, hs in by_medium.items() if hs} for g, by_medium in held.items()}
+
+
+def test_batches_apply_in_order_and_a_lost_batch_rebuilds() -> None:
+    async def scenario() -> None:
+        engine = tiny_engine(12)  # 11 usable pages of 4 tokens: prompts below evict each other
+        publisher = KVEventPublisher("p-0", engine)
+        index = KVIndex(["p-0"])
+        feed = WorkerFeed("p-0", PublisherSource(publisher, engine), index)
+        await feed.step(wait_s=0.0)  # first contact: a snapshot (of an empty cache)
+        assert index.rebuilds["p-0"] == 1 and feed.seq == 0
+
+        run(engine, publisher, "a", list(range(1, 18)))
+        await feed.step(wait_s=0.0)
+        assert index.rebuilds["p-0"] == 1 and index.batches["p-0"] == feed.seq > 0
+        assert index_matches_cache(index, engine)
+        hashes = engine.kv.cached_blocks()["full"]["device"]
+        assert index.cached_prefix("p-0", hashes).device_pages == 4  # 17 tokens: 4 full pages
+
+        publisher.drop_next_batch_for_test()
+        run(engine, publisher, "b", list(range(30, 50)))  # its only batch is lost
+        await feed.step(wait_s=0.0)  # the worker's latest number tells: a rebuild
+        assert feed.gaps == 1 and index.rebuilds["p-0"] == 2
+        assert index_matches_cache(index, engine)
+
+        run(engine, publisher, "c", list(range(60, 90)))  # evicts a's pages: removed events
+        await feed.step(wait_s=0.0)
+        assert feed.gaps == 1 and index_matches_cache(index, engine)
+        assert index.cached_prefix("p-0", hashes).device_pages < 4
+
+        restarted = KVEventPublisher("p-0", engine)  # a new epoch: the worker restarted
+        feed.source = PublisherSource(restarted, engine)
+        await feed.step(wait_s=0.0)
+        assert index.rebuilds["p-0"] == 3 and feed.epoch == restarted.epoch
+        assert index_matches_cache(index, engine)
+
+    asyncio.run(scenario())
+
+
+def test_a_poll_waits_for_the_next_batch() -> None:
+    async def scenario() -> None:
+        engine = tiny_engine(12)
+        publisher = KVEventPublisher("p-0", engine)
+        epoch = publisher.epoch
+        waiting = asyncio.ensure_future(publisher.poll(epoch, 0, wait_s=30.0))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        # Collected on another thread, as the engine loop does: the poll wakes up.
+        await asyncio.to_thread(run, engine, publisher, "a", list(range(1, 10)))
+        poll = await asyncio.wait_for(waiting, 10.0)
+        assert poll.epoch == epoch and [b.seq for b in poll.batches][0] == 1
+        assert (await publisher.poll(epoch, poll.batches[-1].seq, wait_s=0.0)).batches == []
+        assert (await publisher.poll("old", 0, wait_s=0.0)).batches == []  # another epoch
+
+    asyncio.run(scenario())
