@@ -15,11 +15,14 @@ from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.collector import expected_roles_for
 from cluster.collector_actor import start_collector_actor
 from cluster.config import ClusterConfig
 from cluster.kv_index import KVIndex
+from cluster.preflight import preflight
 from cluster.router import Router, WorkerSlot
 from cluster.transfer_setup import cluster_secret
 from cluster.worker_specs import worker_spec
@@ -41,6 +44,8 @@ class ClusterHandles:
     collector: Any
     prefill: list[WorkerSlot] = field(default_factory=list)
     decode: list[WorkerSlot] = field(default_factory=list)
+    # One per tensor-parallel worker: its ranks' bundles, packed on one node.
+    placement_groups: list[PlacementGroup] = field(default_factory=list)
 
     def router(self) -> Router:
         """The router over these workers; with a KVIndex of them when it routes by their caches
@@ -69,6 +74,8 @@ class ClusterHandles:
                 pass
             ray.kill(w.handle, no_restart=True)
         ray.kill(self.collector, no_restart=True)
+        for pg in self.placement_groups:
+            remove_placement_group(pg)
 
 
 def _actor_options(config: ClusterConfig, role: str, index: int) -> dict[str, Any]:
@@ -83,6 +90,29 @@ def _actor_options(config: ClusterConfig, role: str, index: int) -> dict[str, An
         # Every GPU of the node visible to the worker (it picks its own by Ray's GPU id), so the
         # decode worker can open the prefill worker's pools through CUDA IPC (transfer/paths/).
         options["runtime_env"] = {"env_vars": {NOSET_VISIBLE_DEVICES: "1"}}
+    return options
+
+
+def _rank0_options(handles: ClusterHandles, role: str, index: int) -> dict[str, Any]:
+    """The worker actor's options; for a tensor-parallel worker its rank 0 goes to bundle 0 of a
+    new placement group of ``tensor_parallel_size`` bundles (STRICT_PACK: one node), where it
+    starts the other ranks (worker_common/tp_ranks.py)."""
+    config = handles.config
+    options = _actor_options(config, role, index)
+    pool = config.prefill if role == "prefill" else config.decode
+    tp = pool.tensor_parallel_size
+    if tp == 1:
+        return options
+    # A bundle needs some resource: a rank reserving none still takes a sliver of a CPU.
+    bundle = pool.resources.bundle or {"CPU": 0.01}
+    pg = placement_group([dict(bundle) for _ in range(tp)], strategy="STRICT_PACK")
+    handles.placement_groups.append(pg)
+    options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+        pg, placement_group_bundle_index=0
+    )
+    options.pop("label_selector", None)  # the placement group decides the node
+    if "CPU" not in pool.resources.bundle:
+        options["num_cpus"] = 0.01
     return options
 
 
@@ -105,7 +135,11 @@ def build_cluster(
     """Create every actor of ``config`` in the connected Ray cluster; return when all are healthy.
     ``worker_log_level``: the workers' logging level (default: this process's).
     ``transfer_secret``: the secret the workers' transceivers prove to each other (None: from
-    ``transfer.secret`` or DUET_TRANSFER_SECRET, else a fresh one for this cluster)."""
+    ``transfer.secret`` or DUET_TRANSFER_SECRET, else a fresh one for this cluster).
+
+    Raises ConfigError, before any actor starts, for a tensor_parallel_size the model cannot be
+    split by or no node can host (cluster/preflight.py)."""
+    preflight(config)
     # Handed to the workers inside their TransceiverConfig (it never appears in its repr).
     secret = None if config.aggregated else transfer_secret or cluster_secret(config, make=True)
     # Workers find the collector by this name (a name, not a handle in their constructor
@@ -116,11 +150,11 @@ def build_cluster(
     try:
         for i in range(config.prefill.replicas):
             spec = worker_spec(config, Role.PREFILL, i, collector_name, worker_log_level, secret)
-            h = PrefillWorkerActor.options(**_actor_options(config, "prefill", i)).remote(spec)
+            h = PrefillWorkerActor.options(**_rank0_options(handles, "prefill", i)).remote(spec)
             handles.prefill.append(WorkerSlot(spec.worker_id, h))
         for i in range(config.decode.replicas):
             spec = worker_spec(config, Role.DECODE, i, collector_name, worker_log_level, secret)
-            h = DecodeWorkerActor.options(**_actor_options(config, "decode", i)).remote(spec)
+            h = DecodeWorkerActor.options(**_rank0_options(handles, "decode", i)).remote(spec)
             handles.decode.append(WorkerSlot(spec.worker_id, h))
         _wait_ready(handles, ready_timeout_s)
     except BaseException:

@@ -46,6 +46,7 @@ def engine_config_for(config: ClusterConfig, role: Role) -> EngineConfig:
         max_stats_len=config.stats.max_stats_len,
         # The engine's request stats are the source of the per-request reports (/perf_metrics).
         max_request_stats_len=config.stats.perf_buffer_len,
+        tensor_parallel_size=pool.tensor_parallel_size,
     )
 
 
@@ -79,4 +80,8 @@ def worker_spec(
         log_level=log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel()),
         on_transfer_failure=config.transfer.on_failure,
         num_cpus=(config.prefill if role is Role.PREFILL else config.decode).resources.num_cpus,
+        num_gpus=(config.prefill if role is Role.PREFILL else config.decode).resources.num_gpus,
+        peer_tensor_parallel_size=(
+            config.decode if role is Role.PREFILL else config.prefill
+        ).tensor_parallel_size,
     )

@@ -75,6 +75,10 @@ class EngineConfig:
     cuda_graphs: bool = True
     """On CUDA, replay decode steps of up to max_num_seqs requests from CUDA graphs captured at
     start-up (engine/cuda_graphs.py); False runs every step eagerly. Ignored on CPU, which has none."""
+    tensor_parallel_size: int = 1
+    """Ranks the model is split over (vLLM's name): ranks 1.. run as local processes joined by
+    torch.distributed (gloo on CPU, NCCL on CUDA, one GPU per rank); must divide the query heads,
+    and the KV heads must divide by it or it by them (KV heads then replicated)."""
     max_stats_len: int = 1000
     """Iteration stats kept between drains: -1 unbounded, 0 none (not recorded), N the newest N."""
     max_request_stats_len: int | None = None
@@ -144,6 +148,14 @@ class EngineConfig:
             )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"{owner}.seed must be an integer, got {self.seed!r}")
+        _positive_int(owner, "tensor_parallel_size", self.tensor_parallel_size)
+        if self.host_tier_bytes and self.tensor_parallel_size > 1:
+            # Ranks 1.. hold their KV heads in processes of their own: the host tier (rank 0's
+            # KVCacheManager) would offload and load back only rank 0's heads.
+            raise ValueError(
+                f"{owner}.host_tier_bytes is not supported with tensor_parallel_size > 1 yet, got "
+                f"{self.host_tier_bytes} with tensor_parallel_size {self.tensor_parallel_size}"
+            )
         _positive_int(owner, "max_stats_len", self.max_stats_len, minimum=-1)
         if self.max_request_stats_len is not None:
             _positive_int(owner, "max_request_stats_len", self.max_request_stats_len, minimum=-1)

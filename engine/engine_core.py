@@ -10,6 +10,8 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING
 
+import torch
+
 from engine.batch_builder import BatchBuilder
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_config import EngineConfig
@@ -24,6 +26,10 @@ from engine.scheduler import Scheduler
 from engine.scheduler_config import SchedulerConfig
 from engine.stats import IterationStats, RequestStats, StatsBuffer
 from engine.tokenizer import Tokenizer
+from engine.tp.context import TPContext
+from engine.tp.local_ranks import LocalRanks, Ranks, StartRanks, rank_device
+from engine.tp.messages import TPSetup
+from engine.tp.partition import TPPartition, tp_problems
 from kvcache.manager import KVCacheManager
 
 if TYPE_CHECKING:
@@ -46,6 +52,7 @@ class LLMEngine:
         max_request_stats_len: int | None = None,
         model_name: str = "",
         cuda_graphs: bool = False,
+        tp: TPContext | None = None,
     ) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -58,8 +65,18 @@ class LLMEngine:
             kv.device,
             list(kv.specs),
         )
-        self.runner = ModelRunner(model, kv, model_config.num_layers, Sampler(seed, kv.device))
-        if cuda_graphs and kv.device.type == "cuda":
+        self.tp = tp
+        # ranks 1.. of a tensor-parallel engine (close() ends them)
+        self.local_ranks: Ranks | None = None
+        self.runner = ModelRunner(
+            model,
+            kv,
+            model_config.num_layers,
+            Sampler(seed, kv.device),
+            tp.group if tp is not None and tp.size > 1 else None,
+        )
+        # Graph capture of the all-reduces is not done yet: tensor-parallel steps run eagerly.
+        if cuda_graphs and kv.device.type == "cuda" and (tp is None or tp.size == 1):
             self.runner.capture_cuda_graphs(
                 scheduler_config.max_num_seqs, scheduler_config.max_pages_per_seq
             )
@@ -74,10 +91,16 @@ class LLMEngine:
         self.num_iterations = 0
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> LLMEngine:
-        """Load the model, size the KV cache and build the engine. Bad sources raise ValueError."""
+    def from_config(cls, config: EngineConfig, start_ranks: StartRanks | None = None) -> LLMEngine:
+        """Load the model, size the KV cache and build the engine. Bad sources raise ValueError.
+
+        With ``tensor_parallel_size`` > 1 this process is rank 0; ``start_ranks(config, size)``
+        starts the others (default: local processes, engine/tp/local_ranks.py; the cluster's
+        workers start Ray actors instead, worker_common/tp_ranks.py)."""
         from engine.loaders import load_model  # deferred: pulls in gguf, safetensors, the model
 
+        if config.tensor_parallel_size > 1:
+            return cls._from_config_tp(config, start_ranks or LocalRanks)
         try:
             loaded = load_model(
                 config.model,
@@ -94,9 +117,59 @@ class LLMEngine:
         return cls.from_loaded(loaded, config)
 
     @classmethod
-    def from_loaded(cls, loaded: LoadedModel, config: EngineConfig) -> LLMEngine:
+    def _from_config_tp(cls, config: EngineConfig, start_ranks: StartRanks) -> LLMEngine:
+        """Rank 0 here, ranks 1.. started by ``start_ranks``."""
+        from engine.loaders import load_model
+        from engine.loaders.load import read_model_config
+
+        size = config.tensor_parallel_size
+        try:
+            model_config = read_model_config(config.model, config.load_format, config.dummy_config)
+        except (FileNotFoundError, TypeError) as e:
+            raise ValueError(
+                f"LLM.model={config.model!r} (load_format={config.load_format!r}): {e}"
+            ) from e
+        problems = tp_problems(model_config, size)
+        if problems:
+            raise ValueError("LLM.tensor_parallel_size: " + "; ".join(problems))
+        if torch.device(config.device).type == "cuda" and torch.cuda.device_count() < size:
+            raise ValueError(
+                f"LLM.tensor_parallel_size={size} needs {size} GPUs, this host has "
+                f"{torch.cuda.device_count()}"
+            )
+        ranks = start_ranks(config, size)
+        try:
+            tp = TPContext(TPPartition(model_config, 0, size), ranks.group)
+            loaded = load_model(
+                config.model,
+                config.load_format,
+                config.torch_dtype,
+                rank_device(config, 0),
+                config.dummy_config,
+                config.seed,
+                tp=tp,
+            )
+            engine = cls.from_loaded(loaded, config, tp)
+        except BaseException:
+            ranks.kill()
+            raise
+        engine.local_ranks = ranks
+        return engine
+
+    def close(self) -> None:
+        """End the offline API's tensor-parallel ranks (nothing to do without them)."""
+        if self.local_ranks is not None:
+            ranks, self.local_ranks = self.local_ranks, None
+            ranks.close()
+
+    @classmethod
+    def from_loaded(
+        cls, loaded: LoadedModel, config: EngineConfig, tp: TPContext | None = None
+    ) -> LLMEngine:
         """An engine over an already loaded model (its fields model/load_format/dtype are not used
-        again; several engines may share one model, each with its own KV cache)."""
+        again; several engines may share one model, each with its own KV cache). With ``tp`` this
+        is rank 0 of a tensor-parallel worker: its KV pools hold its head shard, and the other
+        ranks get the page counts (TPSetup) once they are sized."""
         mc = loaded.config
         max_model_len = (
             config.max_model_len if config.max_model_len is not None else mc.max_position_embeddings
@@ -112,7 +185,11 @@ class LLMEngine:
             max_model_len=max_model_len,
             page_size=config.page_size,
         )
-        kv = build_kv_cache(mc, config, max_model_len)
+        shard = tp.partition.kv if tp is not None else None
+        kv = build_kv_cache(mc, config, max_model_len, shard)
+        if tp is not None and tp.size > 1:
+            assert tp.group is not None
+            tp.group.broadcast_object(TPSetup({n: s.num_pages for n, s in kv.specs.items()}))
         return cls(
             loaded.model,
             mc,
@@ -124,6 +201,7 @@ class LLMEngine:
             max_request_stats_len=config.max_request_stats_len,
             model_name=loaded.name,
             cuda_graphs=config.cuda_graphs,
+            tp=tp,
         )
 
     @property

@@ -80,6 +80,8 @@ class EngineLoop:
         self._stop.set()
         self._calls.put((lambda e: None, concurrent.futures.Future()))  # wake the thread
         self._thread.join(timeout_s)
+        if not self._thread.is_alive():  # no step in flight: the other TP ranks may stop too
+            self.engine.close()
 
     # ---- the loop thread ----
     def _run(self) -> None:

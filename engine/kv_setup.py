@@ -10,6 +10,7 @@ import torch
 
 from engine.engine_config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from engine.model_config import ModelConfig
+from kvcache.head_shard import HeadShard
 from kvcache.manager import KVCacheManager
 from kvcache.sizing import (
     check_one_request_fits,
@@ -19,16 +20,19 @@ from kvcache.sizing import (
     pages_per_request,
     size_pool_groups,
 )
-from kvcache.spec import PoolGroupSpec
+from kvcache.spec import MapperKind, PoolGroupSpec
 
 logger = logging.getLogger(__name__)
 
 
 def kv_pool_templates(
-    model: ModelConfig, page_size: int, dtype: torch.dtype
+    model: ModelConfig, page_size: int, dtype: torch.dtype, shard: HeadShard | None = None
 ) -> list[PoolGroupSpec]:
     """The model's pool groups (``num_pages`` still to be sized): "full" for its full-attention
-    layers, "swa_<W>" for the layers of each window size W; full first, then by window."""
+    layers, "swa_<W>" for the layers of each window size W; full first, then by window. With a
+    tensor-parallel ``shard``: its KV heads only (HND, or REPLICATED when ranks share heads)."""
+    if shard is None:
+        shard = HeadShard(0, model.num_kv_heads, model.num_kv_heads)
     layers: dict[int | None, list[int]] = {}
     for layer in range(model.num_layers):
         layers.setdefault(model.layer_window(layer), []).append(layer)
@@ -39,10 +43,12 @@ def kv_pool_templates(
             layer_ids=tuple(layers[window]),
             num_pages=2,
             page_size=page_size,
-            num_kv_heads=model.num_kv_heads,
+            num_kv_heads=shard.count,
             head_dim=model.head_dim,
             dtype=dtype,
+            mapper_kind=MapperKind.REPLICATED if shard.replicated else MapperKind.HND,
             sliding_window=window,
+            head_start=shard.start,
         )
         for window in order
     ]
@@ -58,7 +64,9 @@ def activation_peak_estimate(model: ModelConfig, config: EngineConfig) -> int:
     return config.max_num_batched_tokens * per_token * elem + logits
 
 
-def build_kv_cache(model: ModelConfig, config: EngineConfig, max_model_len: int) -> KVCacheManager:
+def build_kv_cache(
+    model: ModelConfig, config: EngineConfig, max_model_len: int, shard: HeadShard | None = None
+) -> KVCacheManager:
     """A KVCacheManager with ``config.num_pages`` pages per group, or as many as the memory budget
     holds (split by ``config.pool_ratio``, or by what one request holds in each group; capped at
     what ``max_num_seqs`` requests of ``max_model_len`` tokens can use). Logs the pages per group.
@@ -70,7 +78,7 @@ def build_kv_cache(model: ModelConfig, config: EngineConfig, max_model_len: int)
     host tier holds less than one page of some group.
     """
     device = torch.device(config.device)
-    templates = kv_pool_templates(model, config.page_size, config.torch_dtype)
+    templates = kv_pool_templates(model, config.page_size, config.torch_dtype, shard)
     need = pages_per_request(templates, max_model_len, config.prefill_chunk_size)
     if config.num_pages is not None:
         specs = [dataclasses.replace(t, num_pages=config.num_pages) for t in templates]

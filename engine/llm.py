@@ -39,6 +39,16 @@ class LLM:
         llm._ids = itertools.count()
         return llm
 
+    def close(self) -> None:
+        """End the tensor-parallel ranks (``tensor_parallel_size`` > 1); the LLM is unusable after."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     @property
     def tokenizer(self):  # noqa: ANN201 (engine.tokenizer.Tokenizer | None)
         return self.engine.tokenizer

@@ -10,6 +10,8 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.forward_batch import ForwardBatch
 from engine.request import Request
 from engine.sampler import Sampler
+from engine.tp.comm import TPGroup
+from engine.tp.messages import TPStep, batch_to
 from kvcache.manager import KVCacheManager
 
 
@@ -33,9 +35,17 @@ class ModelRunner:
     """Holds the model, the per-layer cache views and the sampler of one engine."""
 
     def __init__(
-        self, model: PagedCausalLM, kv: KVCacheManager, num_layers: int, sampler: Sampler
+        self,
+        model: PagedCausalLM,
+        kv: KVCacheManager,
+        num_layers: int,
+        sampler: Sampler,
+        tp_group: TPGroup | None = None,
     ) -> None:
         self.model = model
+        # Rank 0 of a tensor-parallel worker: every forward pass starts by sending the batch to
+        # the other ranks (engine/tp/follower.py), which join its all-reduces.
+        self.tp_group = tp_group
         self.kv_groups = list(kv.specs)
         self.kv_caches = [kv.layer_cache(layer) for layer in range(num_layers)]
         self.sampler = sampler
@@ -57,6 +67,8 @@ class ModelRunner:
                 logits = self.graphs.run(batch)
                 if logits is not None:
                     return logits
+            if self.tp_group is not None:
+                self.tp_group.broadcast_object(TPStep(batch_to(batch, torch.device("cpu"))))
             hidden = self.model.forward(batch, self.kv_caches)
             return self.model.compute_logits(hidden, batch.logits_indices)
 

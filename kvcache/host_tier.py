@@ -74,7 +74,7 @@ class HostTier:
         self.device = device
         self._device_buffers = device_buffers
         cuda = device.type == "cuda"
-        # [host_pages, num_layers, 2, page_size, Hkv, D]: a host page is one run, as on the device.
+        # [host_pages, Hkv, num_layers, 2, page_size, D]: a host page is one run, as on the device.
         self.buffers = {
             s.name: torch.empty(
                 (host_pages[s.name], *s.buffer_shape[1:]), dtype=s.dtype, pin_memory=cuda

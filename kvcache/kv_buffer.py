@@ -46,6 +46,16 @@ def shared_zeros(shape: tuple[int, ...], dtype: torch.dtype, name: str) -> torch
     return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
 
 
+def layer_view(buffer: torch.Tensor, local_layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k_cache, v_cache) of the group's ``local_layer``-th layer, each a strided view
+    [num_pages, page_size, Hkv, D] of ``buffer`` [num_pages, Hkv, num_layers, 2, page_size, D]."""
+    # [num_pages, Hkv, page_size, D] -> [num_pages, page_size, Hkv, D]
+    return (
+        buffer[:, :, local_layer, 0].transpose(1, 2),
+        buffer[:, :, local_layer, 1].transpose(1, 2),
+    )
+
+
 def layer_views(
     specs: list[PoolGroupSpec], buffers: dict[str, torch.Tensor]
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -56,6 +66,5 @@ def layer_views(
         for local, layer_id in enumerate(spec.layer_ids):
             if layer_id in views:
                 raise ValueError(f"layer {layer_id} appears in more than one pool group")
-            # [num_pages, num_layers, 2, page_size, Hkv, D] -> [num_pages, page_size, Hkv, D]
-            views[layer_id] = (buf[:, local, 0], buf[:, local, 1])
+            views[layer_id] = layer_view(buf, local)
     return views

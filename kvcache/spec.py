@@ -1,15 +1,23 @@
 """What a pool group is: the shapes, roles and layout that the cache, the kernels and the transceiver agree on.
 
-Layout of one pool group's storage (one torch tensor, "page-major"):
+Layout of one pool group's storage (one torch tensor, "page-major", heads outermost within a page):
 
-    buffer: [num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]
-                                    ^ 0 = key, 1 = value
+    buffer: [num_pages, num_kv_heads, num_layers, 2, page_size, head_dim]
+                                                  ^ 0 = key, 1 = value
 
-Page-major means that everything of one page (all layers of the group, keys and values) is one
-contiguous run of ``page_bytes`` bytes, so moving a request's KV is a list of whole-page fragments and
-contiguous page ids merge into one fragment. Attention kernels see one layer through a strided view
-``buffer[:, layer, 0]`` of shape [num_pages, page_size, num_kv_heads, head_dim] (token-major within a
-page: the NHD mapper kind).
+Page-major means that everything of one page (all heads and layers of the group, keys and values) is
+one contiguous run of ``page_bytes`` bytes, so moving a request's KV is a list of whole-page
+fragments and contiguous page ids merge into one fragment. Heads outermost within the page (the
+HND mapper kind) means that any run of consecutive heads of a page is one contiguous run too
+(``head_bytes`` per head): a tensor-parallel rank holding heads [a, b) of a page moves its slice to
+a rank of another tensor-parallel size as one fragment per page (transfer/mapper.py). Attention
+kernels see one layer through a strided view ``buffer[:, :, layer, 0].transpose(1, 2)`` of shape
+[num_pages, page_size, num_kv_heads, head_dim] (kv_buffer.layer_view); they index by strides, and
+within one head a layer's tokens are contiguous rows of head_dim.
+
+A tensor-parallel rank's pools hold its head shard (kvcache/head_shard.py): ``num_kv_heads`` of its
+own, from ``head_start`` of the model's; replicated heads (more ranks than KV heads) are the
+REPLICATED mapper kind, sharded or whole ones HND.
 
 Page 0 of every pool is the reserved null page: never handed to a request, used as padding in page
 tables so kernels never index out of bounds, and in a sliding-window group's page list for the
@@ -39,9 +47,9 @@ def group_name(sliding_window: int | None) -> str:
 class MapperKind(str, enum.Enum):
     """How a pool's bytes may be re-split when peers shard the model differently."""
 
-    HND = "HND"  # head-major contiguous runs: head-sharded peers can exchange head slices
-    NHD = "NHD"  # token-major within a page (our attention layout)
-    REPLICATED = "REPLICATED"  # identical on every rank: any one rank's copy will do
+    HND = "HND"  # head-major contiguous runs: head-sharded peers can exchange head slices (ours)
+    NHD = "NHD"  # token-major within a page: only whole pages can be exchanged
+    REPLICATED = "REPLICATED"  # head-major, heads also held by other ranks: read from one of them
     SECTIONED = "SECTIONED"  # fixed sections per rank, copied section by section
 
 
@@ -54,7 +62,8 @@ class PoolGroupSpec:
 
     ``sliding_window`` is None for full attention; W means a query at position p attends to keys
     p - W + 1 .. p (W tokens, itself included: transformers' ``kv_idx > q_idx - W``). ``num_pages``
-    counts the null page.
+    counts the null page. ``num_kv_heads`` are the heads this pool holds, the model's
+    ``[head_start, head_start + num_kv_heads)`` (all of them without tensor parallelism).
     """
 
     name: str
@@ -65,8 +74,9 @@ class PoolGroupSpec:
     head_dim: int
     dtype: torch.dtype
     pool_role: frozenset[str] = field(default=KV_ROLES)
-    mapper_kind: MapperKind = MapperKind.NHD
+    mapper_kind: MapperKind = MapperKind.HND
     sliding_window: int | None = None
+    head_start: int = 0
 
     def __post_init__(self) -> None:
         if self.num_pages < 2:
@@ -79,6 +89,11 @@ class PoolGroupSpec:
             )
         if not self.layer_ids:
             raise ValueError(f"pool group {self.name!r}: layer_ids must not be empty")
+        if self.head_start < 0 or self.num_kv_heads < 1:
+            raise ValueError(
+                f"pool group {self.name!r}: needs num_kv_heads >= 1 and head_start >= 0, got "
+                f"{self.num_kv_heads} and {self.head_start}"
+            )
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(
                 f"pool group {self.name!r}: sliding_window must be >= 1 or None, got {self.sliding_window}"
@@ -92,10 +107,10 @@ class PoolGroupSpec:
     def buffer_shape(self) -> tuple[int, ...]:
         return (
             self.num_pages,
+            self.num_kv_heads,
             self.num_layers,
             2,
             self.page_size,
-            self.num_kv_heads,
             self.head_dim,
         )
 
@@ -104,16 +119,14 @@ class PoolGroupSpec:
         return torch.empty((), dtype=self.dtype).element_size()
 
     @property
+    def head_bytes(self) -> int:
+        """Bytes of one KV head of one page: all layers of the group, keys and values (one run)."""
+        return self.num_layers * 2 * self.page_size * self.head_dim * self.element_size
+
+    @property
     def page_bytes(self) -> int:
-        """Bytes of one page across all layers of the group, keys and values."""
-        return (
-            self.num_layers
-            * 2
-            * self.page_size
-            * self.num_kv_heads
-            * self.head_dim
-            * self.element_size
-        )
+        """Bytes of one page across all heads and layers of the group, keys and values."""
+        return self.num_kv_heads * self.head_bytes
 
     @property
     def usable_pages(self) -> int:

@@ -32,6 +32,7 @@ from transfer.page_table import PageTable
 from transfer.paths.base import DataPath
 from transfer.runtime import UcxRuntime
 from transfer.stats import TransferCounters
+from transfer.tp_mapper import HEAD_MAJOR
 
 log = logging.getLogger(__name__)
 
@@ -183,9 +184,12 @@ def check_compatible(ours: PageTable, theirs: PageTable) -> str:
             f"peer {theirs.compat_hash} (model {theirs.model!r})"
             + _window_differences(ours, theirs)
         )
+    # Head-major pools of ranks holding other heads are matched by role; each pull's mapper then
+    # checks the heads it moves (transfer/tp_mapper.py).
+    resplit = all(p.mapper_kind in HEAD_MAJOR for p in (*ours.pools, *theirs.pools))
     try:  # (equal hashes, and still no pull could map: two pools with the same roles, say)
-        match_pools(ours, theirs)
-        match_pools(theirs, ours)
+        match_pools(ours, theirs, resplit)
+        match_pools(theirs, ours, resplit)
     except MapperError as e:
         return f"the page tables cannot be mapped onto each other: {e}"
     return ""

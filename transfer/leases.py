@@ -38,6 +38,9 @@ class Lease:
     expires_at: float  # clock() time
     state: LeaseState = LeaseState.PUBLISHED
     cancel_requested: bool = False
+    # (first, count): the KV heads of each page this lease's one reader may pull (a decode rank of
+    # another tensor-parallel size, transfer/tp_mapper.py); None: whole pages.
+    heads: tuple[int, int] | None = None
 
 
 class LeaseTable:
@@ -62,6 +65,7 @@ class LeaseTable:
         page_ids: dict[str, list[int]],
         declared_prompt_len: int,
         lease_s: float,
+        heads: tuple[int, int] | None = None,
     ) -> Lease:
         with self._lock:
             if request_id in self._leases:
@@ -73,6 +77,7 @@ class LeaseTable:
                 page_ids,
                 declared_prompt_len,
                 self._clock() + lease_s,
+                heads=heads,
             )
             self._leases[request_id] = lease
             return lease

@@ -5,11 +5,12 @@ the source pool to ``[dst_offset, ...)`` of page ``dst_ids[i]`` of the destinati
 matched pool pair (pools match by ``pool_role`` and sliding window). Every data path moves
 segments: the UCX path gathers them into a staging buffer, the direct paths copy them page to page.
 
-Only pools of equal geometry are served today (the identity mapping: whole pages, offsets 0).
-Head-sharded (HND) pools of ranks holding other head ranges would map each page to the slice of
-the heads both hold (a page's head slice is one run in that layout), with the offsets above; that
-is refused with a MapperError that says so, never copied wrongly. Pool groups may list different
-numbers of pages (a sliding-window group holds only its window's): each pair is mapped on its own.
+Here only pools of equal geometry are served (the identity mapping: whole pages, offsets 0).
+Head-sharded pools of tensor-parallel ranks holding other head ranges are mapped by
+transfer/tp_mapper.py (each page to the slice of the heads both hold, with the offsets above);
+given to ``map_pages`` they are refused with a MapperError that says so, never copied wrongly.
+Pool groups may list different numbers of pages (a sliding-window group holds only its window's):
+each pair is mapped on its own.
 """
 
 from __future__ import annotations
@@ -58,9 +59,11 @@ class Segment:
 
 
 @functools.lru_cache(maxsize=64)  # asked on every pull, for the few page tables a worker meets
-def match_pools(src: PageTable, dst: PageTable) -> Mapping[str, str]:
+def match_pools(src: PageTable, dst: PageTable, resplit: bool = False) -> Mapping[str, str]:
     """Source pool name -> destination pool name, matched by equal ``pool_role`` and sliding
-    window (a hybrid model's full-attention and window groups both hold keys and values)."""
+    window (a hybrid model's full-attention and window groups both hold keys and values). With
+    ``resplit``, head-major pools of other head ranges match too (transfer/tp_mapper.py moves
+    the heads both hold); without, only pools of equal geometry."""
     by_kind: dict[tuple[tuple[str, ...], int], PoolDescriptor] = {}
     for pool in dst.pools:
         if _kind(pool) in by_kind:
@@ -74,7 +77,8 @@ def match_pools(src: PageTable, dst: PageTable) -> Mapping[str, str]:
                 f"source pool {pool.name!r} ({_describe(pool)}) has no destination pool with the "
                 "same roles and window (or shares them with another source pool)"
             )
-        _check_servable(pool, peer)
+        if not resplit:
+            _check_servable(pool, peer)
         matched[pool.name] = peer.name
     if by_kind:  # their pages would never be filled
         raise MapperError(
@@ -103,7 +107,7 @@ def _check_servable(src: PoolDescriptor, dst: PoolDescriptor) -> None:
         raise MapperError(
             f"pool {src.name!r} ({src.mapper_kind}): head ranges differ (source "
             f"{src.head_start}+{src.num_kv_heads}, destination {dst.head_start}+{dst.num_kv_heads}); "
-            "re-splitting head-sharded pools is not supported yet"
+            "re-splitting head-sharded pools is transfer/tp_mapper.py's work"
         )
     raise MapperError(
         f"pool {src.name!r}: page geometry differs (source {src.geometry()}, destination "

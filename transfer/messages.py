@@ -78,6 +78,20 @@ class TransferTicket:
     compat_hash: str
     lease_gen: int
     lease_expires_at: float
+    # Tensor-parallel workers (either side): one pull per (decode rank, prefill rank) pair, each
+    # under a lease of its own on that prefill rank (worker_common/tp_transfer.py); empty otherwise.
+    parts: tuple[TicketPart, ...] = ()
+
+
+@dataclass(frozen=True)
+class TicketPart:
+    """Decode rank ``decode_rank`` reads KV heads ``[head_start, head_start + head_count)`` of
+    every page from the prefill rank that published ``ticket``."""
+
+    decode_rank: int
+    head_start: int
+    head_count: int
+    ticket: TransferTicket
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,7 @@ class PoolDescriptor:
             page_bytes=spec.page_bytes,
             num_pages=spec.num_pages,
             window=spec.sliding_window or 0,
+            head_start=spec.head_start,
         )
 
     def geometry(self) -> tuple[Any, ...]:
@@ -170,17 +171,22 @@ def _pool_from_wire(data: Any) -> PoolDescriptor:
     return PoolDescriptor(**fields)
 
 
+_HEAD_MAJOR_KINDS = frozenset({"HND", "REPLICATED"})
+_HEAD_MAJOR = "head-major"
+
+
 def compat_hash(model: str, pools: Iterable[PoolDescriptor]) -> str:
     """Hash of what two peers must share to exchange KV: model, dtype, layers, heads, head dim,
     page size, layout, windows, protocol version, and each pool's name (tickets name pools) and
-    mapper kind, 16 hex digits. Pool sizes and head ranges may differ (the mapper decides)."""
+    mapper kind, 16 hex digits. Pool sizes and head ranges may differ (the mapper decides); so may
+    HND and REPLICATED, both head-major (a worker of more ranks than KV heads replicates them)."""
     identity = {
         "protocol_version": PROTOCOL_VERSION,
         "model": model,
         "pools": sorted(
             [
                 p.name,
-                p.mapper_kind,
+                _HEAD_MAJOR if p.mapper_kind in _HEAD_MAJOR_KINDS else p.mapper_kind,
                 list(p.pool_role),
                 p.layout,
                 list(p.layer_ids),
@@ -189,7 +195,7 @@ def compat_hash(model: str, pools: Iterable[PoolDescriptor]) -> str:
                 p.dtype,
                 p.window,
             ]
-            + ([] if p.mapper_kind == "HND" else [p.num_kv_heads])
+            + ([] if p.mapper_kind in _HEAD_MAJOR_KINDS else [p.num_kv_heads])
             for p in pools
         ),
     }

@@ -20,10 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 from transfer.faults import D_POINTS, injected
 from transfer.link import Link
-from transfer.mapper import MapperError, Segment, map_pages
+from transfer.mapper import MapperError, Segment, map_pages, source_bytes
 from transfer.messages import Message, PullError, Reject, TransferAck, TransferTicket
 from transfer.paths.base import PullFailed
 from transfer.stats import TransferResult, TransferStats
+from transfer.tp_mapper import head_source_bytes, map_heads
 
 if TYPE_CHECKING:
     from transfer.receiver import KVReceiver
@@ -44,8 +45,10 @@ class PullSession:
         dst_page_ids: Mapping[str, Sequence[int]],
         skip_pages: Mapping[str, int],
         expected_prompt_len: int,
+        heads: tuple[int, int] | None = None,
     ) -> None:
         self.r = receiver
+        self.heads = heads
         self.config = receiver.config
         self.ticket = ticket
         self.dst = {g: list(ids) for g, ids in dst_page_ids.items()}
@@ -162,13 +165,23 @@ class PullSession:
         """The ticket's pages past ``skip``: the ones this pull moves."""
         return {g: ids[self.skip[g] :] for g, ids in self.ticket.page_ids.items()}
 
-    def map(self) -> list[Segment]:
-        """The pull's pages mapped onto ours (kept in ``segments``); raises PullFailed."""
+    def source_bytes(self) -> int:
+        """The bytes this pull moves, counted without mapping (what a direct read declares)."""
         assert self.link is not None
+        if self.heads is not None:
+            return head_source_bytes(self.link.peer_table, self.source_pages(), self.heads[1])
+        return source_bytes(self.link.peer_table, self.source_pages())
+
+    def map(self) -> list[Segment]:
+        """The pull's pages mapped onto ours (kept in ``segments``): whole pages, or with
+        ``heads`` only those KV heads of each page (transfer/tp_mapper.py); raises PullFailed."""
+        assert self.link is not None
+        peer, own, src = self.link.peer_table, self.r.page_table, self.source_pages()
         try:
-            self.segments = map_pages(
-                self.link.peer_table, self.r.page_table, self.source_pages(), self.dst
-            )
+            if self.heads is not None:
+                self.segments = map_heads(peer, own, src, self.dst, *self.heads)
+            else:
+                self.segments = map_pages(peer, own, src, self.dst)
         except MapperError as e:
             raise PullFailed(f"cannot map the pages: {e}") from None
         return self.segments

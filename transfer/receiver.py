@@ -92,9 +92,12 @@ class KVReceiver:
         dst_page_ids: Mapping[str, Sequence[int]],
         skip_pages: int | Mapping[str, int],
         expected_prompt_len: int,
+        heads: tuple[int, int] | None = None,
     ) -> TransferResult:
-        """Pull the request's KV into ``dst_page_ids`` (module docstring)."""
-        session, done = self._submit(ticket, dst_page_ids, skip_pages, expected_prompt_len)
+        """Pull the request's KV into ``dst_page_ids`` (module docstring). ``heads``: (first,
+        count), only those KV heads of each page (a tensor-parallel rank's share from one
+        prefill rank, transfer/tp_mapper.py); None: whole pages of equal pools."""
+        session, done = self._submit(ticket, dst_page_ids, skip_pages, expected_prompt_len, heads)
         here = isinstance(done, asyncio.Future)  # on the runtime's loop: no hop either way
         waiting = done if here else asyncio.wrap_future(done)
         try:
@@ -117,9 +120,12 @@ class KVReceiver:
         dst_page_ids: Mapping[str, Sequence[int]],
         skip_pages: int | Mapping[str, int],
         expected_prompt_len: int,
+        heads: tuple[int, int] | None = None,
     ) -> TransferResult:
         """``pull`` for plain threads."""
-        return self._submit(ticket, dst_page_ids, skip_pages, expected_prompt_len)[1].result()
+        return self._submit(ticket, dst_page_ids, skip_pages, expected_prompt_len, heads)[
+            1
+        ].result()
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -160,13 +166,14 @@ class KVReceiver:
         dst: Mapping[str, Sequence[int]],
         skip: int | Mapping[str, int],
         expected: int,
+        heads: tuple[int, int] | None = None,
     ) -> tuple[PullSession, concurrent.futures.Future[TransferResult] | asyncio.Task]:
         """The pull as a task on the runtime's loop: started right here when the caller runs on
         that loop (a worker whose loop the runtime adopted), else handed over to it."""
         if self.closed:
             raise RuntimeError("KVReceiver is closed")
         skips = {g: int(skip) for g in ticket.page_ids} if isinstance(skip, int) else dict(skip)
-        session = PullSession(self, ticket, dst, skips, int(expected))
+        session = PullSession(self, ticket, dst, skips, int(expected), heads)
         done: concurrent.futures.Future[TransferResult] | asyncio.Task
         if self.runtime.on_loop():
             done = asyncio.ensure_future(session.run())

@@ -116,12 +116,17 @@ class KVSender:
 
     # ---- API (any thread) ----
     def publish(
-        self, request_id: str, page_ids: Mapping[str, Sequence[int]], declared_prompt_len: int
+        self,
+        request_id: str,
+        page_ids: Mapping[str, Sequence[int]],
+        declared_prompt_len: int,
+        heads: tuple[int, int] | None = None,
     ) -> TransferTicket:
         """Pin the request's pages under a lease and return the ticket D pulls with.
         ``page_ids``: per group, the request's page list in token order (KVCacheManager.page_ids:
         a window group shows the null page where it released pages); the ticket lists only the
-        pages each group holds."""
+        pages each group holds. ``heads`` (first, count): the one pull of this lease moves only
+        those KV heads of each page (a decode rank of another tensor-parallel size)."""
         pages: dict[str, list[int]] = {}
         first_page: dict[str, int] = {}
         names = [p.name for p in self.page_table.pools]
@@ -141,11 +146,23 @@ class KVSender:
                     "window group's first pages may be the null page)"
                 )
             pages[pool.name], first_page[pool.name] = held, first
+            if heads is not None and not (
+                heads[1] >= 1
+                and pool.head_start <= heads[0]
+                and heads[0] + heads[1] <= pool.head_start + pool.num_kv_heads
+            ):
+                raise ValueError(
+                    f"publish {request_id!r}: pool {pool.name!r} holds KV heads "
+                    f"[{pool.head_start}, {pool.head_start + pool.num_kv_heads}), not all of "
+                    f"[{heads[0]}, {heads[0] + heads[1]})"
+                )
         if declared_prompt_len < 0:
             raise ValueError(f"publish {request_id!r}: declared_prompt_len must be >= 0")
         if self._closed:
             raise RuntimeError("KVSender is closed")
-        lease = self.leases.publish(request_id, pages, declared_prompt_len, self.config.lease_s)
+        lease = self.leases.publish(
+            request_id, pages, declared_prompt_len, self.config.lease_s, heads
+        )
         return TransferTicket(
             request_id=request_id,
             host=self.host,

@@ -27,6 +27,7 @@ from transfer.messages import Message, PullError, PullRequest, TransferAck, data
 from transfer.paths.base import ServeFailed
 from transfer.paths.staging import Chunk
 from transfer.stats import TransferStats
+from transfer.tp_mapper import head_source_bytes, map_heads
 
 if TYPE_CHECKING:
     from transfer.sender import KVSender
@@ -163,10 +164,18 @@ def admit(sender: KVSender, link: Link, req: PullRequest) -> ServeSession | Pull
     segments: list[Segment] = []
     chunks: list[Chunk] = []
     if direct:  # D maps and copies the pages itself: only the bytes it declares are checked
-        ours = source_bytes(sender.page_table, src)
+        if lease.heads is None:
+            ours = source_bytes(sender.page_table, src)
+        else:  # the lease's head slice of each page (D's map_heads checks it holds them)
+            ours = head_source_bytes(sender.page_table, src, lease.heads[1])
     else:
         try:
-            segments = map_pages(sender.page_table, link.peer_table, src, req.dst_page_ids)
+            if lease.heads is not None:
+                segments = map_heads(
+                    sender.page_table, link.peer_table, src, req.dst_page_ids, *lease.heads
+                )
+            else:
+                segments = map_pages(sender.page_table, link.peer_table, src, req.dst_page_ids)
             chunks = sender.cut(segments, req.chunk_sizes)
         except (MapperError, ValueError) as e:
             return refuse("mismatch", f"cannot map the pages of {rid!r}: {e}")

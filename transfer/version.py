@@ -13,5 +13,6 @@ from __future__ import annotations
 # 9: tickets list per group only the pages it holds (a window group: its window), from first_page.
 PROTOCOL_VERSION = 9
 
-# The page-major layout of kvcache/spec.py: one page of a pool group is one contiguous run of bytes.
-PAGE_LAYOUT = "page_major[num_pages,num_layers,2,page_size,num_kv_heads,head_dim]"
+# The page-major layout of kvcache/spec.py: one page of a pool group is one contiguous run of bytes,
+# and so is each run of consecutive heads within it (heads outermost).
+PAGE_LAYOUT = "page_major[num_pages,num_kv_heads,num_layers,2,page_size,head_dim]"

@@ -72,6 +72,11 @@ class WorkerActorBase:
         else:
             self._stats_released.set()
 
+    async def tp_rank_actors_for_test(self) -> list[Any]:
+        """Test hook: the Ray actors of ranks 1.. of a tensor-parallel worker ([] otherwise)."""
+        ranks = self.worker.loop.engine.local_ranks
+        return list(getattr(ranks, "actors", []))
+
     # ---- KV events (worker_common/kv_events.py) ----
     def _kv_events(self) -> KVEventPublisher:
         publisher = self.worker.kv_events

@@ -6,7 +6,9 @@ import dataclasses
 import os
 
 from engine.cpu_share import apply_cpu_share
+from engine.engine_config import EngineConfig
 from engine.engine_core import LLMEngine
+from engine.tp.local_ranks import Ranks, StartRanks
 from kvcache.sizing import KVSizingError
 from worker_common.config_error import ConfigError
 from worker_common.messages import WorkerSpec
@@ -50,10 +52,23 @@ def build_engine(spec: WorkerSpec) -> LLMEngine:
     apply_cpu_share(spec.num_cpus, config.device)
     where = f"{spec.worker_id} start-up"
     try:
-        engine = LLMEngine.from_config(config)
+        engine = LLMEngine.from_config(config, _start_ranks(spec))
     except KVSizingError as e:
         raise ConfigError(where, [f"{_SIZING_FIELDS[e.setting]}: {e}"]) from e
     return engine
+
+
+def _start_ranks(spec: WorkerSpec) -> StartRanks | None:
+    """Ranks 1.. of a tensor-parallel worker as Ray actors in its placement group."""
+    if spec.engine.tensor_parallel_size == 1:
+        return None
+
+    def start(config: EngineConfig, size: int) -> Ranks:
+        from worker_common.tp_ranks import RayRanks
+
+        return RayRanks(config, size, spec.worker_id, spec.num_cpus, spec.num_gpus, spec.log_level)
+
+    return start
 
 
 # What a kvcache.sizing.KVSizingError asks to change, in the cluster config's words.

@@ -71,6 +71,12 @@ class WorkerSpec:
     # CPUs Ray reserves for this worker (resources.num_cpus): on a CPU device, its torch threads
     # (engine/cpu_share.py); None: every core the process may use.
     num_cpus: float | None = None
+    # GPUs Ray reserves per rank (resources.num_gpus): what ranks 1.. of a tensor-parallel worker
+    # ask for in its placement group (worker_common/tp_ranks.py).
+    num_gpus: float = 0.0
+    # The other side's tensor_parallel_size (decode's for a prefill worker, prefill's for a
+    # decode worker): with either above 1, the transfer runs rank to rank (tp_transfer.py).
+    peer_tensor_parallel_size: int = 1
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,12 @@ import asyncio
 import dataclasses
 import socket
 from collections.abc import Callable
+from typing import Any
 
 from engine.engine_core import LLMEngine
 from transfer import KVReceiver, KVSender, TransceiverConfig
 from worker_common.messages import WorkerSpec
+from worker_common.tp_transfer import TPPublisher, TPPuller, plan_reads
 
 
 def interface_address(name: str) -> str:
@@ -56,25 +58,45 @@ def make_publisher(
     spec: WorkerSpec,
     release: Callable[[str], None],
     loop: asyncio.AbstractEventLoop | None = None,
-) -> KVSender:
+) -> KVSender | TPPublisher:
+    """Rank 0's KVSender (on ``loop``, the worker's running loop, or None for a loop thread of
+    the transfer runtime's own), wrapped in a TPPublisher when either side is tensor-parallel."""
     kv, tc = engine.kv, node_transceiver_config(spec)
-    try:
-        return KVSender(
-            kv.buffers, list(kv.specs.values()), _model_identity(engine), tc, release, loop
-        )
-    except OSError as e:  # the listener: name the setting that chose the address
-        field = "interface" if spec.transfer_interface else "host / port"
-        raise ValueError(f"transfer.{field} ({tc.host}:{tc.port}): cannot listen here: {e}") from e
+
+    def sender(on_release: Callable[[str], None]) -> KVSender:
+        try:
+            return KVSender(
+                kv.buffers, list(kv.specs.values()), _model_identity(engine), tc, on_release, loop
+            )
+        except OSError as e:  # the listener: name the setting that chose the address
+            field = "interface" if spec.transfer_interface else "host / port"
+            raise ValueError(
+                f"transfer.{field} ({tc.host}:{tc.port}): cannot listen here: {e}"
+            ) from e
+
+    tp, peer = engine_tp(engine), spec.peer_tensor_parallel_size
+    if tp == 1 and peer == 1:
+        return sender(release)
+    reads = plan_reads(engine.model_config.num_kv_heads, tp, peer)
+    return TPPublisher(sender, rank_actors(engine), reads, release, tc, _model_identity(engine))
 
 
 def make_puller(
     engine: LLMEngine, spec: WorkerSpec, loop: asyncio.AbstractEventLoop | None = None
-) -> KVReceiver:
-    kv = engine.kv
-    return KVReceiver(
-        kv.buffers,
-        list(kv.specs.values()),
-        _model_identity(engine),
-        node_transceiver_config(spec),
-        loop,
-    )
+) -> KVReceiver | TPPuller:
+    """Rank 0's KVReceiver (on ``loop`` as in make_publisher), wrapped in a TPPuller when either
+    side is tensor-parallel."""
+    kv, tc = engine.kv, node_transceiver_config(spec)
+    own = KVReceiver(kv.buffers, list(kv.specs.values()), _model_identity(engine), tc, loop)
+    if engine_tp(engine) == 1 and spec.peer_tensor_parallel_size == 1:
+        return own
+    return TPPuller(own, rank_actors(engine), tc, _model_identity(engine))
+
+
+def engine_tp(engine: LLMEngine) -> int:
+    return engine.tp.size if engine.tp is not None else 1
+
+
+def rank_actors(engine: LLMEngine) -> list[Any]:
+    """The Ray actors of ranks 1.. of a tensor-parallel worker's engine ([] at tp 1)."""
+    return list(getattr(engine.local_ranks, "actors", []))

@@ -81,6 +81,23 @@ class ClusterConfig(Section):
                         f"{page_size}, plus the null page) so one request fits, got {num_pages}",
                     )
                 )
+        if self.kvcache.host_tier_bytes:
+            pools = [("decode", self.decode)] + (
+                [] if self.aggregated else [("prefill", self.prefill)]
+            )
+            split = [
+                f"{name}.tensor_parallel_size {pool.tensor_parallel_size}"
+                for name, pool in pools
+                if pool.tensor_parallel_size > 1
+            ]
+            if split:
+                issues.append(
+                    (
+                        "kvcache.host_tier_bytes",
+                        "not supported with tensor parallelism yet (ranks 1.. hold their KV heads "
+                        f"in processes the host tier does not copy): {', '.join(split)}; use 0",
+                    )
+                )
         policy = self.router.policy
         if policy in ("prefix_aware", "kv_aware") and self.kvcache.reuse_policy == "none":
             issues.append(

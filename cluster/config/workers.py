@@ -15,13 +15,21 @@ _BUILTIN_RESOURCES = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
 class WorkerResources(Section):
     """What Ray reserves for each worker of a pool, and which nodes may host it."""
 
-    num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves per worker.")
+    num_cpus: float = Field(
+        1.0,
+        ge=0,
+        description=(
+            "CPUs Ray reserves per rank (a worker of tensor_parallel_size N reserves N times this "
+            "on one node); on CPU also the torch threads each rank runs."
+        ),
+    )
     num_gpus: float = Field(
         0.0,
         ge=0,
         description=(
-            "GPUs per worker: 0 on CPU; a fraction below 1 shares a GPU. More than 1 (tensor "
-            "parallelism) is not supported yet."
+            "GPUs per rank: 0 on CPU, 1 for a rank of its own; a fraction below 1 shares a GPU "
+            "with other workers (not with the worker's own ranks: tensor_parallel_size above 1 "
+            "needs 0 or 1). A worker of tensor_parallel_size N uses N GPUs of one node."
         ),
     )
     resources: dict[str, float] = Field(
@@ -35,11 +43,11 @@ class WorkerResources(Section):
 
     @field_validator("num_gpus")
     @classmethod
-    def _one_gpu_at_most(cls, value: float) -> float:
+    def _one_gpu_per_rank(cls, value: float) -> float:
         if value > 1:
             raise ValueError(
-                f"not supported yet: a worker uses at most 1 GPU until tensor parallelism "
-                f"lands, got {value}"
+                f"must be <= 1: a rank runs on one GPU (for more GPUs per worker, raise "
+                f"tensor_parallel_size), got {value:g}"
             )
         return value
 
@@ -58,13 +66,19 @@ class WorkerResources(Section):
 
     @property
     def ray_actor_options(self) -> dict[str, Any]:
-        """Keyword arguments for ``ActorClass.options(...)``."""
+        """Keyword arguments for ``ActorClass.options(...)`` of one rank."""
         options: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
         if self.resources:
             options["resources"] = dict(self.resources)
         if self.label_selector:
             options["label_selector"] = dict(self.label_selector)
         return options
+
+    @property
+    def bundle(self) -> dict[str, float]:
+        """One rank's placement-group bundle (its resources, zero amounts left out)."""
+        amounts = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
+        return {name: amount for name, amount in amounts.items() if amount > 0}
 
 
 class SchedulerLimits(Section):
@@ -97,11 +111,40 @@ class PoolConfig(Section):
     """One pool of identical workers."""
 
     resources: WorkerResources = Field(
-        default_factory=WorkerResources, description="Ray resources per worker."
+        default_factory=WorkerResources, description="Ray resources per rank of each worker."
     )
     scheduler: SchedulerLimits = Field(
         default_factory=SchedulerLimits, description="Scheduler limits of each worker."
     )
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description=(
+            "Ranks per worker (tensor parallelism): each holds 1/N of the weights and of every KV "
+            "page's heads, all on one node (a placement group). N must divide the model's query "
+            "heads and its MLP width; its KV heads must divide by N, or N by them (KV heads then "
+            "replicated). Checked against the model before any worker starts."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _ranks_own_their_gpus(self) -> PoolConfig:
+        gpus = self.resources.num_gpus
+        if self.tensor_parallel_size > 1 and 0 < gpus < 1:
+            check_fields(
+                [
+                    (
+                        "resources.num_gpus",
+                        f"must be 0 or 1 with tensor_parallel_size {self.tensor_parallel_size} "
+                        f"(each rank needs a GPU of its own), got {gpus}",
+                    )
+                ]
+            )
+        return self
+
+    @property
+    def num_ranks(self) -> int:
+        return self.tensor_parallel_size
 
 
 class PrefillPoolConfig(PoolConfig):

@@ -1,7 +1,7 @@
 """Model loading: GGUF (dequantized), HF safetensors directories, and dummy random weights."""
 
 from engine.loaders.dummy import DUMMY_PRESETS, init_dummy_weights
-from engine.loaders.load import LoadedModel, load_model
+from engine.loaders.load import LoadedModel, load_model, read_model_config
 from engine.loaders.source import LOAD_FORMATS, LoadFormat, default_gguf_path
 from engine.loaders.tokenizer_only import load_tokenizer
 
@@ -14,4 +14,5 @@ __all__ = [
     "init_dummy_weights",
     "load_model",
     "load_tokenizer",
+    "read_model_config",
 ]

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import zlib
+from collections.abc import Iterator, Mapping
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from engine.model_config import ModelConfig, RopeScaling
+
+if TYPE_CHECKING:
+    from engine.model.causal_lm import PagedCausalLMBase
 
 _LLAMA3_8B = ModelConfig(
     architecture="llama",
@@ -60,19 +64,29 @@ DUMMY_STD = 0.02
 
 
 @torch.no_grad()
-def init_dummy_weights(model: nn.Module, seed: int, std: float = DUMMY_STD) -> None:
+def init_dummy_weights(model: PagedCausalLMBase, seed: int, std: float = DUMMY_STD) -> None:
     """Fill every parameter deterministically from ``seed``: norm weights the identity scale (1, or
     0 for Gemma's (1 + w) norms), everything else N(0, std).
 
-    A small std keeps the residual stream and the logits finite at any depth. Values depend on the
-    seed and the device (CPU and CUDA generators differ), not on anything else.
+    Each checkpoint tensor (HF name, whole shape) is drawn from its own generator, seeded from
+    ``seed`` and its name, then cut to the rank's part: every tensor-parallel size gets the same
+    model, so prefill and decode workers of different sizes agree. A small std keeps the residual
+    stream and the logits finite at any depth. Values depend on the seed and the device (CPU and
+    CUDA generators differ), not on anything else.
     """
-    device = next(model.parameters()).device
-    generator = torch.Generator(device=device).manual_seed(seed)
-    for name, param in model.named_parameters():
-        owner, _, attr = name.rpartition(".")
-        identity = getattr(model.get_submodule(owner), "identity_weight", None)
-        if identity is not None and attr == "weight":
-            param.fill_(identity)
-        else:
-            param.normal_(0.0, std, generator=generator)
+    param = next(model.parameters())
+    model.load_weights(_dummy_tensors(model, seed, std, param.dtype, param.device))
+
+
+def _dummy_tensors(
+    model: PagedCausalLMBase, seed: int, std: float, dtype: torch.dtype, device: torch.device
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, shape, identity in model.checkpoint_tensors():
+        if identity is not None:
+            yield name, torch.full(shape, identity, dtype=dtype, device=device)
+            continue
+        generator = torch.Generator(device=device).manual_seed(
+            (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63
+        )
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        yield name, tensor.normal_(0.0, std, generator=generator)

@@ -11,6 +11,8 @@ import torch
 from safetensors import safe_open
 
 from engine.model_config import ModelConfig
+from engine.tp.partition import TPPartition
+from engine.tp.shard_weights import hf_shard
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -43,9 +45,22 @@ def safetensors_files(directory: Path) -> list[Path]:
     return files
 
 
-def iter_safetensors_weights(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) for every tensor of every shard, read one at a time (memory stays at one tensor)."""
+def iter_safetensors_weights(
+    directory: Path, part: TPPartition | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for every tensor of every shard, read one at a time (memory stays at one
+    tensor); with ``part`` only the tensor-parallel rank's slice of each split tensor is read."""
     for path in safetensors_files(directory):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, f.get_tensor(name)
+                if part is None:
+                    yield name, f.get_tensor(name)
+                    continue
+                sliced = f.get_slice(name)
+                cut = hf_shard(name, tuple(sliced.get_shape()), part)
+                if cut is None:
+                    yield name, f.get_tensor(name)
+                    continue
+                dim, start, stop = cut
+                index = (slice(None),) * dim + (slice(start, stop),)
+                yield name, sliced[index]

@@ -6,9 +6,10 @@ import torch
 from torch import nn
 
 from engine.forward_batch import ForwardBatch
-from engine.model.linear import Linear, MergedLinear
+from engine.model.linear import MergedLinear, RowParallelLinear
 from engine.model.norm import RMSNorm
 from engine.model_config import ModelConfig
+from engine.tp.context import TPContext
 from kernels import (
     AttentionPlan,
     paged_decode_attention,
@@ -37,23 +38,26 @@ class PagedAttention(nn.Module):
         sliding_window: int | None = None,
         kv_group: str = FULL_GROUP,
         softcap: float | None = None,
+        tp: TPContext | None = None,
     ) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        # With tensor parallelism: this rank's query heads and KV head shard (engine/tp/partition.py).
+        self.num_heads = config.num_heads if tp is None else tp.partition.num_heads
+        self.num_kv_heads = config.num_kv_heads if tp is None else tp.partition.kv.count
         self.head_dim = config.head_dim
         self.scale = config.attention_scale
         self.sliding_window = sliding_window
         self.kv_group = kv_group
         self.softcap = softcap
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(
             config.hidden_size,
-            (config.q_size, config.kv_size, config.kv_size),
+            (q_size, kv_size, kv_size),
             bias=config.attention_bias,
             dtype=dtype,
         )
-        self.o_proj = Linear(
-            config.q_size, config.hidden_size, bias=config.attention_out_bias, dtype=dtype
+        self.o_proj = RowParallelLinear(
+            q_size, config.hidden_size, bias=config.attention_out_bias, dtype=dtype, tp=tp
         )
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None

@@ -5,7 +5,7 @@ float32 logits of the sampled rows."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Self
 
 import torch
@@ -13,6 +13,8 @@ from torch import nn
 
 from engine.model.linear import Linear, MergedLinear, PackedWeight
 from engine.model_config import ModelConfig
+from engine.tp.context import TPContext
+from engine.tp.shard_weights import hf_shard
 from kernels import linear
 
 # HF projection name -> (merged module, shard index); the checkpoint keeps them apart, we stack them.
@@ -39,6 +41,7 @@ class PagedCausalLMBase(nn.Module):
     config: ModelConfig
     model: nn.Module
     lm_head: Linear | None
+    tp: TPContext | None
 
     def __init__(self) -> None:
         super().__init__()
@@ -46,11 +49,18 @@ class PagedCausalLMBase(nn.Module):
         self.tied_lm_head = PackedWeight()
 
     @classmethod
-    def build(cls, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> Self:
+    def build(
+        cls,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tp: TPContext | None = None,
+    ) -> Self:
         """An instance with uninitialised parameters on ``device`` (skips the random init that a
-        checkpoint overwrites anyway); fill it with ``load_weights`` or engine/loaders/dummy.py."""
+        checkpoint overwrites anyway); fill it with ``load_weights`` or engine/loaders/dummy.py.
+        With ``tp``: the rank's shard of every split layer (engine/tp/shard_weights.py)."""
         with torch.device("meta"):
-            model = cls(config, dtype=dtype)  # type: ignore[call-arg]
+            model = cls(config, dtype=dtype, tp=tp)  # type: ignore[call-arg]
         model.to_empty(device=device)
         for module in model.modules():
             reset = getattr(module, "reset_buffers", None)
@@ -80,7 +90,9 @@ class PagedCausalLMBase(nn.Module):
     ) -> None:
         """Copy HF-named tensors into the parameters (converting dtype and device).
 
-        Unknown names raise ValueError; with ``strict`` so does any parameter left unloaded.
+        Unknown names raise ValueError; with ``strict`` so does any parameter left unloaded. With
+        tensor parallelism a tensor may be the whole checkpoint tensor (cut here to the rank's
+        part) or already that part (a loader that read only it).
         """
         params = dict(self.named_parameters())
         loaded: set[tuple[str, int]] = set()
@@ -89,6 +101,7 @@ class PagedCausalLMBase(nn.Module):
                 continue  # derived from the config, stored by some old checkpoints
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding is the output projection
+            tensor = self._rank_part(name, tensor)
             match = _STACKED_NAME.match(name)
             if match:
                 prefix, proj, kind = match.groups()
@@ -117,6 +130,43 @@ class PagedCausalLMBase(nn.Module):
                 raise ValueError(
                     f"{len(missing)} parameters missing from the checkpoint, e.g. {sorted(set(missing))[:5]}"
                 )
+
+    def checkpoint_tensors(self) -> Iterator[tuple[str, tuple[int, ...], float | None]]:
+        """(HF name, whole shape, identity value or None) of every tensor a checkpoint of this
+        model holds, tensor parallelism undone: what a dummy loader must make."""
+        dtype = next(self.parameters()).dtype
+        with torch.device("meta"):
+            whole = type(self)(self.config, dtype=dtype)  # type: ignore[call-arg]
+        unstack = {merged: [] for merged, _ in _STACKED.values()}
+        for proj, (merged, _) in _STACKED.items():
+            unstack[merged].append(proj)
+        for module_name, module in whole.named_modules():
+            identity = getattr(module, "identity_weight", None)
+            for param_name, param in module.named_parameters(recurse=False):
+                full = f"{module_name}.{param_name}"
+                prefix, _, leaf = module_name.rpartition(".")
+                prefix, _, parent = prefix.rpartition(".")
+                merged = f"{parent}.{leaf}"
+                if isinstance(module, MergedLinear) and merged in unstack:
+                    for proj, rows in zip(unstack[merged], module.shard_sizes, strict=True):
+                        shape = (rows, *param.shape[1:])
+                        yield f"{prefix}.{proj}.{param_name}", shape, None
+                    continue
+                ident = identity if identity is not None and param_name == "weight" else None
+                yield full, tuple(param.shape), ident
+
+    def _rank_part(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The rank's part of ``tensor``: cut from the whole one, or as given when a loader read
+        only that part (a split dimension already of the part's length)."""
+        if self.tp is None or self.tp.size == 1:
+            return tensor
+        cut = hf_shard(name, tuple(tensor.shape), self.tp.partition)
+        if cut is None:
+            return tensor
+        dim, start, stop = cut
+        if tensor.shape[dim] == stop - start:
+            return tensor
+        return tensor.narrow(dim, start, stop - start)
 
     def _expected_shards(self) -> list[tuple[str, int]]:
         expected: list[tuple[str, int]] = []

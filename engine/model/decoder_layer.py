@@ -15,10 +15,17 @@ from engine.model.attention import PagedAttention
 from engine.model.mlp import GatedMLP
 from engine.model.norm import RMSNorm
 from engine.model_config import ModelConfig
+from engine.tp.context import TPContext
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer: int,
+        dtype: torch.dtype | None = None,
+        tp: TPContext | None = None,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.self_attn = PagedAttention(
@@ -27,11 +34,12 @@ class DecoderLayer(nn.Module):
             sliding_window=config.layer_window(layer),
             kv_group=config.kv_group(layer),
             softcap=config.attn_logit_softcapping,
+            tp=tp,
         )
         self.post_attention_layernorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, dtype=dtype
         )
-        self.mlp = GatedMLP(config, dtype=dtype)
+        self.mlp = GatedMLP(config, dtype=dtype, tp=tp)
 
     def forward(
         self,

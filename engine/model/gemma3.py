@@ -23,6 +23,7 @@ from engine.model.linear import Linear
 from engine.model.mlp import GatedMLP
 from engine.model.rotary import RotaryEmbedding
 from engine.model_config import ModelConfig
+from engine.tp.context import TPContext
 
 
 class Gemma3RMSNorm(nn.Module):
@@ -43,7 +44,13 @@ class Gemma3RMSNorm(nn.Module):
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer: int,
+        dtype: torch.dtype | None = None,
+        tp: TPContext | None = None,
+    ) -> None:
         super().__init__()
         eps, size = config.rms_norm_eps, config.hidden_size
         self.sliding = config.layer_window(layer) is not None
@@ -53,11 +60,12 @@ class Gemma3DecoderLayer(nn.Module):
             sliding_window=config.layer_window(layer),
             kv_group=config.kv_group(layer),
             softcap=config.attn_logit_softcapping,
+            tp=tp,
         )
         # Gemma's q/k norms are (1 + w) norms too.
         self.self_attn.q_norm = Gemma3RMSNorm(config.head_dim, eps, dtype=dtype)
         self.self_attn.k_norm = Gemma3RMSNorm(config.head_dim, eps, dtype=dtype)
-        self.mlp = GatedMLP(config, dtype=dtype)
+        self.mlp = GatedMLP(config, dtype=dtype, tp=tp)
         self.input_layernorm = Gemma3RMSNorm(size, eps, dtype=dtype)
         self.post_attention_layernorm = Gemma3RMSNorm(size, eps, dtype=dtype)
         self.pre_feedforward_layernorm = Gemma3RMSNorm(size, eps, dtype=dtype)
@@ -80,7 +88,9 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3Model(nn.Module):
     """Embedding, decoder layers and final norm (the ``model.`` prefix of HF parameter names)."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype | None = None, tp: TPContext | None = None
+    ) -> None:
         super().__init__()
         # Created without its random init (N(0,1) over the whole vocab is slow and always overwritten).
         self.embed_tokens = nn.Embedding(
@@ -89,7 +99,8 @@ class Gemma3Model(nn.Module):
             _weight=torch.empty(config.vocab_size, config.hidden_size, dtype=dtype),
         )
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, layer, dtype=dtype) for layer in range(config.num_layers)
+            Gemma3DecoderLayer(config, layer, dtype=dtype, tp=tp)
+            for layer in range(config.num_layers)
         )
         self.norm = Gemma3RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 
@@ -97,14 +108,17 @@ class Gemma3Model(nn.Module):
 class Gemma3ForCausalLM(PagedCausalLMBase):
     """Gemma 3's text model as the engine runs it (same interface as LlamaForCausalLM)."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype | None = None, tp: TPContext | None = None
+    ) -> None:
         super().__init__()
         if config.architecture != "gemma3_text":
             raise ValueError(
                 f"Gemma3ForCausalLM needs a gemma3_text config, got {config.architecture!r}"
             )
         self.config = config
-        self.model = Gemma3Model(config, dtype=dtype)
+        self.tp = tp
+        self.model = Gemma3Model(config, dtype=dtype, tp=tp)
         self.embed_scale = config.hidden_size**0.5
         self.rotary_global = RotaryEmbedding(config)
         local_theta = config.rope_local_theta or config.rope_theta

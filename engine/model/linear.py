@@ -1,12 +1,13 @@
 """Linear layers of the model: ``Linear`` runs kernels.linear (oneDNN on CPU, with the weight packed
-once into oneDNN's layout), and ``MergedLinear`` stacks several checkpoint projections into one
-matmul (q/k/v, gate/up)."""
+once into oneDNN's layout), ``MergedLinear`` stacks several checkpoint projections into one
+matmul (q/k/v, gate/up), and ``RowParallelLinear`` sums its tensor-parallel ranks' partial products."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from engine.tp.context import TPContext
 from kernels import linear, pack_linear_weight
 
 
@@ -38,6 +39,21 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed_weight.get(self.weight))
+
+
+class RowParallelLinear(Linear):
+    """A linear layer whose input columns are split over tensor-parallel ranks: each rank's
+    product is a partial sum, added up over the ranks, then the (whole) bias once."""
+
+    def __init__(self, *args: object, tp: TPContext | None = None, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp is None or self.tp.size == 1:
+            return super().forward(x)
+        out = self.tp.all_reduce(linear(x, self.weight, None, self.packed_weight.get(self.weight)))
+        return out if self.bias is None else out + self.bias
 
 
 class MergedLinear(Linear):

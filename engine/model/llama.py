@@ -12,12 +12,15 @@ from engine.model.linear import Linear
 from engine.model.norm import RMSNorm
 from engine.model.rotary import RotaryEmbedding
 from engine.model_config import ModelConfig
+from engine.tp.context import TPContext
 
 
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm (the ``model.`` prefix of HF parameter names)."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype | None = None, tp: TPContext | None = None
+    ) -> None:
         super().__init__()
         # Created without its random init (N(0,1) over the whole vocab is slow and always overwritten).
         self.embed_tokens = nn.Embedding(
@@ -26,7 +29,7 @@ class LlamaModel(nn.Module):
             _weight=torch.empty(config.vocab_size, config.hidden_size, dtype=dtype),
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, layer, dtype=dtype) for layer in range(config.num_layers)
+            DecoderLayer(config, layer, dtype=dtype, tp=tp) for layer in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 
@@ -38,10 +41,13 @@ class LlamaForCausalLM(PagedCausalLMBase):
     ``model.embed_tokens.weight``.
     """
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype | None = None, tp: TPContext | None = None
+    ) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, dtype=dtype)
+        self.tp = tp
+        self.model = LlamaModel(config, dtype=dtype, tp=tp)
         self.rotary_emb = RotaryEmbedding(config)
         self.lm_head: Linear | None = None
         if not config.tie_word_embeddings:
@@ -53,7 +59,7 @@ class LlamaForCausalLM(PagedCausalLMBase):
         """Run one step over ``batch``; returns the final-norm hidden states [T, hidden].
 
         ``kv_caches[i]`` is layer i's (k_cache, v_cache), each [num_pages, page_size, Hkv, head_dim]
-        (``buffer[:, j, 0]`` / ``buffer[:, j, 1]`` of its pool group's layout, kvcache/spec.py). The
+        (``kv_buffer.layer_view(buffer, j)`` of its pool group's layout, kvcache/spec.py). The
         new tokens' K/V are written to the slots of each layer's group (``batch.slot_mappings``)
         before attention reads the pages.
         """

@@ -6,8 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.linear import Linear, MergedLinear
+from engine.model.linear import MergedLinear, RowParallelLinear
 from engine.model_config import ModelConfig
+from engine.tp.context import TPContext
 from kernels import silu_and_mul
 
 
@@ -15,12 +16,15 @@ class GatedMLP(nn.Module):
     """``down(act(gate(x)) * up(x))``, act = silu or tanh-approximated GELU (``config.hidden_act``);
     gate and up share one matmul (shards 0 and 1 of ``gate_up_proj``)."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype | None = None, tp: TPContext | None = None
+    ) -> None:
         super().__init__()
-        size = config.intermediate_size
+        # With tensor parallelism: this rank's columns of gate/up, rows of down (summed over ranks).
+        size = config.intermediate_size if tp is None else tp.partition.intermediate_size
         self.gelu = config.hidden_act == "gelu_pytorch_tanh"
         self.gate_up_proj = MergedLinear(config.hidden_size, (size, size), bias=False, dtype=dtype)
-        self.down_proj = Linear(size, config.hidden_size, bias=False, dtype=dtype)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=False, dtype=dtype, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)

@@ -108,11 +108,37 @@ def test_worker_resources() -> None:
     assert WorkerResources(num_gpus=0.5).num_gpus == 0.5
     data = {"prefill": {"resources": {"num_gpus": 2, "resources": {"GPU": 1, "x": -1}}}}
     assert issues_of(data) == [
-        "prefill.resources.num_gpus: not supported yet: a worker uses at most 1 GPU until tensor "
-        "parallelism lands, got 2.0",
+        "prefill.resources.num_gpus: must be <= 1: a rank runs on one GPU (for more GPUs per "
+        "worker, raise tensor_parallel_size), got 2",
         "prefill.resources.resources: built-in resources ['GPU'] go in num_cpus / num_gpus, "
         "not in resources",
     ]
+    bundle = WorkerResources(num_cpus=0.5, num_gpus=1, resources={"node_a": 1}).bundle
+    assert bundle == {"CPU": 0.5, "GPU": 1.0, "node_a": 1.0}
+    assert WorkerResources(num_cpus=1, num_gpus=0).bundle == {"CPU": 1.0}
+
+
+def test_tensor_parallel_size_counts_ranks_of_a_gpu_each() -> None:
+    """prefill.tensor_parallel_size and decode.tensor_parallel_size: ranks per worker (default 1),
+    each with resources.num_gpus of 0 or 1 (ranks of one worker never share a GPU); the checks
+    against the model and the nodes are in tests/cluster/test_preflight.py."""
+    config = config_from_dict({"prefill": {"tensor_parallel_size": 2}})
+    assert (config.prefill.num_ranks, config.decode.num_ranks) == (2, 1)
+    assert (
+        config_from_dict({"decode": {"tensor_parallel_size": 4}}).decode.tensor_parallel_size == 4
+    )
+    assert issues_of(
+        {"prefill": {"tensor_parallel_size": 0}, "decode": {"tensor_parallel_size": -1}}
+    ) == [
+        "prefill.tensor_parallel_size: must be >= 1, got 0",
+        "decode.tensor_parallel_size: must be >= 1, got -1",
+    ]
+    shared = {"tensor_parallel_size": 2, "resources": {"num_gpus": 0.5}}
+    assert issues_of({"decode": shared}) == [
+        "decode.resources.num_gpus: must be 0 or 1 with tensor_parallel_size 2 (each rank needs a "
+        "GPU of its own), got 0.5"
+    ]
+    assert config_from_dict({"decode": {"resources": {"num_gpus": 0.5}}}).decode.num_ranks == 1
 
 
 def test_dummy_config_required_iff_load_format_dummy() -> None:
@@ -196,7 +222,8 @@ def test_kvcache_pool_ratio() -> None:
 
 def test_kvcache_host_tier_bytes() -> None:
     """kvcache.host_tier_bytes: bytes or a unit; >= 0; needs prefix reuse (below one page per
-    group is refused at worker start-up: tests/worker_common/test_engine_setup.py)."""
+    group is refused at worker start-up: tests/worker_common/test_engine_setup.py); not with
+    tensor-parallel workers yet."""
     assert KVCacheConfig().host_tier_bytes == 0
     assert KVCacheConfig(host_tier_bytes="1GiB").host_tier_bytes == 2**30  # type: ignore[arg-type]
     assert issues_of({"kvcache": {"host_tier_bytes": -1}}) == [
@@ -207,6 +234,14 @@ def test_kvcache_host_tier_bytes() -> None:
         "kvcache.host_tier_bytes: needs prefix reuse (with reuse_policy 'none' no page is ever "
         "reusable, so nothing would go to the host tier): set reuse_policy, or 0"
     ]
+    tp = {"tensor_parallel_size": 2}
+    assert issues_of({"kvcache": {"host_tier_bytes": "1GiB"}, "decode": tp, "prefill": tp}) == [
+        "kvcache.host_tier_bytes: not supported with tensor parallelism yet (ranks 1.. hold their "
+        "KV heads in processes the host tier does not copy): decode.tensor_parallel_size 2, "
+        "prefill.tensor_parallel_size 2; use 0"
+    ]
+    aggregated = {"prefill": {"replicas": 0, **tp}, "kvcache": {"host_tier_bytes": "1GiB"}}
+    assert config_from_dict(aggregated).kvcache.host_tier_bytes == 2**30  # no prefill workers
 
 
 def test_kvcache_swa_scratch_reuse() -> None:

@@ -23,6 +23,7 @@ def test_the_expected_configs_are_there() -> None:
         "gpu_1p1d.yaml",
         "gpu_1p1d_aggregated.yaml",
         "gpu_2p2d.yaml",
+        "gpu_tp.yaml",
         "local.yaml",
         "local_aggregated.yaml",
     ]
@@ -79,3 +80,33 @@ def test_ray_cluster_launcher_example_is_yaml() -> None:
     assert isinstance(data, dict)
     assert data["head_node_type"] in data["available_node_types"]
     assert {"prefill_gpu", "decode_gpu"} <= data["available_node_types"].keys()
+
+
+def test_gpu_tp_config_is_70b_shaped_tp2_each_side_on_four_gpus() -> None:
+    """configs/gpu_tp.yaml: the split passes the model checks of cluster/preflight.py, and
+    scripts/gpu_tp_check.py --dry-run (what its GPU run starts with) accepts it."""
+    import subprocess
+    import sys
+
+    from cluster.preflight import tensor_parallel_issues
+    from engine.loaders import read_model_config
+
+    cfg = load("gpu_tp.yaml")
+    assert (cfg.prefill.tensor_parallel_size, cfg.decode.tensor_parallel_size) == (2, 2)
+    assert cfg.prefill.resources.num_gpus == cfg.decode.resources.num_gpus == 1
+    dummy = cfg.model.dummy_config
+    assert dummy is not None
+    model = read_model_config(cfg.model.source, "dummy", dummy.as_hf_dict())
+    assert (model.hidden_size, model.num_layers, model.num_heads, model.num_kv_heads) == (
+        8192,
+        80,
+        64,
+        8,
+    )
+    assert tensor_parallel_issues(cfg, model) == []
+    script = CONFIGS.parent / "scripts" / "gpu_tp_check.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--dry-run"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert '"decode_tp": 2' in done.stdout

@@ -17,6 +17,7 @@ import torch
 
 from engine.forward_batch import ForwardBatch
 from engine.model_config import ModelConfig
+from kvcache.kv_buffer import layer_view
 
 TINY_VOCAB = 320  # the tiny tokenizer has fewer ids; the rest are valid ids without text
 
@@ -255,7 +256,8 @@ def tiny_llama3_dir(tiny_hf_checkpoints: dict[str, Path]) -> Path:
 
 @dataclass
 class PagedKV:
-    """A real paged KV buffer [num_pages, num_layers, 2, page_size, Hkv, D] and batch building over it."""
+    """A real paged KV buffer [num_pages, Hkv, num_layers, 2, page_size, D] (kvcache/spec.py) and
+    batch building over it."""
 
     buffer: torch.Tensor
     page_size: int
@@ -264,17 +266,14 @@ class PagedKV:
     def allocate(
         cls, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype = torch.float32
     ) -> PagedKV:
-        shape = (num_pages, config.num_layers, 2, page_size, config.num_kv_heads, config.head_dim)
+        shape = (num_pages, config.num_kv_heads, config.num_layers, 2, page_size, config.head_dim)
         # Large random garbage: attending to a slot nobody wrote shows up in the logits. (Not NaN:
         # the reference decode kernel multiplies masked slots by probability 0, and 0 * NaN = NaN.)
         gen = torch.Generator().manual_seed(1234)
         return cls((100.0 * torch.randn(shape, generator=gen)).to(dtype), page_size)
 
     def layer_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [
-            (self.buffer[:, layer, 0], self.buffer[:, layer, 1])
-            for layer in range(self.buffer.shape[1])
-        ]
+        return [layer_view(self.buffer, layer) for layer in range(self.buffer.shape[2])]
 
     def batch(
         self,

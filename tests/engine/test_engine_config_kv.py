@@ -44,6 +44,15 @@ def test_bad_kv_fields_are_refused(field: str, value: float) -> None:
         EngineConfig(**{field: value})
 
 
+def test_host_tier_with_tensor_parallelism_is_refused() -> None:
+    """Ranks 1.. hold their KV heads in processes of their own, which the host tier (rank 0's
+    manager) does not copy: asking for both is an error, never a tier that loads back only rank
+    0's heads."""
+    with pytest.raises(ValueError, match=r"host_tier_bytes is not supported with tensor_parallel"):
+        EngineConfig(host_tier_bytes=1 << 20, tensor_parallel_size=2)
+    assert EngineConfig(host_tier_bytes=1 << 20).tensor_parallel_size == 1
+
+
 GEMMA = ModelConfig.from_hf_config(HYBRID_HF_CONFIGS["gemma3"])  # 5 sliding (window 32) : 1 full
 
 

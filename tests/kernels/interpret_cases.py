@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 import kernels
+from kvcache.kv_buffer import layer_view
 from tests.kernels.paged_inputs import make_paged_kv, pack_queries
 
 CaseFn = Callable[[torch.Generator], float]
@@ -94,7 +95,7 @@ def _store_kv(src_dtype: torch.dtype, cache_dtype: torch.dtype) -> CaseFn:
         value = torch.randn((6, 2, 64), generator=gen).to(src_dtype)
         slots = torch.tensor([3, -1, 17, 40, -5, 90])
         kernels.store_kv(key, value, kv.k_cache, kv.v_cache, slots)
-        kernels.store_kv_ref(key, value, expected[:, 1, 0], expected[:, 1, 1], slots)
+        kernels.store_kv_ref(key, value, *layer_view(expected, 1), slots)
         return _err(kv.buffer, expected)
 
     return run

@@ -13,14 +13,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvcache.kv_buffer import layer_view
 from kvcache.spec import NULL_PAGE
 
 
 @dataclass
 class PagedKV:
-    buffer: torch.Tensor  # [num_pages, num_layers, 2, page_size, Hkv, D]
-    k_cache: torch.Tensor  # buffer[:, layer, 0], strided
-    v_cache: torch.Tensor  # buffer[:, layer, 1], strided
+    buffer: torch.Tensor  # [num_pages, Hkv, num_layers, 2, page_size, D] (kvcache/spec.py)
+    k_cache: torch.Tensor  # layer_view(buffer, layer)[0]: [num_pages, page_size, Hkv, D], strided
+    v_cache: torch.Tensor
     page_table: torch.Tensor  # [B, max_pages] int32, NULL_PAGE padded
     seq_lens: torch.Tensor  # [B] int32
     dense_k: list[torch.Tensor]  # per sequence [L_b, Hkv, D], what the pages hold
@@ -41,7 +42,7 @@ def make_paged_kv(
 ) -> PagedKV:
     pages_per_seq = [math.ceil(n / page_size) for n in seq_lens]
     num_pages = 1 + sum(pages_per_seq) + spare_pages
-    shape = (num_pages, num_layers, 2, page_size, num_kv_heads, head_dim)
+    shape = (num_pages, num_kv_heads, num_layers, 2, page_size, head_dim)
     # Random numbers are drawn on the target device (fast for GPU-sized pools), seeded from `gen`.
     dev_gen = torch.Generator(device=device).manual_seed(
         int(torch.randint(2**62, (1,), generator=gen))
@@ -51,6 +52,7 @@ def make_paged_kv(
     page_table = torch.full(
         (len(seq_lens), max(pages_per_seq, default=0) + 1), NULL_PAGE, dtype=torch.int32
     )
+    k_cache, v_cache = layer_view(buffer, layer)
     dense_k, dense_v = [], []
     for b, (n, n_pages) in enumerate(zip(seq_lens, pages_per_seq, strict=True)):
         ids = [free_ids.pop() for _ in range(n_pages)]
@@ -61,14 +63,14 @@ def make_paged_kv(
             ids
         ):  # token t lives in page ids[t // page_size], slot t % page_size
             lo, hi = i * page_size, min(n, (i + 1) * page_size)
-            buffer[page, layer, 0, : hi - lo] = k[lo:hi]
-            buffer[page, layer, 1, : hi - lo] = v[lo:hi]
+            k_cache[page, : hi - lo] = k[lo:hi]
+            v_cache[page, : hi - lo] = v[lo:hi]
         dense_k.append(k)
         dense_v.append(v)
     return PagedKV(
         buffer=buffer,
-        k_cache=buffer[:, layer, 0],
-        v_cache=buffer[:, layer, 1],
+        k_cache=k_cache,
+        v_cache=v_cache,
         page_table=page_table.to(device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         dense_k=dense_k,

@@ -21,6 +21,7 @@ from kernels.attention_ref import (
     paged_prefill_attention_ref,
     store_kv_ref,
 )
+from kvcache.kv_buffer import layer_view
 from kvcache.spec import NULL_PAGE
 from tests.kernels.paged_inputs import PagedKV, make_paged_kv, pack_queries
 
@@ -66,7 +67,7 @@ def test_decode_matches_reference(
     table, buffer = kv.page_table, kv.buffer
     if window is not None:  # the window group's table and pool: released pages are never read
         table, buffer = window_table(kv, [max(0, n - window) for n in seq_lens])
-    k_cache, v_cache = buffer[:, 1, 0], buffer[:, 1, 1]
+    k_cache, v_cache = layer_view(buffer, 1)
     out = paged_decode_attention_cpu(q, k_cache, v_cache, table, kv.seq_lens, 0.17, window, softcap)
     assert out.shape == q.shape and out.dtype == dtype
     expected = paged_decode_attention_ref(
@@ -144,7 +145,7 @@ def test_prefill_matches_reference(
         table, buffer = window_table(
             kv, [max(0, c - n - window + 1) for n, c in zip(q_lens, ctx, strict=True)]
         )
-    k_cache, v_cache = buffer[:, 1, 0], buffer[:, 1, 1]
+    k_cache, v_cache = layer_view(buffer, 1)
     out = paged_prefill_attention_cpu(
         q, k_cache, v_cache, table, cu, kv.seq_lens, 0.2, window, softcap
     )
@@ -163,7 +164,7 @@ def test_a_plan_serves_every_layer_of_its_step() -> None:
     q, cu = pack_queries(q_lens, 4, 16, torch.float32, gen)
     plan = plan_prefill(kv.page_table, cu, kv.seq_lens, 8, sliding_window=9)
     for layer in (0, 1):
-        k_cache, v_cache = kv.buffer[:, layer, 0], kv.buffer[:, layer, 1]
+        k_cache, v_cache = layer_view(kv.buffer, layer)
         args = (q, k_cache, v_cache, kv.page_table, cu, kv.seq_lens, 0.25, 9)
         planned = paged_prefill_attention_cpu(*args, plan=plan)
         assert torch.equal(planned, paged_prefill_attention_cpu(*args))
@@ -188,7 +189,6 @@ def test_store_kv_matches_reference_with_padding_slots() -> None:
     value = torch.randn((5, 2, 16), generator=gen)
     for slots in (torch.tensor([6, -1, 13, 0, 21]), torch.tensor([6, 7, 13, 0, 21])):
         expected = kv.buffer.clone()
-        layer = expected[:, 1]
-        store_kv_ref(key, value, layer[:, 0], layer[:, 1], slots)
+        store_kv_ref(key, value, *layer_view(expected, 1), slots)
         store_kv_cpu(key, value, kv.k_cache, kv.v_cache, slots)
         assert torch.equal(kv.buffer, expected)

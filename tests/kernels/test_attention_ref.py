@@ -84,8 +84,9 @@ def test_store_kv_ref_writes_exactly_the_mapped_slots() -> None:
     store_kv_ref(key, value, kv.k_cache, kv.v_cache, slots)
     expected = before.clone()
     for t, (page, off) in {0: (1, 2), 2: (3, 1), 3: (0, 0)}.items():
-        expected[page, 1, 0, off] = key[t].half()  # layer 1 is the view under test
-        expected[page, 1, 1, off] = value[t].half()
+        # [page, head, layer, k/v, slot, D]: layer 1 is the view under test
+        expected[page, :, 1, 0, off] = key[t].half()
+        expected[page, :, 1, 1, off] = value[t].half()
     assert torch.equal(kv.buffer, expected)
 
 

@@ -22,7 +22,7 @@ def fill(m: KVCacheManager, rid: str, tokens: list[int]) -> None:
     for g, pages in m.page_ids(rid).items():
         buf = m.buffers[g]
         for i, t in enumerate(tokens):
-            buf[pages[i // m.page_size], :, :, i % m.page_size] = t + 1
+            buf[pages[i // m.page_size], :, :, :, i % m.page_size] = t + 1
 
 
 def run(m: KVCacheManager, rid: str, tokens: list[int], keep: bool = False) -> None:
@@ -63,8 +63,8 @@ def test_evicted_reusable_pages_go_to_host_in_eviction_order(make_manager: MakeM
         skipped_stores=0,
     )  # fmt: skip
     # The host pages hold the device pages' bytes as they were when evicted.
-    assert torch.equal(tier.buffers["full"][0, 0, 0, :, 0, 0], torch.tensor([4.0, 4.0]))
-    assert torch.equal(tier.buffers["full"][1, 0, 0, :, 0, 0], torch.tensor([3.0, 3.0]))
+    assert torch.equal(tier.buffers["full"][0, 0, 0, 0, :, 0], torch.tensor([4.0, 4.0]))
+    assert torch.equal(tier.buffers["full"][1, 0, 0, 0, :, 0], torch.tensor([3.0, 3.0]))
     assert m.stats().groups["full"].evictions == 2
     m.free("b")
     assert m.cached_blocks() == {"full": {"device": [h[0]], "host": [h[2], h[1]]}}
@@ -92,7 +92,7 @@ def test_a_prefix_hit_loads_host_pages_back_before_the_request_computes(
     pages = m.page_ids("c")["full"]
     assert pages == [1, 2, 3, 4] and not m.loads_pending("c")
     buf = m.buffers["full"]
-    assert torch.equal(buf[3, 0, 0, :, 0, 0], torch.tensor([4.0, 4.0]))  # tokens 3, 3
+    assert torch.equal(buf[3, 0, 0, 0, :, 0], torch.tensor([4.0, 4.0]))  # tokens 3, 3
     assert host(m) == HostTierStats(
         total=2, used=2, free=0, pinned=0, offloaded=3, loaded_back=1, hit_tokens=2, drops=1,
         skipped_stores=0,
@@ -197,7 +197,7 @@ def test_window_groups_offload_and_load_back_their_pages(make_manager: MakeManag
     buf = m.buffers["swa_3"]
     for i in match.host_pages["swa_3"]:  # loaded back: the tokens of those positions
         assert torch.equal(
-            buf[fill_check[i], 0, 0, :, 0, 0], torch.tensor([prompt[2 * i] + 1.0] * 2)
+            buf[fill_check[i], 0, 0, 0, :, 0], torch.tensor([prompt[2 * i] + 1.0] * 2)
         )
     assert host(m, "swa_3").loaded_back == len(match.host_pages["swa_3"])
     m.free("c")

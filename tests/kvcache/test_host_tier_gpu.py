@@ -23,7 +23,7 @@ def run_on_device(m: KVCacheManager, rid: str, tokens: list[int]) -> None:
     m.wait_loads(rid)
     for g, pages in m.page_ids(rid).items():
         for i in range(match.num_tokens, len(tokens)):
-            m.buffers[g][pages[i // m.page_size], :, :, i % m.page_size] = tokens[i] + 1
+            m.buffers[g][pages[i // m.page_size], :, :, :, i % m.page_size] = tokens[i] + 1
     m.commit(rid, tokens, len(tokens), prompt_done=True)
     m.free(rid)
 
@@ -37,14 +37,14 @@ def test_offload_and_load_back_through_pinned_memory() -> None:
     run_on_device(m, "a", A)
     run_on_device(m, "b", B)  # evicts A's last page: offloaded on the store stream
     m.wait_offloads()
-    assert torch.equal(tier.buffers["full"][0, 0, 0, :, 0, 0], torch.tensor([4.0, 4.0]))
+    assert torch.equal(tier.buffers["full"][0, 0, 0, 0, :, 0], torch.tensor([4.0, 4.0]))
     match = m.match_prefix(A + [9])
     assert match.host_pages == {"full": {2: 0}}
     assert m.allocate_slots("c", 7, match, num_computed_tokens=6)
     m.wait_loads("c")  # its own load-back only
     assert not m.loads_pending("c")
     page = m.page_ids("c")["full"][2]
-    assert torch.equal(m.buffers["full"][page, 0, 0, :, 0, 0].cpu(), torch.tensor([4.0, 4.0]))
+    assert torch.equal(m.buffers["full"][page, 0, 0, 0, :, 0].cpu(), torch.tensor([4.0, 4.0]))
     host = m.stats().groups["full"].host
     assert host is not None and (host.loaded_back, host.pinned) == (1, 0)
     m.free("c")

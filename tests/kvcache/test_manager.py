@@ -90,14 +90,14 @@ def test_layer_cache_views_are_the_buffers(make_manager: MakeManager) -> None:
     groups = [group_spec("a", (0, 2), num_pages=4), group_spec("b", (1,), num_pages=4)]
     m = make_manager(groups=groups)
     assert set(m.buffers) == {"a", "b"}
-    assert tuple(m.buffers["a"].shape) == (4, 2, 2, 2, 1, 2)
+    assert tuple(m.buffers["a"].shape) == (4, 1, 2, 2, 2, 2)  # [pages, Hkv, layers, 2, ps, D]
     assert torch.count_nonzero(m.buffers["a"]) == 0
     k, v = m.layer_cache(2)
     assert tuple(k.shape) == (4, 2, 1, 2)  # [num_pages, page_size, Hkv, D]
     k[3, 1] = 1.0
     v[3, 0] = 2.0
-    assert torch.equal(m.buffers["a"][3, 1, 0, 1], torch.ones(1, 2))
-    assert torch.equal(m.buffers["a"][3, 1, 1, 0], torch.full((1, 2), 2.0))
+    assert torch.equal(m.buffers["a"][3, :, 1, 0, 1], torch.ones(1, 2))
+    assert torch.equal(m.buffers["a"][3, :, 1, 1, 0], torch.full((1, 2), 2.0))
     assert int(torch.count_nonzero(m.buffers["a"])) == 4
     kb, _ = m.layer_cache(1)
     assert kb.data_ptr() == m.buffers["b"].data_ptr()

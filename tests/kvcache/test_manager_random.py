@@ -111,8 +111,9 @@ class ManagerMachine(RuleBasedStateMachine):
                 page = ids[i // PAGE_SIZE]
                 if i // PAGE_SIZE in hosted:
                     assert page == NULL_PAGE and self.m.host_tier is not None
-                    host_k = self.m.host_tier.buffers[g][:, 0, 0]
-                    value = int(host_k[hosted[i // PAGE_SIZE], i % PAGE_SIZE, 0, 0])
+                    # [pages, Hkv, layers, 2, ps, D]: head 0, the group's first layer, K
+                    host_k = self.m.host_tier.buffers[g][:, 0, 0, 0]
+                    value = int(host_k[hosted[i // PAGE_SIZE], i % PAGE_SIZE, 0])
                 else:
                     assert page != NULL_PAGE, (g, i, ids)
                     value = int(k[page, i % PAGE_SIZE, 0, 0])

@@ -101,7 +101,7 @@ def test_head_sharded_pools_of_other_head_ranges_are_refused_for_now() -> None:
         ),
         (
             dataclasses.replace(
-                TABLE, pools=tuple(dataclasses.replace(p, mapper_kind="HND") for p in TABLE.pools)
+                TABLE, pools=tuple(dataclasses.replace(p, mapper_kind="NHD") for p in TABLE.pools)
             ),
             {"full": [1], "extra": []},
             {"full": [1], "extra": []},

@@ -15,7 +15,7 @@ from transfer.page_table import PageTable
 def test_descriptor_carries_layout_roles_heads_window_and_sizes() -> None:
     table = PageTable.from_specs(MODEL, specs(two_groups=True))
     full = table.pool("full")
-    assert full.pool_role == ("key", "value") and full.mapper_kind == "NHD"
+    assert full.pool_role == ("key", "value") and full.mapper_kind == "HND"
     assert (full.layer_ids, full.tokens_per_page, full.num_kv_heads, full.head_dim) == (
         (0, 1, 2),
         4,
@@ -51,7 +51,6 @@ def _table(
     [
         dict(model="other"),
         dict(dtype=torch.bfloat16),
-        dict(heads=4),
         dict(head_dim=16),
         dict(page_size=8),
         dict(layers=(0, 1)),
@@ -66,7 +65,7 @@ def test_compat_hash_ignores_pool_sizes_and_head_ranges_but_not_names_or_mapper_
     a = PageTable.from_specs(MODEL, specs(num_pages=64))
     assert a.compat_hash == PageTable.from_specs(MODEL, specs(num_pages=999)).compat_hash
     spec = specs()[0]
-    for name, kind in [("main", MapperKind.NHD), (spec.name, MapperKind.HND)]:
+    for name, kind in [("main", MapperKind.HND), (spec.name, MapperKind.NHD)]:
         other = dataclasses.replace(spec, name=name, mapper_kind=kind)
         assert a.compat_hash != PageTable.from_specs(MODEL, [other]).compat_hash
     # Ranks of head-sharded pools hold other head ranges of one model: they must be able to talk
@@ -75,6 +74,15 @@ def test_compat_hash_ignores_pool_sizes_and_head_ranges_but_not_names_or_mapper_
     table = PageTable.from_specs(MODEL, [hnd])
     shard = dataclasses.replace(table.pools[0], head_start=1, num_kv_heads=1)
     assert PageTable(MODEL, (shard,)).compat_hash == table.compat_hash
+    replicated = dataclasses.replace(table.pools[0], mapper_kind="REPLICATED", num_kv_heads=1)
+    assert PageTable(MODEL, (replicated,)).compat_hash == table.compat_hash
+    # Without head-major pages, another head count is another model shape.
+    nhd = dataclasses.replace(spec, mapper_kind=MapperKind.NHD)
+    nhd4 = dataclasses.replace(nhd, num_kv_heads=4)
+    assert (
+        PageTable.from_specs(MODEL, [nhd]).compat_hash
+        != PageTable.from_specs(MODEL, [nhd4]).compat_hash
+    )
 
 
 def test_roles_are_sorted_however_a_descriptor_is_made() -> None:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 import kernels
-from transfer.mapper import Segment, source_bytes, total_bytes
+from transfer.mapper import Segment, total_bytes
 from transfer.messages import PullRequest, ReadGrant
 from transfer.paths.base import DataPath, PullFailed
 from transfer.pools import as_words, page_slice, segment_ids
@@ -67,7 +67,7 @@ class DirectPath(DataPath):
         assert pull.link is not None
         # Ask first, then map the pages while P admits the pull: the mapping is off the round
         # trip that every direct read waits for (a mapping error fails the pull all the same).
-        declared = source_bytes(pull.link.peer_table, pull.source_pages())
+        declared = pull.source_bytes()
         await pull.send(
             PullRequest(
                 t.request_id,

@@ -1,0 +1,108 @@
+"""End to end on CPU, disaggregated, with tensor-parallel workers on either side: each decode rank
+pulls its KV heads from the prefill ranks holding them (worker_common/tp_transfer.py), the
+official openai client against the HTTP server, transformers as the oracle (tiny random Llama: 8
+query heads, 4 KV heads). Each test starts a cluster of its own (a module of its own, so that no
+other module's cluster shares the 2 CPUs of Ray)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import torch
+
+from cluster.serve import start_cluster
+from tests.cluster.cluster_fixtures import hf_greedy_ids, local_config, wait_no_pages_held
+from tests.engine.conftest import write_tiny_checkpoint
+from tests.engine.tp.conftest import TP_HF_CONFIGS
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_checkpoint(
+        tmp_path_factory.mktemp("tp_disagg") / "llama", TP_HF_CONFIGS["llama"], seed=20
+    )
+
+
+def disaggregated_config(checkpoint: Path, prefill_tp: int, decode_tp: int, **transfer: Any) -> Any:
+    pool = {"replicas": 1, "resources": {"num_cpus": 0.5, "num_gpus": 0}}
+    scheduler = {"max_num_seqs": 4, "max_num_batched_tokens": 64, "prefill_chunk_size": 32}
+    return local_config(
+        "local.yaml",
+        model={"source": str(checkpoint), "max_model_len": 64},
+        prefill={**pool, "tensor_parallel_size": prefill_tp, "scheduler": scheduler},
+        decode={**pool, "tensor_parallel_size": decode_tp, "scheduler": scheduler},
+        kvcache={"page_size": 4, "cpu_bytes": 1 << 20},
+        **({"transfer": transfer} if transfer else {}),
+    )
+
+
+def test_failed_pulls_on_every_decode_rank_recompute_and_leak_no_page(checkpoint: Path) -> None:
+    """Every pull of both decode ranks fails (injected: P refuses, half the pages land, or all
+    land and D fails it): each request is prefilled again on the decode worker (on_failure:
+    recompute), its tokens still transformers', and no rank of either worker holds a page."""
+    from transformers import AutoModelForCausalLM
+
+    config = disaggregated_config(
+        checkpoint,
+        1,
+        2,
+        on_failure="recompute",
+        fault_injection={"fraction": 1.0, "points": ["before_data", "mid_data", "before_ack"]},
+    )
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    rc = start_cluster(config)
+    try:
+        client = openai.OpenAI(base_url=rc.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        gen = torch.Generator().manual_seed(5)
+        for n in (6, 15):
+            prompt = [0, *torch.randint(5, 300, (n,), generator=gen).tolist()]
+            out = client.completions.create(
+                model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0
+            )
+            assert out.choices[0].model_extra["token_ids"] == hf_greedy_ids(
+                hf, prompt, MAX_TOKENS, [1]
+            ), prompt
+        stats = wait_no_pages_held(rc)
+        (d_stats,) = [s for s in stats if s.role.value == "decode"]
+        assert d_stats.transfer.recomputed == 2 and d_stats.transfer.transfers_ok == 0
+    finally:
+        rc.stop()
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
+def test_disaggregated_tp_matches_transformers_and_holds_no_page(
+    prefill_tp: int, decode_tp: int, checkpoint: Path
+) -> None:
+    """Each decode rank pulls its KV heads from the prefill ranks that hold them; the tokens
+    through the official openai client are transformers' greedy ones, and afterwards no rank of
+    either worker holds a page (rank 0's accounting is every rank's)."""
+    from transformers import AutoModelForCausalLM
+
+    config = disaggregated_config(checkpoint, prefill_tp, decode_tp)
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    rc = start_cluster(config)
+    try:
+        client = openai.OpenAI(base_url=rc.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        gen = torch.Generator().manual_seed(4)
+        for n in (5, 14):
+            prompt = [0, *torch.randint(5, 300, (n,), generator=gen).tolist()]
+            out = client.completions.create(
+                model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0
+            )
+            assert out.choices[0].model_extra["token_ids"] == hf_greedy_ids(
+                hf, prompt, MAX_TOKENS, [1]
+            ), prompt
+        stats = wait_no_pages_held(rc)
+        (p_stats,) = [s for s in stats if s.role.value == "prefill"]
+        assert p_stats.transfer.failures == 0
+    finally:
+        rc.stop()

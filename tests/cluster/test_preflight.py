@@ -1,0 +1,112 @@
+"""cluster/preflight.py: tensor_parallel_size against the model's shape and the Ray nodes, refused
+with ConfigErrors naming the fields before any actor starts."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+
+from cluster.builder import build_cluster
+from cluster.config import ConfigError, config_from_dict
+from cluster.preflight import placement_issues, preflight, tensor_parallel_issues
+from engine.loaders import read_model_config
+
+EIGHT_HEADS = {  # 8 query heads, 4 KV heads
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "vocab_size": 100,
+    "max_position_embeddings": 256,
+}
+
+
+def dummy(prefill_tp: int, decode_tp: int, **pools: dict) -> dict:
+    return {
+        "model": {"load_format": "dummy", "dummy_config": EIGHT_HEADS},
+        "prefill": {"tensor_parallel_size": prefill_tp, **pools.get("prefill", {})},
+        "decode": {"tensor_parallel_size": decode_tp, **pools.get("decode", {})},
+    }
+
+
+def issues(data: dict) -> list[str]:
+    config = config_from_dict(data)
+    model = read_model_config("x", "dummy", config.model.dummy_config.as_hf_dict())
+    return tensor_parallel_issues(config, model)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_splits_of_8_query_and_4_kv_heads(tp: int) -> None:
+    """tp 8 > 4 KV heads: each KV head is replicated on two ranks."""
+    assert issues(dummy(tp, tp)) == []
+
+
+def test_3_ranks_for_8_heads_names_the_field() -> None:
+    assert issues(dummy(3, 1)) == [  # (96 splits in 3: the MLP is fine)
+        "prefill.tensor_parallel_size: must divide the model's 8 query heads, got 3",
+        "prefill.tensor_parallel_size: the model's 4 KV heads must divide by it, or it by them "
+        "(KV heads then replicated), got 3",
+    ]
+    assert issues(dummy(1, 16)) == [
+        "decode.tensor_parallel_size: must divide the model's 8 query heads, got 16",
+    ]
+    wide = dummy(2, 1)
+    wide["model"]["dummy_config"] = {**EIGHT_HEADS, "intermediate_size": 97}
+    assert issues(wide) == [
+        "prefill.tensor_parallel_size: must divide the model's MLP width (intermediate_size 97), "
+        "got 2"
+    ]
+
+
+def test_aggregated_mode_checks_only_decode() -> None:
+    data = dummy(3, 2)
+    data["prefill"]["replicas"] = 0
+    assert issues(data) == []
+
+
+def test_the_embedded_models_9_heads() -> None:
+    """SmolLM2-135M: 9 query heads, 3 KV heads, MLP 1536: 3 ranks split it, 2 do not."""
+    model = read_model_config("default")
+    assert (model.num_heads, model.num_kv_heads, model.intermediate_size) == (9, 3, 1536)
+    assert (
+        tensor_parallel_issues(config_from_dict({"prefill": {"tensor_parallel_size": 3}}), model)
+        == []
+    )
+    assert tensor_parallel_issues(
+        config_from_dict({"decode": {"tensor_parallel_size": 2}}), model
+    ) == [
+        "decode.tensor_parallel_size: must divide the model's 9 query heads, got 2",
+        "decode.tensor_parallel_size: the model's 3 KV heads must divide by it, or it by them (KV "
+        "heads then replicated), got 2",
+    ]
+
+
+def test_ranks_of_a_worker_fit_on_one_node() -> None:
+    """A worker's tensor_parallel_size ranks are packed on one node: prefill.resources.num_cpus
+    (CPUs per rank) times the ranks must fit a node, and so must decode.resources.num_gpus."""
+    nodes = [{"CPU": 2.0}, {"CPU": 64.0, "GPU": 2.0}]
+    cpu = config_from_dict(dummy(4, 1, prefill={"resources": {"num_cpus": 0.5}}))
+    assert placement_issues(cpu, nodes) == []
+    gpu = config_from_dict(dummy(1, 4, decode={"resources": {"num_cpus": 1, "num_gpus": 1}}))
+    assert placement_issues(gpu, nodes) == [
+        "decode.tensor_parallel_size: 4 ranks need 4 CPU, 4 GPU on one node (each rank "
+        "decode.resources.num_gpus and the rest of decode.resources), but the largest node has "
+        "64 CPU, 2 GPU"
+    ]
+    many = config_from_dict(dummy(8, 1, prefill={"resources": {"num_cpus": 1}}))
+    assert placement_issues(many, [{"CPU": 2.0}, {"CPU": 4.0}]) == [
+        "prefill.tensor_parallel_size: 8 ranks need 8 CPU on one node (each rank "
+        "prefill.resources.num_cpus and the rest of prefill.resources), but the largest node has "
+        "4 CPU"
+    ]
+
+
+def test_build_cluster_refuses_before_any_actor_starts() -> None:
+    """Ray is not even running: the model check fails first."""
+    assert not ray.is_initialized()
+    with pytest.raises(ConfigError) as caught:
+        build_cluster(config_from_dict(dummy(3, 1)))
+    assert caught.value.issues[0].startswith("prefill.tensor_parallel_size: must divide")
+    assert not ray.is_initialized()
+    preflight(config_from_dict(dummy(1, 1)))  # tp 1 everywhere: nothing to ask Ray
