@@ -244,12 +244,19 @@ class DecodeWorker:
         stream = OutputStream(asyncio.get_running_loop())
         self.loop.subscribe(rid, stream.push)
         finished = False
+
+        def add_and_check(e: LLMEngine) -> RequestOutput | None:
+            # Decided on the engine thread, at the add: read later from here, ``is_finished``
+            # could already be true from steps run meanwhile, whose tokens went to the stream.
+            request = add(e)
+            return RequestOutput.from_request(request) if request.is_finished else None
+
         try:
-            request = await asyncio.wrap_future(self.loop.call(add))
-            if request.is_finished:  # the first token already met a stop condition
+            done_at_add = await asyncio.wrap_future(self.loop.call(add_and_check))
+            if done_at_add is not None:  # the first token already met a stop condition
                 finished = True
                 self.loop.unsubscribe(rid)
-                yield self._delta(RequestOutput.from_request(request))
+                yield self._delta(done_at_add)
                 return
             while not finished:
                 out = await stream.get(self._token_deadline_s)

@@ -11,7 +11,7 @@ import pytest
 from decode_worker.worker import DecodeWorker
 from tests.tiny_engine import PAGE, greedy, tiny_engine
 from transfer import KVReceiver, TransceiverConfig
-from worker_common.messages import GenerateRequest, PrefillResult, WorkerDeadlines
+from worker_common.messages import GenerateRequest, PrefillResult, TokenDelta, WorkerDeadlines
 
 
 async def held_pages(worker: DecodeWorker) -> int:
@@ -46,6 +46,29 @@ def test_local_generate_streams_and_frees_on_disconnect() -> None:
 
     try:
         asyncio.run(main())
+    finally:
+        worker.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_request_the_engine_ends_before_this_side_looks_keeps_every_token() -> None:
+    """The engine thread may run a short request to its end before the worker's loop resumes
+    after adding it: every token still reaches the caller. (The worker used to look at the live
+    request then, see it finished, and end the stream with none of the tokens the engine had
+    already streamed: answers cut to their first token under load.)"""
+    worker = DecodeWorker("d0", tiny_engine(64), puller=None)
+
+    async def main() -> list[TokenDelta]:
+        stream = worker.generate(GenerateRequest("a", list(range(1, 9)), greedy(4), time.time()))
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0)  # the stream starts: its add is queued on the engine thread
+        time.sleep(1.0)  # hold this loop while the engine runs the request to its end
+        return [await first] + [d async for d in stream]
+
+    try:
+        deltas = asyncio.run(main())
+        assert sum(len(d.token_ids) for d in deltas) == 4
+        assert deltas[-1].finish_reason == "length"
     finally:
         worker.close()
 
