@@ -11,12 +11,12 @@ router assumes it holds nothing) until it answers again.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import Any, Protocol
 
 from ray.exceptions import RayActorError, RayTaskError
 
+from cluster.background_tasks import BackgroundTasks
 from cluster.kv_index import KVIndex
 from worker_common.messages import KVEventPoll, KVSnapshot
 
@@ -90,21 +90,14 @@ class KVEventFeed:
     def __init__(self, sources: dict[str, KVEventSource], index: KVIndex) -> None:
         self.index = index
         self.feeds = {w: WorkerFeed(w, source, index) for w, source in sources.items()}
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks = BackgroundTasks()
 
     def start(self) -> None:
         """One task per worker on the running event loop (once)."""
-        if not self._tasks:
-            loop = asyncio.get_running_loop()
-            self._tasks = [loop.create_task(self._run(f)) for f in self.feeds.values()]
+        self._tasks.start(self._run(f) for f in self.feeds.values())
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        self._tasks = []
+        await self._tasks.stop()
 
     async def _run(self, feed: WorkerFeed) -> None:
         while True:

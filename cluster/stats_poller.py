@@ -14,7 +14,6 @@ its task marks it unhealthy and asks again next interval (Ray may restart it).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 from dataclasses import asdict
@@ -22,6 +21,7 @@ from typing import Any
 
 from ray.exceptions import RayActorError, RayTaskError
 
+from cluster.background_tasks import BackgroundTasks
 from cluster.router import WorkerSlot
 from engine.stats import StatsBuffer
 from worker_common.messages import StatsBatch
@@ -39,22 +39,15 @@ class StatsPoller:
         self._lock = threading.Lock()  # the buffers: poll tasks append, endpoints drain
         self._iterations = {w.worker_id: StatsBuffer[Any](max_stats_len) for w in workers}
         self._transfers = {w.worker_id: StatsBuffer[Any](max_stats_len) for w in workers}
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks = BackgroundTasks()
         self.polls = {w.worker_id: 0 for w in workers}  # batches taken per worker
 
     def start(self) -> None:
         """Start one poll task per worker on the running event loop (once)."""
-        if not self._tasks:
-            loop = asyncio.get_running_loop()
-            self._tasks = [loop.create_task(self._poll(w)) for w in self.workers]
+        self._tasks.start(self._poll(w) for w in self.workers)
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        self._tasks = []
+        await self._tasks.stop()
 
     async def _poll(self, w: WorkerSlot) -> None:
         while True:
