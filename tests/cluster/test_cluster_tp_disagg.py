@@ -43,26 +43,21 @@ def disaggregated_config(checkpoint: Path, prefill_tp: int, decode_tp: int, **tr
     )
 
 
-def test_failed_pulls_on_every_decode_rank_recompute_and_leak_no_page(checkpoint: Path) -> None:
-    """Every pull of both decode ranks fails (injected: P refuses, half the pages land, or all
-    land and D fails it): each request is prefilled again on the decode worker (on_failure:
-    recompute), its tokens still transformers', and no rank of either worker holds a page."""
+def served_like_transformers(
+    checkpoint: Path, config: Any, seed: int, lengths: tuple[int, ...]
+) -> list[Any]:
+    """Start ``config``, ask for prompts of ``lengths`` random tokens through the official openai
+    client, assert transformers' greedy tokens for each, and return every worker's stats once no
+    rank holds a page."""
     from transformers import AutoModelForCausalLM
 
-    config = disaggregated_config(
-        checkpoint,
-        1,
-        2,
-        on_failure="recompute",
-        fault_injection={"fraction": 1.0, "points": ["before_data", "mid_data", "before_ack"]},
-    )
     hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     rc = start_cluster(config)
     try:
         client = openai.OpenAI(base_url=rc.url + "/v1", api_key="x", max_retries=0, timeout=120)
         model = client.models.list().data[0].id
-        gen = torch.Generator().manual_seed(5)
-        for n in (6, 15):
+        gen = torch.Generator().manual_seed(seed)
+        for n in lengths:
             prompt = [0, *torch.randint(5, 300, (n,), generator=gen).tolist()]
             out = client.completions.create(
                 model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0
@@ -70,11 +65,25 @@ def test_failed_pulls_on_every_decode_rank_recompute_and_leak_no_page(checkpoint
             assert out.choices[0].model_extra["token_ids"] == hf_greedy_ids(
                 hf, prompt, MAX_TOKENS, [1]
             ), prompt
-        stats = wait_no_pages_held(rc)
-        (d_stats,) = [s for s in stats if s.role.value == "decode"]
-        assert d_stats.transfer.recomputed == 2 and d_stats.transfer.transfers_ok == 0
+        return wait_no_pages_held(rc)
     finally:
         rc.stop()
+
+
+def test_failed_pulls_on_every_decode_rank_recompute_and_leak_no_page(checkpoint: Path) -> None:
+    """Every pull of both decode ranks fails (injected: P refuses, half the pages land, or all
+    land and D fails it): each request is prefilled again on the decode worker (on_failure:
+    recompute), its tokens still transformers', and no rank of either worker holds a page."""
+    config = disaggregated_config(
+        checkpoint,
+        1,
+        2,
+        on_failure="recompute",
+        fault_injection={"fraction": 1.0, "points": ["before_data", "mid_data", "before_ack"]},
+    )
+    stats = served_like_transformers(checkpoint, config, 5, (6, 15))
+    (d_stats,) = [s for s in stats if s.role.value == "decode"]
+    assert d_stats.transfer.recomputed == 2 and d_stats.transfer.transfers_ok == 0
 
 
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
@@ -84,25 +93,7 @@ def test_disaggregated_tp_matches_transformers_and_holds_no_page(
     """Each decode rank pulls its KV heads from the prefill ranks that hold them; the tokens
     through the official openai client are transformers' greedy ones, and afterwards no rank of
     either worker holds a page (rank 0's accounting is every rank's)."""
-    from transformers import AutoModelForCausalLM
-
     config = disaggregated_config(checkpoint, prefill_tp, decode_tp)
-    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    rc = start_cluster(config)
-    try:
-        client = openai.OpenAI(base_url=rc.url + "/v1", api_key="x", max_retries=0, timeout=120)
-        model = client.models.list().data[0].id
-        gen = torch.Generator().manual_seed(4)
-        for n in (5, 14):
-            prompt = [0, *torch.randint(5, 300, (n,), generator=gen).tolist()]
-            out = client.completions.create(
-                model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0
-            )
-            assert out.choices[0].model_extra["token_ids"] == hf_greedy_ids(
-                hf, prompt, MAX_TOKENS, [1]
-            ), prompt
-        stats = wait_no_pages_held(rc)
-        (p_stats,) = [s for s in stats if s.role.value == "prefill"]
-        assert p_stats.transfer.failures == 0
-    finally:
-        rc.stop()
+    stats = served_like_transformers(checkpoint, config, 4, (5, 14))
+    (p_stats,) = [s for s in stats if s.role.value == "prefill"]
+    assert p_stats.transfer.failures == 0
