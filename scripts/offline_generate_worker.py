@@ -74,20 +74,10 @@ def _hf(args: argparse.Namespace) -> Generate:
     pad = model.generation_config.eos_token_id
     pad_id = pad[0] if isinstance(pad, list) else pad
 
+    from bench_offline import hf_generate  # this script's folder: the HF run of bench_offline.py
+
     def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        width = max(len(p) for p in prompts)  # left padding, as batched generation needs
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        with torch.inference_mode():
-            out = model.generate(
-                ids,
-                attention_mask=mask,
-                do_sample=False,
-                max_new_tokens=max_tokens,
-                min_new_tokens=max_tokens,
-                pad_token_id=pad_id,
-            )
-        return out[:, width:].tolist()
+        return hf_generate(model, prompts, max_tokens, pad_id)
 
     return generate
 
