@@ -33,6 +33,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench_offline import hf_generate  # noqa: E402  (this script's folder)
+
 from engine.engine_config import EngineConfig  # noqa: E402
 from engine.engine_core import LLMEngine  # noqa: E402
 from engine.llm import LLM  # noqa: E402
@@ -228,19 +230,7 @@ def offline(
     t = time.perf_counter()
     for start in range(0, len(prompts), args.hf_batch):
         batch = prompts[start : start + args.hf_batch]
-        width = max(len(p) for p in batch)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
-        with torch.inference_mode():
-            out = hf.generate(
-                ids,
-                attention_mask=mask,
-                do_sample=False,
-                max_new_tokens=args.output_len,
-                min_new_tokens=args.output_len,
-                pad_token_id=0,
-            )
-        hf_tokens.extend(out[:, width:].tolist())
+        hf_tokens.extend(hf_generate(hf, batch, args.output_len, 0, device))
     sync(device)
     t_hf = time.perf_counter() - t
     same = sum(o.token_ids[:8] == h[:8] for o, h in zip(outs, hf_tokens, strict=True))

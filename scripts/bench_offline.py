@@ -62,12 +62,16 @@ def make_prompts(n: int) -> list[str]:
 
 
 def hf_generate(
-    model: Any, batch: list[list[int]], max_tokens: int, pad_id: int
+    model: Any,
+    batch: list[list[int]],
+    max_tokens: int,
+    pad_id: int,
+    device: torch.device | str = "cpu",
 ) -> list[list[int]]:
     """Greedy, exactly ``max_tokens`` new tokens per row; left padding for batches."""
     width = max(len(p) for p in batch)
-    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
     with torch.inference_mode():
         out = model.generate(
             ids,
