@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import kernels
+from kvcache.kv_buffer import layer_view
 from tests.kernels.paged_inputs import make_paged_kv, pack_queries
 
 pytestmark = [
@@ -122,7 +123,7 @@ def test_store_kv_matches_reference_exactly(src_dtype, cache_dtype) -> None:
     key = torch.randn((513, 8, 128), generator=gen).to(src_dtype).cuda()
     value = torch.randn((513, 16, 128), generator=gen).to(src_dtype).cuda()[:, ::2]
     kernels.store_kv(key, value, kv.k_cache, kv.v_cache, slots.cuda())
-    kernels.store_kv_ref(key, value, expected[:, 1, 0], expected[:, 1, 1], slots.cuda())
+    kernels.store_kv_ref(key, value, *layer_view(expected, 1), slots.cuda())
     assert torch.equal(kv.buffer, expected)
 
 
