@@ -22,10 +22,9 @@ misses in the window group and so recomputes from the start, where without scrat
 hit at any page boundary (while the pages last). Pages shared through a prefix hit or registered in
 the index are never rewritten; they are released as usual.
 
-Host tier (``host_tier_pages``): a registered page an allocation evicts is offloaded to host memory
-beneath its group and stays findable; a prefix hit on it allocates a device page and loads it back
-(kvcache/host_tier.py says when the copies run and land). A loaded page is registered in the device
-index when its copy landed; until then the request is ``loads_pending`` and must not compute.
+Host tier (``host_tier_pages``): evicted registered pages are offloaded to host memory and loaded
+back on a prefix hit (kvcache/host_offload.py). A loaded page is registered in the device index
+when its copy landed; until then the request is ``loads_pending`` and must not compute.
 
 KV events (``enable_events``): every change to what ``match_prefix`` can find, by tier and block
 hash (kvcache/kv_events.py), drained by the worker that publishes them.
@@ -47,6 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcache.block_hash import hash_full_pages
+from kvcache.host_offload import HostOffload
 from kvcache.host_tier import HostTier, LoadItem
 from kvcache.kv_buffer import allocate_buffers, layer_views
 from kvcache.kv_events import KVEvent, KVEventLog, Medium
@@ -113,15 +113,12 @@ class KVCacheManager:
         self._requests: dict[str, RequestPages] = {}
         self._reuse = ReuseCounters()
         self.events = KVEventLog()
-        self.host_tier: HostTier | None = None
+        self._host: HostOffload | None = None
         if host_tier_pages is not None:
-            if set(host_tier_pages) != set(names):
-                raise ValueError(
-                    f"host_tier_pages must name the groups {names}, got {host_tier_pages}"
-                )
-            self.host_tier = HostTier(
-                specs, host_tier_pages, self.buffers, self.device, self.events
+            self._host = HostOffload(
+                specs, host_tier_pages, self._pools, self.buffers, self.device, self.events
             )
+        self.host_tier: HostTier | None = self._host.tier if self._host is not None else None
         # Weakly: a pool that held its manager would make a cycle, and the device memory of a
         # dropped engine's KV cache would wait for the garbage collector (an engine built after
         # it then finds too little free memory and sizes a small cache).
@@ -151,7 +148,7 @@ class KVCacheManager:
         n = len(token_ids)
         if not self.reuse_policy.reuses or n <= 1:
             return PrefixMatch(0, {g: [] for g in self._pools}, [], n)
-        host = self.host_tier.pools if self.host_tier is not None else None
+        host = self._host.pools if self._host is not None else None
         return find_cached_prefix(token_ids, self.page_size, self._pools, self.windows, host)
 
     # ---- allocation ----
@@ -190,7 +187,7 @@ class KVCacheManager:
                 f"num_computed_tokens={computed} outside [0, num_total_tokens={num_total_tokens}]"
             )
         if taken is not None:
-            host = self.host_tier.pools if self.host_tier is not None else None
+            host = self._host.pools if self._host is not None else None
             check_prefix(taken, num_total_tokens, self.page_size, self._pools, self.windows, host)
             if computed is None:
                 computed = taken.num_tokens
@@ -271,8 +268,8 @@ class KVCacheManager:
     def _take_prefix(
         self, state: RequestPages, prefix: PrefixMatch, plans: dict[str, _GroupPlan]
     ) -> None:
-        """Take the prefix's pages: touch its device pages, then (host tier) pin its host pages
-        before anything is allocated for them, since those allocations may evict and offload."""
+        """Take the prefix's pages: touch its device pages, then (host tier) load back its host
+        pages into new device pages."""
         loads: dict[str, list[int]] = {}  # group -> positions loaded back from the host tier
         for g, pool in self._pools.items():
             ids = prefix.page_ids.get(g, [])
@@ -284,18 +281,8 @@ class KVCacheManager:
             state.first_live[g] = start
             state.num_committed[g] = prefix.num_pages
             loads[g] = sorted(i for i in prefix.host_pages.get(g, {}) if i >= start)
-        if self.host_tier is not None:
-            for g, positions in loads.items():
-                for i in positions:
-                    self.host_tier.pin(g, prefix.host_pages[g][i])
-            for g, positions in loads.items():
-                pages = state.pages[g]
-                for i, device_page in zip(positions, self._pools[g].allocate(len(positions))):
-                    pages[i] = device_page
-                    item = LoadItem(g, prefix.host_pages[g][i], device_page, prefix.block_hashes[i])
-                    self.host_tier.stage_load(item)
+        loaded = self._host.take_loads(prefix, loads, state) if self._host is not None else 0
         state.block_hashes = list(prefix.block_hashes)
-        loaded = len({i for positions in loads.values() for i in positions})
         self._reuse.record(prefix.num_tokens, prefix.num_query_tokens, loaded * self.page_size)
 
     def _apply(
@@ -318,15 +305,15 @@ class KVCacheManager:
             raise RuntimeError(f"{g}: planned {len(pages)} pages for {needed}")
 
     def _finish_allocation(self, request_id: str) -> None:
-        if self.host_tier is not None:
-            self._land(self.host_tier.finish_allocation(request_id))
+        if self._host is not None:
+            self._land(self._host.finish_allocation(request_id))
 
-    # ---- the host tier and events ----
+    # ---- the host tier (kvcache/host_offload.py) and events ----
     def _evicted(self, group: str, page: int, block_hash: int) -> None:
         """A device pool dropped ``page``'s hash to hand it out (its KV is still intact)."""
         self.events.record("removed", "device", group, block_hash)
-        if self.host_tier is not None:
-            self.host_tier.offload(group, page, block_hash)
+        if self._host is not None:
+            self._host.offload(group, page, block_hash)
 
     def _register(self, group: str, pool: PagePool, page: int, block_hash: int) -> None:
         if pool.page_hash(page) is None and pool.register(page, block_hash):
@@ -339,24 +326,24 @@ class KVCacheManager:
 
     def poll_loads(self) -> None:
         """Land every load-back whose copy finished (the scheduler calls it once per step)."""
-        if self.host_tier is not None:
-            self._land(self.host_tier.poll())
+        if self._host is not None:
+            self._land(self._host.poll())
 
     def loads_pending(self, request_id: str) -> bool:
         """Whether ``request_id``'s load-backs from the host tier are still being copied: it must
         not compute until they land (never on a CPU worker, whose copies land at once)."""
-        return self.host_tier is not None and self.host_tier.loading(request_id)
+        return self._host is not None and self._host.loading(request_id)
 
     def wait_loads(self, request_id: str) -> None:
         """Block until ``request_id``'s own load-backs landed."""
-        if self.host_tier is not None:
-            self._land(self.host_tier.wait(request_id))
+        if self._host is not None:
+            self._land(self._host.wait(request_id))
 
     def wait_offloads(self) -> None:
         """Block until every queued offload read its device page: call before pages this manager
         handed out are written outside the model's stream (a KV receive into them)."""
-        if self.host_tier is not None:
-            self.host_tier.wait_offloads()
+        if self._host is not None:
+            self._host.wait_offloads()
 
     def enable_events(self) -> None:
         """Record KV events from now on (a worker that publishes them; ``cached_blocks`` first)."""
@@ -371,8 +358,8 @@ class KVCacheManager:
         out: dict[str, dict[Medium, list[int]]] = {}
         for g, pool in self._pools.items():
             out[g] = {"device": pool.cached_hashes()}
-            if self.host_tier is not None:
-                out[g]["host"] = self.host_tier.pools[g].cached_hashes()
+            if self._host is not None:
+                out[g]["host"] = self._host.cached_hashes(g)
         return out
 
     # ---- reuse registration ----
@@ -440,8 +427,8 @@ class KVCacheManager:
         """
         if request_id not in self._requests:
             return
-        if self.host_tier is not None:  # its load-backs still write its pages: wait for its own
-            self._land(self.host_tier.wait(request_id))
+        if self._host is not None:  # its load-backs still write its pages: wait for its own
+            self._land(self._host.wait(request_id))
         state = self._requests.pop(request_id)
         for g, pool in self._pools.items():
             pool.free(reversed(state.held(g)))
@@ -494,11 +481,9 @@ class KVCacheManager:
     def stats(self) -> KVCacheStats:
         """A snapshot of page counts and interval peaks per group (and its host tier), and the
         reuse counters."""
-        tier = self.host_tier
+        host = self._host
         groups = {
-            g: pool.stats(
-                self.windows[g], tier.pools[g].stats(self.page_size) if tier is not None else None
-            )
+            g: pool.stats(self.windows[g], host.stats(g, self.page_size) if host else None)
             for g, pool in self._pools.items()
         }
         r = self._reuse
@@ -521,16 +506,8 @@ class KVCacheManager:
                 state.check(rid, g, pool, windowed=self.windows[g] is not None)
                 holders.update(state.held(g))
             pool.check_integrity(holders, name=f"pool group {g!r}")
-        if self.host_tier is None:
-            return
-        self.host_tier.check_integrity()
-        for rid, items in self.host_tier.pending_loads().items():
-            state = self._requests.get(rid)
-            for item in items:  # a page being loaded is held by its request, and not findable
-                if state is None or item.device_page not in state.held(item.group):
-                    raise RuntimeError(f"load-back {item} of {rid!r}: the page is not held by it")
-                if self._pools[item.group].page_hash(item.device_page) is not None:
-                    raise RuntimeError(f"load-back {item} of {rid!r}: registered before it landed")
+        if self._host is not None:
+            self._host.check_integrity(self._requests)
 
 
 def _evict_hook(

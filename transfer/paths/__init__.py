@@ -64,6 +64,7 @@ def choose(export: bytes, peer: PageTable, own_rows: Mapping[str, torch.Tensor])
         for pool in peer.pools:
             rows = path.peer_rows.get(pool.name)
             if rows is None or rows.shape[0] < pool.num_pages or rows.shape[1] != pool.page_bytes:
+                path.close()
                 raise PoolsUnavailable(
                     f"the peer's pool {pool.name!r} is smaller than its page table"
                 )
@@ -78,7 +79,7 @@ def _open(kind: Any, body: Any, device: torch.device) -> HostShmPath:
     if kind == "host_shm" and device.type == "cpu":
         from transfer.paths import host_shm
 
-        return HostShmPath(host_shm.open_pools(body))
+        return HostShmPath(*host_shm.open_pools(body))
     if kind == "cuda_ipc" and device.type == "cuda":
         from transfer.paths import cuda_ipc
 

@@ -3,17 +3,18 @@ exported, and refused otherwise (the link then uses UCX)."""
 
 from __future__ import annotations
 
+import mmap
 import os
 
 import pytest
 import torch
 
-from kvcache.kv_buffer import allocate_buffers
+from kvcache.kv_buffer import allocate_buffers, shared_zeros
 from tests.transfer.conftest import MODEL, specs
 from transfer import paths
 from transfer.page_table import PageTable
 from transfer.paths.base import PoolsUnavailable
-from transfer.paths.host_shm import HostShmPath, export_pools, open_pools
+from transfer.paths.host_shm import HostShmPath, Populator, export_pools, open_pools
 from transfer.paths.ucx import UcxPath
 from transfer.pools import pool_rows
 
@@ -30,7 +31,8 @@ def _rows() -> tuple[dict[str, torch.Tensor], PageTable]:
 
 def test_pools_open_read_only_from_the_files_p_exported() -> None:
     rows, _ = _rows()
-    opened = open_pools(export_pools(rows))
+    opened, populator = open_pools(export_pools(rows))
+    populator.join(60)
     for name, r in rows.items():
         assert torch.equal(opened[name], r)
         assert opened[name].data_ptr() != r.data_ptr()  # a mapping of its own
@@ -47,6 +49,59 @@ def _permissions(address: int) -> str:
             if start <= address < end:
                 return perms
     raise AssertionError("address not mapped")
+
+
+def _resident_bytes(address: int) -> int:
+    """Bytes of the mapping holding ``address`` that have page table entries in this process."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and not head[0].endswith(":"):
+                start, end = (int(x, 16) for x in head[0].split("-"))
+                inside = start <= address < end
+            elif inside and head[0] == "Rss:":
+                return int(head[1]) * 1024
+    raise AssertionError("address not mapped")
+
+
+def test_the_mapping_of_written_pages_is_populated_once_per_link() -> None:
+    rows, _ = _rows()  # every page written
+    opened, populator = open_pools(export_pools(rows))
+    populator.join(60)
+    assert not populator.is_alive()
+    for name, r in rows.items():
+        size = r.untyped_storage().nbytes()
+        assert _resident_bytes(opened[name].data_ptr()) == size  # no first read faults
+        assert populator.populated_bytes >= size
+
+
+def test_populating_leaves_the_pool_s_holes_unallocated() -> None:
+    pool = shared_zeros((64, 4096), torch.uint8, "sparse")  # 64 pages, none taken yet
+    pool[3] = 1
+    pool[40:42] = 2
+    fd, size = pool.untyped_storage()._share_fd_cpu_()
+    opened, populator = open_pools(export_pools({"full": pool}))
+    populator.join(60)
+    assert os.fstat(fd).st_blocks * 512 == 3 * 4096  # P's pool took no page for D's sake
+    assert _resident_bytes(opened["full"].data_ptr()) == 3 * 4096
+    assert torch.equal(opened["full"], pool)  # holes still read as zeros
+
+
+def test_a_stopped_populator_populates_nothing_more() -> None:
+    pool = shared_zeros((16, 4096), torch.uint8, "stopped")
+    pool.fill_(1)
+    fd, size = pool.untyped_storage()._share_fd_cpu_()
+    mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+    halted = Populator([(mapped, 0, size)])
+    HostShmPath({"full": pool}, halted).close()  # a link closed before its populating began
+    halted.start()
+    halted.join(60)
+    assert halted.populated_bytes == 0
+    working = Populator([(mapped, 0, size)])
+    working.start()
+    working.join(60)
+    assert working.populated_bytes == size
 
 
 def test_an_export_naming_another_file_is_refused() -> None:
