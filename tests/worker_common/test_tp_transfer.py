@@ -1,0 +1,189 @@
+"""TPPublisher and TPPuller (worker_common/tp_transfer.py) with real Ray rank actors (the rank
+actor of worker_common/tp_ranks.py, its transfer methods as they are, over random KV pools instead
+of a model's shard) and real transceivers over loopback: prefill tp 2 to decode tp 2 (2 KV heads).
+
+The other ranks' answers are awaited on the worker's loop, never blocked on, and a rank that does
+not answer in time fails the publish; a request's transfer shows as one record joined over the
+ranks (bytes of every rank), and the counters cover every rank."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import ray
+import torch
+
+from tests.cluster.cluster_fixtures import local_ray
+from tests.transfer.conftest import MODEL, KVSide, config, specs
+from transfer import KVReceiver, KVSender
+from worker_common.tp_ranks import _TPRankActor
+from worker_common.tp_transfer import TPPublisher, TPPuller, plan_reads
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+PAGES = 32
+TOKENS = 10  # 3 pages of 4
+PAGE_BYTES = 3 * 2 * 4 * 2 * 8 * 4  # layers, key/value, tokens, kv heads, head dim, float32
+
+
+class _PoolRank(_TPRankActor):
+    """Rank 1 of a worker: the rank actor's transfer methods over random pools of its own (no
+    model); ``publish_delay_s`` holds its publish answers back, as a slow or hung rank does."""
+
+    def __init__(self, seed: int, publish_delay_s: float = 0.0) -> None:
+        self.name = f"pool rank {seed}"
+        self._init_transfer()
+        side = KVSide(specs(num_pages=PAGES), seed)
+        self._follower = SimpleNamespace(buffers=side.kv.buffers, specs=side.specs)
+        self._ready.set()
+        self.publish_delay_s = publish_delay_s
+
+    def publish(self, *args: Any) -> Any:
+        time.sleep(self.publish_delay_s)
+        return super().publish(*args)
+
+    def pages(self, page_ids: list[int]) -> torch.Tensor:
+        return self._follower.buffers["full"][page_ids].clone()
+
+
+PoolRank = ray.remote(_PoolRank)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_local() -> Iterator[None]:
+    with local_ray("tp-transfer"):
+        yield
+
+
+def rank_actor(seed: int, publish_delay_s: float = 0.0) -> Any:
+    return PoolRank.options(num_cpus=0, max_concurrency=100).remote(seed, publish_delay_s)
+
+
+def publisher(
+    side: KVSide, rank: Any, decode_tp: int = 2, call_timeout_s: float = 30.0
+) -> TPPublisher:
+    cfg = config()
+    return TPPublisher(
+        lambda release: KVSender(side.kv.buffers, side.specs, MODEL, cfg, release),
+        [rank],
+        plan_reads(2, 2, decode_tp),
+        side.release,
+        cfg,
+        MODEL,
+        call_timeout_s,
+    )
+
+
+def wait_until(cond: Any, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def test_one_record_per_request_over_all_ranks_and_counters_of_every_rank() -> None:
+    p_side, d_side = KVSide(specs(num_pages=PAGES), 1), KVSide(specs(num_pages=PAGES), 2)
+    p_rank, d_rank = rank_actor(3), rank_actor(4)
+    pub = publisher(p_side, p_rank)
+    pull = TPPuller(KVReceiver(d_side.kv.buffers, d_side.specs, MODEL, config()), [d_rank],
+                    config(), MODEL)  # fmt: skip
+    try:
+        src = p_side.allocate("r1", TOKENS)
+        dst = d_side.allocate("r1", TOKENS)
+
+        async def transfer() -> Any:
+            ticket = await pub.publish("r1", src, TOKENS)
+            return ticket, await pull.pull(ticket, dst, 0, TOKENS)
+
+        ticket, result = asyncio.run(transfer())
+        assert result.ok, result.error
+        # Decode rank 0 holds head 0 from prefill rank 0; decode rank 1 head 1 from prefill rank 1.
+        # Pages are [pages, kv_heads, layers, 2, page_size, D].
+        got = d_side.kv.buffers["full"][dst["full"]]
+        want = p_side.kv.buffers["full"][src["full"]]
+        assert torch.equal(got[:, 0], want[:, 0])
+        got1 = ray.get(d_rank.pages.remote(dst["full"]))
+        want1 = ray.get(p_rank.pages.remote(src["full"]))
+        assert torch.equal(got1[:, 1], want1[:, 1])
+        wait_until(lambda: "r1" in p_side.released)  # every prefill rank's lease ended
+
+        total = 3 * PAGE_BYTES  # every rank's head slice of 3 pages
+        (recv,) = pull.drain_transfer_stats()
+        assert (recv.request_id, recv.role, recv.ok, recv.bytes) == ("r1", "recv", True, total)
+        assert recv.pages == {"full": 3}
+        (send,) = pub.drain_transfer_stats()
+        assert (send.request_id, send.role, send.ok, send.bytes) == ("r1", "send", True, total)
+        assert send.pages == {"full": 3}
+        for side in (pub, pull):
+            stats = side.stats()
+            assert (stats["transfers_ok"], stats["failures"], stats["bytes"]) == (1, 0, total)
+
+        # The same ticket again: every prefill rank refuses its part (the leases ended).
+        again = asyncio.run(pull.pull(ticket, dst, 0, TOKENS))
+        assert not again.ok and "rank 0" in again.error and "rank 1" in again.error
+        assert pull.stats()["failures"] == 1
+        (failed,) = pull.drain_transfer_stats()
+        assert (failed.request_id, failed.ok, failed.bytes) == ("r1", False, 0)
+
+        def refused_on_both_ranks() -> bool:  # rank 1's counters land one stats call late
+            return pub.stats()["refused_pulls"] == 2
+
+        wait_until(refused_on_both_ranks)
+    finally:
+        pull.close()
+        pub.close()
+
+
+def test_a_slow_rank_is_awaited_without_blocking_the_loop() -> None:
+    """Rank 1 answers its publish after 1.5 s: meanwhile the worker's loop runs on."""
+    p_side = KVSide(specs(num_pages=PAGES), 5)
+    pub = publisher(p_side, rank_actor(6, publish_delay_s=1.5), decode_tp=1)
+    try:
+        src = p_side.allocate("r2", TOKENS)
+
+        async def publish_while_ticking() -> tuple[Any, int]:
+            ticks = 0
+
+            async def tick() -> None:
+                nonlocal ticks
+                while True:
+                    await asyncio.sleep(0.05)
+                    ticks += 1
+
+            ticker = asyncio.ensure_future(tick())
+            ticket = await pub.publish("r2", src, TOKENS)
+            ticker.cancel()
+            return ticket, ticks
+
+        ticket, ticks = asyncio.run(publish_while_ticking())
+        assert [(p.decode_rank, p.head_start, p.head_count) for p in ticket.parts] == [
+            (0, 0, 1),
+            (0, 1, 1),
+        ]
+        assert ticks >= 10, ticks  # a blocked loop would not have ticked at all
+        assert asyncio.run(pub.cancel("r2"))  # both ranks' leases, awaited likewise
+        wait_until(lambda: "r2" in p_side.released)
+    finally:
+        pub.close()
+
+
+def test_a_rank_that_does_not_answer_in_time_fails_the_publish() -> None:
+    """Rank 1 answers after 3 s, past the 0.5 s call timeout: the publish raises, rank 0's lease
+    is given up, and the pages are the worker's to free (the release callback is not called)."""
+    p_side = KVSide(specs(num_pages=PAGES), 7)
+    pub = publisher(p_side, rank_actor(8, publish_delay_s=3.0), decode_tp=1, call_timeout_s=0.5)
+    try:
+        src = p_side.allocate("r3", TOKENS)
+        with pytest.raises(TimeoutError, match="did not answer within 0.5s"):
+            asyncio.run(pub.publish("r3", src, TOKENS))
+        assert len(pub.own.leases) == 0
+        time.sleep(0.2)
+        assert p_side.released == []
+        p_side.free("r3")
+    finally:
+        pub.close()
