@@ -190,13 +190,15 @@ class TPPublisher:
             subs = self._subs.pop(rid, [])
             del self._records[rid]
         if records:  # no part was served (expired, cancelled): no transfer to record, as at tp 1
-            served = {s.request_id for _, s in records}
+            # (With decode tp 1 every prefill rank's part has the same sub id: keyed by rank too.)
+            served = {(rank, s.request_id) for rank, s in records}
             unserved = [
                 (rank, _failed_send(sub, "its lease ended unserved"))
                 for rank, sub in subs
-                if sub not in served
+                if (rank, sub) not in served
             ]
-            self.book.record(join_parts(rid, "send", records + unserved))
+            named = [(_send_part(rank, s.request_id), s) for rank, s in records + unserved]
+            self.book.record(join_parts(rid, "send", named))
         self._release(rid)
 
     async def cancel(self, request_id: str) -> bool:
@@ -273,12 +275,13 @@ class TPPuller:
                 calls.append(_await_ref(self.rank_actors[part.decode_rank - 1].pull.remote(*args)))
         results = await asyncio.gather(*calls, return_exceptions=True)
         self.own.drain_transfer_stats()  # rank 0's part records: the join below stands for them
-        records: list[tuple[int, TransferStats]] = []
+        records: list[tuple[str, TransferStats]] = []
         for part, res in zip(ticket.parts, results, strict=True):
             if isinstance(res, BaseException):
                 error = f"{type(res).__name__}: {res}"
                 res = _failed(part.ticket.request_id, error)
-            records.append((part.decode_rank, res.stats))
+            heads = f"heads {part.head_start}..{part.head_start + part.head_count - 1}"
+            records.append((f"decode rank {part.decode_rank} ({heads})", res.stats))
         stats = join_parts(ticket.request_id, "recv", records)
         self.book.record(stats)
         return TransferResult(ticket.request_id, stats.ok, stats.error, stats)
@@ -308,6 +311,10 @@ def _record_of(ended: Any, sub: str) -> TransferStats | None:
     if error is not None:
         return _failed_send(sub, f"the rank was lost: {type(error).__name__}: {error}")
     return ended.result()
+
+
+def _send_part(prefill_rank: int, sub: str) -> str:
+    return f"prefill rank {prefill_rank} for decode rank {sub.rsplit('|d', 1)[1]}"
 
 
 def _failed_send(sub: str, error: str) -> TransferStats:

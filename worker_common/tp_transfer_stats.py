@@ -7,7 +7,7 @@ under the request's id, the record /transfer_stats shows and the counters count:
 
 - ``bytes`` and ``chunks``: summed over the parts (every rank's bytes);
 - ``latency_s``: the slowest part's (the parts run at once);
-- ``ok``: every part ok; ``error``: each failed part's, naming its rank;
+- ``ok``: every part ok; ``error``: each failed part's, naming its ranks;
 - ``pages``: per pool group, the most any part moved. Every part moves a head slice of the same
   pages, so this is the request's page count, as a tp 1 transfer shows it (not pages x parts).
 
@@ -32,10 +32,11 @@ JOINED = ("transfers_ok", "failures", "bytes", "chunks")
 
 
 def join_parts(
-    request_id: str, role: str, parts: Sequence[tuple[int, TransferStats]]
+    request_id: str, role: str, parts: Sequence[tuple[str, TransferStats]]
 ) -> TransferStats:
-    """One record of ``request_id`` from its parts' records, each with the rank that made it."""
-    errors = [f"rank {rank}: {s.error}" for rank, s in parts if not s.ok]
+    """One record of ``request_id`` from its parts' records, each with its part's name (its
+    ranks, for the errors)."""
+    errors = [f"{part}: {s.error}" for part, s in parts if not s.ok]
     pages: dict[str, int] = {}
     for _, s in parts:
         for group, n in s.pages.items():

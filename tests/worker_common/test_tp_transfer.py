@@ -65,9 +65,9 @@ def rank_actor(seed: int, publish_delay_s: float = 0.0) -> Any:
 
 
 def publisher(
-    side: KVSide, rank: Any, decode_tp: int = 2, call_timeout_s: float = 30.0
+    side: KVSide, rank: Any, decode_tp: int = 2, call_timeout_s: float = 30.0, lease_s: float = 10.0
 ) -> TPPublisher:
-    cfg = config()
+    cfg = config(lease_s=lease_s)
     return TPPublisher(
         lambda release: KVSender(side.kv.buffers, side.specs, MODEL, cfg, release),
         [rank],
@@ -125,7 +125,9 @@ def test_one_record_per_request_over_all_ranks_and_counters_of_every_rank() -> N
 
         # The same ticket again: every prefill rank refuses its part (the leases ended).
         again = asyncio.run(pull.pull(ticket, dst, 0, TOKENS))
-        assert not again.ok and "rank 0" in again.error and "rank 1" in again.error
+        assert not again.ok
+        assert "decode rank 0 (heads 0..0)" in again.error
+        assert "decode rank 1 (heads 1..1)" in again.error
         assert pull.stats()["failures"] == 1
         (failed,) = pull.drain_transfer_stats()
         assert (failed.request_id, failed.ok, failed.bytes) == ("r1", False, 0)
@@ -186,4 +188,31 @@ def test_a_rank_that_does_not_answer_in_time_fails_the_publish() -> None:
         assert p_side.released == []
         p_side.free("r3")
     finally:
+        pub.close()
+
+
+def test_a_part_never_pulled_fails_the_requests_one_record() -> None:
+    """Decode tp 1 reads head 0 from prefill rank 0 and head 1 from prefill rank 1 (the same sub-id
+    on both ranks). Only rank 0's part is pulled: once rank 1's lease expires the pages go back,
+    and the request's one record is a failure naming rank 1's part; rank 1's expiry is counted."""
+    p_side, d_side = KVSide(specs(num_pages=PAGES), 9), KVSide(specs(num_pages=PAGES), 10)
+    pub = publisher(p_side, rank_actor(11), decode_tp=1, lease_s=1.0)
+    receiver = KVReceiver(d_side.kv.buffers, d_side.specs, MODEL, config())
+    try:
+        src = p_side.allocate("r4", TOKENS)
+        dst = d_side.allocate("r4", TOKENS)
+        ticket = asyncio.run(pub.publish("r4", src, TOKENS))
+        part = ticket.parts[0]
+        assert (part.decode_rank, part.head_start, part.head_count) == (0, 0, 1)
+        assert receiver.pull_blocking(part.ticket, dst, 0, TOKENS, (0, 1)).ok
+        wait_until(lambda: "r4" in p_side.released)
+        (send,) = pub.drain_transfer_stats()
+        assert (send.request_id, send.ok, send.bytes) == ("r4", False, 3 * PAGE_BYTES // 2)
+        assert "prefill rank 1 for decode rank 0: its lease ended unserved" in send.error
+        wait_until(lambda: pub.stats()["expired_leases"] == 1)
+        stats = pub.stats()
+        assert (stats["transfers_ok"], stats["failures"]) == (0, 1)
+        d_side.free("r4")
+    finally:
+        receiver.close()
         pub.close()
