@@ -18,9 +18,13 @@ import pytest
 import ray
 import torch
 
+from prefill_worker.worker import PrefillWorker
 from tests.cluster.cluster_fixtures import local_ray
+from tests.prefill_worker.test_prefill_worker import wait_until_no_page_held
+from tests.tiny_engine import greedy, tiny_engine
 from tests.transfer.conftest import MODEL, KVSide, config, specs
 from transfer import KVReceiver, KVSender
+from worker_common.messages import GenerateRequest
 from worker_common.tp_ranks import _TPRankActor
 from worker_common.tp_transfer import TPPublisher, TPPuller, plan_reads
 
@@ -216,3 +220,43 @@ def test_a_part_never_pulled_fails_the_requests_one_record() -> None:
     finally:
         receiver.close()
         pub.close()
+
+
+def test_a_prefill_cancelled_while_its_ranks_publish_frees_its_pages() -> None:
+    """The client goes away while rank 1 has not answered the publish yet: the prefill ends
+    cancelled, rank 0's lease is given up and the worker frees the pages (none held after)."""
+    engine = tiny_engine(64)
+    cfg = config()
+    rank = rank_actor(12, publish_delay_s=2.0)
+
+    def make_publisher(release: Any) -> TPPublisher:
+        specs_ = list(engine.kv.specs.values())
+        return TPPublisher(
+            lambda own_release: KVSender(engine.kv.buffers, specs_, MODEL, cfg, own_release),
+            [rank],
+            plan_reads(engine.model_config.num_kv_heads, 2, 1),
+            release,
+            cfg,
+            MODEL,
+        )
+
+    worker = PrefillWorker("p0", engine, make_publisher)
+
+    async def main() -> None:
+        req = GenerateRequest("c", list(range(1, 11)), greedy(4), time.time())
+        task = asyncio.ensure_future(worker.prefill(req))
+        deadline = time.monotonic() + 30
+        while "c" not in worker._publishing:
+            assert time.monotonic() < deadline and not task.done()
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)  # rank 0 has published; rank 1 answers in 2 s
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert len(worker.publisher.own.leases) == 0
+        await wait_until_no_page_held(worker)
+
+    try:
+        asyncio.run(main())
+    finally:
+        worker.close()
