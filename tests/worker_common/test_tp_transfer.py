@@ -1,6 +1,6 @@
 """TPPublisher and TPPuller (worker_common/tp_transfer.py) with real Ray rank actors (the rank
 actor of worker_common/tp_ranks.py, its transfer methods as they are, over random KV pools instead
-of a model's shard) and real transceivers over loopback: prefill tp 2 to decode tp 2 (2 KV heads).
+of a model's shard) and real transceivers over loopback: prefill tp 2 to decode tp 2 or 1 (2 KV heads).
 
 The other ranks' answers are awaited on the worker's loop, never blocked on, and a rank that does
 not answer in time fails the publish; a request's transfer shows as one record joined over the
