@@ -10,10 +10,11 @@ expiry, fatal transfer error), never by this class directly while a ticket is ou
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar
 
 from engine.engine_core import LLMEngine
 from engine.engine_loop import EngineLoop
@@ -33,18 +34,25 @@ from worker_common.request_report import Sink
 from worker_common.worker_stats import WorkerStatsKeeper, transfer_totals
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class KVPublisher(Protocol):
     """The prefill side of the transceiver (transfer.KVSender)."""
 
+    # A tensor-parallel worker's publisher (worker_common/tp_transfer.py) answers with
+    # awaitables: it awaits its other ranks on the worker's loop rather than block it.
     def publish(
         self, request_id: str, page_ids: dict[str, list[int]], declared_prompt_len: int
-    ) -> TransferTicket: ...
-    def cancel(self, request_id: str) -> bool: ...
+    ) -> TransferTicket | Awaitable[TransferTicket]: ...
+    def cancel(self, request_id: str) -> bool | Awaitable[bool]: ...
     def stats(self) -> dict[str, Any]: ...
     def drain_transfer_stats(self) -> list[TransferStats]: ...
     def close(self) -> None: ...
+
+
+async def _settled(answer: T | Awaitable[T]) -> T:
+    return await answer if inspect.isawaitable(answer) else answer
 
 
 class PrefillError(RuntimeError):
@@ -148,14 +156,17 @@ class PrefillWorker:
         try:
             pages = await asyncio.wrap_future(self.loop.call(lambda e: e.kv.page_ids(rid)))
             try:
-                ticket = self.publisher.publish(rid, pages, prompt_len)
+                ticket = await _settled(self.publisher.publish(rid, pages, prompt_len))
+            except asyncio.CancelledError:  # (while a tensor-parallel publish awaited its ranks)
+                self._release(rid)
+                raise
             except Exception as e:
                 self._release(rid)
                 raise PrefillError(f"could not publish the KV of {rid}: {e}") from e
         finally:
             cancelled = self._publishing.pop(rid)
         if cancelled:
-            self.publisher.cancel(rid)
+            await _settled(self.publisher.cancel(rid))
         return ticket
 
     async def cancel(self, request_id: str) -> None:
@@ -165,7 +176,7 @@ class PrefillWorker:
         elif request_id in self._pending:
             await asyncio.wrap_future(self.loop.call(lambda e: e.abort_request(request_id)))
         else:
-            self.publisher.cancel(request_id)
+            await _settled(self.publisher.cancel(request_id))
 
     def stats(self) -> WorkerStats:
         return self.keeper.stats(

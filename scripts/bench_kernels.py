@@ -4,8 +4,9 @@
 
 - HBM baseline: a large device-to-device copy (bytes read + written over time), this run.
 - Decode: batch 64, 4k context, Llama-3-8B shape (32 q / 8 kv heads, head_dim 128), bf16, pages 16
-  and 32 in a page-major pool, shuffled page ids. GB/s = K/V bytes read / time; ratios to the copy
-  baseline and to torch SDPA on contiguous K/V (enable_gqa). --sweep also times launch configs.
+  and 32 in the engine's page layout (heads outermost), shuffled page ids. GB/s = K/V bytes read /
+  time; ratios to the copy baseline and to torch SDPA on contiguous K/V (enable_gqa). --sweep also
+  times launch configs.
 - Prefill: 4 x 4096 whole prompts vs SDPA (is_causal), and 4 x 2048 new tokens over a 2048-token
   prefix vs SDPA with a lower-right causal mask.
 - Max abs errors vs the references for bf16 and fp16 at realistic shapes.
@@ -34,6 +35,7 @@ from kernels import (  # noqa: E402
 from kernels.decode_attention_triton import DecodeConfig, paged_decode_attention  # noqa: E402
 from kernels.page_copy_triton import gather_pages, scatter_pages  # noqa: E402
 from kernels.prefill_attention_triton import PrefillConfig, paged_prefill_attention  # noqa: E402
+from kvcache.kv_buffer import layer_view  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128  # Llama-3-8B
 
@@ -49,20 +51,29 @@ def copy_baseline() -> dict:
     return {"bytes": 2 * src.nbytes, "ms": ms, "gbps": 2 * src.nbytes / ms / 1e6}
 
 
-def paged_pool(seq_lens: list[int], page_size: int, dtype: torch.dtype, num_layers: int = 2):
-    """A page-major pool [pages, layers, 2, page_size, Hkv, D] with shuffled page ids; returns the
-    layer-1 K/V views and the page table."""
+def paged_pool(
+    seq_lens: list[int],
+    page_size: int,
+    dtype: torch.dtype,
+    num_layers: int = 2,
+    device: str = "cuda",
+):
+    """A pool in the engine's page layout [pages, Hkv, layers, 2, page_size, D]
+    (kvcache/spec.py) with shuffled page ids; returns layer 1's K/V views as the engine hands them
+    to the kernels (kvcache.kv_buffer.layer_view: strided [pages, page_size, Hkv, D]), the page
+    table and the sequence lengths."""
     n_pages = [math.ceil(n / page_size) for n in seq_lens]
     total = sum(n_pages) + 1
-    buf = torch.randn((total, num_layers, 2, page_size, HKV, D), device="cuda", dtype=dtype)
-    ids = torch.randperm(total - 1, device="cuda") + 1
-    table = torch.zeros((len(seq_lens), max(n_pages)), dtype=torch.int32, device="cuda")
+    buf = torch.randn((total, HKV, num_layers, 2, page_size, D), device=device, dtype=dtype)
+    ids = torch.randperm(total - 1, device=device) + 1
+    table = torch.zeros((len(seq_lens), max(n_pages)), dtype=torch.int32, device=device)
     start = 0
     for b, n in enumerate(n_pages):
         table[b, :n] = ids[start : start + n].int()
         start += n
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
-    return buf[:, 1, 0], buf[:, 1, 1], table, lens
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    k_cache, v_cache = layer_view(buf, 1)
+    return k_cache, v_cache, table, lens
 
 
 def dense_kv(cache: torch.Tensor, table: torch.Tensor, ctx: int) -> torch.Tensor:

@@ -124,15 +124,21 @@ class ServeSession:
             self.link.abort(f"serving {rid} failed: {e!r}")
         finally:
             self.link.remove_close_listener(self._on_closed)
-            self.sender.leases.end(self.lease, how)
-            nbytes = 0 if error else self.request.total_bytes
-            chunks = len(self.chunks) or 1
-            pages = {} if error else {g: len(ids) for g, ids in self.request.dst_page_ids.items()}
-            stats = TransferStats(
-                rid, "send", nbytes, chunks, time.perf_counter() - start, not error, error,
-                self.link.path.name, pages,
-            )  # fmt: skip
-            self.sender.book.record(stats)
+            try:
+                nbytes = 0 if error else self.request.total_bytes
+                chunks = len(self.chunks) or 1
+                pages = (
+                    {} if error else {g: len(ids) for g, ids in self.request.dst_page_ids.items()}
+                )
+                stats = TransferStats(
+                    rid, "send", nbytes, chunks, time.perf_counter() - start, not error, error,
+                    self.link.path.name, pages,
+                )  # fmt: skip
+                # Recorded before the lease ends: its release callback may look for the record
+                # (a tensor-parallel worker joins its ranks' records, worker_common/tp_transfer.py).
+                self.sender.book.record(stats)
+            finally:
+                self.sender.leases.end(self.lease, how)
 
 
 def admit(sender: KVSender, link: Link, req: PullRequest) -> ServeSession | PullError:

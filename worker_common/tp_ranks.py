@@ -25,13 +25,16 @@ from engine.engine_config import EngineConfig
 from engine.tp.comm import TPGroup, open_store
 from transfer import TransceiverConfig, TransferResult
 from transfer.messages import TransferTicket
+from transfer.stats import TransferCounters, TransferStats
 from worker_common.engine_setup import NOSET_VISIBLE_DEVICES, gpu_device
+from worker_common.tp_transfer_stats import counters_of
 
 log = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 600.0  # a rank's model load and pools, before its transfer can start
 WATCH_INTERVAL_S = 0.5  # how often rank 0 checks that every other rank is alive
 WATCH_TIMEOUT_S = 30.0  # a rank that does not answer in this time counts as lost
+RECORDS_KEPT = 10_000  # served pulls' records waiting for their lease's wait_released
 
 
 class _TPRankActor:
@@ -53,12 +56,8 @@ class _TPRankActor:
         device = gpu_device() if torch.device(config.device).type == "cuda" else config.device
         config = dataclasses.replace(config, device=device)
         apply_cpu_share(num_cpus, device)
-        self._ready = threading.Event()
         self._follower: Any = None
-        self._sender: Any = None
-        self._receiver: Any = None
-        self._lock = threading.Lock()
-        self._released: dict[str, threading.Event] = {}
+        self._init_transfer()
         self._thread = threading.Thread(
             target=self._run, args=(config, rank, size, port, device), daemon=True, name=self.name
         )
@@ -79,6 +78,14 @@ class _TPRankActor:
         return self._thread.is_alive()
 
     # ---- the KV transfer of this rank's pools (worker_common/tp_transfer.py) ----
+    def _init_transfer(self) -> None:
+        self._ready = threading.Event()  # set once ``_follower`` holds the pools
+        self._sender: Any = None
+        self._receiver: Any = None
+        self._lock = threading.Lock()
+        self._released: dict[str, threading.Event] = {}
+        self._records: dict[str, TransferStats] = {}  # sub id -> its served pull's record
+
     def _pools(self) -> tuple[Any, list[Any]]:
         if not self._ready.wait(READY_TIMEOUT_S):
             raise RuntimeError(f"{self.name}: its pools were not ready in {READY_TIMEOUT_S}s")
@@ -93,7 +100,13 @@ class _TPRankActor:
         self._sender = KVSender(buffers, specs, model, config, self._on_released)
 
     def _on_released(self, sub: str) -> None:
+        # The sender records a served pull before it ends the lease: the record is there now.
+        records = self._sender.drain_transfer_stats()
         with self._lock:
+            for record in records:
+                self._records[record.request_id] = record
+            while len(self._records) > RECORDS_KEPT:  # those of leases nobody waits on
+                self._records.pop(next(iter(self._records)))
             event = self._released.setdefault(sub, threading.Event())
         event.set()
 
@@ -104,14 +117,20 @@ class _TPRankActor:
             self._released[sub] = threading.Event()
         return self._sender.publish(sub, page_ids, declared, heads)
 
-    def wait_released(self, sub: str) -> bool:
-        """Returns when the lease ``sub`` ended (rank 0 frees the pages once all have)."""
+    def wait_released(self, sub: str) -> TransferStats | None:
+        """Returns when the lease ``sub`` ended (rank 0 frees the pages once all have), with the
+        record of the pull that served it (None: none did)."""
         with self._lock:
             event = self._released.setdefault(sub, threading.Event())
         event.wait()
         with self._lock:
             self._released.pop(sub, None)
-        return True
+            return self._records.pop(sub, None)
+
+    def transfer_counters(self) -> TransferCounters:
+        """This rank's transceiver counters (rank 0 sums them over the ranks)."""
+        side = self._sender if self._sender is not None else self._receiver
+        return counters_of(side.stats()) if side is not None else TransferCounters()
 
     def cancel(self, sub: str) -> bool:
         return self._sender.cancel(sub)

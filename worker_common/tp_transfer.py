@@ -8,6 +8,12 @@ rank) pair. Every pair has a lease of its own on its prefill rank, under the sub
 the prefill worker's pages are freed once every one of the request's leases, on every rank, has
 ended. The ticket the router carries is rank 0's, with one TicketPart per pair.
 
+Rank 0 reaches the other ranks only by awaiting their answers on the worker's loop (a publish or
+cancel within ``CALL_TIMEOUT_S``; a pull within its transfer deadlines), never by blocking it; a
+rank that does not answer fails the call, and the rank watch takes the worker down
+(worker_common/tp_ranks.py). The parts' transfer records are joined into one per request and the
+counters cover every rank (worker_common/tp_transfer_stats.py).
+
 ``TPPublisher`` and ``TPPuller`` stand where a plain KVSender / KVReceiver stands in the workers;
 ranks 1.. run their own sender or receiver over their own pools (worker_common/tp_ranks.py).
 A failed pull on any decode rank fails the request on the decode worker (it frees its pages once
@@ -30,6 +36,7 @@ from kvcache.head_shard import head_shards
 from transfer import KVReceiver, KVSender, TransceiverConfig
 from transfer.messages import TicketPart, TransferTicket
 from transfer.stats import TransferResult, TransferStats
+from worker_common.tp_transfer_stats import TPTransferBook, join_parts
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +78,10 @@ def parent_id(sub: str) -> str:
 
 
 class TPPublisher:
-    """The prefill side (worker's KVPublisher): rank 0's KVSender plus ranks 1..'s."""
+    """The prefill side (worker's KVPublisher): rank 0's KVSender plus ranks 1..'s. ``publish``
+    and ``cancel`` are coroutines: they await the other ranks' answers on the worker's loop (each
+    within ``call_timeout_s``; a rank that does not answer fails the call, and the rank watch
+    takes the worker down), never block it."""
 
     def __init__(
         self,
@@ -81,85 +91,141 @@ class TPPublisher:
         release: Callable[[str], None],
         rank_config: TransceiverConfig,
         model: str,
+        call_timeout_s: float = CALL_TIMEOUT_S,
     ) -> None:
         self.rank_actors = list(rank_actors)
         self.reads = reads
+        self.call_timeout_s = call_timeout_s
         self._release = release
         self._lock = threading.Lock()
         self._open: dict[str, set[tuple[int, str]]] = {}  # request -> (prefill rank, sub id) open
         self._subs: dict[str, list[tuple[int, str]]] = {}
-        self.own = make_own(lambda sub: self._ended(0, sub))
+        # request -> the records of its ended parts, each with its prefill rank
+        self._records: dict[str, list[tuple[int, TransferStats]]] = {}
+        self.book = TPTransferBook(rank_config.max_stats_len, len(self.rank_actors))
+        self._own_records: dict[str, TransferStats] = {}
+        self.own = make_own(lambda sub: self._ended(0, sub, self._own_record(sub)))
+        # Start-up, before the worker serves: these calls may block.
         for actor in self.rank_actors:
             ray.get(actor.start_sender.remote(rank_config, model), timeout=CALL_TIMEOUT_S)
 
-    def publish(
+    async def publish(
         self, request_id: str, page_ids: dict[str, list[int]], declared_prompt_len: int
     ) -> TransferTicket:
         subs = [(r.prefill_rank, sub_id(request_id, r.decode_rank)) for r in self.reads]
         with self._lock:
             self._open[request_id] = set(subs)
             self._subs[request_id] = subs
-        parts: list[TicketPart] = []
+            self._records[request_id] = []
+        parts: dict[int, TicketPart] = {}
+        published: list[tuple[int, str]] = []
         try:
-            for read, (rank, sub) in zip(self.reads, subs, strict=True):
+            remote: list[tuple[int, Read, int, str, Any]] = []
+            for i, (read, (rank, sub)) in enumerate(zip(self.reads, subs, strict=True)):
                 heads = (read.head_start, read.head_count)
                 if rank == 0:
                     ticket = self.own.publish(sub, page_ids, declared_prompt_len, heads)
+                    published.append((rank, sub))
+                    parts[i] = TicketPart(read.decode_rank, *heads, ticket)
                 else:
                     actor = self.rank_actors[rank - 1]
-                    ticket = ray.get(
-                        actor.publish.remote(sub, page_ids, declared_prompt_len, heads),
-                        timeout=CALL_TIMEOUT_S,
-                    )
-                    ended = actor.wait_released.remote(sub)
-                    ended.future().add_done_callback(
-                        lambda _f, rank=rank, sub=sub: self._ended(rank, sub)
-                    )
-                parts.append(TicketPart(read.decode_rank, read.head_start, read.head_count, ticket))
+                    ref = actor.publish.remote(sub, page_ids, declared_prompt_len, heads)
+                    remote.append((i, read, rank, sub, ref))
+            answers = await asyncio.gather(
+                *(self._call(ref) for *_, ref in remote), return_exceptions=True
+            )
+            failed: BaseException | None = None
+            for (i, read, rank, sub, _), answer in zip(remote, answers, strict=True):
+                if isinstance(answer, BaseException):
+                    failed = failed or answer
+                    continue
+                published.append((rank, sub))
+                parts[i] = TicketPart(read.decode_rank, read.head_start, read.head_count, answer)
+                ended = self.rank_actors[rank - 1].wait_released.remote(sub)
+                ended.future().add_done_callback(
+                    lambda f, rank=rank, sub=sub: self._ended(rank, sub, _record_of(f, sub))
+                )
+            if failed is not None:
+                raise failed
         except BaseException:
             with self._lock:  # the worker frees the pages itself (its publish failed)
                 self._open.pop(request_id, None)
-            self._cancel_subs(subs[: len(parts)])
+                self._subs.pop(request_id, None)
+                self._records.pop(request_id, None)
+            await self._cancel_subs(published)
             raise
-        return dataclasses.replace(parts[0].ticket, request_id=request_id, parts=tuple(parts))
+        ordered = [parts[i] for i in range(len(self.reads))]
+        return dataclasses.replace(ordered[0].ticket, request_id=request_id, parts=tuple(ordered))
 
-    def _ended(self, rank: int, sub: str) -> None:
+    async def _call(self, ref: Any) -> Any:
+        """Another rank's answer; TimeoutError when it gives none in ``call_timeout_s``."""
+        try:
+            return await asyncio.wait_for(_await_ref(ref), self.call_timeout_s)
+        except TimeoutError:
+            raise TimeoutError(
+                f"a prefill rank did not answer within {self.call_timeout_s}s (lost?)"
+            ) from None
+
+    def _own_record(self, sub: str) -> TransferStats | None:
+        # Rank 0's lease ended (the transceiver records a served pull before it ends the lease):
+        # its records go to the joins, and only the joins go out.
+        with self._lock:
+            for s in self.own.drain_transfer_stats():
+                self._own_records[s.request_id] = s
+            return self._own_records.pop(sub, None)
+
+    def _ended(self, rank: int, sub: str, record: TransferStats | None) -> None:
         rid = parent_id(sub)
         with self._lock:
             left = self._open.get(rid)
             if left is None:
                 return
             left.discard((rank, sub))
+            records = self._records[rid]
+            if record is not None:
+                records.append((rank, record))
             if left:
                 return
             del self._open[rid]
-            self._subs.pop(rid, None)
+            subs = self._subs.pop(rid, [])
+            del self._records[rid]
+        if records:  # no part was served (expired, cancelled): no transfer to record, as at tp 1
+            # (With decode tp 1 every prefill rank's part has the same sub id: keyed by rank too.)
+            served = {(rank, s.request_id) for rank, s in records}
+            unserved = [
+                (rank, _failed_send(sub, "its lease ended unserved"))
+                for rank, sub in subs
+                if (rank, sub) not in served
+            ]
+            named = [(_send_part(rank, s.request_id), s) for rank, s in records + unserved]
+            self.book.record(join_parts(rid, "send", named))
         self._release(rid)
 
-    def cancel(self, request_id: str) -> bool:
+    async def cancel(self, request_id: str) -> bool:
         with self._lock:
             subs = list(self._subs.get(request_id, []))
-        return self._cancel_subs(subs)
+        return await self._cancel_subs(subs)
 
-    def _cancel_subs(self, subs: list[tuple[int, str]]) -> bool:
-        done = True
-        for rank, sub in subs:
+    async def _cancel_subs(self, subs: list[tuple[int, str]]) -> bool:
+        async def one(rank: int, sub: str) -> bool:
             try:
                 if rank == 0:
-                    done = self.own.cancel(sub) and done
-                else:
-                    call = self.rank_actors[rank - 1].cancel.remote(sub)
-                    done = ray.get(call, timeout=CALL_TIMEOUT_S) and done
+                    return self.own.cancel(sub)
+                return bool(await self._call(self.rank_actors[rank - 1].cancel.remote(sub)))
             except Exception:  # a lost rank takes the worker down; nothing to cancel there
                 log.warning("cancel of %s on prefill rank %d failed", sub, rank, exc_info=True)
-                done = False
-        return done
+                return False
+
+        return all(await asyncio.gather(*(one(rank, sub) for rank, sub in subs)))
 
     def stats(self) -> dict[str, Any]:
-        return self.own.stats()
+        """Rank 0's transceiver stats with every counter over all ranks (TPTransferBook)."""
+        self.book.refresh(lambda rank: self.rank_actors[rank - 1].transfer_counters.remote())
+        return self.book.stats(self.own.stats())
 
     def drain_transfer_stats(self) -> list[TransferStats]:
-        return self.own.drain_transfer_stats()
+        """One joined record per request (worker_common/tp_transfer_stats.py)."""
+        return self.book.drain()
 
     def close(self) -> None:
         self.own.close()
@@ -177,6 +243,8 @@ class TPPuller:
     ) -> None:
         self.own = own
         self.rank_actors = list(rank_actors)
+        self.book = TPTransferBook(rank_config.max_stats_len, len(self.rank_actors))
+        # Start-up, before the worker serves: these calls may block.
         for actor in self.rank_actors:
             ray.get(actor.start_receiver.remote(rank_config, model), timeout=CALL_TIMEOUT_S)
 
@@ -188,7 +256,9 @@ class TPPuller:
         expected_prompt_len: int,
     ) -> TransferResult:
         """Every decode rank's pulls at once; ok only when all are. Returns once every pull has
-        ended (none still writes any rank's pages)."""
+        ended (none still writes any rank's pages). A rank's pull is bounded by its transfer
+        deadlines, and a lost rank's by Ray (its actor dies with an error); the worker's loop
+        awaits them, never blocks on them."""
         if not ticket.parts:
             return _failed(
                 ticket.request_id,
@@ -204,39 +274,51 @@ class TPPuller:
             else:
                 calls.append(_await_ref(self.rank_actors[part.decode_rank - 1].pull.remote(*args)))
         results = await asyncio.gather(*calls, return_exceptions=True)
-        errors, nbytes, chunks, latency, path = [], 0, 0, 0.0, "ucx"
-        pages: dict[str, int] = {}  # every part moves a head slice of the same pages
+        self.own.drain_transfer_stats()  # rank 0's part records: the join below stands for them
+        records: list[tuple[str, TransferStats]] = []
         for part, res in zip(ticket.parts, results, strict=True):
             if isinstance(res, BaseException):
-                errors.append(f"decode rank {part.decode_rank}: {type(res).__name__}: {res}")
-                continue
-            nbytes += res.stats.bytes
-            chunks += res.stats.chunks
-            latency = max(latency, res.stats.latency_s)
-            path = res.stats.path
-            pages = res.stats.pages
-            if not res.ok:
-                errors.append(f"decode rank {part.decode_rank}: {res.error}")
-        ok = not errors
-        error = "; ".join(errors)
-        stats = TransferStats(
-            ticket.request_id, "recv", nbytes, chunks, latency, ok, error, path,
-            pages if ok else {},
-        )  # fmt: skip
-        return TransferResult(ticket.request_id, ok, error, stats)
+                error = f"{type(res).__name__}: {res}"
+                res = _failed(part.ticket.request_id, error)
+            heads = f"heads {part.head_start}..{part.head_start + part.head_count - 1}"
+            records.append((f"decode rank {part.decode_rank} ({heads})", res.stats))
+        stats = join_parts(ticket.request_id, "recv", records)
+        self.book.record(stats)
+        return TransferResult(ticket.request_id, stats.ok, stats.error, stats)
 
     def stats(self) -> dict[str, Any]:
-        return self.own.stats()
+        """Rank 0's transceiver stats with every counter over all ranks (TPTransferBook)."""
+        self.book.refresh(lambda rank: self.rank_actors[rank - 1].transfer_counters.remote())
+        return self.book.stats(self.own.stats())
 
     def drain_transfer_stats(self) -> list[TransferStats]:
-        return self.own.drain_transfer_stats()
+        """One joined record per request (worker_common/tp_transfer_stats.py)."""
+        self.own.drain_transfer_stats()
+        return self.book.drain()
 
     def close(self) -> None:
         self.own.close()
 
 
-async def _await_ref(ref: Any) -> TransferResult:
+async def _await_ref(ref: Any) -> Any:
     return await ref
+
+
+def _record_of(ended: Any, sub: str) -> TransferStats | None:
+    """The record a rank's ``wait_released`` answered with (None: the part was not served); a
+    rank that could not answer failed its part."""
+    error = ended.exception()
+    if error is not None:
+        return _failed_send(sub, f"the rank was lost: {type(error).__name__}: {error}")
+    return ended.result()
+
+
+def _send_part(prefill_rank: int, sub: str) -> str:
+    return f"prefill rank {prefill_rank} for decode rank {sub.rsplit('|d', 1)[1]}"
+
+
+def _failed_send(sub: str, error: str) -> TransferStats:
+    return TransferStats(sub, "send", 0, 0, 0.0, False, error)
 
 
 def _failed(request_id: str, error: str) -> TransferResult:

@@ -1,0 +1,262 @@
+"""TPPublisher and TPPuller (worker_common/tp_transfer.py) with real Ray rank actors (the rank
+actor of worker_common/tp_ranks.py, its transfer methods as they are, over random KV pools instead
+of a model's shard) and real transceivers over loopback: prefill tp 2 to decode tp 2 or 1 (2 KV heads).
+
+The other ranks' answers are awaited on the worker's loop, never blocked on, and a rank that does
+not answer in time fails the publish; a request's transfer shows as one record joined over the
+ranks (bytes of every rank), and the counters cover every rank."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import ray
+import torch
+
+from prefill_worker.worker import PrefillWorker
+from tests.cluster.cluster_fixtures import local_ray
+from tests.prefill_worker.test_prefill_worker import wait_until_no_page_held
+from tests.tiny_engine import greedy, tiny_engine
+from tests.transfer.conftest import MODEL, KVSide, config, specs
+from transfer import KVReceiver, KVSender
+from worker_common.messages import GenerateRequest
+from worker_common.tp_ranks import _TPRankActor
+from worker_common.tp_transfer import TPPublisher, TPPuller, plan_reads
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+PAGES = 32
+TOKENS = 10  # 3 pages of 4
+PAGE_BYTES = 3 * 2 * 4 * 2 * 8 * 4  # layers, key/value, tokens, kv heads, head dim, float32
+
+
+class _PoolRank(_TPRankActor):
+    """Rank 1 of a worker: the rank actor's transfer methods over random pools of its own (no
+    model); ``publish_delay_s`` holds its publish answers back, as a slow or hung rank does."""
+
+    def __init__(self, seed: int, publish_delay_s: float = 0.0) -> None:
+        self.name = f"pool rank {seed}"
+        self._init_transfer()
+        side = KVSide(specs(num_pages=PAGES), seed)
+        self._follower = SimpleNamespace(buffers=side.kv.buffers, specs=side.specs)
+        self._ready.set()
+        self.publish_delay_s = publish_delay_s
+
+    def publish(self, *args: Any) -> Any:
+        time.sleep(self.publish_delay_s)
+        return super().publish(*args)
+
+    def pages(self, page_ids: list[int]) -> torch.Tensor:
+        return self._follower.buffers["full"][page_ids].clone()
+
+
+PoolRank = ray.remote(_PoolRank)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_local() -> Iterator[None]:
+    with local_ray("tp-transfer"):
+        yield
+
+
+def rank_actor(seed: int, publish_delay_s: float = 0.0) -> Any:
+    return PoolRank.options(num_cpus=0, max_concurrency=100).remote(seed, publish_delay_s)
+
+
+def publisher(
+    side: KVSide, rank: Any, decode_tp: int = 2, call_timeout_s: float = 30.0, lease_s: float = 10.0
+) -> TPPublisher:
+    cfg = config(lease_s=lease_s)
+    return TPPublisher(
+        lambda release: KVSender(side.kv.buffers, side.specs, MODEL, cfg, release),
+        [rank],
+        plan_reads(2, 2, decode_tp),
+        side.release,
+        cfg,
+        MODEL,
+        call_timeout_s,
+    )
+
+
+def wait_until(cond: Any, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def test_one_record_per_request_over_all_ranks_and_counters_of_every_rank() -> None:
+    p_side, d_side = KVSide(specs(num_pages=PAGES), 1), KVSide(specs(num_pages=PAGES), 2)
+    p_rank, d_rank = rank_actor(3), rank_actor(4)
+    pub = publisher(p_side, p_rank)
+    pull = TPPuller(KVReceiver(d_side.kv.buffers, d_side.specs, MODEL, config()), [d_rank],
+                    config(), MODEL)  # fmt: skip
+    try:
+        src = p_side.allocate("r1", TOKENS)
+        dst = d_side.allocate("r1", TOKENS)
+
+        async def transfer() -> Any:
+            ticket = await pub.publish("r1", src, TOKENS)
+            return ticket, await pull.pull(ticket, dst, 0, TOKENS)
+
+        ticket, result = asyncio.run(transfer())
+        assert result.ok, result.error
+        # Decode rank 0 holds head 0 from prefill rank 0; decode rank 1 head 1 from prefill rank 1.
+        # Pages are [pages, kv_heads, layers, 2, page_size, D].
+        got = d_side.kv.buffers["full"][dst["full"]]
+        want = p_side.kv.buffers["full"][src["full"]]
+        assert torch.equal(got[:, 0], want[:, 0])
+        got1 = ray.get(d_rank.pages.remote(dst["full"]))
+        want1 = ray.get(p_rank.pages.remote(src["full"]))
+        assert torch.equal(got1[:, 1], want1[:, 1])
+        wait_until(lambda: "r1" in p_side.released)  # every prefill rank's lease ended
+
+        total = 3 * PAGE_BYTES  # every rank's head slice of 3 pages
+        (recv,) = pull.drain_transfer_stats()
+        assert (recv.request_id, recv.role, recv.ok, recv.bytes) == ("r1", "recv", True, total)
+        assert recv.pages == {"full": 3}
+        (send,) = pub.drain_transfer_stats()
+        assert (send.request_id, send.role, send.ok, send.bytes) == ("r1", "send", True, total)
+        assert send.pages == {"full": 3}
+        for side in (pub, pull):
+            stats = side.stats()
+            assert (stats["transfers_ok"], stats["failures"], stats["bytes"]) == (1, 0, total)
+
+        # The same ticket again: every prefill rank refuses its part (the leases ended).
+        again = asyncio.run(pull.pull(ticket, dst, 0, TOKENS))
+        assert not again.ok
+        assert "decode rank 0 (heads 0..0)" in again.error
+        assert "decode rank 1 (heads 1..1)" in again.error
+        assert pull.stats()["failures"] == 1
+        (failed,) = pull.drain_transfer_stats()
+        assert (failed.request_id, failed.ok, failed.bytes) == ("r1", False, 0)
+
+        def refused_on_both_ranks() -> bool:  # rank 1's counters land one stats call late
+            return pub.stats()["refused_pulls"] == 2
+
+        wait_until(refused_on_both_ranks)
+    finally:
+        pull.close()
+        pub.close()
+
+
+def test_a_slow_rank_is_awaited_without_blocking_the_loop() -> None:
+    """Rank 1 answers its publish after 1.5 s: meanwhile the worker's loop runs on."""
+    p_side = KVSide(specs(num_pages=PAGES), 5)
+    pub = publisher(p_side, rank_actor(6, publish_delay_s=1.5), decode_tp=1)
+    try:
+        src = p_side.allocate("r2", TOKENS)
+
+        async def publish_while_ticking() -> tuple[Any, int]:
+            ticks = 0
+
+            async def tick() -> None:
+                nonlocal ticks
+                while True:
+                    await asyncio.sleep(0.05)
+                    ticks += 1
+
+            ticker = asyncio.ensure_future(tick())
+            ticket = await pub.publish("r2", src, TOKENS)
+            ticker.cancel()
+            return ticket, ticks
+
+        ticket, ticks = asyncio.run(publish_while_ticking())
+        assert [(p.decode_rank, p.head_start, p.head_count) for p in ticket.parts] == [
+            (0, 0, 1),
+            (0, 1, 1),
+        ]
+        assert ticks >= 10, ticks  # a blocked loop would not have ticked at all
+        assert asyncio.run(pub.cancel("r2"))  # both ranks' leases, awaited likewise
+        wait_until(lambda: "r2" in p_side.released)
+    finally:
+        pub.close()
+
+
+def test_a_rank_that_does_not_answer_in_time_fails_the_publish() -> None:
+    """Rank 1 answers after 3 s, past the 0.5 s call timeout: the publish raises, rank 0's lease
+    is given up, and the pages are the worker's to free (the release callback is not called)."""
+    p_side = KVSide(specs(num_pages=PAGES), 7)
+    pub = publisher(p_side, rank_actor(8, publish_delay_s=3.0), decode_tp=1, call_timeout_s=0.5)
+    try:
+        src = p_side.allocate("r3", TOKENS)
+        with pytest.raises(TimeoutError, match="did not answer within 0.5s"):
+            asyncio.run(pub.publish("r3", src, TOKENS))
+        assert len(pub.own.leases) == 0
+        time.sleep(0.2)
+        assert p_side.released == []
+        p_side.free("r3")
+    finally:
+        pub.close()
+
+
+def test_a_part_never_pulled_fails_the_requests_one_record() -> None:
+    """Decode tp 1 reads head 0 from prefill rank 0 and head 1 from prefill rank 1 (the same sub-id
+    on both ranks). Only rank 0's part is pulled: once rank 1's lease expires the pages go back,
+    and the request's one record is a failure naming rank 1's part; rank 1's expiry is counted."""
+    p_side, d_side = KVSide(specs(num_pages=PAGES), 9), KVSide(specs(num_pages=PAGES), 10)
+    pub = publisher(p_side, rank_actor(11), decode_tp=1, lease_s=1.0)
+    receiver = KVReceiver(d_side.kv.buffers, d_side.specs, MODEL, config())
+    try:
+        src = p_side.allocate("r4", TOKENS)
+        dst = d_side.allocate("r4", TOKENS)
+        ticket = asyncio.run(pub.publish("r4", src, TOKENS))
+        part = ticket.parts[0]
+        assert (part.decode_rank, part.head_start, part.head_count) == (0, 0, 1)
+        assert receiver.pull_blocking(part.ticket, dst, 0, TOKENS, (0, 1)).ok
+        wait_until(lambda: "r4" in p_side.released)
+        (send,) = pub.drain_transfer_stats()
+        assert (send.request_id, send.ok, send.bytes) == ("r4", False, 3 * PAGE_BYTES // 2)
+        assert "prefill rank 1 for decode rank 0: its lease ended unserved" in send.error
+        wait_until(lambda: pub.stats()["expired_leases"] == 1)
+        stats = pub.stats()
+        assert (stats["transfers_ok"], stats["failures"]) == (0, 1)
+        d_side.free("r4")
+    finally:
+        receiver.close()
+        pub.close()
+
+
+def test_a_prefill_cancelled_while_its_ranks_publish_frees_its_pages() -> None:
+    """The client goes away while rank 1 has not answered the publish yet: the prefill ends
+    cancelled, rank 0's lease is given up and the worker frees the pages (none held after)."""
+    engine = tiny_engine(64)
+    cfg = config()
+    rank = rank_actor(12, publish_delay_s=2.0)
+
+    def make_publisher(release: Any) -> TPPublisher:
+        specs_ = list(engine.kv.specs.values())
+        return TPPublisher(
+            lambda own_release: KVSender(engine.kv.buffers, specs_, MODEL, cfg, own_release),
+            [rank],
+            plan_reads(engine.model_config.num_kv_heads, 2, 1),
+            release,
+            cfg,
+            MODEL,
+        )
+
+    worker = PrefillWorker("p0", engine, make_publisher)
+
+    async def main() -> None:
+        req = GenerateRequest("c", list(range(1, 11)), greedy(4), time.time())
+        task = asyncio.ensure_future(worker.prefill(req))
+        deadline = time.monotonic() + 30
+        while "c" not in worker._publishing:
+            assert time.monotonic() < deadline and not task.done()
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)  # rank 0 has published; rank 1 answers in 2 s
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert len(worker.publisher.own.leases) == 0
+        await wait_until_no_page_held(worker)
+
+    try:
+        asyncio.run(main())
+    finally:
+        worker.close()
