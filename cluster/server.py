@@ -24,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cluster import openai_schemas as oa
 from engine.sampling_params import SamplingParams
@@ -102,6 +103,26 @@ def check_token_ids(ids: list[int], vocab_size: int, field: str) -> None:
         )
 
 
+class _ApiKeyMiddleware:
+    """Refuses /v1/ requests without ``Authorization: Bearer <key>`` (compared in constant time).
+
+    A plain ASGI middleware: Starlette's ``@app.middleware("http")`` would pass every chunk of a
+    token stream through a memory stream and a task switch of its own (about a third of the
+    front end's time per streamed token in a CPU profile)."""
+
+    def __init__(self, app: ASGIApp, expected: bytes) -> None:
+        self.app = app
+        self.expected = expected
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):  # constant time
+                await _err("invalid or missing API key", 401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -114,13 +135,8 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="Duet", version="0.1.0", lifespan=lifespan)
     expected_auth = f"Bearer {api_key}".encode() if api_key else None
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):  # type: ignore[no-untyped-def]
-        if expected_auth is not None and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, expected_auth):  # constant time
-                return _err("invalid or missing API key", 401)
-        return await call_next(request)
+    if expected_auth is not None:
+        app.add_middleware(_ApiKeyMiddleware, expected=expected_auth)
 
     @app.exception_handler(RequestValidationError)
     async def _on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:

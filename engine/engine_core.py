@@ -169,8 +169,13 @@ class LLMEngine:
         """An engine over an already loaded model (its fields model/load_format/dtype are not used
         again; several engines may share one model, each with its own KV cache). With ``tp`` this
         is rank 0 of a tensor-parallel worker: its KV pools hold its head shard, and the other
-        ranks get the page counts (TPSetup) once they are sized."""
+        ranks get the page counts (TPSetup) once they are sized. The KV cache goes on the
+        model's device, whatever ``config.device`` says (a model loaded on a GPU next to a KV
+        cache in host memory cannot run)."""
         mc = loaded.config
+        model_device = next(loaded.model.parameters()).device
+        if torch.device(config.device) != model_device:
+            config = dataclasses.replace(config, device=str(model_device))
         max_model_len = (
             config.max_model_len if config.max_model_len is not None else mc.max_position_embeddings
         )

@@ -86,7 +86,12 @@ def decode_worker(local_ray: None) -> Iterator[WorkerSlot]:
     spec = worker_spec(config_of(), Role.DECODE, 0, None)
     handle = DecodeWorkerActor.options(num_cpus=1, max_concurrency=100).remote(spec)
     ray.get(handle.ready.remote(), timeout=300)
-    yield WorkerSlot("decode-0", handle)
+    slot = WorkerSlot("decode-0", handle)
+    # One request first: a fresh worker's first step (oneDNN primitives, first touches) can take
+    # longer than the short request_timeout_s these tests set, which would time out before any token.
+    warm = GenerateRequest("warm-up", [1, 2, 3], SamplingParams(max_tokens=2), time.time())
+    assert asyncio.run(collect(router_of(config_of(), [], slot), warm))[-1].error is None
+    yield slot
     ray.get(handle.close.remote(), timeout=60)
     ray.kill(handle)
 

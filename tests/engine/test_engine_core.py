@@ -177,3 +177,20 @@ def test_a_prefilled_request_aborted_before_its_transfer_is_recorded_once(
     assert engine.abort_request("r")  # the client left before any decode worker pulled
     assert [r.finish_reason for r in engine.drain_request_stats()] == [None]
     assert_no_leak(engine.kv)
+
+
+def test_an_engine_over_a_loaded_model_keeps_its_kv_cache_on_the_model_s_device(
+    tiny_llama3_loaded,
+) -> None:
+    """The KV cache follows the model: a config naming another device (here a GPU, for a model
+    in host memory) cannot split them."""
+    from engine.engine_config import EngineConfig
+
+    config = EngineConfig(model="tiny", device="cuda", page_size=4, num_pages=32, max_model_len=32)
+    engine = LLMEngine.from_loaded(tiny_llama3_loaded, config)
+    assert engine.kv.device.type == "cpu"
+    engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0))
+    outputs: list[RequestOutput] = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert len(outputs[-1].token_ids) == 2
