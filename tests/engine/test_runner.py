@@ -90,3 +90,29 @@ def test_runner_samples_one_token_per_sampled_row(tiny_llama3_loaded: LoadedMode
         runner.execute(batch, [])
     kv.free("r")
     kv.check_integrity()
+
+
+def test_the_linear_weights_are_packed_before_the_first_request() -> None:
+    """A fresh model's linear layers get their packed copies when the runner is made (on CPU,
+    oneDNN's layout), so the first request does not pay for packing."""
+    from engine.loaders import load_model
+    from engine.model.linear import Linear
+
+    tiny = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 256,
+        "max_position_embeddings": 128,
+    }
+    loaded = load_model("fresh", "dummy", torch.float32, "cpu", dummy_config=tiny)
+    linears = [m for m in loaded.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed_weight._packed is None for m in linears)
+    (spec,) = kv_pool_templates(loaded.config, 4, torch.float32)
+    kv = KVCacheManager([dataclasses.replace(spec, num_pages=8)], "none")
+    ModelRunner(loaded.model, kv, loaded.config.num_layers, Sampler())
+    expected = torch.backends.mkldnn.is_available()  # (packed only where oneDNN runs them)
+    assert all((m.packed_weight._packed is not None) == expected for m in linears)
