@@ -87,26 +87,7 @@ def test_a_killed_rank_takes_its_worker_down_and_the_cluster_serves_after_restar
     (slot,) = running.handles.decode
     (rank1,) = ray.get(slot.handle.tp_rank_actors_for_test.remote(), timeout=30)
     ray.kill(rank1, no_restart=True)
-    # While the worker goes down and comes back, a request either fails with a clear error or
-    # is served right; never wrong tokens. Within the deadline the restarted worker serves.
-    deadline = time.monotonic() + 240
-    errors = []
-    while True:
-        try:
-            out = client.completions.create(
-                model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0
-            )
-        except openai.APIError as e:
-            errors.append(str(e))
-            assert time.monotonic() < deadline, errors[-3:]
-            time.sleep(1.0)
-            continue
-        assert out.choices[0].model_extra["token_ids"] == want
-        fresh = ray.get(slot.handle.tp_rank_actors_for_test.remote(), timeout=30)
-        if fresh and fresh[0]._actor_id != rank1._actor_id:
-            break  # served by the restarted worker, with new ranks
-        assert time.monotonic() < deadline, "the worker was not restarted"
-        time.sleep(0.5)
+    served_by_the_restarted_worker(client, model, prompt, want, slot, rank1)
     wait_no_pages_held(running, timeout_s=60)
 
 
@@ -148,20 +129,31 @@ def test_a_decode_rank_killed_while_streaming_ends_cleanly_and_leaks_no_page(
         # The engine's failed step (its collective with the lost rank), or the router's word
         # that the decode worker went away: either way an error event, not a hang.
         assert "engine step failed" in error or "decode worker" in error, error
+    served_by_the_restarted_worker(client, model, prompt, want, slot, killed)
+    wait_no_pages_held(running, timeout_s=60)
+
+
+def served_by_the_restarted_worker(
+    client: openai.OpenAI, model: str, prompt: list[int], want: list[int], slot: Any, killed: Any
+) -> None:
+    """Send ``prompt`` until the worker that lost rank ``killed`` is back with new ranks and has
+    served it. While it goes down and comes back a request either fails with a clear error or is
+    served right, never with wrong tokens; within the deadline the restarted worker serves."""
     deadline = time.monotonic() + 240
+    errors: list[str] = []
     while True:
         try:
             out = client.completions.create(
                 model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0
             )
         except openai.APIError as e:
-            assert time.monotonic() < deadline, str(e)
+            errors.append(str(e))
+            assert time.monotonic() < deadline, errors[-3:]
             time.sleep(1.0)
             continue
         assert out.choices[0].model_extra["token_ids"] == want
         fresh = ray.get(slot.handle.tp_rank_actors_for_test.remote(), timeout=30)
         if fresh and fresh[0]._actor_id != killed._actor_id:
-            break  # served by the restarted worker, with new ranks
+            return  # served by the restarted worker, with new ranks
         assert time.monotonic() < deadline, "the worker was not restarted"
         time.sleep(0.5)
-    wait_no_pages_held(running, timeout_s=60)

@@ -97,18 +97,9 @@ def test_the_linear_weights_are_packed_before_the_first_request() -> None:
     oneDNN's layout), so the first request does not pay for packing."""
     from engine.loaders import load_model
     from engine.model.linear import Linear
+    from tests.tiny_engine import TINY
 
-    tiny = {
-        "model_type": "llama",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": 256,
-        "max_position_embeddings": 128,
-    }
-    loaded = load_model("fresh", "dummy", torch.float32, "cpu", dummy_config=tiny)
+    loaded = load_model("fresh", "dummy", torch.float32, "cpu", dummy_config=TINY)
     linears = [m for m in loaded.model.modules() if isinstance(m, Linear)]
     assert linears and all(m.packed_weight._packed is None for m in linears)
     (spec,) = kv_pool_templates(loaded.config, 4, torch.float32)
