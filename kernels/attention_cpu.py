@@ -28,12 +28,13 @@ ForwardBatch). Without a plan the attention functions make their own.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from kernels.page_gather_cpu import gather_pages
 
 # A prefill group's padded work (members x longest query x longest context) may reach this many
 # times its members' own work (sum of query x context) before a new group starts.
@@ -238,61 +239,6 @@ def plan_prefill(
     return PrefillPlan(single_rows, single_plan, groups)
 
 
-# A gather larger than this gets a tensor of its own rather than growing the workspace for good.
-WORKSPACE_MAX_BYTES = 256 << 20
-
-
-class _Workspace(threading.local):
-    """Two growable buffers per thread (one for K, one for V) that the gathers write into."""
-
-    def __init__(self) -> None:
-        self.buffers: list[torch.Tensor | None] = [None, None]
-
-    def take(self, slot: int, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
-        nbytes = numel * dtype.itemsize
-        if nbytes > WORKSPACE_MAX_BYTES:
-            return None
-        buf = self.buffers[slot]
-        if buf is None or buf.numel() < nbytes:
-            buf = self.buffers[slot] = torch.empty(nbytes, dtype=torch.uint8)
-        return buf[:nbytes].view(dtype)
-
-
-_WORKSPACE = _Workspace()
-
-
-def _head_runs(cache: torch.Tensor) -> torch.Tensor | None:
-    """cache [N, page_size, Hkv, D] as rows [N * Hkv, page_size * D], row page * Hkv + h holding
-    page's keys of head h, when each such run is contiguous and pages lie Hkv head strides apart
-    (the head-outermost layout); None for other layouts."""
-    num_pages, page_size, num_kv_heads, head_dim = cache.shape
-    s_page, s_slot, s_head, s_dim = cache.stride()
-    if s_dim != 1 or s_slot != head_dim or s_page != num_kv_heads * s_head:
-        return None
-    return cache.as_strided((num_pages * num_kv_heads, page_size * head_dim), (s_head, 1))
-
-
-def _gather_pages(
-    cache: torch.Tensor, page_ids: torch.Tensor, rows: int, slot: int
-) -> torch.Tensor:
-    """cache [N, page_size, Hkv, D] at page_ids [rows * n] -> [rows, Hkv, n * page_size, D],
-    written into workspace ``slot`` when it fits there."""
-    _, page_size, num_kv_heads, head_dim = cache.shape
-    n = page_ids.numel() // max(rows, 1)
-    runs = _head_runs(cache)
-    if runs is None:  # other layouts: whole pages, then heads outermost as a transposed view
-        gathered = cache.index_select(0, page_ids)  # [rows * n, page_size, Hkv, D]
-        return gathered.view(rows, -1, num_kv_heads, head_dim).transpose(1, 2)
-    heads = torch.arange(num_kv_heads, dtype=page_ids.dtype)
-    run_ids = (page_ids.view(rows, 1, n) * num_kv_heads + heads.view(1, -1, 1)).reshape(-1)
-    out = _WORKSPACE.take(slot, run_ids.numel() * page_size * head_dim, cache.dtype)
-    if out is None:
-        gathered = runs.index_select(0, run_ids)
-    else:
-        gathered = torch.index_select(runs, 0, run_ids, out=out.view(-1, page_size * head_dim))
-    return gathered.view(rows, num_kv_heads, n * page_size, head_dim)
-
-
 def _attend(
     q: torch.Tensor,  # [B, Hq or Hkv, Lq, D]
     k: torch.Tensor,  # [B, Hkv, L, D]
@@ -348,8 +294,8 @@ def paged_decode_attention_cpu(
     if plan is None:
         plan = plan_decode(page_table, seq_lens, k_cache.shape[1], sliding_window)
     Hkv = k_cache.shape[2]
-    k = _gather_pages(k_cache, plan.page_ids, B, 0)  # [B, Hkv, L, D]
-    v = _gather_pages(v_cache, plan.page_ids, B, 1)
+    k = gather_pages(k_cache, plan.page_ids, B, 0)  # [B, Hkv, L, D]
+    v = gather_pages(v_cache, plan.page_ids, B, 1)
     # The query heads of KV head h are its query rows: [B, Hkv, group, D] against [B, Hkv, L, D].
     qg = q.reshape(B, Hkv, Hq // Hkv, D)
     out = _attend(qg, k, v, plan.mask, scale, softcap, causal_if_unmasked=False)
@@ -367,8 +313,8 @@ def _prefill_group(
 ) -> None:
     _, Hq, D = q.shape
     G, max_q, start, total = group.members, group.max_q, group.start, group.total
-    k = _gather_pages(k_cache, group.page_ids, G, 0)  # [G, Hkv, L, D]
-    v = _gather_pages(v_cache, group.page_ids, G, 1)
+    k = gather_pages(k_cache, group.page_ids, G, 0)  # [G, Hkv, L, D]
+    v = gather_pages(v_cache, group.page_ids, G, 1)
     if group.src is None:
         q_pad = q[start : start + total]
     else:

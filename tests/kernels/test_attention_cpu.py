@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import attention_cpu
 from kernels.attention_cpu import (
     paged_decode_attention_cpu,
     paged_prefill_attention_cpu,
@@ -193,44 +192,3 @@ def test_store_kv_matches_reference_with_padding_slots() -> None:
         store_kv_ref(key, value, *layer_view(expected, 1), slots)
         store_kv_cpu(key, value, kv.k_cache, kv.v_cache, slots)
         assert torch.equal(kv.buffer, expected)
-
-
-def test_other_cache_layouts_gather_whole_pages_with_the_same_result() -> None:
-    """A page-major cache (each page's slots, then heads) has no per-head runs: the gather takes
-    whole pages, and gives what the head-outermost pool gives."""
-    gen = torch.Generator().manual_seed(21)
-    kv = make_paged_kv([37, 5, 64, 16], 16, 2, 32, torch.float32, gen)
-    q = torch.randn((4, 4, 32), generator=gen)
-    page_major = kv.k_cache.contiguous(), kv.v_cache.contiguous()
-    assert attention_cpu._head_runs(page_major[0]) is None
-    assert attention_cpu._head_runs(kv.k_cache) is not None
-    out = paged_decode_attention_cpu(q, *page_major, kv.page_table, kv.seq_lens, 0.2)
-    same = paged_decode_attention_cpu(q, kv.k_cache, kv.v_cache, kv.page_table, kv.seq_lens, 0.2)
-    assert torch.equal(out, same)
-
-
-def test_gathers_reuse_one_workspace_across_layers_and_fall_back_above_its_cap(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    gen = torch.Generator().manual_seed(22)
-    kv = make_paged_kv([37, 5, 64, 16], 16, 2, 32, torch.float32, gen, num_layers=3)
-    q = torch.randn((4, 4, 32), generator=gen)
-    plan = plan_decode(kv.page_table, kv.seq_lens, 16)
-    outs, storages = [], []
-    for layer in range(3):
-        k_cache, v_cache = layer_view(kv.buffer, layer)
-        outs.append(
-            paged_decode_attention_cpu(
-                q, k_cache, v_cache, kv.page_table, kv.seq_lens, 0.2, plan=plan
-            )
-        )
-        storages.append([b.data_ptr() for b in attention_cpu._WORKSPACE.buffers])
-        expected = paged_decode_attention_ref(q, k_cache, v_cache, kv.page_table, kv.seq_lens, 0.2)
-        assert float((outs[-1] - expected).abs().max()) <= 1e-5
-    assert storages[0] == storages[1] == storages[2]  # no fresh tensor per layer
-    monkeypatch.setattr(attention_cpu, "WORKSPACE_MAX_BYTES", 64)
-    k_cache, v_cache = layer_view(kv.buffer, 2)
-    capped = paged_decode_attention_cpu(
-        q, k_cache, v_cache, kv.page_table, kv.seq_lens, 0.2, plan=plan
-    )
-    assert torch.equal(capped, outs[2])

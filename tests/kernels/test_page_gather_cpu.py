@@ -1,0 +1,69 @@
+"""kernels/page_gather_cpu.py: the per-head run gather of the head-outermost pool, its workspace
+kept across layers and its fallback for other cache layouts, through the CPU decode attention
+against its reference twin."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import page_gather_cpu
+from kernels.attention_cpu import paged_decode_attention_cpu, plan_decode
+from kernels.attention_ref import paged_decode_attention_ref
+from kvcache.kv_buffer import layer_view
+from tests.kernels.paged_inputs import make_paged_kv
+
+
+def test_other_cache_layouts_gather_whole_pages_with_the_same_result() -> None:
+    """A page-major cache (each page's slots, then heads) has no per-head runs: the gather takes
+    whole pages, and gives what the head-outermost pool gives."""
+    gen = torch.Generator().manual_seed(21)
+    kv = make_paged_kv([37, 5, 64, 16], 16, 2, 32, torch.float32, gen)
+    q = torch.randn((4, 4, 32), generator=gen)
+    page_major = kv.k_cache.contiguous(), kv.v_cache.contiguous()
+    assert page_gather_cpu.head_runs(page_major[0]) is None
+    assert page_gather_cpu.head_runs(kv.k_cache) is not None
+    out = paged_decode_attention_cpu(q, *page_major, kv.page_table, kv.seq_lens, 0.2)
+    same = paged_decode_attention_cpu(q, kv.k_cache, kv.v_cache, kv.page_table, kv.seq_lens, 0.2)
+    assert torch.equal(out, same)
+
+
+def test_gathers_reuse_one_workspace_across_layers_and_fall_back_above_its_cap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    gen = torch.Generator().manual_seed(22)
+    kv = make_paged_kv([37, 5, 64, 16], 16, 2, 32, torch.float32, gen, num_layers=3)
+    q = torch.randn((4, 4, 32), generator=gen)
+    plan = plan_decode(kv.page_table, kv.seq_lens, 16)
+    outs, storages = [], []
+    for layer in range(3):
+        k_cache, v_cache = layer_view(kv.buffer, layer)
+        outs.append(
+            paged_decode_attention_cpu(
+                q, k_cache, v_cache, kv.page_table, kv.seq_lens, 0.2, plan=plan
+            )
+        )
+        storages.append([b.data_ptr() for b in page_gather_cpu.WORKSPACE.buffers])
+        expected = paged_decode_attention_ref(q, k_cache, v_cache, kv.page_table, kv.seq_lens, 0.2)
+        assert float((outs[-1] - expected).abs().max()) <= 1e-5
+    assert storages[0] == storages[1] == storages[2]  # no fresh tensor per layer
+    monkeypatch.setattr(page_gather_cpu, "WORKSPACE_MAX_BYTES", 64)
+    k_cache, v_cache = layer_view(kv.buffer, 2)
+    capped = paged_decode_attention_cpu(
+        q, k_cache, v_cache, kv.page_table, kv.seq_lens, 0.2, plan=plan
+    )
+    assert torch.equal(capped, outs[2])
+
+
+def test_a_new_page_list_gets_its_own_run_ids() -> None:
+    """Run ids are kept for the page list of the last gather (every layer of a step reads the
+    same pages); another list, even of the same size, gathers its own pages."""
+    gen = torch.Generator().manual_seed(23)
+    kv = make_paged_kv([40, 40, 17, 33], 16, 2, 32, torch.float32, gen)
+    q = torch.randn((2, 4, 32), generator=gen)
+    k_cache, v_cache = layer_view(kv.buffer, 1)
+    for rows in ([0, 1], [2, 3], [1, 0]):
+        table, lens = kv.page_table[rows], kv.seq_lens[rows]
+        out = paged_decode_attention_cpu(q, k_cache, v_cache, table, lens, 0.2)
+        expected = paged_decode_attention_ref(q, k_cache, v_cache, table, lens, 0.2)
+        assert float((out - expected).abs().max()) <= 1e-5
