@@ -8,6 +8,7 @@ import torch
 
 from engine.cuda_graphs import DecodeGraphs
 from engine.forward_batch import ForwardBatch
+from engine.host_malloc import keep_freed_memory
 from engine.model.linear import Linear
 from engine.request import Request
 from engine.sampler import Sampler
@@ -51,6 +52,8 @@ class ModelRunner:
         self.kv_caches = [kv.layer_cache(layer) for layer in range(num_layers)]
         self.sampler = sampler
         self.graphs: DecodeGraphs | None = None
+        if self.kv_caches and self.kv_caches[0][0].device.type == "cpu":
+            keep_freed_memory()  # a CPU forward pass reallocates tens of MB per layer
         # Pack the linear weights into kernels.linear's layout now (oneDNN's on CPU), not in the
         # first request's forward pass: about 0.4 s of the embedded model's first-request latency.
         for module in model.modules():

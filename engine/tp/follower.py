@@ -11,6 +11,7 @@ import logging
 import torch
 
 from engine.engine_config import EngineConfig
+from engine.host_malloc import keep_freed_memory
 from engine.kv_setup import kv_pool_templates
 from engine.tp.comm import TPGroup
 from engine.tp.context import TPContext
@@ -37,6 +38,8 @@ class TPFollower:
         self.device = torch.device(device)
         if self.device.type == "cuda":  # NCCL and the kernels launch on the current device
             torch.cuda.set_device(self.device)
+        else:
+            keep_freed_memory()  # as rank 0's runner does (engine/host_malloc.py)
         model_config = read_model_config(config.model, config.load_format, config.dummy_config)
         partition = TPPartition(model_config, rank, size)
         self.group = TPGroup.connect(rank, size, port, self.device, host)
