@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from kvcache.prefault import prefault
 from kvcache.spec import PoolGroupSpec
 
 
@@ -18,9 +19,13 @@ def allocate_buffers(specs: list[PoolGroupSpec], device: torch.device) -> dict[s
 
     Host pools live in anonymous shared memory (``shared_zeros``), so that a decode worker of the
     same host can read a prefill worker's pages (transfer/paths/host_shm.py) without the pools being copied.
+    Their pages are faulted in by a background thread from the start (kvcache/prefault.py).
     """
     if device.type == "cpu":
-        return {s.name: shared_zeros(s.buffer_shape, s.dtype, s.name) for s in specs}
+        pools = {s.name: shared_zeros(s.buffer_shape, s.dtype, s.name) for s in specs}
+        for pool in pools.values():
+            prefault(pool)
+        return pools
     return {s.name: torch.zeros(s.buffer_shape, dtype=s.dtype, device=device) for s in specs}
 
 

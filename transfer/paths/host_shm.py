@@ -11,9 +11,10 @@ through it pays a minor fault, in whichever pull first reads it (on this 2-core 
 720 KiB rows out of a 1 GiB pool: 1.25-2.8 ms cold, 0.73 ms populated, ~0.45 ms warm). So once per
 link D faults the mapping in ahead of the pulls with MADV_POPULATE_READ (Linux 5.14), which costs
 about 110 ms per GiB here. Only the extents P has written (SEEK_DATA/SEEK_HOLE on the file) are
-populated: P's pool is a sparse file whose pages are taken when first written, and populating a hole
-would allocate it (measured: MAP_POPULATE of a fresh 1 GiB pool took 1.3 s and made all 1 GiB
-resident), so pages P writes after the link opened still fault on their first read. It runs in a
+populated: a pool's pages are taken when first written or when P's own prefault thread reaches
+them (kvcache/prefault.py, which P starts at allocation), and populating a hole from D would
+allocate it on D's account (measured: MAP_POPULATE of a fresh 1 GiB pool took 1.3 s and made all
+1 GiB resident), so pages P takes after the link opened still fault on D's first read. It runs in a
 background thread, not in the handshake: a link to a P with several GiB written would otherwise
 hold its first pull for ~0.1 s per GiB (and reach the connect deadline, 10 s, near 90 GiB), while
 pulls that overlap the populating are merely as cold as without it. CPython 3.11's

@@ -1,0 +1,78 @@
+"""kvcache/prefault.py: host pools are faulted in by a background thread, without changing what
+the engine writes meanwhile, and left lazy when the host lacks the memory."""
+
+from __future__ import annotations
+
+import resource
+import sys
+import threading
+
+import pytest
+import torch
+
+from kvcache import prefault as prefault_module
+from kvcache.kv_buffer import allocate_buffers, shared_zeros
+from kvcache.prefault import prefault
+from kvcache.spec import PoolGroupSpec
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="MADV_POPULATE_WRITE is Linux's")
+
+
+def _faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _write_all(t: torch.Tensor) -> int:
+    """Minor faults taken by writing every byte of ``t``."""
+    before = _faults()
+    t.view(torch.uint8).view(-1).fill_(7)
+    return _faults() - before
+
+
+def test_a_populated_pool_takes_no_faults_when_written() -> None:
+    pool = shared_zeros((16, 1 << 20), torch.float32, "test")  # 64 MiB
+    thread = prefault(pool)
+    assert thread is not None
+    thread.join(timeout=60)
+    assert thread.populated_bytes >= pool.numel() * 4
+    assert _write_all(pool) < 64  # 16384 pages of 4 KiB, already mapped writable
+
+
+def test_an_unpopulated_pool_faults_on_first_write() -> None:
+    # The baseline the test above is measured against: the same write without populating.
+    pool = shared_zeros((16, 1 << 20), torch.float32, "test")
+    assert _write_all(pool) > 4096
+
+
+def test_contents_written_during_populating_are_kept() -> None:
+    pool = shared_zeros((64, 1 << 18), torch.float32, "test")  # 64 MiB
+    pool[:32] = torch.arange(32 * (1 << 18), dtype=torch.float32).view(32, -1)
+    thread = prefault(pool)
+    assert thread is not None
+    pool[32:] = 3.0  # the engine writing while the thread runs
+    thread.join(timeout=60)
+    assert torch.equal(pool[:32].reshape(-1), torch.arange(32 * (1 << 18), dtype=torch.float32))
+    assert bool((pool[32:] == 3.0).all())
+
+
+def test_a_pool_larger_than_available_memory_stays_lazy(monkeypatch) -> None:
+    monkeypatch.setattr(prefault_module, "available_bytes", lambda: 1 << 20)
+    pool = shared_zeros((4, 1 << 20), torch.float32, "test")  # 16 MiB > 1 MiB available
+    assert prefault(pool) is None
+
+
+def test_host_pools_are_populated_from_allocation() -> None:
+    spec = PoolGroupSpec(
+        name="full",
+        layer_ids=(0, 1, 2, 3),
+        num_pages=64,
+        page_size=16,
+        num_kv_heads=2,
+        head_dim=64,
+        dtype=torch.float32,
+    )
+    buffers = allocate_buffers([spec], torch.device("cpu"))
+    for thread in threading.enumerate():
+        if thread.name == "kv-prefault":
+            thread.join(timeout=60)
+    assert _write_all(buffers["full"]) < 16
