@@ -61,7 +61,8 @@ class PrefillGroupPlan:
     members: int  # G
     max_q: int  # the longest query of the group: each member's queries are padded to it
     # Packed rows of q <-> padded rows (member m's query j is padded row m * max_q + j); None when
-    # the group is one member, whose rows are q[start : start + total].
+    # the packed rows are already the padded ones, q[start : start + total] (one member, or
+    # consecutive members of max_q queries each, as a burst of equal prompts is).
     src: torch.Tensor | None
     dst: torch.Tensor | None
     start: int
@@ -194,7 +195,8 @@ def _plan_group(
     )
 
     src = dst = None
-    if G > 1:  # packed rows -> [G, max_q] padded rows: token j of member m goes to m * max_q + j
+    dense = bool((qs == max_q).all() and (starts == starts[0] + np.arange(G) * max_q).all())
+    if not dense:  # packed rows -> [G, max_q] padded rows: token j of member m goes to m * max_q + j
         within = np.arange(total) - np.repeat(np.cumsum(qs) - qs, qs)
         src = torch.from_numpy(np.repeat(starts, qs) + within)
         dst = torch.from_numpy(np.repeat(np.arange(G) * max_q, qs) + within)
@@ -319,14 +321,14 @@ def _prefill_group(
         q_pad = q[start : start + total]
     else:
         q_pad = q.new_zeros((G * max_q, Hq, D))
-        q_pad[group.dst] = q[group.src]
+        q_pad.index_copy_(0, group.dst, q.index_select(0, group.src))
     q4 = q_pad.view(G, max_q, Hq, D).transpose(1, 2)  # [G, Hq, max_q, D]
     o = _attend(q4, k, v, group.mask, scale, softcap, causal_if_unmasked=True)
     o = o.transpose(1, 2).reshape(G * max_q, Hq, D)
     if group.src is None:
         out[start : start + total] = o[:total]
     else:
-        out[group.src] = o[group.dst]
+        out.index_copy_(0, group.src, o.index_select(0, group.dst))
 
 
 def paged_prefill_attention_cpu(

@@ -110,13 +110,18 @@ def test_decode_of_an_empty_batch_is_empty() -> None:
 
 # (query lengths, context lengths): fresh prompts of mixed lengths; chunks over cached prefixes;
 # a mixed batch of decodes, idle rows and prefills; one long prompt among short ones (several
-# groups); a single sequence.
+# groups); a single sequence; a burst of equal fresh prompts and equal chunks over prefixes
+# taken longest first (groups whose packed rows are already padded, no row mapping); equal
+# chunks out of that order (mapped).
 CASES = [
     ([33, 7, 16, 2], [33, 7, 16, 2]),
     ([5, 40, 3], [37, 90, 3]),
     ([1, 0, 20, 1, 1, 9], [50, 12, 20, 7, 33, 41]),
     ([300, 4, 6, 5, 1], [300, 4, 6, 21, 64]),
     ([64], [64]),
+    ([16, 16, 16, 16], [16, 16, 16, 16]),
+    ([8, 8, 8], [40, 30, 20]),
+    ([8, 8, 8], [8, 40, 20]),
 ]
 
 
@@ -169,6 +174,15 @@ def test_a_plan_serves_every_layer_of_its_step() -> None:
         planned = paged_prefill_attention_cpu(*args, plan=plan)
         assert torch.equal(planned, paged_prefill_attention_cpu(*args))
         assert float((planned - paged_prefill_attention_ref(*args)).abs().max()) <= 2e-6
+
+
+def test_groups_of_already_padded_rows_need_no_row_mapping() -> None:
+    cu = torch.tensor([0, 8, 16, 24], dtype=torch.int32)
+    table = torch.arange(1, 16, dtype=torch.int32).view(3, 5)
+    in_order = plan_prefill(table, cu, torch.tensor([40, 30, 20], dtype=torch.int32), 8)
+    assert [g.src is None for g in in_order.groups] == [True]
+    out_of_order = plan_prefill(table, cu, torch.tensor([8, 40, 20], dtype=torch.int32), 8)
+    assert [g.src is None for g in out_of_order.groups] == [False]
 
 
 def test_prefill_groups_bound_the_padding() -> None:
