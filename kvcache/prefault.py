@@ -26,6 +26,7 @@ import ctypes
 import logging
 import os
 import threading
+import weakref
 
 import torch
 
@@ -49,11 +50,17 @@ def available_bytes() -> int | None:
 
 
 class Prefaulter(threading.Thread):
-    """Populates one host tensor's mapping, then ends. ``populated_bytes`` says how far it got."""
+    """Populates one host tensor's mapping, then ends. ``populated_bytes`` says how far it got.
+
+    It holds the tensor only during each call (a weak reference between them): an engine dropped
+    while its pool is still being populated frees the pool, and the thread stops at its next
+    chunk, rather than keeping the memory and spending idle time on it."""
 
     def __init__(self, tensor: torch.Tensor) -> None:
         super().__init__(name="kv-prefault", daemon=True)
-        self.storage = tensor.untyped_storage()  # held until done: the mapping stays valid
+        self.tensor = weakref.ref(tensor)
+        storage = tensor.untyped_storage()
+        self.start_address, self.nbytes = storage.data_ptr(), storage.nbytes()
         self.populated_bytes = 0
         self.idle = False  # whether the thread got the idle scheduling policy
 
@@ -63,19 +70,22 @@ class Prefaulter(threading.Thread):
             self.idle = True
         except (AttributeError, OSError):  # no SCHED_IDLE here: populate at normal priority
             pass
-        start, size = self.storage.data_ptr(), self.storage.nbytes()
-        aligned = (start + PAGE - 1) // PAGE * PAGE
-        end = start + size
+        aligned = (self.start_address + PAGE - 1) // PAGE * PAGE
+        end = self.start_address + self.nbytes
         madvise = ctypes.CDLL(None, use_errno=True).madvise
         madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         for at in range(aligned, end, CHUNK):
+            held = self.tensor()  # keeps the mapping valid during this call
+            if held is None:
+                return
             length = min(CHUNK, end - at)
-            if madvise(at, length, MADV_POPULATE_WRITE) != 0:
+            failed = madvise(at, length, MADV_POPULATE_WRITE) != 0
+            del held
+            if failed:
                 # EINVAL before Linux 5.14; ENOMEM when the host ran short: the rest faults lazily.
                 log.info("KV pool left to fault in lazily (errno %d)", ctypes.get_errno())
-                break
+                return
             self.populated_bytes += length
-        self.storage = None
 
 
 def prefault(tensor: torch.Tensor) -> Prefaulter | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import resource
 import sys
 import threading
+import weakref
 
 import pytest
 import torch
@@ -54,6 +55,17 @@ def test_contents_written_during_populating_are_kept() -> None:
     thread.join(timeout=60)
     assert torch.equal(pool[:32].reshape(-1), torch.arange(32 * (1 << 18), dtype=torch.float32))
     assert bool((pool[32:] == 3.0).all())
+
+
+def test_a_dropped_pool_is_not_held_or_populated() -> None:
+    pool = shared_zeros((4, 1 << 20), torch.float32, "test")
+    ref = weakref.ref(pool)
+    thread = prefault_module.Prefaulter(pool)
+    del pool
+    assert ref() is None  # the thread does not keep the pool alive
+    thread.start()
+    thread.join(timeout=60)
+    assert thread.populated_bytes == 0
 
 
 def test_a_pool_larger_than_available_memory_stays_lazy(monkeypatch) -> None:
