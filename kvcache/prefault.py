@@ -18,6 +18,10 @@ normal priority, 215-245 under SCHED_IDLE); idle, it only uses cores the engine 
 the engine's own first writes fault in whatever it has not reached yet.
 A pool larger than the memory the host reports available is left to fault in lazily: taking it
 all at start could push the host into reclaim, where a lazily used pool might never need it.
+``DUET_PREFAULT_KV=0`` leaves every pool lazy. (An idle-priority thread preempted inside a call
+holds its process's memory-map lock for reading, so the process's own mmap/munmap wait until the
+thread runs again; that is bounded by the scheduler's minimal share for idle threads, and the
+opt-out is there for hosts where it is not.)
 """
 
 from __future__ import annotations
@@ -92,6 +96,8 @@ def prefault(tensor: torch.Tensor) -> Prefaulter | None:
     """Start populating a host pool's pages in the background; None where it is not done (not a
     CPU tensor, empty, or larger than the memory available now)."""
     if tensor.device.type != "cpu" or tensor.numel() == 0:
+        return None
+    if os.environ.get("DUET_PREFAULT_KV", "1") == "0":
         return None
     available = available_bytes()
     nbytes = tensor.untyped_storage().nbytes()

@@ -68,6 +68,11 @@ def test_a_dropped_pool_is_not_held_or_populated() -> None:
     assert thread.populated_bytes == 0
 
 
+def test_the_opt_out_leaves_pools_lazy(monkeypatch) -> None:
+    monkeypatch.setenv("DUET_PREFAULT_KV", "0")
+    assert prefault(shared_zeros((4, 1 << 20), torch.float32, "test")) is None
+
+
 def test_a_pool_larger_than_available_memory_stays_lazy(monkeypatch) -> None:
     monkeypatch.setattr(prefault_module, "available_bytes", lambda: 1 << 20)
     pool = shared_zeros((4, 1 << 20), torch.float32, "test")  # 16 MiB > 1 MiB available
