@@ -19,6 +19,11 @@ from engine.loaders import LoadedModel, default_gguf_path, load_model
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+# Host KV pools fault in lazily in the tests (kvcache/prefault.py): each test cluster's workers
+# would populate pools of up to 256 MiB that the test barely uses, while they load and start
+# (tests/cluster/test_cluster_local.py: 152 s with it, 132 s without, same hour). The prefault's
+# own tests turn it back on.
+os.environ.setdefault("DUET_PREFAULT_KV", "0")
 
 
 @pytest.fixture(scope="session")

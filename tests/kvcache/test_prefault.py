@@ -19,6 +19,11 @@ from kvcache.spec import PoolGroupSpec
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="MADV_POPULATE_WRITE is Linux's")
 
 
+@pytest.fixture(autouse=True)
+def _prefault_on(monkeypatch) -> None:
+    monkeypatch.setenv("DUET_PREFAULT_KV", "1")  # tests/conftest.py turns it off for the others
+
+
 def _faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
