@@ -26,9 +26,9 @@ Set ``DUET_KEEP_FREED_MEMORY=0`` to leave glibc's defaults.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
-import threading
 
 # glibc's malloc.h parameter numbers (stable ABI since glibc 2.0).
 _M_TRIM_THRESHOLD = -1
@@ -39,20 +39,10 @@ MMAP_THRESHOLD = 1 << 30
 # glibc takes an int; the largest one means "never trim".
 TRIM_THRESHOLD = (1 << 31) - 1
 
-_lock = threading.Lock()
-_applied: bool | None = None
 
-
+@functools.cache  # once per process (a second, racing call would only set the same values again)
 def keep_freed_memory() -> bool:
-    """Make glibc's malloc keep freed memory in this process (once); True where it now does."""
-    global _applied
-    with _lock:
-        if _applied is None:
-            _applied = _apply()
-        return _applied
-
-
-def _apply() -> bool:
+    """Make glibc's malloc keep freed memory in this process; True where it now does."""
     if os.environ.get("DUET_KEEP_FREED_MEMORY", "1") == "0":
         return False
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
