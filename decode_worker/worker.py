@@ -106,7 +106,12 @@ class DecodeWorker:
             )
         rid, prompt = req.request_id, req.prompt_token_ids.tolist()
         received = time.time()
-        hit, host_tokens, skips, dst = await self._gen_init(rid, prompt)
+        try:
+            hit, host_tokens, skips, dst = await self._gen_init(rid, prompt)
+        except (asyncio.CancelledError, Exception) as e:  # the client left, or no pages came
+            finish = "abort" if isinstance(e, asyncio.CancelledError) else "error"
+            self._ended_early(rid, len(prompt), WorkerFacts(received), finish)
+            raise
         transfer_start = time.time()
         pull = asyncio.ensure_future(self.puller.pull(pre.ticket, dst, skips, len(prompt)))
         self._receiving[rid] = pull
@@ -116,6 +121,8 @@ class DecodeWorker:
             # The client went away mid-receive: the pages stay held until the pull ends either way.
             self._aborted.discard(rid)
             pull.add_done_callback(lambda _: self._free_pages(rid))
+            gone = TransferFacts(transfer_start, time.time(), 0, None)
+            self._ended_early(rid, len(prompt), WorkerFacts(received, gone), "abort")
             raise
         except Exception as e:  # the pull could not run at all (the receiver closed, say)
             result, error = None, f"{type(e).__name__}: {e}"
@@ -124,23 +131,6 @@ class DecodeWorker:
         transfer_end = time.time()
         ok = result is not None and result.ok
         aborted = rid in self._aborted
-        if aborted or not ok:
-            self._aborted.discard(rid)
-            await asyncio.wrap_future(self._free_pages(rid))
-        if not ok:
-            self.num_transfer_failures += 1
-        if aborted:
-            return
-        if not ok:
-            why = result.error if result is not None else error
-            if self.on_failure != "recompute":
-                self.num_transfer_failed_requests += 1
-                yield TokenDelta(
-                    rid, [], "", "abort", len(prompt), 1, error=f"KV transfer failed: {why}"
-                )
-                return
-            log.warning("KV transfer of %s failed (%s): prefilling it here", rid, why)
-            self.num_transfer_recomputed += 1
         facts = WorkerFacts(
             received,
             TransferFacts(
@@ -150,6 +140,25 @@ class DecodeWorker:
                 result.stats.path if result is not None else None,
             ),
         )
+        if aborted or not ok:
+            self._aborted.discard(rid)
+            await asyncio.wrap_future(self._free_pages(rid))
+        if not ok:
+            self.num_transfer_failures += 1
+        if aborted:
+            self._ended_early(rid, len(prompt), facts, "abort")
+            return
+        if not ok:
+            why = result.error if result is not None else error
+            if self.on_failure != "recompute":
+                self.num_transfer_failed_requests += 1
+                self._ended_early(rid, len(prompt), facts, "error")
+                yield TokenDelta(
+                    rid, [], "", "abort", len(prompt), 1, error=f"KV transfer failed: {why}"
+                )
+                return
+            log.warning("KV transfer of %s failed (%s): prefilling it here", rid, why)
+            self.num_transfer_recomputed += 1
         page_size = self.loop.engine.kv.page_size
 
         def add(e: LLMEngine) -> Any:
@@ -219,6 +228,11 @@ class DecodeWorker:
                     f"within {self._gen_init_deadline_s}s (decode.page_wait_deadline_s)"
                 )
             await asyncio.sleep(0.02)
+
+    def _ended_early(self, rid: str, prompt_tokens: int, facts: WorkerFacts, finish: str) -> None:
+        """Report a request that ends here before reaching the engine (from the engine thread,
+        where the reporter lives; not awaited: the caller may be being cancelled)."""
+        self.loop.call(lambda e: self.keeper.ended_early(rid, prompt_tokens, facts, finish))
 
     def _free_pages(self, rid: str) -> Any:
         return self.loop.call(lambda e: e.kv.free(rid))

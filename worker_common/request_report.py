@@ -66,6 +66,31 @@ class RequestReporter:
     def retire(self, request_id: str) -> None:
         self._retired.append(request_id)
 
+    def ended_early(
+        self, request_id: str, prompt_tokens: int, facts: WorkerFacts, finish_reason: str
+    ) -> None:
+        """Report a request that ended on this worker before its engine saw it (its client went
+        away while its pages were awaited or its KV travelled, or its transfer failed): the engine
+        records nothing for it, and without this report /perf_metrics would never show it."""
+        transfer = facts.transfer
+        self._sink(
+            [
+                RequestTimings(
+                    request_id=request_id,
+                    role=self.role,
+                    worker_id=self.worker_id,
+                    arrival_time=facts.received,
+                    transfer_start=transfer.start if transfer else None,
+                    transfer_end=transfer.end if transfer else None,
+                    transfer_bytes=transfer.bytes if transfer else 0,
+                    transfer_path=transfer.path if transfer else None,
+                    finish_time=time.time(),
+                    prompt_tokens=prompt_tokens,
+                    finish_reason=finish_reason,
+                )
+            ]
+        )
+
     @property
     def num_facts(self) -> int:
         return len(self._facts)

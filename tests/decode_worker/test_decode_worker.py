@@ -11,12 +11,24 @@ import pytest
 from decode_worker.worker import DecodeWorker
 from tests.tiny_engine import PAGE, greedy, tiny_engine
 from transfer import KVReceiver, TransceiverConfig
-from worker_common.messages import GenerateRequest, PrefillResult, TokenDelta, WorkerDeadlines
+from worker_common.messages import (
+    GenerateRequest,
+    PrefillResult,
+    RequestTimings,
+    TokenDelta,
+    WorkerDeadlines,
+)
 
 
 async def held_pages(worker: DecodeWorker) -> int:
     stats = await asyncio.wrap_future(worker.loop.call(lambda e: e.kv.stats()))
     return sum(g.used for g in stats.groups.values())
+
+
+async def reports(worker: DecodeWorker, records: list[RequestTimings]) -> list[RequestTimings]:
+    """What the worker reported so far: its reports are made on the engine thread, in call order."""
+    await asyncio.wrap_future(worker.loop.call(lambda e: None))
+    return records
 
 
 async def wait_until_no_page_held(worker: DecodeWorker, timeout_s: float = 10.0) -> None:
@@ -82,7 +94,10 @@ def test_disconnect_while_waiting_for_pages_leaves_nothing_held() -> None:
         "tiny",
         TransceiverConfig(secret="test-secret"),
     )
-    worker = DecodeWorker("d0", engine, receiver, deadlines=WorkerDeadlines(page_wait_s=30))
+    records: list[RequestTimings] = []
+    worker = DecodeWorker(
+        "d0", engine, receiver, report=records.extend, deadlines=WorkerDeadlines(page_wait_s=30)
+    )
 
     async def main() -> None:
         assert await asyncio.wrap_future(
@@ -107,6 +122,11 @@ def test_disconnect_while_waiting_for_pages_leaves_nothing_held() -> None:
         await asyncio.sleep(0.2)
         await wait_until_no_page_held(worker)
         assert not await asyncio.wrap_future(worker.loop.call(lambda e: e.kv.has_request("x")))
+        # The engine never saw it; the worker still reports its end, as an abort.
+        ((rid, finish, path),) = [
+            (r.request_id, r.finish_reason, r.transfer_path) for r in await reports(worker, records)
+        ]
+        assert (rid, finish, path) == ("x", "abort", None)
 
     try:
         asyncio.run(main())
@@ -218,7 +238,8 @@ def test_a_fill_stall_ends_at_the_pull_deadline_and_frees_the_pages(on_failure: 
         secret="test-secret", direct_copy=False, pull_deadline_s=1.0, chunk_deadline_s=0.5
     )
     receiver = KVReceiver(engine.kv.buffers, list(engine.kv.specs.values()), "tiny", cfg)
-    worker = DecodeWorker("d0", engine, receiver, on_failure=on_failure)
+    records: list[RequestTimings] = []
+    worker = DecodeWorker("d0", engine, receiver, records.extend, on_failure=on_failure)
     stalled = StalledPrefill(engine, receiver.runtime.worker_address)
     prompt = list(range(1, 23))
 
@@ -248,6 +269,52 @@ def test_a_fill_stall_ends_at_the_pull_deadline_and_frees_the_pages(on_failure: 
             assert [want[0]] + [t for d in out for t in d.token_ids] == want
             assert totals.recomputed == 1 and totals.failed_requests == 0
         await wait_until_no_page_held(worker)
+        (record,) = [r for r in await reports(worker, records) if r.request_id == "x"]
+        assert record.finish_reason == ("error" if on_failure == "fail" else "length")
+        assert record.transfer_start is not None and record.transfer_bytes == 0
+
+    try:
+        asyncio.run(main())
+    finally:
+        stalled.close()
+        worker.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_client_that_leaves_mid_pull_is_reported_and_its_pages_come_back() -> None:
+    """The client goes away while its KV is on the way: the request never reaches the engine,
+    yet the worker reports it (an abort, with its transfer's start), and the pages it held for
+    the pull come back once the pull has ended (here at its deadline)."""
+    engine = tiny_engine(64)
+    cfg = TransceiverConfig(
+        secret="test-secret", direct_copy=False, pull_deadline_s=1.0, chunk_deadline_s=0.5
+    )
+    receiver = KVReceiver(engine.kv.buffers, list(engine.kv.specs.values()), "tiny", cfg)
+    records: list[RequestTimings] = []
+    worker = DecodeWorker("d0", engine, receiver, records.extend)
+    stalled = StalledPrefill(engine, receiver.runtime.worker_address)
+    prompt = list(range(1, 23))
+
+    async def main() -> None:
+        req = GenerateRequest("x", prompt, greedy(6), time.time())
+        pre = PrefillResult("x", 5, "", None, ticket=stalled.ticket("x", len(prompt)))
+
+        async def consume() -> None:
+            async for _ in worker.decode(req, pre):
+                pass
+
+        task = asyncio.ensure_future(consume())
+        deadline = time.monotonic() + 10
+        while not worker.stats().num_in_flight:  # the pull is under way
+            assert time.monotonic() < deadline and not task.done()
+            await asyncio.sleep(0.02)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        (record,) = await reports(worker, records)
+        assert (record.request_id, record.finish_reason) == ("x", "abort")
+        assert record.transfer_start is not None and record.output_tokens == 0
+        await wait_until_no_page_held(worker)
 
     try:
         asyncio.run(main())
@@ -276,7 +343,10 @@ def test_waiting_for_pages_ends_at_decode_page_wait_deadline_s() -> None:
         "tiny",
         TransceiverConfig(secret="test-secret"),
     )
-    worker = DecodeWorker("d0", engine, receiver, deadlines=deadlines_of(page_wait_deadline_s=0.5))
+    records: list[RequestTimings] = []
+    worker = DecodeWorker(
+        "d0", engine, receiver, records.extend, deadlines=deadlines_of(page_wait_deadline_s=0.5)
+    )
 
     async def main() -> None:
         assert await asyncio.wrap_future(
@@ -288,6 +358,9 @@ def test_waiting_for_pages_ends_at_decode_page_wait_deadline_s() -> None:
                 pass
         await asyncio.wrap_future(worker.loop.call(lambda e: e.kv.free("hog")))
         await wait_until_no_page_held(worker)
+        assert [(r.request_id, r.finish_reason) for r in await reports(worker, records)] == [
+            ("x", "error")
+        ]
 
     try:
         asyncio.run(main())
