@@ -196,9 +196,8 @@ def _plan_group(
 
     src = dst = None
     dense = bool((qs == max_q).all() and (starts == starts[0] + np.arange(G) * max_q).all())
-    if (
-        not dense
-    ):  # packed rows -> [G, max_q] padded rows: token j of member m goes to m * max_q + j
+    # Packed rows -> [G, max_q] padded rows: token j of member m goes to m * max_q + j.
+    if not dense:
         within = np.arange(total) - np.repeat(np.cumsum(qs) - qs, qs)
         src = torch.from_numpy(np.repeat(starts, qs) + within)
         dst = torch.from_numpy(np.repeat(np.arange(G) * max_q, qs) + within)
