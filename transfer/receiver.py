@@ -39,7 +39,7 @@ from transfer.mapper import Segment
 from transfer.messages import Message, PullError, ReadGrant, Reject, TransferDone, TransferTicket
 from transfer.page_table import PageTable
 from transfer.paths.base import PullFailed
-from transfer.paths.staging import Chunk, StagingBuffers, chunk_bytes_for, cut_chunks, plan_chunks
+from transfer.paths.staging import Chunk, StagingBuffers, chunk_bytes_for, cut_chunks, plan
 from transfer.pools import pool_rows
 from transfer.pull import ACK_DELAY_S, PullSession
 from transfer.runtime import UcxRuntime
@@ -186,7 +186,7 @@ class KVReceiver:
     # ---- for the sessions (loop thread) ----
     def cut(self, segments: list[Segment]) -> list[Chunk]:
         """Our chunk plan for a pull's segments, cut (paths/staging.py)."""
-        return cut_chunks(segments, plan_chunks(segments, self.chunk_bytes))
+        return cut_chunks(segments, plan(segments, self.chunk_bytes, self.staging.device))
 
     async def link_for(self, ticket: TransferTicket) -> Link:
         """The link to the ticket's prefill worker, (re)connected if needed, within one

@@ -16,6 +16,7 @@ import torch
 from kvcache.manager import KVCacheManager
 from kvcache.spec import PoolGroupSpec
 from transfer import KVReceiver, KVSender, TransceiverConfig
+from transfer.paths import staging
 from transfer.runtime import UcxRuntime
 
 # One UCX context per process: every test of this package uses these settings.
@@ -23,6 +24,7 @@ UCX_ENV = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"}
 MODEL = "tiny-test-model"
 SECRET = "test-cluster-secret"
 CPU_PATHS = ("ucx", "host_shm")
+IN_PLACE = "ucx-in-place"  # the UCX path, its chunks runs of pages it moves in place
 
 
 def specs(
@@ -196,8 +198,13 @@ def ucx_runtime() -> Iterator[UcxRuntime]:
     runtime.release()
 
 
-@pytest.fixture(params=CPU_PATHS)
-def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
-    """A checked pair on each data path this machine runs."""
-    with checked_pair(request.param) as made:
+@pytest.fixture(params=(*CPU_PATHS, IN_PLACE))
+def pair(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pair]:
+    """A checked pair on each data path this machine runs, and on the UCX path with every page
+    large enough to go in place (its chunks are runs of pages, moved with no staging copy)."""
+    path = request.param
+    if path == IN_PLACE:
+        monkeypatch.setattr(staging, "RUN_PAGE_BYTES", 0)
+        path = "ucx"
+    with checked_pair(path) as made:
         yield made

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.transfer.conftest import checked_pair, wait_until
+from tests.transfer.conftest import IN_PLACE, checked_pair, wait_until
 from transfer import FaultInjection
 from transfer.config import FAULT_POINTS
 from transfer.faults import FaultInjector
+from transfer.paths import staging
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -45,8 +46,13 @@ def _ids(injector: FaultInjector, point: str) -> tuple[str, str, str]:
 
 
 @pytest.mark.parametrize("point", FAULT_POINTS)
-@pytest.mark.parametrize("path", ["ucx", "host_shm"])
-def test_each_point_fails_the_pull_and_every_page_comes_back(path: str, point: str) -> None:
+@pytest.mark.parametrize("path", ["ucx", "host_shm", IN_PLACE])
+def test_each_point_fails_the_pull_and_every_page_comes_back(
+    path: str, point: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if path == IN_PLACE:  # UCX chunks as runs of pages, received and sent in place
+        monkeypatch.setattr(staging, "RUN_PAGE_BYTES", 0)
+        path = "ucx"
     faults = FaultInjection(fraction=0.5, points=(point,), seed=3)
     with checked_pair(path, fault_injection=faults, lease_s=1.5) as pair:
         chosen, clean, after = _ids(FaultInjector(faults), point)

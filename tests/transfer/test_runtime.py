@@ -143,6 +143,8 @@ def test_a_worker_loop_runs_the_transfers_with_no_thread_of_their_own() -> None:
         except RuntimeError as e:
             assert "must be called on that loop" in str(e), e
         p, d = KVSide(specs(), seed=1), KVSide(specs(), seed=2)
+        p.scramble_free_queue()  # scattered pages: UCX chunks are gathered and scattered
+        d.scramble_free_queue()
 
         async def make(path):
             lp = asyncio.get_running_loop()

@@ -5,8 +5,10 @@ A pull's segments are cut into chunks of at most one staging buffer, at page bou
 the cut and sends it (PullRequest.chunk_sizes), P cuts its own segments the same way and refuses
 a plan that does not fit them or its buffers, so chunk ``i`` means the same pages on both sides. P
 gathers a chunk's pages into a buffer (kernels.gather_pages), UCX moves the buffer, D scatters it
-into its pages (kernels.scatter_pages). So UCX never touches pool memory: a failed pull can end
-its receives whenever it likes, and a page is written only by D's own scatter.
+into its pages (kernels.scatter_pages). A chunk that is one stretch of a host pool on a side
+skips that side's copy (``in_place``): UCX reads P's pages or writes D's itself. That is safe
+because D waits for every receive it posted before its pull returns (paths/ucx.py), so no UCX
+write into D's pages outlives the pull, and P's lease holds its pages until every send ended.
 
 The copies block until the bytes are in place (on CUDA they wait for their side stream, which
 orders itself after the model's): host copies run on the transceiver's loop itself, device ones
@@ -19,6 +21,7 @@ import asyncio
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 import kernels
@@ -69,6 +72,60 @@ def plan_chunks(segments: Sequence[Segment], buffer_bytes: int) -> list[int]:
     if filled:
         sizes.append(filled)
     return sizes
+
+
+# Host pages at least this large go in one UCX message per run of pages consecutive on both sides,
+# sent from P's pool and received into D's (``in_place``): no gather, no scatter. On two pinned
+# cores, raw ucxx moving scattered 720 KiB pages one message each took 0.68-0.79 of the time of
+# one contiguous message of the same bytes, where staging's two copies cost the UCX path half
+# (0.47-0.50; docs/benchmarks/transfer.md, "The bound on the UCX path"). Smaller pages would pay
+# UCX's per-message cost (about 0.1 ms) for too few bytes: they stay staged.
+RUN_PAGE_BYTES = 256 * 1024
+
+
+def plan_runs(segments: Sequence[Segment], buffer_bytes: int) -> list[int]:
+    """D's chunk plan for host pages of at least RUN_PAGE_BYTES: one chunk per run of pages whose
+    ids are consecutive on both sides (at most a staging buffer's worth, so that P, which checks
+    every plan against its buffers, takes it), so each chunk is one contiguous stretch of either
+    pool."""
+    sizes: list[int] = []
+    for seg in segments:
+        per_chunk = max(1, buffer_bytes // seg.nbytes_per_page)
+        breaks = np.flatnonzero((np.diff(seg.src_ids) != 1) | (np.diff(seg.dst_ids) != 1)) + 1
+        for run in np.split(np.arange(len(seg.src_ids)), breaks):
+            for start in range(0, len(run), per_chunk):
+                sizes.append(min(per_chunk, len(run) - start) * seg.nbytes_per_page)
+    return sizes
+
+
+def plan(segments: Sequence[Segment], buffer_bytes: int, device: torch.device) -> list[int]:
+    """D's chunk plan: runs of host pages of at least RUN_PAGE_BYTES, which UCX moves in place;
+    else staging buffers' worth."""
+    runs = device.type == "cpu" and all(s.nbytes_per_page >= RUN_PAGE_BYTES for s in segments)
+    return (plan_runs if runs else plan_chunks)(segments, buffer_bytes)
+
+
+def in_place(chunk: Chunk, rows: Mapping[str, torch.Tensor], source: bool) -> torch.Tensor | None:
+    """The chunk's bytes on one side (``source``: P's, else D's) as one contiguous view of that
+    side's pool, when they are one: host memory, whole pages, consecutive ids. UCX then sends
+    from the pool or receives into it, with no copy through a staging buffer. None otherwise.
+    (Device pools are always staged: a copy there must be ordered after the model's stream,
+    which a UCX write into the pool is not.)"""
+    if len(chunk.segments) != 1:
+        return None
+    seg = chunk.segments[0]
+    pool, ids, offset = (
+        (seg.src_pool, seg.src_ids, seg.src_offset)
+        if source
+        else (seg.dst_pool, seg.dst_ids, seg.dst_offset)
+    )
+    pages = rows[pool]
+    if pages.device.type != "cpu" or offset or seg.nbytes_per_page != pages.shape[1]:
+        return None
+    first = int(ids[0])
+    if len(ids) > 1 and not (np.diff(ids) == 1).all():
+        return None
+    return pages[first : first + len(ids)].view(-1)
 
 
 def cut_chunks(segments: Sequence[Segment], sizes: Sequence[int]) -> list[Chunk]:

@@ -1,4 +1,4 @@
-"""The UCX path: a pull's pages as staged chunks, one UCX tag message each (paths/staging.py).
+"""The UCX path: a pull's pages as chunks, one UCX tag message each (paths/staging.py).
 
     D: post receives into free staging buffers -> PullRequest (the plan, and those chunks as
        credits) -> as each chunk lands: scatter it, post the next receive, credit it (ChunkReady)
@@ -6,6 +6,11 @@
     P: for each credited chunk: gather it into a staging buffer, send it -> TransferDone once
        every send is posted with its bytes -> D's final notice (or the ack deadline) -> the pages
        may go
+
+A chunk whose pages are one stretch of a host pool skips the staging on that side: D receives it
+into its pages themselves (no buffer, no scatter, credited at once), P sends it from its pages
+(no gather, not queued behind other sends). D plans such chunks for large host pages
+(staging.plan_runs); each side decides for itself from the pages it holds.
 
 Flow control: P sends only chunks D credited, so every send of P completes and no staging buffer
 waits on another, whatever the number of concurrent pulls on either side.
@@ -33,7 +38,7 @@ import torch
 from transfer.mapper import total_bytes
 from transfer.messages import ChunkReady, PullRequest, TransferAck, TransferDone, data_tag
 from transfer.paths.base import DataPath, PullFailed, ServeFailed
-from transfer.paths.staging import Chunk, gather, scatter
+from transfer.paths.staging import Chunk, gather, in_place, scatter
 
 if TYPE_CHECKING:
     from transfer.pull import PullSession
@@ -57,16 +62,21 @@ class UcxPath(DataPath):
         receives: list[asyncio.Task] = []
 
         def post(buf: torch.Tensor | None = None) -> list[int]:
-            """Post receives for pending chunks: into ``buf``, then while buffers are free."""
+            """Post receives for pending chunks, in order: straight into our pool where the
+            chunk's pages are one stretch of it, else into ``buf``, then while buffers are free."""
             posted = []
             while pending and not pull.failing:
-                buf = buf if buf is not None else r.staging.try_acquire()
-                if buf is None:
-                    break
+                target = in_place(pending[0], r.rows, source=False)
+                if target is None:
+                    buf = buf if buf is not None else r.staging.try_acquire()
+                    if buf is None:
+                        break
                 chunk = pending.popleft()
-                receives.append(asyncio.ensure_future(self._receive(pull, chunk, buf)))
+                into = (target, None) if target is not None else (buf, buf)
+                receives.append(asyncio.ensure_future(self._receive(pull, chunk, *into)))
                 posted.append(chunk.index)
-                buf = None
+                if target is None:
+                    buf = None
             if buf is not None:  # (the pull failed while we waited for it)
                 r.staging.release(buf)
             return posted
@@ -135,18 +145,24 @@ class UcxPath(DataPath):
                 feeder.cancel()
             await _end_receives(pull, receives)
 
-    async def _receive(self, pull: PullSession, chunk: Chunk, buf: torch.Tensor) -> None:
+    async def _receive(
+        self, pull: PullSession, chunk: Chunk, into: torch.Tensor, staged: torch.Tensor | None
+    ) -> None:
+        """Receive a chunk ``into`` our pool's pages themselves, or into the ``staged`` buffer
+        and scatter it from there."""
         r = pull.r
         try:
             assert pull.link is not None
-            await pull.link.recv_data(buf[: chunk.nbytes], data_tag(pull.pull_id, chunk.index))
-            if not pull.failing:  # (a failed pull's late chunks may be empty: never scattered)
-                await r.runtime.copy(buf.device, scatter, chunk, buf, r.rows)
+            await pull.link.recv_data(into[: chunk.nbytes], data_tag(pull.pull_id, chunk.index))
+            # (A failed pull's late chunks may be empty: never scattered.)
+            if staged is not None and not pull.failing:
+                await r.runtime.copy(staged.device, scatter, chunk, staged, r.rows)
             pull.events.put_nowait(("chunk", chunk.index))
         except Exception as e:  # ucxx's errors (a closed endpoint) are not all ConnectionErrors
             pull.events.put_nowait(("recv_failed", f"{type(e).__name__}: {e}"))
         finally:
-            r.staging.release(buf)
+            if staged is not None:
+                r.staging.release(staged)
 
     # ---- P ----
     async def serve(self, pull: ServeSession) -> None:
@@ -214,8 +230,12 @@ class UcxPath(DataPath):
     ) -> None:
         s, tag = pull.sender, data_tag(pull.request.pull_id, chunk.index)
         try:
+            source = None if pull.failing else in_place(chunk, s.rows, source=True)
             if pull.failing:
                 await pull.link.send_data(_EMPTY, tag)
+            elif source is not None:  # straight from our pool, at once (paths/staging.py)
+                start()
+                await pull.link.send_data(source, tag)
             else:
                 buf = await s.staging.acquire()
                 try:

@@ -14,11 +14,16 @@ from tests.transfer.conftest import MODEL, specs
 from transfer.mapper import Segment, map_pages
 from transfer.page_table import PageTable
 from transfer.paths.staging import (
+    RUN_PAGE_BYTES,
+    Chunk,
     StagingBuffers,
     chunk_bytes_for,
     cut_chunks,
     gather,
+    in_place,
+    plan,
     plan_chunks,
+    plan_runs,
     scatter,
 )
 from transfer.pools import pool_rows
@@ -49,6 +54,37 @@ def test_chunks_hold_whole_pages_in_order_and_never_exceed_the_buffer() -> None:
         plan_chunks(segs, FULL - 1)
     with pytest.raises(ValueError, match="at least one page"):
         chunk_bytes_for(TABLE, 3)
+
+
+def test_large_host_pages_go_in_runs_consecutive_on_both_sides() -> None:
+    page = RUN_PAGE_BYTES
+    src = np.array([4, 5, 6, 7, 9, 10, 11, 20])
+    dst = np.array([1, 2, 8, 9, 10, 11, 12, 13])  # breaks after 2 (dst) and 7 (src), 11 (src)
+    seg = Segment("full", "full", src, dst, page)
+    assert plan_runs([seg], 1 << 30) == [2 * page, 2 * page, 3 * page, page]
+    assert plan_runs([seg], 2 * page) == [2 * page, 2 * page, 2 * page, page, page]  # buffer cap
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert plan([seg], 1 << 30, cpu) == plan_runs([seg], 1 << 30)
+    assert plan([seg], 1 << 30, cuda) == plan_chunks([seg], 1 << 30)  # device pools: staged
+    small = Segment("full", "full", src, dst, page // 2)
+    assert plan([small], 1 << 30, cpu) == plan_chunks([small], 1 << 30)  # small pages: staged
+
+
+def test_in_place_is_a_view_of_one_stretch_of_a_host_pool_else_none() -> None:
+    rows = {"full": torch.arange(16 * 8, dtype=torch.uint8).view(16, 8)}
+
+    def chunk(src: list[int], dst: list[int], nbytes: int = 8, offset: int = 0) -> Chunk:
+        seg = Segment("full", "full", np.array(src), np.array(dst), nbytes, offset, offset)
+        return Chunk(0, (seg,))
+
+    view = in_place(chunk([3, 4, 5], [9, 2, 7]), rows, source=True)
+    assert view is not None and view.data_ptr() == rows["full"][3].data_ptr()  # the pool itself
+    assert torch.equal(view, rows["full"][3:6].flatten())
+    assert in_place(chunk([3, 4, 5], [9, 2, 7]), rows, source=False) is None  # D's: scattered
+    assert in_place(chunk([3, 5], [1, 2]), rows, source=True) is None  # a gap
+    assert in_place(chunk([3, 4], [1, 2], nbytes=4, offset=4), rows, source=True) is None  # part
+    two = Chunk(0, chunk([1], [1]).segments + chunk([2], [2]).segments)
+    assert in_place(two, rows, source=True) is None  # two segments
 
 
 def test_a_pull_that_fits_a_buffer_goes_in_one_chunk() -> None:
