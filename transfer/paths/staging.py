@@ -75,11 +75,11 @@ def plan_chunks(segments: Sequence[Segment], buffer_bytes: int) -> list[int]:
 
 
 # Host pages at least this large go in one UCX message per run of pages consecutive on both sides,
-# sent from P's pool and received into D's (``in_place``): no gather, no scatter. On two pinned
-# cores, raw ucxx moving scattered 720 KiB pages one message each took 0.68-0.79 of the time of
-# one contiguous message of the same bytes, where staging's two copies cost the UCX path half
-# (0.47-0.50; docs/benchmarks/transfer.md, "The bound on the UCX path"). Smaller pages would pay
-# UCX's per-message cost (about 0.1 ms) for too few bytes: they stay staged.
+# sent from P's pool and received into D's (``in_place``): no gather, no scatter. Same run, two
+# pinned cores, scattered 720 KiB pages, alternated twice: a 16 MiB pull 6.05-6.29 ms in place
+# against 7.56-8.99 ms staged, 64 MiB 24.0-24.9 against 31.3-36.1 ms (docs/benchmarks/transfer.md,
+# "The bound on the UCX path"). Smaller pages would pay UCX's per-message cost (about 0.1 ms) for
+# too few bytes: they stay staged.
 RUN_PAGE_BYTES = 256 * 1024
 
 
