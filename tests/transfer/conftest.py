@@ -101,14 +101,20 @@ class KVSide:
             buf[ids] = torch.randn((len(ids), *buf.shape[1:]), generator=self.gen)
         return pages
 
-    def scramble_free_queue(self) -> None:
+    def scramble_free_queue(self, ordered: bool = False) -> None:
         """Take every free page and give them back in random order, so later allocations get
-        non-contiguous, unordered pages."""
+        non-contiguous, unordered pages; ``ordered``: in page order, so they get consecutive
+        ones."""
         with self.lock:
             n = min(self.kv.num_free_pages(g) for g in self.kv.buffers)
             for i in range(n):
                 assert self.kv.allocate_slots(f"_scramble{i}", 1)
-            for i in torch.randperm(n, generator=self.gen).tolist():
+            first = next(iter(self.kv.buffers))
+            # (A freed page without a hash goes to the queue's head: the last freed comes first.)
+            by_page = sorted(
+                range(n), key=lambda i: self.kv.page_ids(f"_scramble{i}")[first], reverse=True
+            )
+            for i in by_page if ordered else torch.randperm(n, generator=self.gen).tolist():
                 self.kv.free(f"_scramble{i}")
 
     def release(self, request_id: str) -> None:

@@ -38,6 +38,24 @@ def test_scattered_pages_arrive_byte_exact_in_other_pages(pair: Pair) -> None:
     pair.d.free("r1")
 
 
+@pytest.mark.parametrize("consecutive_on", ["P", "D"])
+def test_ucx_moves_one_side_in_place_and_stages_the_other(consecutive_on: str) -> None:
+    """Small pages (staged plan): a chunk whose pages are one stretch of a side's pool skips that
+    side's copy, while the other side gathers or scatters it; the bytes arrive exact."""
+    with checked_pair("ucx") as made:
+        side = made.p if consecutive_on == "P" else made.d
+        side.scramble_free_queue(ordered=True)
+        result, src, dst = made.pull("o1", 24)  # 6 pages, 3 chunks of 2
+        assert result.ok, result.error
+        assert made.same(src, dst)
+        held = src if consecutive_on == "P" else dst
+        assert held["full"] == list(range(held["full"][0], held["full"][0] + 6))
+        staged, in_place = (made.receiver, made.sender)[:: 1 if consecutive_on == "P" else -1]
+        assert staged.staging._made and not in_place.staging._made
+        made.d.free("o1")
+        wait_until(lambda: made.p.released == ["o1"])
+
+
 @pytest.mark.parametrize("path", ["ucx", "host_shm"])
 def test_two_groups_and_skipped_pages_per_group(path: str) -> None:
     with checked_pair(path, two_groups=True) as made:
