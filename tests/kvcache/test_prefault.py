@@ -3,10 +3,14 @@ the engine writes meanwhile, and left lazy when the host lacks the memory."""
 
 from __future__ import annotations
 
+import os
 import resource
+import subprocess
 import sys
+import textwrap
 import threading
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +20,7 @@ from kvcache.kv_buffer import allocate_buffers, shared_zeros
 from kvcache.prefault import prefault
 from kvcache.spec import PoolGroupSpec
 
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="MADV_POPULATE_WRITE is Linux's")
 
 
@@ -99,3 +104,31 @@ def test_host_pools_are_populated_from_allocation() -> None:
         if thread.name == "kv-prefault":
             thread.join(timeout=60)
     assert _write_all(buffers["full"]) < 16
+
+
+def test_no_populating_thread_outlives_the_interpreters_exit() -> None:
+    """At exit every populating thread stops at its next chunk and is joined, before the
+    interpreter shuts down: a daemon thread still running then was ended inside torch's release
+    of a pool the main thread had dropped, and the process aborted. The probe's own exit hook,
+    registered before the module's, runs after it (atexit runs hooks last in, first out)."""
+    script = textwrap.dedent(
+        """
+        import atexit, threading
+        def check():
+            alive = [t for t in threading.enumerate() if t.name == "kv-prefault" and t.is_alive()]
+            print("alive at exit:", len(alive), flush=True)
+        atexit.register(check)
+        import torch
+        from kvcache.kv_buffer import shared_zeros
+        from kvcache.prefault import prefault
+        pool = shared_zeros((1 << 30,), torch.uint8, "exit-probe")  # seconds to populate
+        assert prefault(pool) is not None
+        del pool  # the thread holds the last reference during its calls
+        """
+    )
+    env = {**os.environ, "DUET_PREFAULT_KV": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "alive at exit: 0" in done.stdout, done.stdout
