@@ -12,6 +12,9 @@ into engine.LLM's model, so both run the same numbers):
 3. Offline: ``--requests`` requests (prompt lengths uniform in [--min-prompt, --max-prompt],
    exactly ``--output-len`` new tokens, greedy) through engine.LLM and through HF ``generate``
    (batches of ``--hf-batch``, left padding). Target: >= 10x.
+4. With ``--ttft-prompts N ...``: the time to the first token of a lone prompt of N random tokens
+   (median of 5 after a warm-up), the TTFT the transfer floor's share is taken of
+   (docs/benchmarks/transfer.md).
 
 With ``--profile`` it also prints where a decode step's GPU and host time go (torch.profiler).
 
@@ -155,6 +158,30 @@ def time_decode(
     return {"step_s": per_step, "context_mid": context + 3 + steps / 2}
 
 
+def time_ttft(
+    loaded: LoadedModel, engine_kwargs: dict[str, Any], prompt_len: int, repeats: int = 5
+) -> list[float]:
+    """Seconds to the first token of one lone prompt of ``prompt_len`` random tokens, each of
+    ``repeats`` prompts after one warm-up (the whole prompt in one step: prefill_chunk_size)."""
+    config = EngineConfig(model=loaded.name, **engine_kwargs)
+    engine = LLMEngine.from_loaded(loaded, config)
+    device = torch.device(config.device)
+    gen = torch.Generator().manual_seed(prompt_len)
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    times = []
+    for i in range(repeats + 1):
+        prompt = torch.randint(1, loaded.config.vocab_size, (prompt_len,), generator=gen).tolist()
+        sync(device)
+        t = time.perf_counter()
+        engine.add_request(f"t{i}", prompt, params)
+        while engine.scheduler.num_waiting or engine.scheduler.num_running:
+            engine.step()
+        sync(device)
+        times.append(time.perf_counter() - t)
+    engine.kv.check_integrity()
+    return times[1:]
+
+
 def profile_decode(
     loaded: LoadedModel, engine_kwargs: dict[str, Any], batch: int, context: int
 ) -> str:
@@ -269,6 +296,13 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--hf-batch", type=int, default=64)
     p.add_argument("--no-offline", action="store_true")
+    p.add_argument(
+        "--ttft-prompts",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also time the first token of a lone prompt of each of these lengths",
+    )
     p.add_argument("--profile", action="store_true", help="also profile a decode step")
     p.add_argument("--profile-batches", type=int, nargs="*", help="(default: 1 and the largest)")
     p.add_argument(
@@ -285,7 +319,9 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     extra = {k: json.loads(v) for k, v in args.engine_arg}
-    max_len = max(args.context + args.steps + 16, args.max_prompt + args.output_len)
+    max_len = max(
+        args.context + args.steps + 16, args.max_prompt + args.output_len, *args.ttft_prompts
+    )
     engine_kwargs: dict[str, Any] = dict(
         dtype=args.dtype,
         device=args.device,
@@ -332,6 +368,10 @@ def main() -> None:
         "decode": rows,
         "engine_args": extra,
     }
+    for n in args.ttft_prompts:
+        times = sorted(time_ttft(loaded, engine_kwargs, n))
+        result.setdefault("ttft_ms", {})[n] = [1e3 * t for t in times]
+        print(f"TTFT of a lone {n}-token prompt: median {1e3 * times[len(times) // 2]:.1f} ms")
     if args.profile:
         for b in args.profile_batches or (1, max(args.batches)):
             print(profile_decode(loaded, engine_kwargs, b, args.context))
