@@ -321,7 +321,9 @@ class Router:
             if not finished and d is not None:  # the client went away (generator closed/cancelled)
                 if gen is not None:
                     ray.cancel(gen)
-                d.handle.abort.remote(rid)
+                # With the prompt's length: D reports the request itself if the cancel stopped
+                # its call before it ran (nothing else would).
+                d.handle.abort.remote(rid, len(req.prompt_token_ids))
             if not ok and pworker is not None:
                 # P may still hold the lease (D never pulled, or failed): give the pages back now
                 # rather than at lease expiry. A pull still reading them keeps them until it ends.

@@ -44,8 +44,8 @@ class _DecodeWorkerActor(WorkerActorBase):
         async for delta in self.worker.generate(req):
             yield delta
 
-    async def abort(self, request_id: str) -> None:
-        await self.worker.abort(request_id)
+    async def abort(self, request_id: str, prompt_tokens: int | None = None) -> None:
+        await self.worker.abort(request_id, prompt_tokens)
 
 
 DecodeWorkerActor = ray.remote(_DecodeWorkerActor)

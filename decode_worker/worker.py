@@ -16,6 +16,7 @@ aggregated mode, and the fallback when no prefill worker is healthy).
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -87,6 +88,10 @@ class DecodeWorker:
         self._token_deadline_s = deadlines.token_s
         self._receiving: dict[str, asyncio.Task] = {}  # request id -> its pull, while in flight
         self._aborted: set[str] = set()
+        # Requests whose caller gave up on them before their call ran here (``abort`` with
+        # ``prompt_tokens``), newest last, bounded: a late call for one of them ends at once.
+        self._gone: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._arrived: collections.OrderedDict[str, None] = collections.OrderedDict()  # (same)
         self.on_failure = on_failure
         self.num_transfer_failures = 0  # failed pulls (and pulls that could not run)
         self.num_transfer_recomputed = 0  # ... whose request was prefilled here instead
@@ -106,6 +111,8 @@ class DecodeWorker:
             )
         rid, prompt = req.request_id, req.prompt_token_ids.tolist()
         received = time.time()
+        if not self._arrive(rid):
+            return
         try:
             hit, host_tokens, skips, dst = await self._gen_init(rid, prompt)
         except (asyncio.CancelledError, Exception) as e:  # the client left, or no pages came
@@ -242,6 +249,8 @@ class DecodeWorker:
         """Prefill locally and stream every token (aggregated mode / no healthy prefill worker)."""
         rid, prompt = req.request_id, req.prompt_token_ids.tolist()
         facts = WorkerFacts(time.time())
+        if not self._arrive(rid):
+            return
 
         def add(e: LLMEngine) -> Any:
             self.keeper.note(rid, facts)
@@ -309,8 +318,24 @@ class DecodeWorker:
             error=out.error,
         )
 
-    async def abort(self, request_id: str) -> None:
-        """Stop a request: a receive in flight keeps its pages until it ends; a running one is freed."""
+    def _arrive(self, rid: str) -> bool:
+        """Note a request's call starting here; False when its caller already gave up on it."""
+        if rid in self._gone:
+            return False
+        _remember(self._arrived, rid)
+        return True
+
+    async def abort(self, request_id: str, prompt_tokens: int | None = None) -> None:
+        """Stop a request: a receive in flight keeps its pages until it ends; a running one is freed.
+
+        ``prompt_tokens``: the caller had handed the request to this worker (with a prompt of
+        that length). If its call never started here (the caller's cancel stopped it before it
+        ran), the request is reported as aborted now, since nothing else will report it, and a
+        call for it that still comes ends at once."""
+        if prompt_tokens is not None and request_id not in self._arrived:
+            _remember(self._gone, request_id)
+            self._ended_early(request_id, prompt_tokens, WorkerFacts(time.time()), "abort")
+            return
         if request_id in self._receiving:
             self._aborted.add(request_id)
             return
@@ -334,3 +359,12 @@ class DecodeWorker:
                 self.puller.close()
         finally:
             self.loop.stop()
+
+
+_REMEMBERED = 10_000  # request ids kept per set: far more than a worker has in flight
+
+
+def _remember(ids: collections.OrderedDict[str, None], rid: str) -> None:
+    ids[rid] = None
+    if len(ids) > _REMEMBERED:
+        ids.popitem(last=False)

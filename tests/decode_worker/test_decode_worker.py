@@ -62,6 +62,38 @@ def test_local_generate_streams_and_frees_on_disconnect() -> None:
         worker.close()
 
 
+def test_a_request_whose_call_never_ran_is_reported_once_and_a_late_call_ends_at_once() -> None:
+    """The router's cancel can stop a decode call before it runs; its abort then says how long
+    the prompt was: the worker reports the request as aborted (nothing else would), and a call
+    for it that still comes streams nothing and takes no page. An abort for a request whose call
+    did run is the usual one: its one report comes from the engine."""
+    records: list[RequestTimings] = []
+    worker = DecodeWorker("d0", tiny_engine(64), None, records.extend)
+
+    async def main() -> None:
+        await worker.abort("never", prompt_tokens=10)
+        (gone,) = await reports(worker, records)
+        assert (gone.request_id, gone.finish_reason, gone.prompt_tokens) == ("never", "abort", 10)
+        late = GenerateRequest("never", list(range(1, 11)), greedy(4), time.time())
+        assert [d async for d in worker.generate(late)] == []
+        assert await held_pages(worker) == 0
+
+        stream = worker.generate(
+            GenerateRequest("ran", list(range(1, 11)), greedy(100), time.time())
+        )
+        assert (await stream.__anext__()).token_ids
+        await worker.abort("ran", prompt_tokens=10)  # its call ran: the usual abort
+        await stream.aclose()  # (as the router's cancel closes it)
+        await wait_until_no_page_held(worker)
+        ran = [r for r in await reports(worker, records) if r.request_id == "ran"]
+        assert [r.finish_reason for r in ran] == ["abort"] and ran[0].output_tokens > 0
+
+    try:
+        asyncio.run(main())
+    finally:
+        worker.close()
+
+
 @pytest.mark.timeout(60)
 def test_a_request_the_engine_ends_before_this_side_looks_keeps_every_token() -> None:
     """The engine thread may run a short request to its end before the worker's loop resumes
