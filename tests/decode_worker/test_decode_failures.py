@@ -1,0 +1,225 @@
+"""DecodeWorker with a real engine and transceiver: a transfer that fails, stalls or loses its
+client, and the decode section's deadlines, each end the request cleanly, report it, and give
+every page back."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from decode_worker.worker import DecodeWorker
+from tests.decode_worker.worker_helpers import (
+    StalledPrefill,
+    deadlines_of,
+    reports,
+    wait_until_no_page_held,
+)
+from tests.tiny_engine import PAGE, greedy, tiny_engine
+from transfer import KVReceiver, TransceiverConfig
+from worker_common.messages import GenerateRequest, PrefillResult, RequestTimings
+
+
+def test_a_failed_transfer_frees_the_pages_and_counts_once() -> None:
+    # Two ways a transfer fails: the pull fails (P ended the lease first), or it cannot run (the
+    # receiver closed while requests still came). Either ends in an error delta with D's pages
+    # back, and the Prometheus counter gets one per failed pull (it got two before).
+    import types
+
+    from cluster.frontend import ClusterFrontend
+    from cluster.prom_metrics import ServingMetrics
+    from cluster.router import WorkerSlot
+    from prefill_worker.worker import PrefillWorker
+    from transfer import KVSender
+
+    cfg = TransceiverConfig(secret="test-secret", lease_s=5.0)
+    pe, de = tiny_engine(64), tiny_engine(64)
+    specs = list(pe.kv.specs.values())
+    prefill = PrefillWorker("p0", pe, lambda rel: KVSender(pe.kv.buffers, specs, "tiny", cfg, rel))
+    receiver = KVReceiver(de.kv.buffers, list(de.kv.specs.values()), "tiny", cfg)
+    worker = DecodeWorker("d0", de, receiver)
+
+    async def decode(rid: str, before_pull) -> list:
+        req = GenerateRequest(rid, list(range(1, 11)), greedy(4), time.time())
+        pre = await prefill.prefill(req)
+        await before_pull(rid)
+        out = [d async for d in worker.decode(req, pre)]
+        await wait_until_no_page_held(worker)
+        return out
+
+    async def main() -> None:
+        (failed,) = await decode("gone", prefill.cancel)  # the lease ended before the pull
+        assert failed.finish_reason == "abort" and "KV transfer failed" in failed.error
+        metrics = ServingMetrics("tiny")
+        stats = worker.stats()
+        ClusterFrontend._export_worker(
+            types.SimpleNamespace(metrics=metrics), WorkerSlot("d0", None, last_stats=stats)
+        )
+        exported = metrics.render().decode()
+        assert (
+            'kv_transfer_failures_total{model_name="tiny",role="decode",worker="d0"} 1.0'
+            in exported
+        )
+
+        async def close_receiver(_rid: str) -> None:
+            receiver.close()
+
+        (failed,) = await decode("closed", close_receiver)  # the pull cannot even start
+        assert "KVReceiver is closed" in failed.error
+        assert worker.stats().transfer.failures == 2  # (what the export counts, once each)
+
+    try:
+        asyncio.run(main())
+    finally:
+        worker.close()
+        prefill.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("on_failure", ["fail", "recompute"])
+def test_a_fill_stall_ends_at_the_pull_deadline_and_frees_the_pages(on_failure: str) -> None:
+    """Pages that never land: the pull ends at its deadline with a clear error, every page the
+    request held on D is free again, and with ``recompute`` the request completes all the same,
+    with the tokens a local prefill gives."""
+    engine = tiny_engine(64)
+    cfg = TransceiverConfig(
+        secret="test-secret", direct_copy=False, pull_deadline_s=1.0, chunk_deadline_s=0.5
+    )
+    receiver = KVReceiver(engine.kv.buffers, list(engine.kv.specs.values()), "tiny", cfg)
+    records: list[RequestTimings] = []
+    worker = DecodeWorker("d0", engine, receiver, records.extend, on_failure=on_failure)
+    stalled = StalledPrefill(engine, receiver.runtime.worker_address)
+    prompt = list(range(1, 23))
+
+    async def main() -> None:
+        ref = [
+            d async for d in worker.generate(GenerateRequest("ref", prompt, greedy(6), time.time()))
+        ]
+        want = [t for d in ref for t in d.token_ids]
+        await wait_until_no_page_held(worker)
+        req = GenerateRequest("x", prompt, greedy(6), time.time())
+        pre = PrefillResult("x", want[0], "", None, ticket=stalled.ticket("x", len(prompt)))
+        started = time.monotonic()
+        out = [d async for d in worker.decode(req, pre)]
+        assert time.monotonic() - started >= cfg.pull_deadline_s
+        totals = worker.stats().transfer
+        assert totals.failures == 1
+        if on_failure == "fail":
+            (failed,) = out
+            assert failed.finish_reason == "abort"
+            assert (
+                "KV transfer failed: timed out after 1.0s waiting for the first chunk"
+                in failed.error
+            )
+            assert totals.failed_requests == 1 and totals.recomputed == 0
+        else:
+            assert all(d.error is None for d in out) and out[-1].finish_reason == "length"
+            assert [want[0]] + [t for d in out for t in d.token_ids] == want
+            assert totals.recomputed == 1 and totals.failed_requests == 0
+        await wait_until_no_page_held(worker)
+        (record,) = [r for r in await reports(worker, records) if r.request_id == "x"]
+        assert record.finish_reason == ("error" if on_failure == "fail" else "length")
+        assert record.transfer_start is not None and record.transfer_bytes == 0
+
+    try:
+        asyncio.run(main())
+    finally:
+        stalled.close()
+        worker.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_client_that_leaves_mid_pull_is_reported_and_its_pages_come_back() -> None:
+    """The client goes away while its KV is on the way: the request never reaches the engine,
+    yet the worker reports it (an abort, with its transfer's start), and the pages it held for
+    the pull come back once the pull has ended (here at its deadline)."""
+    engine = tiny_engine(64)
+    cfg = TransceiverConfig(
+        secret="test-secret", direct_copy=False, pull_deadline_s=1.0, chunk_deadline_s=0.5
+    )
+    receiver = KVReceiver(engine.kv.buffers, list(engine.kv.specs.values()), "tiny", cfg)
+    records: list[RequestTimings] = []
+    worker = DecodeWorker("d0", engine, receiver, records.extend)
+    stalled = StalledPrefill(engine, receiver.runtime.worker_address)
+    prompt = list(range(1, 23))
+
+    async def main() -> None:
+        req = GenerateRequest("x", prompt, greedy(6), time.time())
+        pre = PrefillResult("x", 5, "", None, ticket=stalled.ticket("x", len(prompt)))
+
+        async def consume() -> None:
+            async for _ in worker.decode(req, pre):
+                pass
+
+        task = asyncio.ensure_future(consume())
+        deadline = time.monotonic() + 10
+        while not worker.stats().num_in_flight:  # the pull is under way
+            assert time.monotonic() < deadline and not task.done()
+            await asyncio.sleep(0.02)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        (record,) = await reports(worker, records)
+        assert (record.request_id, record.finish_reason) == ("x", "abort")
+        assert record.transfer_start is not None and record.output_tokens == 0
+        await wait_until_no_page_held(worker)
+
+    try:
+        asyncio.run(main())
+    finally:
+        stalled.close()
+        worker.close()
+
+
+@pytest.mark.timeout(120)
+def test_waiting_for_pages_ends_at_decode_page_wait_deadline_s() -> None:
+    engine = tiny_engine(8)
+    receiver = KVReceiver(
+        engine.kv.buffers,
+        list(engine.kv.specs.values()),
+        "tiny",
+        TransceiverConfig(secret="test-secret"),
+    )
+    records: list[RequestTimings] = []
+    worker = DecodeWorker(
+        "d0", engine, receiver, records.extend, deadlines=deadlines_of(page_wait_deadline_s=0.5)
+    )
+
+    async def main() -> None:
+        assert await asyncio.wrap_future(
+            worker.loop.call(lambda e: e.kv.allocate_slots("hog", 7 * PAGE))
+        )
+        req = GenerateRequest("x", list(range(1, 13)), greedy(4), time.time())
+        with pytest.raises(RuntimeError, match=r"within 0.5s \(decode.page_wait_deadline_s\)"):
+            async for _ in worker.decode(req, PrefillResult("x", 5, "", None, ticket=None)):
+                pass
+        await asyncio.wrap_future(worker.loop.call(lambda e: e.kv.free("hog")))
+        await wait_until_no_page_held(worker)
+        assert [(r.request_id, r.finish_reason) for r in await reports(worker, records)] == [
+            ("x", "error")
+        ]
+
+    try:
+        asyncio.run(main())
+    finally:
+        worker.close()
+
+
+def test_a_stalled_engine_ends_a_request_at_decode_token_deadline_s() -> None:
+    # 1 s, not less: on a loaded 2-core box the first token itself took longer than 0.3 s.
+    worker = DecodeWorker("d0", tiny_engine(64), None, deadlines=deadlines_of(token_deadline_s=1.0))
+
+    async def main() -> None:
+        stream = worker.generate(GenerateRequest("a", list(range(1, 11)), greedy(200), time.time()))
+        first = await stream.__anext__()
+        assert first.token_ids and first.error is None
+        worker.loop.call(lambda e: time.sleep(3.0))  # the engine stalls: no token for 3 s
+        deltas = [d async for d in stream]
+        assert deltas[-1].error == "no token within 1.0s (decode.token_deadline_s)"
+        await wait_until_no_page_held(worker)
+
+    try:
+        asyncio.run(main())
+    finally:
+        worker.close()
