@@ -60,13 +60,14 @@ import torch  # noqa: E402
 from kvcache.kv_buffer import allocate_buffers  # noqa: E402
 from kvcache.spec import PoolGroupSpec  # noqa: E402
 from transfer import KVReceiver, KVSender, TransceiverConfig  # noqa: E402
+from transfer.config import PROGRESS_MODES  # noqa: E402
 from transfer.mapper import Segment  # noqa: E402
 from transfer.paths.direct import copy_segments  # noqa: E402
 from transfer.pools import pool_rows  # noqa: E402
 from transfer.runtime import UcxRuntime  # noqa: E402
 
 MIB = 1 << 20
-RAW_REQUEST, RAW_DATA = 0x5EED_0001, 0x5EED_0002
+RAW_REQUEST, RAW_DATA, RAW_PAGE = 0x5EED_0001, 0x5EED_0002, 0x5EED_1000_0000
 SECRET = "bench-secret"
 
 
@@ -84,12 +85,13 @@ def spec(device: str, num_pages: int) -> PoolGroupSpec:
     return PoolGroupSpec("full", layers, num_pages, 16, g["heads"], g["head_dim"], g["dtype"])
 
 
-def config(device: str, direct: bool, staging_tokens: int) -> TransceiverConfig:
+def config(device: str, direct: bool, staging_tokens: int, progress_mode: str) -> TransceiverConfig:
     tls = "tcp,self" if device == "cpu" else "tcp,cuda_copy,cuda_ipc"
     return TransceiverConfig(
         secret=SECRET,
         staging_tokens=staging_tokens,
         direct_copy=direct,
+        progress_mode=progress_mode,
         ucx_env={"UCX_TLS": tls, "UCX_NET_DEVICES": "lo"},
         pull_deadline_s=60.0,
         chunk_deadline_s=60.0,
@@ -104,7 +106,12 @@ def _digest(rows: torch.Tensor, pages: list[int]) -> str:
 
 
 def prefill_proc(
-    conn: Connection, device: str, num_pages: int, staging_tokens: int, timeline: bool
+    conn: Connection,
+    device: str,
+    num_pages: int,
+    staging_tokens: int,
+    timeline: bool,
+    progress_mode: str,
 ) -> None:
     """P: a KVSender over random pages, and the raw ucxx server of the baseline."""
     if device != "cpu":
@@ -117,7 +124,11 @@ def prefill_proc(
         )
     rows = pool_rows(buffers, {"full": s.page_bytes})["full"]
     sender = KVSender(
-        buffers, [s], "bench", config(device.split(":")[0], True, staging_tokens), lambda rid: None
+        buffers,
+        [s],
+        "bench",
+        config(device.split(":")[0], True, staging_tokens, progress_mode),
+        lambda rid: None,
     )
     runtime = sender.runtime
     raw = torch.randint(0, 256, (num_pages * s.page_bytes,), dtype=torch.uint8, device=device)
@@ -139,7 +150,7 @@ def prefill_proc(
         elif cmd == "cpu":  # this process's CPU seconds so far (every thread)
             conn.send(time.process_time())
         elif cmd == "raw":  # serve raw requests from D's address until closed
-            serving = runtime.submit(_serve_raw(runtime, args[0], raw))
+            serving = runtime.submit(_serve_raw(runtime, args[0], raw, rows, num_pages))
             conn.send("serving")
         elif cmd == "close":
             if serving is not None:
@@ -149,15 +160,31 @@ def prefill_proc(
             return
 
 
-async def _serve_raw(runtime: UcxRuntime, address: bytes, buf: torch.Tensor) -> None:
+async def _serve_raw(
+    runtime: UcxRuntime, address: bytes, buf: torch.Tensor, rows: torch.Tensor, num_pages: int
+) -> None:
+    """Raw ucxx answers to D: a request [0, nbytes] gets one contiguous message of ``nbytes``; a
+    request [1, n, page ids...] gets those n pages of P's pool, one message each, all posted at
+    once (tag RAW_PAGE + i for the i-th)."""
     ep = await runtime.create_endpoint(address)
-    size = np.zeros(1, dtype=np.int64)
+    request = np.zeros(2 + num_pages, dtype=np.int64)
     while True:
-        await ep.recv(size, tag=RAW_REQUEST, force_tag=True)
-        n = int(size[0])
-        await ep.send(
-            buf[:n].numpy() if buf.device.type == "cpu" else buf[:n], tag=RAW_DATA, force_tag=True
-        )
+        await ep.recv(request, tag=RAW_REQUEST, force_tag=True)
+        kind, n = int(request[0]), int(request[1])
+        if kind == 0:
+            await ep.send(
+                buf[:n].numpy() if buf.device.type == "cpu" else buf[:n],
+                tag=RAW_DATA,
+                force_tag=True,
+            )
+        else:
+            pages = request[2 : 2 + n].tolist()
+            await asyncio.gather(
+                *(
+                    ep.send(rows[p].numpy(), tag=RAW_PAGE + i, force_tag=True)
+                    for i, p in enumerate(pages)
+                )
+            )
 
 
 # ---- --timeline: marks at each stage of a pull, on both processes ----
@@ -332,7 +359,14 @@ class Bench:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(
             target=prefill_proc,
-            args=(child, p_dev, self.num_pages, args.staging_tokens, args.timeline),
+            args=(
+                child,
+                p_dev,
+                self.num_pages,
+                args.staging_tokens,
+                args.timeline,
+                args.progress_mode,
+            ),
             daemon=True,
         )
         self.proc.start()
@@ -357,7 +391,7 @@ class Bench:
                     self.buffers,
                     [self.spec],
                     "bench",
-                    config(args.device, path != "ucx", args.staging_tokens),
+                    config(args.device, path != "ucx", args.staging_tokens, args.progress_mode),
                     loop=loop,
                 )
                 for path in args.paths
@@ -462,9 +496,37 @@ class Bench:
                 dst.numpy() if dst.device.type == "cpu" else dst, tag=RAW_DATA, force_tag=True
             )
         )
-        await self.ep.send(np.array([nbytes], dtype=np.int64), tag=RAW_REQUEST, force_tag=True)
+        await self.ep.send(self._raw_request(0, nbytes), tag=RAW_REQUEST, force_tag=True)
         await recv
         return time.perf_counter() - start
+
+    def _raw_request(self, kind: int, n: int, pages: list[int] | None = None) -> np.ndarray:
+        request = np.zeros(2 + self.num_pages, dtype=np.int64)
+        request[:2] = kind, n
+        if pages:
+            request[2 : 2 + len(pages)] = pages
+        return request
+
+    def raw_pages(self, n: int) -> float:
+        """The bound on any UCX path over ucxx's public API for scattered host pages (no I/O
+        vectors there): n random pages of P's pool into n random pages of D's, one raw message
+        each, every receive and every send posted at once, no protocol of ours."""
+        src = (self.rng.permutation(self.num_pages - 1)[:n] + 1).tolist()
+        dst = (self.rng.permutation(self.num_pages - 1)[:n] + 1).tolist()
+
+        async def go() -> float:
+            start = time.perf_counter()
+            receives = [
+                asyncio.ensure_future(
+                    self.ep.recv(self.rows[d].numpy(), tag=RAW_PAGE + i, force_tag=True)
+                )
+                for i, d in enumerate(dst)
+            ]
+            await self.ep.send(self._raw_request(1, n, src), tag=RAW_REQUEST, force_tag=True)
+            await asyncio.gather(*receives)
+            return time.perf_counter() - start
+
+        return self.runtime.run(go(), 600)
 
     def run(self) -> dict[str, Any]:
         out: dict[str, Any] = {"sizes": {}}
@@ -474,23 +536,35 @@ class Bench:
             for path in self.args.paths:
                 self.pull(path, self.publish(n, check=True), check=True)  # warm-up, byte check
                 self.baseline(path, n)
-                ours, base = [], []
-                cpu: dict[str, list[float]] = {"ours": [], "base": []}  # D + P, per operation
+                # ucx on host pages: also raw ucxx one message per page (raw_pages), the bound
+                # of any path over ucxx's public API.
+                ops = ["ours", "base"] + (["pages"] if self._pages_bound(path) else [])
+                times: dict[str, list[float]] = {k: [] for k in ops}
+                cpu: dict[str, list[float]] = {k: [] for k in ops}  # D + P, per operation
                 self.timed_pulls = []
                 clocks: dict[str, list[float]] = {"ours": [], "base": []}  # --timeline, GPU
+                if "pages" in ops:
+                    self.raw_pages(n)  # (its warm-up)
                 for rep in range(self.args.repeats):
-                    first_ours = rep % 2 == 0  # the order turns each repetition
-                    for which in ("ours", "base") if first_ours else ("base", "ours"):
+                    turn = rep % len(ops)  # the order turns each repetition
+                    for which in ops[turn:] + ops[:turn]:
                         ticket = self.publish(n) if which == "ours" else None
-                        if self.marks is not None and self.args.device == "cuda":
+                        if (
+                            self.marks is not None
+                            and self.args.device == "cuda"
+                            and which != "pages"
+                        ):
                             clocks[which].append(sm_clock_mhz(self.d_dev))
                         p_cpu, d_cpu = self.ask("cpu"), time.process_time()
                         if ticket is not None:
-                            ours.append(self.pull(path, ticket, check=False))
+                            times[which].append(self.pull(path, ticket, check=False))
+                        elif which == "base":
+                            times[which].append(self.baseline(path, n))
                         else:
-                            base.append(self.baseline(path, n))
+                            times[which].append(self.raw_pages(n))
                         d_cpu = time.process_time() - d_cpu
                         cpu[which].append(d_cpu + self.ask("cpu") - p_cpu)
+                ours, base = times["ours"], times["base"]
                 ratios = sorted(b / o for o, b in zip(ours, base, strict=True))
                 fixed = sorted(o - b for o, b in zip(ours, base, strict=True))
                 row[path] = {
@@ -507,6 +581,21 @@ class Bench:
                     "cpu_s": cpu["ours"],
                     "baseline_cpu_s": cpu["base"],
                 }
+                if "pages" in ops:
+                    pages = times["pages"]
+                    row[path] |= {
+                        "pages_ms": 1e3 * statistics.median(pages),
+                        "pages_cpu_ms": 1e3 * statistics.median(cpu["pages"]),
+                        "pages_times_s": pages,
+                        "pages_cpu_s": cpu["pages"],
+                        # ours against the bound, and the bound against one contiguous message
+                        **_median_quartiles(
+                            "ratio_to_pages", sorted(p / o for o, p in zip(ours, pages))
+                        ),
+                        **_median_quartiles(
+                            "pages_ratio", sorted(b / p for p, b in zip(pages, base))
+                        ),
+                    }
                 if self.marks is not None:
                     row[path]["timeline"] = self.timeline(path, n)
                     known = {k: [c for c in v if c > 0] for k, v in clocks.items()}
@@ -520,6 +609,9 @@ class Bench:
             out["sizes"][str(mib)] = row
             self.report(mib, row)
         return out
+
+    def _pages_bound(self, path: str) -> bool:
+        return path == "ucx" and self.args.device == "cpu"
 
     def timeline(self, path: str, n: int) -> dict[str, Any]:
         """The stages of this size's timed pulls (medians), printed; with the kernel alone
@@ -621,6 +713,14 @@ class Bench:
                 f"{os.getloadavg()[0]:.1f}",
                 flush=True,
             )
+            if "pages_ms" in r:
+                print(
+                    f"{'':9s} raw ucxx, a message per page {r['pages_ms']:8.2f} ms, CPU "
+                    f"{r['pages_cpu_ms']:.2f} ms | ours / it {r['ratio_to_pages']:.2f} "
+                    f"[{r['ratio_to_pages_q1']:.2f}-{r['ratio_to_pages_q3']:.2f}] | it / baseline "
+                    f"{r['pages_ratio']:.2f} [{r['pages_ratio_q1']:.2f}-{r['pages_ratio_q3']:.2f}]",
+                    flush=True,
+                )
 
     def close(self) -> None:
         for receiver in self.receivers.values():
@@ -655,6 +755,13 @@ def main() -> int:
     ap.add_argument("--paths", nargs="+", help="default: ucx host_shm (CPU), ucx cuda_ipc (GPU)")
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--staging-tokens", type=int, default=1024)
+    ap.add_argument(
+        "--progress-mode",
+        choices=list(PROGRESS_MODES),
+        default="auto",
+        help="ucxx progress mode of both sides (transfer.progress_mode; auto: blocking for host "
+        "KV)",
+    )
     ap.add_argument("--out", type=Path)
     ap.add_argument(
         "--timeline",
@@ -679,6 +786,7 @@ def main() -> int:
         "page_bytes": bench.spec.page_bytes,
         "repeats": args.repeats,
         "staging_tokens": args.staging_tokens,
+        "progress_mode": args.progress_mode,
         "baselines": {p: BASELINES[p] for p in args.paths},
         "torch": torch.__version__,
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),

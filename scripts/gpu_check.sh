@@ -39,9 +39,12 @@ for step in ${STEPS:-tests decode transfer cluster bench goodput tp}; do
         --out "$OUT/transfer_gpu.json" 2>&1 | tee "$OUT/transfer_gpu.log" | grep MiB ;;
     cpu)
       # CPU_CORES (e.g. 0,1) pins the run to a slice of this host, the size of the CI machine
-      echo "$(nproc) cores, pinned to ${CPU_CORES:-all}" | tee "$OUT/transfer_cpu.log"
+      echo "$(nproc) cores, pinned to ${CPU_CORES:-all}" | tee "$OUT/transfer_cpu${CPU_TAG:-}.log"
+      # CPU_ARGS: more bench_transfer.py arguments (e.g. --progress-mode thread); CPU_TAG names
+      # the run's files, so that one call can run several
       ${CPU_CORES:+taskset -c $CPU_CORES} python scripts/bench_transfer.py --device cpu --repeats 9 \
-        --out "$OUT/transfer_cpu.json" 2>&1 | tee -a "$OUT/transfer_cpu.log" | grep MiB ;;
+        ${CPU_ARGS:-} --out "$OUT/transfer_cpu${CPU_TAG:-}.json" 2>&1 \
+        | tee -a "$OUT/transfer_cpu${CPU_TAG:-}.log" | grep -E "MiB|per page" ;;
     tp)
       if [ "$GPUS" -lt 4 ]; then
         echo "skipped: configs/gpu_tp.yaml needs 4 GPUs, this machine has $GPUS"

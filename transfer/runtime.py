@@ -7,8 +7,11 @@ loop and one UCX context, shared by every transceiver in it (``acquire`` counts 
 worker actor's own loop, so that its pulls, their control messages and their copies run where the
 worker awaits them, with no hop through another thread), else one on a background thread of its
 own. Callers on other threads hand coroutines over with ``submit``; only code on the loop touches
-UCX objects. Copies of host memory run on the loop itself (``copy``); copies that wait for a GPU
-stream run on one copy thread, so the loop never waits for a device.
+UCX objects. In ucxx's "blocking" progress mode (the default for host KV) the loop also progresses
+UCX itself, woken by UCX's event descriptor, and polls the requests in flight while any are: no
+thread of ucxx's; in the "thread" modes a progress thread of ucxx's does it, and a notifier thread
+hands each completion to the loop. Copies of host memory run on the loop itself (``copy``);
+copies that wait for a GPU stream run on one copy thread, so the loop never waits for a device.
 
 UCX endpoints are created with peer error handling, so a dead peer fails its requests instead of
 hanging them, and closing an endpoint cancels every request posted on it (UCX 1.21 then leaves out
@@ -51,7 +54,7 @@ class UcxRuntime:
         cls,
         ucx_env: Mapping[str, str] | None = None,
         cuda_device: int | None = None,
-        progress_mode: str = "thread",
+        progress_mode: str = "blocking",
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> UcxRuntime:
         """The process's runtime, started on first use with ``ucx_env`` (UCX_* settings), the GPU
@@ -85,9 +88,10 @@ class UcxRuntime:
         bad = [k for k in ucx_env if not k.startswith("UCX_")]
         if bad:
             raise ValueError(f"UCX settings must be UCX_* names, got {bad}")
-        if progress_mode not in ("thread", "thread-polling"):
+        if progress_mode not in ("blocking", "thread", "thread-polling"):
             raise ValueError(
-                f"progress_mode must be 'thread' or 'thread-polling', got {progress_mode!r}"
+                "progress_mode must be 'blocking', 'thread' or 'thread-polling', got "
+                f"{progress_mode!r}"
             )
         self.ucx_env = ucx_env
         self.cuda_device = cuda_device
@@ -151,7 +155,10 @@ class UcxRuntime:
         return ApplicationContext(
             config_dict=context_options(self.ucx_env, os.environ),
             progress_mode=progress_mode,
-            enable_python_future=True,
+            # A progress thread completes requests off the loop: a notifier thread hands them
+            # over as futures. Blocking mode progresses on the loop, where a request's waiter
+            # sees its completion by itself (ucxx then refuses futures).
+            enable_python_future=progress_mode.startswith("thread"),
         )
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:

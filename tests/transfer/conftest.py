@@ -199,7 +199,7 @@ def wait_until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
 def ucx_runtime() -> Iterator[UcxRuntime]:
     """Hold the process's UCX runtime for the whole session, so tests do not pay for starting and
     stopping UCX each time."""
-    runtime = UcxRuntime.acquire(UCX_ENV)
+    runtime = UcxRuntime.acquire(UCX_ENV, progress_mode=config().ucx_progress_mode(cuda=False))
     yield runtime
     runtime.release()
 

@@ -105,18 +105,25 @@ def test_default_options_yield_to_the_environment_and_to_ucx_env() -> None:
     assert context_options({"UCX_TCP_RX_SEG_SIZE": "16k"}, {}) == {"TCP_RX_SEG_SIZE": "16k"}
 
 
-def test_progress_mode_polls_only_for_gpu_kv_over_ucx() -> None:
-    assert config("ucx").ucx_progress_mode(cuda=False) == "thread"
+def test_progress_mode_blocking_for_host_kv_polling_only_for_gpu_kv_over_ucx() -> None:
+    assert config("ucx").ucx_progress_mode(cuda=False) == "blocking"
+    assert config("host_shm").ucx_progress_mode(cuda=False) == "blocking"
     assert config("ucx").ucx_progress_mode(cuda=True) == "thread-polling"
     assert config("host_shm").ucx_progress_mode(cuda=True) == "thread"  # same-host reads skip UCX
     assert config("ucx", progress_mode="thread").ucx_progress_mode(cuda=True) == "thread"
+    assert config("ucx", progress_mode="thread").ucx_progress_mode(cuda=False) == "thread"
+    with pytest.raises(ValueError, match="progress_mode"):
+        config("ucx", progress_mode="polling")  # (ucxx's busy loop on the loop: not offered)
 
 
-def test_a_worker_loop_runs_the_transfers_with_no_thread_of_their_own() -> None:
+@pytest.mark.parametrize("mode", ["blocking", "thread"])
+def test_a_worker_loop_runs_the_transfers_with_no_thread_of_their_own(mode: str) -> None:
     """In a fresh process, as a worker actor: sender and receiver made on the worker's loop, which
     the runtime adopts (no loop thread of its own; made elsewhere it is refused). A pull awaited
     there moves the bytes over UCX and over shared memory with no copy on another thread; a
-    plain thread still pulls through the loop; the loop goes on after the last release."""
+    plain thread still pulls through the loop; the loop goes on after the last release. In
+    each progress mode: "blocking" progresses UCX on the loop itself, with no thread of ucxx's
+    (no notifier handing completions over); "thread" has that notifier."""
     script = textwrap.dedent(
         f"""
         import asyncio, threading
@@ -149,8 +156,10 @@ def test_a_worker_loop_runs_the_transfers_with_no_thread_of_their_own() -> None:
         async def make(path):
             lp = asyncio.get_running_loop()
             return (
-                KVSender(p.kv.buffers, p.specs, MODEL, config(path), p.release, lp),
-                KVReceiver(d.kv.buffers, d.specs, MODEL, config(path), lp),
+                KVSender(p.kv.buffers, p.specs, MODEL, config(path, progress_mode={mode!r}),
+                         p.release, lp),
+                KVReceiver(d.kv.buffers, d.specs, MODEL, config(path, progress_mode={mode!r}),
+                           lp),
             )
 
         for path in ("ucx", "host_shm"):
@@ -159,6 +168,8 @@ def test_a_worker_loop_runs_the_transfers_with_no_thread_of_their_own() -> None:
             assert runtime.loop is loop and sender.runtime is runtime
             names = [t.name for t in threading.enumerate()]
             assert "duet-ucx-loop" not in names, names
+            notifier = "UCX-Py Async Notifier Thread" in names
+            assert notifier == ({mode!r} == "thread"), names
             for i, how in enumerate(("on the loop", "from a thread")):
                 rid = f"{{path}}-{{i}}"
                 ticket = sender.publish(rid, p.allocate(rid, 24), 24)
