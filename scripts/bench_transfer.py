@@ -64,7 +64,6 @@ from transfer.config import PROGRESS_MODES  # noqa: E402
 from transfer.mapper import Segment  # noqa: E402
 from transfer.paths.direct import copy_segments  # noqa: E402
 from transfer.pools import pool_rows  # noqa: E402
-from transfer.runtime import UcxRuntime  # noqa: E402
 
 MIB = 1 << 20
 RAW_REQUEST, RAW_DATA, RAW_PAGE = 0x5EED_0001, 0x5EED_0002, 0x5EED_1000_0000
@@ -149,42 +148,43 @@ def prefill_proc(
             conn.send(marks.pop(args[0], {}))
         elif cmd == "cpu":  # this process's CPU seconds so far (every thread)
             conn.send(time.process_time())
-        elif cmd == "raw":  # serve raw requests from D's address until closed
-            serving = runtime.submit(_serve_raw(runtime, args[0], raw, rows, num_pages))
-            conn.send("serving")
+        elif cmd == "raw":  # an endpoint to D's address for the raw baselines
+            endpoint = runtime.run(runtime.create_endpoint(args[0]), 60)
+            conn.send("connected")
+        elif cmd == "arm":  # answer D's next raw request (see _serve_raw)
+            serving = runtime.submit(_serve_raw(endpoint, raw, rows, num_pages))
+            conn.send("armed")
         elif cmd == "close":
-            if serving is not None:
+            if serving is not None and not serving.done():
                 serving.cancel()
             sender.close()
             conn.send("closed")
             return
 
 
-async def _serve_raw(
-    runtime: UcxRuntime, address: bytes, buf: torch.Tensor, rows: torch.Tensor, num_pages: int
-) -> None:
-    """Raw ucxx answers to D: a request [0, nbytes] gets one contiguous message of ``nbytes``; a
-    request [1, n, page ids...] gets those n pages of P's pool, one message each, all posted at
-    once (tag RAW_PAGE + i for the i-th)."""
-    ep = await runtime.create_endpoint(address)
+async def _serve_raw(ep: Any, buf: torch.Tensor, rows: torch.Tensor, num_pages: int) -> None:
+    """The raw ucxx answer to D's next request: [0, nbytes] gets one contiguous message of
+    ``nbytes``; [1, n, page ids...] gets those n pages of P's pool, one message each, all posted
+    at once (tag RAW_PAGE + i for the i-th). One request per arming, armed over the pipe before
+    each timed baseline: a receive left posted between them would keep a loop in ucxx's blocking
+    progress mode polling it, a busy core under every other measurement."""
     request = np.zeros(2 + num_pages, dtype=np.int64)
-    while True:
-        await ep.recv(request, tag=RAW_REQUEST, force_tag=True)
-        kind, n = int(request[0]), int(request[1])
-        if kind == 0:
-            await ep.send(
-                buf[:n].numpy() if buf.device.type == "cpu" else buf[:n],
-                tag=RAW_DATA,
-                force_tag=True,
+    await ep.recv(request, tag=RAW_REQUEST, force_tag=True)
+    kind, n = int(request[0]), int(request[1])
+    if kind == 0:
+        await ep.send(
+            buf[:n].numpy() if buf.device.type == "cpu" else buf[:n],
+            tag=RAW_DATA,
+            force_tag=True,
+        )
+    else:
+        pages = request[2 : 2 + n].tolist()
+        await asyncio.gather(
+            *(
+                ep.send(rows[p].numpy(), tag=RAW_PAGE + i, force_tag=True)
+                for i, p in enumerate(pages)
             )
-        else:
-            pages = request[2 : 2 + n].tolist()
-            await asyncio.gather(
-                *(
-                    ep.send(rows[p].numpy(), tag=RAW_PAGE + i, force_tag=True)
-                    for i, p in enumerate(pages)
-                )
-            )
+        )
 
 
 # ---- --timeline: marks at each stage of a pull, on both processes ----
@@ -474,6 +474,7 @@ class Bench:
     def _baseline(self, path: str, n: int) -> float:
         nbytes = n * self.spec.page_bytes
         if path == "ucx":
+            self.ask("arm")
             return self.runtime.run(self._raw(nbytes), 600)
         if path == "host_shm":
             src = self.rng.permutation(self.num_pages - 1)[:n] + 1
@@ -513,6 +514,7 @@ class Bench:
         each, every receive and every send posted at once, no protocol of ours."""
         src = (self.rng.permutation(self.num_pages - 1)[:n] + 1).tolist()
         dst = (self.rng.permutation(self.num_pages - 1)[:n] + 1).tolist()
+        self.ask("arm")
 
         async def go() -> float:
             start = time.perf_counter()
@@ -759,8 +761,7 @@ def main() -> int:
         "--progress-mode",
         choices=list(PROGRESS_MODES),
         default="auto",
-        help="ucxx progress mode of both sides (transfer.progress_mode; auto: blocking for host "
-        "KV)",
+        help="ucxx progress mode of both sides (transfer.progress_mode; auto: thread for host KV)",
     )
     ap.add_argument("--out", type=Path)
     ap.add_argument(

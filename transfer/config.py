@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PROGRESS_MODES = ("auto", "blocking", "thread", "thread-polling")
+PROGRESS_MODES = ("auto", "loop", "thread", "thread-polling")
 # Where an injected fault fails a pull (faults.py says which side acts on which).
 FAULT_POINTS = ("connect", "before_data", "mid_data", "before_ack")
 
@@ -63,11 +63,12 @@ class TransceiverConfig:
     ucx_env: dict[str, str] = field(default_factory=dict)
     """UCX_* settings of the process's UCX context (e.g. UCX_TLS, UCX_NET_DEVICES)."""
     progress_mode: str = "auto"
-    """How ucxx progresses UCX: "blocking" (the transceiver's loop itself, woken by UCX's event
-    descriptor; no thread of its own), "thread" (a progress thread that sleeps until woken, and a
-    thread that hands completions to the loop), "thread-polling" (that thread spins: lower latency
-    per message, one busy core), or "auto": blocking for host KV, thread-polling for GPU KV
-    that moves over UCX, thread for GPU KV read directly."""
+    """How UCX is progressed: "loop" (by the transceiver's event loop: polled while data messages
+    are in flight, asleep on UCX's event descriptor otherwise; progress.py), "thread" (ucxx's
+    progress thread, asleep until woken, and a notifier thread that hands completions to the
+    loop), "thread-polling" (that thread spins: lower latency per message, one busy core), or
+    "auto": loop for host KV, thread-polling for GPU KV that moves over UCX, thread for GPU KV
+    read directly."""
     max_stats_len: int = 1000
     """Finished transfers kept for ``drain_transfer_stats``: -1 unbounded, 0 none, N the last N."""
     fault_injection: FaultInjection = field(default_factory=FaultInjection)
@@ -105,12 +106,7 @@ class TransceiverConfig:
     def ucx_progress_mode(self, cuda: bool) -> str:
         """The ucxx progress mode for KV on a GPU (``cuda``) or in host memory."""
         if self.progress_mode == "auto":
-            # Host KV: blocking. On 2 cores, ucxx's two threads per process (progress, and the
-            # hand-over of completions to the loop) cost more wake-ups than they save: same run,
-            # 16 / 64 MiB of scattered host pages over TCP, a pull took 7.96 / 28.2 ms blocking
-            # against 11.9 / 40.0 ms thread, and raw ucxx one message per page 5.66 / 21.5 ms
-            # against 8.75 / 30.7 (docs/benchmarks/transfer.md, "UCX progress on the loop").
             if not cuda:
-                return "blocking"
+                return "loop"  # (2 cores: fewer wake-ups per message, progress.py says how many)
             return "thread" if self.direct_copy else "thread-polling"
         return self.progress_mode

@@ -96,7 +96,9 @@ async def connect(
             if endpoint is not None:
                 endpoint.abort()
             raise
-    return Link(channel, endpoint, challenge.instance_id, welcome.page_table, path, name)
+    return Link(
+        channel, endpoint, challenge.instance_id, welcome.page_table, path, name, runtime.progress
+    )
 
 
 async def accept(
@@ -149,7 +151,7 @@ async def accept(
         if endpoint is not None:
             endpoint.abort()
         return None
-    return Link(channel, endpoint, hello.instance_id, join.page_table, path, name)
+    return Link(channel, endpoint, hello.instance_id, join.page_table, path, name, runtime.progress)
 
 
 def _expect(msg: Message, kind: type[T]) -> T:

@@ -9,6 +9,7 @@ transfers on the link hear it through their close listeners and fail.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,7 @@ from transfer.page_table import PageTable
 
 if TYPE_CHECKING:
     from transfer.paths.base import DataPath
+    from transfer.progress import LoopProgress
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +36,7 @@ class Link:
         peer_table: PageTable,
         path: DataPath,
         name: str,
+        progress: LoopProgress | None = None,
     ) -> None:
         self.channel = channel
         self.endpoint = endpoint
@@ -42,6 +45,8 @@ class Link:
         self.path = path
         self.name = f"{name} ({path.name})"
         self.closed_reason: str | None = None
+        # Around each data message: with UCX progressed by the loop, it polls while they travel.
+        self._messages = progress.messages if progress is not None else contextlib.nullcontext
         self._listeners: list[Callable[[str], None]] = []
         self._reader: asyncio.Task | None = None
         loop = asyncio.get_running_loop()
@@ -95,10 +100,12 @@ class Link:
         asyncio.ensure_future(drain())
 
     async def send_data(self, buf: torch.Tensor, tag: int) -> None:
-        await self.endpoint.send(_ucx_buffer(buf), tag=tag, force_tag=True)
+        with self._messages():
+            await self.endpoint.send(_ucx_buffer(buf), tag=tag, force_tag=True)
 
     async def recv_data(self, buf: torch.Tensor, tag: int) -> None:
-        await self.endpoint.recv(_ucx_buffer(buf), tag=tag, force_tag=True)
+        with self._messages():
+            await self.endpoint.recv(_ucx_buffer(buf), tag=tag, force_tag=True)
 
     def abort(self, reason: str) -> None:
         """Close everything now; UCX requests posted on the endpoint end with an error."""

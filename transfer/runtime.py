@@ -7,11 +7,10 @@ loop and one UCX context, shared by every transceiver in it (``acquire`` counts 
 worker actor's own loop, so that its pulls, their control messages and their copies run where the
 worker awaits them, with no hop through another thread), else one on a background thread of its
 own. Callers on other threads hand coroutines over with ``submit``; only code on the loop touches
-UCX objects. In ucxx's "blocking" progress mode (the default for host KV) the loop also progresses
-UCX itself, woken by UCX's event descriptor, and polls the requests in flight while any are: no
-thread of ucxx's; in the "thread" modes a progress thread of ucxx's does it, and a notifier thread
-hands each completion to the loop. Copies of host memory run on the loop itself (``copy``);
-copies that wait for a GPU stream run on one copy thread, so the loop never waits for a device.
+UCX objects. UCX itself is progressed on that loop too (progress.py; progress_mode "loop", the
+default for host KV), or by ucxx's progress thread ("thread", "thread-polling"). Copies of host
+memory run on the loop itself (``copy``); copies that wait for a GPU stream run on one copy thread,
+so the loop never waits for a device.
 
 UCX endpoints are created with peer error handling, so a dead peer fails its requests instead of
 hanging them, and closing an endpoint cancels every request posted on it (UCX 1.21 then leaves out
@@ -28,6 +27,8 @@ import os
 import threading
 from collections.abc import Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+
+from transfer.progress import LoopProgress
 
 if TYPE_CHECKING:
     import torch
@@ -54,7 +55,7 @@ class UcxRuntime:
         cls,
         ucx_env: Mapping[str, str] | None = None,
         cuda_device: int | None = None,
-        progress_mode: str = "blocking",
+        progress_mode: str = "loop",
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> UcxRuntime:
         """The process's runtime, started on first use with ``ucx_env`` (UCX_* settings), the GPU
@@ -88,13 +89,13 @@ class UcxRuntime:
         bad = [k for k in ucx_env if not k.startswith("UCX_")]
         if bad:
             raise ValueError(f"UCX settings must be UCX_* names, got {bad}")
-        if progress_mode not in ("blocking", "thread", "thread-polling"):
+        if progress_mode not in ("loop", "thread", "thread-polling"):
             raise ValueError(
-                "progress_mode must be 'blocking', 'thread' or 'thread-polling', got "
-                f"{progress_mode!r}"
+                f"progress_mode must be 'loop', 'thread' or 'thread-polling', got {progress_mode!r}"
             )
         self.ucx_env = ucx_env
         self.cuda_device = cuda_device
+        self.progress: LoopProgress | None = None  # progress_mode "loop": UCX progressed there
         self._users = 0
         self.copy_executor = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="duet-kv-copy"
@@ -152,14 +153,20 @@ class UcxRuntime:
             from ucxx._cuda_context import ensure_cuda_context
 
             continuous_ucx_progress._create_context = lambda: ensure_cuda_context(device)
-        return ApplicationContext(
-            config_dict=context_options(self.ucx_env, os.environ),
-            progress_mode=progress_mode,
-            # A progress thread completes requests off the loop: a notifier thread hands them
-            # over as futures. Blocking mode progresses on the loop, where a request's waiter
-            # sees its completion by itself (ucxx then refuses futures).
-            enable_python_future=progress_mode.startswith("thread"),
-        )
+
+        def make(mode: str) -> Any:
+            # Only a progress thread needs futures (its notifier thread sets them on the loop);
+            # on the loop, a message's waiter sees its completion itself.
+            return ApplicationContext(
+                config_dict=context_options(self.ucx_env, os.environ),
+                progress_mode=mode,
+                enable_python_future=mode.startswith("thread"),
+            )
+
+        if progress_mode == "loop":
+            ctx, self.progress = LoopProgress.take_over(make, self.loop)
+            return ctx
+        return make(progress_mode)
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Schedule ``coro`` on the loop thread; safe from any thread."""
@@ -212,6 +219,8 @@ class UcxRuntime:
     def _stop_context(self) -> None:
         from ucxx._lib_async.application_context import clear_progress_tasks
 
+        if self.progress is not None:
+            self.progress.stop()
         self.ctx.stop_notifier_thread()
         # Else the progress thread lives as long as the loop object (ucxx keeps a reference to
         # it from a patched loop.close).

@@ -148,14 +148,14 @@ class TransferConfig(Section):
         min_length=1,
         description='Network interface whose address the listener binds to (e.g. "eth0"); excludes host.',
     )
-    progress_mode: Literal["auto", "blocking", "thread", "thread-polling"] = Field(
+    progress_mode: Literal["auto", "loop", "thread", "thread-polling"] = Field(
         "auto",
         description=(
-            "How UCX is progressed: blocking (by the worker's event loop, woken by UCX: no thread "
-            "of its own, no idle CPU), thread (a progress thread that sleeps until woken), "
-            "thread-polling (a spinning thread: lower latency per message, one busy core), or "
-            "auto (blocking for KV in host memory, thread-polling for GPU KV that moves over "
-            "UCX, thread for GPU KV read directly)."
+            "How UCX is progressed: loop (by the worker's event loop, polling only while KV "
+            "messages are in flight: no thread, no idle CPU), thread (a progress thread that "
+            "sleeps until woken), thread-polling (a spinning thread: lower latency per message, "
+            "one busy core), or auto (loop for KV in host memory, thread-polling for GPU KV that "
+            "moves over UCX, thread for GPU KV read directly)."
         ),
     )
     port: int = Field(0, ge=0, le=65535, description="Listener port; 0 = any free port.")

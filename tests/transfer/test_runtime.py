@@ -105,28 +105,29 @@ def test_default_options_yield_to_the_environment_and_to_ucx_env() -> None:
     assert context_options({"UCX_TCP_RX_SEG_SIZE": "16k"}, {}) == {"TCP_RX_SEG_SIZE": "16k"}
 
 
-def test_progress_mode_blocking_for_host_kv_polling_only_for_gpu_kv_over_ucx() -> None:
-    assert config("ucx").ucx_progress_mode(cuda=False) == "blocking"
-    assert config("host_shm").ucx_progress_mode(cuda=False) == "blocking"
+def test_progress_mode_loop_for_host_kv_polling_thread_only_for_gpu_kv_over_ucx() -> None:
+    assert config("ucx").ucx_progress_mode(cuda=False) == "loop"
+    assert config("host_shm").ucx_progress_mode(cuda=False) == "loop"
     assert config("ucx").ucx_progress_mode(cuda=True) == "thread-polling"
     assert config("host_shm").ucx_progress_mode(cuda=True) == "thread"  # same-host reads skip UCX
     assert config("ucx", progress_mode="thread").ucx_progress_mode(cuda=True) == "thread"
     assert config("ucx", progress_mode="thread").ucx_progress_mode(cuda=False) == "thread"
     with pytest.raises(ValueError, match="progress_mode"):
-        config("ucx", progress_mode="polling")  # (ucxx's busy loop on the loop: not offered)
+        config("ucx", progress_mode="blocking")  # ucxx's: spins a core once it has seen an event
 
 
-@pytest.mark.parametrize("mode", ["blocking", "thread"])
+@pytest.mark.parametrize("mode", ["loop", "thread"])
 def test_a_worker_loop_runs_the_transfers_with_no_thread_of_their_own(mode: str) -> None:
     """In a fresh process, as a worker actor: sender and receiver made on the worker's loop, which
     the runtime adopts (no loop thread of its own; made elsewhere it is refused). A pull awaited
     there moves the bytes over UCX and over shared memory with no copy on another thread; a
     plain thread still pulls through the loop; the loop goes on after the last release. In
-    each progress mode: "blocking" progresses UCX on the loop itself, with no thread of ucxx's
-    (no notifier handing completions over); "thread" has that notifier."""
+    each progress mode: "loop" progresses UCX on the worker's loop, with no thread of ucxx's (no
+    notifier handing completions over), polling while a pull's messages travel and not once
+    while idle; "thread" has that notifier."""
     script = textwrap.dedent(
         f"""
-        import asyncio, threading
+        import asyncio, threading, time
         import torch
         from tests.transfer.conftest import MODEL, KVSide, config, specs
         from transfer import KVReceiver, KVSender
@@ -168,8 +169,9 @@ def test_a_worker_loop_runs_the_transfers_with_no_thread_of_their_own(mode: str)
             assert runtime.loop is loop and sender.runtime is runtime
             names = [t.name for t in threading.enumerate()]
             assert "duet-ucx-loop" not in names, names
-            notifier = "UCX-Py Async Notifier Thread" in names
-            assert notifier == ({mode!r} == "thread"), names
+            assert ("UCX-Py Async Notifier Thread" in names) == ({mode!r} == "thread"), names
+            progress = runtime.progress
+            assert (progress is not None) == ({mode!r} == "loop")
             for i, how in enumerate(("on the loop", "from a thread")):
                 rid = f"{{path}}-{{i}}"
                 ticket = sender.publish(rid, p.allocate(rid, 24), 24)
@@ -182,6 +184,12 @@ def test_a_worker_loop_runs_the_transfers_with_no_thread_of_their_own(mode: str)
                 assert result.ok and result.stats.path == path, result
                 assert torch.equal(d.pages_of(dst)["full"], p.pages_of(ticket.page_ids)["full"])
                 d.free(rid)
+            if progress is not None:
+                if path == "ucx":
+                    assert progress.polls > 0  # it polled while the chunks travelled
+                idle = progress.polls
+                time.sleep(0.3)
+                assert progress.polls == idle and progress.in_flight == 0  # asleep when idle
             assert copied_on == {{loop_thread}}, copied_on  # on the loop itself, no hop
             try:
                 other = asyncio.new_event_loop()
