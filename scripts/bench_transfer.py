@@ -775,6 +775,22 @@ def main() -> int:
     cuda = args.device == "cuda"
     args.sizes = args.sizes or ([1, 16, 64, 256, 1024] if cuda else [1, 4, 16, 64])
     args.paths = args.paths or ["ucx", "cuda_ipc" if cuda else "host_shm"]
+    modes = {
+        p: config(
+            args.device, p != "ucx", args.staging_tokens, args.progress_mode
+        ).ucx_progress_mode(cuda)
+        for p in args.paths
+    }
+    if len(set(modes.values())) > 1:
+        # One UCX runtime per process: the first path's mode is every path's here.
+        print(
+            f"note: a worker would progress UCX as {modes}; in this run every path runs in "
+            f"{modes[args.paths[0]]!r} (run a path alone, or pass --progress-mode)",
+            flush=True,
+        )
+    # Both processes in the mode a worker of the first path would run (P's sender, which also
+    # serves direct reads, would otherwise pick its own).
+    asked, args.progress_mode = args.progress_mode, modes[args.paths[0]]
     bench = Bench(args)
     try:
         results = bench.run()
@@ -787,7 +803,8 @@ def main() -> int:
         "page_bytes": bench.spec.page_bytes,
         "repeats": args.repeats,
         "staging_tokens": args.staging_tokens,
-        "progress_mode": args.progress_mode,
+        "progress_mode": asked,
+        "ucx_progress_mode": args.progress_mode,
         "baselines": {p: BASELINES[p] for p in args.paths},
         "torch": torch.__version__,
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),

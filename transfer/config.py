@@ -67,8 +67,8 @@ class TransceiverConfig:
     are in flight, asleep on UCX's event descriptor otherwise; progress.py), "thread" (ucxx's
     progress thread, asleep until woken, and a notifier thread that hands completions to the
     loop), "thread-polling" (that thread spins: lower latency per message, one busy core), or
-    "auto": loop for host KV, thread-polling for GPU KV that moves over UCX, thread for GPU KV
-    read directly."""
+    "auto": for KV that moves over UCX, loop from host memory and thread-polling from a GPU;
+    thread where KV is read directly."""
     max_stats_len: int = 1000
     """Finished transfers kept for ``drain_transfer_stats``: -1 unbounded, 0 none, N the last N."""
     fault_injection: FaultInjection = field(default_factory=FaultInjection)
@@ -106,7 +106,9 @@ class TransceiverConfig:
     def ucx_progress_mode(self, cuda: bool) -> str:
         """The ucxx progress mode for KV on a GPU (``cuda``) or in host memory."""
         if self.progress_mode == "auto":
-            if not cuda:
-                return "loop"  # (2 cores: fewer wake-ups per message, progress.py says how many)
-            return "thread" if self.direct_copy else "thread-polling"
+            # KV over UCX: polled while it moves (progress.py says what each mode costs). Direct
+            # reads move no data over UCX: its thread only sleeps.
+            if self.direct_copy:
+                return "thread"
+            return "thread-polling" if cuda else "loop"
         return self.progress_mode

@@ -7,12 +7,14 @@ descriptor and sleeps until it fires (a peer's message, a failed endpoint), with
 every ``IDLE_PROGRESS_S`` for anything UCX does without an event: an idle worker costs no CPU.
 
 Why not ucxx's own modes: "thread" wakes a progress thread and then a notifier thread, which
-hands each completion to the loop: on 2 cores, same run, scattered host pages over TCP, a 16 / 64
-MiB pull took 7.96 / 28.2 ms progressed on the loop against 11.9 / 40.0 ms in "thread"
-(docs/benchmarks/transfer.md, "UCX progress on the loop"). ucxx's "blocking" mode does not arm
-the descriptor again after its first event, so from then on its loop spins a core while idle
-(measured: 1.0 CPU second per second, against 0.01 in "thread"); "polling" spins from the start.
-This class keeps what those modes gain and sleeps when there is nothing to move.
+hands each completion to the loop. On this 2-core VM, scattered 720 KiB host pages over TCP,
+three rounds alternating (docs/benchmarks/transfer.md, "UCX progressed on the loop"): a 16 MiB
+pull's ratio to raw ucxx's one message 0.59-0.60 here against 0.52-0.58 in "thread", 64 MiB
+0.65-0.68 against 0.55-0.59 (26.8-28.4 ms against 37.6-40.4 in the two quieter rounds); idle after
+a pull, 0.006 CPU seconds per second against 0.012-0.046. ucxx's "blocking" mode does not arm the
+descriptor again after its first event, so from then on its loop spins a core while idle
+(measured: 1.0 CPU second per second); "polling" spins from the start. This class keeps what
+polling gains while data moves and sleeps when there is nothing to move.
 
 ucxx's context starts a progress task for its loop as it is made; ``take_over`` makes it in
 "polling" mode (whose task has not run yet), cancels that task and puts this in its place in

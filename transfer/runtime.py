@@ -8,7 +8,7 @@ worker actor's own loop, so that its pulls, their control messages and their cop
 worker awaits them, with no hop through another thread), else one on a background thread of its
 own. Callers on other threads hand coroutines over with ``submit``; only code on the loop touches
 UCX objects. UCX itself is progressed on that loop too (progress.py; progress_mode "loop", the
-default for host KV), or by ucxx's progress thread ("thread", "thread-polling"). Copies of host
+default for host KV over UCX), or by ucxx's progress thread ("thread", "thread-polling"). Copies of host
 memory run on the loop itself (``copy``); copies that wait for a GPU stream run on one copy thread,
 so the loop never waits for a device.
 

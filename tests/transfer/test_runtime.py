@@ -105,9 +105,9 @@ def test_default_options_yield_to_the_environment_and_to_ucx_env() -> None:
     assert context_options({"UCX_TCP_RX_SEG_SIZE": "16k"}, {}) == {"TCP_RX_SEG_SIZE": "16k"}
 
 
-def test_progress_mode_loop_for_host_kv_polling_thread_only_for_gpu_kv_over_ucx() -> None:
+def test_progress_mode_polls_only_for_kv_over_ucx_on_the_loop_for_host_kv() -> None:
     assert config("ucx").ucx_progress_mode(cuda=False) == "loop"
-    assert config("host_shm").ucx_progress_mode(cuda=False) == "loop"
+    assert config("host_shm").ucx_progress_mode(cuda=False) == "thread"
     assert config("ucx").ucx_progress_mode(cuda=True) == "thread-polling"
     assert config("host_shm").ucx_progress_mode(cuda=True) == "thread"  # same-host reads skip UCX
     assert config("ucx", progress_mode="thread").ucx_progress_mode(cuda=True) == "thread"
