@@ -57,7 +57,8 @@ class LoopProgress:
         self.worker = worker
         self.loop = loop
         self.in_flight = 0
-        self.polls = 0  # progress calls made while messages were in flight (tests read it)
+        self.calls = 0  # progress calls, and those made while messages were in flight (tests)
+        self.polls = 0
         self._wake = asyncio.Event()
         self._fd = worker.epoll_file_descriptor
         loop.add_reader(self._fd, self._wake.set)
@@ -77,6 +78,7 @@ class LoopProgress:
         worker = self.worker
         while True:
             worker.progress()
+            self.calls += 1
             if self.in_flight:
                 self.polls += 1
                 await asyncio.sleep(0)  # one poll per turn of the loop
