@@ -61,9 +61,11 @@ from kvcache.kv_buffer import allocate_buffers  # noqa: E402
 from kvcache.spec import PoolGroupSpec  # noqa: E402
 from transfer import KVReceiver, KVSender, TransceiverConfig  # noqa: E402
 from transfer.config import PROGRESS_MODES  # noqa: E402
+from transfer.link import ucx_buffer  # noqa: E402
 from transfer.mapper import Segment  # noqa: E402
 from transfer.paths.direct import copy_segments  # noqa: E402
 from transfer.pools import pool_rows  # noqa: E402
+from transfer.runtime import UcxRuntime  # noqa: E402
 
 MIB = 1 << 20
 RAW_REQUEST, RAW_DATA, RAW_PAGE = 0x5EED_0001, 0x5EED_0002, 0x5EED_1000_0000
@@ -152,7 +154,7 @@ def prefill_proc(
             endpoint = runtime.run(runtime.create_endpoint(args[0]), 60)
             conn.send("connected")
         elif cmd == "arm":  # answer D's next raw request (see _serve_raw)
-            serving = runtime.submit(_serve_raw(endpoint, raw, rows, num_pages))
+            serving = runtime.submit(_serve_raw(runtime, endpoint, raw, rows, num_pages))
             conn.send("armed")
         elif cmd == "close":
             if serving is not None and not serving.done():
@@ -162,29 +164,29 @@ def prefill_proc(
             return
 
 
-async def _serve_raw(ep: Any, buf: torch.Tensor, rows: torch.Tensor, num_pages: int) -> None:
+async def _serve_raw(
+    runtime: UcxRuntime, ep: Any, buf: torch.Tensor, rows: torch.Tensor, num_pages: int
+) -> None:
     """The raw ucxx answer to D's next request: [0, nbytes] gets one contiguous message of
     ``nbytes``; [1, n, page ids...] gets those n pages of P's pool, one message each, all posted
-    at once (tag RAW_PAGE + i for the i-th). One request per arming, armed over the pipe before
-    each timed baseline: a receive left posted between them would keep a loop in ucxx's blocking
-    progress mode polling it, a busy core under every other measurement."""
+    at once (tag RAW_PAGE + i for the i-th). Its messages are progressed as the path's are
+    (``runtime.messages``). One request per arming, armed over the pipe before each timed
+    baseline: no receive stays posted between measurements."""
     request = np.zeros(2 + num_pages, dtype=np.int64)
-    await ep.recv(request, tag=RAW_REQUEST, force_tag=True)
+    with runtime.messages():
+        await ep.recv(request, tag=RAW_REQUEST, force_tag=True)
     kind, n = int(request[0]), int(request[1])
-    if kind == 0:
-        await ep.send(
-            buf[:n].numpy() if buf.device.type == "cpu" else buf[:n],
-            tag=RAW_DATA,
-            force_tag=True,
-        )
-    else:
-        pages = request[2 : 2 + n].tolist()
-        await asyncio.gather(
-            *(
-                ep.send(rows[p].numpy(), tag=RAW_PAGE + i, force_tag=True)
-                for i, p in enumerate(pages)
+    with runtime.messages():
+        if kind == 0:
+            await ep.send(ucx_buffer(buf[:n]), tag=RAW_DATA, force_tag=True)
+        else:
+            pages = request[2 : 2 + n].tolist()
+            await asyncio.gather(
+                *(
+                    ep.send(rows[p].numpy(), tag=RAW_PAGE + i, force_tag=True)
+                    for i, p in enumerate(pages)
+                )
             )
-        )
 
 
 # ---- --timeline: marks at each stage of a pull, on both processes ----
@@ -490,15 +492,12 @@ class Bench:
         return time.perf_counter() - start
 
     async def _raw(self, nbytes: int) -> float:
-        dst = self.raw_buf[:nbytes]
+        dst = ucx_buffer(self.raw_buf[:nbytes])
         start = time.perf_counter()
-        recv = asyncio.ensure_future(
-            self.ep.recv(
-                dst.numpy() if dst.device.type == "cpu" else dst, tag=RAW_DATA, force_tag=True
-            )
-        )
-        await self.ep.send(self._raw_request(0, nbytes), tag=RAW_REQUEST, force_tag=True)
-        await recv
+        with self.runtime.messages():  # (progressed as the path's messages are)
+            recv = asyncio.ensure_future(self.ep.recv(dst, tag=RAW_DATA, force_tag=True))
+            await self.ep.send(self._raw_request(0, nbytes), tag=RAW_REQUEST, force_tag=True)
+            await recv
         return time.perf_counter() - start
 
     def _raw_request(self, kind: int, n: int, pages: list[int] | None = None) -> np.ndarray:
@@ -518,14 +517,15 @@ class Bench:
 
         async def go() -> float:
             start = time.perf_counter()
-            receives = [
-                asyncio.ensure_future(
-                    self.ep.recv(self.rows[d].numpy(), tag=RAW_PAGE + i, force_tag=True)
-                )
-                for i, d in enumerate(dst)
-            ]
-            await self.ep.send(self._raw_request(1, n, src), tag=RAW_REQUEST, force_tag=True)
-            await asyncio.gather(*receives)
+            with self.runtime.messages():
+                receives = [
+                    asyncio.ensure_future(
+                        self.ep.recv(self.rows[d].numpy(), tag=RAW_PAGE + i, force_tag=True)
+                    )
+                    for i, d in enumerate(dst)
+                ]
+                await self.ep.send(self._raw_request(1, n, src), tag=RAW_REQUEST, force_tag=True)
+                await asyncio.gather(*receives)
             return time.perf_counter() - start
 
         return self.runtime.run(go(), 600)
@@ -761,7 +761,8 @@ def main() -> int:
         "--progress-mode",
         choices=list(PROGRESS_MODES),
         default="auto",
-        help="ucxx progress mode of both sides (transfer.progress_mode; auto: thread for host KV)",
+        help="UCX progress mode of both sides (transfer.progress_mode; auto: as a worker of the "
+        "first path would run)",
     )
     ap.add_argument("--out", type=Path)
     ap.add_argument(

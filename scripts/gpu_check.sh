@@ -40,10 +40,9 @@ for step in ${STEPS:-tests decode transfer cluster bench goodput tp}; do
     cpu)
       # CPU_CORES (e.g. 0,1) pins the run to a slice of this host, the size of the CI machine
       echo "$(nproc) cores, pinned to ${CPU_CORES:-all}" | tee "$OUT/transfer_cpu${CPU_TAG:-}.log"
-      # CPU_ARGS: more bench_transfer.py arguments (e.g. --sizes 16 64 --progress-mode thread);
-      # CPU_PATHS: which paths (default both); CPU_TAG names the run's files, so that one call
-      # can run several
-      # Each path alone: a worker progresses UCX as its path needs (one mode per process)
+      # Each path alone, as a worker of it progresses UCX (one mode per process). CPU_PATHS: which
+      # (default both); CPU_ARGS: more arguments (e.g. --sizes 16 64 --progress-mode thread);
+      # CPU_TAG names the run's files, so that one call can run several
       for path in ${CPU_PATHS:-ucx host_shm}; do
         ${CPU_CORES:+taskset -c $CPU_CORES} python scripts/bench_transfer.py --device cpu \
           --repeats 9 --paths $path ${CPU_ARGS:-} --out "$OUT/transfer_cpu_$path${CPU_TAG:-}.json" \

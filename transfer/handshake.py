@@ -97,7 +97,7 @@ async def connect(
                 endpoint.abort()
             raise
     return Link(
-        channel, endpoint, challenge.instance_id, welcome.page_table, path, name, runtime.progress
+        channel, endpoint, challenge.instance_id, welcome.page_table, path, name, runtime.messages
     )
 
 
@@ -151,7 +151,7 @@ async def accept(
         if endpoint is not None:
             endpoint.abort()
         return None
-    return Link(channel, endpoint, hello.instance_id, join.page_table, path, name, runtime.progress)
+    return Link(channel, endpoint, hello.instance_id, join.page_table, path, name, runtime.messages)
 
 
 def _expect(msg: Message, kind: type[T]) -> T:

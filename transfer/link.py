@@ -22,7 +22,6 @@ from transfer.page_table import PageTable
 
 if TYPE_CHECKING:
     from transfer.paths.base import DataPath
-    from transfer.progress import LoopProgress
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +35,7 @@ class Link:
         peer_table: PageTable,
         path: DataPath,
         name: str,
-        progress: LoopProgress | None = None,
+        messages: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
     ) -> None:
         self.channel = channel
         self.endpoint = endpoint
@@ -45,8 +44,7 @@ class Link:
         self.path = path
         self.name = f"{name} ({path.name})"
         self.closed_reason: str | None = None
-        # Around each data message: with UCX progressed by the loop, it polls while they travel.
-        self._messages = progress.messages if progress is not None else contextlib.nullcontext
+        self._messages = messages  # around each data message (UcxRuntime.messages)
         self._listeners: list[Callable[[str], None]] = []
         self._reader: asyncio.Task | None = None
         loop = asyncio.get_running_loop()
@@ -101,11 +99,11 @@ class Link:
 
     async def send_data(self, buf: torch.Tensor, tag: int) -> None:
         with self._messages():
-            await self.endpoint.send(_ucx_buffer(buf), tag=tag, force_tag=True)
+            await self.endpoint.send(ucx_buffer(buf), tag=tag, force_tag=True)
 
     async def recv_data(self, buf: torch.Tensor, tag: int) -> None:
         with self._messages():
-            await self.endpoint.recv(_ucx_buffer(buf), tag=tag, force_tag=True)
+            await self.endpoint.recv(ucx_buffer(buf), tag=tag, force_tag=True)
 
     def abort(self, reason: str) -> None:
         """Close everything now; UCX requests posted on the endpoint end with an error."""
@@ -123,7 +121,7 @@ class Link:
             fn(reason)
 
 
-def _ucx_buffer(buf: torch.Tensor) -> Any:
+def ucx_buffer(buf: torch.Tensor) -> Any:
     # ucxx takes host memory through the buffer protocol and device memory through
     # __cuda_array_interface__ (which torch CUDA tensors have).
     return buf.numpy() if buf.device.type == "cpu" else buf

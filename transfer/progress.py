@@ -8,10 +8,11 @@ every ``IDLE_PROGRESS_S`` for anything UCX does without an event: an idle worker
 
 Why not ucxx's own modes: "thread" wakes a progress thread and then a notifier thread, which
 hands each completion to the loop. On this 2-core VM, scattered 720 KiB host pages over TCP,
-three rounds alternating (docs/benchmarks/transfer.md, "UCX progressed on the loop"): a 16 MiB
-pull's ratio to raw ucxx's one message 0.59-0.60 here against 0.52-0.58 in "thread", 64 MiB
-0.65-0.68 against 0.55-0.59 (26.8-28.4 ms against 37.6-40.4 in the two quieter rounds); idle after
-a pull, 0.006 CPU seconds per second against 0.012-0.046. ucxx's "blocking" mode does not arm the
+three rounds alternating, each mode's raw baseline progressed as its pulls are
+(docs/benchmarks/transfer.md, "UCX progressed on the loop"): a 16 MiB pull's ratio to raw ucxx's
+one message 0.53-0.63 here against 0.48-0.51 in "thread", 64 MiB 0.61-0.67 against 0.48-0.51
+(32.5-39.7 ms against 42.7-58.8); idle after a pull, 0.006 CPU seconds per second against
+0.012-0.046. ucxx's "blocking" mode does not arm the
 descriptor again after its first event, so from then on its loop spins a core while idle
 (measured: 1.0 CPU second per second); "polling" spins from the start. This class keeps what
 polling gains while data moves and sleeps when there is nothing to move.
@@ -25,11 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
-
-log = logging.getLogger(__name__)
 
 # Longest an idle loop goes without a progress call: UCX's keepalives and endpoint teardown
 # need progress without always raising an event.
@@ -39,7 +37,7 @@ IDLE_PROGRESS_S = 0.05
 class LoopProgress:
     @classmethod
     def take_over(
-        cls, make_context: Any, loop: asyncio.AbstractEventLoop
+        cls, make_context: Callable[[str], Any], loop: asyncio.AbstractEventLoop
     ) -> tuple[Any, LoopProgress]:
         """A ucxx context made by ``make_context(progress_mode)`` on ``loop`` (running it), and
         this progress for it in place of ucxx's."""
@@ -57,8 +55,8 @@ class LoopProgress:
         self.worker = worker
         self.loop = loop
         self.in_flight = 0
-        self.calls = 0  # progress calls, and those made while messages were in flight (tests)
-        self.polls = 0
+        self.calls = 0  # progress calls (tests read both counts)
+        self.polls = 0  # of which while messages were in flight
         self._wake = asyncio.Event()
         self._fd = worker.epoll_file_descriptor
         loop.add_reader(self._fd, self._wake.set)

@@ -8,9 +8,9 @@ worker actor's own loop, so that its pulls, their control messages and their cop
 worker awaits them, with no hop through another thread), else one on a background thread of its
 own. Callers on other threads hand coroutines over with ``submit``; only code on the loop touches
 UCX objects. UCX itself is progressed on that loop too (progress.py; progress_mode "loop", the
-default for host KV over UCX), or by ucxx's progress thread ("thread", "thread-polling"). Copies of host
-memory run on the loop itself (``copy``); copies that wait for a GPU stream run on one copy thread,
-so the loop never waits for a device.
+default for host KV over UCX), or by ucxx's progress thread ("thread", "thread-polling"). Copies of
+host memory run on the loop itself (``copy``); copies that wait for a GPU stream run on one copy
+thread, so the loop never waits for a device.
 
 UCX endpoints are created with peer error handling, so a dead peer fails its requests instead of
 hanging them, and closing an endpoint cancels every request posted on it (UCX 1.21 then leaves out
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import gc
 import logging
 import os
@@ -28,6 +29,7 @@ import threading
 from collections.abc import Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
+from transfer.config import PROGRESS_MODES
 from transfer.progress import LoopProgress
 
 if TYPE_CHECKING:
@@ -43,6 +45,7 @@ T = TypeVar("T")
 # loopback, same-run A/B (docs/benchmarks/transfer.md). Only TCP reads it; a UCX_* variable in the
 # environment or in ``ucx_env`` wins, and a user who sets either segment size gets UCX's pairing.
 DEFAULT_UCX_OPTIONS = {"TCP_TX_SEG_SIZE": "64k"}
+UCXX_MODES = tuple(m for m in PROGRESS_MODES if m != "auto")  # ("auto" is the config's choice)
 _YIELDS_TO = {"TCP_TX_SEG_SIZE": ("TCP_TX_SEG_SIZE", "TCP_RX_SEG_SIZE")}
 
 
@@ -89,10 +92,8 @@ class UcxRuntime:
         bad = [k for k in ucx_env if not k.startswith("UCX_")]
         if bad:
             raise ValueError(f"UCX settings must be UCX_* names, got {bad}")
-        if progress_mode not in ("loop", "thread", "thread-polling"):
-            raise ValueError(
-                f"progress_mode must be 'loop', 'thread' or 'thread-polling', got {progress_mode!r}"
-            )
+        if progress_mode not in UCXX_MODES:
+            raise ValueError(f"progress_mode must be one of {UCXX_MODES}, got {progress_mode!r}")
         self.ucx_env = ucx_env
         self.cuda_device = cuda_device
         self.progress: LoopProgress | None = None  # progress_mode "loop": UCX progressed there
@@ -167,6 +168,11 @@ class UcxRuntime:
             ctx, self.progress = LoopProgress.take_over(make, self.loop)
             return ctx
         return make(progress_mode)
+
+    def messages(self) -> contextlib.AbstractContextManager[None]:
+        """Around each data message's send or receive: progressed on the loop, UCX is polled
+        until it ends (LoopProgress.messages); with ucxx's thread, nothing to do."""
+        return self.progress.messages() if self.progress is not None else contextlib.nullcontext()
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Schedule ``coro`` on the loop thread; safe from any thread."""
