@@ -43,7 +43,8 @@ def test_gathers_reuse_one_workspace_across_layers_and_fall_back_above_its_cap(
                 q, k_cache, v_cache, kv.page_table, kv.seq_lens, 0.2, plan=plan
             )
         )
-        storages.append([b.data_ptr() for b in page_gather_cpu.WORKSPACE.buffers])
+        # (the values are not gathered: weighted_pages_sum reads them in place)
+        storages.append(page_gather_cpu.WORKSPACE.buffers[0].data_ptr())
         expected = paged_decode_attention_ref(q, k_cache, v_cache, kv.page_table, kv.seq_lens, 0.2)
         assert float((outs[-1] - expected).abs().max()) <= 1e-5
     assert storages[0] == storages[1] == storages[2]  # no fresh tensor per layer
@@ -67,3 +68,33 @@ def test_a_new_page_list_gets_its_own_run_ids() -> None:
         out = paged_decode_attention_cpu(q, k_cache, v_cache, table, lens, 0.2)
         expected = paged_decode_attention_ref(q, k_cache, v_cache, table, lens, 0.2)
         assert float((out - expected).abs().max()) <= 1e-5
+
+
+@pytest.mark.parametrize("layout", ["head_outermost", "page_major", "bfloat16"])
+def test_weighted_pages_sum_is_the_probabilities_times_the_gathered_values(
+    layout: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Probabilities times values read where the pages lie (embedding_bag over the pool's slot
+    rows, no gathered copy) in float32 pools of either layout; the gather and a product for other
+    dtypes."""
+    gen = torch.Generator().manual_seed(24)
+    kv = make_paged_kv([37, 5, 64, 16], 16, 2, 32, torch.float32, gen)
+    _, v_cache = layer_view(kv.buffer, 1)
+    if layout == "page_major":
+        v_cache = v_cache.contiguous()
+    elif layout == "bfloat16":
+        v_cache = v_cache.to(torch.bfloat16)
+    plan = plan_decode(kv.page_table, kv.seq_lens, 16)
+    rows, n = 4, plan.page_ids.numel() // 4
+    weights = torch.rand((rows, 2, 3, n * 16), generator=gen)
+    gathered = page_gather_cpu.gather_pages(v_cache, plan.page_ids, rows, 1).float()
+    expected = torch.matmul(weights, gathered)
+    gathers = []
+    gather = page_gather_cpu.gather_pages
+    monkeypatch.setattr(page_gather_cpu, "gather_pages", lambda *a: gathers.append(1) or gather(*a))
+    out = page_gather_cpu.weighted_pages_sum(
+        v_cache, plan.page_ids, rows, weights.to(v_cache.dtype)
+    )
+    assert out.shape == (rows, 2, 3, 32)
+    assert float((out.float() - expected).abs().max()) <= (1e-4 if layout != "bfloat16" else 0.5)
+    assert bool(gathers) == (layout == "bfloat16")
