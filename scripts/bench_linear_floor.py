@@ -8,10 +8,12 @@ each, greedy, the embedded SmolLM2-135M in float32. Any engine that runs this mo
 the same greedy tokens as transformers) performs every matrix product of the decoder's linear
 layers: per layer the q/k/v, output, gate/up and down projections of every prompt token and every
 decoded token, and the LM head for each sampled row. This script times those products alone, at the
-row counts an engine with Duet's default scheduler (2048 batched tokens a step) runs them, through
-each linear implementation torch offers on CPU (MKL's sgemm behind ``F.linear``, and oneDNN with a
-prepacked weight, which Duet runs: kernels/linear_cpu.py) and keeps the faster one per shape.
-Nothing else is counted: no attention, norms, activations, sampling or Python.
+row counts an engine with Duet's default scheduler (2048 batched tokens a step) runs them, each
+step through every layer's own weights (read from memory each step, as in an engine: decode steps
+of 32 rows are bound by those reads), through each linear implementation torch offers on CPU
+(MKL's sgemm behind ``F.linear``, and oneDNN with a prepacked weight, which Duet runs:
+kernels/linear_cpu.py), and keeps the faster one per step. Nothing else is counted: no attention,
+norms, activations, sampling or Python.
 
 That sum is a floor under any such engine's time on this machine with these libraries, so
 ``HF seconds / floor`` is the most any of them can be ahead of HF here: a ratio target above it
@@ -55,57 +57,71 @@ def step_rows(requests: int, prompt: int, new: int, batched: int) -> list[tuple[
     return steps
 
 
-def time_product(rows: int, weight: torch.Tensor, packed: torch.Tensor) -> dict[str, float]:
-    """Seconds per call of ``x @ weight.T`` for ``rows`` rows: the median of 5 rounds of calls,
-    each round at least 0.1 s, per implementation."""
-    x = torch.randn(rows, weight.shape[1])
-    out = {}
-    for name, fn in (
-        ("mkl", lambda: F.linear(x, weight)),
-        ("onednn", lambda: linear_cpu(x, packed)),
-    ):
-        for _ in range(3):
-            fn()
-        rounds = []
-        for _ in range(5):
-            calls, start = 0, time.perf_counter()
-            while (elapsed := time.perf_counter() - start) < 0.1:
-                fn()
-                calls += 1
-            rounds.append(elapsed / calls)
-        out[name] = sorted(rounds)[2]
-    return out
+def time_step(fn, calls: int) -> float:
+    """Median seconds of ``calls`` calls of ``fn`` (after one warm-up call)."""
+    fn()
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
 
 
-def linear_floor(config, steps: list[tuple[int, int]]) -> dict[str, float]:
-    """Seconds of the workload's linear products, per implementation and the faster per shape."""
-    h, d = config.hidden_size, config.head_dim
-    weights = {  # (out, in) of each product of one layer
-        "qkv": ((config.num_heads + 2 * config.num_kv_heads) * d, h),
-        "o": (h, config.num_heads * d),
-        "gate_up": (2 * config.intermediate_size, h),
-        "down": (h, config.intermediate_size),
-    }
-    lm_head = (config.vocab_size, h)
-    cache: dict[tuple[int, tuple[int, int]], dict[str, float]] = {}
-    tensors: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+class Layers:
+    """The model's linear weights, each layer its own (random: only the shapes matter), as a
+    dense float32 tensor (``F.linear``: MKL) and packed for oneDNN (kernels/linear_cpu.py). Every
+    weight is read from memory at every step as in an engine: 540 MB in float32 for SmolLM2-135M,
+    far beyond any cache."""
 
-    def cost(rows: int, shape: tuple[int, int]) -> dict[str, float]:
-        if (rows, shape) not in cache:
-            if shape not in tensors:
-                w = torch.randn(shape) * 0.02
-                tensors[shape] = (w, pack_weight(w))
-            cache[rows, shape] = time_product(rows, *tensors[shape])
-        return cache[rows, shape]
+    def __init__(self, config) -> None:
+        h, d = config.hidden_size, config.head_dim
+        shapes = [  # (out, in) of each product of one layer
+            ((config.num_heads + 2 * config.num_kv_heads) * d, h),  # q, k, v
+            (h, config.num_heads * d),  # o
+            (2 * config.intermediate_size, h),  # gate, up
+            (h, config.intermediate_size),  # down
+        ]
+        self.dense = [
+            [torch.randn(shape) * 0.02 for shape in shapes] for _ in range(config.num_layers)
+        ]
+        self.lm_head = torch.randn((config.vocab_size, h)) * 0.02
+        self.packed = [[pack_weight(w) for w in layer] for layer in self.dense]
+        self.lm_head_packed = pack_weight(self.lm_head)
 
+    def step(self, rows: int, sampled: int, which: str) -> float:
+        """Seconds of one step's products: ``rows`` token rows through every layer's products
+        (each product's input a fresh activation of its width), ``sampled`` rows through the LM
+        head."""
+        if which == "mkl":
+            layers, head, linear = self.dense, self.lm_head, F.linear
+        else:
+            layers, head, linear = self.packed, self.lm_head_packed, linear_cpu
+        inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in self.dense[0]}
+        last = torch.randn(sampled, self.lm_head.shape[1])
+
+        def run() -> None:
+            for dense, weights in zip(self.dense, layers, strict=True):
+                for w, packed in zip(dense, weights, strict=True):
+                    linear(inputs[w.shape[1]], packed)
+            linear(last, head)
+
+        return time_step(run, 3 if rows > 256 else 7)
+
+
+def linear_floor(
+    layers: Layers, steps: list[tuple[int, int]], per_step: dict[str, dict[str, float]]
+) -> dict[str, float]:
+    """Seconds of the workload's linear products, per implementation and the faster per step
+    (and each kind of step's seconds into ``per_step``, keyed "rows x sampled")."""
     total = {"mkl": 0.0, "onednn": 0.0, "best": 0.0}
-    for tokens, sampled in steps:
-        parts = [cost(tokens, s) for s in weights.values()] * config.num_layers
-        parts.append(cost(sampled, lm_head))
-        for p in parts:
-            total["mkl"] += p["mkl"]
-            total["onednn"] += p["onednn"]
-            total["best"] += min(p.values())
+    for shape in sorted(set(steps)):
+        times = {which: layers.step(*shape, which) for which in ("mkl", "onednn")}
+        per_step[f"{shape[0]} x {shape[1]}"] = times
+        count = steps.count(shape)
+        for which, t in times.items():
+            total[which] += count * t
+        total["best"] += count * min(times.values())
     return total
 
 
@@ -131,18 +147,32 @@ def main() -> None:
     vocab = config.vocab_size
     prompts = torch.randint(100, vocab, (args.num_requests, args.prompt_tokens), generator=gen)
     steps = step_rows(args.num_requests, args.prompt_tokens, args.max_tokens, args.batched_tokens)
+    layers = Layers(config)
     hf_generate(hf, prompts[:2, :8].tolist(), 2, 0)  # (warm-up)
     rounds = []
     for i in range(args.repeats):
         start = time.perf_counter()
         hf_generate(hf, prompts.tolist(), args.max_tokens, 0)
         hf_s = time.perf_counter() - start
-        floor = linear_floor(config, steps)
-        rounds.append({"hf_s": hf_s, **{f"floor_{k}_s": v for k, v in floor.items()}})
+        per_step: dict[str, dict[str, float]] = {}
+        floor = linear_floor(layers, steps, per_step)
+        rounds.append(
+            {"hf_s": hf_s, **{f"floor_{k}_s": v for k, v in floor.items()}, "steps_s": per_step}
+        )
         print(
             f"[{i}] HF generate {hf_s:.2f} s | linear products alone: MKL {floor['mkl']:.2f} s, "
             f"oneDNN packed {floor['onednn']:.2f} s, faster per shape {floor['best']:.2f} s | "
             f"most any engine can be ahead of HF: {hf_s / floor['best']:.2f}x"
+        )
+    layer_params = sum(w.numel() for layer in layers.dense for w in layer)
+    weight_bytes = 4 * (layer_params + layers.lm_head.numel())
+    for name, times in rounds[-1]["steps_s"].items():
+        rows, sampled = (int(x) for x in name.split(" x "))
+        t = min(times.values())
+        flops = 2 * (rows * layer_params + sampled * layers.lm_head.numel())
+        print(
+            f"a step of {rows} token rows, {sampled} sampled: {1e3 * t:.1f} ms, weights read at "
+            f"{weight_bytes / t / 1e9:.1f} GB/s, {flops / t / 1e9:.0f} GFLOP/s (last round)"
         )
     best = sorted(r["hf_s"] / r["floor_best_s"] for r in rounds)
     print(f"HF / linear floor over {len(rounds)} rounds: {', '.join(f'{b:.2f}' for b in best)}")
@@ -156,6 +186,7 @@ def main() -> None:
                     "torch": torch.__version__,
                     "workload": vars(args) | {"out": str(args.out)},
                     "steps": len(steps),
+                    "weight_bytes": weight_bytes,
                     "rounds": rounds,
                 },
                 indent=1,
