@@ -155,8 +155,12 @@ def plan_decode(
         if sliding_window is not None:
             keep &= pos >= lens_t - sliding_window
         mask = keep[:, None, None, :]
-    bias = None if mask is None else torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
-    return DecodePlan(page_ids, B, mask, bias)
+    return DecodePlan(page_ids, B, mask, None if mask is None else _bias(mask))
+
+
+def _bias(mask: torch.Tensor) -> torch.Tensor:
+    """A boolean mask (True = attend) as a float32 term added to the scores: 0 or -inf."""
+    return torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
 
 
 def prefill_groups(q_lens: np.ndarray, ctx_lens: np.ndarray) -> list[np.ndarray]:
@@ -318,10 +322,8 @@ def paged_decode_attention_cpu(
     else:
         scores = softcap * torch.tanh(scores * (scale / softcap))
     if plan.mask is not None:
-        bias = plan.bias
-        if bias is None:  # (a plan made elsewhere: only the boolean mask)
-            bias = torch.zeros(plan.mask.shape).masked_fill_(~plan.mask, float("-inf"))
-        scores.add_(bias)
+        # (a plan made elsewhere may hold only the boolean mask)
+        scores.add_(plan.bias if plan.bias is not None else _bias(plan.mask))
     probs = torch.softmax(scores, dim=-1)
     if v_cache.dtype != torch.float32:
         out = torch.matmul(probs, gather_pages(v_cache, plan.page_ids, B, 1).float())

@@ -130,7 +130,7 @@ def weighted_pages_sum(
         cache.dtype != torch.float32
         or weights.dtype != torch.float32
         or strides[3] != 1
-        or any(x % head_dim for x in (*strides[:3], offset))
+        or any(x % head_dim for x in strides[:3])
     ):
         return torch.matmul(weights, gather_pages(cache, page_ids, rows, 1))
     s_page, s_slot, s_head = (x // head_dim for x in strides[:3])
