@@ -9,8 +9,8 @@ the same greedy tokens as transformers) performs every matrix product of the dec
 layers: per layer the q/k/v, output, gate/up and down projections of every prompt token and every
 decoded token, and the LM head for each sampled row. This script times those products alone, at the
 row counts an engine with Duet's default scheduler (2048 batched tokens a step) runs them, each
-step through every layer's own weights (read from memory each step, as in an engine: decode steps
-of 32 rows are bound by those reads), through each linear implementation torch offers on CPU
+step through every layer's own weights (read from memory each step, as in an engine, not from a
+cache), through each linear implementation torch offers on CPU
 (MKL's sgemm behind ``F.linear``, and oneDNN with a prepacked weight, which Duet runs:
 kernels/linear_cpu.py), and keeps the faster one per step. Nothing else is counted: no attention,
 norms, activations, sampling or Python.
@@ -71,7 +71,7 @@ def time_step(fn, calls: int) -> float:
 class Layers:
     """The model's linear weights, each layer its own (random: only the shapes matter), as a
     dense float32 tensor (``F.linear``: MKL) and packed for oneDNN (kernels/linear_cpu.py). Every
-    weight is read from memory at every step as in an engine: 540 MB in float32 for SmolLM2-135M,
+    weight is read from memory at every step as in an engine: 538 MB in float32 for SmolLM2-135M,
     far beyond any cache."""
 
     def __init__(self, config) -> None:
