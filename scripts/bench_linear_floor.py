@@ -161,7 +161,7 @@ def main() -> None:
         )
         print(
             f"[{i}] HF generate {hf_s:.2f} s | linear products alone: MKL {floor['mkl']:.2f} s, "
-            f"oneDNN packed {floor['onednn']:.2f} s, faster per shape {floor['best']:.2f} s | "
+            f"oneDNN packed {floor['onednn']:.2f} s, faster per step {floor['best']:.2f} s | "
             f"most any engine can be ahead of HF: {hf_s / floor['best']:.2f}x"
         )
     layer_params = sum(w.numel() for layer in layers.dense for w in layer)
