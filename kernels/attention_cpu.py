@@ -15,8 +15,8 @@ thing faster, and tests/kernels/test_attention_cpu.py compares the two on random
   first window page: a window group's page table holds the null page where pages left the window;
 - decode: one batched product for the whole batch's scores, gathered keys only; the query heads
   that share a KV head are that head's query rows, so no K/V is repeated; the probabilities meet
-  the values where they lie in the pool (page_gather_cpu.weighted_pages_sum: ``embedding_bag``,
-  no gathered copy). Against SDPA over gathered K/V, same run, 30 layers of a step, 2 threads:
+  the values where they lie in a float32 pool (page_gather_cpu.weighted_pages_sum:
+  ``embedding_bag``, no gathered copy; other dtypes gather them). Against SDPA over gathered K/V, same run, 30 layers of a step, 2 threads:
   1.28-1.55x at batch 16-64 (160-300 tokens); ``engine.LLM`` offline 1.04-1.18x (32 x 128
   tokens, 64 new);
 - prefill: sequences of similar size share one padded call (padding bounded by ``PAD_BUDGET``), with
@@ -325,10 +325,8 @@ def paged_decode_attention_cpu(
         # (a plan made elsewhere may hold only the boolean mask)
         scores.add_(plan.bias if plan.bias is not None else _bias(plan.mask))
     probs = torch.softmax(scores, dim=-1)
-    if v_cache.dtype != torch.float32:
-        out = torch.matmul(probs, gather_pages(v_cache, plan.page_ids, B, 1).float())
-    else:  # (masked keys have probability 0: the padding pages they lie in add nothing)
-        out = weighted_pages_sum(v_cache, plan.page_ids, B, probs)
+    # (masked keys have probability 0: the padding pages they lie in add nothing)
+    out = weighted_pages_sum(v_cache, plan.page_ids, B, probs)
     return out.reshape(B, Hq, D).to(q.dtype)
 
 

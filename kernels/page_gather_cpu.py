@@ -7,8 +7,8 @@ goes back to the OS when freed under glibc's allocator and is page-faulted in ag
 layer, which cost more than the attention itself (decode at batch 16 / 160 tokens with a 1 GiB
 pool: 2.9 ms a layer against 0.46). Other cache layouts gather whole pages.
 
-Decode's values are not gathered at all: ``weighted_pages_sum`` sums them, weighted by the
-attention's probabilities, from the pool itself.
+Decode's values in a float32 cache are not gathered at all: ``weighted_pages_sum`` sums them,
+weighted by the attention's probabilities, from the pool itself; other dtypes are gathered.
 """
 
 from __future__ import annotations
@@ -22,16 +22,20 @@ import torch.nn.functional as F
 WORKSPACE_MAX_BYTES = 256 << 20
 
 
+# Index lists kept per kind: two, so that a model alternating window and full-attention layers
+# (two page lists a step) builds each list once a step, not once a layer.
+_RECENT = 2
+
+
 class _Workspace(threading.local):
-    """Per thread: two growable buffers (one for K, one for V) the gathers write into, and the run
-    ids of the last page list gathered (every layer of a step gathers the same pages)."""
+    """Per thread: two growable buffers (one for K, one for V) the gathers write into, and the
+    index lists built from the last page lists read (run ids of the gathers, slot rows of the
+    in-place value sums): every layer of a step with the same window reads the same pages."""
 
     def __init__(self) -> None:
         self.buffers: list[torch.Tensor | None] = [None, None]
-        self.run_ids: tuple[torch.Tensor, int, torch.Tensor] | None = None
-        self.slot_rows: tuple[torch.Tensor, tuple[int, ...], torch.Tensor, torch.Tensor] | None = (
-            None
-        )
+        # (page list, what else the ids depend on, the ids), newest last
+        self.recent: dict[str, list[tuple[torch.Tensor, tuple[int, ...], tuple]]] = {}
 
     def take(self, slot: int, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
         nbytes = numel * dtype.itemsize
@@ -42,40 +46,49 @@ class _Workspace(threading.local):
             buf = self.buffers[slot] = torch.empty(nbytes, dtype=torch.uint8)
         return buf[:nbytes].view(dtype)
 
+    def _memo(self, kind: str, page_ids: torch.Tensor, key: tuple[int, ...], build) -> tuple:
+        entries = self.recent.setdefault(kind, [])
+        # (The page list is held here, so an identical object is the same list, not a reused id.)
+        for held, held_key, value in entries:
+            if held is page_ids and held_key == key:
+                return value
+        value = build()
+        entries.append((page_ids, key, value))
+        del entries[:-_RECENT]
+        return value
+
     def runs_of(self, page_ids: torch.Tensor, rows: int, num_kv_heads: int) -> torch.Tensor:
         """Run ids [rows * Hkv * n]: row b's pages for head 0, then head 1, ... (page * Hkv + h)."""
-        last = self.run_ids
-        # (The page list is held here, so an identical object is the same list, not a reused id.)
-        if last is not None and last[0] is page_ids and last[1] == num_kv_heads:
-            return last[2]
-        n = page_ids.numel() // max(rows, 1)
-        heads = torch.arange(num_kv_heads, dtype=page_ids.dtype).view(1, -1, 1)
-        ids = (page_ids.view(rows, 1, n) * num_kv_heads + heads).reshape(-1)
-        self.run_ids = (page_ids, num_kv_heads, ids)
-        return ids
+
+        def build() -> tuple[torch.Tensor]:
+            n = page_ids.numel() // max(rows, 1)
+            heads = torch.arange(num_kv_heads, dtype=page_ids.dtype).view(1, -1, 1)
+            return ((page_ids.view(rows, 1, n) * num_kv_heads + heads).reshape(-1),)
+
+        return self._memo("runs", page_ids, (rows, num_kv_heads), build)[0]
 
     def bags_of(
         self, page_ids: torch.Tensor, rows: int, key: tuple[int, ...]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(slot row ids, bag offsets) of ``weighted_pages_sum`` for this page list and cache
         geometry ``key`` = (Hkv, group, page size, then page / head / slot strides in rows)."""
-        last = self.slot_rows
-        if last is not None and last[0] is page_ids and last[1] == key:
-            return last[2], last[3]
-        num_kv_heads, group, page_size, s_page, s_head, s_slot = key
-        n = page_ids.numel() // max(rows, 1)
-        ids = (
-            page_ids.view(rows, 1, n, 1) * s_page
-            + torch.arange(num_kv_heads).view(1, -1, 1, 1) * s_head
-            + torch.arange(page_size).view(1, 1, 1, -1) * s_slot
-        ).view(rows, num_kv_heads, 1, n * page_size)
-        ids = ids.expand(-1, -1, group, -1).reshape(-1)
-        length = n * page_size
-        offsets = (
-            torch.arange(0, ids.numel(), length) if length else torch.zeros(0, dtype=torch.long)
-        )
-        self.slot_rows = (page_ids, key, ids, offsets)
-        return ids, offsets
+
+        def build() -> tuple[torch.Tensor, torch.Tensor]:
+            num_kv_heads, group, page_size, s_page, s_head, s_slot = key
+            n = page_ids.numel() // max(rows, 1)
+            ids = (
+                page_ids.view(rows, 1, n, 1) * s_page
+                + torch.arange(num_kv_heads).view(1, -1, 1, 1) * s_head
+                + torch.arange(page_size).view(1, 1, 1, -1) * s_slot
+            ).view(rows, num_kv_heads, 1, n * page_size)
+            ids = ids.expand(-1, -1, group, -1).reshape(-1)
+            length = n * page_size
+            offsets = (
+                torch.arange(0, ids.numel(), length) if length else torch.zeros(0, dtype=torch.long)
+            )
+            return ids, offsets
+
+        return self._memo("bags", page_ids, (rows, *key), build)
 
 
 WORKSPACE = _Workspace()
@@ -122,7 +135,8 @@ def weighted_pages_sum(
     whole rows), this is ``embedding_bag``: a bag per query row, summing its keys' value rows
     weighted by their probabilities, with no gathered copy of the values. A decode step at batch
     32, 160 tokens, SmolLM2's heads, 2 threads: 0.34-0.37 ms a layer against 0.60-0.62 for the
-    gather and the batched product. Otherwise the gather and a product."""
+    gather and the batched product. Other caches (another dtype, strides not in whole rows): the
+    gather, in the weights' dtype, and a product."""
     _, page_size, num_kv_heads, head_dim = cache.shape
     group = weights.shape[2]
     strides, offset = cache.stride(), cache.storage_offset()
@@ -132,7 +146,7 @@ def weighted_pages_sum(
         or strides[3] != 1
         or any(x % head_dim for x in strides[:3])
     ):
-        return torch.matmul(weights, gather_pages(cache, page_ids, rows, 1))
+        return torch.matmul(weights, gather_pages(cache, page_ids, rows, 1).to(weights.dtype))
     s_page, s_slot, s_head = (x // head_dim for x in strides[:3])
     key = (num_kv_heads, group, page_size, s_page, s_head, s_slot)
     ids, offsets = WORKSPACE.bags_of(page_ids, rows, key)

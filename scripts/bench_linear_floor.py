@@ -15,9 +15,16 @@ cache), through each linear implementation torch offers on CPU
 kernels/linear_cpu.py), and keeps the faster one per step. Nothing else is counted: no attention,
 norms, activations, sampling or Python.
 
-That sum is a floor under any such engine's time on this machine with these libraries, so
-``HF seconds / floor`` is the most any of them can be ahead of HF here: a ratio target above it
-(issue 28's ">= 2x HF") needs matrix products faster than both libraries, not a faster engine.
+That sum is a floor under the time of any such engine that steps as Duet does (the prefill part
+depends on its 2048-token steps; the decode part holds for any engine, which runs every request's
+rows each step), on this machine with these libraries, so ``HF seconds / floor`` is the most such
+an engine can be ahead of HF here: a ratio target above it (issue 28's ">= 2x HF") needs matrix
+products faster than both libraries, not a faster engine.
+
+The script also prints the compute floor, which no library or step size can beat: the workload's
+floating-point operations in those products, at the highest rate any of its steps reached (the
+2048-row prefill steps, where both libraries run near this CPU's peak of two 256-bit FMA units
+per core).
 """
 
 from __future__ import annotations
@@ -174,6 +181,22 @@ def main() -> None:
             f"a step of {rows} token rows, {sampled} sampled: {1e3 * t:.1f} ms, weights read at "
             f"{weight_bytes / t / 1e9:.1f} GB/s, {flops / t / 1e9:.0f} GFLOP/s (last round)"
         )
+    total_flops = sum(
+        2 * (rows * layer_params + sampled * layers.lm_head.numel()) for rows, sampled in steps
+    )
+    peak = max(
+        2 * (rows * layer_params + sampled * layers.lm_head.numel()) / min(t.values())
+        for r in rounds
+        for name, t in r["steps_s"].items()
+        for rows, sampled in [(int(x) for x in name.split(" x "))]
+    )
+    compute_s = total_flops / peak
+    hf_best = min(r["hf_s"] for r in rounds)
+    print(
+        f"compute floor: {total_flops / 1e12:.2f} TFLOP of products at the best step rate "
+        f"({peak / 1e9:.0f} GFLOP/s) = {compute_s:.2f} s; HF's fastest round / that: "
+        f"{hf_best / compute_s:.2f}x"
+    )
     best = sorted(r["hf_s"] / r["floor_best_s"] for r in rounds)
     print(f"HF / linear floor over {len(rounds)} rounds: {', '.join(f'{b:.2f}' for b in best)}")
     if args.out:
@@ -187,6 +210,9 @@ def main() -> None:
                     "workload": vars(args) | {"out": str(args.out)},
                     "steps": len(steps),
                     "weight_bytes": weight_bytes,
+                    "flops": total_flops,
+                    "best_step_flops_per_s": peak,
+                    "compute_floor_s": compute_s,
                     "rounds": rounds,
                 },
                 indent=1,

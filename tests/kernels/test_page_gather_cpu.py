@@ -70,13 +70,39 @@ def test_a_new_page_list_gets_its_own_run_ids() -> None:
         assert float((out - expected).abs().max()) <= 1e-5
 
 
+def test_layers_alternating_window_and_full_attention_build_each_index_list_once() -> None:
+    """Window and full-attention layers alternate (two page lists a step): each layer gets its own
+    list's result, and each list's ids are built once, not once a layer."""
+    gen = torch.Generator().manual_seed(25)
+    kv = make_paged_kv([70, 40, 17, 53], 16, 2, 32, torch.float32, gen)
+    k_cache, v_cache = layer_view(kv.buffer, 1)
+    q = torch.randn((4, 4, 32), generator=gen)
+    plans = {w: plan_decode(kv.page_table, kv.seq_lens, 16, w) for w in (20, None)}
+    assert plans[20].page_ids.numel() < plans[None].page_ids.numel()
+    first: dict[int | None, tuple[int, int]] = {}
+    for window in (20, None) * 3:
+        out = paged_decode_attention_cpu(
+            q, k_cache, v_cache, kv.page_table, kv.seq_lens, 0.2, window, plan=plans[window]
+        )
+        expected = paged_decode_attention_ref(
+            q, k_cache, v_cache, kv.page_table, kv.seq_lens, 0.2, window
+        )
+        assert float((out - expected).abs().max()) <= 1e-5
+        held = {
+            kind: next(e[2] for e in entries if e[0] is plans[window].page_ids)
+            for kind, entries in page_gather_cpu.WORKSPACE.recent.items()
+        }
+        ids = (id(held["runs"][0]), id(held["bags"][0]))
+        assert first.setdefault(window, ids) == ids
+
+
 @pytest.mark.parametrize("layout", ["head_outermost", "page_major", "bfloat16"])
 def test_weighted_pages_sum_is_the_probabilities_times_the_gathered_values(
     layout: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Probabilities times values read where the pages lie (embedding_bag over the pool's slot
-    rows, no gathered copy) in float32 pools of either layout; the gather and a product for other
-    dtypes."""
+    rows, no gathered copy) in float32 pools of either layout; the gather, in the weights' dtype,
+    and a product for other dtypes."""
     gen = torch.Generator().manual_seed(24)
     kv = make_paged_kv([37, 5, 64, 16], 16, 2, 32, torch.float32, gen)
     _, v_cache = layer_view(kv.buffer, 1)
@@ -92,9 +118,8 @@ def test_weighted_pages_sum_is_the_probabilities_times_the_gathered_values(
     gathers = []
     gather = page_gather_cpu.gather_pages
     monkeypatch.setattr(page_gather_cpu, "gather_pages", lambda *a: gathers.append(1) or gather(*a))
-    out = page_gather_cpu.weighted_pages_sum(
-        v_cache, plan.page_ids, rows, weights.to(v_cache.dtype)
-    )
-    assert out.shape == (rows, 2, 3, 32)
-    assert float((out.float() - expected).abs().max()) <= (1e-4 if layout != "bfloat16" else 0.5)
+    # float32 weights whatever the cache holds, as the decode attention passes them
+    out = page_gather_cpu.weighted_pages_sum(v_cache, plan.page_ids, rows, weights)
+    assert out.shape == (rows, 2, 3, 32) and out.dtype == torch.float32
+    assert float((out - expected).abs().max()) <= 1e-4
     assert bool(gathers) == (layout == "bfloat16")
