@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import AttentionPlan
+from duet_kernels import AttentionPlan
 
 
 @dataclass
@@ -31,7 +31,7 @@ class ForwardBatch:
     cu_seqlens_q: torch.Tensor  # [B + 1] int32, prefix sums of the query lengths
     max_query_len: int
     logits_indices: torch.Tensor  # [S] int64, rows of the hidden states whose next token is sampled
-    # (group, sliding window) -> kernels.plan_paged_attention of this step, made by the first layer
+    # (group, sliding window) -> duet_kernels.plan_paged_attention of this step, made by the first layer
     # that reads that group with that window and shared by the others (None: the kernel takes none)
     attention_plans: dict[tuple[str, int | None], AttentionPlan | None] = field(
         default_factory=dict

@@ -54,7 +54,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if self.kv_caches and self.kv_caches[0][0].device.type == "cpu":
             keep_freed_memory()  # a CPU forward pass reallocates tens of MB per layer
-        # Pack the linear weights into kernels.linear's layout now (oneDNN's on CPU), not in the
+        # Pack the linear weights into duet_kernels.linear's layout now (oneDNN's on CPU), not in the
         # first request's forward pass: about 0.4 s of the embedded model's first-request latency.
         for module in model.modules():
             if isinstance(module, Linear):

@@ -28,13 +28,13 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import (  # noqa: E402
+from duet_kernels import (  # noqa: E402
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
 )
-from kernels.decode_attention_triton import DecodeConfig, paged_decode_attention  # noqa: E402
-from kernels.page_copy_triton import gather_pages, scatter_pages  # noqa: E402
-from kernels.prefill_attention_triton import PrefillConfig, paged_prefill_attention  # noqa: E402
+from duet_kernels.decode_attention_triton import DecodeConfig, paged_decode_attention  # noqa: E402
+from duet_kernels.page_copy_triton import gather_pages, scatter_pages  # noqa: E402
+from duet_kernels.prefill_attention_triton import PrefillConfig, paged_prefill_attention  # noqa: E402
 from kvcache.kv_buffer import layer_view  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128  # Llama-3-8B

@@ -12,7 +12,7 @@ row counts an engine with Duet's default scheduler (2048 batched tokens a step) 
 step through every layer's own weights (read from memory each step, as in an engine, not from a
 cache), through each linear implementation torch offers on CPU
 (MKL's sgemm behind ``F.linear``, and oneDNN with a prepacked weight, which Duet runs:
-kernels/linear_cpu.py), and keeps the faster one per step. Nothing else is counted: no attention,
+duet_kernels/linear_cpu.py), and keeps the faster one per step. Nothing else is counted: no attention,
 norms, activations, sampling or Python.
 
 That sum is a floor under the time of any such engine that steps as Duet does (the prefill part
@@ -46,8 +46,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_offline import hf_generate  # noqa: E402
 
+from duet_kernels.linear_cpu import linear_cpu, pack_weight  # noqa: E402
 from engine.loaders import default_gguf_path, load_model  # noqa: E402
-from kernels.linear_cpu import linear_cpu, pack_weight  # noqa: E402
 
 
 def step_rows(requests: int, prompt: int, new: int, batched: int) -> list[tuple[int, int]]:
@@ -77,7 +77,7 @@ def time_step(fn, calls: int) -> float:
 
 class Layers:
     """The model's linear weights, each layer its own (random: only the shapes matter), as a
-    dense float32 tensor (``F.linear``: MKL) and packed for oneDNN (kernels/linear_cpu.py). Every
+    dense float32 tensor (``F.linear``: MKL) and packed for oneDNN (duet_kernels/linear_cpu.py). Every
     weight is read from memory at every step as in an engine: 538 MB in float32 for SmolLM2-135M,
     far beyond any cache."""
 

@@ -213,12 +213,16 @@ def main() -> None:
 PROFILE_PARTS: list[tuple[str, str, tuple[str, ...]]] = [
     ("model forward + logits", "engine/runner.py", ("compute_logits",)),
     (
-        "  paged attention (kernels/attention_cpu.py)",
-        "kernels/__init__.py",
+        "  paged attention (duet_kernels/attention_cpu.py)",
+        "duet_kernels/__init__.py",
         ("paged_decode_attention", "paged_prefill_attention"),
     ),
-    ("  store_kv", "kernels/__init__.py", ("store_kv",)),
-    ("  linear layers (oneDNN, kernels/linear_cpu.py)", "kernels/__init__.py", ("linear",)),
+    ("  store_kv", "duet_kernels/__init__.py", ("store_kv",)),
+    (
+        "  linear layers (oneDNN, duet_kernels/linear_cpu.py)",
+        "duet_kernels/__init__.py",
+        ("linear",),
+    ),
     ("sampler", "engine/sampler.py", ("sample",)),
     ("scheduler schedule + update", "engine/scheduler.py", ("schedule", "update")),
     ("batch builder", "engine/batch_builder.py", ("build",)),
@@ -293,7 +297,7 @@ def write_report(
         lines += [
             "",
             f"The engine's own host work (scheduler, batch builder, sampler) is {100 * host:.1f}% of its time; "
-            "the rest is the model's forward pass (engine/model, kernels/). Against HF one request at a time "
+            "the rest is the model's forward pass (engine/model, duet_kernels/). Against HF one request at a time "
             "(the batch-1 baseline of shared/ANCHORS.md) the gain is continuous batching; against HF's own "
             "padded batch both sides do the same matrix products, so the gap there is oneDNN's matmul "
             "against MKL's sgemm on this CPU, no padding, and host memory kept across steps "

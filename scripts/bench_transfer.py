@@ -15,7 +15,7 @@ Baselines, per path:
 - ucx: raw ucxx between the same two processes: D posts a receive of the same number of bytes and
   sends an 8-byte request, P answers with one contiguous message (a round trip, as a pull's
   request is).
-- host_shm: an in-process copy of the same pages, with the same copy function (kernels.copy_pages)
+- host_shm: an in-process copy of the same pages, with the same copy function (duet_kernels.copy_pages)
   between two pools of D's process.
 - cuda_ipc: a torch peer copy (``dst.copy_(src)``) of the same bytes from P's GPU to D's.
 
@@ -499,7 +499,7 @@ class Bench:
         (CUDA IPC) and from memory D allocated itself on the same GPU; the kernel with 64 KiB
         per program and 8 warps (path's: 16 KiB, 4) from each; the baseline's torch copy. Also
         the host time of the path's launch call (ids upload and Triton's dispatch)."""
-        from kernels.page_copy_triton import copy_pages as triton_copy
+        from duet_kernels.page_copy_triton import copy_pages as triton_copy
         from transfer.pools import as_words, segment_ids
 
         link = next(iter(self.receivers["cuda_ipc"].links.values()))
@@ -588,7 +588,7 @@ def _median_quartiles(name: str, values: list[float]) -> dict[str, float]:
 
 BASELINES = {
     "ucx": "raw ucxx send/recv of the same bytes (request + one message)",
-    "host_shm": "in-process copy of the same pages (kernels.copy_pages)",
+    "host_shm": "in-process copy of the same pages (duet_kernels.copy_pages)",
     "cuda_ipc": "torch peer copy of the same bytes",
 }
 

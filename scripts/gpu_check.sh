@@ -2,7 +2,7 @@
 # GPU work of one device call: `. .gpu/setup.sh` first (see README of the GPU machines), then this.
 # Works on one GPU or more: steps that need two GPUs say so and are skipped on one. Results go under
 # $OUT (or ./out). STEPS picks what runs (default: tests decode transfer cluster bench goodput tp):
-#   tests     every GPU test (marker gpu): kernels/, transfer/ (cuda_ipc between two processes: on
+#   tests     every GPU test (marker gpu): duet_kernels/, transfer/ (cuda_ipc between two processes: on
 #             two GPUs when there are two, else both on GPU 0), engine/ (CUDA graphs, hybrid KV),
 #             kvcache/ (the pinned host tier)
 #   decode    scripts/bench_decode_gpu.py: the 8B shape's decode step at batch 1 / 16 / 64 and 1k
@@ -29,7 +29,7 @@ for step in ${STEPS:-tests decode transfer cluster bench goodput tp}; do
     tests)
       # the GPU machines have no gguf package: its loader tests (CPU only) cannot even import
       python -c "import gguf" 2>/dev/null || IGNORE="--ignore=tests/engine/test_loaders_gguf.py --ignore=tests/engine/test_loaders_gguf_written.py"
-      python -m pytest -q -m gpu tests/kernels tests/transfer tests/engine tests/kvcache ${IGNORE:-} \
+      python -m pytest -q -m gpu tests/duet_kernels tests/transfer tests/engine tests/kvcache ${IGNORE:-} \
         ${TEST_FILTER:+-k "$TEST_FILTER"} 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
     decode)
       python scripts/bench_decode_gpu.py ${DECODE_ARGS:-} --out "$OUT/decode_gpu.json" 2>&1 \

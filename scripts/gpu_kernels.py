@@ -1,4 +1,4 @@
-"""GPU check of the kernels package: the gpu-marked tests, then the benchmark, results to a folder.
+"""GPU check of the duet_kernels package: the gpu-marked tests, then the benchmark, results to a folder.
 
   python scripts/gpu_kernels.py --out-dir OUT [--sweep]
 
@@ -41,7 +41,7 @@ def main() -> int:
             "-q",
             "-m",
             "gpu",
-            "tests/kernels",
+            "tests/duet_kernels",
             f"--junitxml={junit}",
             "-p",
             "no:cacheprovider",

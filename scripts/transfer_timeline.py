@@ -29,7 +29,7 @@ class Marks:
 
 
 def install_d_marks(cuda: bool) -> Marks:
-    import kernels
+    import duet_kernels
     from transfer.link import Link
     from transfer.messages import TransferAck
     from transfer.paths import direct
@@ -65,7 +65,7 @@ def install_d_marks(cuda: bool) -> Marks:
     after(direct, "segment_ids", "D ids queued" if cuda else "D ids ready")
     after_async(CudaIpcPath, "copy", "D copy done, loop resumed")
     after_async(HostShmPath, "copy", "D copy done")
-    copy_pages = kernels.copy_pages
+    copy_pages = duet_kernels.copy_pages
 
     def timed_copy(src: torch.Tensor, *a: Any, **k: Any) -> Any:
         if not (cuda and m.current is not None):
@@ -80,7 +80,7 @@ def install_d_marks(cuda: bool) -> Marks:
         m.events.append((begin, end))
         return out
 
-    kernels.copy_pages = timed_copy
+    duet_kernels.copy_pages = timed_copy
     if cuda:  # the path's wait for its done event, on the helper thread
         after(torch.cuda.Event, "synchronize", "D done event waited (helper thread)")
     post = Link.post

@@ -5,12 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.forward_batch import ForwardBatch
-from engine.model.linear import MergedLinear, RowParallelLinear
-from engine.model.norm import RMSNorm
-from engine.model_config import ModelConfig
-from engine.tp.context import TPContext
-from kernels import (
+from duet_kernels import (
     AttentionPlan,
     paged_decode_attention,
     paged_prefill_attention,
@@ -18,6 +13,11 @@ from kernels import (
     rotary,
     store_kv,
 )
+from engine.forward_batch import ForwardBatch
+from engine.model.linear import MergedLinear, RowParallelLinear
+from engine.model.norm import RMSNorm
+from engine.model_config import ModelConfig
+from engine.tp.context import TPContext
 from kvcache.spec import FULL_GROUP
 
 

@@ -11,11 +11,11 @@ from typing import Self
 import torch
 from torch import nn
 
+from duet_kernels import linear
 from engine.model.linear import Linear, MergedLinear, PackedWeight
 from engine.model_config import ModelConfig
 from engine.tp.context import TPContext
 from engine.tp.shard_weights import hf_shard
-from kernels import linear
 
 # HF projection name -> (merged module, shard index); the checkpoint keeps them apart, we stack them.
 _STACKED: dict[str, tuple[str, int]] = {
@@ -45,7 +45,7 @@ class PagedCausalLMBase(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        # The tied embedding in kernels.linear's layout (remade when the weight is written).
+        # The tied embedding in duet_kernels.linear's layout (remade when the weight is written).
         self.tied_lm_head = PackedWeight()
 
     @classmethod

@@ -1,4 +1,4 @@
-"""Linear layers of the model: ``Linear`` runs kernels.linear (oneDNN on CPU, with the weight packed
+"""Linear layers of the model: ``Linear`` runs duet_kernels.linear (oneDNN on CPU, with the weight packed
 once into oneDNN's layout), ``MergedLinear`` stacks several checkpoint projections into one
 matmul (q/k/v, gate/up), and ``RowParallelLinear`` sums its tensor-parallel ranks' partial products."""
 
@@ -7,12 +7,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from duet_kernels import linear, pack_linear_weight
 from engine.tp.context import TPContext
-from kernels import linear, pack_linear_weight
 
 
 class PackedWeight:
-    """A weight's copy in kernels.linear's packed layout, made on first use and made again whenever
+    """A weight's copy in duet_kernels.linear's packed layout, made on first use and made again whenever
     the weight was written since (its in-place version counter changed) or replaced (another
     storage, shape or strides: a new Parameter, a slice of the old one)."""
 
@@ -21,7 +21,7 @@ class PackedWeight:
         self._key: tuple[object, ...] | None = None
 
     def get(self, weight: torch.Tensor) -> torch.Tensor | None:
-        """The packed copy of ``weight``; None where kernels.linear uses none (GPU, other dtypes)."""
+        """The packed copy of ``weight``; None where duet_kernels.linear uses none (GPU, other dtypes)."""
         # Inference tensors keep no version counter; their writes cannot be seen, only new storage.
         version = -1 if weight.is_inference() else weight._version
         key = (version, weight.data_ptr(), tuple(weight.shape), weight.stride())
@@ -31,7 +31,7 @@ class PackedWeight:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters and names) whose product goes through kernels.linear."""
+    """``nn.Linear`` (same parameters and names) whose product goes through duet_kernels.linear."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]

@@ -6,10 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from duet_kernels import silu_and_mul
 from engine.model.linear import MergedLinear, RowParallelLinear
 from engine.model_config import ModelConfig
 from engine.tp.context import TPContext
-from kernels import silu_and_mul
 
 
 class GatedMLP(nn.Module):

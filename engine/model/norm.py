@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import add_rms_norm
+from duet_kernels import add_rms_norm
 
 
 class RMSNorm(nn.Module):
-    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension (kernels.add_rms_norm: one
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension (duet_kernels.add_rms_norm: one
     Triton kernel on a GPU instead of seven, the same bits as the torch ops)."""
 
     identity_weight = 1.0  # the weight that leaves the normalized input unscaled (dummy init)

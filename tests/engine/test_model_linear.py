@@ -1,4 +1,4 @@
-"""The model's Linear: kernels.linear with a packed weight that follows every write to the weight."""
+"""The model's Linear: duet_kernels.linear with a packed weight that follows every write to the weight."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import paged_decode_attention_ref
+from duet_kernels import paged_decode_attention_ref
 from kvcache.kv_buffer import layer_view
 
 pytest.importorskip("triton")  # the script imports it (its kernels are Triton's)

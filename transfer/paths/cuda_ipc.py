@@ -2,7 +2,7 @@
 
 P exports each pool's CUDA IPC handle once (torch's ``_share_cuda_``); D opens the handles once
 per link in its own GPU's context, and reads a pull's pages with the Triton page-copy kernel
-(kernels.copy_pages) launched on D's GPU on a side stream ordered after D's model stream, the
+(duet_kernels.copy_pages) launched on D's GPU on a side stream ordered after D's model stream, the
 ids on D's GPU, P's memory read over NVLink. D waits for the copy on a helper thread, within the
 read's deadline (paths/direct.py); a copy past it is fenced: D's model stream waits for it before
 anything else may touch those pages, and the pull fails.

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-import kernels
+import duet_kernels
 from transfer.mapper import Segment, total_bytes
 from transfer.messages import PullRequest, ReadGrant
 from transfer.paths.base import DataPath, PullFailed
@@ -136,4 +136,4 @@ def copy_segments(
         dst = page_slice(dst_rows[seg.dst_pool], seg.dst_offset, seg.nbytes_per_page)
         src_ids, dst_ids = segment_ids(seg, device) if ids is None else ids[i]
         src, dst = as_words(src, dst)
-        kernels.copy_pages(src, src_ids, dst, dst_ids)
+        duet_kernels.copy_pages(src, src_ids, dst, dst_ids)

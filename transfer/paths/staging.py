@@ -4,8 +4,8 @@ page copies between pools and buffers.
 A pull's segments are cut into chunks of at most one staging buffer, at page boundaries: D plans
 the cut and sends it (PullRequest.chunk_sizes), P cuts its own segments the same way and refuses
 a plan that does not fit them or its buffers, so chunk ``i`` means the same pages on both sides. P
-gathers a chunk's pages into a buffer (kernels.gather_pages), UCX moves the buffer, D scatters it
-into its pages (kernels.scatter_pages). A chunk that is one stretch of a host pool on a side
+gathers a chunk's pages into a buffer (duet_kernels.gather_pages), UCX moves the buffer, D scatters it
+into its pages (duet_kernels.scatter_pages). A chunk that is one stretch of a host pool on a side
 skips that side's copy (``in_place``): UCX reads P's pages or writes D's itself. That is safe
 because D waits for every receive it posted before its pull returns (paths/ucx.py), so no UCX
 write into D's pages outlives the pull, and P's lease holds its pages until every send ended.
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-import kernels
+import duet_kernels
 from transfer.mapper import Segment
 from transfer.page_table import PageTable
 from transfer.pools import as_words, page_slice, segment_ids
@@ -176,7 +176,7 @@ def gather(chunk: Chunk, rows: Mapping[str, torch.Tensor], out: torch.Tensor) ->
             src = page_slice(rows[seg.src_pool], seg.src_offset, seg.nbytes_per_page)
             ids, _ = segment_ids(seg, out.device)
             src, part = as_words(src, part)
-            kernels.gather_pages(src, ids, part)
+            duet_kernels.gather_pages(src, ids, part)
 
 
 def scatter(chunk: Chunk, staged: torch.Tensor, rows: Mapping[str, torch.Tensor]) -> None:
@@ -186,7 +186,7 @@ def scatter(chunk: Chunk, staged: torch.Tensor, rows: Mapping[str, torch.Tensor]
             dst = page_slice(rows[seg.dst_pool], seg.dst_offset, seg.nbytes_per_page)
             _, ids = segment_ids(seg, staged.device)
             part, dst = as_words(part, dst)
-            kernels.scatter_pages(part, dst, ids)
+            duet_kernels.scatter_pages(part, dst, ids)
 
 
 def _parts(chunk: Chunk, buf: torch.Tensor) -> list[tuple[Segment, torch.Tensor]]:

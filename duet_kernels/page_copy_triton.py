@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import next_power_of_2
+from duet_kernels.checks import next_power_of_2
 
 BLOCK_BYTES = 16384  # per program: 128 threads x 8 vectors of 16 bytes
 

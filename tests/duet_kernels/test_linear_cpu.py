@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels.linear_cpu import linear_cpu, onednn_available
+import duet_kernels
+from duet_kernels.linear_cpu import linear_cpu, onednn_available
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
 
@@ -37,10 +37,10 @@ def test_dispatch_uses_torch_for_other_dtypes_and_on_request(
     gen = torch.Generator().manual_seed(4)
     x = torch.randn((4, 32), generator=gen).to(torch.bfloat16)
     weight = torch.randn((8, 32), generator=gen).to(torch.bfloat16)
-    assert torch.equal(kernels.linear(x, weight), F.linear(x, weight))
+    assert torch.equal(duet_kernels.linear(x, weight), F.linear(x, weight))
     monkeypatch.setenv("DUET_KERNELS", "ref")
     xf, wf = x.float(), weight.float()
-    assert torch.equal(kernels.linear(xf, wf), F.linear(xf, wf))
+    assert torch.equal(duet_kernels.linear(xf, wf), F.linear(xf, wf))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 32, 300])
@@ -48,14 +48,14 @@ def test_packed_weight_gives_the_unpacked_results(rows: int) -> None:
     gen = torch.Generator().manual_seed(5)
     x = torch.randn((rows, 96), generator=gen)
     weight = torch.randn((200, 96), generator=gen) / 10
-    packed = kernels.pack_linear_weight(weight)
+    packed = duet_kernels.pack_linear_weight(weight)
     assert packed is not None
     torch.testing.assert_close(
-        kernels.linear(x, weight, packed=packed), F.linear(x, weight), rtol=1e-5, atol=1e-5
+        duet_kernels.linear(x, weight, packed=packed), F.linear(x, weight), rtol=1e-5, atol=1e-5
     )
 
 
 def test_no_packing_off_the_cpu_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert kernels.pack_linear_weight(torch.randn(8, 4).to(torch.bfloat16)) is None
+    assert duet_kernels.pack_linear_weight(torch.randn(8, 4).to(torch.bfloat16)) is None
     monkeypatch.setenv("DUET_KERNELS", "ref")
-    assert kernels.pack_linear_weight(torch.randn(8, 4)) is None
+    assert duet_kernels.pack_linear_weight(torch.randn(8, 4)) is None

@@ -2,7 +2,7 @@
 
 On a GPU the decode step of a small batch is bound by weight reads and by the number of kernels:
 the eager RMSNorm is seven kernels, rotary twelve, SiLU-and-mul two. These kernels keep every
-rounding of the references (kernels/layer_ops_ref.py): a value is cast to the activation dtype
+rounding of the references (duet_kernels/layer_ops_ref.py): a value is cast to the activation dtype
 wherever the torch op sequence would have produced an activation-dtype tensor.
 """
 
@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import next_power_of_2
+from duet_kernels.checks import next_power_of_2
 
 
 @triton.jit
@@ -59,7 +59,7 @@ def add_rms_norm(
     residual: torch.Tensor | None = None,
     offset: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """As kernels.layer_ops_ref.add_rms_norm_ref; rows must be contiguous in the last dim."""
+    """As duet_kernels.layer_ops_ref.add_rms_norm_ref; rows must be contiguous in the last dim."""
     rows, cols = x.shape
     if x.stride(1) != 1 or (residual is not None and residual.stride(1) != 1):
         raise ValueError("add_rms_norm needs rows contiguous in the last dimension")
@@ -194,5 +194,5 @@ def rotary(
     cos_cache: torch.Tensor,
     sin_cache: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """As kernels.layer_ops_ref.rotary_ref (head_dim a power of two)."""
+    """As duet_kernels.layer_ops_ref.rotary_ref (head_dim a power of two)."""
     return _rotate(q, positions, cos_cache, sin_cache), _rotate(k, positions, cos_cache, sin_cache)

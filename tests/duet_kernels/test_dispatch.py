@@ -1,4 +1,4 @@
-"""kernels/__init__ dispatch (Triton on CUDA or when asked, the reference when asked, else the CPU
+"""duet_kernels/__init__ dispatch (Triton on CUDA or when asked, the reference when asked, else the CPU
 path) and the Triton wrappers' argument checks, which fail before any launch."""
 
 from __future__ import annotations
@@ -6,19 +6,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels.checks import check_head_dim
-from tests.kernels.paged_inputs import make_paged_kv
+import duet_kernels
+from duet_kernels.checks import check_head_dim
+from tests.duet_kernels.paged_inputs import make_paged_kv
 
 
 def test_use_triton_follows_device_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.empty(1)
     monkeypatch.delenv("DUET_KERNELS", raising=False)
-    assert not kernels.use_triton(cpu)
+    assert not duet_kernels.use_triton(cpu)
     monkeypatch.setenv("DUET_KERNELS", "triton")
-    assert kernels.use_triton(cpu)
+    assert duet_kernels.use_triton(cpu)
     monkeypatch.setenv("DUET_KERNELS", "ref")
-    assert not kernels.use_triton(cpu)
+    assert not duet_kernels.use_triton(cpu)
 
 
 def test_cpu_call_runs_the_cpu_path_and_ref_on_request(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -28,11 +28,11 @@ def test_cpu_call_runs_the_cpu_path_and_ref_on_request(monkeypatch: pytest.Monke
     q = torch.randn((2, 4, 16), generator=gen)
     args = (q, kv.k_cache, kv.v_cache, kv.page_table, kv.seq_lens, 0.25)
     assert torch.equal(
-        kernels.paged_decode_attention(*args), kernels.paged_decode_attention_cpu(*args)
+        duet_kernels.paged_decode_attention(*args), duet_kernels.paged_decode_attention_cpu(*args)
     )
     monkeypatch.setenv("DUET_KERNELS", "ref")
     assert torch.equal(
-        kernels.paged_decode_attention(*args), kernels.paged_decode_attention_ref(*args)
+        duet_kernels.paged_decode_attention(*args), duet_kernels.paged_decode_attention_ref(*args)
     )
 
 
@@ -48,8 +48,8 @@ def test_other_head_dims_are_rejected_with_the_reason(head_dim: int) -> None:
 
 
 def test_triton_wrappers_reject_bad_shapes_before_launch() -> None:
-    from kernels.decode_attention_triton import paged_decode_attention
-    from kernels.prefill_attention_triton import paged_prefill_attention
+    from duet_kernels.decode_attention_triton import paged_decode_attention
+    from duet_kernels.prefill_attention_triton import paged_prefill_attention
 
     gen = torch.Generator().manual_seed(0)
     kv = make_paged_kv([7], 4, 2, 96, torch.float32, gen)

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from kernels import paged_decode_attention_ref, paged_prefill_attention_ref, store_kv_ref
-from tests.kernels.paged_inputs import (
+from duet_kernels import paged_decode_attention_ref, paged_prefill_attention_ref, store_kv_ref
+from tests.duet_kernels.paged_inputs import (
     eager_softcap_oracle,
     make_paged_kv,
     pack_queries,

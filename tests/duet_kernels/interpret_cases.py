@@ -17,9 +17,9 @@ from collections.abc import Callable
 
 import torch
 
-import kernels
+import duet_kernels
 from kvcache.kv_buffer import layer_view
-from tests.kernels.paged_inputs import make_paged_kv, pack_queries
+from tests.duet_kernels.paged_inputs import make_paged_kv, pack_queries
 
 CaseFn = Callable[[torch.Generator], float]
 
@@ -44,13 +44,13 @@ def _decode(
         scale = 1 / math.sqrt(head_dim) if softcap is None else 0.5  # large scores: the cap bites
         args = (q, kv.k_cache, kv.v_cache, kv.page_table, kv.seq_lens, scale, window, softcap)
         if num_splits is None:
-            out = kernels.paged_decode_attention(*args)
+            out = duet_kernels.paged_decode_attention(*args)
         else:  # imported here: the parent pytest process reads CASES without importing triton
-            from kernels.decode_attention_triton import DecodeConfig, paged_decode_attention
+            from duet_kernels.decode_attention_triton import DecodeConfig, paged_decode_attention
 
             config = DecodeConfig(block_n=16, num_stages=1, num_splits=num_splits)
             out = paged_decode_attention(*args, config=config)
-        return _err(out, kernels.paged_decode_attention_ref(*args))
+        return _err(out, duet_kernels.paged_decode_attention_ref(*args))
 
     return run
 
@@ -81,7 +81,8 @@ def _prefill(
             softcap,
         )
         return _err(
-            kernels.paged_prefill_attention(*args), kernels.paged_prefill_attention_ref(*args)
+            duet_kernels.paged_prefill_attention(*args),
+            duet_kernels.paged_prefill_attention_ref(*args),
         )
 
     return run
@@ -94,8 +95,8 @@ def _store_kv(src_dtype: torch.dtype, cache_dtype: torch.dtype) -> CaseFn:
         key = torch.randn((6, 4, 64), generator=gen).to(src_dtype)[:, ::2]  # strided heads
         value = torch.randn((6, 2, 64), generator=gen).to(src_dtype)
         slots = torch.tensor([3, -1, 17, 40, -5, 90])
-        kernels.store_kv(key, value, kv.k_cache, kv.v_cache, slots)
-        kernels.store_kv_ref(key, value, *layer_view(expected, 1), slots)
+        duet_kernels.store_kv(key, value, kv.k_cache, kv.v_cache, slots)
+        duet_kernels.store_kv_ref(key, value, *layer_view(expected, 1), slots)
         return _err(kv.buffer, expected)
 
     return run
@@ -109,21 +110,21 @@ def _page_copy(dtype: torch.dtype, row_elems: int, column_offset: int) -> CaseFn
         ]
         ids = torch.tensor([5, 2, 11, 7])
         staged = torch.full((4, row_elems), 7, dtype=dtype)
-        kernels.gather_pages(pool, ids, staged)
+        duet_kernels.gather_pages(pool, ids, staged)
         err = _err(staged, pool[ids])
         dst = torch.zeros((12, row_elems), dtype=dtype)
-        kernels.scatter_pages(staged, dst, ids)
+        duet_kernels.scatter_pages(staged, dst, ids)
         expected = torch.zeros_like(dst)
         expected[ids] = pool[ids]
         copied = torch.zeros((9, row_elems), dtype=dtype)
-        kernels.copy_pages(pool, ids, copied, torch.tensor([8, 0, 3, 4]))
+        duet_kernels.copy_pages(pool, ids, copied, torch.tensor([8, 0, 3, 4]))
         want = torch.zeros_like(copied)
         want[torch.tensor([8, 0, 3, 4])] = pool[ids]
         # Ids outside [first_row, rows) on either side are skipped, as in the reference.
         masked = torch.zeros((9, row_elems), dtype=dtype)
         src_ids, dst_ids = torch.tensor([5, 12, 0, 7, -3]), torch.tensor([1, 2, 3, 9, 4])
-        kernels.copy_pages(pool, src_ids, masked, dst_ids, first_row=1)
-        want_masked = kernels.copy_pages_ref(
+        duet_kernels.copy_pages(pool, src_ids, masked, dst_ids, first_row=1)
+        want_masked = duet_kernels.copy_pages_ref(
             pool, src_ids, torch.zeros_like(masked), dst_ids, first_row=1
         )
         assert int(want_masked[[2, 3, 4]].count_nonzero()) == 0
@@ -137,8 +138,8 @@ def _rms_norm(dtype: torch.dtype, residual: bool, offset: float) -> CaseFn:
         x = torch.randn((5, 96), generator=gen).to(dtype)
         res = torch.randn((5, 96), generator=gen).to(dtype) if residual else None
         w = (1 + 0.1 * torch.randn(96, generator=gen)).to(dtype)
-        out, s = kernels.add_rms_norm(x, w, 1e-6, res, offset)
-        want, want_s = kernels.add_rms_norm_ref(x, w, 1e-6, res, offset)
+        out, s = duet_kernels.add_rms_norm(x, w, 1e-6, res, offset)
+        want, want_s = duet_kernels.add_rms_norm_ref(x, w, 1e-6, res, offset)
         return max(_err(out, want), _err(s, want_s))
 
     return run
@@ -147,14 +148,14 @@ def _rms_norm(dtype: torch.dtype, residual: bool, offset: float) -> CaseFn:
 def _silu_and_mul(dtype: torch.dtype) -> CaseFn:
     def run(gen: torch.Generator) -> float:
         gate_up = (3 * torch.randn((4, 2 * 1500), generator=gen)).to(dtype)  # crosses a block
-        return _err(kernels.silu_and_mul(gate_up), kernels.silu_and_mul_ref(gate_up))
+        return _err(duet_kernels.silu_and_mul(gate_up), duet_kernels.silu_and_mul_ref(gate_up))
 
     return run
 
 
 def _rotary(dtype: torch.dtype) -> CaseFn:
     def run(gen: torch.Generator) -> float:
-        from kernels.layer_ops_ref import rotary_cos_sin_cache
+        from duet_kernels.layer_ops_ref import rotary_cos_sin_cache
 
         inv_freq = 1.0 / (10000 ** (torch.arange(0, 32, 2, dtype=torch.float32) / 32))
         cos, sin = rotary_cos_sin_cache(inv_freq, 300, dtype, torch.device("cpu"))
@@ -162,10 +163,10 @@ def _rotary(dtype: torch.dtype) -> CaseFn:
         q = qkv[:, : 5 * 32].view(6, 5, 32)  # strided views of one projection, as the model has
         k = qkv[:, 5 * 32 : 7 * 32].view(6, 2, 32)
         positions = torch.tensor([0, 1, 7, 299, 150, 3])
-        got = kernels.rotary(q, k, positions, cos, sin)
-        want = kernels.rotary_ref(q, k, positions, cos, sin)
+        got = duet_kernels.rotary(q, k, positions, cos, sin)
+        want = duet_kernels.rotary_ref(q, k, positions, cos, sin)
         # The model's form: one step's per-token tables, no positions.
-        got_t = kernels.rotary(q, k, None, cos[positions], sin[positions])
+        got_t = duet_kernels.rotary(q, k, None, cos[positions], sin[positions])
         errs = [_err(g, w) for g, w in zip(got + got_t, want + want, strict=True)]
         return max(errs)
 
@@ -200,7 +201,7 @@ CASES: dict[str, tuple[CaseFn, float]] = {
     ),
     "store_kv_fp16_into_fp16": (_store_kv(torch.float16, torch.float16), 0.0),
     # The interpreter converts float32 -> bfloat16 by truncation where torch rounds to nearest: one
-    # bf16 ulp apart (2**-5 for |x| < 8). On the GPU the kernel rounds too (tests/kernels/test_gpu_kernels.py).
+    # bf16 ulp apart (2**-5 for |x| < 8). On the GPU the kernel rounds too (tests/duet_kernels/test_gpu_kernels.py).
     "store_kv_fp32_into_bf16": (_store_kv(torch.float32, torch.bfloat16), 2**-5),
     "page_copy_uint8_widened": (_page_copy(torch.uint8, 4096 * 3 + 16, 0), 0.0),
     "page_copy_uint8_unaligned": (_page_copy(torch.uint8, 37, 1), 0.0),
@@ -217,7 +218,7 @@ CASES: dict[str, tuple[CaseFn, float]] = {
 
 def main() -> None:
     # Without both variables this would compare the reference with itself.
-    if os.environ.get("TRITON_INTERPRET") != "1" or not kernels.use_triton(torch.empty(0)):
+    if os.environ.get("TRITON_INTERPRET") != "1" or not duet_kernels.use_triton(torch.empty(0)):
         raise SystemExit("run with TRITON_INTERPRET=1 and DUET_KERNELS=triton")
     results: dict[str, float] = {}
     for name, (fn, _) in CASES.items():

@@ -7,6 +7,10 @@ Dispatch, decided per call from the tensors and the environment:
 - otherwise the CPU implementation (attention_cpu.py, linear_cpu.py), which computes what the
   reference does in a few large torch ops.
 The Triton modules are imported on first use, so CPU-only runs never import triton.
+
+The package is not called ``kernels``: that name belongs to Hugging Face's kernel-hub package, which
+transformers 5 installs and imports on start; a top-level ``kernels`` of ours shadowed it and broke
+every transformers import in the same environment.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import os
 
 import torch
 
-from kernels.attention_cpu import (
+from duet_kernels.attention_cpu import (
     DecodePlan,
     PrefillPlan,
     paged_decode_attention_cpu,
@@ -24,14 +28,14 @@ from kernels.attention_cpu import (
     plan_prefill,
     store_kv_cpu,
 )
-from kernels.attention_ref import (
+from duet_kernels.attention_ref import (
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
     store_kv_ref,
 )
-from kernels.layer_ops_ref import add_rms_norm_ref, rotary_ref, silu_and_mul_ref
-from kernels.linear_cpu import linear_cpu, onednn_available, pack_weight
-from kernels.page_copy_ref import copy_pages_ref, gather_pages_ref, scatter_pages_ref
+from duet_kernels.layer_ops_ref import add_rms_norm_ref, rotary_ref, silu_and_mul_ref
+from duet_kernels.linear_cpu import linear_cpu, onednn_available, pack_weight
+from duet_kernels.page_copy_ref import copy_pages_ref, gather_pages_ref, scatter_pages_ref
 
 _ONEDNN = onednn_available()
 
@@ -81,7 +85,7 @@ def use_reference() -> bool:
 
 
 def linear_on_cpu_path(weight: torch.Tensor) -> bool:
-    """Whether kernels.linear runs products with ``weight`` on oneDNN (float32 on CPU)."""
+    """Whether duet_kernels.linear runs products with ``weight`` on oneDNN (float32 on CPU)."""
     return (
         weight.device.type == "cpu"
         and weight.dtype == torch.float32
@@ -104,7 +108,7 @@ def linear(
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight`` packed for kernels.linear on CPU, or None where linear does not use a packing."""
+    """``weight`` packed for duet_kernels.linear on CPU, or None where linear does not use a packing."""
     return pack_weight(weight) if linear_on_cpu_path(weight) else None
 
 
@@ -117,7 +121,7 @@ def store_kv(
 ) -> None:
     """Writes key/value [T, Hkv, D] to cache slots (page * page_size + offset); slots < 0 skipped."""
     if use_triton(k_cache):
-        from kernels.store_kv_triton import store_kv as impl
+        from duet_kernels.store_kv_triton import store_kv as impl
     elif use_reference():
         impl = store_kv_ref
     else:
@@ -162,7 +166,7 @@ def paged_decode_attention(
     with ``sliding_window`` W only over the last W of them; ``softcap`` caps scores by tanh.
     ``plan``: plan_paged_attention of the same table, lengths and window (the CPU path's)."""
     if use_triton(q):
-        from kernels.decode_attention_triton import paged_decode_attention as impl
+        from duet_kernels.decode_attention_triton import paged_decode_attention as impl
     elif use_reference():
         impl = paged_decode_attention_ref
     else:
@@ -192,7 +196,7 @@ def paged_prefill_attention(
     the longest q_len_b where the caller knows it, spares the GPU kernel a device sync). Returns
     [T, Hq, D]."""
     if use_triton(q):
-        from kernels.prefill_attention_triton import paged_prefill_attention as triton_impl
+        from duet_kernels.prefill_attention_triton import paged_prefill_attention as triton_impl
 
         return triton_impl(
             q,
@@ -230,7 +234,7 @@ def paged_prefill_attention(
 def gather_pages(src: torch.Tensor, page_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out[i] = src[page_ids[i]] for 2-D [N, E] / [n, E] page-row views. Returns out."""
     if use_triton(src):
-        from kernels.page_copy_triton import gather_pages as impl
+        from duet_kernels.page_copy_triton import gather_pages as impl
     else:
         impl = gather_pages_ref
     return impl(src, page_ids, out)
@@ -239,7 +243,7 @@ def gather_pages(src: torch.Tensor, page_ids: torch.Tensor, out: torch.Tensor) -
 def scatter_pages(src: torch.Tensor, dst: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
     """dst[page_ids[i]] = src[i] for 2-D [n, E] / [N, E] page-row views. Returns dst."""
     if use_triton(dst):
-        from kernels.page_copy_triton import scatter_pages as impl
+        from duet_kernels.page_copy_triton import scatter_pages as impl
     else:
         impl = scatter_pages_ref
     return impl(src, dst, page_ids)
@@ -255,7 +259,7 @@ def copy_pages(
     """dst[dst_ids[i]] = src[src_ids[i]] for 2-D [N, E] / [M, E] page-row views; a pair with an id
     outside [first_row, N) / [first_row, M) is skipped. Returns dst."""
     if use_triton(src):
-        from kernels.page_copy_triton import copy_pages as impl
+        from duet_kernels.page_copy_triton import copy_pages as impl
 
         return impl(src, src_ids, dst, dst_ids, first_row=first_row)
     return copy_pages_ref(src, src_ids, dst, dst_ids, first_row)
@@ -270,7 +274,7 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm of s, s) where s = x + residual (or x): x, residual [T, H]; see layer_ops_ref."""
     if use_triton(x):
-        from kernels.layer_ops_triton import add_rms_norm as impl
+        from duet_kernels.layer_ops_triton import add_rms_norm as impl
     else:
         impl = add_rms_norm_ref
     return impl(x, weight, eps, residual, offset)
@@ -279,7 +283,7 @@ def add_rms_norm(
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of a stacked gate/up projection [T, 2 * I] -> [T, I]."""
     if use_triton(gate_up):
-        from kernels.layer_ops_triton import silu_and_mul as impl
+        from duet_kernels.layer_ops_triton import silu_and_mul as impl
     else:
         impl = silu_and_mul_ref
     return impl(gate_up)
@@ -295,7 +299,7 @@ def rotary(
     """Rotate-half RoPE of q [T, Hq, D] and k [T, Hk, D] at ``positions`` from cos/sin caches
     [max_positions, D], or (``positions`` None) from per-token tables [T, D]; returns new tensors."""
     if use_triton(q):
-        from kernels.layer_ops_triton import rotary as impl
+        from duet_kernels.layer_ops_triton import rotary as impl
     else:
         impl = rotary_ref
     return impl(q, k, positions, cos_cache, sin_cache)

@@ -1,7 +1,7 @@
 """Paged attention on CPU tensors in a few large torch ops per layer (what runs on CPU).
 
 The ``*_ref`` twins in attention_ref.py stay the readable oracle; these functions compute the same
-thing faster, and tests/kernels/test_attention_cpu.py compares the two on random paged inputs:
+thing faster, and tests/duet_kernels/test_attention_cpu.py compares the two on random paged inputs:
 - each sequence's pages are gathered with one ``index_select`` per cache (advanced indexing of the
   strided layer view is several times slower); prefill attention runs through torch's
   ``scaled_dot_product_attention`` (its CPU flash kernel) over the gathered K/V, GQA included;
@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels.page_gather_cpu import gather_pages, weighted_pages_sum
+from duet_kernels.page_gather_cpu import gather_pages, weighted_pages_sum
 
 # A prefill group's padded work (members x longest query x longest context) may reach this many
 # times its members' own work (sum of query x context) before a new group starts.

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import (
+from duet_kernels.checks import (
     check_cache_pair,
     check_query,
     dot_precision,
@@ -26,7 +26,7 @@ from kernels.checks import (
     softcap_args,
     window_arg,
 )
-from kernels.paged_addressing import soft_cap_tanh, token_page_and_slot
+from duet_kernels.paged_addressing import soft_cap_tanh, token_page_and_slot
 
 LOG2E = 1.4426950408889634
 

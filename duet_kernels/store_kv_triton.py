@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import check_cache_pair, next_power_of_2
+from duet_kernels.checks import check_cache_pair, next_power_of_2
 
 
 @triton.jit

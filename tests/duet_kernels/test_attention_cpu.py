@@ -1,4 +1,4 @@
-"""The CPU attention path (kernels/attention_cpu.py) against its plain-torch twins on random paged
+"""The CPU attention path (duet_kernels/attention_cpu.py) against its plain-torch twins on random paged
 inputs: GQA, sliding windows (over window-group tables that hold the null page where pages left the
 window), soft-capped scores, prefix-cached contexts, ragged and mixed batches, float32 and bf16."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.attention_cpu import (
+from duet_kernels.attention_cpu import (
     paged_decode_attention_cpu,
     paged_prefill_attention_cpu,
     plan_decode,
@@ -16,14 +16,14 @@ from kernels.attention_cpu import (
     prefill_groups,
     store_kv_cpu,
 )
-from kernels.attention_ref import (
+from duet_kernels.attention_ref import (
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
     store_kv_ref,
 )
 from kvcache.kv_buffer import layer_view
 from kvcache.spec import NULL_PAGE
-from tests.kernels.paged_inputs import PagedKV, make_paged_kv, pack_queries
+from tests.duet_kernels.paged_inputs import PagedKV, make_paged_kv, pack_queries
 
 # (dtype, max abs difference to the reference): both compute in float32; bf16 outputs round once.
 DTYPES = [(torch.float32, 2e-6), (torch.bfloat16, 2**-6)]

@@ -1,4 +1,4 @@
-"""kernels/page_gather_cpu.py: the per-head run gather of the head-outermost pool, its workspace
+"""duet_kernels/page_gather_cpu.py: the per-head run gather of the head-outermost pool, its workspace
 kept across layers and its fallback for other cache layouts, through the CPU decode attention
 against its reference twin."""
 
@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import page_gather_cpu
-from kernels.attention_cpu import paged_decode_attention_cpu, plan_decode
-from kernels.attention_ref import paged_decode_attention_ref
+from duet_kernels import page_gather_cpu
+from duet_kernels.attention_cpu import paged_decode_attention_cpu, plan_decode
+from duet_kernels.attention_ref import paged_decode_attention_ref
 from kvcache.kv_buffer import layer_view
-from tests.kernels.paged_inputs import make_paged_kv
+from tests.duet_kernels.paged_inputs import make_paged_kv
 
 
 def test_other_cache_layouts_gather_whole_pages_with_the_same_result() -> None:

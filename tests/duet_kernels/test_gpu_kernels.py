@@ -11,9 +11,9 @@ import math
 import pytest
 import torch
 
-import kernels
+import duet_kernels
 from kvcache.kv_buffer import layer_view
-from tests.kernels.paged_inputs import make_paged_kv, pack_queries
+from tests.duet_kernels.paged_inputs import make_paged_kv, pack_queries
 
 pytestmark = [
     pytest.mark.gpu,
@@ -64,8 +64,8 @@ def test_decode_matches_reference(
     )
     q = torch.randn((len(seq_lens), heads[0], head_dim), generator=gen).to(dtype).cuda()
     args = (q, kv.k_cache, kv.v_cache, kv.page_table, kv.seq_lens, 1 / math.sqrt(head_dim), window)
-    out = kernels.paged_decode_attention(*args)
-    ref = kernels.paged_decode_attention_ref(*args)
+    out = duet_kernels.paged_decode_attention(*args)
+    ref = duet_kernels.paged_decode_attention_ref(*args)
     _check_close(
         f"decode_{dtype}_d{head_dim}_p{page_size}_w{window}", out, ref, dtype, record_property
     )
@@ -99,8 +99,8 @@ def test_prefill_matches_reference(
         1 / math.sqrt(head_dim),
         window,
     )
-    out = kernels.paged_prefill_attention(*args)
-    ref = kernels.paged_prefill_attention_ref(*args)
+    out = duet_kernels.paged_prefill_attention(*args)
+    ref = duet_kernels.paged_prefill_attention_ref(*args)
     _check_close(
         f"prefill_{dtype}_d{head_dim}_p{page_size}_w{window}", out, ref, dtype, record_property
     )
@@ -122,8 +122,8 @@ def test_store_kv_matches_reference_exactly(src_dtype, cache_dtype) -> None:
     slots[::7] = -1
     key = torch.randn((513, 8, 128), generator=gen).to(src_dtype).cuda()
     value = torch.randn((513, 16, 128), generator=gen).to(src_dtype).cuda()[:, ::2]
-    kernels.store_kv(key, value, kv.k_cache, kv.v_cache, slots.cuda())
-    kernels.store_kv_ref(key, value, *layer_view(expected, 1), slots.cuda())
+    duet_kernels.store_kv(key, value, kv.k_cache, kv.v_cache, slots.cuda())
+    duet_kernels.store_kv_ref(key, value, *layer_view(expected, 1), slots.cuda())
     assert torch.equal(kv.buffer, expected)
 
 
@@ -135,10 +135,10 @@ def test_gather_scatter_match_reference_exactly(row_bytes: int, offset: int) -> 
     )[:, offset:]
     ids = torch.randperm(63, device="cuda", generator=gen)[:20] + 1
     staged = torch.full((20, row_bytes), 7, dtype=torch.uint8, device="cuda")
-    kernels.gather_pages(pool, ids, staged)
+    duet_kernels.gather_pages(pool, ids, staged)
     assert torch.equal(staged, pool[ids])
     dst = torch.zeros((64, row_bytes), dtype=torch.uint8, device="cuda")
-    kernels.scatter_pages(staged, dst, ids)
+    duet_kernels.scatter_pages(staged, dst, ids)
     expected = torch.zeros_like(dst)
     expected[ids] = pool[ids]
     assert torch.equal(dst, expected)
@@ -158,7 +158,7 @@ def test_copy_pages_matches_reference_exactly(row_bytes: int, peer: bool) -> Non
     if peer:  # GPU 0 writes GPU 1's pool over NVLink, as the CUDA IPC path of transfer/ does
         torch.empty(1, device="cuda:1").copy_(torch.ones(1, device="cuda:0"))  # enables peer access
     with torch.cuda.device(0):
-        kernels.copy_pages(src, src_ids, dst, dst_ids)
+        duet_kernels.copy_pages(src, src_ids, dst, dst_ids)
     torch.cuda.synchronize(0)
     expected = torch.zeros_like(dst)
     expected[dst_ids.to(dst.device)] = src[src_ids].to(dst.device)
@@ -178,13 +178,13 @@ def test_copy_pages_repeats_exactly_and_skips_ids_outside_the_pools() -> None:
         s_ids = torch.randperm(63, generator=cpu_gen)[:n] + 1
         d_ids = torch.randperm(79, generator=cpu_gen)[:n] + 1
         with torch.cuda.stream(stream):
-            kernels.copy_pages(src.view(torch.int64), s_ids, dst.view(torch.int64), d_ids, 1)
+            duet_kernels.copy_pages(src.view(torch.int64), s_ids, dst.view(torch.int64), d_ids, 1)
         stream.synchronize()
         expected[d_ids.cuda()] = src[s_ids.cuda()]
         assert torch.equal(dst, expected), n
     s_ids = torch.tensor([0, 64, 5, -2, 9, 3])
     d_ids = torch.tensor([3, 4, 80, 0, 0, 6])
-    kernels.copy_pages(src.view(torch.int64), s_ids, dst.view(torch.int64), d_ids, 1)
+    duet_kernels.copy_pages(src.view(torch.int64), s_ids, dst.view(torch.int64), d_ids, 1)
     torch.cuda.synchronize()
     expected[6] = src[3]
     assert torch.equal(dst, expected)
@@ -202,10 +202,13 @@ def test_softcap_kernels_match_reference(dtype, record_property) -> None:
         kv = make_paged_kv(ctx, page_size, heads[1], head_dim, dtype, gen, device="cuda")
         q = torch.randn((len(ctx), heads[0], head_dim), generator=gen).to(dtype).cuda()
         args = (q, kv.k_cache, kv.v_cache, kv.page_table, kv.seq_lens, scale, window, cap)
-        out, ref = kernels.paged_decode_attention(*args), kernels.paged_decode_attention_ref(*args)
+        out, ref = (
+            duet_kernels.paged_decode_attention(*args),
+            duet_kernels.paged_decode_attention_ref(*args),
+        )
         _check_close(f"decode_softcap_{dtype}_w{window}", out, ref, dtype, record_property)
         qp, cu = pack_queries([300, 1, 700], heads[0], head_dim, dtype, gen, device="cuda")
         args = (qp, kv.k_cache, kv.v_cache, kv.page_table, cu, kv.seq_lens, scale, window, cap)
-        out = kernels.paged_prefill_attention(*args)
-        ref = kernels.paged_prefill_attention_ref(*args)
+        out = duet_kernels.paged_prefill_attention(*args)
+        ref = duet_kernels.paged_prefill_attention_ref(*args)
         _check_close(f"prefill_softcap_{dtype}_w{window}", out, ref, dtype, record_property)

@@ -1,6 +1,6 @@
 """The Triton kernels against their references, run by the Triton interpreter on CPU.
 
-The cases run in one subprocess (tests/kernels/interpret_cases.py) with TRITON_INTERPRET=1: the
+The cases run in one subprocess (tests/duet_kernels/interpret_cases.py) with TRITON_INTERPRET=1: the
 flag is read when a kernel is defined, so setting it in this process would turn every later
 Triton kernel of the test session into an interpreted one.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.kernels.interpret_cases import CASES
+from tests.duet_kernels.interpret_cases import CASES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,7 +25,7 @@ def interpreter_errors() -> dict[str, float]:
     env = dict(os.environ, TRITON_INTERPRET="1", DUET_KERNELS="triton", CUDA_VISIBLE_DEVICES="")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.kernels.interpret_cases"],
+        [sys.executable, "-m", "tests.duet_kernels.interpret_cases"],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import copy_pages_ref, gather_pages_ref, scatter_pages_ref
+from duet_kernels import copy_pages_ref, gather_pages_ref, scatter_pages_ref
 
 
 def test_gather_ref_copies_the_listed_rows_in_order() -> None:
@@ -49,7 +49,7 @@ def test_copy_ref_skips_pairs_outside_the_pools() -> None:
 def test_copy_ref_of_page_sized_rows_goes_row_by_row_and_matches() -> None:
     """Rows of a page's size (>= ROW_BY_ROW_BYTES) are copied one by one, without the indexed
     copy's temporary: the same result, skipped pairs included."""
-    from kernels.page_copy_ref import ROW_BY_ROW_BYTES
+    from duet_kernels.page_copy_ref import ROW_BY_ROW_BYTES
 
     width = ROW_BY_ROW_BYTES // 8
     src = torch.randint(0, 1 << 40, (7, width), dtype=torch.int64)
