@@ -75,6 +75,12 @@ class EngineConfig:
     cuda_graphs: bool = True
     """On CUDA, replay decode steps of up to max_num_seqs requests from CUDA graphs captured at
     start-up (engine/cuda_graphs.py); False runs every step eagerly. Ignored on CPU, which has none."""
+    warm_up: bool = True
+    """Run one greedy request through the model when the engine is built (prefill and a decode
+    step, then forgotten: no stats, no pages kept, nothing registered for reuse), so that the
+    first real request does not pay one-time costs: oneDNN's kernel set-up on CPU (about 0.3 s
+    for the embedded model), Triton compiling the kernels' variants on GPUs (seconds;
+    LLMEngine.warm_up says which)."""
     tensor_parallel_size: int = 1
     """Ranks the model is split over (vLLM's name): ranks 1.. run as local processes joined by
     torch.distributed (gloo on CPU, NCCL on CUDA, one GPU per rank); must divide the query heads,
@@ -159,6 +165,8 @@ class EngineConfig:
         _positive_int(owner, "max_stats_len", self.max_stats_len, minimum=-1)
         if self.max_request_stats_len is not None:
             _positive_int(owner, "max_request_stats_len", self.max_request_stats_len, minimum=-1)
+        if not isinstance(self.warm_up, bool):
+            raise ValueError(f"{owner}.warm_up must be true or false, got {self.warm_up!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"{owner}.cuda_graphs must be true or false, got {self.cuda_graphs!r}")
 

@@ -36,6 +36,10 @@ if TYPE_CHECKING:
     from engine.loaders import LoadedModel
 
 
+WARM_UP_REQUEST_ID = "duet-warm-up"
+WARM_UP_MAX_STEPS = 8
+
+
 class LLMEngine:
     """One model, one paged KV cache, one scheduler."""
 
@@ -195,7 +199,7 @@ class LLMEngine:
         if tp is not None and tp.size > 1:
             assert tp.group is not None
             tp.group.broadcast_object(TPSetup({n: s.num_pages for n, s in kv.specs.items()}))
-        return cls(
+        engine = cls(
             loaded.model,
             mc,
             kv,
@@ -208,6 +212,40 @@ class LLMEngine:
             cuda_graphs=config.cuda_graphs,
             tp=tp,
         )
+        if config.warm_up:
+            engine.warm_up()
+        return engine
+
+    def warm_up(self) -> None:
+        """Run one greedy request through prefill and a decode step, then forget it
+        (EngineConfig.warm_up): its steps, stats and KV footprint are dropped as if it never ran.
+        Greedy, so the sampler's shared generator draws nothing. Only on an idle engine.
+
+        On CPU a two-token prompt does: what costs once there (oneDNN's kernel set-up) does not
+        depend on the shapes. Triton instead compiles a kernel once per specialization of its
+        integer arguments (1, divisible by 16, neither), and token counts are such arguments:
+        on CUDA the prompt is one full prefill chunk (a multiple of 16 by default) and three
+        tokens more, attended over that chunk's cached context, and the decode step has one
+        token; a first request then finds every prefill and decode kernel built."""
+        if self.has_unfinished():
+            raise RuntimeError("warm_up needs an idle engine")
+        cfg = self.scheduler.config
+        num_tokens = 2
+        if self.kv.device.type == "cuda":
+            chunk = min(cfg.prefill_chunk_size, cfg.max_num_batched_tokens)
+            num_tokens = max(2, min(chunk + 3, cfg.max_model_len - 2))
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        with self.kv.unrecorded():
+            self.add_request(WARM_UP_REQUEST_ID, [0] * num_tokens, params)
+            for _ in range(WARM_UP_MAX_STEPS):  # bounded: two prefill chunks and a decode step
+                if not self.has_unfinished():
+                    break
+                self.step()
+            else:
+                self.abort_request(WARM_UP_REQUEST_ID)
+        self.num_iterations = 0
+        self.iteration_stats.drain()
+        self.request_stats.drain()
 
     @property
     def max_model_len(self) -> int:

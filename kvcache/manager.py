@@ -37,10 +37,13 @@ yet. Not thread-safe: one owner (the worker's step loop) calls it.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import sys
 import weakref
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -490,6 +493,23 @@ class KVCacheManager:
         return KVCacheStats(
             groups, r.queries, r.hit_tokens, r.miss_tokens, len(self._requests), r.host_hit_tokens
         )
+
+    @contextlib.contextmanager
+    def unrecorded(self) -> Iterator[None]:
+        """Requests run inside leave no trace once freed: nothing registered for reuse (the
+        policy is ``none`` meanwhile), the reuse counters as they were before, the peaks reset. For
+        the engine's warm-up request; raises RuntimeError if a request of it is still held."""
+        policy, counters = self.reuse_policy, dataclasses.replace(self._reuse)
+        held = set(self._requests)
+        self.reuse_policy = ReusePolicy.NONE
+        try:
+            yield
+        finally:
+            self.reuse_policy, self._reuse = policy, counters
+            self.reset_peak()
+        left = set(self._requests) - held
+        if left:
+            raise RuntimeError(f"requests still hold pages after an unrecorded run: {sorted(left)}")
 
     def reset_peak(self) -> None:
         """Start a new stats interval: every group's peaks (used, evictable, free low-water) become

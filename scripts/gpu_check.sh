@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # GPU work of one device call: `. .gpu/setup.sh` first (see README of the GPU machines), then this.
 # Works on one GPU or more: steps that need two GPUs say so and are skipped on one. Results go under
-# $OUT (or ./out). STEPS picks what runs (default: tests decode transfer cluster bench goodput tp):
+# $OUT (or ./out). STEPS picks what runs (default: tests decode warmup transfer cluster bench goodput tp):
 #   tests     every GPU test (marker gpu): duet_kernels/, transfer/ (cuda_ipc between two processes: on
 #             two GPUs when there are two, else both on GPU 0), engine/ (CUDA graphs, hybrid KV),
 #             kvcache/ (the pinned host tier)
 #   decode    scripts/bench_decode_gpu.py: the 8B shape's decode step at batch 1 / 16 / 64 and 1k
 #             context against the memory floor from the copy bandwidth of the same run, and
 #             offline throughput against HF generate on the same random model
+#   warmup    scripts/bench_first_request.py: a fresh engine's first request with and without its
+#             warm-up (the 8B shape, an empty Triton cache per process)
 #   transfer  scripts/bench_transfer.py --device cuda, 1 MiB .. 1 GiB: the ucx and cuda_ipc paths
 #             next to raw ucxx and a torch peer copy of the same bytes, in the same run
 #   cpu       scripts/bench_transfer.py on the CPU (ucx and host_shm) on this host's cores
@@ -23,7 +25,7 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0   # keep Ray on loopback
 GPUS=$(python -c "import torch; print(torch.cuda.device_count())")
 echo "$GPUS GPU(s)"
-for step in ${STEPS:-tests decode transfer cluster bench goodput tp}; do
+for step in ${STEPS:-tests decode warmup transfer cluster bench goodput tp}; do
   echo "== $step"
   case $step in
     tests)
@@ -34,6 +36,9 @@ for step in ${STEPS:-tests decode transfer cluster bench goodput tp}; do
     decode)
       python scripts/bench_decode_gpu.py ${DECODE_ARGS:-} --out "$OUT/decode_gpu.json" 2>&1 \
         | tee "$OUT/decode_gpu.log" | grep -E "bandwidth|batch|offline" ;;
+    warmup)
+      python scripts/bench_first_request.py --device cuda --model llama-3-8b --load-format dummy \
+        --dtype bfloat16 --out "$OUT/first_request_gpu.json" 2>&1 | tee "$OUT/first_request_gpu.log" ;;
     transfer)
       python scripts/bench_transfer.py --device cuda --repeats 9 \
         --out "$OUT/transfer_gpu.json" 2>&1 | tee "$OUT/transfer_gpu.log" | grep MiB ;;

@@ -1,5 +1,7 @@
 """KVCacheManager prefix reuse: match_prefix, commit per policy, hits/misses, eviction, stale matches."""
 
+import dataclasses
+
 import pytest
 
 from kvcache.block_hash import hash_full_pages
@@ -172,3 +174,27 @@ def test_hit_must_be_in_every_group(make_manager: MakeManager) -> None:
     assert m.allocate_slots("r2", 4, match)
     assert m.page_ids("r2") == {"a": [1, 2], "b": [1, 2]}
     assert m.stats().groups["a"].evictable == 1  # a's page 3 is still cached there
+
+
+def test_an_unrecorded_run_registers_and_counts_nothing(make_manager: MakeManager) -> None:
+    m = make_manager(ReusePolicy.ALL_REUSABLE, num_pages=8, page_size=2)
+    run_prompt(m, "r1", PROMPT)
+    m.free("r1")
+    before = m.stats()
+    with m.unrecorded():
+        run_prompt(m, "warm", [21, 22, 23, 24, 25])
+        m.free("warm")
+    after = m.stats()
+    assert after.groups["full"].peak_used == after.groups["full"].used  # a new peak interval
+    assert dataclasses.replace(after, groups={}) == dataclasses.replace(before, groups={})
+    assert (after.groups["full"].used, after.groups["full"].evictable) == (0, 2)
+    assert m.match_prefix([21, 22, 23, 24, 25]).num_tokens == 0
+    assert m.match_prefix(PROMPT).num_tokens == 4  # what was cached before stays cached
+    assert m.reuse_policy is ReusePolicy.ALL_REUSABLE
+
+
+def test_an_unrecorded_run_must_free_its_requests(make_manager: MakeManager) -> None:
+    m = make_manager(ReusePolicy.ALL_REUSABLE, num_pages=8, page_size=2)
+    with pytest.raises(RuntimeError, match="warm"), m.unrecorded():
+        run_prompt(m, "warm", [21, 22, 23])
+    m.free("warm")
