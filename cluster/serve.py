@@ -84,11 +84,32 @@ class RunningCluster:
     _owns_ray: bool
 
     def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(30)  # the server's lifespan stops the frontend's background tasks
+        """Stop serving, then the workers, then Ray where this process started it."""
+        stop_server_thread(self._server, self._thread)
         self.handles.shutdown()
         if self._owns_ray:
             ray.shutdown()
+
+
+STOP_GRACE_S = 30.0
+
+
+def stop_server_thread(
+    server: uvicorn.Server, thread: threading.Thread, grace_s: float = STOP_GRACE_S
+) -> None:
+    """End the HTTP server of ``thread``: ``grace_s`` for open requests to finish (the lifespan
+    then stops the frontend's background tasks), then forced out (open streams cut, its event
+    loop's tasks cancelled as the thread returns). Nothing of the server may outlive this call:
+    Ray is shut down after it, and a Ray call from a leftover task (the collector drain) would
+    start a new local Ray inside this process (Ray's auto-init). RuntimeError if it still runs."""
+    server.should_exit = True
+    thread.join(grace_s)
+    if thread.is_alive():
+        log.warning("the HTTP server did not stop within %.0f s; forcing it out", grace_s)
+        server.force_exit = True
+        thread.join(grace_s)
+    if thread.is_alive():
+        raise RuntimeError(f"the HTTP server thread did not end within {2 * grace_s:.0f} s")
 
 
 def start_cluster(

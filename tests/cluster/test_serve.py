@@ -43,3 +43,61 @@ def test_a_local_ray_binds_to_loopback() -> None:
     ).stdout
     assert "NODES ['127.0.0.1']" in out, out
     assert "WORKER 127.0.0.1" in out, out
+
+
+def test_a_server_held_open_by_a_stream_is_forced_out_and_its_tasks_end() -> None:
+    """A stream that never ends keeps uvicorn's graceful shutdown waiting: stop_server_thread
+    forces it out, and the app's background task (the frontend's collector drain, in serving)
+    is cancelled with the thread instead of running on after Ray is shut down."""
+    import asyncio
+    import contextlib
+    import threading
+    import time
+
+    import httpx
+    import uvicorn
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
+    from cluster.serve import stop_server_thread
+
+    ticks: list[float] = []
+
+    async def background() -> None:
+        while True:
+            ticks.append(time.monotonic())
+            await asyncio.sleep(0.02)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):  # noqa: ANN202
+        task = asyncio.get_running_loop().create_task(background())
+        yield
+        task.cancel()
+
+    app = FastAPI(lifespan=lifespan)
+
+    @app.get("/forever")
+    async def forever() -> StreamingResponse:
+        async def chunks():  # noqa: ANN202
+            for i in range(10_000):  # bounded: 100 s at most
+                yield f"{i}\n"
+                await asyncio.sleep(0.01)
+
+        return StreamingResponse(chunks())
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    with httpx.stream("GET", f"http://127.0.0.1:{port}/forever", timeout=30) as stream:
+        lines = stream.iter_lines()
+        assert next(lines) == "0"
+        stop_server_thread(server, thread, grace_s=1.0)
+        assert not thread.is_alive()
+        assert server.force_exit  # the stream kept the graceful shutdown waiting
+    count = len(ticks)
+    time.sleep(0.2)
+    assert len(ticks) == count  # the background task ended with the thread
