@@ -92,6 +92,25 @@ class RunningCluster:
 
 
 STOP_GRACE_S = 30.0
+START_TIMEOUT_S = 30.0
+
+
+def start_server_thread(
+    app: Any, host: str, port: int
+) -> tuple[uvicorn.Server, threading.Thread, int]:
+    """Serve ``app`` (an ASGI app, lifespan on) from a daemon thread; return once it listens, with
+    the port it bound (``port`` 0: any free one). RuntimeError if it does not start in time."""
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
+    )
+    thread = threading.Thread(target=server.run, name="duet-http", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"the HTTP server did not start on {host}:{port}")
+        time.sleep(0.05)
+    return server, thread, server.servers[0].sockets[0].getsockname()[1]
 
 
 def stop_server_thread(
@@ -128,26 +147,13 @@ def start_cluster(
         frontend = make_frontend(config, handles)
         api_key = config.server.api_key.get_secret_value() if config.server.api_key else None
         app = create_app(frontend, api_key)
-        uv_config = uvicorn.Config(
-            app,
-            host=config.server.host,
-            port=config.server.port if port is None else port,
-            log_level="warning",
-            lifespan="on",
+        host = config.server.host
+        server, thread, bound_port = start_server_thread(
+            app, host, config.server.port if port is None else port
         )
-        server = uvicorn.Server(uv_config)
-        thread = threading.Thread(target=server.run, name="duet-http", daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 30
-        while not server.started:
-            if not thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"the HTTP server did not start on {config.server.host}:{uv_config.port}"
-                )
-            time.sleep(0.05)
-        bound_port = server.servers[0].sockets[0].getsockname()[1]
-        url = f"http://{config.server.host}:{bound_port}"
-        return RunningCluster(url, handles, frontend, server, thread, owns_ray)
+        return RunningCluster(
+            f"http://{host}:{bound_port}", handles, frontend, server, thread, owns_ray
+        )
     except BaseException:
         handles.shutdown()
         if owns_ray:

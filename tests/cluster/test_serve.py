@@ -1,11 +1,21 @@
-"""cluster/serve.py: a local Ray started by `duet serve` stays on loopback."""
+"""cluster/serve.py: a local Ray started by `duet serve` stays on loopback; the background HTTP
+server ends, and nothing of it runs on, when stopped."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import httpx
+from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
+
+from cluster.serve import start_server_thread, stop_server_thread
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,18 +59,6 @@ def test_a_server_held_open_by_a_stream_is_forced_out_and_its_tasks_end() -> Non
     """A stream that never ends keeps uvicorn's graceful shutdown waiting: stop_server_thread
     forces it out, and the app's background task (the frontend's collector drain, in serving)
     is cancelled with the thread instead of running on after Ray is shut down."""
-    import asyncio
-    import contextlib
-    import threading
-    import time
-
-    import httpx
-    import uvicorn
-    from fastapi import FastAPI
-    from fastapi.responses import StreamingResponse
-
-    from cluster.serve import stop_server_thread
-
     ticks: list[float] = []
 
     async def background() -> None:
@@ -85,13 +83,7 @@ def test_a_server_held_open_by_a_stream_is_forced_out_and_its_tasks_end() -> Non
 
         return StreamingResponse(chunks())
 
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    port = server.servers[0].sockets[0].getsockname()[1]
+    server, thread, port = start_server_thread(app, "127.0.0.1", 0)
     with httpx.stream("GET", f"http://127.0.0.1:{port}/forever", timeout=30) as stream:
         lines = stream.iter_lines()
         assert next(lines) == "0"
