@@ -269,6 +269,10 @@ def write_report(
         f"{args.threads} intra-op threads, 1-min load average at start {load_avg:.2f} (shared machine)",
         f"- workload: {args.num_requests} requests, SmolLM2-135M-Instruct GGUF dequantized to float32, greedy, "
         f"prompts of {min_len}-{max_len} tokens, exactly {args.max_tokens} new tokens each (EOS ignored)",
+        "- prompts i and i + 16 differ only in their last tokens (`make_prompts`), so the engine's "
+        "prefix cache can compute up to about half of the prompt tokens once for two requests, which HF's "
+        "padded batch cannot; bench_vs_vllm_cpu.py's offline part (random prompts, nothing shared) "
+        "is the comparison of issue 28",
         "",
         "| system | output tokens | seconds | output tok/s | engine speed-up |",
         "|---|---|---|---|---|",
