@@ -30,14 +30,11 @@ from engine.tp.context import TPContext
 from engine.tp.local_ranks import LocalRanks, Ranks, StartRanks, rank_device
 from engine.tp.messages import TPSetup
 from engine.tp.partition import TPPartition, tp_problems
+from engine.warm_up import warm_up
 from kvcache.manager import KVCacheManager
 
 if TYPE_CHECKING:
     from engine.loaders import LoadedModel
-
-
-WARM_UP_REQUEST_ID = "duet-warm-up"
-WARM_UP_MAX_STEPS = 8
 
 
 class LLMEngine:
@@ -217,35 +214,8 @@ class LLMEngine:
         return engine
 
     def warm_up(self) -> None:
-        """Run one greedy request through prefill and a decode step, then forget it
-        (EngineConfig.warm_up): its steps, stats and KV footprint are dropped as if it never ran.
-        Greedy, so the sampler's shared generator draws nothing. Only on an idle engine.
-
-        On CPU a two-token prompt does: what costs once there (oneDNN's kernel set-up) does not
-        depend on the shapes. Triton instead compiles a kernel once per specialization of its
-        integer arguments (1, divisible by 16, neither), and token counts are such arguments:
-        on CUDA the prompt is one full prefill chunk (a multiple of 16 by default) and three
-        tokens more, attended over that chunk's cached context, and the decode step has one
-        token; a first request then finds every prefill and decode kernel built."""
-        if self.has_unfinished():
-            raise RuntimeError("warm_up needs an idle engine")
-        cfg = self.scheduler.config
-        num_tokens = 2
-        if self.kv.device.type == "cuda":
-            chunk = min(cfg.prefill_chunk_size, cfg.max_num_batched_tokens)
-            num_tokens = max(2, min(chunk + 3, cfg.max_model_len - 2))
-        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-        with self.kv.unrecorded():
-            self.add_request(WARM_UP_REQUEST_ID, [0] * num_tokens, params)
-            for _ in range(WARM_UP_MAX_STEPS):  # bounded: two prefill chunks and a decode step
-                if not self.has_unfinished():
-                    break
-                self.step()
-            else:
-                self.abort_request(WARM_UP_REQUEST_ID)
-        self.num_iterations = 0
-        self.iteration_stats.drain()
-        self.request_stats.drain()
+        """One request through prefill and a decode step, then forgotten (engine/warm_up.py)."""
+        warm_up(self)
 
     @property
     def max_model_len(self) -> int:
