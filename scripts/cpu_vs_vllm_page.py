@@ -80,7 +80,7 @@ def render(report: dict[str, Any], notes: str = "") -> str:
         "compare the load averages above before trusting a run.",
         "",
     ]
-    lines += [NOTES_BEGIN, notes, NOTES_END, ""] if notes else [NOTES_BEGIN, NOTES_END, ""]
+    lines += [NOTES_BEGIN, *([notes] if notes else []), NOTES_END, ""]
     serving = report["serving"]
     if serving:
         lines += ["## Serving (`duet bench` against each server's URL)", ""]
@@ -149,8 +149,7 @@ def render(report: dict[str, Any], notes: str = "") -> str:
         for eq in _greedy_summary(report):
             lines.append(f"- {eq}")
         lines.append("")
-    summary = {k: v for k, v in report.items()}
-    lines += ["## The JSON of this run", "", "```json", json.dumps(summary, indent=1), "```", ""]
+    lines += ["## The JSON of this run", "", "```json", json.dumps(report, indent=1), "```", ""]
     return "\n".join(lines)
 
 
