@@ -276,6 +276,10 @@ class Router:
                             break
                         delta: TokenDelta = await ref
                         started = True
+                        if delta.kv_recomputed and pworker is not None:
+                            # D prefilled it itself: P's lease would only pin its pages until
+                            # it expires (a pull that failed to connect never reached P).
+                            pworker.handle.cancel.remote(rid)
                         finished = delta.finish_reason is not None or delta.error is not None
                         ok = finished and delta.error is None
                         yield delta

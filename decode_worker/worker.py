@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -149,7 +150,13 @@ class DecodeWorker:
         )
         if aborted or not ok:
             self._aborted.discard(rid)
-            await asyncio.wrap_future(self._free_pages(rid))
+            try:
+                # Shielded: a cancel (the client left) while the free waits behind an engine step
+                # must not cancel the queued free itself, or the pages stay held for good.
+                await asyncio.shield(asyncio.wrap_future(self._free_pages(rid)))
+            except asyncio.CancelledError:
+                self._ended_early(rid, len(prompt), facts, "abort")
+                raise
         if not ok:
             self.num_transfer_failures += 1
         if aborted:
@@ -172,7 +179,12 @@ class DecodeWorker:
             self.keeper.note(rid, facts)
             if not ok:  # recompute: the prompt's KV is computed here
                 return e.add_recomputed_request(
-                    rid, prompt, pre.first_token_id, req.sampling, arrival_time=req.arrival_time
+                    rid,
+                    prompt,
+                    pre.first_token_id,
+                    req.sampling,
+                    arrival_time=req.arrival_time,
+                    first_text_sent=len(pre.first_token_text),
                 )
             return e.add_prefilled_request(
                 rid,
@@ -180,11 +192,15 @@ class DecodeWorker:
                 pre.first_token_id,
                 req.sampling,
                 arrival_time=req.arrival_time,
+                first_text_sent=len(pre.first_token_text),
                 num_cached_tokens=hit * page_size,
                 num_cached_host_tokens=host_tokens,
             )
 
+        tell_router = not ok  # (on the first delta: the router gives P's lease up)
         async for delta in self._run(req, add):
+            if tell_router:
+                delta, tell_router = dataclasses.replace(delta, kv_recomputed=True), False
             yield delta
 
     async def _gen_init(

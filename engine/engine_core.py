@@ -301,6 +301,7 @@ class LLMEngine:
         params: SamplingParams | None = None,
         *,
         arrival_time: float | None = None,
+        first_text_sent: int,
         num_cached_tokens: int = 0,
         num_cached_host_tokens: int = 0,
     ) -> Request:
@@ -308,13 +309,14 @@ class LLMEngine:
         allocated under ``request_id``); the first token was produced and streamed elsewhere.
         ``num_cached_tokens``: how much of the prompt the caller found in this engine's own prefix
         cache (the rest came from elsewhere), ``num_cached_host_tokens`` of it from the host tier,
-        for the request's stats."""
+        for the request's stats. ``first_text_sent``: the characters of the first token's text the
+        prefill side streamed (PrefillResult.first_token_text); it holds back the end that a stop
+        string could still claim, which this side streams or drops."""
         request = self.make_request(request_id, prompt_token_ids, params, arrival_time=arrival_time)
         request.metrics.num_cached_tokens = num_cached_tokens
         request.metrics.num_cached_host_tokens = num_cached_host_tokens
         self.scheduler.add_prefilled_request(request, first_token_id)
-        request.num_tokens_sent = request.num_output_tokens  # the prefill side streamed it
-        request.num_text_sent = len(request.output_text)
+        _sent_elsewhere(request, first_text_sent)
         if request.is_finished:
             self._record_finished(request)
         return request
@@ -327,14 +329,15 @@ class LLMEngine:
         params: SamplingParams | None = None,
         *,
         arrival_time: float | None = None,
+        first_text_sent: int,
     ) -> Request:
         """Queue a prefilled request whose KV never arrived (transfer.on_failure: recompute): its
         prompt and the first token (sampled and streamed elsewhere) are computed here, as a
-        preempted request is recomputed, and decoding goes on from there."""
+        preempted request is recomputed, and decoding goes on from there. ``first_text_sent`` as
+        for add_prefilled_request."""
         request = self.make_request(request_id, prompt_token_ids, params, arrival_time=arrival_time)
         self.scheduler.add_recomputed_request(request, first_token_id)
-        request.num_tokens_sent = request.num_output_tokens  # the prefill side streamed it
-        request.num_text_sent = len(request.output_text)
+        _sent_elsewhere(request, first_text_sent)
         if request.is_finished:
             self._record_finished(request)
         return request
@@ -412,3 +415,15 @@ class LLMEngine:
 
     def drain_request_stats(self) -> list[RequestStats]:
         return self.request_stats.drain()
+
+
+def _sent_elsewhere(request: Request, first_text_sent: int) -> None:
+    """Mark the first token and the first ``first_text_sent`` characters of its text as streamed
+    by the prefill side."""
+    if not 0 <= first_text_sent <= len(request.output_text):
+        raise ValueError(
+            f"request {request.request_id!r}: the prefill side streamed {first_text_sent} "
+            f"characters of a first token whose text has {len(request.output_text)} here"
+        )
+    request.num_tokens_sent = request.num_output_tokens
+    request.num_text_sent = first_text_sent

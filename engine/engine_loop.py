@@ -49,6 +49,10 @@ class EngineLoop:
         self._sinks: dict[str, Sink] = {}
         self._sinks_lock = threading.Lock()
         self._stop = threading.Event()
+        # Why the loop takes no more calls (None while it does). Set and checked under the lock,
+        # so a call is either queued before the loop's last drain or refused: never left waiting.
+        self._closed: str | None = None
+        self._closed_lock = threading.Lock()
         self._idle_wait_s = idle_wait_s
         self.fatal_error: str | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -56,12 +60,15 @@ class EngineLoop:
 
     # ---- API (any thread) ----
     def call(self, fn: Callable[[LLMEngine], T]) -> concurrent.futures.Future[T]:
-        """Run ``fn(engine)`` on the loop thread; the future carries its result or exception."""
+        """Run ``fn(engine)`` on the loop thread; the future carries its result or exception. Once
+        the loop has ended (stopped, or a step failed), it fails at once with the reason."""
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
-        if self._stop.is_set():
-            fut.set_exception(RuntimeError("the engine loop is stopped"))
-            return fut
-        self._calls.put((fn, fut))
+        with self._closed_lock:
+            closed = self._closed or ("the engine loop is stopped" if self._stop.is_set() else None)
+            if closed is None:
+                self._calls.put((fn, fut))
+                return fut
+        fut.set_exception(RuntimeError(closed))
         return fut
 
     def subscribe(self, request_id: str, sink: Sink) -> None:
@@ -149,6 +156,9 @@ class EngineLoop:
                 log.exception("output sink of %s failed", out.request_id)
 
     def _fail_all(self, reason: str) -> None:
+        """The loop's end: no more calls, every live request and every queued call fails."""
+        with self._closed_lock:
+            self._closed = reason
         with self._sinks_lock:
             sinks, self._sinks = self._sinks, {}
         for rid, sink in sinks.items():

@@ -334,8 +334,16 @@ class KVCacheManager:
 
     def loads_pending(self, request_id: str) -> bool:
         """Whether ``request_id``'s load-backs from the host tier are still being copied: it must
-        not compute until they land (never on a CPU worker, whose copies land at once)."""
-        return self._host is not None and self._host.loading(request_id)
+        not compute until they land (never on a CPU worker, whose copies land at once). False
+        means landed: copies that finished are landed here, so that no request computes on
+        loaded pages that are not in the prefix index yet (a window would release them as plain
+        free pages, and a later landing would index whatever they hold by then)."""
+        if self._host is None:
+            return False
+        if self._host.loading(request_id):
+            return True
+        self._land(self._host.wait(request_id))  # (copies done, or none: this does not block)
+        return False
 
     def wait_loads(self, request_id: str) -> None:
         """Block until ``request_id``'s own load-backs landed."""

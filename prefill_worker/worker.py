@@ -144,7 +144,9 @@ class PrefillWorker:
         return PrefillResult(
             request_id=rid,
             first_token_id=first,
-            first_token_text=out.text,
+            # What the client may see now: the end a stop string could still claim is held back
+            # (the decode side streams it, or drops it with the stop string).
+            first_token_text=out.delta_text,
             finish_reason=out.finish_reason if out.finished else None,
             ticket=ticket,
         )

@@ -118,6 +118,8 @@ class PrefillResult:
 
     request_id: str
     first_token_id: int
+    # The first token's text as far as the client may see it now: while the request goes on, the
+    # end that a stop string could still claim is held back (the decode side streams it or not).
     first_token_text: str
     finish_reason: str | None
     ticket: TransferTicket | None
@@ -134,6 +136,9 @@ class TokenDelta:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None  # set when the request failed on our side
+    # On the decode worker's first delta of a request whose KV transfer failed and which it
+    # prefilled itself (transfer.on_failure: recompute): the prefill worker's lease is no use now.
+    kv_recomputed: bool = False
 
 
 # ---- per-request stats (to the perf-metrics collector) -----------------------------------------

@@ -61,8 +61,9 @@ def cluster(request: pytest.FixtureRequest) -> Any:
             "direct_copy": path == "host_shm",
             "on_failure": on_failure,
             "fault_injection": {"fraction": 0.1, "seed": 5},
-            # A pull that failed at "connect" never reached P: its lease expires on its own.
-            "lease_s": 5,
+            # Past wait_no_pages_held's 30 s: a lease that a failed pull leaves on P (one that
+            # failed at "connect" never reached P) is given up by the router, under either policy.
+            "lease_s": 60,
             "connect_deadline_s": 5,
             "pull_deadline_s": 5,
         },

@@ -173,6 +173,61 @@ def test_a_client_that_leaves_mid_pull_is_reported_and_its_pages_come_back() -> 
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("on_failure", ["fail", "recompute"])
+def test_a_client_that_leaves_while_a_failed_pulls_pages_are_freed_leaves_none_held(
+    on_failure: str,
+) -> None:
+    """The pull failed, and its pages' free waits behind a long engine step when the client
+    leaves: the free still runs once the step ends (the cancel used to cancel the queued free,
+    and the pages stayed held for good), and the request is reported as aborted."""
+    import threading
+
+    engine = tiny_engine(64)
+    cfg = TransceiverConfig(
+        secret="test-secret", direct_copy=False, pull_deadline_s=1.0, chunk_deadline_s=0.5
+    )
+    receiver = KVReceiver(engine.kv.buffers, list(engine.kv.specs.values()), "tiny", cfg)
+    records: list[RequestTimings] = []
+    worker = DecodeWorker("d0", engine, receiver, records.extend, on_failure=on_failure)
+    stalled = StalledPrefill(engine, receiver.runtime.worker_address)
+    step_ends = threading.Event()
+    prompt = list(range(1, 23))
+
+    async def main() -> None:
+        req = GenerateRequest("x", prompt, greedy(6), time.time())
+        pre = PrefillResult("x", 5, "", None, ticket=stalled.ticket("x", len(prompt)))
+
+        async def consume() -> None:
+            async for _ in worker.decode(req, pre):
+                pass
+
+        task = asyncio.ensure_future(consume())
+        deadline = time.monotonic() + 10
+        while not worker.stats().num_in_flight:  # the pull is under way
+            assert time.monotonic() < deadline and not task.done()
+            await asyncio.sleep(0.02)
+        worker.loop.call(lambda e: step_ends.wait(30))  # a long step when the pull fails
+        while worker.stats().num_in_flight:  # the pull ended: its pages' free is queued
+            assert time.monotonic() < deadline and not task.done()
+            await asyncio.sleep(0.02)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        step_ends.set()
+        await wait_until_no_page_held(worker)
+        (record,) = await reports(worker, records)
+        assert (record.request_id, record.finish_reason) == ("x", "abort")
+        assert worker.stats().transfer.failures == 0  # (counted after the free: never reached)
+
+    try:
+        asyncio.run(main())
+    finally:
+        step_ends.set()
+        stalled.close()
+        worker.close()
+
+
+@pytest.mark.timeout(120)
 def test_waiting_for_pages_ends_at_decode_page_wait_deadline_s() -> None:
     engine = tiny_engine(8)
     receiver = KVReceiver(

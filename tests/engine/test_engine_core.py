@@ -155,7 +155,14 @@ def test_prefill_engine_hands_kv_to_decode_engine(
     assert prefill.drain_request_stats() == []  # recorded once, at the handoff
     assert_no_leak(prefill.kv)
 
-    decode.add_prefilled_request("r", PROMPT_A, first.token_ids[0], params, num_cached_tokens=4)
+    decode.add_prefilled_request(
+        "r",
+        PROMPT_A,
+        first.token_ids[0],
+        params,
+        first_text_sent=len(first.delta_text),
+        num_cached_tokens=4,
+    )
     outs = run_all(decode)["r"]
     assert (
         outs[0].delta_token_ids == expected[1:2]

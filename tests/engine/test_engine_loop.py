@@ -53,3 +53,28 @@ def test_a_failing_tick_does_not_stop_the_loop() -> None:
     finally:
         loop.stop()
     assert len(ticks) >= 3
+
+
+def test_after_a_failed_step_every_call_fails_with_the_reason() -> None:
+    engine = tiny_engine(32)
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("device error")
+
+    engine.runner.execute = broken  # type: ignore[method-assign]
+    finished: concurrent.futures.Future[RequestOutput] = concurrent.futures.Future()
+    loop = EngineLoop(engine)
+    try:
+        loop.subscribe("r", lambda out: out.finished and finished.set_result(out))
+        loop.call(lambda e: e.add_request("r", list(range(1, 9)), greedy(3))).result(30)
+        assert "device error" in (finished.result(30).error or "")
+        later = loop.call(lambda e: e.kv.free("r"))  # e.g. a worker freeing the request's pages
+        try:
+            later.result(30)
+        except RuntimeError as e:
+            assert "engine step failed: RuntimeError: device error" in str(e)
+        else:
+            raise AssertionError("a call after the loop ended ran")
+        assert not loop.alive
+    finally:
+        loop.stop()

@@ -49,3 +49,32 @@ def test_offload_and_load_back_through_pinned_memory() -> None:
     assert host is not None and (host.loaded_back, host.pinned) == (1, 0)
     m.free("c")
     m.check_integrity()
+
+
+def test_a_load_back_whose_copy_finished_is_landed_when_the_request_is_let_compute() -> None:
+    """The scheduler asks ``loads_pending`` once after the allocation: when the copy has already
+    finished by then, the answer lets the request compute, so the pages must be landed (indexed
+    on the device, the host page unpinned) by that answer, not by a later poll that the
+    scheduler no longer makes for it. (They stayed unlanded until the request was freed: a
+    window group could release a loaded page meanwhile as a plain free page, and the late
+    landing indexed whatever was written into it by then.)"""
+    m = KVCacheManager(
+        [group_spec(num_pages=5, page_size=2)], "all_reusable", "cuda", host_tier_pages={"full": 2}
+    )
+    tier = m.host_tier
+    assert tier is not None
+    run_on_device(m, "a", A)
+    run_on_device(m, "b", B)  # evicts A's last page to the host tier
+    m.wait_offloads()
+    match = m.match_prefix(A + [9])
+    assert match.host_pages == {"full": {2: 0}}
+    assert m.allocate_slots("c", 7, match, num_computed_tokens=6)
+    torch.cuda.synchronize()  # the load-back's copy has finished
+    assert not m.loads_pending("c")
+    assert tier.pending_loads() == {}  # landed by that answer
+    page = m.page_ids("c")["full"][2]
+    assert m.match_prefix(A + [9]).page_ids["full"][2] == page  # indexed on the device
+    host = m.stats().groups["full"].host
+    assert host is not None and host.pinned == 0
+    m.free("c")
+    m.check_integrity()

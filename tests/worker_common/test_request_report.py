@@ -44,7 +44,9 @@ def test_a_decode_worker_joins_its_transfer_to_the_engines_stats() -> None:
     assert engine.kv.allocate_slots("r", len(prompt) + 1)  # gen-init; the pull filled them
     facts = WorkerFacts(100.0, TransferFacts(100.5, 101.0, 4096, "host_shm"))
     reporter.note("r", facts)
-    engine.add_prefilled_request("r", prompt, 7, greedy(5), num_cached_tokens=2 * PAGE)
+    engine.add_prefilled_request(
+        "r", prompt, 7, greedy(5), first_text_sent=0, num_cached_tokens=2 * PAGE
+    )
     run(engine, reporter)
     (t,) = sent
     assert (t.arrival_time, t.transfer_start, t.transfer_end) == (100.0, 100.5, 101.0)
