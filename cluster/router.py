@@ -211,6 +211,8 @@ class Router:
             w = self._pick_prefill(req, tried, hashes)
             if w is None or self._left_s(req) <= 0:
                 break  # (out of time: no worker is to blame, none is marked unhealthy)
+            if attempt:
+                self.num_prefill_retries += 1  # (counted once it is made, not when it is due)
             tried.add(w.worker_id)
             w.outstanding += 1
             w.num_prefills += 1
@@ -237,8 +239,6 @@ class Router:
                 w.outstanding -= 1
                 w.queued_prefill_tokens -= queued
             w.failures += 1
-            if attempt < self.prefill_retries:
-                self.num_prefill_retries += 1
         return None, None
 
     async def _stream_decode(

@@ -82,12 +82,17 @@ class Sampler:
             ).exponential_(generator=self.generator)
         for i, r in enumerate(requests):
             if r.sampling_params.seed is not None:
-                noise[i].exponential_(generator=self._request_generator(r))
+                noise[i].exponential_(generator=self._request_generator(r, noise[i]))
         return (probs / noise).argmax(dim=-1)
 
-    def _request_generator(self, request: Request) -> torch.Generator:
+    def _request_generator(self, request: Request, draw: torch.Tensor) -> torch.Generator:
         if request.generator is None:
             g = torch.Generator(device=self.device)
             g.manual_seed(request.sampling_params.seed)  # type: ignore[arg-type]  # checked by caller
+            # Tokens sampled elsewhere (a decode worker goes on after the prefill worker's first
+            # token) took one draw each there: skip them, so that a seed gives the same tokens
+            # whichever path the router picks.
+            for _ in range(request.num_output_tokens):
+                torch.empty_like(draw).exponential_(generator=g)
             request.generator = g
         return request.generator

@@ -156,10 +156,10 @@ class PrefillWorker:
         held) under a lease; a cancel that came meanwhile gives the lease up at once."""
         self._publishing[rid] = False
         try:
-            pages = await asyncio.wrap_future(self.loop.call(lambda e: e.kv.page_ids(rid)))
             try:
+                pages = await asyncio.wrap_future(self.loop.call(lambda e: e.kv.page_ids(rid)))
                 ticket = await _settled(self.publisher.publish(rid, pages, prompt_len))
-            except asyncio.CancelledError:  # (while a tensor-parallel publish awaited its ranks)
+            except asyncio.CancelledError:  # (no lease yet: nothing else would free the pages)
                 self._release(rid)
                 raise
             except Exception as e:

@@ -77,13 +77,28 @@ class KVEventPublisher:
                 if batches or self._seq > after_seq:  # (a lost batch: answer now)
                     return KVEventPoll(self.epoch, batches, self._seq)
                 self._waiters.append((loop, event))
-            left = deadline - loop.time()
-            if left <= 0:
-                return KVEventPoll(self.epoch, [], after_seq)
             try:
+                left = deadline - loop.time()
+                if left <= 0:
+                    return KVEventPoll(self.epoch, [], after_seq)
                 await asyncio.wait_for(event.wait(), left)
             except asyncio.TimeoutError:
                 return KVEventPoll(self.epoch, [], after_seq)
+            finally:
+                self._forget(loop, event)
+
+    def _forget(self, loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:
+        """A poll that ends without a batch takes its waiter back: an idle worker's router polls
+        every second, and the list is emptied only by the next batch."""
+        with self._lock:
+            if (loop, event) in self._waiters:
+                self._waiters.remove((loop, event))
+
+    @property
+    def num_waiters(self) -> int:
+        """Polls waiting for the next batch now."""
+        with self._lock:
+            return len(self._waiters)
 
     def drop_next_batch_for_test(self) -> None:
         """Test hook: the next batch is lost (as if the router never received it)."""

@@ -93,5 +93,26 @@ def test_a_poll_waits_for_the_next_batch() -> None:
         assert poll.epoch == epoch and [b.seq for b in poll.batches][0] == 1
         assert (await publisher.poll(epoch, poll.batches[-1].seq, wait_s=0.0)).batches == []
         assert (await publisher.poll("old", 0, wait_s=0.0)).batches == []  # another epoch
+        assert publisher.num_waiters == 0
+
+    asyncio.run(scenario())
+
+
+def test_idle_polls_leave_no_waiter_behind() -> None:
+    """An idle worker's router polls every second and no batch comes: each poll that times out,
+    or is cancelled, takes its waiter back (they piled up until the next batch, about 1 KB each)."""
+
+    async def scenario() -> None:
+        engine = tiny_engine(12)
+        publisher = KVEventPublisher("p-0", engine)
+        for _ in range(20):
+            poll = await publisher.poll(publisher.epoch, 0, wait_s=0.001)
+            assert poll.batches == []
+        cancelled = asyncio.ensure_future(publisher.poll(publisher.epoch, 0, wait_s=30.0))
+        await asyncio.sleep(0.05)
+        assert publisher.num_waiters == 1
+        cancelled.cancel()
+        await asyncio.gather(cancelled, return_exceptions=True)
+        assert publisher.num_waiters == 0
 
     asyncio.run(scenario())

@@ -156,6 +156,11 @@ def test_router_prefill_retries(local_ray: None, retries: int) -> None:
     assert asyncio.run(router._prefill(req)) == (None, None)
     assert sum(w.failures for w in broken) == retries + 1
     assert router.num_prefill_retries == retries
+    # Retries allowed but no other worker to make them on: none is counted.
+    lone = ClusterHandles(config, None, broken[:1], [WorkerSlot("d-0", None)]).router()
+    req = GenerateRequest(f"lone-{retries}", [1, 2, 3], SamplingParams(), time.time())
+    assert asyncio.run(lone._prefill(req)) == (None, None)
+    assert (broken[0].failures, lone.num_prefill_retries) == (2, 0)
 
 
 def test_a_request_out_of_time_blames_no_prefill_worker(local_ray: None) -> None:

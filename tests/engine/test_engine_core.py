@@ -128,13 +128,17 @@ def test_invalid_requests_raise_and_allocate_nothing(
     assert_no_leak(engine.kv)
 
 
+@pytest.mark.parametrize("seed", [None, 1234], ids=["greedy", "seeded"])
 def test_prefill_engine_hands_kv_to_decode_engine(
-    make_tiny_engine: Callable[..., LLMEngine],
+    make_tiny_engine: Callable[..., LLMEngine], seed: int | None
 ) -> None:
     """P prefills (prefill-only, pages kept); the pages' bytes are copied into D's pages; D decodes.
-    The tokens equal one engine doing both. Each engine records the request's stats once: P when
-    it hands the request off, D when it finishes (its gaps only between tokens it sampled)."""
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    The tokens equal one engine doing both, greedy or sampled with a seed (D's generator skips
+    the draw P's first token took). Each engine records the request's stats once: P when it hands
+    the request off, D when it finishes (its gaps only between tokens it sampled)."""
+    params = SamplingParams(
+        temperature=0.0 if seed is None else 1.0, seed=seed, max_tokens=8, ignore_eos=True
+    )
     aggregated = make_tiny_engine()
     aggregated.add_request("r", PROMPT_A, params)
     expected = run_all(aggregated)["r"][-1].token_ids

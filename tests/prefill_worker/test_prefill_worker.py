@@ -113,6 +113,33 @@ def test_a_cancel_while_the_kv_is_being_leased_gives_the_pages_back_at_once() ->
     run_then_close(worker, loop, main)
 
 
+def test_a_prefill_call_cancelled_while_its_kv_is_being_leased_gives_the_pages_back() -> None:
+    # The prefill call itself cancelled (its actor task, say) in that same window: no lease was
+    # made, so none would ever end; the pages stayed held for good.
+    worker = make_worker()
+    real = worker.loop.engine.kv.page_ids
+    calls: list[asyncio.Task] = []
+
+    def page_ids_while_the_call_is_cancelled(rid):  # on the engine's thread
+        if rid not in worker._pending and calls:  # the publish's call: in that window
+            loop.call_soon_threadsafe(calls[0].cancel)
+            time.sleep(0.2)  # the cancel lands while this call still runs
+        return real(rid)
+
+    worker.loop.engine.kv.page_ids = page_ids_while_the_call_is_cancelled
+
+    async def main() -> None:
+        req = GenerateRequest("a", list(range(1, 11)), greedy(4), time.time())
+        calls.append(asyncio.ensure_future(worker.prefill(req)))
+        with pytest.raises(asyncio.CancelledError):
+            await calls[0]
+        await wait_until_no_page_held(worker, timeout_s=5.0)  # the lease would last 30 s
+        assert worker.publisher.leases.get("a") is None
+
+    loop = asyncio.new_event_loop()
+    run_then_close(worker, loop, main)
+
+
 def test_a_cancel_while_a_publish_fails_is_not_kept_for_a_later_request_of_that_id() -> None:
     worker = make_worker()
     real_ids, real_publish = worker.loop.engine.kv.page_ids, worker.publisher.publish
