@@ -96,8 +96,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument(
         "--fresh-prompts-per-rate",
         action="store_true",
-        help="draw another workload (seed + rate index) at every rate of a sweep, so that no rate "
-        "hits the prefix cache of an earlier one; every target sees the same prompts at a rate",
+        help="another workload at every rate of a sweep (synthetic: drawn with seed + rate index; "
+        "jsonl, sharegpt: the file's next --num-prompts prompts), so that no rate hits the prefix "
+        "cache of an earlier one; every target sees the same prompts at a rate",
     )
     load = parser.add_argument_group("arrivals")
     load.add_argument(
@@ -219,10 +220,7 @@ def run_bench(args: argparse.Namespace) -> int:
             requests = build_workload(args)
             per_rate = None
             if args.fresh_prompts_per_rate:
-                per_rate = [
-                    build_workload(argparse.Namespace(**{**vars(args), "seed": args.seed + i}))
-                    for i in range(len(args.request_rate))
-                ]
+                per_rate = [build_workload(args, i) for i in range(len(args.request_rate))]
         except (SloSpecError, WorkloadError) as exc:
             raise BenchError(str(exc)) from None
         except (ValueError, OSError) as exc:

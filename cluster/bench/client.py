@@ -9,6 +9,7 @@ with ``data: [DONE]``; anything else is recorded as a failure with its error, ne
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass
@@ -103,17 +104,20 @@ class StreamingClient:
         payload = request_payload(self.settings, request)
         record.start = time.perf_counter()
         try:
-            async with self._http.stream(
-                "POST", _PATHS[self.settings.endpoint], json=payload
-            ) as response:
-                if response.status_code != 200:
-                    body = (await response.aread()).decode("utf-8", errors="replace")
-                    record.error = f"HTTP {response.status_code}: {body[:300]}"
-                else:
-                    await self._read_stream(response, record)
+            # The whole request, not each read (httpx's timeout: a stream that trickles would
+            # never end it).
+            async with asyncio.timeout(self.settings.request_timeout_s):
+                async with self._http.stream(
+                    "POST", _PATHS[self.settings.endpoint], json=payload
+                ) as response:
+                    if response.status_code != 200:
+                        body = (await response.aread()).decode("utf-8", errors="replace")
+                        record.error = f"HTTP {response.status_code}: {body[:300]}"
+                    else:
+                        await self._read_stream(response, record)
         except httpx.ConnectError as exc:
             record.error = f"cannot connect to {self.settings.base_url}: {exc}"
-        except httpx.TimeoutException:
+        except (httpx.TimeoutException, TimeoutError):
             record.error = f"no complete response within {self.settings.request_timeout_s} s"
         except httpx.HTTPError as exc:
             record.error = f"{type(exc).__name__}: {exc}"
@@ -123,6 +127,7 @@ class StreamingClient:
     async def _read_stream(self, response: httpx.Response, record: RequestRecord) -> None:
         texts: list[str] = []
         usage_tokens: int | None = None
+        tokens_seen = 0  # without usage: the chunks' token ids where given, else one per chunk
         done = False
         async for line in response.aiter_lines():
             if not line.startswith("data:"):
@@ -156,11 +161,13 @@ class StreamingClient:
                 )
                 # A chunk with new token ids counts even without text (a model without a tokenizer,
                 # or text held back by the server for a stop string or an incomplete character).
-                if text or choice.get("token_ids"):
+                ids = choice.get("token_ids")
+                if text or ids:
                     record.chunk_times.append(arrival)
                     texts.append(text or "")
+                    tokens_seen += len(ids) if isinstance(ids, list) and ids else 1
         record.generated_text = "".join(texts)
-        record.output_tokens = usage_tokens if usage_tokens is not None else len(record.chunk_times)
+        record.output_tokens = usage_tokens if usage_tokens is not None else tokens_seen
         if not done:
             record.error = "the stream ended before data: [DONE]"
         elif not record.chunk_times:

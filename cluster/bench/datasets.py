@@ -64,8 +64,10 @@ def load_jsonl(
     num_prompts: int | None,
     default_output_len: int,
     codec: TokenCodec | None = None,
+    skip: int = 0,
 ) -> list[BenchRequest]:
-    """The first ``num_prompts`` requests of a JSONL file (all when None), in file order.
+    """The first ``num_prompts`` requests of a JSONL file (all when None), in file order, after
+    its first ``skip`` prompts.
 
     Every line up to the last one used is validated; the first bad one raises WorkloadError naming
     ``path:line``. An empty file is an error too.
@@ -74,7 +76,7 @@ def load_jsonl(
     try:
         with open(path, encoding="utf-8") as f:
             for lineno, line in enumerate(f, start=1):
-                if num_prompts is not None and len(requests) >= num_prompts:
+                if num_prompts is not None and len(requests) >= skip + num_prompts:
                     break
                 if not line.strip():
                     continue
@@ -87,7 +89,7 @@ def load_jsonl(
         raise WorkloadError(f"{path}: not UTF-8 text ({exc.reason})") from None
     if not requests:
         raise WorkloadError(f"{path}: no prompts in the file")
-    return requests
+    return requests[skip:]
 
 
 def _turn_text(entry: Any, turn: int, where: str) -> str:
@@ -104,8 +106,10 @@ def load_sharegpt(
     codec: TokenCodec | None = None,
     fixed_output_len: int | None = None,
     seed: int = 0,
+    skip: int = 0,
 ) -> list[BenchRequest]:
-    """``num_prompts`` conversations of a ShareGPT file, shuffled with ``seed``, as requests."""
+    """``num_prompts`` conversations of a ShareGPT file, shuffled with ``seed``, as requests:
+    those after the first ``skip`` of that order."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
@@ -126,7 +130,7 @@ def load_sharegpt(
         usable.append((_turn_text(entry, 0, where), _turn_text(entry, 1, where)))
     if not usable:
         raise WorkloadError(f"{path}: no conversation with at least two turns")
-    order = np.random.default_rng(seed).permutation(len(usable))[:num_prompts]
+    order = np.random.default_rng(seed).permutation(len(usable))[skip : skip + num_prompts]
     requests = []
     for i in order:
         prompt, reply = usable[int(i)]

@@ -87,16 +87,21 @@ def _vocab(args: argparse.Namespace, codec: HFTokenizerCodec | None) -> list[int
     return list(range(args.vocab_size))
 
 
-def build_workload(args: argparse.Namespace) -> list[BenchRequest]:
-    """The requests of every run of the sweep (the same list for every rate and target)."""
+def build_workload(args: argparse.Namespace, part: int = 0) -> list[BenchRequest]:
+    """The requests of a run (part 0: of every run, the same list for every rate and target).
+    With ``--fresh-prompts-per-rate`` the i-th rate takes part i: synthetic prompts drawn with
+    seed + i, a file's next ``--num-prompts`` prompts (none shared with another part)."""
     if args.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
     codec = _codec(args)
     if args.workload in ("jsonl", "sharegpt"):
         if not args.dataset_path:
             raise WorkloadError(f"the {args.workload} workload needs --dataset-path")
+        skip = part * args.num_prompts
         if args.workload == "jsonl":
-            requests = load_jsonl(args.dataset_path, args.num_prompts, args.output_len, codec)
+            requests = load_jsonl(
+                args.dataset_path, args.num_prompts, args.output_len, codec, skip=skip
+            )
         else:
             requests = load_sharegpt(
                 args.dataset_path,
@@ -105,6 +110,13 @@ def build_workload(args: argparse.Namespace) -> list[BenchRequest]:
                 codec,
                 args.sharegpt_output_len,
                 args.seed,
+                skip=skip,
+            )
+        if part and len(requests) < args.num_prompts:
+            raise WorkloadError(
+                f"--fresh-prompts-per-rate: {args.dataset_path} has too few prompts for rate "
+                f"{part + 1} (each rate takes {args.num_prompts} of its own: "
+                f"{part + 1} x --num-prompts at least)"
             )
     else:
         if args.endpoint == "chat" and codec is None:
@@ -114,7 +126,10 @@ def build_workload(args: argparse.Namespace) -> list[BenchRequest]:
         text_codec = codec if args.endpoint == "chat" else None  # completions take exact token ids
         vocab = _vocab(args, codec)
         common = dict(
-            output_len=args.output_len, vocab=vocab, range_ratio=args.range_ratio, seed=args.seed
+            output_len=args.output_len,
+            vocab=vocab,
+            range_ratio=args.range_ratio,
+            seed=args.seed + part,
         )
         if args.workload == "random":
             requests = random_workload(args.num_prompts, args.input_len, codec=text_codec, **common)  # type: ignore[arg-type]

@@ -71,7 +71,7 @@ def target_table(entry: dict[str, Any], tail: str, with_slo: bool) -> str:
         f"E2E p{tail}",
     ]
     if with_slo:
-        headers.append("SLO met")
+        headers += ["SLO met", "good req/s"]
     rows = []
     for run in entry["runs"]:
         row = [fmt_rate(run["request_rate"]), fmt(run["completed"]), fmt(run["failed"])]
@@ -82,7 +82,7 @@ def target_table(entry: dict[str, Any], tail: str, with_slo: bool) -> str:
         ]
         row += [fmt(run[f"p{tail}_itl_ms"]), fmt(run[f"p{tail}_e2el_ms"])]
         if with_slo:
-            row.append(f"{100.0 * run['slo_attainment']:.0f}%")
+            row += [f"{100.0 * run['slo_attainment']:.0f}%", fmt(run["request_goodput"], 2)]
         rows.append(row)
     return format_table(headers, rows)
 
@@ -177,11 +177,13 @@ def comparison_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
             )
     if "goodput" in first and "goodput" in second:
         a, b = float(first["goodput"]), float(second["goodput"])
-        ratio = a / b if b != 0.0 and math.isfinite(a + b) else None
+        bound = first["goodput_is_lower_bound"] or second["goodput_is_lower_bound"]
+        # (no ratio of a lower bound: every swept rate met the SLOs, the goodput may be far higher)
+        ratio = a / b if b != 0.0 and math.isfinite(a + b) and not bound else None
         rows.append(
             {
                 "request_rate": None,
-                "metric": "goodput req/s",
+                "metric": "goodput req/s" + (" (a lower bound)" if bound else ""),
                 "key": "goodput",
                 first["label"]: a,
                 second["label"]: b,
@@ -209,6 +211,11 @@ def render_report(doc: dict[str, Any]) -> str:
         tier = kv_tier_table(entry)
         if tier:
             parts += ["KV host tiers over each run (pages, tokens; from /metrics):", tier]
+        if slos and entry["runs"] and "goodput" not in entry:
+            parts.append(
+                "goodput: no rate under --max-concurrency (requests wait for a slot outside "
+                "their latencies); each run's good req/s is in the table"
+            )
         if "goodput" in entry:
             limits = ", ".join(f"{k} <= {v:g} ms" for k, v in slos.items())
             bound = (

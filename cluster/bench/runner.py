@@ -84,6 +84,11 @@ async def run_requests(
     )
     start = time.perf_counter()
     ended = [asyncio.Event() for _ in requests]
+    sent: list[float] = []  # when each request that went out was sent
+
+    async def send(index: int, request: BenchRequest) -> RequestRecord:
+        sent.append(time.perf_counter())
+        return await client.send(index, request)
 
     async def one(index: int, request: BenchRequest) -> RequestRecord:
         try:
@@ -93,10 +98,10 @@ async def run_requests(
             if request.after is not None:
                 await ended[request.after].wait()
             if limit is None:
-                record = await client.send(index, request)
+                record = await send(index, request)
             else:
                 async with limit:
-                    record = await client.send(index, request)
+                    record = await send(index, request)
             progress.update(1)
             return record
         finally:
@@ -117,5 +122,8 @@ async def run_requests(
         _unfinished(i, requests[i], deadline_s, start) if task.cancelled() else task.result()
         for i, task in enumerate(tasks)
     ]
-    duration = max((r.end for r in records), default=start) - start
+    # From the first send, not the run's start: the first arrival gap (a whole ramp-up's slow
+    # start) is no time the server had work.
+    first = min(sent, default=start)
+    duration = max((r.end for r in records), default=first) - first
     return RunOutcome(records=records, duration_s=duration, deadline_hit=bool(pending))

@@ -74,7 +74,13 @@ def _run_entry(
 
 
 def update_goodput(entry: dict[str, Any]) -> None:
-    """Set ``goodput``/``goodput_is_lower_bound`` of a target entry from its runs' SLO attainment."""
+    """Set ``goodput``/``goodput_is_lower_bound`` of a target entry from its runs' SLO attainment.
+
+    Not under a concurrency cap: a request due while the cap is reached waits for a slot outside
+    its latencies, so every rate may pass while the server receives far less than it says; each
+    run's ``request_goodput`` (requests within the SLOs per second, achieved) stays."""
+    if any(run.get("max_concurrency") is not None for run in entry["runs"]):
+        return
     points = [
         (run["request_rate"], run["slo_attainment"])
         for run in entry["runs"]
@@ -114,12 +120,11 @@ async def sweep_url(
     )
     async with StreamingClient(settings) as client:
         if requests and options.num_warmups > 0:
-            await _warm_up(
-                client,
-                replace(requests[0], output_len=min(requests[0].output_len, 4)),
-                options.num_warmups,
-                url,
-            )
+            first = requests[0]
+            # Its prompt reversed: as long, yet no prefix of a measured request's, so that no
+            # measured request finds the warm-up's pages in a prefix cache.
+            warm = replace(first, prompt=first.prompt[::-1], output_len=min(first.output_len, 4))
+            await _warm_up(client, warm, options.num_warmups, url)
             await fetch_perf_metrics(url)  # drain the warm-up's entries
         tier_after = None  # the KV host tiers' counters after the last run
         for i, rate in enumerate(options.request_rates):

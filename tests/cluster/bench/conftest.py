@@ -6,7 +6,9 @@ It serves /v1/models, /v1/completions and /v1/chat/completions over real HTTP an
 ``data: [DONE]``. Its "model" is deterministic, so tests can assert exact outputs:
 - prompt tokens = len(prompt) for token ids, the number of words for text;
 - max_tokens == 13: answers HTTP 500; max_tokens == 14: the stream stops before [DONE];
-- max_tokens == 15: the stream includes an error event.
+- max_tokens == 15: the stream includes an error event;
+- max_tokens == 16: two tokens per chunk, with their ``token_ids``, and no usage chunk (a server
+  that holds text back and does not report usage).
 With ``duet=True`` it also serves /perf_metrics (drained on read; an entry shows ``perf_delay_s``
 after its request ended, as Duet's background reports do) with timings derived from the request: prefill_queue_time = 0.001 * prompt tokens, prefill_time = 0.002 * prompt tokens,
 transfer_time = 0.0005 * prompt tokens, transfer_bytes = 1000 * prompt tokens,
@@ -85,6 +87,13 @@ def build_app(state: EchoState) -> FastAPI:
             state.in_flight += 1
             state.max_in_flight = max(state.max_in_flight, state.in_flight)
             try:
+                if max_tokens == 16:
+                    for i in range(0, max_tokens, 2):
+                        await asyncio.sleep(state.per_token_s)
+                        choice = {"index": 0, "text": f" w{i} w{i + 1}", "token_ids": [i, i + 1]}
+                        yield f"data: {json.dumps({'id': rid, 'choices': [choice]})}\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
                 for i in range(max_tokens):
                     await asyncio.sleep(state.per_token_s)
                     if max_tokens == 15 and i == 1:

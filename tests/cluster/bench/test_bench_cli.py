@@ -69,7 +69,7 @@ def test_sweep_with_goodput_and_comparison(
     assert len(results["comparison"]) == 2 * 7 + 1  # seven metrics per rate, and goodput
     assert results["comparison"][-1] == {
         "request_rate": None,
-        "metric": "goodput req/s",
+        "metric": "goodput req/s (a lower bound)",
         "key": "goodput",
         "disaggregated": "inf",
         "aggregated": "inf",
@@ -233,3 +233,26 @@ def test_fresh_prompts_per_rate(start_echo: Any, tmp_path: Path, fresh: bool) ->
         )
         assert len(server.state.prompts) == 12 and len(first) == len(second) == 6
         assert (first & second == set()) if fresh else (first == second)
+
+
+def test_fresh_prompts_per_rate_from_a_file_and_a_warm_up_no_rate_shares(
+    start_echo: Any, tmp_path: Path
+) -> None:
+    """A jsonl workload gives each rate the file's next --num-prompts prompts (it used to give
+    every rate the same ones); a file too short for every rate is refused before any request. The
+    warm-up's prompt is no measured request's."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(f'{{"prompt": [{i}, {i}, 7]}}\n' for i in range(1, 13)), "utf-8")
+    common = ["--workload", "jsonl", "--dataset-path", str(path), "--num-prompts", "6"]
+    common += ["--tokenizer", "none", "--disable-tqdm", "--fresh-prompts-per-rate"]
+    with start_echo() as server:
+        argv = [server.url, *common, "--request-rate", "inf", "300"]
+        code, results = bench(argv, tmp_path / "two")
+        assert code == 0 and results["error"] is None
+        warm, *sent = [json.dumps(p) for p in server.state.prompts]
+        assert len(sent) == 12 and len(set(sent)) == 12  # every prompt of the file, once
+        assert warm == json.dumps([7, 1, 1]) and warm not in sent
+        count = len(server.state.prompts)
+        code, results = bench([*argv, "600"], tmp_path / "three")
+        assert code == 1 and "too few prompts for rate 3" in results["error"]
+        assert len(server.state.prompts) == count  # nothing sent

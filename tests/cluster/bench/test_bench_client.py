@@ -88,6 +88,20 @@ def test_request_timeout_is_recorded(start_echo: Any) -> None:
     assert not record.success and record.error == "no complete response within 0.1 s"
 
 
+def test_without_usage_the_tokens_are_counted_from_the_chunks_token_ids(
+    duet_server: Any,
+) -> None:
+    record = send(duet_server.url, BenchRequest(prompt=[1], prompt_len=1, output_len=16))
+    assert record.success, record.error
+    assert len(record.chunk_times) == 8 and record.output_tokens == 16  # (not 8: the chunks)
+
+
+def test_the_request_timeout_bounds_the_whole_request_not_each_read(start_echo: Any) -> None:
+    with start_echo(per_token_s=0.3) as slow:  # each read 0.3 s, the whole stream 1.5 s
+        record = send(slow.url, BenchRequest(prompt=[1], prompt_len=1, output_len=5), timeout_s=1.0)
+    assert not record.success and record.error == "no complete response within 1.0 s"
+
+
 def test_probe_models(duet_server: Any, free_port: int) -> None:
     assert asyncio.run(probe_models(duet_server.url)) == [MODEL]
     with pytest.raises(

@@ -97,6 +97,10 @@ def test_sharegpt_seeded_sample(tmp_path: Path) -> None:
     assert len(a) == 5 and len(set(a)) == 5
     assert a == [r.prompt for r in load_sharegpt(path, 5, 4, seed=1)]
     assert a != [r.prompt for r in load_sharegpt(path, 5, 4, seed=2)]
+    # --fresh-prompts-per-rate: the next five of the same order, none shared
+    b = [r.prompt for r in load_sharegpt(path, 5, 4, seed=1, skip=5)]
+    assert len(set(a + b)) == 10
+    assert a + b == [r.prompt for r in load_sharegpt(path, 10, 4, seed=1)]
 
 
 @pytest.mark.parametrize(

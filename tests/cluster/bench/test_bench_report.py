@@ -29,6 +29,7 @@ def run(rate: float, scale: float, attainment: float | None = None) -> dict[str,
             out[f"{stat}_{metric}_ms"] = 10.0 / scale
     if attainment is not None:
         out["slo_attainment"] = attainment
+        out["request_goodput"] = attainment * out["request_throughput"]
     return out
 
 
@@ -92,6 +93,19 @@ def test_render_report_shows_targets_goodput_comparison_and_error() -> None:
     assert "== disaggregated vs aggregated (ratio = disaggregated / aggregated) ==" in text
     assert "100%" in text and "50%" in text
     assert text.rstrip().endswith("ERROR: boom")
+
+
+def test_a_capped_sweep_names_no_goodput_rate_and_a_bound_gives_no_ratio() -> None:
+    capped = doc(slo=True)
+    for t in capped["targets"]:
+        del t["goodput"], t["goodput_is_lower_bound"]
+    text = render_report(capped)
+    assert text.count("goodput: no rate under --max-concurrency") == 2
+    assert "good req/s" in text and "2.00" in text  # the runs' own goodput
+    bounded = doc(slo=True)
+    bounded["targets"][0]["goodput_is_lower_bound"] = True
+    row = comparison_rows(bounded)[-1]
+    assert (row["metric"], row["ratio"]) == ("goodput req/s (a lower bound)", None)
 
 
 def test_results_file_roundtrip_with_infinity(tmp_path: Path) -> None:

@@ -48,6 +48,18 @@ def test_all_at_once_with_concurrency_cap(start_echo: Any) -> None:
     )
 
 
+def test_the_duration_runs_from_the_first_send_not_the_runs_start(start_echo: Any) -> None:
+    # A ramp-up starts the rate at 0: the first send comes well after the run's start, a time the
+    # server had no work, which no throughput may count.
+    with start_echo(per_token_s=0.001) as server:
+        outcome = run(
+            server.url, workload(2), ArrivalSettings(request_rate=2.0, ramp_up_s=3.0, seed=1)
+        )
+    first, last = min(r.start for r in outcome.records), max(r.end for r in outcome.records)
+    assert all(r.success for r in outcome.records)
+    assert last - first <= outcome.duration_s <= last - first + 0.05
+
+
 def test_a_later_turn_waits_for_the_previous_one(start_echo: Any) -> None:
     first = BenchRequest(prompt=[1, 2], prompt_len=2, output_len=6)
     second = BenchRequest(prompt=[1, 2, 3], prompt_len=3, output_len=1, after=0)
