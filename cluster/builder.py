@@ -103,16 +103,21 @@ def _rank0_options(handles: ClusterHandles, role: str, index: int) -> dict[str, 
     tp = pool.tensor_parallel_size
     if tp == 1:
         return options
-    # A bundle needs some resource: a rank reserving none still takes a sliver of a CPU.
-    bundle = pool.resources.bundle or {"CPU": 0.01}
-    pg = placement_group([dict(bundle) for _ in range(tp)], strategy="STRICT_PACK")
+    bundle = pool.resources.bundle
+    if not bundle:  # A bundle needs some resource: a rank reserving none takes a sliver of a CPU.
+        bundle = {"CPU": 0.01}
+        options["num_cpus"] = 0.01
+    # The placement group decides the node: the worker's label selector goes to its bundles.
+    selector = options.pop("label_selector", None)
+    pg = placement_group(
+        [dict(bundle) for _ in range(tp)],
+        strategy="STRICT_PACK",
+        bundle_label_selector=[dict(selector) for _ in range(tp)] if selector else None,
+    )
     handles.placement_groups.append(pg)
     options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
         pg, placement_group_bundle_index=0
     )
-    options.pop("label_selector", None)  # the placement group decides the node
-    if "CPU" not in pool.resources.bundle:
-        options["num_cpus"] = 0.01
     return options
 
 

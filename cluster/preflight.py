@@ -66,11 +66,16 @@ def preflight(config: ClusterConfig, model: ModelConfig | None = None) -> None:
         from engine.loaders import read_model_config
 
         dummy = config.model.dummy_config
-        model = read_model_config(
-            config.model.source,
-            config.model.load_format,
-            dummy.as_hf_dict() if dummy is not None else None,
-        )
+        try:
+            model = read_model_config(
+                config.model.source,
+                config.model.load_format,
+                dummy.as_hf_dict() if dummy is not None else None,
+            )
+        except ValueError as e:
+            if dummy is None:
+                raise
+            raise ConfigError(SOURCE, [f"model.dummy_config: {e}"]) from None
     issues = tensor_parallel_issues(config, model)
     if not issues and any(pool.tensor_parallel_size > 1 for _, pool in pools_in_use(config)):
         issues += placement_issues(config, ray_node_resources())

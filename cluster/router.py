@@ -126,8 +126,12 @@ class Router:
         self, req: GenerateRequest, exclude: set[str], hashes: list[int] | None = None
     ) -> WorkerSlot | None:
         live = [w for w in self.prefill if w.healthy and w.worker_id not in exclude]
-        if not live:
-            return None
+        return self._pick(live, req, hashes) if live else None
+
+    def _pick(
+        self, live: list[WorkerSlot], req: GenerateRequest, hashes: list[int] | None
+    ) -> WorkerSlot:
+        """Of ``live`` (not empty), the worker ``router.policy`` names to prefill ``req``."""
         if self.policy == "round_robin":
             self._turn += 1
             return live[self._turn % len(live)]
@@ -148,6 +152,10 @@ class Router:
             if preferred.outstanding <= least + 2:
                 return preferred
         return min(live, key=lambda w: w.outstanding)
+
+    def _pick_aggregated(self, req: GenerateRequest, hashes: list[int] | None) -> WorkerSlot:
+        """Aggregated mode: the decode worker that prefills ``req`` too, as the policy says."""
+        return self._pick([w for w in self.decode if w.healthy] or self.decode, req, hashes)
 
     def _pick_decode(self, hashes: list[int] | None = None) -> WorkerSlot:
         live = [w for w in self.decode if w.healthy] or self.decode
@@ -176,6 +184,11 @@ class Router:
         if local is not None:
             self.num_local_prefills += 1
             async for delta in self._stream_decode(req, None, None, prefer=local):
+                yield delta
+            return
+        if not self.prefill:  # aggregated
+            prefer = self._pick_aggregated(req, hashes)
+            async for delta in self._stream_decode(req, None, None, prefer=prefer):
                 yield delta
             return
         pre, pworker = await self._prefill(req, hashes)

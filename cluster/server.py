@@ -103,8 +103,14 @@ def check_token_ids(ids: list[int], vocab_size: int, field: str) -> None:
         )
 
 
+# Open without the API key: liveness and Prometheus scrapes (as vLLM leaves them). Everything
+# else needs it: the API, and the stats endpoints, which drain what they return.
+_OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
 class _ApiKeyMiddleware:
-    """Refuses /v1/ requests without ``Authorization: Bearer <key>`` (compared in constant time).
+    """Refuses requests without ``Authorization: Bearer <key>`` (compared in constant time), but
+    to ``_OPEN_PATHS``.
 
     A plain ASGI middleware: Starlette's ``@app.middleware("http")`` would pass every chunk of a
     token stream through a memory stream and a task switch of its own (about a third of the
@@ -115,7 +121,7 @@ class _ApiKeyMiddleware:
         self.expected = expected
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):  # constant time
                 await _err("invalid or missing API key", 401)(scope, receive, send)

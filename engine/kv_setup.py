@@ -102,6 +102,21 @@ def build_kv_cache(
             max_tokens=config.kv_max_tokens,
             pool_ratios=config.pool_ratio,
         )
+        budgeted = size_pool_groups(
+            templates, budget, need, max_tokens=config.kv_max_tokens, pool_ratios=config.pool_ratio
+        )
+        if budgeted != specs:  # (a budget past what the scheduler can use is not allocated)
+            logger.info(
+                "KV cache: the budget of %d B holds more than max_num_seqs (%d) requests of "
+                "max_model_len (%d) tokens can use: %s",
+                budget,
+                config.max_num_seqs,
+                max_model_len,
+                ", ".join(
+                    f"{s.name} {s.usable_pages} of {b.usable_pages} pages"
+                    for s, b in zip(specs, budgeted, strict=True)
+                ),
+            )
     logger.info(
         "KV cache: %s (pages of %d tokens; one request of %d tokens holds at most %s)",
         ", ".join(f"{s.name} {s.usable_pages} pages of {s.page_bytes} B" for s in specs),

@@ -278,15 +278,24 @@ def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     rope_type = merged.get("rope_type", merged.get("type", "default"))
     if rope_type == "default":
         return theta, None
+
+    def param(name: str) -> Any:
+        if name not in merged:
+            raise ValueError(
+                f"rope type {rope_type!r} needs {name!r} in rope_scaling (or rope_parameters); "
+                f"got {sorted(merged)}"
+            )
+        return merged[name]
+
     if rope_type == "linear":
-        return theta, RopeScaling("linear", float(merged["factor"]))
+        return theta, RopeScaling("linear", float(param("factor")))
     if rope_type == "llama3":
         return theta, RopeScaling(
             "llama3",
-            factor=float(merged["factor"]),
-            low_freq_factor=float(merged["low_freq_factor"]),
-            high_freq_factor=float(merged["high_freq_factor"]),
-            original_max_position_embeddings=int(merged["original_max_position_embeddings"]),
+            factor=float(param("factor")),
+            low_freq_factor=float(param("low_freq_factor")),
+            high_freq_factor=float(param("high_freq_factor")),
+            original_max_position_embeddings=int(param("original_max_position_embeddings")),
         )
     raise ValueError(
         f"rope type {rope_type!r} of model_type {hf.get('model_type')!r} is not supported; expected 'default', 'linear' or 'llama3'"

@@ -84,8 +84,9 @@ class SamplingParams:
             raise _fail("top_k", "-1 (disabled) or an integer >= 1", self.top_k)
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise _fail("max_tokens", "an integer >= 1", self.max_tokens)
-        if self.seed is not None and not _is_int(self.seed):
-            raise _fail("seed", "an integer or None", self.seed)
+        if self.seed is not None and not (_is_int(self.seed) and -(2**63) <= self.seed < 2**64):
+            # (what torch.Generator.manual_seed takes: beyond it, the step itself would fail)
+            raise _fail("seed", "an integer in [-2**63, 2**64) or None", self.seed)
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise _fail("stop", "non-empty strings", s)

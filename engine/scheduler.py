@@ -44,6 +44,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.loading: list[Request] = []  # admitted, waiting for their host-tier load-backs
+        # prefilled elsewhere (their KV in their pages), waiting for a place under max_num_seqs
+        self.ready: deque[Request] = deque()
         # every request the scheduler still knows: waiting, running, or prefilled holding pages
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0  # since construction
@@ -72,8 +74,9 @@ class Scheduler:
         finalization), appends ``first_token_id`` (sampled by the prefill worker), and starts the
         request RUNNING with ``num_computed_tokens`` = prompt length, so its next step is a decode.
         It may finish at once (the first token met a stop condition): then its pages are freed.
-        Its pages are already held, so it joins the running set even beyond ``max_num_seqs``
-        (the caller gates admission by free pages); the token budget still bounds each step.
+        It joins the running set while fewer than ``max_num_seqs`` requests compute; otherwise it
+        waits aside in ``ready``, its pages held, and joins before any waiting request is
+        admitted (the caller gates these requests by free pages, the scheduler by places).
         """
         self._check_new(request)
         if not self.kv.has_request(request.request_id):
@@ -95,12 +98,14 @@ class Scheduler:
         request.committed_prompt = True
         request.status = RequestStatus.RUNNING
         self.requests[request.request_id] = request
-        self.running.append(request)
         request.append_output_token(first_token_id, now, sampled_here=False)
         status = check_stop(request, first_token_id, self.config.max_model_len)
         if status is not None:
             self._finish(request, status, now)
-            self.running.remove(request)
+        elif self.ready or self.num_running >= self.config.max_num_seqs:
+            self.ready.append(request)
+        else:
+            self.running.append(request)
         return request
 
     def add_recomputed_request(self, request: Request, first_token_id: int) -> Request:
@@ -125,6 +130,8 @@ class Scheduler:
             return None
         if request in self.loading:
             self.loading.remove(request)
+        elif request in self.ready:
+            self.ready.remove(request)
         elif request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
@@ -149,6 +156,8 @@ class Scheduler:
         chunk = cfg.prefill_chunk_size
         if self.loading:
             self._land_loads()
+        while self.ready and self.num_running < cfg.max_num_seqs:
+            self.running.append(self.ready.popleft())
         running = self.running  # _reserve_running pops from this same list
         i = 0
         while i < len(running) and budget > 0:
@@ -275,11 +284,12 @@ class Scheduler:
 
     # ---- queries ----
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.loading)
+        return bool(self.waiting or self.running or self.loading or self.ready)
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        """Requests waiting for a place: to be admitted, or prefilled elsewhere (``ready``)."""
+        return len(self.waiting) + len(self.ready)
 
     @property
     def num_running(self) -> int:

@@ -45,11 +45,14 @@ def check_stop(request: Request, token_id: int, max_model_len: int) -> RequestSt
 
     Order: a stop string completed by this token's text, EOS (unless ``ignore_eos``),
     ``stop_token_ids``, then length (``max_tokens`` or ``max_model_len``). The token itself always
-    stays in ``output_token_ids``. (A stop string goes first because EOS and stop tokens, usually
-    special, add no text; checking the text first costs nothing when they match.)
+    stays in ``output_token_ids``; a token that stops the request by its id (EOS, a stop token)
+    adds no text unless ``include_stop_str_in_output``, as in vLLM and as a stop string's text.
     """
     params = request.sampling_params
-    new_chars = len(append_text(request, token_id)) if request.detokenizer is not None else 0
+    by_id = token_id in request.eos_token_ids or token_id in params.stop_token_ids
+    new_chars = 0
+    if request.detokenizer is not None and not (by_id and not params.include_stop_str_in_output):
+        new_chars = len(append_text(request, token_id))
     if params.stop and new_chars and _match_stop_string(request, new_chars):
         return RequestStatus.FINISHED_STOPPED  # the text ends at the stop string: nothing to flush
     status: RequestStatus | None = None

@@ -15,9 +15,11 @@ class KVCacheConfig(Section):
     """Each worker's paged KV cache: one pool group per attention window of the model ("full";
     "swa_<window>" for sliding-window layers). Sizing: ``num_pages`` per group when given, else the
     memory budget of the worker's device (``cpu_bytes`` on CPU, ``gpu_memory_fraction`` on GPU)
-    split between the groups (``pool_ratio``), capped by ``max_tokens``. A worker logs its pages per
-    group at start-up and refuses to start when one request of ``model.max_model_len`` tokens does
-    not fit in some group. ``host_tier_bytes`` adds host memory beneath the pools."""
+    split between the groups (``pool_ratio``), capped by ``max_tokens`` and by what the worker's
+    scheduler can use: ``max_num_seqs`` requests of ``model.max_model_len`` tokens (a larger budget
+    is not allocated; the start-up log says so). A worker logs its pages per group at start-up and
+    refuses to start when one request of ``model.max_model_len`` tokens does not fit in some
+    group. ``host_tier_bytes`` adds host memory beneath the pools."""
 
     page_size: int = Field(
         16, description=f"Tokens per page: a power of two from 1 to {MAX_PAGE_SIZE}."
@@ -27,13 +29,17 @@ class KVCacheConfig(Section):
         ge=2,
         description=(
             "Exact pages per pool group, counting the reserved null page; "
-            "excludes cpu_bytes, gpu_memory_fraction and pool_ratio."
+            "excludes cpu_bytes, gpu_memory_fraction, pool_ratio and max_tokens."
         ),
     )
     cpu_bytes: ByteSize = Field(
         ByteSize(512 * 2**20),
         gt=0,
-        description='KV budget of a CPU worker, in bytes or with a unit ("512MiB", "2GiB").',
+        description=(
+            'KV budget of a CPU worker, in bytes or with a unit ("512MiB", "2GiB"); per rank: '
+            "each of a tensor-parallel worker's N processes holds this much (its heads' share of "
+            "the same pages)."
+        ),
     )
     gpu_memory_fraction: float = Field(
         0.9,
@@ -116,6 +122,10 @@ class KVCacheConfig(Section):
                         "splits a memory budget; with num_pages every group gets num_pages pages "
                         "(pick one sizing)",
                     )
+                )
+            if self.max_tokens is not None:
+                issues.append(
+                    ("max_tokens", "caps a memory budget; with num_pages it would not apply")
                 )
         if self.host_tier_bytes and self.reuse_policy == "none":
             issues.append(

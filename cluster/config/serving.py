@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 
 from cluster.config.base import Section
 
@@ -17,7 +17,10 @@ class RouterConfig(Section):
     policy: Literal["round_robin", "load_balance", "prefix_aware", "kv_aware"] = Field(
         "load_balance",
         description=(
-            "round_robin: in turn; load_balance: fewest queued + running requests; "
+            "How the router picks the worker that prefills a request: a prefill worker, or in "
+            "aggregated mode a decode worker (a disaggregated request's decode worker is the one "
+            "with the fewest requests, then the most of its prompt cached, then the most free "
+            "pages). round_robin: in turn; load_balance: fewest queued + running requests; "
             "prefix_aware: requests sharing their first page go to one worker (by a hash), load "
             "as tie-break; kv_aware: the least cost from what each worker has cached, known from "
             "its KV events: prompt tokens its device does not hold, host-tier hits at half "
@@ -56,8 +59,20 @@ class ServerConfig(Section):
     )
     port: int = Field(8000, ge=0, le=65535, description="Port to bind; 0 = any free port.")
     api_key: SecretStr | None = Field(
-        None, description="Bearer token clients must send; None = no authentication."
+        None,
+        description=(
+            "Bearer token clients must send on every endpoint but /health and /metrics (the "
+            "stats endpoints drain what they return); None = no authentication."
+        ),
     )
+
+    @field_validator("api_key")
+    @classmethod
+    def _not_empty(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and not value.get_secret_value():
+            raise ValueError("must not be empty (an empty key would turn authentication off)")
+        return value
+
     request_timeout_s: float = Field(
         600.0,
         gt=0,
@@ -118,8 +133,9 @@ class RayConfig(Section):
         None,
         min_length=1,
         description=(
-            'None: start a local Ray bound to 127.0.0.1; "auto": join the Ray cluster this node '
-            'belongs to (e.g. under `ray job submit`); "host:port" or "ray://host:port": that one.'
+            "None: the Ray cluster RAY_ADDRESS names (as `ray job submit` sets it), else a local "
+            'Ray started bound to 127.0.0.1; "auto": join the Ray cluster this node belongs to; '
+            '"host:port" or "ray://host:port": that one.'
         ),
     )
     namespace: str = Field("duet", min_length=1, description="Ray namespace of the named actors.")

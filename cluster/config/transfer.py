@@ -154,8 +154,9 @@ class TransferConfig(Section):
             "How UCX is progressed: loop (by the worker's event loop, polling only while KV "
             "messages are in flight: no thread, no idle CPU), thread (a progress thread that "
             "sleeps until woken), thread-polling (a spinning thread: lower latency per message, "
-            "one busy core), or auto (for KV that moves over UCX, loop from host memory and "
-            "thread-polling from a GPU; thread where KV is read directly)."
+            "one busy core), or auto: thread with direct_copy on (pairs of one host read "
+            "directly and UCX only sleeps; pairs across hosts get the same thread), else loop "
+            "for KV in host memory and thread-polling for KV on a GPU."
         ),
     )
     port: int = Field(0, ge=0, le=65535, description="Listener port; 0 = any free port.")

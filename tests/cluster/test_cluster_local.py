@@ -241,7 +241,7 @@ def test_openai_fields_that_ask_for_nothing_are_accepted(running, model_name) ->
     assert r.json()["usage"]["completion_tokens"] <= 2
 
 
-def test_the_api_key_is_required_on_v1_only(running) -> None:
+def test_the_api_key_is_required_but_on_health_and_metrics(running) -> None:
     from fastapi.testclient import TestClient
 
     from cluster.server import create_app
@@ -254,6 +254,9 @@ def test_the_api_key_is_required_on_v1_only(running) -> None:
     ok = client.get("/v1/models", headers={"Authorization": "Bearer s3cret"})
     assert ok.status_code == 200 and ok.json()["data"][0]["id"] == running.frontend.model_name
     assert client.get("/health").status_code == 200
+    assert client.get("/metrics").status_code == 200
+    for drained in ("/perf_metrics", "/iteration_stats", "/transfer_stats"):  # (they were open)
+        assert client.get(drained).status_code == 401, drained
 
 
 def test_non_streaming_request_of_a_client_that_left_is_aborted(running, model_name) -> None:

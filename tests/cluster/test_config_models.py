@@ -218,6 +218,9 @@ def test_kvcache_pool_ratio() -> None:
         "kvcache.pool_ratio: splits a memory budget; with num_pages every group gets num_pages "
         "pages (pick one sizing)"
     ]
+    assert issues_of({"kvcache": {"num_pages": 10, "max_tokens": 64}}) == [
+        "kvcache.max_tokens: caps a memory budget; with num_pages it would not apply"
+    ]
 
 
 def test_kvcache_host_tier_bytes() -> None:
@@ -251,9 +254,12 @@ def test_kvcache_swa_scratch_reuse() -> None:
 
 
 def test_one_request_must_fit_the_kv_cache() -> None:
-    data = {"model": {"max_model_len": 100}, "kvcache": {"num_pages": 7, "max_tokens": 99}}
+    data = {"model": {"max_model_len": 100}, "kvcache": {"max_tokens": 99}}
     assert issues_of(data) == [
         "kvcache.max_tokens: must be >= model.max_model_len (100) so one request fits, got 99",
+    ]
+    data = {"model": {"max_model_len": 100}, "kvcache": {"num_pages": 7}}
+    assert issues_of(data) == [
         "kvcache.num_pages: must be >= 8 (model.max_model_len 100 in pages of 16, plus the null "
         "page) so one request fits, got 7",
     ]
@@ -394,6 +400,9 @@ def test_server_and_stats() -> None:
     assert config.server.api_key is not None
     assert config.server.api_key.get_secret_value() == "s3cret"
     assert "s3cret" not in repr(config)
+    assert issues_of({"server": {"api_key": ""}}) == [
+        "server.api_key: must not be empty (an empty key would turn authentication off)"
+    ]
     assert issues_of({"stats": {"max_stats_len": -2, "interval_s": 0}}) == [
         "stats.max_stats_len: must be >= -1, got -2",
         "stats.interval_s: must be > 0, got 0",

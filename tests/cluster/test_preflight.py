@@ -110,3 +110,14 @@ def test_build_cluster_refuses_before_any_actor_starts() -> None:
     assert caught.value.issues[0].startswith("prefill.tensor_parallel_size: must divide")
     assert not ray.is_initialized()
     preflight(config_from_dict(dummy(1, 1)))  # tp 1 everywhere: nothing to ask Ray
+
+
+def test_an_incomplete_rope_scaling_names_the_field_and_the_missing_key() -> None:
+    data = dummy(1, 1)
+    data["model"]["dummy_config"] = {**EIGHT_HEADS, "rope_scaling": {"rope_type": "llama3"}}
+    with pytest.raises(ConfigError) as err:  # (a bare KeyError('factor') before)
+        preflight(config_from_dict(data))
+    assert err.value.issues == [
+        "model.dummy_config: rope type 'llama3' needs 'factor' in rope_scaling (or "
+        "rope_parameters); got ['rope_type']"
+    ]

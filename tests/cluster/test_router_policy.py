@@ -47,6 +47,18 @@ def test_prefix_aware_sends_a_shared_first_page_to_one_worker_unless_it_is_busy(
     assert router._pick_prefill(req(shared + [1]), set()) is not first
 
 
+def test_in_aggregated_mode_the_policy_picks_the_decode_worker() -> None:
+    """router.policy picks the worker that prefills: a decode worker when there is no prefill
+    worker (it was load balance whatever the policy said)."""
+    router = Router([], slots("d", 3), policy="round_robin")
+    picks = [router._pick_aggregated(req([1]), None).worker_id for _ in range(3)]
+    assert sorted(picks) == ["d-0", "d-1", "d-2"]
+    d = slots("d", 4)
+    router = Router([], d, policy="prefix_aware", page_size=4)
+    first = router._pick_aggregated(req([7, 7, 7, 7, 1]), None)
+    assert all(router._pick_aggregated(req([7, 7, 7, 7, k]), None) is first for k in range(9))
+
+
 def test_decode_choice_prefers_fewer_requests_then_more_free_pages() -> None:
     d = slots("d", 3)
     d[0].outstanding, d[1].outstanding, d[2].outstanding = 1, 0, 0

@@ -46,7 +46,7 @@ SETTINGS: dict[str, Any] = {
     "decode.page_wait_deadline_s": 12.0,
     "decode.token_deadline_s": 13.0,
     "kvcache.page_size": 8,
-    "kvcache.num_pages": 90,
+    "kvcache.cpu_bytes": 3 << 20,
     "kvcache.max_tokens": 600,
     "kvcache.reuse_policy": "per_request",
     "kvcache.host_tier_bytes": 1 << 20,
@@ -95,12 +95,13 @@ def test_every_worker_setting_reaches_its_spec() -> None:
             SETTINGS[f"{role}.scheduler.{name}"]
             for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size")
         )
-        assert (e.page_size, e.num_pages, e.kv_max_tokens, e.reuse_policy) == (
+        assert (e.page_size, e.kv_cache_memory_bytes, e.kv_max_tokens, e.reuse_policy) == (
             8,
-            90,
+            3 << 20,
             600,
             "per_request",
         )
+        assert e.num_pages is None  # (kvcache.num_pages: tests/cluster/test_config_models.py)
         assert e.host_tier_bytes == 1 << 20
         assert spec.publish_kv_events  # router.policy kv_aware indexes every worker's cache
         assert (e.max_stats_len, e.max_request_stats_len, spec.stats_interval_s) == (17, 19, 2.5)
@@ -114,7 +115,7 @@ def test_every_worker_setting_reaches_its_spec() -> None:
 
 def test_the_dummy_model_is_built_as_configured() -> None:
     """The model.dummy_config.* fields shape the weights the engine runs."""
-    flat = {**SETTINGS, "model.dtype": "float32", "kvcache.num_pages": 90}
+    flat = {**SETTINGS, "model.dtype": "float32"}
     engine = LLMEngine.from_config(
         worker_spec(
             config_from_dict(nested(flat)), Role.DECODE, 0, None, transfer_secret="x"
@@ -204,3 +205,9 @@ def test_the_router_gets_the_router_and_server_settings() -> None:
     r = handles.router()
     assert (r.policy, r.prefill_retries, r.local_prefill_fallback) == ("round_robin", 3, False)
     assert (r.call_timeout_s, r.page_size) == (42.0, 32)
+
+
+def test_kvcache_num_pages_reaches_the_engine_instead_of_a_budget() -> None:
+    config = config_from_dict({"kvcache": {"num_pages": 90}})
+    e = worker_spec(config, Role.DECODE, 0, None, transfer_secret="x").engine
+    assert (e.num_pages, e.kv_cache_memory_bytes, e.kv_max_tokens) == (90, None, None)

@@ -46,7 +46,13 @@ def test_is_immutable() -> None:
         ({"top_k": 2.0}, "SamplingParams.top_k must be -1 (disabled) or an integer >= 1, got 2.0"),
         ({"max_tokens": 0}, "SamplingParams.max_tokens must be an integer >= 1, got 0"),
         ({"max_tokens": True}, "SamplingParams.max_tokens must be an integer >= 1, got True"),
-        ({"seed": "7"}, "SamplingParams.seed must be an integer or None, got '7'"),
+        (
+            {"seed": "7"},
+            "SamplingParams.seed must be an integer in [-2**63, 2**64) or None, got '7'",
+        ),
+        # (torch.Generator takes no more: it failed the engine step, every request with it)
+        ({"seed": 2**64}, "SamplingParams.seed must be an integer in [-2**63, 2**64) or None"),
+        ({"seed": -(2**63) - 1}, "SamplingParams.seed must be an integer in [-2**63, 2**64)"),
         ({"stop": [""]}, "SamplingParams.stop must be non-empty strings, got ''"),
         ({"stop": [3]}, "SamplingParams.stop must be non-empty strings, got 3"),
         ({"stop": 3}, "SamplingParams.stop must be a string or a list of strings, got 3"),
@@ -67,4 +73,5 @@ def test_invalid_fields_raise_naming_field_and_range(kwargs: dict, message: str)
 def test_boundaries_are_accepted() -> None:
     p = SamplingParams(temperature=0, top_p=1.0, top_k=1, max_tokens=1, seed=0)
     assert p.top_k == 1 and p.max_tokens == 1 and p.seed == 0
+    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1 and SamplingParams(seed=-(2**63)).seed
     assert SamplingParams(top_p=1e-6).top_p == 1e-6

@@ -61,6 +61,34 @@ def test_prefilled_request_starts_with_a_decode_step() -> None:
     assert_no_leak(kv)
 
 
+def test_prefilled_requests_beyond_max_num_seqs_wait_for_a_place_with_their_pages() -> None:
+    """decode.scheduler.max_num_seqs bounds a decode worker's batch too: prefilled requests past
+    it wait aside with their pages (they all ran at once before), join first as places free, and
+    an abort of a waiting one frees its pages."""
+    kv = tiny_kv(page_size=4)
+    sched = tiny_scheduler(kv, max_num_seqs=2)
+    reqs = []
+    for i, max_tokens in enumerate((2, 3, 2, 2, 2)):
+        rid = f"d{i}"
+        assert kv.allocate_slots(rid, 5)
+        reqs.append(
+            make_request(rid, list(range(500 + 10 * i, 505 + 10 * i)), max_tokens=max_tokens)
+        )
+        sched.add_prefilled_request(reqs[-1], first_token_id=42)
+    assert sched.running == reqs[:2] and list(sched.ready) == reqs[2:]
+    assert (sched.num_running, sched.num_waiting) == (2, 3)
+    assert sched.abort("d4") is reqs[4] and not kv.has_request("d4")
+    sched.add_request(make_request("new", 4, max_tokens=1))  # a waiting one joins after them
+    batches = []
+    while sched.has_unfinished():
+        out, _ = run_step(sched)
+        batches.append([r.request_id for r in out.requests])
+        assert len(out.requests) <= 2
+    assert batches == [["d0", "d1"], ["d1", "d2"], ["d3", "new"]]
+    assert all(r.finish_reason == "length" for r in reqs[:4])
+    assert_no_leak(kv)
+
+
 def test_prefilled_request_finishing_at_its_first_token_frees_its_pages() -> None:
     kv = tiny_kv()
     sched = tiny_scheduler(kv)

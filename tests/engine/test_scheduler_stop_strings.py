@@ -94,6 +94,28 @@ def test_eos_adds_no_text_and_stops(word_tokenizer: Tokenizer) -> None:
     assert req.output_text == " hello <eos> world" and req.finish_reason == "length"
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_a_token_that_stops_by_its_id_adds_its_text_only_when_asked(
+    word_tokenizer: Tokenizer, include: bool
+) -> None:
+    """As vLLM: a stop token's (or a shown EOS's) text is left out of the text unless
+    include_stop_str_in_output, as a stop string's is."""
+    words = ["hello", "stop", "world"]
+    req, stream = generate(
+        word_tokenizer, words, stop_token_ids=[3], include_stop_str_in_output=include
+    )
+    assert req.finish_reason == "stop" and req.stop_reason == 3 and req.output_token_ids == [1, 3]
+    want = " hello stop" if include else " hello"
+    assert req.output_text == want == "".join(o.delta_text for o in stream)
+    req, _ = generate(
+        word_tokenizer,
+        ["hello", "<eos>"],
+        skip_special_tokens=False,
+        include_stop_str_in_output=include,
+    )
+    assert req.output_text == (" hello <eos>" if include else " hello")
+
+
 def test_streamed_deltas_add_up_to_the_text(word_tokenizer: Tokenizer) -> None:
     req, stream = generate(word_tokenizer, ["hello", "world", "hello", "world"], stop=["never"])
     assert [o.delta_token_ids for o in stream] == [[1], [2], [1], [2]]
