@@ -242,9 +242,11 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
     ) -> AsyncIterator[str]:
         rid = req.request_id
         n_out, finished = 0, False
+        # With include_usage, every chunk but the usage one says "usage": null (OpenAI's rule).
+        no_usage: dict[str, Any] = {"usage": None} if include_usage else {}
         try:
             if first_chunk is not None:
-                yield _sse(first_chunk)
+                yield _sse(first_chunk | no_usage)
             try:
                 async for d in backend.generate(req):
                     if d.error:
@@ -253,7 +255,7 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
                         break
                     n_out += len(d.token_ids)
                     if d.text or d.token_ids or d.finish_reason:
-                        yield _sse(make_chunk(d.text, d.finish_reason, d.token_ids))
+                        yield _sse(make_chunk(d.text, d.finish_reason, d.token_ids) | no_usage)
                     if d.finish_reason:
                         finished = True
             except Exception as e:  # whatever failed, the client gets an error event and [DONE]

@@ -81,7 +81,7 @@ def test_completions_match_transformers(client, model_name, hf_gguf_model, ours)
         assert "".join(c.choices[0].text for c in streamed if c.choices) == want
 
 
-def test_chat_matches_transformers(client, model_name, hf_gguf_model, ours) -> None:
+def test_chat_matches_transformers(client, running, model_name, hf_gguf_model, ours) -> None:
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     want, _, _ = expected(hf_gguf_model, ours, ours.encode_chat(messages), 24)
     r = client.chat.completions.create(
@@ -105,6 +105,12 @@ def test_chat_matches_transformers(client, model_name, hf_gguf_model, ours) -> N
             usage = c.usage
     assert "".join(parts) == want
     assert usage is not None and usage.completion_tokens == r.usage.completion_tokens
+    # OpenAI's rule, on the wire: with include_usage every other chunk says "usage": null
+    body = {"model": model_name, "prompt": "Hi", "max_tokens": 3, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    with httpx.stream("POST", running.url + "/v1/completions", json=body, timeout=60) as raw:
+        events = [json.loads(line[6:]) for line in raw.iter_lines() if line.startswith("data: {")]
+    assert [e["usage"] is None for e in events] == [True] * (len(events) - 1) + [False]
 
 
 def test_64_concurrent_streams_then_no_page_held(running, model_name, hf_gguf_model, ours) -> None:
