@@ -63,6 +63,9 @@ class ClusterFrontend:
         self._perf: StatsBuffer[dict[str, Any]] = StatsBuffer(perf_buffer_len)
         self._perf_lock = threading.Lock()
         self._drain_lock = asyncio.Lock()  # one collector drain at a time (records join in order)
+        # A drain the collector has not answered yet: its records are out of the collector, so
+        # the next read waits for this answer rather than asking again (a new drain lost them).
+        self._drain_ref: Any = None
         self._perf_task: asyncio.Task[None] | None = None
 
     # ---- life cycle (the HTTP server's lifespan) ----
@@ -111,13 +114,20 @@ class ClusterFrontend:
         if self.collector is None:
             return
         async with self._drain_lock:
+            if self._drain_ref is None:
+                self._drain_ref = self.collector.drain.remote()
             try:
-                records = await asyncio.wait_for(
-                    self.collector.drain.remote(), COLLECTOR_DRAIN_TIMEOUT_S
+                records = await asyncio.wait_for(self._drain_ref, COLLECTOR_DRAIN_TIMEOUT_S)
+            except asyncio.TimeoutError:  # its answer comes with a later read
+                log.warning(
+                    "perf-metrics collector did not answer within %gs", COLLECTOR_DRAIN_TIMEOUT_S
                 )
-            except Exception as e:  # the collector is an aid, never a reason to fail a scrape
-                log.warning("perf-metrics collector did not answer: %s", e)
                 return
+            except Exception as e:  # the collector is an aid, never a reason to fail a scrape
+                self._drain_ref = None
+                log.warning("perf-metrics collector failed: %s", e)
+                return
+            self._drain_ref = None
             with self._perf_lock:
                 for record in records:
                     self.metrics.observe_request(record)
@@ -138,6 +148,9 @@ class ClusterFrontend:
         s = w.last_stats
         if s is None:
             return
+        if not w.healthy:  # down, or restarting: its last gauges are no current values
+            self.metrics.hide_worker(w.worker_id, s.role)
+            return
         self.metrics.set_worker_stats(
             w.worker_id,
             s.role,
@@ -155,6 +168,7 @@ class ClusterFrontend:
             injected_faults_total=s.transfer.injected_faults,
             kv=s.kv,
             kv_interval=s.kv_interval,
+            pid=s.pid,
         )
 
     async def perf_metrics(self) -> list[dict[str, Any]]:

@@ -8,8 +8,8 @@ pool) or "host" (the KV host tier beneath it, ``kvcache.host_tier_bytes``).
 
 Counters that workers keep themselves (transfer failures and their outcomes, expired leases,
 refused peers, injected faults) arrive as running totals
-through ``set_worker_stats``; the difference to the previous total is added, and a total that went
-down (the worker restarted) counts from zero again.
+through ``set_worker_stats``; the difference to the previous total is added. A worker that
+restarted (another process id) counts from zero again, as does a total that went down.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ TOKEN_LATENCY_BUCKETS = (
 
 @dataclass
 class _WorkerTotals:
+    pid: int | None = None  # the process the totals below came from
     transfer_failures: int = 0
     expired_leases: int = 0
     transfer_recomputed: int = 0
@@ -256,7 +257,8 @@ class ServingMetrics:
             (self.tpot, record.tpot_s),
             (self.e2e, record.e2e_s),
             (self.prefill_time, record.prefill_time_s),
-            (self.transfer_latency, record.transfer_latency_s),
+            # (a transfer that moved nothing, failed or cut short, is no transfer latency)
+            (self.transfer_latency, record.transfer_latency_s if record.transfer_bytes else None),
         ):
             if value is not None:
                 histogram.labels(model).observe(value)
@@ -287,8 +289,10 @@ class ServingMetrics:
         injected_faults_total: int = 0,
         kv: KVCacheStats | None = None,
         kv_interval: KVCacheStats | None = None,
+        pid: int | None = None,
     ) -> None:
-        """Update one worker's gauges; the ``*_total`` arguments are the worker's running totals;
+        """Update one worker's gauges; the ``*_total`` arguments are the worker's running totals
+        (of process ``pid``: another one than last time restarted them from zero);
         ``peak_kv_usage`` is None until the worker's first stats interval ended.
         ``kv``: the worker's KV stats now (per pool group and tier; its counters are running
         totals); ``kv_interval``: those taken at the end of its last complete stats interval (its
@@ -312,6 +316,11 @@ class ServingMetrics:
         }
         with self._totals_lock:
             seen = self._worker_totals.setdefault((labels[1], worker_id), _WorkerTotals())
+            if pid is not None and seen.pid not in (None, pid):  # a restarted worker
+                seen = self._worker_totals[(labels[1], worker_id)] = _WorkerTotals(
+                    group_series=seen.group_series
+                )
+            seen.pid = pid
             deltas = {k: _delta(getattr(seen, k), v) for k, v in totals.items()}
             for k, v in totals.items():
                 setattr(seen, k, v)
@@ -370,13 +379,20 @@ class ServingMetrics:
 
     def remove_worker(self, worker_id: str, role: Role | str) -> None:
         """Forget a worker that left the cluster, so its gauges stop being exported."""
+        self.hide_worker(worker_id, role)
+        with self._totals_lock:
+            self._worker_totals.pop((Role(role).value, worker_id), None)
+
+    def hide_worker(self, worker_id: str, role: Role | str) -> None:
+        """Stop exporting a worker's gauges (it is down: their last values would pass for
+        current ones) until its next ``set_worker_stats``; its counters' totals are kept."""
         labels = (self.model_name, Role(role).value, worker_id)
         for metric in (self.num_waiting, self.num_running, self.kv_usage, self.kv_peak_usage):
             with contextlib.suppress(KeyError):  # a gauge it never set
                 metric.remove(*labels)
         # Counters stay: their totals are history, and Prometheus handles a series that stops.
         with self._totals_lock:
-            seen = self._worker_totals.pop((labels[1], worker_id), None)
+            seen = self._worker_totals.get((labels[1], worker_id))
             group_gauges = (
                 self.kv_group_pages,
                 self.kv_group_peak_pages,

@@ -76,6 +76,47 @@ def test_aggregated_request_has_no_transfer() -> None:
     ) not in samples(metrics)
 
 
+def test_a_transfer_that_moved_nothing_is_no_transfer_latency() -> None:
+    """A failed pull (recomputed, or failed): its time is in /perf_metrics, but the transfer
+    latency histogram counts transfers (it counted a 1 s deadline as a 1 s transfer)."""
+    metrics = ServingMetrics(MODEL)
+    failed = dict(transfer_bytes=0, transfer_start=101.0, transfer_end=102.0)
+    record = PerfRecord(
+        "r3", prefill=prefill_timings("r3", **failed), decode=decode_timings("r3", **failed)
+    )
+    metrics.observe_request(record)
+    assert record.transfer_latency_s == 1.0
+    names = {name for name, _ in samples(metrics)}
+    assert "duet:kv_transfer_latency_seconds_count" not in names  # never observed
+    assert value(metrics, "duet:request_success_total", finished_reason="length") == 1
+
+
+def test_a_restarted_worker_counts_from_zero_by_its_process_id() -> None:
+    """Its totals may have passed the old process's by the next scrape: a new pid says they are
+    new (only the difference was added before: 7 after 5 counted 7, not 12)."""
+    metrics = ServingMetrics(MODEL)
+    d0 = {"role": "decode", "worker": "d0"}
+    metrics.set_worker_stats("d0", "decode", 0, 0, 0.0, transfer_failures_total=5, pid=100)
+    metrics.set_worker_stats("d0", "decode", 0, 0, 0.0, transfer_failures_total=6, pid=100)
+    metrics.set_worker_stats("d0", "decode", 0, 0, 0.0, transfer_failures_total=7, pid=200)
+    assert value(metrics, "duet:kv_transfer_failures_total", **d0) == 13
+
+
+def test_a_hidden_worker_exports_no_gauges_until_it_reports_again() -> None:
+    """A worker that is down (or restarting) shows no last values as current ones; its counters
+    keep their totals and count on from there when it is back."""
+    metrics = ServingMetrics(MODEL)
+    d0 = {"role": "decode", "worker": "d0"}
+    metrics.set_worker_stats("d0", "decode", 2, 30, 0.9, transfer_failures_total=3, pid=1)
+    metrics.hide_worker("d0", "decode")
+    shown = {name for name, labels in samples(metrics) if ("worker", "d0") in labels}
+    assert "duet:num_requests_running" not in shown and "duet:kv_cache_usage_perc" not in shown
+    assert value(metrics, "duet:kv_transfer_failures_total", **d0) == 3
+    metrics.set_worker_stats("d0", "decode", 0, 1, 0.1, transfer_failures_total=4, pid=1)
+    assert value(metrics, "duet:num_requests_running", **d0) == 1
+    assert value(metrics, "duet:kv_transfer_failures_total", **d0) == 4
+
+
 def test_worker_gauges_and_running_totals() -> None:
     metrics = ServingMetrics(MODEL)
     metrics.set_worker_stats("p0", "prefill", num_waiting=3, num_running=2, kv_usage=0.25)

@@ -1,0 +1,65 @@
+"""The server's read of the perf-metrics collector (cluster/frontend.py) against a real Ray actor:
+a drain answered after the read stopped waiting is not lost; the next read takes its records
+(the collector's buffers were already emptied by it, and a new drain came back empty)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import types
+
+import pytest
+import ray
+
+import cluster.frontend as frontend
+from cluster.frontend import ClusterFrontend
+from cluster.messages import PerfRecord
+from cluster.prom_metrics import ServingMetrics
+from engine.stats import StatsBuffer
+from tests.cluster.cluster_fixtures import local_ray
+from tests.cluster.conftest import decode_timings, prefill_timings
+
+
+@ray.remote(num_cpus=0)
+class SlowCollector:
+    """Drains once, slowly: the records it hands out are gone from it."""
+
+    def __init__(self) -> None:
+        self.records = [PerfRecord("r1", prefill_timings("r1"), decode_timings("r1"))]
+
+    def ready(self) -> bool:
+        return True
+
+    async def drain(self) -> list[PerfRecord]:
+        records, self.records = self.records, []
+        await asyncio.sleep(1.0)
+        return records
+
+
+def test_a_late_collector_answer_is_kept_for_the_next_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(frontend, "COLLECTOR_DRAIN_TIMEOUT_S", 0.2)
+    with local_ray("duet-test-frontend"):
+        collector = SlowCollector.remote()
+        assert ray.get(collector.ready.remote(), timeout=60)  # (started: only its drain is slow)
+        server = types.SimpleNamespace(
+            collector=collector,
+            metrics=ServingMetrics("m"),
+            _perf=StatsBuffer(100),
+            _perf_lock=threading.Lock(),
+            _drain_ref=None,
+        )
+
+        async def reads() -> list[int]:
+            server._drain_lock = asyncio.Lock()
+            sizes = []
+            for _ in range(150):  # (bounded, 30 s: the answer comes after about 1 s)
+                await ClusterFrontend._drain_collector(server)  # type: ignore[arg-type]
+                sizes.append(len(server._perf.drain()))
+                if sum(sizes):
+                    break
+            return sizes
+
+        sizes = asyncio.run(reads())
+    assert sizes[0] == 0 and sum(sizes) == 1  # the first read gave up; a later one has it
