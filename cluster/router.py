@@ -339,8 +339,9 @@ class Router:
                 if gen is not None:
                     ray.cancel(gen)
                 # With the prompt's length: D reports the request itself if the cancel stopped
-                # its call before it ran (nothing else would).
-                d.handle.abort.remote(rid, len(req.prompt_token_ids))
+                # its call before it ran (nothing else would; as the last report when it was to
+                # prefill it too: no prefill worker saw it).
+                d.handle.abort.remote(rid, len(req.prompt_token_ids), pre is None)
             if not ok and pworker is not None:
                 # P may still hold the lease (D never pulled, or failed): give the pages back now
                 # rather than at lease expiry. A pull still reading them keeps them until it ends.

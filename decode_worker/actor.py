@@ -44,8 +44,10 @@ class _DecodeWorkerActor(WorkerActorBase):
         async for delta in self.worker.generate(req):
             yield delta
 
-    async def abort(self, request_id: str, prompt_tokens: int | None = None) -> None:
-        await self.worker.abort(request_id, prompt_tokens)
+    async def abort(
+        self, request_id: str, prompt_tokens: int | None = None, local: bool = False
+    ) -> None:
+        await self.worker.abort(request_id, prompt_tokens, local)
 
 
 DecodeWorkerActor = ray.remote(_DecodeWorkerActor)

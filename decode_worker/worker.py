@@ -252,10 +252,13 @@ class DecodeWorker:
                 )
             await asyncio.sleep(0.02)
 
-    def _ended_early(self, rid: str, prompt_tokens: int, facts: WorkerFacts, finish: str) -> None:
+    def _ended_early(
+        self, rid: str, prompt_tokens: int, facts: WorkerFacts, finish: str, last: bool = False
+    ) -> None:
         """Report a request that ends here before reaching the engine (from the engine thread,
-        where the reporter lives; not awaited: the caller may be being cancelled)."""
-        self.loop.call(lambda e: self.keeper.ended_early(rid, prompt_tokens, facts, finish))
+        where the reporter lives; not awaited: the caller may be being cancelled). ``last``: it
+        was to be prefilled here, so no prefill worker reports it."""
+        self.loop.call(lambda e: self.keeper.ended_early(rid, prompt_tokens, facts, finish, last))
 
     def _free_pages(self, rid: str) -> Any:
         return self.loop.call(lambda e: e.kv.free(rid))
@@ -341,16 +344,19 @@ class DecodeWorker:
         _remember(self._arrived, rid)
         return True
 
-    async def abort(self, request_id: str, prompt_tokens: int | None = None) -> None:
+    async def abort(
+        self, request_id: str, prompt_tokens: int | None = None, local: bool = False
+    ) -> None:
         """Stop a request: a receive in flight keeps its pages until it ends; a running one is freed.
 
         ``prompt_tokens``: the caller had handed the request to this worker (with a prompt of
-        that length). If its call never started here (the caller's cancel stopped it before it
-        ran), the request is reported as aborted now, since nothing else will report it, and a
-        call for it that still comes ends at once."""
+        that length; ``local``: to prefill here too). If its call never started here (the
+        caller's cancel stopped it before it ran), the request is reported as aborted now, since
+        nothing else will report it, and a call for it that still comes ends at once."""
         if prompt_tokens is not None and request_id not in self._arrived:
             _remember(self._gone, request_id)
-            self._ended_early(request_id, prompt_tokens, WorkerFacts(time.time()), "abort")
+            gone = WorkerFacts(time.time())
+            self._ended_early(request_id, prompt_tokens, gone, "abort", last=local)
             return
         if request_id in self._receiving:
             self._aborted.add(request_id)

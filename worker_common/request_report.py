@@ -67,11 +67,17 @@ class RequestReporter:
         self._retired.append(request_id)
 
     def ended_early(
-        self, request_id: str, prompt_tokens: int, facts: WorkerFacts, finish_reason: str
+        self,
+        request_id: str,
+        prompt_tokens: int,
+        facts: WorkerFacts,
+        finish_reason: str,
+        last_report: bool = False,
     ) -> None:
         """Report a request that ended on this worker before its engine saw it (its client went
         away while its pages were awaited or its KV travelled, or its transfer failed): the engine
-        records nothing for it, and without this report /perf_metrics would never show it."""
+        records nothing for it, and without this report /perf_metrics would never show it.
+        ``last_report``: no other worker will report it (one this worker was to prefill)."""
         transfer = facts.transfer
         self._sink(
             [
@@ -87,6 +93,7 @@ class RequestReporter:
                     finish_time=time.time(),
                     prompt_tokens=prompt_tokens,
                     finish_reason=finish_reason,
+                    last_report=last_report,
                 )
             ]
         )

@@ -66,11 +66,16 @@ class WorkerStatsKeeper:
             self.reporter.note(request_id, facts)
 
     def ended_early(
-        self, request_id: str, prompt_tokens: int, facts: WorkerFacts, finish_reason: str
+        self,
+        request_id: str,
+        prompt_tokens: int,
+        facts: WorkerFacts,
+        finish_reason: str,
+        last_report: bool = False,
     ) -> None:
         """Engine thread: see RequestReporter.ended_early."""
         if self.reporter is not None:
-            self.reporter.ended_early(request_id, prompt_tokens, facts, finish_reason)
+            self.reporter.ended_early(request_id, prompt_tokens, facts, finish_reason, last_report)
 
     def retire(self, request_id: str) -> None:
         """Engine thread (in a call after the request's last one): see RequestReporter."""

@@ -57,6 +57,11 @@ def test_a_request_whose_call_never_ran_is_reported_once_and_a_late_call_ends_at
         await worker.abort("never", prompt_tokens=10)
         (gone,) = await reports(worker, records)
         assert (gone.request_id, gone.finish_reason, gone.prompt_tokens) == ("never", "abort", 10)
+        # Handed off by a prefill worker (its report waits for this one): not the last report.
+        # One this worker was to prefill itself is (no prefill worker saw it; the collector
+        # waited for one before).
+        await worker.abort("never-local", prompt_tokens=3, local=True)
+        assert [r.last_report for r in await reports(worker, records)] == [False, True]
         late = GenerateRequest("never", list(range(1, 11)), greedy(4), time.time())
         assert [d async for d in worker.generate(late)] == []
         assert await held_pages(worker) == 0
