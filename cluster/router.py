@@ -188,8 +188,16 @@ class Router:
             return
         if not self.prefill:  # aggregated
             prefer = self._pick_aggregated(req, hashes)
-            async for delta in self._stream_decode(req, None, None, prefer=prefer):
-                yield delta
+            # Its prompt is queued there until its first token (kv_aware weighs it, as for P).
+            queued = len(req.prompt_token_ids) - sum(self._cached_tokens(prefer, hashes))
+            prefer.queued_prefill_tokens += queued
+            try:
+                async for delta in self._stream_decode(req, None, None, prefer=prefer):
+                    prefer.queued_prefill_tokens -= queued
+                    queued = 0
+                    yield delta
+            finally:
+                prefer.queued_prefill_tokens -= queued
             return
         pre, pworker = await self._prefill(req, hashes)
         if pre is None:

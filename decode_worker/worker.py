@@ -148,6 +148,8 @@ class DecodeWorker:
                 result.stats.path if result is not None else None,
             ),
         )
+        if not ok:
+            self.num_transfer_failures += 1
         if aborted or not ok:
             self._aborted.discard(rid)
             try:
@@ -157,8 +159,6 @@ class DecodeWorker:
             except asyncio.CancelledError:
                 self._ended_early(rid, len(prompt), facts, "abort")
                 raise
-        if not ok:
-            self.num_transfer_failures += 1
         if aborted:
             self._ended_early(rid, len(prompt), facts, "abort")
             return

@@ -316,7 +316,7 @@ class LLMEngine:
         request.metrics.num_cached_tokens = num_cached_tokens
         request.metrics.num_cached_host_tokens = num_cached_host_tokens
         self.scheduler.add_prefilled_request(request, first_token_id)
-        _sent_elsewhere(request, first_text_sent)
+        self._sent_elsewhere(request, first_text_sent)
         if request.is_finished:
             self._record_finished(request)
         return request
@@ -337,10 +337,22 @@ class LLMEngine:
         for add_prefilled_request."""
         request = self.make_request(request_id, prompt_token_ids, params, arrival_time=arrival_time)
         self.scheduler.add_recomputed_request(request, first_token_id)
-        _sent_elsewhere(request, first_text_sent)
+        self._sent_elsewhere(request, first_text_sent)
         if request.is_finished:
             self._record_finished(request)
         return request
+
+    def _sent_elsewhere(self, request: Request, first_text_sent: int) -> None:
+        """Mark the first token and the first ``first_text_sent`` characters of its text as
+        streamed by the prefill side; a count its text cannot have ends the request here."""
+        if not 0 <= first_text_sent <= len(request.output_text):
+            self.scheduler.abort(request.request_id)
+            raise ValueError(
+                f"request {request.request_id!r}: the prefill side streamed {first_text_sent} "
+                f"characters of a first token whose text has {len(request.output_text)} here"
+            )
+        request.num_tokens_sent = request.num_output_tokens
+        request.num_text_sent = first_text_sent
 
     def release(self, request_id: str) -> None:
         """Free the pages a prefill-only request kept (its KV was transferred, or the lease expired)."""
@@ -415,15 +427,3 @@ class LLMEngine:
 
     def drain_request_stats(self) -> list[RequestStats]:
         return self.request_stats.drain()
-
-
-def _sent_elsewhere(request: Request, first_text_sent: int) -> None:
-    """Mark the first token and the first ``first_text_sent`` characters of its text as streamed
-    by the prefill side."""
-    if not 0 <= first_text_sent <= len(request.output_text):
-        raise ValueError(
-            f"request {request.request_id!r}: the prefill side streamed {first_text_sent} "
-            f"characters of a first token whose text has {len(request.output_text)} here"
-        )
-    request.num_tokens_sent = request.num_output_tokens
-    request.num_text_sent = first_text_sent

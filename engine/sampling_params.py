@@ -44,15 +44,18 @@ class SamplingParams:
     max_tokens: int = 16
     """Maximum number of generated tokens (>= 1)."""
     seed: int | None = None
-    """Seed of this request's own generator: the same seed gives the same tokens in any batch."""
+    """Seed of this request's own generator, in [-2**63, 2**64): the same seed gives the same
+    tokens in any batch, aggregated or disaggregated."""
     stop: tuple[str, ...] = ()
     """Strings that end generation when they appear in the output text."""
     stop_token_ids: tuple[int, ...] = ()
-    """Token ids that end generation (the token stays in ``token_ids``)."""
+    """Token ids that end generation (the token stays in ``token_ids``; its text only with
+    ``include_stop_str_in_output``, as for EOS)."""
     ignore_eos: bool = False
     """Keep generating past the model's EOS tokens."""
     include_stop_str_in_output: bool = False
-    """Keep the matched stop string at the end of the text."""
+    """Keep the matched stop string, or the text of the token that stopped the request by its id
+    (a stop token, a shown EOS), at the end of the text."""
     skip_special_tokens: bool = True
     """Leave special tokens (BOS, EOS, ...) out of the decoded text."""
 

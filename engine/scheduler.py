@@ -327,7 +327,8 @@ class Scheduler:
                 self._finish_never_fits(req, num_total_tokens, time.time())
                 out.finished.append(req)
                 return False
-            victim = self.running.pop()
+            # Prefilled requests waiting for a place go first: idle, and newer than any running.
+            victim = self.ready.pop() if self.ready else self.running.pop()
             self._preempt(victim)
             out.preempted.append(victim)
             if victim is req:

@@ -17,7 +17,8 @@ counters cover every rank (worker_common/tp_transfer_stats.py).
 ``TPPublisher`` and ``TPPuller`` stand where a plain KVSender / KVReceiver stands in the workers;
 ranks 1.. run their own sender or receiver over their own pools (worker_common/tp_ranks.py).
 A failed pull on any decode rank fails the request on the decode worker (it frees its pages once
-every pull has ended); every prefill-side lease ends by its pull's final notice or its expiry.
+every pull has ended); every prefill-side lease ends by its pull's final notice, the router's
+cancel (a failed or recomputed request) or its expiry.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from cluster.bench.errors import BenchError
 from cluster.bench.kv_tier_counters import fetch_kv_tier_totals, kv_tier_fields
 from cluster.bench.metrics import DEFAULT_PERCENTILES, summarize_run
 from cluster.bench.perf_metrics import collect_server_timings, fetch_perf_metrics
-from cluster.bench.records import BenchRequest
+from cluster.bench.records import BenchRequest, Prompt
 from cluster.bench.runner import ArrivalSettings, run_requests
 from cluster.bench.slo import SloSpec, goodput_rate
 from cluster.bench.target import Target
@@ -51,6 +51,15 @@ async def _pick_model(url: str, wanted: str | None) -> str:
     if not listed:
         raise BenchError(f"the server at {url} lists no model at /v1/models; pass --model")
     return listed[0]
+
+
+def _unshared(prompt: Prompt) -> Prompt:
+    """A prompt about as long as ``prompt`` that starts otherwise (token ids reversed, words
+    rotated), so that no measured request finds the warm-up's pages in a prefix cache."""
+    if isinstance(prompt, list):
+        return prompt[::-1]
+    words = prompt.split(" ")
+    return " ".join(words[1:] + words[:1])
 
 
 async def _warm_up(client: StreamingClient, request: BenchRequest, count: int, url: str) -> None:
@@ -121,9 +130,9 @@ async def sweep_url(
     async with StreamingClient(settings) as client:
         if requests and options.num_warmups > 0:
             first = requests[0]
-            # Its prompt reversed: as long, yet no prefix of a measured request's, so that no
-            # measured request finds the warm-up's pages in a prefix cache.
-            warm = replace(first, prompt=first.prompt[::-1], output_len=min(first.output_len, 4))
+            warm = replace(
+                first, prompt=_unshared(first.prompt), output_len=min(first.output_len, 4)
+            )
             await _warm_up(client, warm, options.num_warmups, url)
             await fetch_perf_metrics(url)  # drain the warm-up's entries
         tier_after = None  # the KV host tiers' counters after the last run

@@ -35,7 +35,7 @@ def word_tokenizer() -> Tokenizer:
 def test_a_stop_string_from_the_first_token_into_the_next_never_reaches_the_client(
     on_failure: str,
 ) -> None:
-    cfg = TransceiverConfig(secret="test-secret", lease_s=5.0)
+    cfg = TransceiverConfig(secret="test-secret", lease_s=30.0)
     pe, de = tiny_engine(64), tiny_engine(64)
     pe.tokenizer = de.tokenizer = word_tokenizer()
     specs = list(pe.kv.specs.values())

@@ -89,6 +89,29 @@ def test_prefilled_requests_beyond_max_num_seqs_wait_for_a_place_with_their_page
     assert_no_leak(kv)
 
 
+def test_a_prefilled_request_waiting_for_a_place_is_preempted_before_a_running_one() -> None:
+    """Out of pages, a running request preempts the prefilled ones waiting for a place first:
+    idle, and newer than it."""
+    kv = tiny_kv(num_pages=5, page_size=4, reuse_policy="none")  # 4 usable pages
+    sched = tiny_scheduler(kv, max_num_seqs=1)
+    reqs = []
+    for rid in ("d0", "d1"):
+        assert kv.allocate_slots(rid, 5)  # 2 pages each: now none is free
+        reqs.append(make_request(rid, [1, 2, 3, 4], max_tokens=8))
+        sched.add_prefilled_request(reqs[-1], first_token_id=42)
+    d0, d1 = reqs
+    assert sched.running == [d0] and list(sched.ready) == [d1]
+    while d1.status is not RequestStatus.PREEMPTED:  # d0 needs a third page at position 8
+        run_step(sched)
+        assert d0.status is RequestStatus.RUNNING and d0.metrics.num_preemptions == 0
+    assert not sched.ready and sched.waiting[0] is d1
+    while sched.has_unfinished():
+        run_step(sched)
+    assert [r.finish_reason for r in reqs] == ["length", "length"]
+    assert d1.output_token_ids[0] == 42 and len(d1.output_token_ids) == 8
+    assert_no_leak(kv)
+
+
 def test_prefilled_request_finishing_at_its_first_token_frees_its_pages() -> None:
     kv = tiny_kv()
     sched = tiny_scheduler(kv)

@@ -118,17 +118,3 @@ def test_goodput_uses_highest_passing_rate_when_attainment_is_not_monotone() -> 
 def test_goodput_needs_points() -> None:
     with pytest.raises(ValueError, match="at least one"):
         goodput_rate([])
-
-
-def test_a_capped_sweep_gets_no_goodput_rate() -> None:
-    """Under --max-concurrency a request waits for a slot outside its latencies: every rate can
-    pass while the server receives far less, so no rate is named (each run keeps its own)."""
-    from cluster.bench.sweep import update_goodput
-
-    runs = [{"request_rate": r, "slo_attainment": 1.0, "max_concurrency": None} for r in (5, 80)]
-    free = {"runs": runs}
-    update_goodput(free)
-    assert (free["goodput"], free["goodput_is_lower_bound"]) == (80, True)
-    capped = {"runs": [{**run, "max_concurrency": 1} for run in runs]}
-    update_goodput(capped)
-    assert "goodput" not in capped
