@@ -153,14 +153,18 @@ class Router:
                 return preferred
         return min(live, key=lambda w: w.outstanding)
 
+    def _live_decode(self) -> list[WorkerSlot]:
+        """The healthy decode workers, or all of them when none is (one may be back by now)."""
+        return [w for w in self.decode if w.healthy] or self.decode
+
     def _pick_aggregated(self, req: GenerateRequest, hashes: list[int] | None) -> WorkerSlot:
         """Aggregated mode: the decode worker that prefills ``req`` too, as the policy says."""
-        return self._pick([w for w in self.decode if w.healthy] or self.decode, req, hashes)
+        return self._pick(self._live_decode(), req, hashes)
 
     def _pick_decode(self, hashes: list[int] | None = None) -> WorkerSlot:
-        live = [w for w in self.decode if w.healthy] or self.decode
         return min(
-            live, key=lambda w: (w.outstanding, -sum(self._cached_tokens(w, hashes)), -w.free_pages)
+            self._live_decode(),
+            key=lambda w: (w.outstanding, -sum(self._cached_tokens(w, hashes)), -w.free_pages),
         )
 
     def _local_prefill_worker(

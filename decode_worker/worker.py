@@ -177,22 +177,13 @@ class DecodeWorker:
 
         def add(e: LLMEngine) -> Any:
             self.keeper.note(rid, facts)
+            args = (rid, prompt, pre.first_token_id, req.sampling)
+            sent = {"arrival_time": req.arrival_time, "first_text_sent": len(pre.first_token_text)}
             if not ok:  # recompute: the prompt's KV is computed here
-                return e.add_recomputed_request(
-                    rid,
-                    prompt,
-                    pre.first_token_id,
-                    req.sampling,
-                    arrival_time=req.arrival_time,
-                    first_text_sent=len(pre.first_token_text),
-                )
+                return e.add_recomputed_request(*args, **sent)
             return e.add_prefilled_request(
-                rid,
-                prompt,
-                pre.first_token_id,
-                req.sampling,
-                arrival_time=req.arrival_time,
-                first_text_sent=len(pre.first_token_text),
+                *args,
+                **sent,
                 num_cached_tokens=hit * page_size,
                 num_cached_host_tokens=host_tokens,
             )

@@ -49,16 +49,19 @@ def check_stop(request: Request, token_id: int, max_model_len: int) -> RequestSt
     adds no text unless ``include_stop_str_in_output``, as in vLLM and as a stop string's text.
     """
     params = request.sampling_params
-    by_id = token_id in request.eos_token_ids or token_id in params.stop_token_ids
+    by_eos = token_id in request.eos_token_ids
+    by_stop_id = not by_eos and token_id in params.stop_token_ids
     new_chars = 0
-    if request.detokenizer is not None and not (by_id and not params.include_stop_str_in_output):
+    if request.detokenizer is not None and (
+        params.include_stop_str_in_output or not (by_eos or by_stop_id)
+    ):
         new_chars = len(append_text(request, token_id))
     if params.stop and new_chars and _match_stop_string(request, new_chars):
         return RequestStatus.FINISHED_STOPPED  # the text ends at the stop string: nothing to flush
     status: RequestStatus | None = None
-    if token_id in request.eos_token_ids:
+    if by_eos:
         status = RequestStatus.FINISHED_STOPPED
-    elif token_id in params.stop_token_ids:
+    elif by_stop_id:
         request.stop_reason = token_id
         status = RequestStatus.FINISHED_STOPPED
     elif (

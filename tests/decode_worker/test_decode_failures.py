@@ -11,8 +11,10 @@ import pytest
 
 from decode_worker.worker import DecodeWorker
 from tests.decode_worker.worker_helpers import (
-    StalledPrefill,
+    STALL_PULL_DEADLINE_S,
     deadlines_of,
+    facing_a_stall,
+    pull_under_way,
     reports,
     wait_until_no_page_held,
 )
@@ -82,14 +84,8 @@ def test_a_fill_stall_ends_at_the_pull_deadline_and_frees_the_pages(on_failure: 
     """Pages that never land: the pull ends at its deadline with a clear error, every page the
     request held on D is free again, and with ``recompute`` the request completes all the same,
     with the tokens a local prefill gives."""
-    engine = tiny_engine(64)
-    cfg = TransceiverConfig(
-        secret="test-secret", direct_copy=False, pull_deadline_s=1.0, chunk_deadline_s=0.5
-    )
-    receiver = KVReceiver(engine.kv.buffers, list(engine.kv.specs.values()), "tiny", cfg)
     records: list[RequestTimings] = []
-    worker = DecodeWorker("d0", engine, receiver, records.extend, on_failure=on_failure)
-    stalled = StalledPrefill(engine, receiver.runtime.worker_address)
+    worker, stalled = facing_a_stall(records, on_failure)
     prompt = list(range(1, 23))
 
     async def main() -> None:
@@ -102,7 +98,7 @@ def test_a_fill_stall_ends_at_the_pull_deadline_and_frees_the_pages(on_failure: 
         pre = PrefillResult("x", want[0], "", None, ticket=stalled.ticket("x", len(prompt)))
         started = time.monotonic()
         out = [d async for d in worker.decode(req, pre)]
-        assert time.monotonic() - started >= cfg.pull_deadline_s
+        assert time.monotonic() - started >= STALL_PULL_DEADLINE_S
         totals = worker.stats().transfer
         assert totals.failures == 1
         if on_failure == "fail":
@@ -134,29 +130,12 @@ def test_a_client_that_leaves_mid_pull_is_reported_and_its_pages_come_back() -> 
     """The client goes away while its KV is on the way: the request never reaches the engine,
     yet the worker reports it (an abort, with its transfer's start), and the pages it held for
     the pull come back once the pull has ended (here at its deadline)."""
-    engine = tiny_engine(64)
-    cfg = TransceiverConfig(
-        secret="test-secret", direct_copy=False, pull_deadline_s=1.0, chunk_deadline_s=0.5
-    )
-    receiver = KVReceiver(engine.kv.buffers, list(engine.kv.specs.values()), "tiny", cfg)
     records: list[RequestTimings] = []
-    worker = DecodeWorker("d0", engine, receiver, records.extend)
-    stalled = StalledPrefill(engine, receiver.runtime.worker_address)
+    worker, stalled = facing_a_stall(records)
     prompt = list(range(1, 23))
 
     async def main() -> None:
-        req = GenerateRequest("x", prompt, greedy(6), time.time())
-        pre = PrefillResult("x", 5, "", None, ticket=stalled.ticket("x", len(prompt)))
-
-        async def consume() -> None:
-            async for _ in worker.decode(req, pre):
-                pass
-
-        task = asyncio.ensure_future(consume())
-        deadline = time.monotonic() + 10
-        while not worker.stats().num_in_flight:  # the pull is under way
-            assert time.monotonic() < deadline and not task.done()
-            await asyncio.sleep(0.02)
+        task = await pull_under_way(worker, stalled, prompt)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -182,31 +161,15 @@ def test_a_client_that_leaves_while_a_failed_pulls_pages_are_freed_leaves_none_h
     and the pages stayed held for good), and the request is reported as aborted."""
     import threading
 
-    engine = tiny_engine(64)
-    cfg = TransceiverConfig(
-        secret="test-secret", direct_copy=False, pull_deadline_s=1.0, chunk_deadline_s=0.5
-    )
-    receiver = KVReceiver(engine.kv.buffers, list(engine.kv.specs.values()), "tiny", cfg)
     records: list[RequestTimings] = []
-    worker = DecodeWorker("d0", engine, receiver, records.extend, on_failure=on_failure)
-    stalled = StalledPrefill(engine, receiver.runtime.worker_address)
+    worker, stalled = facing_a_stall(records, on_failure)
     step_ends = threading.Event()
     prompt = list(range(1, 23))
 
     async def main() -> None:
-        req = GenerateRequest("x", prompt, greedy(6), time.time())
-        pre = PrefillResult("x", 5, "", None, ticket=stalled.ticket("x", len(prompt)))
-
-        async def consume() -> None:
-            async for _ in worker.decode(req, pre):
-                pass
-
-        task = asyncio.ensure_future(consume())
-        deadline = time.monotonic() + 10
-        while not worker.stats().num_in_flight:  # the pull is under way
-            assert time.monotonic() < deadline and not task.done()
-            await asyncio.sleep(0.02)
+        task = await pull_under_way(worker, stalled, prompt)
         worker.loop.call(lambda e: step_ends.wait(30))  # a long step when the pull fails
+        deadline = time.monotonic() + 10
         while worker.stats().num_in_flight:  # the pull ended: its pages' free is queued
             assert time.monotonic() < deadline and not task.done()
             await asyncio.sleep(0.02)

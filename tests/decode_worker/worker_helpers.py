@@ -1,5 +1,5 @@
-"""Helpers for the decode worker's tests: pages held, reports made, a prefill peer that stalls,
-a cluster config's decode deadlines."""
+"""Helpers for the decode worker's tests: pages held, reports made, a prefill peer that stalls
+(and a worker facing it, a pull under way), a cluster config's decode deadlines."""
 
 from __future__ import annotations
 
@@ -7,8 +7,14 @@ import asyncio
 import time
 
 from decode_worker.worker import DecodeWorker
-from tests.tiny_engine import PAGE
-from worker_common.messages import RequestTimings, WorkerDeadlines
+from tests.tiny_engine import PAGE, greedy, tiny_engine
+from transfer import KVReceiver, TransceiverConfig
+from worker_common.messages import (
+    GenerateRequest,
+    PrefillResult,
+    RequestTimings,
+    WorkerDeadlines,
+)
 
 
 async def held_pages(worker: DecodeWorker) -> int:
@@ -77,3 +83,42 @@ def deadlines_of(**decode: float) -> WorkerDeadlines:
     return worker_spec(
         config_from_dict({"decode": decode}), Role.DECODE, 0, None, transfer_secret="x"
     ).deadlines
+
+
+STALL_PULL_DEADLINE_S = 1.0
+
+
+def facing_a_stall(
+    records: list[RequestTimings], on_failure: str = "fail"
+) -> tuple[DecodeWorker, StalledPrefill]:
+    """A decode worker (KV over UCX, a pull deadline of ``STALL_PULL_DEADLINE_S``) reporting into
+    ``records``, and a prefill peer of it that takes a pull and never sends a page."""
+    engine = tiny_engine(64)
+    cfg = TransceiverConfig(
+        secret="test-secret",
+        direct_copy=False,
+        pull_deadline_s=STALL_PULL_DEADLINE_S,
+        chunk_deadline_s=0.5,
+    )
+    receiver = KVReceiver(engine.kv.buffers, list(engine.kv.specs.values()), "tiny", cfg)
+    worker = DecodeWorker("d0", engine, receiver, records.extend, on_failure=on_failure)
+    return worker, StalledPrefill(engine, receiver.runtime.worker_address)
+
+
+async def pull_under_way(
+    worker: DecodeWorker, stalled: StalledPrefill, prompt: list[int]
+) -> asyncio.Task[None]:
+    """Decode request "x" from the stalled peer; return its task once its pull is in flight."""
+    req = GenerateRequest("x", prompt, greedy(6), time.time())
+    pre = PrefillResult("x", 5, "", None, ticket=stalled.ticket("x", len(prompt)))
+
+    async def consume() -> None:
+        async for _ in worker.decode(req, pre):
+            pass
+
+    task = asyncio.ensure_future(consume())
+    deadline = time.monotonic() + 10
+    while not worker.stats().num_in_flight:
+        assert time.monotonic() < deadline and not task.done()
+        await asyncio.sleep(0.02)
+    return task
