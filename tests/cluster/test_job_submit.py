@@ -16,7 +16,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,15 +27,10 @@ import pytest
 import yaml
 
 from tests.cluster.cluster_fixtures import REPO
+from tests.ports import free_fixed_port
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def recipe_terminals() -> list[list[str]]:
@@ -79,7 +73,7 @@ def _wait(predicate, deadline_s: float, what: str, procs: list[subprocess.Popen]
 
 def test_the_readme_ray_job_recipe_works(tmp_path: Path) -> None:
     head_cmds, job_cmds, client_cmds = recipe_terminals()
-    gcs, dash, http = _free_port(), _free_port(), _free_port()
+    gcs, dash, http = free_fixed_port(), free_fixed_port(), free_fixed_port()
     home = tmp_path / "home"
     home.mkdir()
     # Unix socket paths must stay under ~107 bytes: pytest's tmp_path is too deep for Ray's.
