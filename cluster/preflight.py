@@ -1,24 +1,28 @@
 """Checks of a cluster config against what the YAML does not hold: the model's shape and the Ray
 nodes. ``build_cluster`` runs them before it starts any actor, so a tensor_parallel_size the model
-cannot split, or that no node can host, is a ConfigError naming the fields, not a worker that
-fails to start."""
+cannot split, a worker that no node can host, or a label_selector that no node (or too few) can
+meet, is a ConfigError naming the fields, not a worker that fails to start or waits forever to be
+placed."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
+from cluster import label_selector
 from cluster.config import ClusterConfig, ConfigError
-from cluster.config.workers import PoolConfig
+from cluster.config.workers import DecodePoolConfig, PrefillPoolConfig
 from engine.model_config import ModelConfig
 from engine.tp.partition import tp_problems
 
 SOURCE = "cluster config (checked against the model and the Ray nodes)"
 
 
-def pools_in_use(config: ClusterConfig) -> list[tuple[str, PoolConfig]]:
+def pools_in_use(config: ClusterConfig) -> list[tuple[str, PrefillPoolConfig | DecodePoolConfig]]:
     """(section name, pool) of the pools that will have workers."""
-    pools: list[tuple[str, PoolConfig]] = [("decode", config.decode)]
+    pools: list[tuple[str, PrefillPoolConfig | DecodePoolConfig]] = [("decode", config.decode)]
     if not config.aggregated:
         pools.insert(0, ("prefill", config.prefill))
     return pools
@@ -33,26 +37,77 @@ def tensor_parallel_issues(config: ClusterConfig, model: ModelConfig) -> list[st
     ]
 
 
-def placement_issues(config: ClusterConfig, nodes: Sequence[Mapping[str, float]]) -> list[str]:
-    """One line per pool whose ranks (``tensor_parallel_size`` bundles of its resources, packed on
-    one node) no node of ``nodes`` (each node's total resources) can hold."""
+@dataclass(frozen=True)
+class RayNode:
+    """What preflight reads of one live Ray node: its total resources and its labels."""
+
+    resources: Mapping[str, float]
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+
+def placement_issues(config: ClusterConfig, nodes: Sequence[RayNode]) -> list[str]:
+    """One line per pool that the live ``nodes`` cannot host: among the nodes its
+    ``resources.label_selector`` admits (every node without one), none at all, none that holds
+    the ``tensor_parallel_size`` bundles of its resources a worker packs on one node, or (with a
+    selector) too few for its replicas, each counted alone. Only what surely cannot be placed is
+    refused: the pools may also share nodes, which this does not count."""
     issues = []
     for name, pool in pools_in_use(config):
+        selector = pool.resources.label_selector
         tp = pool.tensor_parallel_size
-        if tp == 1:
-            continue  # one actor: Ray places it where it fits, or reports that nothing fits
-        need = {resource: amount * tp for resource, amount in pool.resources.bundle.items()}
-        if any(all(node.get(r, 0.0) >= a for r, a in need.items()) for node in nodes):
+        if tp == 1 and not selector:
+            continue  # one actor on any node: Ray places it where it fits
+        eligible = [n for n in nodes if label_selector.admits(selector, n.labels)]
+        where = f"{name}.resources.label_selector {selector}" if selector else ""
+        if not eligible:
+            issues.append(
+                f"{name}.resources.label_selector: {selector} matches no live Ray node (of "
+                f"{len(nodes)}: {_labels_seen(nodes, selector)})"
+            )
             continue
-        largest = max(nodes, key=lambda n: (n.get("GPU", 0.0), n.get("CPU", 0.0)), default={})
-        have = {r: largest.get(r, 0.0) for r in need}
-        what = "resources.num_gpus" if "GPU" in need else "resources.num_cpus"
-        issues.append(
-            f"{name}.tensor_parallel_size: {tp} ranks need {_amounts(need)} on one node (each "
-            f"rank {name}.{what} and the rest of {name}.resources), but the largest node has "
-            f"{_amounts(have)}"
-        )
+        need = {resource: amount * tp for resource, amount in pool.resources.bundle.items()}
+        room = sum(_workers_fit(n.resources, need, pool.replicas) for n in eligible)
+        if tp > 1 and room == 0:
+            largest = max(
+                eligible, key=lambda n: (n.resources.get("GPU", 0.0), n.resources.get("CPU", 0.0))
+            )
+            have = {r: largest.resources.get(r, 0.0) for r in need}
+            what = "resources.num_gpus" if "GPU" in need else "resources.num_cpus"
+            issues.append(
+                f"{name}.tensor_parallel_size: {tp} ranks need {_amounts(need)} on one node (each "
+                f"rank {name}.{what} and the rest of {name}.resources), but the largest node "
+                f"{f'that {where} matches ' if selector else ''}has {_amounts(have)}"
+            )
+        elif selector and room < pool.replicas:
+            per_worker = f"{_amounts(need)} each" + (f" on one node ({tp} ranks)" if tp > 1 else "")
+            issues.append(
+                f"{name}.replicas: {pool.replicas} workers need {per_worker}, but the "
+                f"{len(eligible)} node(s) that {where} matches hold {room}"
+            )
     return issues
+
+
+def _workers_fit(resources: Mapping[str, float], need: Mapping[str, float], most: int) -> int:
+    """How many workers needing ``need`` a node of ``resources`` holds alone (``most`` at most).
+    In Ray's fixed point (1e-4), so that 1.0 holds ten workers of 0.1 CPU."""
+    fits = [
+        round(resources.get(r, 0.0) * 10_000) // max(round(amount * 10_000), 1)
+        for r, amount in need.items()
+    ]
+    return min([most, *fits])
+
+
+def _labels_seen(nodes: Sequence[RayNode], selector: Mapping[str, str]) -> str:
+    """The values the nodes have for the selector's keys, e.g. "zone 'a' on 2, none on 1"."""
+    parts = []
+    for key in sorted(selector):
+        seen = Counter(n.labels.get(key) for n in nodes)
+        values = ", ".join(
+            f"{'none' if value is None else repr(value)} on {count}"
+            for value, count in sorted(seen.items(), key=lambda vc: (vc[0] is None, vc[0] or ""))
+        )
+        parts.append(f"{key} {values}")
+    return "; ".join(parts)
 
 
 def _amounts(resources: Mapping[str, float]) -> str:
@@ -77,15 +132,20 @@ def preflight(config: ClusterConfig, model: ModelConfig | None = None) -> None:
                 raise
             raise ConfigError(SOURCE, [f"model.dummy_config: {e}"]) from None
     issues = tensor_parallel_issues(config, model)
-    if not issues and any(pool.tensor_parallel_size > 1 for _, pool in pools_in_use(config)):
-        issues += placement_issues(config, ray_node_resources())
+    if not issues and any(
+        pool.tensor_parallel_size > 1 or pool.resources.label_selector
+        for _, pool in pools_in_use(config)
+    ):
+        issues += placement_issues(config, ray_nodes())
     if issues:
         raise ConfigError(SOURCE, issues)
 
 
-def ray_node_resources() -> list[dict[str, float]]:
-    """The total resources of each live node of the connected Ray cluster."""
+def ray_nodes() -> list[RayNode]:
+    """The total resources and the labels of each live node of the connected Ray cluster."""
     import ray
 
     nodes: list[dict[str, Any]] = ray.nodes()
-    return [dict(n["Resources"]) for n in nodes if n.get("Alive")]
+    return [
+        RayNode(dict(n["Resources"]), dict(n.get("Labels") or {})) for n in nodes if n.get("Alive")
+    ]

@@ -6,6 +6,7 @@ from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
+from cluster import label_selector
 from cluster.config.base import Section, check_fields
 
 # Ray's built-in resources have their own fields; as custom resources they would be counted twice.
@@ -38,7 +39,13 @@ class WorkerResources(Section):
     )
     label_selector: dict[str, str] = Field(
         default_factory=dict,
-        description='Ray node label selector, e.g. {"ray.io/accelerator-type": "H200"}.',
+        description=(
+            "Ray node label selector: the nodes that may host the pool's workers, e.g. "
+            '{"ray.io/accelerator-type": "H200"}. Per label a value v, !v (not v, or no such '
+            "label), in(a,b) or !in(a,b) (no spaces), as Ray matches them. Checked against the "
+            "live nodes before any worker starts: a selector that no node (or too few for the "
+            "replicas) can meet is refused."
+        ),
     )
 
     @field_validator("num_gpus")
@@ -49,6 +56,14 @@ class WorkerResources(Section):
                 f"must be <= 1: a rank runs on one GPU (for more GPUs per worker, raise "
                 f"tensor_parallel_size), got {value:g}"
             )
+        return value
+
+    @field_validator("label_selector")
+    @classmethod
+    def _ray_selector(cls, value: dict[str, str]) -> dict[str, str]:
+        found = label_selector.problems(value)
+        if found:
+            raise ValueError("; ".join(found))
         return value
 
     @field_validator("resources")

@@ -1,6 +1,7 @@
 """The placement of a tensor-parallel worker (cluster/builder.py) on a real local Ray: its ranks'
 placement group takes the worker's resources as they are (a rank reserving no CPU got a sliver of
-one that its bundle did not have, and never started) and its label selector (it was dropped)."""
+one that its bundle did not have, and never started) and its label selector (it was dropped). A
+label selector that no node meets is refused before any actor starts (it waited to be placed)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from collections.abc import Iterator
 import pytest
 import ray
 
-from cluster.builder import ClusterHandles, _rank0_options
-from cluster.config import config_from_dict
+from cluster.builder import ClusterHandles, _rank0_options, build_cluster
+from cluster.config import ConfigError, config_from_dict
+from cluster.preflight import preflight
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +72,30 @@ def test_the_label_selector_places_the_ranks(labelled_ray: None) -> None:
         assert not ready
     finally:
         ray.util.remove_placement_group(pg)
+
+
+def test_a_label_selector_no_node_meets_is_refused_before_any_actor_starts(
+    labelled_ray: None,
+) -> None:
+    """The node's labels are read as Ray reports them (ray.nodes()): zone a, and Ray's own."""
+    tiny = {
+        "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 100,
+        "max_position_embeddings": 256,
+    }  # fmt: skip
+
+    def config(selector: dict[str, str]) -> dict:
+        resources = {"num_cpus": 0, "label_selector": selector}
+        return {
+            "model": {"load_format": "dummy", "dummy_config": tiny},
+            "prefill": {"replicas": 0},
+            "decode": {"resources": resources},
+        }
+
+    with pytest.raises(ConfigError) as caught:  # (a bounded wait, should it start anything)
+        build_cluster(config_from_dict(config({"zone": "b"})), ready_timeout_s=20)
+    assert caught.value.issues == [
+        "decode.resources.label_selector: {'zone': 'b'} matches no live Ray node (of 1: zone 'a' "
+        "on 1)"
+    ]
+    preflight(config_from_dict(config({"zone": "a", "ray.io/node-id": "!x"})))

@@ -118,6 +118,15 @@ def test_worker_resources() -> None:
     assert WorkerResources(num_cpus=1, num_gpus=0).bundle == {"CPU": 1.0}
 
 
+def test_a_label_selector_ray_would_refuse_or_never_match_is_refused_at_load() -> None:
+    """(what each value admits: tests/cluster/test_label_selector.py)"""
+    data = {"decode": {"resources": {"label_selector": {"zone": "in(a, b)", "gpu": "!H200"}}}}
+    assert issues_of(data) == [
+        "decode.resources.label_selector: zone: 'in(a, b)': no spaces after the commas (Ray keeps "
+        "them in the next value, which then matches no node): write 'in(a,b)'"
+    ]
+
+
 def test_tensor_parallel_size_counts_ranks_of_a_gpu_each() -> None:
     """prefill.tensor_parallel_size and decode.tensor_parallel_size: ranks per worker (default 1),
     each with resources.num_gpus of 0 or 1 (ranks of one worker never share a GPU); the checks

@@ -8,7 +8,7 @@ import ray
 
 from cluster.builder import build_cluster
 from cluster.config import ConfigError, config_from_dict
-from cluster.preflight import placement_issues, preflight, tensor_parallel_issues
+from cluster.preflight import RayNode, placement_issues, preflight, tensor_parallel_issues
 from engine.loaders import read_model_config
 
 EIGHT_HEADS = {  # 8 query heads, 4 KV heads
@@ -85,7 +85,7 @@ def test_the_embedded_models_9_heads() -> None:
 def test_ranks_of_a_worker_fit_on_one_node() -> None:
     """A worker's tensor_parallel_size ranks are packed on one node: prefill.resources.num_cpus
     (CPUs per rank) times the ranks must fit a node, and so must decode.resources.num_gpus."""
-    nodes = [{"CPU": 2.0}, {"CPU": 64.0, "GPU": 2.0}]
+    nodes = [RayNode({"CPU": 2.0}), RayNode({"CPU": 64.0, "GPU": 2.0})]
     cpu = config_from_dict(dummy(4, 1, prefill={"resources": {"num_cpus": 0.5}}))
     assert placement_issues(cpu, nodes) == []
     gpu = config_from_dict(dummy(1, 4, decode={"resources": {"num_cpus": 1, "num_gpus": 1}}))
@@ -95,11 +95,53 @@ def test_ranks_of_a_worker_fit_on_one_node() -> None:
         "64 CPU, 2 GPU"
     ]
     many = config_from_dict(dummy(8, 1, prefill={"resources": {"num_cpus": 1}}))
-    assert placement_issues(many, [{"CPU": 2.0}, {"CPU": 4.0}]) == [
+    assert placement_issues(many, [RayNode({"CPU": 2.0}), RayNode({"CPU": 4.0})]) == [
         "prefill.tensor_parallel_size: 8 ranks need 8 CPU on one node (each rank "
         "prefill.resources.num_cpus and the rest of prefill.resources), but the largest node has "
         "4 CPU"
     ]
+
+
+ZONED = [
+    RayNode({"CPU": 8.0, "GPU": 1.0}, {"zone": "a"}),
+    RayNode({"CPU": 8.0, "GPU": 4.0}, {"zone": "b"}),
+    RayNode({"CPU": 64.0}),
+]
+
+
+def zoned(decode_tp: int, replicas: int, selector: dict[str, str], each: float = 1) -> list[str]:
+    """The issues of ``replicas`` decode workers of ``decode_tp`` ranks on ZONED, each rank
+    reserving ``each`` CPU and GPU."""
+    resources = {"num_cpus": each, "num_gpus": each, "label_selector": selector}
+    data = dummy(1, decode_tp, decode={"replicas": replicas, "resources": resources})
+    return placement_issues(config_from_dict(data), ZONED)
+
+
+def test_only_the_nodes_a_label_selector_admits_count() -> None:
+    """Placed by its label selector (cluster/builder.py), a worker can only go to a node that
+    the selector admits: the others' CPUs and GPUs do not count (they did)."""
+    assert zoned(1, 1, {"zone": "c"}) == [
+        "decode.resources.label_selector: {'zone': 'c'} matches no live Ray node (of 3: zone "
+        "'a' on 1, 'b' on 1, none on 1)"
+    ]
+    assert zoned(4, 1, {"zone": "b"}) == []
+    assert zoned(4, 1, {"zone": "!b"}) == [  # zone b has the GPUs; a and the unzoned node not
+        "decode.tensor_parallel_size: 4 ranks need 4 CPU, 4 GPU on one node (each rank "
+        "decode.resources.num_gpus and the rest of decode.resources), but the largest node that "
+        "decode.resources.label_selector {'zone': '!b'} matches has 8 CPU, 1 GPU"
+    ]
+    assert zoned(1, 5, {"zone": "in(a,b)"}) == []  # 1 + 4 GPUs: five workers fit, a sixth not
+    assert zoned(1, 6, {"zone": "in(a,b)"}) == [
+        "decode.replicas: 6 workers need 1 CPU, 1 GPU each, but the 2 node(s) that "
+        "decode.resources.label_selector {'zone': 'in(a,b)'} matches hold 5"
+    ]
+    assert zoned(2, 2, {"zone": "b"}) == []  # 2 ranks each: zone b's 4 GPUs hold both
+    assert zoned(2, 3, {"zone": "in(a,b)"}) == [
+        "decode.replicas: 3 workers need 2 CPU, 2 GPU each on one node (2 ranks), but the 2 "
+        "node(s) that decode.resources.label_selector {'zone': 'in(a,b)'} matches hold 2"
+    ]
+    # Reserving no resource, a worker fits on any node the selector admits, however many.
+    assert zoned(1, 50, {"zone": "a"}, each=0) == []
 
 
 def test_build_cluster_refuses_before_any_actor_starts() -> None:
