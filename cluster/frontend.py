@@ -156,10 +156,10 @@ class ClusterFrontend:
             s.role,
             s.num_waiting,
             s.num_running,
-            _usage(s.kv.groups.values(), "used"),
-            peak_kv_usage=_usage(s.kv_interval.groups.values(), "peak_used")
-            if s.kv_interval is not None
-            else None,
+            s.kv.usage,
+            # (the peak of all groups' pages together: the sum of each group's own peak
+            # overstates it, the groups peaking at different moments)
+            peak_kv_usage=s.kv_interval.peak_usage if s.kv_interval is not None else None,
             transfer_failures_total=s.transfer.failures,
             expired_leases_total=s.transfer.expired_leases,
             transfer_recomputed_total=s.transfer.recomputed,
@@ -181,10 +181,3 @@ class ClusterFrontend:
 
     async def transfer_stats(self) -> list[dict[str, Any]]:
         return self.poller.drain_transfers()
-
-
-def _usage(groups: Any, field: str) -> float:
-    """Pages ``field`` (used, peak_used) over all pool groups, as a fraction of their pages."""
-    groups = list(groups)
-    total = sum(g.total for g in groups)
-    return min(max(sum(getattr(g, field) for g in groups) / total, 0.0), 1.0) if total else 0.0

@@ -53,7 +53,7 @@ from kvcache.host_offload import HostOffload
 from kvcache.host_tier import HostTier, LoadItem
 from kvcache.kv_buffer import allocate_buffers, layer_views
 from kvcache.kv_events import KVEvent, KVEventLog, Medium
-from kvcache.page_pool import PagePool
+from kvcache.page_pool import PagePool, PagesHeld
 from kvcache.prefix_match import PrefixMatch, check_prefix, find_cached_prefix
 from kvcache.request_pages import RequestPages
 from kvcache.reuse_policy import ReusePolicy
@@ -111,7 +111,10 @@ class KVCacheManager:
         self.windows: dict[str, int | None] = {s.name: s.sliding_window for s in specs}
         self.buffers: dict[str, torch.Tensor] = allocate_buffers(specs, self.device)
         self._layer_views = layer_views(specs, self.buffers)
-        self._pools: dict[str, PagePool] = {s.name: PagePool(s.num_pages) for s in specs}
+        self._held = PagesHeld()  # every group's used pages together, and their peak
+        self._pools: dict[str, PagePool] = {
+            s.name: PagePool(s.num_pages, self._held) for s in specs
+        }
         self._windowed = [g for g, w in self.windows.items() if w is not None]
         self._requests: dict[str, RequestPages] = {}
         self._reuse = ReuseCounters()
@@ -219,8 +222,12 @@ class KVCacheManager:
             self._requests[request_id] = state
             if taken is not None:
                 self._take_prefix(state, taken, plans)
+        # Every group gives back its released pages before any takes new ones: the pages held in
+        # all groups at once (their peak on /metrics) never count a page this step released.
         for g, pool in self._pools.items():
-            self._apply(state, g, pool, plans[g], needed)
+            self._release(state, g, pool, plans[g])
+        for g, pool in self._pools.items():
+            self._extend(state, g, pool, plans[g], needed)
         self._finish_allocation(request_id)
         return True
 
@@ -288,9 +295,7 @@ class KVCacheManager:
         state.block_hashes = list(prefix.block_hashes)
         self._reuse.record(prefix.num_tokens, prefix.num_query_tokens, loaded * self.page_size)
 
-    def _apply(
-        self, state: RequestPages, g: str, pool: PagePool, plan: _GroupPlan, needed: int
-    ) -> None:
+    def _release(self, state: RequestPages, g: str, pool: PagePool, plan: _GroupPlan) -> None:
         pages = state.pages[g]
         if plan.release:
             recycled = set(plan.recycle)
@@ -301,6 +306,11 @@ class KVCacheManager:
         if plan.start > len(pages):  # positions no step will read: never given a page
             pages.extend([NULL_PAGE] * (plan.start - len(pages)))
         state.first_live[g] = max(state.first_live[g], plan.start)
+
+    def _extend(
+        self, state: RequestPages, g: str, pool: PagePool, plan: _GroupPlan, needed: int
+    ) -> None:
+        pages = state.pages[g]
         if plan.recycle or plan.num_fresh:
             pages.extend(plan.recycle)
             pages.extend(pool.allocate(plan.num_fresh))
@@ -499,7 +509,13 @@ class KVCacheManager:
         }
         r = self._reuse
         return KVCacheStats(
-            groups, r.queries, r.hit_tokens, r.miss_tokens, len(self._requests), r.host_hit_tokens
+            groups,
+            r.queries,
+            r.hit_tokens,
+            r.miss_tokens,
+            len(self._requests),
+            r.host_hit_tokens,
+            peak_used=self._held.peak,
         )
 
     @contextlib.contextmanager
@@ -520,8 +536,8 @@ class KVCacheManager:
             raise RuntimeError(f"requests still hold pages after an unrecorded run: {sorted(left)}")
 
     def reset_peak(self) -> None:
-        """Start a new stats interval: every group's peaks (used, evictable, free low-water) become
-        the current counts."""
+        """Start a new stats interval: every group's peaks (used, evictable, free low-water) and
+        the peak of all groups' used pages together become the current counts."""
         for pool in self._pools.values():
             pool.reset_peaks()
 
@@ -534,6 +550,11 @@ class KVCacheManager:
                 state.check(rid, g, pool, windowed=self.windows[g] is not None)
                 holders.update(state.held(g))
             pool.check_integrity(holders, name=f"pool group {g!r}")
+        used = sum(pool.num_used for pool in self._pools.values())
+        if self._held.used != used:
+            raise RuntimeError(f"pages held in all groups counted {self._held.used}, found {used}")
+        if self._held.peak < used:
+            raise RuntimeError(f"peak of pages held in all groups {self._held.peak} below {used}")
         if self._host is not None:
             self._host.check_integrity(self._requests)
 

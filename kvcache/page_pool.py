@@ -12,7 +12,10 @@ possible); plain free pages join at the head (handed out before any cached page 
 This class knows nothing about requests: the manager says which pages to take and release.
 
 Interval peaks (since construction or the last ``reset_peaks``): the most pages used at once, the
-most evictable at once, and the fewest plain free (neither used nor cached) at once.
+most evictable at once, and the fewest plain free (neither used nor cached) at once. The pools of
+one manager also share a ``PagesHeld``: the pages used in all of them together and that total's
+peak, which the sum of their own peaks overstates (a window group peaks in a long prefill, the full
+group at the end of decode).
 """
 
 from __future__ import annotations
@@ -25,10 +28,31 @@ from kvcache.spec import NULL_PAGE
 from kvcache.stats import HostTierStats, PoolGroupStats
 
 
-class PagePool:
-    """Pages ``1 .. num_pages-1`` of one pool group (``num_pages`` counts the null page)."""
+class PagesHeld:
+    """Pages used in every pool sharing this, and the most used at once since the last
+    ``reset_peak``: counted where pages are taken and given back, so the peak is the total's own."""
 
-    def __init__(self, num_pages: int) -> None:
+    __slots__ = ("used", "peak")
+
+    def __init__(self) -> None:
+        self.used = 0
+        self.peak = 0
+
+    def take(self, num_pages: int) -> None:
+        self.used += num_pages
+        if self.used > self.peak:
+            self.peak = self.used
+
+    def reset_peak(self) -> None:
+        self.peak = self.used
+
+
+class PagePool:
+    """Pages ``1 .. num_pages-1`` of one pool group (``num_pages`` counts the null page).
+    ``held``: the count this pool's used pages add to (shared by a manager's pools); its own when
+    None."""
+
+    def __init__(self, num_pages: int, held: PagesHeld | None = None) -> None:
         if num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is the null page), got {num_pages}")
         self.num_pages = num_pages
@@ -43,6 +67,7 @@ class PagePool:
         self.peak_used = 0
         self.peak_evictable = 0
         self.free_low_water = self.num_usable
+        self.held = held if held is not None else PagesHeld()
         # Called with (page id, its block hash) when an allocation evicts a cached page, before
         # the page is handed out: its KV is still intact (the host tier copies it then).
         self.on_evict: Callable[[int, int], None] | None = None
@@ -85,10 +110,11 @@ class PagePool:
         )
 
     def reset_peaks(self) -> None:
-        """Start a new stats interval: every peak becomes the current count."""
+        """Start a new stats interval: every peak becomes the current count (``held``'s too)."""
         self.peak_used = self.num_used
         self.peak_evictable = self._num_evictable
         self.free_low_water = self.num_plain_free
+        self.held.reset_peak()
 
     def ref_count(self, page_id: int) -> int:
         return self._ref_counts[page_id]
@@ -154,6 +180,7 @@ class PagePool:
                     self.on_evict(page_id, old_hash)
             self._ref_counts[page_id] = 1
             pages.append(page_id)
+        self.held.take(num_pages)
         free = len(self._free_queue)
         if self.num_usable - free > self.peak_used:
             self.peak_used = self.num_usable - free
@@ -170,6 +197,7 @@ class PagePool:
             self._free_queue.remove(page_id)
             self._num_evictable -= 1
             self.peak_used = max(self.peak_used, self.num_used)
+            self.held.take(1)
         self._ref_counts[page_id] += 1
 
     def free(self, page_ids: Iterable[int]) -> None:
@@ -186,6 +214,7 @@ class PagePool:
                 )
             self._ref_counts[page_id] -= 1
             if self._ref_counts[page_id] == 0:
+                self.held.used -= 1
                 if self._page_hash[page_id] is None:
                     self._free_queue.appendleft(page_id)
                 else:

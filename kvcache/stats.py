@@ -88,7 +88,9 @@ class ReuseCounters:
 @dataclass(frozen=True)
 class KVCacheStats:
     """A snapshot of a KV cache manager. ``reuse_hit_tokens`` counts hits on either tier, of
-    which ``reuse_host_hit_tokens`` came from the host tier."""
+    which ``reuse_host_hit_tokens`` came from the host tier. ``peak_used``: the most device pages
+    held in all groups together at once since the last ``reset_peak()``; at most the sum of the
+    groups' own ``peak_used``, which peak at different moments."""
 
     groups: dict[str, PoolGroupStats] = field(default_factory=dict)
     reuse_queries: int = 0
@@ -96,6 +98,24 @@ class KVCacheStats:
     reuse_miss_tokens: int = 0
     num_requests: int = 0
     reuse_host_hit_tokens: int = 0
+    peak_used: int = 0
+
+    @property
+    def total(self) -> int:
+        """Device pages of every group."""
+        return sum(g.total for g in self.groups.values())
+
+    @property
+    def usage(self) -> float:
+        """Device pages held now over all pages, every group (1 = full)."""
+        total = self.total
+        return sum(g.used for g in self.groups.values()) / total if total else 0.0
+
+    @property
+    def peak_usage(self) -> float:
+        """``peak_used`` over all device pages, every group (1 = full)."""
+        total = self.total
+        return self.peak_used / total if total else 0.0
 
     @property
     def host_drops(self) -> int:

@@ -1,6 +1,7 @@
 """The server's read of the perf-metrics collector (cluster/frontend.py) against a real Ray actor:
 a drain answered after the read stopped waiting is not lost; the next read takes its records
-(the collector's buffers were already emptied by it, and a new drain came back empty)."""
+(the collector's buffers were already emptied by it, and a new drain came back empty). And what
+it exports of a worker's KV stats."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from cluster.frontend import ClusterFrontend
 from cluster.messages import PerfRecord
 from cluster.prom_metrics import ServingMetrics
 from engine.stats import StatsBuffer
+from kvcache.stats import KVCacheStats, PoolGroupStats
 from tests.cluster.cluster_fixtures import local_ray
 from tests.cluster.conftest import decode_timings, prefill_timings
 
@@ -63,3 +65,31 @@ def test_a_late_collector_answer_is_kept_for_the_next_read(
 
         sizes = asyncio.run(reads())
     assert sizes[0] == 0 and sum(sizes) == 1  # the first read gave up; a later one has it
+
+
+def test_the_peak_kv_usage_is_the_peak_of_every_group_together() -> None:
+    """kv_cache_peak_usage_perc: the most pages held in all groups at once over all their pages;
+    it was the sum of each group's own peak (10 + 6 of 22 pages here), which the groups reach at
+    different moments."""
+
+    def group(used: int, peak_used: int) -> PoolGroupStats:
+        return PoolGroupStats(
+            total=11, free=11 - used, used=used, evictable=0, peak_used=peak_used, evictions=0,
+            peak_evictable=0, free_low_water=11 - peak_used,
+        )  # fmt: skip
+
+    kv = KVCacheStats({"full": group(10, 10), "swa_4": group(2, 6)}, peak_used=13)
+    transfer = types.SimpleNamespace(
+        failures=0, expired_leases=0, recomputed=0, failed_requests=0, refused_peers=0,
+        injected_faults=0,
+    )  # fmt: skip
+    stats = types.SimpleNamespace(
+        role="decode", num_waiting=0, num_running=1, kv=kv, kv_interval=kv, transfer=transfer, pid=1
+    )
+    server = types.SimpleNamespace(metrics=ServingMetrics("m"))
+    worker = types.SimpleNamespace(worker_id="d0", healthy=True, last_stats=stats)
+    ClusterFrontend._export_worker(server, worker)  # type: ignore[arg-type]
+    labels = {"model_name": "m", "role": "decode", "worker": "d0"}
+    registry = server.metrics.registry
+    assert registry.get_sample_value("duet:kv_cache_peak_usage_perc", labels) == 13 / 22
+    assert registry.get_sample_value("duet:kv_cache_usage_perc", labels) == 12 / 22

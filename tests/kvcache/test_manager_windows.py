@@ -186,3 +186,28 @@ def test_stats_carry_windows_and_interval_peaks(make_manager: MakeManager) -> No
     assert m.allocate_slots("b", 12, num_computed_tokens=0)  # 5 plain free, then 1 evicted
     s = m.stats().groups["swa_4"]
     assert (s.peak_used, s.peak_evictable, s.free_low_water, s.evictions) == (6, 6, 0, 1)
+
+
+def test_the_peak_of_all_groups_together_is_not_the_sum_of_their_peaks(
+    make_manager: MakeManager,
+) -> None:
+    """The window group peaks in the prefill (a 12-token chunk reads all 6 of its pages), the full
+    group at the end of decode: the most pages held at once is the total's own peak, counted as
+    pages are taken (/metrics' peak KV usage summed the groups' peaks: 16 pages, never held)."""
+    m = hybrid(make_manager, ReusePolicy.NONE)
+    assert m.allocate_slots("a", 12, num_computed_tokens=0)  # full 6 + window 6
+    for n in range(13, 19):
+        assert m.allocate_slots("a", n, num_computed_tokens=n - 1)
+    # At 13 the full group took page 6 as the window gave back 4 of its pages: released first, so
+    # never counted together (7 + 6); since then at most full 9 + window 3.
+    assert m.stats().peak_used == 12
+    for n in (19, 20):
+        assert m.allocate_slots("a", n, num_computed_tokens=n - 1)
+    s = m.stats()
+    assert (s.groups["full"].peak_used, s.groups["swa_4"].peak_used) == (10, 6)  # each its own
+    assert s.peak_used == 13  # full 10 + window 3, at 19
+    assert s.peak_usage == 13 / 22 and s.usage == 12 / 22  # (11 usable pages per group)
+    m.free("a")
+    assert m.stats().peak_used == 13
+    m.reset_peak()
+    assert m.stats().peak_used == 0
