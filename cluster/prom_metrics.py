@@ -1,10 +1,15 @@
 """The Prometheus metrics that the server exposes on /metrics, in a registry of their own.
 
 Names follow vLLM's where one exists (``vllm:time_to_first_token_seconds`` becomes
-``duet:time_to_first_token_seconds``), so existing dashboards need only a prefix change. Every metric
-carries a ``model_name`` label; per-worker gauges add ``role`` and ``worker``; per pool group metrics
-add ``group`` (the KV pool group: "full", "swa_<window>") and ``medium``: "device" (the worker's KV
-pool) or "host" (the KV host tier beneath it, ``kvcache.host_tier_bytes``).
+``duet:time_to_first_token_seconds``), so existing dashboards need only a prefix change, and a name
+means what it means in vLLM: ``request_time_per_output_token_seconds`` is each request's mean time
+per output token, ``inter_token_latency_seconds`` each gap between two tokens. vLLM's old
+``time_per_output_token_seconds`` (deprecated in 0.11, since removed) was the inter-token latency,
+not the per-request mean; it is not exported: a dashboard that reads it should read
+``inter_token_latency_seconds``. Every metric carries a ``model_name`` label; per-worker gauges add
+``role`` and ``worker``; per pool group metrics add ``group`` (the KV pool group: "full",
+"swa_<window>") and ``medium``: "device" (the worker's KV pool) or "host" (the KV host tier beneath
+it, ``kvcache.host_tier_bytes``).
 
 Counters that workers keep themselves (transfer failures and their outcomes, expired leases,
 refused peers, injected faults) arrive as running totals
@@ -73,8 +78,9 @@ class ServingMetrics:
             "time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS, model
         )
         self.tpot = histogram(
-            "time_per_output_token_seconds",
-            "Mean time per output token after the first, per request.",
+            "request_time_per_output_token_seconds",
+            "Mean time per output token after the first, per request of two or more output "
+            "tokens (vLLM also counts the others, as 0).",
             TOKEN_LATENCY_BUCKETS,
             model,
         )
@@ -117,8 +123,8 @@ class ServingMetrics:
         )
         self.kv_peak_usage = Gauge(
             PREFIX + "kv_cache_peak_usage_perc",
-            "Most of a worker's KV cache pages in use at once during its last complete stats "
-            "interval (stats.interval_s).",
+            "Most of a worker's KV cache pages (every pool group together) in use at once "
+            "during its last complete stats interval (stats.interval_s), as a fraction of them.",
             worker,
             registry=reg,
         )

@@ -39,7 +39,7 @@ def test_observed_request_shows_in_every_histogram_and_counter() -> None:
     assert value(metrics, "duet:time_to_first_token_seconds_bucket", le="0.5") == 0
     assert value(metrics, "duet:time_to_first_token_seconds_bucket", le="0.75") == 2
     assert value(metrics, "duet:e2e_request_latency_seconds_sum") == 6.0
-    assert value(metrics, "duet:time_per_output_token_seconds_sum") == 2 * (2.25 / 4)
+    assert value(metrics, "duet:request_time_per_output_token_seconds_sum") == 2 * (2.25 / 4)
     assert value(metrics, "duet:inter_token_latency_seconds_count") == 8
     assert value(metrics, "duet:inter_token_latency_seconds_sum") == 4.5
     assert value(metrics, "duet:request_prefill_time_seconds_sum") == 1.0
@@ -50,6 +50,20 @@ def test_observed_request_shows_in_every_histogram_and_counter() -> None:
     assert value(metrics, "duet:prompt_tokens_total") == 64
     assert value(metrics, "duet:generation_tokens_total") == 10
     assert value(metrics, "duet:kv_transfer_bytes_total") == 8192
+
+
+def test_time_per_output_token_names_mean_what_they_mean_in_vllm() -> None:
+    """vLLM's per-request mean is request_time_per_output_token_seconds; its old
+    time_per_output_token_seconds was the inter-token latency (deprecated in 0.11, since removed):
+    our per-request mean under that name (as before) was read with vLLM's meaning."""
+    metrics = ServingMetrics(MODEL)
+    record = PerfRecord("r1", prefill=prefill_timings("r1"), decode=decode_timings("r1"))
+    metrics.observe_request(record)
+    names = {name for name, _ in samples(metrics)}
+    assert not any(name.startswith("duet:time_per_output_token") for name in names)
+    assert value(metrics, "duet:request_time_per_output_token_seconds_count") == 1  # per request
+    assert value(metrics, "duet:inter_token_latency_seconds_count") == 4  # per gap
+    assert value(metrics, "duet:request_time_per_output_token_seconds_sum") == record.tpot_s
 
 
 def test_aggregated_request_has_no_transfer() -> None:
