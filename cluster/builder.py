@@ -54,7 +54,7 @@ class ClusterHandles:
         index = None
         if routing.uses_kv_events:
             index = KVIndex([w.worker_id for w in self.prefill + self.decode])
-        return Router(
+        router = Router(
             self.prefill,
             self.decode,
             policy=routing.policy,
@@ -65,6 +65,9 @@ class ClusterHandles:
             kv_index=index,
             local_prefill_max_tokens=routing.local_prefill_max_tokens,
         )
+        if self.collector is not None:  # (not awaited: metrics are an aid)
+            router.close_request = self.collector.close.remote
+        return router
 
     def shutdown(self) -> None:
         for w in self.prefill + self.decode:
@@ -143,7 +146,8 @@ def build_cluster(
     ``transfer.secret`` or DUET_TRANSFER_SECRET, else a fresh one for this cluster).
 
     Raises ConfigError, before any actor starts, for a tensor_parallel_size the model cannot be
-    split by or no node can host (cluster/preflight.py)."""
+    split by or no node can host, and for a label selector that no node, or too few for the
+    replicas, can meet (cluster/preflight.py)."""
     preflight(config)
     # Handed to the workers inside their TransceiverConfig (it never appears in its repr).
     secret = None if config.aggregated else transfer_secret or cluster_secret(config, make=True)

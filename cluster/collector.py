@@ -21,7 +21,7 @@ import threading
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 
-from cluster.messages import CollectorStats, PerfRecord
+from cluster.messages import CollectorStats, PerfRecord, RequestClosed
 from worker_common.messages import RequestTimings, Role
 
 UNBOUNDED = -1
@@ -35,8 +35,11 @@ def expected_roles_for(aggregated: bool) -> frozenset[Role]:
 class PerfMetricsCollector:
     """Thread-safe join of per-request timings by request id; each request is handed out once.
 
-    A join completes when every role in ``expected_roles`` has reported, or earlier when a report
-    says it is the last one (``RequestTimings.last_report``).
+    A join completes when every role in ``expected_roles`` has reported (the decode report with
+    the prefill report of the same router attempt, ``RequestTimings.prefill_attempt``), or earlier
+    when a report says it is the last one (``RequestTimings.last_report``), or when the router
+    closed the request (``close``) and its last attempt's report is in. Reports of failed prefill
+    attempts before the one a record stands on are left out of it (counted as superseded).
     """
 
     def __init__(
@@ -68,11 +71,16 @@ class PerfMetricsCollector:
         self._dropped: dict[str, int] = {}
 
         self._aggregation_lock = threading.Lock()
-        self._pending: OrderedDict[str, dict[Role, RequestTimings]] = OrderedDict()
-        self._reported: OrderedDict[str, None] = OrderedDict()  # an ordered set, oldest first
+        self._pending: OrderedDict[str, _Join] = OrderedDict()
+        # Handed-out ids, oldest first, with the prefill attempt their record stands on.
+        self._reported: OrderedDict[str, int] = OrderedDict()
+        # Closed by the router before any report of theirs arrived: id -> attempts made.
+        self._closed: OrderedDict[str, int] = OrderedDict()
+        self._closes: list[RequestClosed] = []  # (under the ingest lock, like the buffers)
         self._joined = 0
         self._duplicates = 0
         self._late = 0
+        self._superseded = 0
         self._evicted = 0
 
     # -- writers -----------------------------------------------------------------------------
@@ -93,6 +101,14 @@ class PerfMetricsCollector:
                 buffer.append(record)
                 self._ingested += 1
 
+    def close(self, closed: RequestClosed) -> None:
+        """The router ended a request without a decode worker (``RequestClosed``); kept for the
+        next ``drain``."""
+        if self._max_per_worker == 0:  # disabled: no report is kept, nothing is to close
+            return
+        with self._ingest_lock:
+            self._closes.append(closed)
+
     # -- reader ------------------------------------------------------------------------------
 
     def drain(self) -> list[PerfRecord]:
@@ -100,13 +116,12 @@ class PerfMetricsCollector:
         with self._aggregation_lock:
             with self._ingest_lock:
                 buffers, self._buffers = self._buffers, {}
-            # Arrival order within a worker is kept; across workers it does not matter for a join.
-            completed: list[PerfRecord] = []
-            for buffer in buffers.values():
-                for record in buffer:
-                    joined = self._join(record)
-                    if joined is not None:
-                        completed.append(joined)
+                closes, self._closes = self._closes, []
+            # Arrival order within a worker is kept; across workers, and between reports and the
+            # router's closes, it does not matter for a join.
+            joined = [self._join(record) for buffer in buffers.values() for record in buffer]
+            joined += [self._close(closed) for closed in closes]
+            completed = [record for record in joined if record is not None]
             self._joined += len(completed)
             return completed
 
@@ -120,6 +135,7 @@ class PerfMetricsCollector:
                 joined=self._joined,
                 duplicates=self._duplicates,
                 late=self._late,
+                superseded=self._superseded,
                 evicted_incomplete=self._evicted,
                 pending=len(self._pending),
             )
@@ -129,27 +145,85 @@ class PerfMetricsCollector:
     def _join(self, record: RequestTimings) -> PerfRecord | None:
         request_id = record.request_id
         if request_id in self._reported:
-            self._late += 1
+            if record.role is Role.PREFILL and record.prefill_attempt < self._reported[request_id]:
+                self._superseded += 1  # a failed attempt's report, after a later one served
+            else:
+                self._late += 1
             return None
-        parts = self._pending.get(request_id)
-        if parts is None:
-            parts = self._pending[request_id] = {}
+        join = self._pending.get(request_id)
+        if join is None:
+            join = self._pending[request_id] = _Join(self._closed.pop(request_id, None))
             self._evict_oldest_pending()
-        if record.role in parts:
-            self._duplicates += 1
+        if record.role is Role.DECODE:
+            if join.decode is not None:
+                self._duplicates += 1
+                return None
+            join.decode = record
+        else:
+            if record.prefill_attempt in join.prefills:
+                self._duplicates += 1
+                return None
+            join.prefills[record.prefill_attempt] = record
+        return self._complete(request_id, join)
+
+    def _close(self, closed: RequestClosed) -> PerfRecord | None:
+        request_id = closed.request_id
+        if request_id in self._reported:
             return None
-        parts[record.role] = record
-        if not (record.last_report or self.expected_roles <= parts.keys()):
+        join = self._pending.get(request_id)
+        if join is None:  # its last attempt's report is still on its way (or never comes)
+            self._closed[request_id] = closed.prefill_attempts
+            while len(self._closed) > self._max_reported_ids:
+                self._closed.popitem(last=False)
             return None
+        join.closed_after = closed.prefill_attempts
+        return self._complete(request_id, join)
+
+    def _complete(self, request_id: str, join: _Join) -> PerfRecord | None:
+        """The request's record, once the reports that make it are in."""
+        outcome = join.outcome(Role.PREFILL in self.expected_roles)
+        if outcome is None:
+            return None
+        prefill, decode, attempt = outcome
         del self._pending[request_id]
-        self._reported[request_id] = None
+        self._superseded += len(join.prefills) - (prefill is not None)
+        self._reported[request_id] = attempt
         if len(self._reported) > self._max_reported_ids:
             self._reported.popitem(last=False)
         return PerfRecord(
-            request_id=request_id, prefill=parts.get(Role.PREFILL), decode=parts.get(Role.DECODE)
+            request_id=request_id, prefill=prefill, decode=decode, failed_prefill_attempts=attempt
         )
 
     def _evict_oldest_pending(self) -> None:
         while len(self._pending) > self._max_pending:
             self._pending.popitem(last=False)
             self._evicted += 1
+
+
+class _Join:
+    """The reports of one request so far: its prefill attempts' (by attempt), its decode's, and
+    how many attempts the router made when it ended the request without a decode worker."""
+
+    def __init__(self, closed_after: int | None) -> None:
+        self.prefills: dict[int, RequestTimings] = {}
+        self.decode: RequestTimings | None = None
+        self.closed_after = closed_after
+
+    def outcome(
+        self, prefill_expected: bool
+    ) -> tuple[RequestTimings | None, RequestTimings | None, int] | None:
+        """(prefill report, decode report, failed attempts before that prefill) once complete."""
+        d = self.decode
+        if d is not None:
+            if d.last_report or not prefill_expected:  # D prefilled it: no prefill report is its
+                return None, d, d.prefill_attempt
+            p = self.prefills.get(d.prefill_attempt)  # the attempt whose KV D got
+            return None if p is None else (p, d, d.prefill_attempt)
+        if not self.prefills:
+            return None
+        attempt = max(self.prefills)
+        p = self.prefills[attempt]
+        # It finished on P at its first token, or the router ended it after this attempt.
+        if p.last_report or (self.closed_after is not None and attempt >= self.closed_after - 1):
+            return p, None, attempt
+        return None

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 import ray
 
 from cluster.collector import PerfMetricsCollector
-from cluster.messages import CollectorStats, PerfRecord
+from cluster.messages import CollectorStats, PerfRecord, RequestClosed
 from worker_common.messages import RequestTimings, Role
 
 # Writers from every worker plus one reader; more threads than that only add contention.
@@ -33,6 +33,9 @@ class _CollectorActor:
 
     def ingest(self, records: list[RequestTimings]) -> None:
         self._collector.ingest(records)
+
+    def close(self, closed: RequestClosed) -> None:
+        self._collector.close(closed)
 
     def drain(self) -> list[PerfRecord]:
         return self._collector.drain()

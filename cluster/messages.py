@@ -34,11 +34,17 @@ def _span(start: float | None, end: float | None) -> float | None:
 @dataclass(frozen=True)
 class PerfRecord:
     """One request's joined timings: the prefill report (None when the decode worker prefilled
-    locally) and the decode report (None when the request ended on the prefill worker)."""
+    locally) and the decode report (None when the request ended on the prefill worker).
+
+    After failed prefill attempts (the router tried another prefill worker, or had the decode
+    worker prefill it), ``prefill`` is the report of the attempt that served the request (or of
+    the last one, when none did) and ``failed_prefill_attempts`` counts those before it; their
+    own reports are left out, and times run from the serving attempt's arrival."""
 
     request_id: str
     prefill: RequestTimings | None
     decode: RequestTimings | None
+    failed_prefill_attempts: int = 0
 
     def __post_init__(self) -> None:
         if self.prefill is None and self.decode is None:
@@ -57,7 +63,7 @@ class PerfRecord:
     @property
     def _prefiller(self) -> RequestTimings:
         """The report of the role that ran the prompt whose KV produced the output: D when it
-        prefilled locally (even after a failed attempt on P), else P."""
+        prefilled it itself (locally, or recomputing after a failed transfer), else P."""
         if self.decode is not None and self.decode.prefill_start is not None:
             return self.decode
         return self._first
@@ -165,9 +171,24 @@ class PerfRecord:
             "cached_tokens_by_medium": dict(self._prefiller.cached_tokens_by_medium),
             "output_tokens": self.output_tokens,
             "finish_reason": self.finish_reason,
+            "failed_prefill_attempts": self.failed_prefill_attempts,
             "prefill": _plain(self.prefill),
             "decode": _plain(self.decode),
         }
+
+
+@dataclass(frozen=True)
+class RequestClosed:
+    """The router ended a request before any decode worker took it (its client went away, or no
+    prefill attempt succeeded and there was no fallback), after ``prefill_attempts`` attempts: the
+    report of the last one (``prefill_attempts - 1``) completes the request's record."""
+
+    request_id: str
+    prefill_attempts: int
+
+    def __post_init__(self) -> None:
+        if self.prefill_attempts < 1:
+            raise ValueError(f"RequestClosed {self.request_id!r}: no attempt was made")
 
 
 @dataclass(frozen=True)
@@ -179,6 +200,7 @@ class CollectorStats:
     joined: int = 0  # PerfRecords handed out by drain()
     duplicates: int = 0  # a second report of the same role for a request still being joined
     late: int = 0  # a report for a request that was already handed out
+    superseded: int = 0  # a failed prefill attempt's report, left out for a later attempt's
     evicted_incomplete: int = 0  # partial joins pushed out by the pending bound
     pending: int = 0  # requests waiting for another role's report
 

@@ -15,7 +15,11 @@ worker picked for a request already holds all but at most that many of its promp
 prefills the rest itself (its local path) and the request skips the prefill worker and the KV
 transfer. A failed prefill is retried on
 another prefill worker (``router.prefill_retries``); with no healthy prefill worker the decode worker
-prefills locally. A client that goes away cancels the request on both sides, and so does
+prefills locally. Each attempt is numbered (``GenerateRequest.prefill_attempt``) so that the
+perf-metrics collector joins D's report with the attempt D took over; a request the router ends
+without a decode worker is closed with the collector (``close_request``), since a failed
+prefill's report alone cannot say whether another attempt follows. A client that goes away
+cancels the request on both sides, and so does
 ``server.request_timeout_s`` (``call_timeout_s`` here): no request runs longer than that from its
 arrival at the router.
 
@@ -26,10 +30,11 @@ by the server's stats poller (cluster/stats_poller.py) and by the outcome of eac
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +42,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from cluster.kv_index import KVIndex
+from cluster.messages import RequestClosed
 from kvcache.block_hash import hash_full_pages
 from worker_common.messages import GenerateRequest, PrefillResult, TokenDelta, WorkerStats
 
@@ -84,6 +90,9 @@ class Router:
     ) -> None:
         if not decode:
             raise ValueError("the router needs at least one decode worker")
+        # Told of a request the router ends without a decode worker after prefill attempts (the
+        # collector's join: no decode report will come; ``RequestClosed``).
+        self.close_request: Callable[[RequestClosed], None] | None = None
         if kv_index is None and (policy == "kv_aware" or local_prefill_max_tokens):
             raise ValueError("kv_aware routing and local_prefill_max_tokens need a KVIndex")
         self.prefill = prefill
@@ -203,17 +212,20 @@ class Router:
             finally:
                 prefer.queued_prefill_tokens -= queued
             return
-        pre, pworker = await self._prefill(req, hashes)
+        pre, pworker, attempts = await self._prefill(req, hashes)
         if pre is None:
             if self.prefill and not self.local_prefill_fallback:
+                self._closed(req.request_id, attempts)
                 yield _error_delta(
                     req, "no prefill worker could serve the request (local fallback is off)"
                 )
                 return
             self.num_local_fallbacks += 1
-            async for d in self._stream_decode(req, None, None):
+            local = dataclasses.replace(req, prefill_attempt=attempts)  # (that many failed)
+            async for d in self._stream_decode(local, None, None):
                 yield d
             return
+        req = dataclasses.replace(req, prefill_attempt=attempts - 1)  # the one D takes over
         n_prompt = len(req.prompt_token_ids)
         yield TokenDelta(
             req.request_id,
@@ -228,14 +240,24 @@ class Router:
         async for d in self._stream_decode(req, pre, pworker):
             yield d
 
+    def _closed(self, request_id: str, attempts: int) -> None:
+        """Tell the collector the request ended here after ``attempts`` prefill attempts (none:
+        no worker saw it, nothing is to close)."""
+        if attempts and self.close_request is not None:
+            try:
+                self.close_request(RequestClosed(request_id, attempts))
+            except Exception as e:  # metrics are an aid: never a reason to fail the request
+                log.warning("could not close %s with the collector: %s", request_id, e)
+
     async def _prefill(
         self, req: GenerateRequest, hashes: list[int] | None = None
-    ) -> tuple[PrefillResult | None, WorkerSlot | None]:
+    ) -> tuple[PrefillResult | None, WorkerSlot | None, int]:
+        """(result, its worker, attempts made); (None, None, attempts) when none succeeded."""
         tried: set[str] = set()
         for attempt in range(1 + self.prefill_retries):
             w = self._pick_prefill(req, tried, hashes)
             if w is None or self._left_s(req) <= 0:
-                break  # (out of time: no worker is to blame, none is marked unhealthy)
+                return None, None, attempt  # (out of time: no worker is to blame, none is marked)
             if attempt:
                 self.num_prefill_retries += 1  # (counted once it is made, not when it is due)
             tried.add(w.worker_id)
@@ -245,7 +267,8 @@ class Router:
             w.queued_prefill_tokens += queued
             try:
                 left = max(self._left_s(req), 0.0)
-                return await asyncio.wait_for(w.handle.prefill.remote(req), left), w
+                call = dataclasses.replace(req, prefill_attempt=attempt)
+                return await asyncio.wait_for(w.handle.prefill.remote(call), left), w, attempt + 1
             except RayTaskError as e:
                 if isinstance(e.cause, ValueError):
                     raise e.cause from None  # the request itself is bad: no retry
@@ -259,12 +282,13 @@ class Router:
                 )
             except asyncio.CancelledError:
                 w.handle.cancel.remote(req.request_id)
+                self._closed(req.request_id, attempt + 1)
                 raise
             finally:
                 w.outstanding -= 1
                 w.queued_prefill_tokens -= queued
             w.failures += 1
-        return None, None
+        return None, None, 1 + self.prefill_retries
 
     async def _stream_decode(
         self,
@@ -353,7 +377,9 @@ class Router:
                 # With the prompt's length: D reports the request itself if the cancel stopped
                 # its call before it ran (nothing else would; as the last report when it was to
                 # prefill it too: no prefill worker saw it).
-                d.handle.abort.remote(rid, len(req.prompt_token_ids), pre is None)
+                d.handle.abort.remote(
+                    rid, len(req.prompt_token_ids), pre is None, req.prefill_attempt
+                )
             if not ok and pworker is not None:
                 # P may still hold the lease (D never pulled, or failed): give the pages back now
                 # rather than at lease expiry. A pull still reading them keeps them until it ends.

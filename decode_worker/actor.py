@@ -45,9 +45,13 @@ class _DecodeWorkerActor(WorkerActorBase):
             yield delta
 
     async def abort(
-        self, request_id: str, prompt_tokens: int | None = None, local: bool = False
+        self,
+        request_id: str,
+        prompt_tokens: int | None = None,
+        local: bool = False,
+        prefill_attempt: int = 0,
     ) -> None:
-        await self.worker.abort(request_id, prompt_tokens, local)
+        await self.worker.abort(request_id, prompt_tokens, local, prefill_attempt)
 
 
 DecodeWorkerActor = ray.remote(_DecodeWorkerActor)

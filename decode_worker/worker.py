@@ -111,14 +111,14 @@ class DecodeWorker:
                 f"decode worker {self.worker_id} has no transceiver (aggregated mode)"
             )
         rid, prompt = req.request_id, req.prompt_token_ids.tolist()
-        received = time.time()
+        received, attempt = time.time(), req.prefill_attempt
         if not self._arrive(rid):
             return
         try:
             hit, host_tokens, skips, dst = await self._gen_init(rid, prompt)
         except (asyncio.CancelledError, Exception) as e:  # the client left, or no pages came
             finish = "abort" if isinstance(e, asyncio.CancelledError) else "error"
-            self._ended_early(rid, len(prompt), WorkerFacts(received), finish)
+            self._ended_early(rid, len(prompt), WorkerFacts(received, None, attempt), finish)
             raise
         transfer_start = time.time()
         pull = asyncio.ensure_future(self.puller.pull(pre.ticket, dst, skips, len(prompt)))
@@ -130,7 +130,7 @@ class DecodeWorker:
             self._aborted.discard(rid)
             pull.add_done_callback(lambda _: self._free_pages(rid))
             gone = TransferFacts(transfer_start, time.time(), 0, None)
-            self._ended_early(rid, len(prompt), WorkerFacts(received, gone), "abort")
+            self._ended_early(rid, len(prompt), WorkerFacts(received, gone, attempt), "abort")
             raise
         except Exception as e:  # the pull could not run at all (the receiver closed, say)
             result, error = None, f"{type(e).__name__}: {e}"
@@ -147,6 +147,7 @@ class DecodeWorker:
                 int(result.bytes) if ok else 0,
                 result.stats.path if result is not None else None,
             ),
+            attempt,
         )
         if not ok:
             self.num_transfer_failures += 1
@@ -258,7 +259,7 @@ class DecodeWorker:
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta]:
         """Prefill locally and stream every token (aggregated mode / no healthy prefill worker)."""
         rid, prompt = req.request_id, req.prompt_token_ids.tolist()
-        facts = WorkerFacts(time.time())
+        facts = WorkerFacts(time.time(), None, req.prefill_attempt)
         if not self._arrive(rid):
             return
 
@@ -336,17 +337,22 @@ class DecodeWorker:
         return True
 
     async def abort(
-        self, request_id: str, prompt_tokens: int | None = None, local: bool = False
+        self,
+        request_id: str,
+        prompt_tokens: int | None = None,
+        local: bool = False,
+        prefill_attempt: int = 0,
     ) -> None:
         """Stop a request: a receive in flight keeps its pages until it ends; a running one is freed.
 
         ``prompt_tokens``: the caller had handed the request to this worker (with a prompt of
-        that length; ``local``: to prefill here too). If its call never started here (the
-        caller's cancel stopped it before it ran), the request is reported as aborted now, since
-        nothing else will report it, and a call for it that still comes ends at once."""
+        that length; ``local``: to prefill here too; ``prefill_attempt``: the request's). If its
+        call never started here (the caller's cancel stopped it before it ran), the request is
+        reported as aborted now, since nothing else will report it, and a call for it that still
+        comes ends at once."""
         if prompt_tokens is not None and request_id not in self._arrived:
             _remember(self._gone, request_id)
-            gone = WorkerFacts(time.time())
+            gone = WorkerFacts(time.time(), None, prefill_attempt)
             self._ended_early(request_id, prompt_tokens, gone, "abort", last=local)
             return
         if request_id in self._receiving:

@@ -30,7 +30,7 @@ from worker_common.messages import (
     WorkerDeadlines,
     WorkerStats,
 )
-from worker_common.request_report import Sink
+from worker_common.request_report import Sink, WorkerFacts
 from worker_common.worker_stats import WorkerStatsKeeper, transfer_totals
 
 log = logging.getLogger(__name__)
@@ -107,16 +107,16 @@ class PrefillWorker:
         received = time.time()
         rid = req.request_id
         prompt = req.prompt_token_ids.tolist()
+        facts = WorkerFacts(received, prefill_attempt=req.prefill_attempt)
+
+        def add(e: LLMEngine) -> None:
+            self.keeper.note(rid, facts)  # its report names the router's attempt
+            e.add_request(rid, prompt, req.sampling, prefill_only=True, arrival_time=received)
+
         self.loop.subscribe(rid, stream.push)
         self._pending.add(rid)
         try:
-            await asyncio.wrap_future(
-                self.loop.call(
-                    lambda e: e.add_request(
-                        rid, prompt, req.sampling, prefill_only=True, arrival_time=received
-                    )
-                )
-            )
+            await asyncio.wrap_future(self.loop.call(add))
             out = await stream.get(self._deadline_s)
             self.loop.unsubscribe(rid)  # a prefill-only request yields exactly one output
         except ValueError:
@@ -133,6 +133,8 @@ class PrefillWorker:
             ) from e
         finally:
             self._pending.discard(rid)
+            # After whatever call aborted it: its facts go once the engine's record of it is out.
+            self.loop.call(lambda e: self.keeper.retire(rid))
         if out.error:
             raise PrefillError(out.error)
         if out.finish_reason == "abort":

@@ -98,6 +98,11 @@ class GenerateRequest:
     prompt_token_ids: PromptTokens
     sampling: SamplingParams
     arrival_time: float  # time.time() at the router
+    # How many of the router's prefill attempts for this request failed before this call: on a
+    # prefill worker, the attempt it runs (0: the first); on a decode worker, the attempt whose KV
+    # it gets, or when it prefills the request itself, how many failed first. Its reports carry
+    # it, so that the collector joins D's report with the prefill report of the same attempt.
+    prefill_attempt: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt_token_ids, PromptTokens):
@@ -150,9 +155,13 @@ class RequestTimings:
 
     ``last_report`` tells the collector that no other role will report this request: the decode
     worker sets it when it prefilled the request itself (aggregated mode, or fallback when no prefill
-    worker was healthy); the prefill worker sets it when the request ended on it before handoff
-    (error, abort, a stop at the first token). Without it, the collector waits for every expected
-    role.
+    worker was healthy); the prefill worker sets it when the request finished on it at its first
+    token (a stop, or max_tokens 1). A prefill that failed or was aborted is not the last report:
+    the router may try again elsewhere, or have the decode worker prefill it; when the router ends
+    the request without a decode worker it says so itself (``cluster.messages.RequestClosed``).
+    Without it, the collector waits for every expected role.
+
+    ``prefill_attempt``: the router's attempt this report belongs to (``GenerateRequest``'s).
     """
 
     request_id: str
@@ -181,6 +190,7 @@ class RequestTimings:
     token_gaps_s: tuple[float, ...] = ()  # gaps between consecutive tokens this worker sampled
     finish_reason: str | None = None  # "stop", "length", "abort", "error"; None if handed off
     last_report: bool = False
+    prefill_attempt: int = 0
 
     def __post_init__(self) -> None:
         # Accept the plain string too ("prefill"), as JSON and YAML hand it over.

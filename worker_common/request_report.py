@@ -22,6 +22,7 @@ from engine.stats import RequestStats
 from worker_common.messages import RequestTimings, Role
 
 Sink = Callable[[list[RequestTimings]], None]
+FAILED = frozenset({"error", "abort"})  # finish reasons of a request that did not finish normally
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class WorkerFacts:
 
     received: float  # the request reached this worker
     transfer: TransferFacts | None = None  # D: the KV came from a prefill worker
+    prefill_attempt: int = 0  # the router's (GenerateRequest.prefill_attempt)
 
 
 class RequestReporter:
@@ -94,6 +96,7 @@ class RequestReporter:
                     prompt_tokens=prompt_tokens,
                     finish_reason=finish_reason,
                     last_report=last_report,
+                    prefill_attempt=facts.prefill_attempt,
                 )
             ]
         )
@@ -144,9 +147,15 @@ class RequestReporter:
             num_preemptions=m.num_preemptions,
             token_gaps_s=stats.token_gaps_s,
             finish_reason=finish_reason,
-            # P's report is the last one unless it handed the request off; D's when it prefilled
-            # the request itself (no prefill worker will report it).
-            last_report=not handed_off if self.role is Role.PREFILL else local_prompt,
+            # P's report is the last one when the request finished on it; not when it failed (the
+            # router may try again) or was handed off. D's when it prefilled the request itself
+            # (no prefill worker will report it).
+            last_report=(
+                not handed_off and finish_reason not in FAILED
+                if self.role is Role.PREFILL
+                else local_prompt
+            ),
+            prefill_attempt=facts.prefill_attempt if facts is not None else 0,
         )
 
 

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from cluster.collector import PerfMetricsCollector, expected_roles_for
-from cluster.messages import CollectorStats, Role
+from cluster.messages import CollectorStats, RequestClosed, RequestTimings, Role
 from tests.cluster.conftest import decode_timings, prefill_timings
 
 DISAGGREGATED = expected_roles_for(aggregated=False)
@@ -51,14 +51,84 @@ def test_aggregated_mode_needs_only_the_decode_role() -> None:
 def test_last_report_completes_early_and_later_reports_are_late() -> None:
     collector = PerfMetricsCollector(DISAGGREGATED)
     local = decode_timings("r1", last_report=True)  # D prefilled locally
-    aborted = prefill_timings("r2", last_report=True, finish_reason="abort")
-    collector.ingest([local, aborted])
+    ended = prefill_timings("r2", last_report=True, finish_reason="stop")  # at its first token
+    collector.ingest([local, ended])
     records = {r.request_id: r for r in collector.drain()}
     assert (records["r1"].prefill, records["r1"].decode) == (None, local)
-    assert (records["r2"].prefill, records["r2"].decode) == (aborted, None)
+    assert (records["r2"].prefill, records["r2"].decode) == (ended, None)
     collector.ingest([prefill_timings("r1")])
     assert collector.drain() == []
     assert collector.stats() == CollectorStats(ingested=3, joined=2, late=1)
+
+
+def failed(request_id: str, attempt: int, worker_id: str = "p0") -> RequestTimings:
+    """A prefill attempt's report that failed (not last: the router may try again)."""
+    return prefill_timings(
+        request_id, worker_id, finish_reason="error", prefill_attempt=attempt, output_tokens=0
+    )
+
+
+@pytest.mark.parametrize("order", ["failed first", "failed last"])
+def test_a_retried_prefill_joins_the_attempt_that_served_it(order: str) -> None:
+    """P0 failed, the router retried on P1, whose KV D took: the record is P1's and D's, whatever
+    order the reports come in; P0's report is left out (superseded), never the record's outcome."""
+    collector = PerfMetricsCollector(DISAGGREGATED)
+    served = prefill_timings("r1", "p1", prefill_attempt=1)
+    decode = decode_timings("r1", prefill_attempt=1)
+    if order == "failed first":
+        collector.ingest([failed("r1", 0)])
+        collector.ingest([decode])
+        assert collector.drain() == []  # D's attempt is not in yet
+        collector.ingest([served])
+    else:
+        collector.ingest([served, decode])
+    [record] = collector.drain()
+    assert (record.prefill, record.decode, record.failed_prefill_attempts) == (served, decode, 1)
+    assert record.finish_reason == "length" and record.to_dict()["failed_prefill_attempts"] == 1
+    if order == "failed last":
+        collector.ingest([failed("r1", 0)])
+        assert collector.drain() == []
+    stats = collector.stats()
+    assert (stats.joined, stats.superseded, stats.late, stats.pending) == (1, 1, 0, 0)
+
+
+def test_a_local_fallback_after_a_failed_prefill_is_the_decode_workers_record() -> None:
+    collector = PerfMetricsCollector(DISAGGREGATED)
+    local = decode_timings("r1", last_report=True, prefill_attempt=1, prefill_start=101.0)
+    collector.ingest([failed("r1", 0), local])
+    [record] = collector.drain()
+    assert (record.prefill, record.decode, record.failed_prefill_attempts) == (None, local, 1)
+    assert collector.stats().superseded == 1
+
+
+@pytest.mark.parametrize("close_first", [True, False])
+def test_a_request_the_router_closed_ends_with_its_last_attempt(close_first: bool) -> None:
+    """No decode worker took it (no fallback, or its client left): the router's close completes
+    the record with the last attempt's report, before or after that report arrives."""
+    collector = PerfMetricsCollector(DISAGGREGATED)
+    last = failed("r1", 1, "p1")
+    collector.ingest([failed("r1", 0)])
+    if close_first:
+        collector.close(RequestClosed("r1", prefill_attempts=2))
+        assert collector.drain() == []  # attempt 1's report is still on its way
+        collector.ingest([last])
+    else:
+        collector.ingest([last])
+        assert collector.drain() == []  # it may yet be retried
+        collector.close(RequestClosed("r1", prefill_attempts=2))
+    [record] = collector.drain()
+    assert (record.prefill, record.decode, record.failed_prefill_attempts) == (last, None, 1)
+    assert record.finish_reason == "error"
+    stats = collector.stats()
+    assert (stats.joined, stats.superseded, stats.pending) == (1, 1, 0)
+
+
+def test_a_close_without_reports_keeps_nothing_pending() -> None:
+    collector = PerfMetricsCollector(DISAGGREGATED)
+    collector.close(RequestClosed("gone", prefill_attempts=1))  # its worker never saw it
+    assert collector.drain() == [] and collector.stats().pending == 0
+    with pytest.raises(ValueError, match="no attempt"):
+        RequestClosed("none", prefill_attempts=0)
 
 
 def test_each_request_is_reported_once() -> None:

@@ -14,6 +14,7 @@ import ray
 
 from cluster.builder import ClusterHandles
 from cluster.config import ClusterConfig, config_from_dict
+from cluster.messages import RequestClosed
 from cluster.router import Router, WorkerSlot
 from cluster.worker_specs import worker_spec
 from decode_worker.actor import DecodeWorkerActor
@@ -49,8 +50,15 @@ class StuckPrefill:
 class FailingPrefill:
     """A prefill worker whose prefill fails at once (as one whose engine died)."""
 
+    def __init__(self) -> None:
+        self.attempts: list[int] = []
+
     async def prefill(self, req: GenerateRequest) -> None:
+        self.attempts.append(req.prefill_attempt)
         raise RuntimeError("this prefill worker is broken")
+
+    async def attempts_seen(self) -> list[int]:
+        return list(self.attempts)
 
     async def cancel(self, request_id: str) -> None:
         pass
@@ -61,8 +69,8 @@ def test_a_timed_out_prefill_is_cancelled_on_its_worker(local_ray: None) -> None
     slot = WorkerSlot("p-0", handle=worker)
     router = Router([slot], [WorkerSlot("d-0", handle=None)], prefill_retries=0, call_timeout_s=0.5)
     req = GenerateRequest("late-1", [1, 2, 3], SamplingParams(), time.time())
-    pre, where = asyncio.run(router._prefill(req))
-    assert (pre, where) == (None, None)  # the local fallback takes it from here
+    pre, where, attempts = asyncio.run(router._prefill(req))
+    assert (pre, where, attempts) == (None, None, 1)  # the local fallback takes it from here
     assert not slot.healthy and slot.failures == 1 and slot.outstanding == 0
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -70,6 +78,31 @@ def test_a_timed_out_prefill_is_cancelled_on_its_worker(local_ray: None) -> None
             break
         time.sleep(0.05)
     assert ray.get(worker.cancelled_ids.remote(), timeout=30) == ["late-1"]
+
+
+def test_a_client_gone_during_its_prefill_is_closed_with_the_collector(local_ray: None) -> None:
+    """Its prefill is cancelled and no decode worker will see it: the router closes it, so that
+    the prefill worker's abort report completes its record (that report alone is not the last:
+    a failed prefill may be retried)."""
+    worker = StuckPrefill.remote()
+    router = Router([WorkerSlot("p-0", worker)], [WorkerSlot("d-0", None)], call_timeout_s=60)
+    closed: list[RequestClosed] = []
+    router.close_request = closed.append
+
+    async def leave_early() -> None:
+        req = GenerateRequest("gone-1", [1, 2, 3], SamplingParams(), time.time())
+        task = asyncio.ensure_future(collect(router, req))
+        await asyncio.sleep(1.0)  # the prefill call is under way
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(leave_early())
+    assert closed == [RequestClosed("gone-1", prefill_attempts=1)]
+    deadline = time.monotonic() + 30
+    while ray.get(worker.cancelled_ids.remote(), timeout=30) != ["gone-1"]:
+        assert time.monotonic() < deadline, "the prefill was not cancelled on its worker"
+        time.sleep(0.05)
 
 
 # ---- a real decode worker (the embedded model, aggregated mode) behind the router ----
@@ -132,6 +165,8 @@ def test_router_local_prefill_fallback(decode_worker: WorkerSlot, fallback: bool
     broken = WorkerSlot("p-0", handle=FailingPrefill.remote())
     config = config_of(router={"local_prefill_fallback": fallback, "prefill_retries": 0})
     router = router_of(config, [broken], decode_worker)
+    closed: list[RequestClosed] = []
+    router.close_request = closed.append
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     req = GenerateRequest(f"fb-{fallback}", [1, 2, 3], params, time.time())
     deltas = asyncio.run(collect(router, req))
@@ -139,10 +174,13 @@ def test_router_local_prefill_fallback(decode_worker: WorkerSlot, fallback: bool
     if fallback:
         assert [d.error for d in deltas] == [None] * len(deltas)
         assert sum(len(d.token_ids) for d in deltas) == 3 and router.num_local_fallbacks == 1
+        assert closed == []  # the decode worker's report is the last one
     else:
         assert (
             deltas[-1].error == "no prefill worker could serve the request (local fallback is off)"
         )
+        # No decode worker will report it: the failed attempt's report completes its record.
+        assert closed == [RequestClosed(req.request_id, prefill_attempts=1)]
     wait_no_pages_held(decode_worker)
 
 
@@ -153,13 +191,16 @@ def test_router_prefill_retries(local_ray: None, retries: int) -> None:
     config = config_of(router={"prefill_retries": retries})
     router = ClusterHandles(config, None, broken, [WorkerSlot("d-0", None)]).router()
     req = GenerateRequest(f"retry-{retries}", [1, 2, 3], SamplingParams(), time.time())
-    assert asyncio.run(router._prefill(req)) == (None, None)
+    assert asyncio.run(router._prefill(req)) == (None, None, retries + 1)
     assert sum(w.failures for w in broken) == retries + 1
+    # Each attempt is numbered, so that the collector joins D's report with the right one.
+    seen = ray.get([w.handle.attempts_seen.remote() for w in broken], timeout=30)
+    assert sorted(a for worker in seen for a in worker) == list(range(retries + 1))
     assert router.num_prefill_retries == retries
     # Retries allowed but no other worker to make them on: none is counted.
     lone = ClusterHandles(config, None, broken[:1], [WorkerSlot("d-0", None)]).router()
     req = GenerateRequest(f"lone-{retries}", [1, 2, 3], SamplingParams(), time.time())
-    assert asyncio.run(lone._prefill(req)) == (None, None)
+    assert asyncio.run(lone._prefill(req)) == (None, None, 1)
     assert (broken[0].failures, lone.num_prefill_retries) == (2, 0)
 
 
@@ -167,5 +208,5 @@ def test_a_request_out_of_time_blames_no_prefill_worker(local_ray: None) -> None
     workers = [WorkerSlot(f"p-{i}", handle=FailingPrefill.remote()) for i in range(2)]
     router = Router(workers, [WorkerSlot("d-0", None)], prefill_retries=1, call_timeout_s=1.0)
     late = GenerateRequest("late-2", [1, 2, 3], SamplingParams(), time.time() - 5)
-    assert asyncio.run(router._prefill(late)) == (None, None)
+    assert asyncio.run(router._prefill(late)) == (None, None, 0)
     assert all(w.healthy and w.failures == 0 for w in workers)

@@ -60,8 +60,10 @@ def test_a_request_whose_call_never_ran_is_reported_once_and_a_late_call_ends_at
         # Handed off by a prefill worker (its report waits for this one): not the last report.
         # One this worker was to prefill itself is (no prefill worker saw it; the collector
         # waited for one before).
-        await worker.abort("never-local", prompt_tokens=3, local=True)
+        await worker.abort("never-local", prompt_tokens=3, local=True, prefill_attempt=1)
         assert [r.last_report for r in await reports(worker, records)] == [False, True]
+        # The router's attempt goes with it: the collector joins by it (here: one had failed).
+        assert [r.prefill_attempt for r in await reports(worker, records)] == [0, 1]
         late = GenerateRequest("never", list(range(1, 11)), greedy(4), time.time())
         assert [d async for d in worker.generate(late)] == []
         assert await held_pages(worker) == 0

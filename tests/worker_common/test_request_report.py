@@ -103,3 +103,17 @@ def test_without_request_stats_nothing_is_reported() -> None:
     engine.add_request("r", list(range(1, 11)), greedy(3))
     run(engine, reporter)
     assert sent == [] and len(engine.drain_iteration_stats()) > 0
+
+
+def test_a_failed_prefill_is_not_the_last_report_and_names_its_attempt() -> None:
+    """An aborted (or failed) prefill may be retried elsewhere, or prefilled by the decode worker:
+    its report must not close the request's record (the router closes one it gives up on)."""
+    engine, sent = tiny_engine(64), []
+    reporter = RequestReporter("p0", Role.PREFILL, sent.extend)
+    reporter.note("r", WorkerFacts(100.0, prefill_attempt=2))
+    engine.add_request("r", list(range(1, 11)), greedy(4), prefill_only=True)
+    engine.abort_request("r")
+    run(engine, reporter)
+    (t,) = sent
+    assert (t.finish_reason, t.last_report, t.prefill_attempt) == ("abort", False, 2)
+    assert reporter.num_facts == 0
