@@ -88,7 +88,8 @@ class DecodeWorker:
         self._gen_init_deadline_s = deadlines.page_wait_s
         self._token_deadline_s = deadlines.token_s
         self._receiving: dict[str, asyncio.Task] = {}  # request id -> its pull, while in flight
-        self._aborted: set[str] = set()
+        self._awaiting_pages: set[str] = set()  # requests in gen-init
+        self._aborted: set[str] = set()  # aborted while awaiting pages or receiving
         # Requests whose caller gave up on them before their call ran here (``abort`` with
         # ``prompt_tokens``), newest last, bounded: a late call for one of them ends at once.
         self._gone: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -114,12 +115,23 @@ class DecodeWorker:
         received, attempt = time.time(), req.prefill_attempt
         if not self._arrive(rid):
             return
+        self._awaiting_pages.add(rid)
         try:
             hit, host_tokens, skips, dst = await self._gen_init(rid, prompt)
         except (asyncio.CancelledError, Exception) as e:  # the client left, or no pages came
+            self._aborted.discard(rid)
             finish = "abort" if isinstance(e, asyncio.CancelledError) else "error"
             self._ended_early(rid, len(prompt), WorkerFacts(received, None, attempt), finish)
             raise
+        finally:
+            self._awaiting_pages.discard(rid)
+        if rid in self._aborted:  # aborted while its pages were awaited: no pull for it
+            self._aborted.discard(rid)
+            try:
+                await asyncio.shield(asyncio.wrap_future(self._free_pages(rid)))
+            finally:
+                self._ended_early(rid, len(prompt), WorkerFacts(received, None, attempt), "abort")
+            return
         transfer_start = time.time()
         pull = asyncio.ensure_future(self.puller.pull(pre.ticket, dst, skips, len(prompt)))
         self._receiving[rid] = pull
@@ -355,8 +367,8 @@ class DecodeWorker:
             gone = WorkerFacts(time.time(), None, prefill_attempt)
             self._ended_early(request_id, prompt_tokens, gone, "abort", last=local)
             return
-        if request_id in self._receiving:
-            self._aborted.add(request_id)
+        if request_id in self._receiving or request_id in self._awaiting_pages:
+            self._aborted.add(request_id)  # (its call frees its pages when it sees this)
             return
         await asyncio.wrap_future(self.loop.call(lambda e: e.abort_request(request_id)))
 

@@ -159,3 +159,44 @@ def test_disconnect_while_waiting_for_pages_leaves_nothing_held() -> None:
         asyncio.run(main())
     finally:
         worker.close()
+
+
+@pytest.mark.timeout(120)
+def test_an_abort_while_waiting_for_pages_ends_the_request_without_a_pull() -> None:
+    """The abort comes while the request waits for pages (not a cancel of its call: a caller
+    that only calls ``abort``): once pages come, it gives them back, pulls nothing, streams
+    nothing and is reported as aborted. (The abort used to be dropped: the request went on.)"""
+    engine = tiny_engine(8)  # 7 usable pages of 4 tokens
+    receiver = KVReceiver(
+        engine.kv.buffers, list(engine.kv.specs.values()), "tiny", TransceiverConfig(secret="s")
+    )
+    records: list[RequestTimings] = []
+    worker = DecodeWorker(
+        "d0", engine, receiver, report=records.extend, deadlines=WorkerDeadlines(page_wait_s=30)
+    )
+
+    async def main() -> None:
+        assert await asyncio.wrap_future(
+            worker.loop.call(lambda e: e.kv.allocate_slots("hog", 7 * PAGE))
+        )
+        req = GenerateRequest("x", list(range(1, 13)), greedy(4), time.time())
+        pre = PrefillResult("x", 5, "", None, ticket=None)  # a pull of it would fail
+
+        async def consume() -> list[TokenDelta]:
+            return [d async for d in worker.decode(req, pre)]
+
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0.3)
+        assert not task.done()  # waiting in gen-init
+        await worker.abort("x")
+        await asyncio.wrap_future(worker.loop.call(lambda e: e.kv.free("hog")))
+        assert await asyncio.wait_for(task, 30) == []
+        await wait_until_no_page_held(worker)
+        assert worker.stats().transfer.failures == 0  # no pull was made
+        ((rid, finish),) = [(r.request_id, r.finish_reason) for r in await reports(worker, records)]
+        assert (rid, finish) == ("x", "abort")
+
+    try:
+        asyncio.run(main())
+    finally:
+        worker.close()
