@@ -43,14 +43,12 @@ class ClusterFrontend:
         stats_interval_s: float = 10.0,
         max_stats_len: int = 1000,
         perf_buffer_len: int = 10000,
-        default_max_tokens: int = 16,
     ) -> None:
         self.router = router
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = model.max_model_len
         self.vocab_size = model.vocab_size
-        self.default_max_tokens = default_max_tokens
         self.collector = collector
         self.metrics = ServingMetrics(model_name)
         self.poller = StatsPoller(router.prefill + router.decode, stats_interval_s, max_stats_len)
@@ -97,8 +95,10 @@ class ClusterFrontend:
     def encode(self, text: str) -> list[int]:
         return self._require_tokenizer().encode(text, add_special_tokens=True)
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        return self._require_tokenizer().encode_chat(messages, add_generation_prompt=True)
+    def encode_chat(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        return self._require_tokenizer().encode_chat(messages, add_generation_prompt)
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         return self.router.generate(request)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Callable
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.sampling_params import SamplingParams
 
@@ -16,11 +16,19 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = False
+    # OpenAI pads stream events with random characters unless told not to; Duet never pads, so
+    # only "no padding" can be honoured.
+    include_obfuscation: Literal[False] = False
 
 
 def _none_or(*no_ops: Any) -> Callable[[Any], bool]:
     """A value that asks for nothing: None, or one of ``no_ops``."""
     return lambda v: v is None or any(v == x and type(v) is type(x) for x in no_ops)
+
+
+def _none_or_a(kind: type) -> Callable[[Any], bool]:
+    """Any value of ``kind``: a field that asks nothing of generation whatever its value."""
+    return lambda v: v is None or isinstance(v, kind)
 
 
 # OpenAI request fields Duet does not implement. Each is accepted only with a value that asks for
@@ -30,10 +38,13 @@ _NOT_SUPPORTED_COMMON: dict[str, Callable[[Any], bool]] = {
     "presence_penalty": _none_or(0, 0.0),
     "logit_bias": _none_or({}),
     "n": _none_or(1),
-    "user": _none_or(),
-    "service_tier": _none_or(),
+    "user": _none_or_a(str),  # the end user's id, for the provider's abuse monitoring
+    "service_tier": _none_or("auto", "default"),
     "store": _none_or(False),
     "metadata": _none_or({}),
+    # vLLM's extensions, at the values that ask for nothing
+    "min_tokens": _none_or(0),
+    "repetition_penalty": _none_or(1, 1.0),
 }
 NOT_SUPPORTED_COMPLETION = _NOT_SUPPORTED_COMMON | {
     "logprobs": _none_or(),  # an int here: 0 still returns the sampled tokens' logprobs
@@ -46,7 +57,7 @@ NOT_SUPPORTED_CHAT = _NOT_SUPPORTED_COMMON | {
     "top_logprobs": _none_or(0),
     "tools": _none_or([]),
     "tool_choice": _none_or("none"),
-    "parallel_tool_calls": _none_or(),
+    "parallel_tool_calls": _none_or_a(bool),  # (about tools, which must be none)
     "functions": _none_or([]),
     "function_call": _none_or("none"),
     "response_format": _none_or({"type": "text"}),
@@ -58,6 +69,8 @@ NOT_SUPPORTED_CHAT = _NOT_SUPPORTED_COMMON | {
     "web_search_options": _none_or(),
     "prompt_cache_key": _none_or(),
     "safety_identifier": _none_or(),
+    "continue_final_message": _none_or(False),  # vLLM's
+    "echo": _none_or(False),  # vLLM's
 }
 NOT_SUPPORTED_MESSAGE = {
     "name": _none_or(),
@@ -86,16 +99,19 @@ def refused_fields(
 
 class _SamplingFields(BaseModel):
     """The fields both endpoints implement. Anything else a body has is refused, naming it, unless
-    it is an OpenAI field with a value that asks for nothing (``refused_fields``)."""
+    it is an OpenAI field with a value that asks for nothing (``refused_fields``). A field sent as
+    null has its default (the OpenAI API makes these nullable)."""
 
     model_config = ConfigDict(extra="allow")
+    # None: as many as fit the model after the prompt (the chat API's default, and vLLM's).
+    DEFAULT_MAX_TOKENS: ClassVar[int | None] = None
 
     model: str
     max_tokens: int | None = Field(
         default=None,
         description=(
             "Most tokens to generate; prompt plus max_tokens must fit the model's maximum "
-            "length. Default: 16, or what fits."
+            "length. Default: /v1/completions 16 (OpenAI's), chat as many as fit."
         ),
     )
     temperature: float = Field(default=1.0, description="0 means greedy.")
@@ -105,8 +121,19 @@ class _SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    # vLLM's extensions: special tokens left out of the text; a matched stop string kept in it.
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            nulls = [k for k, v in data.items() if v is None and k in cls.model_fields]
+            return {k: v for k, v in data.items() if k not in nulls} if nulls else data
+        return data
 
     def sampling(self, max_tokens: int) -> SamplingParams:
         """The request's SamplingParams (validated here, once; ValueError names the field)."""
@@ -120,6 +147,8 @@ class _SamplingFields(BaseModel):
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
         )
 
     @property
@@ -127,14 +156,27 @@ class _SamplingFields(BaseModel):
         return self.max_tokens
 
     @property
+    def max_tokens_field(self) -> str:
+        """The field ``requested_max_tokens`` came from."""
+        return "max_tokens"
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def _misused(self) -> list[tuple[str, str]]:
+        """(field, message) for fields of this body that contradict each other."""
+        if self.stream_options is not None and not self.stream:
+            return [("stream_options", "stream_options: only with stream: true")]
+        return []
+
     def refused(self) -> list[tuple[str, str]]:
-        return refused_fields(self.model_extra, NOT_SUPPORTED_COMPLETION)
+        return refused_fields(self.model_extra, NOT_SUPPORTED_COMPLETION) + self._misused()
 
 
 class CompletionRequest(_SamplingFields):
+    DEFAULT_MAX_TOKENS: ClassVar[int | None] = 16  # OpenAI's (and vLLM's) for this endpoint
+
     prompt: str | list[int] | list[str] | list[list[int]]
 
     def single_prompt(self) -> str | list[int]:
@@ -158,19 +200,24 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
     def text(self) -> str:
+        """The message's text; text parts on lines of their own (as vLLM joins them)."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         parts = []
         for part in self.content:
             if part.get("type") != "text":
                 raise ValueError(f"only text content parts are supported, got {part.get('type')!r}")
-            parts.append(str(part.get("text", "")))
-        return "".join(parts)
+            if not isinstance(part.get("text"), str):
+                raise ValueError("a text content part needs its text (a string)")
+            parts.append(part["text"])
+        return "\n".join(parts)
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    # vLLM's extension: False renders the messages without the assistant turn's opening.
+    add_generation_prompt: bool = True
 
     @field_validator("messages")
     @classmethod
@@ -181,10 +228,17 @@ class ChatCompletionRequest(_SamplingFields):
 
     @property
     def requested_max_tokens(self) -> int | None:
-        return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
+        # max_completion_tokens replaces the deprecated max_tokens: it wins when both are sent.
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    @property
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def refused(self) -> list[tuple[str, str]]:
-        refused = refused_fields(self.model_extra, NOT_SUPPORTED_CHAT)
+        refused = refused_fields(self.model_extra, NOT_SUPPORTED_CHAT) + self._misused()
         for i, message in enumerate(self.messages):
             refused += refused_fields(message.model_extra, NOT_SUPPORTED_MESSAGE, f"messages[{i}].")
         return refused
@@ -202,12 +256,22 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def _envelope(rid: str, obj: str, model: str, choice: dict[str, Any]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Head:
+    """What every body and chunk of one response carries: its id, when it was created (the
+    request's arrival, Unix seconds: the same in every chunk of a stream) and the model."""
+
+    id: str
+    created: int
+    model: str
+
+
+def _envelope(head: Head, obj: str, choice: dict[str, Any]) -> dict[str, Any]:
     return {
-        "id": rid,
+        "id": head.id,
         "object": obj,
-        "created": int(time.time()),
-        "model": model,
+        "created": head.created,
+        "model": head.model,
         "choices": [{"index": 0, "logprobs": None, **choice}],
     }
 
@@ -217,30 +281,28 @@ def _envelope(rid: str, obj: str, model: str, choice: dict[str, Any]) -> dict[st
 
 
 def completion_chunk(
-    rid: str, model: str, text: str, finish: str | None, token_ids: list[int]
+    head: Head, text: str, finish: str | None, token_ids: list[int]
 ) -> dict[str, Any]:
     choice = {"text": text, "finish_reason": finish, "token_ids": token_ids}
-    return _envelope(rid, "text_completion", model, choice)
+    return _envelope(head, "text_completion", choice)
 
 
 def completion_body(
-    rid: str, model: str, text: str, finish: str | None, use: dict[str, int], token_ids: list[int]
+    head: Head, text: str, finish: str | None, use: dict[str, int], token_ids: list[int]
 ) -> dict[str, Any]:
-    return completion_chunk(rid, model, text, finish, token_ids) | {"usage": use}
+    return completion_chunk(head, text, finish, token_ids) | {"usage": use}
 
 
 def chat_chunk(
-    rid: str, model: str, delta: dict[str, Any], finish: str | None, token_ids: list[int]
+    head: Head, delta: dict[str, Any], finish: str | None, token_ids: list[int]
 ) -> dict[str, Any]:
     choice = {"delta": delta, "finish_reason": finish, "token_ids": token_ids}
-    return _envelope(rid, "chat.completion.chunk", model, choice)
+    return _envelope(head, "chat.completion.chunk", choice)
 
 
-def chat_body(
-    rid: str, model: str, text: str, finish: str | None, use: dict[str, int]
-) -> dict[str, Any]:
+def chat_body(head: Head, text: str, finish: str | None, use: dict[str, int]) -> dict[str, Any]:
     choice = {"message": {"role": "assistant", "content": text}, "finish_reason": finish}
-    return _envelope(rid, "chat.completion", model, choice) | {"usage": use}
+    return _envelope(head, "chat.completion", choice) | {"usage": use}
 
 
 def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict[str, Any]:

@@ -40,12 +40,13 @@ class ServingBackend(Protocol):
     model_name: str
     max_model_len: int
     vocab_size: int
-    default_max_tokens: int
 
     async def start(self) -> None: ...
     async def stop(self) -> None: ...
     def encode(self, text: str) -> list[int]: ...
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]: ...
+    def encode_chat(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]: ...
     def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]: ...
     async def abort(self, request_id: str) -> None: ...
     async def health(self) -> dict[str, Any]: ...
@@ -165,8 +166,9 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
             raise BadRequest("; ".join(message for _, message in refused), refused[0][0])
 
     def _prepare(
-        body: oa.CompletionRequest | oa.ChatCompletionRequest, ids: list[int]
+        body: oa.CompletionRequest | oa.ChatCompletionRequest, ids: list[int], kind: str
     ) -> GenerateRequest:
+        """The request for the router, its id ``<kind>-...`` (the response's id, as OpenAI's)."""
         if not ids:
             raise BadRequest("prompt must not be empty", "prompt")
         check_token_ids(ids, backend.vocab_size, "prompt")
@@ -180,19 +182,22 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
             )
         asked = body.requested_max_tokens
         if asked is not None and asked > room:
-            field = "max_tokens" if body.max_tokens is not None else "max_completion_tokens"
+            field = body.max_tokens_field
             raise BadRequest(
                 f"{field}: {asked} tokens after a prompt of {len(ids)} exceed the maximum model "
                 f"length of {backend.max_model_len} (at most {room} here)",
                 field,
             )
+        if asked is None:
+            asked = room if body.DEFAULT_MAX_TOKENS is None else min(body.DEFAULT_MAX_TOKENS, room)
         try:
-            sampling: SamplingParams = body.sampling(
-                asked if asked is not None else min(backend.default_max_tokens, room)
-            )
+            sampling: SamplingParams = body.sampling(asked)
         except ValueError as e:
             raise BadRequest(str(e), getattr(e, "field", None)) from e
-        return GenerateRequest(oa.new_id("req"), ids, sampling, time.time())
+        return GenerateRequest(oa.new_id(kind), ids, sampling, time.time())
+
+    def _head(req: GenerateRequest) -> oa.Head:
+        return oa.Head(req.request_id, int(req.arrival_time), backend.model_name)
 
     async def _collect(req: GenerateRequest) -> tuple[str, str | None, list[int]]:
         text: list[str] = []
@@ -298,14 +303,14 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
         try:
             prompt = body.single_prompt()
             ids = backend.encode(prompt) if isinstance(prompt, str) else prompt
-        except ValueError as e:
+        except (ValueError, TypeError) as e:  # TypeError: text the tokenizer cannot take
             raise BadRequest(str(e), "prompt") from e
-        req = _prepare(body, ids)
-        model = backend.model_name
+        req = _prepare(body, ids, "cmpl")
+        head = _head(req)
         if body.stream:
 
             def make(text: str, fin: str | None, tids: list[int]) -> dict[str, Any]:
-                return oa.completion_chunk(req.request_id, model, text, fin, tids)
+                return oa.completion_chunk(head, text, fin, tids)
 
             return StreamingResponse(
                 _stream(req, make, body.include_usage), media_type="text/event-stream"
@@ -314,7 +319,7 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
             req,
             request,
             lambda text, fin, out: oa.completion_body(
-                req.request_id, model, text, fin, oa.usage(len(ids), len(out)), out
+                head, text, fin, oa.usage(len(ids), len(out)), out
             ),
         )
 
@@ -323,30 +328,24 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
         _check_body(body)
         try:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            ids = backend.encode_chat(messages)
-        except ValueError as e:
+            ids = backend.encode_chat(messages, body.add_generation_prompt)
+        except (ValueError, TypeError) as e:  # TypeError: text the tokenizer cannot take
             raise BadRequest(str(e), "messages") from e
-        req = _prepare(body, ids)
-        model = backend.model_name
+        req = _prepare(body, ids, "chatcmpl")
+        head = _head(req)
         if body.stream:
 
             def make(text: str, fin: str | None, tids: list[int]) -> dict[str, Any]:
-                return oa.chat_chunk(
-                    req.request_id, model, {"content": text} if text else {}, fin, tids
-                )
+                return oa.chat_chunk(head, {"content": text} if text else {}, fin, tids)
 
-            first = oa.chat_chunk(
-                req.request_id, model, {"role": "assistant", "content": ""}, None, []
-            )
+            first = oa.chat_chunk(head, {"role": "assistant", "content": ""}, None, [])
             return StreamingResponse(
                 _stream(req, make, body.include_usage, first), media_type="text/event-stream"
             )
         return await _complete(
             req,
             request,
-            lambda text, fin, out: oa.chat_body(
-                req.request_id, model, text, fin, oa.usage(len(ids), len(out))
-            ),
+            lambda text, fin, out: oa.chat_body(head, text, fin, oa.usage(len(ids), len(out))),
         )
 
     @app.get("/metrics")

@@ -1,0 +1,221 @@
+"""The HTTP edge (cluster.server, cluster.openai_schemas) in one process: the real app over a real
+decode worker (aggregated mode, the embedded model) without Ray or the router, so every case is
+one request. What the cluster adds is tested in test_cluster_local.py; here: what a body asks
+for, what the worker is given, and the shape of what comes back."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from cluster.server import create_app
+from decode_worker.worker import DecodeWorker
+from engine.engine_config import EngineConfig
+from engine.engine_core import LLMEngine
+from engine.loaders.load import LoadedModel
+from worker_common.messages import GenerateRequest, TokenDelta
+
+MODEL = "smollm2"
+
+
+class WorkerBackend:
+    """``ServingBackend`` over one DecodeWorker, as the router's aggregated path calls it; it
+    keeps every GenerateRequest the server made."""
+
+    def __init__(self, worker: DecodeWorker) -> None:
+        engine = worker.loop.engine
+        self.worker = worker
+        self.tokenizer = engine.tokenizer
+        self.model_name = MODEL
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.model_config.vocab_size
+        self.requests: list[GenerateRequest] = []
+
+    async def start(self) -> None: ...
+    async def stop(self) -> None: ...
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def encode_chat(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        return self.tokenizer.encode_chat(messages, add_generation_prompt)
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        self.requests.append(request)
+        return self.worker.generate(request)
+
+    async def abort(self, request_id: str) -> None:
+        await self.worker.abort(request_id)
+
+    async def health(self) -> dict[str, Any]:
+        return {"healthy": True}
+
+    async def metrics_text(self) -> bytes:
+        return b""
+
+    async def perf_metrics(self) -> list[dict[str, Any]]:
+        return []
+
+    async def iteration_stats(self) -> list[dict[str, Any]]:
+        return []
+
+    async def transfer_stats(self) -> list[dict[str, Any]]:
+        return []
+
+
+@pytest.fixture(scope="module")
+def backend(default_model: LoadedModel) -> Iterator[WorkerBackend]:
+    config = EngineConfig(num_pages=64, page_size=16, max_model_len=512, max_num_seqs=4)
+    worker = DecodeWorker("d0", LLMEngine.from_loaded(default_model, config), puller=None)
+    try:
+        yield WorkerBackend(worker)
+    finally:
+        worker.close()
+
+
+@pytest.fixture(scope="module")
+def http(backend: WorkerBackend) -> Iterator[TestClient]:
+    with TestClient(create_app(backend), raise_server_exceptions=False) as client:
+        yield client
+
+
+def events(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+
+
+def test_chat_without_max_tokens_may_run_to_the_model_length(http, backend) -> None:
+    """The chat API has no 16-token default (that is /v1/completions'): as vLLM, what fits."""
+    r = http.post("/v1/chat/completions", json=CHAT | {"max_tokens": 1})
+    assert r.status_code == 200, r.text
+    prompt = r.json()["usage"]["prompt_tokens"]
+    for body in (CHAT, CHAT | {"max_tokens": None, "max_completion_tokens": None}):
+        assert http.post("/v1/chat/completions", json=body | {"stream": True}).status_code == 200
+        assert backend.requests[-1].sampling.max_tokens == backend.max_model_len - prompt
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"})
+    assert r.status_code == 200 and backend.requests[-1].sampling.max_tokens == 16
+
+
+def test_max_completion_tokens_wins_over_the_deprecated_max_tokens(http, backend) -> None:
+    r = http.post("/v1/chat/completions", json=CHAT | {"max_tokens": 3, "max_completion_tokens": 5})
+    assert r.status_code == 200 and backend.requests[-1].sampling.max_tokens == 5
+    r = http.post(
+        "/v1/chat/completions", json=CHAT | {"max_tokens": 3, "max_completion_tokens": 10**6}
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens"
+
+
+def test_null_fields_take_their_defaults(http, backend) -> None:
+    nulls = {k: None for k in ("temperature", "top_p", "top_k", "stream", "ignore_eos", "seed")}
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2} | nulls)
+    assert r.status_code == 200, r.text
+    s = backend.requests[-1].sampling
+    assert (s.temperature, s.top_p, s.top_k, s.ignore_eos, s.seed) == (1.0, 1.0, -1, False, None)
+
+
+def test_fields_that_ask_for_nothing_are_accepted(http) -> None:
+    no_ops = {
+        "user": "u-1",
+        "service_tier": "auto",
+        "parallel_tool_calls": True,
+        "min_tokens": 0,
+        "repetition_penalty": 1.0,
+        "stream": True,
+        "stream_options": {"include_usage": True, "include_obfuscation": False},
+    }
+    r = http.post("/v1/chat/completions", json=CHAT | {"max_tokens": 2} | no_ops)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(
+    ("patch", "param"),
+    [
+        ({"min_tokens": 3}, "min_tokens"),
+        ({"repetition_penalty": 1.2}, "repetition_penalty"),
+        ({"service_tier": "flex"}, "service_tier"),
+        ({"user": 7}, "user"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),  # without a stream
+        ({"stream": True, "stream_options": {"include_obfuscation": True}}, "stream_options"),
+        ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages"),
+    ],
+)
+def test_what_duet_cannot_honour_is_refused_by_name(http, patch, param) -> None:
+    r = http.post("/v1/chat/completions", json=CHAT | {"max_tokens": 2} | patch)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"].startswith(param), r.text
+
+
+def test_vllm_text_options_reach_the_worker(http, backend) -> None:
+    body = CHAT | {
+        "max_tokens": 2,
+        "skip_special_tokens": False,
+        "include_stop_str_in_output": True,
+    }
+    assert http.post("/v1/chat/completions", json=body).status_code == 200
+    s = backend.requests[-1].sampling
+    assert (s.skip_special_tokens, s.include_stop_str_in_output) == (False, True)
+    with_turn = backend.requests[-1].prompt_token_ids.tolist()
+    body = CHAT | {"max_tokens": 2, "add_generation_prompt": False}
+    assert http.post("/v1/chat/completions", json=body).status_code == 200
+    without_turn = backend.requests[-1].prompt_token_ids.tolist()
+    assert with_turn[: len(without_turn)] == without_turn and len(with_turn) > len(without_turn)
+
+
+def test_text_parts_are_joined_by_new_lines(http, backend) -> None:
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "World"}]
+    body = CHAT | {"max_tokens": 1, "messages": [{"role": "user", "content": parts}]}
+    assert http.post("/v1/chat/completions", json=body).status_code == 200
+    joined = [{"role": "user", "content": "Hello\nWorld"}]
+    assert backend.requests[-1].prompt_token_ids.tolist() == backend.encode_chat(joined)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "prefix"),
+    [
+        ("/v1/completions", {"model": MODEL, "prompt": "Once upon a time"}, "cmpl-"),
+        ("/v1/chat/completions", CHAT, "chatcmpl-"),
+    ],
+)
+def test_a_stream_has_one_id_and_one_creation_time(
+    http, monkeypatch, path: str, body: dict[str, Any], prefix: str
+) -> None:
+    """OpenAI: every chunk of a stream has the same id and timestamp (time moves on here)."""
+    clock = iter(range(10**9, 10**9 + 10**6))
+    monkeypatch.setattr(time, "time", lambda: float(next(clock)))
+    params = {"max_tokens": 6, "ignore_eos": True, "stream": True}
+    r = http.post(path, json=body | params)
+    chunks = events(r.text)
+    assert len(chunks) >= 6
+    assert len({c["id"] for c in chunks}) == 1 and chunks[0]["id"].startswith(prefix)
+    assert len({c["created"] for c in chunks}) == 1
+    r = http.post(path, json=body | {"max_tokens": 2})
+    assert r.json()["id"].startswith(prefix)
+
+
+@pytest.mark.parametrize(
+    ("path", "field", "param"),
+    [
+        ("/v1/completions", '"prompt": "\\ud83d"', "prompt"),
+        (
+            "/v1/chat/completions",
+            '"messages": [{"role": "user", "content": "\\ud83d"}]',
+            "messages",
+        ),
+    ],
+)
+def test_a_lone_surrogate_is_a_bad_request(http, path: str, field: str, param: str) -> None:
+    """Valid JSON (a JS client cutting a string inside an emoji sends it), but no text a
+    tokenizer takes: 400 naming the field, not a bare 500."""
+    raw = f'{{"model": "{MODEL}", "max_tokens": 2, {field}}}'.encode()
+    r = http.post(path, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
