@@ -20,6 +20,7 @@ from cluster.kv_event_feed import ActorSource, KVEventFeed
 from cluster.prom_metrics import ServingMetrics
 from cluster.router import Router, WorkerSlot
 from cluster.stats_poller import StatsPoller
+from engine.loaders.generation_defaults import GenerationDefaults
 from engine.stats import StatsBuffer
 from engine.tokenizer import Tokenizer
 from worker_common.messages import GenerateRequest, ModelInfo, TokenDelta
@@ -43,12 +44,14 @@ class ClusterFrontend:
         stats_interval_s: float = 10.0,
         max_stats_len: int = 1000,
         perf_buffer_len: int = 10000,
+        sampling_defaults: GenerationDefaults | None = None,
     ) -> None:
         self.router = router
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = model.max_model_len
         self.vocab_size = model.vocab_size
+        self.sampling_defaults = sampling_defaults or GenerationDefaults()
         self.collector = collector
         self.metrics = ServingMetrics(model_name)
         self.poller = StatsPoller(router.prefill + router.decode, stats_interval_s, max_stats_len)

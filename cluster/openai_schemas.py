@@ -9,6 +9,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from engine.loaders.generation_defaults import GenerationDefaults
 from engine.sampling_params import SamplingParams
 
 
@@ -24,6 +25,11 @@ class StreamOptions(BaseModel):
 def _none_or(*no_ops: Any) -> Callable[[Any], bool]:
     """A value that asks for nothing: None, or one of ``no_ops``."""
     return lambda v: v is None or any(v == x and type(v) is type(x) for x in no_ops)
+
+
+def _first(*values: float | None) -> float:
+    """The first value that is not None (the last is never None)."""
+    return next(v for v in values if v is not None)
 
 
 def _none_or_a(kind: type) -> Callable[[Any], bool]:
@@ -114,9 +120,11 @@ class _SamplingFields(BaseModel):
             "length. Default: /v1/completions 16 (OpenAI's), chat as many as fit."
         ),
     )
-    temperature: float = Field(default=1.0, description="0 means greedy.")
-    top_p: float = 1.0
-    top_k: int = -1
+    # None: the model's default (its generation_config.json), else temperature 1 (0 means greedy),
+    # top_p 1, top_k -1 (off)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -135,14 +143,15 @@ class _SamplingFields(BaseModel):
             return {k: v for k, v in data.items() if k not in nulls} if nulls else data
         return data
 
-    def sampling(self, max_tokens: int) -> SamplingParams:
-        """The request's SamplingParams (validated here, once; ValueError names the field)."""
+    def sampling(self, max_tokens: int, defaults: GenerationDefaults) -> SamplingParams:
+        """The request's SamplingParams, what it leaves out from ``defaults`` (the model's), then
+        Duet's (validated here, once; ValueError names the field)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
+            temperature=_first(self.temperature, defaults.temperature, 1.0),
+            top_p=_first(self.top_p, defaults.top_p, 1.0),
+            top_k=int(_first(self.top_k, defaults.top_k, -1)),
             seed=self.seed,
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),

@@ -20,6 +20,7 @@ from cluster.config import ClusterConfig
 from cluster.frontend import ClusterFrontend
 from cluster.server import create_app
 from engine.loaders import load_tokenizer
+from engine.loaders.generation_defaults import GenerationDefaults, load_generation_defaults
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,24 @@ def make_frontend(config: ClusterConfig, handles: ClusterHandles) -> ClusterFron
         stats_interval_s=config.stats.interval_s,
         max_stats_len=config.stats.max_stats_len,
         perf_buffer_len=config.stats.perf_buffer_len,
+        sampling_defaults=sampling_defaults(config),
     )
+
+
+def sampling_defaults(config: ClusterConfig) -> GenerationDefaults:
+    """What a request leaves out is sampled with (model.generation_config), said in the log."""
+    if config.model.generation_config == "none":
+        return GenerationDefaults()
+    defaults = load_generation_defaults(config.model.source, config.model.load_format)
+    log.info("sampling defaults from the model's generation_config.json: %s", defaults.describe())
+    for key, value in defaults.not_implemented.items():
+        log.warning(
+            "the model's generation_config.json sets %s=%s, which Duet does not implement: "
+            "requests are sampled without it (vLLM would apply it)",
+            key,
+            value,
+        )
+    return defaults
 
 
 @dataclass

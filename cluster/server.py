@@ -27,6 +27,7 @@ from pydantic import ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cluster import openai_schemas as oa
+from engine.loaders.generation_defaults import GenerationDefaults
 from engine.sampling_params import SamplingParams
 from worker_common.messages import GenerateRequest, TokenDelta
 from worker_common.prompt_tokens import INT32_MAX
@@ -40,6 +41,7 @@ class ServingBackend(Protocol):
     model_name: str
     max_model_len: int
     vocab_size: int
+    sampling_defaults: GenerationDefaults  # what a request leaves out (the model's defaults)
 
     async def start(self) -> None: ...
     async def stop(self) -> None: ...
@@ -188,10 +190,11 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
                 f"length of {backend.max_model_len} (at most {room} here)",
                 field,
             )
-        if asked is None:
-            asked = room if body.DEFAULT_MAX_TOKENS is None else min(body.DEFAULT_MAX_TOKENS, room)
+        if asked is None:  # the endpoint's default, else the model's, else what fits
+            default = body.DEFAULT_MAX_TOKENS or backend.sampling_defaults.max_tokens
+            asked = room if default is None else min(default, room)
         try:
-            sampling: SamplingParams = body.sampling(asked)
+            sampling: SamplingParams = body.sampling(asked, backend.sampling_defaults)
         except ValueError as e:
             raise BadRequest(str(e), getattr(e, "field", None)) from e
         return GenerateRequest(oa.new_id(kind), ids, sampling, time.time())

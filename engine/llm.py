@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.engine_config import EngineConfig
 from engine.engine_core import LLMEngine
+from engine.loaders.generation_defaults import GenerationDefaults, load_generation_defaults
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -24,11 +25,26 @@ class LLM:
     Keyword arguments are the fields of :class:`engine.engine_config.EngineConfig`, e.g.
     ``LLM(model="default", dtype="float32", device="cpu", page_size=16, num_pages=None,
     max_num_seqs=256, max_num_batched_tokens=2048, prefill_chunk_size=512, max_model_len=None,
-    reuse_policy="all_reusable", seed=0)``. Bad arguments raise ValueError naming the field.
+    reuse_policy="all_reusable", seed=0)``, and ``generation_config``: "auto" (vLLM's default)
+    samples without given params as the checkpoint's generation_config.json says
+    (``get_default_sampling_params``), "none" with SamplingParams' defaults. Bad arguments raise
+    ValueError naming the field.
     """
 
-    def __init__(self, model: str = "default", **kwargs: Any) -> None:
-        self.engine = LLMEngine.from_config(_engine_config(model, kwargs))
+    def __init__(
+        self, model: str = "default", generation_config: str = "auto", **kwargs: Any
+    ) -> None:
+        if generation_config not in ("auto", "none"):
+            raise ValueError(
+                f"generation_config must be 'auto' or 'none', got {generation_config!r}"
+            )
+        config = _engine_config(model, kwargs)
+        self.engine = LLMEngine.from_config(config)  # (first: it names a missing source well)
+        self._defaults = (
+            load_generation_defaults(model, config.load_format)
+            if generation_config == "auto"
+            else GenerationDefaults()
+        )
         self._ids = itertools.count()
 
     @classmethod
@@ -37,7 +53,20 @@ class LLM:
         llm = cls.__new__(cls)
         llm.engine = LLMEngine.from_loaded(loaded, _engine_config(loaded.name, kwargs))
         llm._ids = itertools.count()
+        llm._defaults = GenerationDefaults()  # (the checkpoint's path is not known here)
         return llm
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` sample with when given no params: SamplingParams'
+        defaults, but where the checkpoint's generation_config.json sets temperature, top_p,
+        top_k or max_new_tokens (as vLLM's LLM)."""
+        d, base = self._defaults, SamplingParams()
+        return SamplingParams(
+            max_tokens=d.max_tokens if d.max_tokens is not None else base.max_tokens,
+            temperature=d.temperature if d.temperature is not None else base.temperature,
+            top_p=d.top_p if d.top_p is not None else base.top_p,
+            top_k=d.top_k if d.top_k is not None else base.top_k,
+        )
 
     def close(self) -> None:
         """End the tensor-parallel ranks (``tensor_parallel_size`` > 1); the LLM is unusable after."""
@@ -123,7 +152,7 @@ class LLM:
 
     def _params(self, sampling_params: object, n: int) -> list[SamplingParams]:
         if sampling_params is None:
-            return [SamplingParams()] * n
+            return [self.get_default_sampling_params()] * n
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * n
         if isinstance(sampling_params, Sequence) and not isinstance(sampling_params, str):

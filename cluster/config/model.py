@@ -105,6 +105,16 @@ class ModelConfig(Section):
         None, description="Model dimensions; required with load_format dummy, forbidden otherwise."
     )
     seed: int = Field(0, ge=0, description="Seed for dummy weights and for sampling.")
+    generation_config: Literal["auto", "none"] = Field(
+        "auto",
+        description=(
+            "auto: the sampling fields a request leaves out (temperature, top_p, top_k, and a "
+            "chat request's max_tokens) take what the checkpoint's generation_config.json sets, "
+            "as vLLM's --generation-config auto (only HF checkpoint directories have one); "
+            "none: Duet's defaults (temperature 1, top_p 1, top_k off, a chat request's "
+            "max_tokens what fits the model)."
+        ),
+    )
 
     @model_validator(mode="after")
     def _check_format(self) -> ModelConfig:

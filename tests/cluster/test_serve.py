@@ -93,3 +93,23 @@ def test_a_server_held_open_by_a_stream_is_forced_out_and_its_tasks_end() -> Non
     count = len(ticks)
     time.sleep(0.2)
     assert len(ticks) == count  # the background task ended with the thread
+
+
+def test_model_generation_config_picks_the_sampling_defaults(tmp_path: Path, caplog) -> None:  # noqa: ANN001
+    """model.generation_config: auto reads the checkpoint's generation_config.json (and says in
+    the log what it cannot honour); none keeps Duet's defaults."""
+    from cluster.config import config_from_dict
+    from cluster.serve import sampling_defaults
+    from engine.loaders.generation_defaults import GenerationDefaults
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "generation_config.json").write_text(
+        '{"temperature": 0.7, "top_k": 20, "repetition_penalty": 1.05}'
+    )
+    auto = config_from_dict({"model": {"source": str(tmp_path)}})
+    with caplog.at_level("INFO", logger="cluster.serve"):
+        defaults = sampling_defaults(auto)
+    assert (defaults.temperature, defaults.top_k, defaults.top_p) == (0.7, 20, None)
+    assert "repetition_penalty=1.05, which Duet does not implement" in caplog.text
+    none = config_from_dict({"model": {"source": str(tmp_path), "generation_config": "none"}})
+    assert sampling_defaults(none) == GenerationDefaults()

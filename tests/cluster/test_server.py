@@ -17,6 +17,7 @@ from cluster.server import create_app
 from decode_worker.worker import DecodeWorker
 from engine.engine_config import EngineConfig
 from engine.engine_core import LLMEngine
+from engine.loaders.generation_defaults import GenerationDefaults
 from engine.loaders.load import LoadedModel
 from worker_common.messages import GenerateRequest, TokenDelta
 
@@ -35,6 +36,7 @@ class WorkerBackend:
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model_config.vocab_size
         self.requests: list[GenerateRequest] = []
+        self.sampling_defaults = GenerationDefaults()
 
     async def start(self) -> None: ...
     async def stop(self) -> None: ...
@@ -219,3 +221,26 @@ def test_a_lone_surrogate_is_a_bad_request(http, path: str, field: str, param: s
     r = http.post(path, content=raw, headers={"content-type": "application/json"})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_the_models_sampling_defaults_fill_what_a_request_leaves_out(http, backend) -> None:
+    """model.generation_config auto: the checkpoint's defaults (vLLM's --generation-config auto)
+    for what the body leaves out or sends as null; what it sends wins."""
+    backend.sampling_defaults = GenerationDefaults(
+        temperature=0.6, top_p=0.9, top_k=20, max_tokens=7
+    )
+    try:
+        assert http.post("/v1/chat/completions", json=CHAT | {"top_p": None}).status_code == 200
+        s = backend.requests[-1].sampling
+        assert (s.temperature, s.top_p, s.top_k, s.max_tokens) == (0.6, 0.9, 20, 7)
+        body = CHAT | {"temperature": 0, "top_p": 0.5, "top_k": -1, "max_tokens": 3}
+        assert http.post("/v1/chat/completions", json=body).status_code == 200
+        s = backend.requests[-1].sampling
+        assert (s.temperature, s.top_p, s.top_k, s.max_tokens) == (0.0, 0.5, -1, 3)
+        # /v1/completions keeps OpenAI's 16 (as in vLLM, whose default there is the request's)
+        assert (
+            http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"}).status_code == 200
+        )
+        assert backend.requests[-1].sampling.max_tokens == 16
+    finally:
+        backend.sampling_defaults = GenerationDefaults()

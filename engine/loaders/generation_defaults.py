@@ -1,0 +1,89 @@
+"""The sampling defaults a checkpoint asks for in its generation_config.json, read as vLLM reads
+them (``--generation-config auto``): a key counts when the file sets it to something other than
+transformers' own default (``GenerationConfig.to_diff_dict``: top_k 50 there means no default
+here). A request's own value always wins; these fill only what it leaves out.
+
+What Duet samples with: temperature, top_p, top_k, and ``max_new_tokens`` as the default
+max_tokens of a chat request. Keys vLLM would also apply that Duet does not implement
+(repetition_penalty, presence_penalty, frequency_penalty, min_p) are returned apart, for the
+caller to say so.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.loaders.source import checkpoint_path, detect_format
+
+# transformers' GenerationConfig defaults: a file value equal to one of these is no default of its own
+_HF_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0}
+_NOT_IMPLEMENTED = ("repetition_penalty", "presence_penalty", "frequency_penalty", "min_p")
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """What a request leaves out is sampled with these (None: Duet's own default)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    max_tokens: int | None = None
+    # Keys the file sets that Duet does not implement: key -> value
+    not_implemented: dict[str, float] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        given = {
+            k: v
+            for k, v in (
+                ("temperature", self.temperature),
+                ("top_p", self.top_p),
+                ("top_k", self.top_k),
+                ("max_tokens", self.max_tokens),
+            )
+            if v is not None
+        }
+        return ", ".join(f"{k}={v}" for k, v in given.items()) or "none"
+
+
+def _number(raw: dict[str, object], key: str) -> float | None:
+    value = raw.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return None if _HF_DEFAULTS.get(key) == value else float(value)
+
+
+def read_generation_defaults(directory: Path) -> GenerationDefaults:
+    """The defaults of ``directory``/generation_config.json (none when it has no such file).
+    ValueError when the file is not a JSON object."""
+    path = directory / "generation_config.json"
+    if not path.is_file():
+        return GenerationDefaults()
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    top_k, max_new = _number(raw, "top_k"), _number(raw, "max_new_tokens")
+    return GenerationDefaults(
+        temperature=_number(raw, "temperature"),
+        top_p=_number(raw, "top_p"),
+        # (vLLM reads top_k 0 as "off", as Duet's -1)
+        top_k=None if top_k is None else (int(top_k) if top_k > 0 else -1),
+        max_tokens=None if max_new is None or max_new < 1 else int(max_new),
+        not_implemented={
+            k: v for k in _NOT_IMPLEMENTED if (v := _number(raw, k)) is not None and v != 0.0
+        },
+    )
+
+
+def load_generation_defaults(source: str, load_format: str) -> GenerationDefaults:
+    """The defaults of the checkpoint ``source`` names: only an HF checkpoint directory has them
+    (a GGUF file, the embedded model and random weights have none)."""
+    if load_format == "dummy":
+        return GenerationDefaults()
+    path = checkpoint_path(source)
+    return read_generation_defaults(path) if detect_format(path) == "hf" else GenerationDefaults()

@@ -1,0 +1,92 @@
+"""A checkpoint's generation_config.json as vLLM's --generation-config auto reads it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.loaders.generation_defaults import (
+    GenerationDefaults,
+    load_generation_defaults,
+    read_generation_defaults,
+)
+
+
+def checkpoint(tmp_path: Path, generation: dict | None) -> Path:
+    (tmp_path / "config.json").write_text("{}")
+    if generation is not None:
+        (tmp_path / "generation_config.json").write_text(json.dumps(generation))
+    return tmp_path
+
+
+def test_a_llama_3_instruct_generation_config(tmp_path: Path) -> None:
+    path = checkpoint(
+        tmp_path,
+        {
+            "bos_token_id": 128000,
+            "do_sample": True,
+            "eos_token_id": [128001, 128009],
+            "temperature": 0.6,
+            "top_p": 0.9,
+            "transformers_version": "4.42.3",
+        },
+    )
+    assert read_generation_defaults(path) == GenerationDefaults(temperature=0.6, top_p=0.9)
+    assert load_generation_defaults(str(path), "auto").describe() == "temperature=0.6, top_p=0.9"
+
+
+def test_transformers_own_defaults_are_no_defaults(tmp_path: Path) -> None:
+    """As GenerationConfig.to_diff_dict: a value equal to transformers' default does not count
+    (top_k 50 there is not a top_k of 50 here), and vLLM reads top_k 0 as off."""
+    path = checkpoint(
+        tmp_path,
+        {
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "top_k": 50,
+            "repetition_penalty": 1.0,
+            "max_new_tokens": 256,
+        },
+    )
+    assert read_generation_defaults(path) == GenerationDefaults(max_tokens=256)
+    path = checkpoint(tmp_path, {"top_k": 0, "repetition_penalty": 1.1, "min_p": 0.05})
+    defaults = read_generation_defaults(path)
+    assert defaults.top_k == -1
+    assert defaults.not_implemented == {"repetition_penalty": 1.1, "min_p": 0.05}
+
+
+def test_sources_without_a_generation_config(tmp_path: Path) -> None:
+    assert load_generation_defaults("default", "auto") == GenerationDefaults()  # the GGUF
+    assert load_generation_defaults("llama-3-8b", "dummy") == GenerationDefaults()
+    assert read_generation_defaults(checkpoint(tmp_path, None)) == GenerationDefaults()
+    (tmp_path / "generation_config.json").write_text("[1]")
+    with pytest.raises(ValueError, match="a JSON object"):
+        read_generation_defaults(tmp_path)
+
+
+def test_the_offline_llm_samples_with_the_checkpoints_defaults(
+    tiny_hf_checkpoints: dict[str, Path],
+) -> None:
+    """LLM(generation_config="auto"), vLLM's default: generate without params samples as the
+    checkpoint says; "none" keeps SamplingParams' defaults."""
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    directory = tiny_hf_checkpoints["qwen2"]
+    saved = (directory / "generation_config.json").read_text()
+    generation = json.loads(saved) | {"temperature": 0.0, "max_new_tokens": 3}
+    (directory / "generation_config.json").write_text(json.dumps(generation))
+    try:
+        llm = LLM(str(directory), page_size=4, num_pages=65)
+        default = llm.get_default_sampling_params()
+        assert (default.temperature, default.max_tokens) == (0.0, 3)
+        [out] = llm.generate([[0, 7, 8, 9]])
+        assert len(out.token_ids) <= 3
+        greedy = llm.generate([[0, 7, 8, 9]], SamplingParams(temperature=0.0, max_tokens=3))
+        assert out.token_ids == greedy[0].token_ids
+        plain = LLM(str(directory), generation_config="none", page_size=4, num_pages=65)
+        assert plain.get_default_sampling_params() == SamplingParams()
+    finally:
+        (directory / "generation_config.json").write_text(saved)
