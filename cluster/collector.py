@@ -74,8 +74,8 @@ class PerfMetricsCollector:
         self._pending: OrderedDict[str, _Join] = OrderedDict()
         # Handed-out ids, oldest first, with the prefill attempt their record stands on.
         self._reported: OrderedDict[str, int] = OrderedDict()
-        # Closed by the router before any report of theirs arrived: id -> attempts made.
-        self._closed: OrderedDict[str, int] = OrderedDict()
+        # Closed by the router before the report that completes them arrived.
+        self._closed: OrderedDict[str, RequestClosed] = OrderedDict()
         self._closes: list[RequestClosed] = []  # (under the ingest lock, like the buffers)
         self._joined = 0
         self._duplicates = 0
@@ -171,12 +171,12 @@ class PerfMetricsCollector:
         if request_id in self._reported:
             return None
         join = self._pending.get(request_id)
-        if join is None:  # its last attempt's report is still on its way (or never comes)
-            self._closed[request_id] = closed.prefill_attempts
+        if join is None:  # its last attempt's report is still on its way
+            self._closed[request_id] = closed
             while len(self._closed) > self._max_reported_ids:
                 self._closed.popitem(last=False)
             return None
-        join.closed_after = closed.prefill_attempts
+        join.closed = closed
         return self._complete(request_id, join)
 
     def _complete(self, request_id: str, join: _Join) -> PerfRecord | None:
@@ -191,7 +191,11 @@ class PerfMetricsCollector:
         if len(self._reported) > self._max_reported_ids:
             self._reported.popitem(last=False)
         return PerfRecord(
-            request_id=request_id, prefill=prefill, decode=decode, failed_prefill_attempts=attempt
+            request_id=request_id,
+            prefill=prefill,
+            decode=decode,
+            failed_prefill_attempts=attempt,
+            closed_reason=join.closed.reason if join.closed is not None else None,
         )
 
     def _evict_oldest_pending(self) -> None:
@@ -202,12 +206,12 @@ class PerfMetricsCollector:
 
 class _Join:
     """The reports of one request so far: its prefill attempts' (by attempt), its decode's, and
-    how many attempts the router made when it ended the request without a decode worker."""
+    the router's close when it ended the request without a decode worker."""
 
-    def __init__(self, closed_after: int | None) -> None:
+    def __init__(self, closed: RequestClosed | None) -> None:
         self.prefills: dict[int, RequestTimings] = {}
         self.decode: RequestTimings | None = None
-        self.closed_after = closed_after
+        self.closed = closed
 
     def outcome(
         self, prefill_expected: bool
@@ -224,6 +228,6 @@ class _Join:
         attempt = max(self.prefills)
         p = self.prefills[attempt]
         # It finished on P at its first token, or the router ended it after this attempt.
-        if p.last_report or (self.closed_after is not None and attempt >= self.closed_after - 1):
+        if p.last_report or (self.closed is not None and attempt >= self.closed.last_attempt):
             return p, None, attempt
         return None

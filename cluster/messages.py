@@ -45,6 +45,7 @@ class PerfRecord:
     prefill: RequestTimings | None
     decode: RequestTimings | None
     failed_prefill_attempts: int = 0
+    closed_reason: str | None = None  # the router's RequestClosed.reason, when it closed it
 
     def __post_init__(self) -> None:
         if self.prefill is None and self.decode is None:
@@ -62,8 +63,9 @@ class PerfRecord:
 
     @property
     def _prefiller(self) -> RequestTimings:
-        """The report of the role that ran the prompt whose KV produced the output: D when it
-        prefilled it itself (locally, or recomputing after a failed transfer), else P."""
+        """The report of the role that sampled the first token: D when it prefilled the request
+        on its local path, else P (D recomputing after a failed transfer reports no prefill of
+        its own: the client's first token was P's)."""
         if self.decode is not None and self.decode.prefill_start is not None:
             return self.decode
         return self._first
@@ -145,7 +147,7 @@ class PerfRecord:
 
     @property
     def finish_reason(self) -> str | None:
-        return self._last.finish_reason
+        return self._last.finish_reason or self.closed_reason
 
     def queue_time_s(self, role: Role) -> float | None:
         timings = self.prefill if role is Role.PREFILL else self.decode
@@ -180,15 +182,18 @@ class PerfRecord:
 @dataclass(frozen=True)
 class RequestClosed:
     """The router ended a request before any decode worker took it (its client went away, or no
-    prefill attempt succeeded and there was no fallback), after ``prefill_attempts`` attempts: the
-    report of the last one (``prefill_attempts - 1``) completes the request's record."""
+    prefill attempt succeeded and there was no fallback): the report of prefill attempt
+    ``last_attempt`` (the last whose worker reports it; a worker that died reports nothing)
+    completes the request's record, which ends with ``reason`` ("abort", "error") where that
+    report has no finish of its own (it had handed the request off)."""
 
     request_id: str
-    prefill_attempts: int
+    last_attempt: int
+    reason: str = "abort"
 
     def __post_init__(self) -> None:
-        if self.prefill_attempts < 1:
-            raise ValueError(f"RequestClosed {self.request_id!r}: no attempt was made")
+        if self.last_attempt < 0:
+            raise ValueError(f"RequestClosed {self.request_id!r}: no attempt reports it")
 
 
 @dataclass(frozen=True)

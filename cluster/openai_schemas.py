@@ -13,8 +13,23 @@ from engine.loaders.generation_defaults import GenerationDefaults
 from engine.sampling_params import SamplingParams
 
 
+def _drop_nulls(model: type[BaseModel], data: Any) -> Any:
+    """A body's fields of ``model`` sent as null, left out: they take their defaults (the OpenAI
+    API makes them nullable)."""
+    if isinstance(data, dict) and any(
+        v is None and k in model.model_fields for k, v in data.items()
+    ):
+        return {k: v for k, v in data.items() if v is not None or k not in model.model_fields}
+    return data
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        return _drop_nulls(cls, data)
 
     include_usage: bool = False
     # OpenAI pads stream events with random characters unless told not to; Duet never pads, so
@@ -50,6 +65,7 @@ _NOT_SUPPORTED_COMMON: dict[str, Callable[[Any], bool]] = {
     "metadata": _none_or({}),
     # vLLM's extensions, at the values that ask for nothing
     "min_tokens": _none_or(0),
+    "min_p": _none_or(0, 0.0),
     "repetition_penalty": _none_or(1, 1.0),
 }
 NOT_SUPPORTED_COMPLETION = _NOT_SUPPORTED_COMMON | {
@@ -138,10 +154,7 @@ class _SamplingFields(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _null_is_default(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            nulls = [k for k, v in data.items() if v is None and k in cls.model_fields]
-            return {k: v for k, v in data.items() if k not in nulls} if nulls else data
-        return data
+        return _drop_nulls(cls, data)
 
     def sampling(self, max_tokens: int, defaults: GenerationDefaults) -> SamplingParams:
         """The request's SamplingParams, what it leaves out from ``defaults`` (the model's), then
@@ -151,7 +164,8 @@ class _SamplingFields(BaseModel):
             max_tokens=max_tokens,
             temperature=_first(self.temperature, defaults.temperature, 1.0),
             top_p=_first(self.top_p, defaults.top_p, 1.0),
-            top_k=int(_first(self.top_k, defaults.top_k, -1)),
+            # (vLLM reads top_k 0 as off, as -1)
+            top_k=int(_first(self.top_k, defaults.top_k, -1)) or -1,
             seed=self.seed,
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),

@@ -212,10 +212,10 @@ class Router:
             finally:
                 prefer.queued_prefill_tokens -= queued
             return
-        pre, pworker, attempts = await self._prefill(req, hashes)
+        pre, pworker, attempts, reported = await self._prefill(req, hashes)
         if pre is None:
             if self.prefill and not self.local_prefill_fallback:
-                self._closed(req.request_id, attempts)
+                self._closed(req.request_id, reported, "error")
                 yield _error_delta(
                     req, "no prefill worker could serve the request (local fallback is off)"
                 )
@@ -227,37 +227,50 @@ class Router:
             return
         req = dataclasses.replace(req, prefill_attempt=attempts - 1)  # the one D takes over
         n_prompt = len(req.prompt_token_ids)
-        yield TokenDelta(
-            req.request_id,
-            [pre.first_token_id],
-            pre.first_token_text,
-            pre.finish_reason,
-            n_prompt,
-            1,
-        )
-        if pre.finish_reason is not None:
-            return
-        async for d in self._stream_decode(req, pre, pworker):
-            yield d
+        handed_over = pre.finish_reason is not None  # (or it ended on P: nothing to hand over)
+        try:
+            yield TokenDelta(
+                req.request_id,
+                [pre.first_token_id],
+                pre.first_token_text,
+                pre.finish_reason,
+                n_prompt,
+                1,
+            )
+            if handed_over:
+                return
+            handed_over = True
+            async for d in self._stream_decode(req, pre, pworker):
+                yield d
+        finally:
+            if not handed_over and pworker is not None:
+                # The client left at its first token, before any decode worker took it: P's
+                # lease would pin the pages until it expires, and P's report is the last one.
+                pworker.handle.cancel.remote(req.request_id)
+                self._closed(req.request_id, req.prefill_attempt, "abort")
 
-    def _closed(self, request_id: str, attempts: int) -> None:
-        """Tell the collector the request ended here after ``attempts`` prefill attempts (none:
-        no worker saw it, nothing is to close)."""
-        if attempts and self.close_request is not None:
+    def _closed(self, request_id: str, last_reported: int, reason: str) -> None:
+        """Tell the collector the request ended here, without a decode worker: the report of
+        attempt ``last_reported`` is the last to come (-1: no worker will report it, nothing is
+        to close)."""
+        if last_reported >= 0 and self.close_request is not None:
             try:
-                self.close_request(RequestClosed(request_id, attempts))
+                self.close_request(RequestClosed(request_id, last_reported, reason))
             except Exception as e:  # metrics are an aid: never a reason to fail the request
                 log.warning("could not close %s with the collector: %s", request_id, e)
 
     async def _prefill(
         self, req: GenerateRequest, hashes: list[int] | None = None
-    ) -> tuple[PrefillResult | None, WorkerSlot | None, int]:
-        """(result, its worker, attempts made); (None, None, attempts) when none succeeded."""
+    ) -> tuple[PrefillResult | None, WorkerSlot | None, int, int]:
+        """(result, its worker, attempts made, the last attempt whose worker reports it: -1 when
+        none does, a worker that died reports nothing); (None, None, ...) when none succeeded."""
         tried: set[str] = set()
+        reported = -1
         for attempt in range(1 + self.prefill_retries):
             w = self._pick_prefill(req, tried, hashes)
             if w is None or self._left_s(req) <= 0:
-                return None, None, attempt  # (out of time: no worker is to blame, none is marked)
+                # (out of time: no worker is to blame, none is marked)
+                return None, None, attempt, reported
             if attempt:
                 self.num_prefill_retries += 1  # (counted once it is made, not when it is due)
             tried.add(w.worker_id)
@@ -268,27 +281,30 @@ class Router:
             try:
                 left = max(self._left_s(req), 0.0)
                 call = dataclasses.replace(req, prefill_attempt=attempt)
-                return await asyncio.wait_for(w.handle.prefill.remote(call), left), w, attempt + 1
+                pre = await asyncio.wait_for(w.handle.prefill.remote(call), left)
+                return pre, w, attempt + 1, attempt
             except RayTaskError as e:
                 if isinstance(e.cause, ValueError):
                     raise e.cause from None  # the request itself is bad: no retry
+                reported = attempt  # (its worker reports how it failed)
                 log.warning("prefill of %s failed on %s: %s", req.request_id, w.worker_id, e)
             except (RayActorError, asyncio.TimeoutError) as e:
                 if isinstance(e, asyncio.TimeoutError):  # it may still prefill and lease the KV
                     w.handle.cancel.remote(req.request_id)
+                    reported = attempt  # (aborted there, it reports)
                 w.healthy = False  # until its stats answer again
                 log.warning(
                     "prefill worker %s unavailable for %s: %s", w.worker_id, req.request_id, e
                 )
             except asyncio.CancelledError:
                 w.handle.cancel.remote(req.request_id)
-                self._closed(req.request_id, attempt + 1)
+                self._closed(req.request_id, attempt, "abort")
                 raise
             finally:
                 w.outstanding -= 1
                 w.queued_prefill_tokens -= queued
             w.failures += 1
-        return None, None, 1 + self.prefill_retries
+        return None, None, 1 + self.prefill_retries, reported
 
     async def _stream_decode(
         self,

@@ -16,13 +16,14 @@ import ray
 import uvicorn
 
 from cluster.builder import ClusterHandles, build_cluster
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, ConfigError
 from cluster.frontend import ClusterFrontend
 from cluster.server import create_app
 from engine.loaders import load_tokenizer
 from engine.loaders.generation_defaults import GenerationDefaults, load_generation_defaults
 
 log = logging.getLogger(__name__)
+SOURCE = "model.generation_config (the checkpoint's generation_config.json)"
 
 
 def connect_ray(config: ClusterConfig) -> bool:
@@ -54,7 +55,11 @@ def _keep_local_ray_on_loopback() -> None:
     ray_constants.ENABLE_RAY_CLUSTER = False
 
 
-def make_frontend(config: ClusterConfig, handles: ClusterHandles) -> ClusterFrontend:
+def make_frontend(
+    config: ClusterConfig, handles: ClusterHandles, defaults: GenerationDefaults
+) -> ClusterFrontend:
+    """The serving backend over ``handles``; ``defaults``: ``sampling_defaults(config)``, read
+    before the cluster was built."""
     tokenizer = load_tokenizer(
         config.model.source,
         config.model.load_format,
@@ -70,15 +75,19 @@ def make_frontend(config: ClusterConfig, handles: ClusterHandles) -> ClusterFron
         stats_interval_s=config.stats.interval_s,
         max_stats_len=config.stats.max_stats_len,
         perf_buffer_len=config.stats.perf_buffer_len,
-        sampling_defaults=sampling_defaults(config),
+        sampling_defaults=defaults,
     )
 
 
 def sampling_defaults(config: ClusterConfig) -> GenerationDefaults:
-    """What a request leaves out is sampled with (model.generation_config), said in the log."""
+    """What a request leaves out is sampled with (model.generation_config), said in the log.
+    ConfigError for a generation_config.json that asks for what no request may."""
     if config.model.generation_config == "none":
         return GenerationDefaults()
-    defaults = load_generation_defaults(config.model.source, config.model.load_format)
+    try:
+        defaults = load_generation_defaults(config.model.source, config.model.load_format)
+    except ValueError as e:
+        raise ConfigError(SOURCE, [f"model.generation_config: auto reads {e}"]) from None
     log.info("sampling defaults from the model's generation_config.json: %s", defaults.describe())
     for key, value in defaults.not_implemented.items():
         log.warning(
@@ -154,6 +163,7 @@ def start_cluster(
 ) -> RunningCluster:
     """Build the cluster of ``config`` and serve it on 127.0.0.1-or-configured host in a thread.
     ``worker_log_level``: the workers' logging level (default: this process's)."""
+    defaults = sampling_defaults(config)  # (a bad file is refused before anything starts)
     owns_ray = connect_ray(config)
     try:
         handles = build_cluster(config, worker_log_level=worker_log_level)
@@ -162,7 +172,7 @@ def start_cluster(
             ray.shutdown()
         raise
     try:
-        frontend = make_frontend(config, handles)
+        frontend = make_frontend(config, handles, defaults)
         api_key = config.server.api_key.get_secret_value() if config.server.api_key else None
         app = create_app(frontend, api_key)
         host = config.server.host
@@ -181,12 +191,13 @@ def start_cluster(
 
 def serve(config: ClusterConfig) -> None:
     """Run until interrupted (what `duet serve CONFIG` does)."""
+    defaults = sampling_defaults(config)  # (a bad file is refused before anything starts)
     owns_ray = connect_ray(config)
     # A fresh transfer secret unless the config or DUET_TRANSFER_SECRET gives one: the workers'
     # transceivers authenticate each other with it (transfer/handshake.py).
     handles = build_cluster(config)
     try:
-        frontend = make_frontend(config, handles)
+        frontend = make_frontend(config, handles, defaults)
         api_key = config.server.api_key.get_secret_value() if config.server.api_key else None
         app = create_app(frontend, api_key)
         print(

@@ -196,7 +196,10 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
         try:
             sampling: SamplingParams = body.sampling(asked, backend.sampling_defaults)
         except ValueError as e:
-            raise BadRequest(str(e), getattr(e, "field", None)) from e
+            field = getattr(e, "field", None)
+            if field == "max_tokens":  # (the body's own name for it)
+                field = body.max_tokens_field
+            raise BadRequest(str(e), field) from e
         return GenerateRequest(oa.new_id(kind), ids, sampling, time.time())
 
     def _head(req: GenerateRequest) -> oa.Head:

@@ -117,7 +117,7 @@ class DecodeWorker:
             return
         self._awaiting_pages.add(rid)
         try:
-            hit, host_tokens, skips, dst = await self._gen_init(rid, prompt)
+            init = await self._gen_init(rid, prompt)
         except (asyncio.CancelledError, Exception) as e:  # the client left, or no pages came
             self._aborted.discard(rid)
             finish = "abort" if isinstance(e, asyncio.CancelledError) else "error"
@@ -125,13 +125,15 @@ class DecodeWorker:
             raise
         finally:
             self._awaiting_pages.discard(rid)
-        if rid in self._aborted:  # aborted while its pages were awaited: no pull for it
+        if init is None or rid in self._aborted:  # aborted while it awaited pages: no pull
             self._aborted.discard(rid)
             try:
-                await asyncio.shield(asyncio.wrap_future(self._free_pages(rid)))
+                if init is not None:  # (it got them as the abort came)
+                    await asyncio.shield(asyncio.wrap_future(self._free_pages(rid)))
             finally:
                 self._ended_early(rid, len(prompt), WorkerFacts(received, None, attempt), "abort")
             return
+        hit, host_tokens, skips, dst = init
         transfer_start = time.time()
         pull = asyncio.ensure_future(self.puller.pull(pre.ticket, dst, skips, len(prompt)))
         self._receiving[rid] = pull
@@ -209,12 +211,13 @@ class DecodeWorker:
 
     async def _gen_init(
         self, rid: str, prompt: list[int]
-    ) -> tuple[int, int, dict[str, int], dict[str, list[int]]]:
+    ) -> tuple[int, int, dict[str, int], dict[str, list[int]]] | None:
         """Allocate pages for the prompt and the next token, as if the prompt were computed: a
         sliding-window group takes only its last window's pages. Return (the prompt pages D's own
         prefix hit covers, the tokens of that hit loaded back from D's host tier, the request's
         pages per group that D holds or does not need, the pages the transfer must fill per
-        group: the rest of the prompt's). Waits for free pages, within a deadline."""
+        group: the rest of the prompt's). Waits for free pages, within a deadline; None once the
+        request is aborted meanwhile (it then takes none)."""
 
         def allocate(
             engine: LLMEngine,
@@ -237,6 +240,8 @@ class DecodeWorker:
 
         deadline = time.monotonic() + self._gen_init_deadline_s
         while True:
+            if rid in self._aborted:
+                return None
             fut = self.loop.call(allocate)
             try:
                 got = await asyncio.wrap_future(fut)

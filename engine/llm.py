@@ -39,12 +39,13 @@ class LLM:
                 f"generation_config must be 'auto' or 'none', got {generation_config!r}"
             )
         config = _engine_config(model, kwargs)
-        self.engine = LLMEngine.from_config(config)  # (first: it names a missing source well)
-        self._defaults = (
-            load_generation_defaults(model, config.load_format)
-            if generation_config == "auto"
-            else GenerationDefaults()
-        )
+        self._defaults = GenerationDefaults()
+        if generation_config == "auto":
+            try:  # (before the engine: a bad file must not leave its ranks behind)
+                self._defaults = load_generation_defaults(model, config.load_format)
+            except FileNotFoundError:
+                pass  # the engine says what is missing, in its words
+        self.engine = LLMEngine.from_config(config)
         self._ids = itertools.count()
 
     @classmethod
@@ -60,13 +61,7 @@ class LLM:
         """What ``generate`` and ``chat`` sample with when given no params: SamplingParams'
         defaults, but where the checkpoint's generation_config.json sets temperature, top_p,
         top_k or max_new_tokens (as vLLM's LLM)."""
-        d, base = self._defaults, SamplingParams()
-        return SamplingParams(
-            max_tokens=d.max_tokens if d.max_tokens is not None else base.max_tokens,
-            temperature=d.temperature if d.temperature is not None else base.temperature,
-            top_p=d.top_p if d.top_p is not None else base.top_p,
-            top_k=d.top_k if d.top_k is not None else base.top_k,
-        )
+        return self._defaults.as_sampling_params()
 
     def close(self) -> None:
         """End the tensor-parallel ranks (``tensor_parallel_size`` > 1); the LLM is unusable after."""

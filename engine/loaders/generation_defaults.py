@@ -1,7 +1,7 @@
 """The sampling defaults a checkpoint asks for in its generation_config.json, read as vLLM reads
-them (``--generation-config auto``): a key counts when the file sets it to something other than
-transformers' own default (``GenerationConfig.to_diff_dict``: top_k 50 there means no default
-here). A request's own value always wins; these fill only what it leaves out.
+them (``--generation-config auto``): every key the file sets counts (with transformers 5, whose
+``GenerationConfig`` defaults are all unset, vLLM's ``to_diff_dict`` keeps each of them; a file's
+top_k 50 is a top_k of 50). A request's own value always wins; these fill only what it leaves out.
 
 What Duet samples with: temperature, top_p, top_k, and ``max_new_tokens`` as the default
 max_tokens of a chat request. Keys vLLM would also apply that Duet does not implement
@@ -17,10 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.loaders.source import checkpoint_path, detect_format
+from engine.sampling_params import SamplingParams
 
-# transformers' GenerationConfig defaults: a file value equal to one of these is no default of its own
-_HF_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0}
-_NOT_IMPLEMENTED = ("repetition_penalty", "presence_penalty", "frequency_penalty", "min_p")
+# Keys vLLM applies that Duet does not implement, with the value that asks for nothing
+_NOT_IMPLEMENTED = {
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "min_p": 0.0,
+}
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,17 @@ class GenerationDefaults:
     max_tokens: int | None = None
     # Keys the file sets that Duet does not implement: key -> value
     not_implemented: dict[str, float] = field(default_factory=dict)
+
+    def as_sampling_params(self) -> SamplingParams:
+        """SamplingParams' defaults with these in their place (ValueError for a value no request
+        may have)."""
+        base = SamplingParams()
+        return SamplingParams(
+            max_tokens=base.max_tokens if self.max_tokens is None else self.max_tokens,
+            temperature=base.temperature if self.temperature is None else self.temperature,
+            top_p=base.top_p if self.top_p is None else self.top_p,
+            top_k=base.top_k if self.top_k is None else self.top_k,
+        )
 
     def describe(self) -> str:
         given = {
@@ -52,12 +68,13 @@ def _number(raw: dict[str, object], key: str) -> float | None:
     value = raw.get(key)
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         return None
-    return None if _HF_DEFAULTS.get(key) == value else float(value)
+    return float(value)
 
 
 def read_generation_defaults(directory: Path) -> GenerationDefaults:
     """The defaults of ``directory``/generation_config.json (none when it has no such file).
-    ValueError when the file is not a JSON object."""
+    ValueError naming the file when it is not a JSON object or a value is not one a request may
+    have (a negative temperature, say): requests leaving it out would be refused for it."""
     path = directory / "generation_config.json"
     if not path.is_file():
         return GenerationDefaults()
@@ -68,16 +85,23 @@ def read_generation_defaults(directory: Path) -> GenerationDefaults:
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a JSON object")
     top_k, max_new = _number(raw, "top_k"), _number(raw, "max_new_tokens")
-    return GenerationDefaults(
+    defaults = GenerationDefaults(
         temperature=_number(raw, "temperature"),
         top_p=_number(raw, "top_p"),
         # (vLLM reads top_k 0 as "off", as Duet's -1)
-        top_k=None if top_k is None else (int(top_k) if top_k > 0 else -1),
-        max_tokens=None if max_new is None or max_new < 1 else int(max_new),
+        top_k=None if top_k is None else (int(top_k) if top_k != 0 else -1),
+        max_tokens=None if max_new is None else int(max_new),
         not_implemented={
-            k: v for k in _NOT_IMPLEMENTED if (v := _number(raw, k)) is not None and v != 0.0
+            k: v
+            for k, neutral in _NOT_IMPLEMENTED.items()
+            if (v := _number(raw, k)) is not None and v != neutral
         },
     )
+    try:
+        defaults.as_sampling_params()
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    return defaults
 
 
 def load_generation_defaults(source: str, load_format: str) -> GenerationDefaults:

@@ -109,13 +109,13 @@ def test_a_request_the_router_closed_ends_with_its_last_attempt(close_first: boo
     last = failed("r1", 1, "p1")
     collector.ingest([failed("r1", 0)])
     if close_first:
-        collector.close(RequestClosed("r1", prefill_attempts=2))
+        collector.close(RequestClosed("r1", last_attempt=1, reason="error"))
         assert collector.drain() == []  # attempt 1's report is still on its way
         collector.ingest([last])
     else:
         collector.ingest([last])
         assert collector.drain() == []  # it may yet be retried
-        collector.close(RequestClosed("r1", prefill_attempts=2))
+        collector.close(RequestClosed("r1", last_attempt=1, reason="error"))
     [record] = collector.drain()
     assert (record.prefill, record.decode, record.failed_prefill_attempts) == (last, None, 1)
     assert record.finish_reason == "error"
@@ -125,10 +125,32 @@ def test_a_request_the_router_closed_ends_with_its_last_attempt(close_first: boo
 
 def test_a_close_without_reports_keeps_nothing_pending() -> None:
     collector = PerfMetricsCollector(DISAGGREGATED)
-    collector.close(RequestClosed("gone", prefill_attempts=1))  # its worker never saw it
+    collector.close(RequestClosed("gone", last_attempt=0))  # its worker never saw it
     assert collector.drain() == [] and collector.stats().pending == 0
     with pytest.raises(ValueError, match="no attempt"):
-        RequestClosed("none", prefill_attempts=0)
+        RequestClosed("none", last_attempt=-1)
+
+
+def test_a_close_after_a_worker_that_died_ends_with_the_last_report_that_comes() -> None:
+    """Attempt 0 failed (reported), attempt 1's worker died (no report ever): the router closes
+    with the last attempt that reports, so the record does not wait for ever."""
+    collector = PerfMetricsCollector(DISAGGREGATED)
+    first = failed("r1", 0)
+    collector.ingest([first])
+    collector.close(RequestClosed("r1", last_attempt=0, reason="error"))
+    [record] = collector.drain()
+    assert (record.prefill, record.failed_prefill_attempts) == (first, 0)
+    assert collector.stats().pending == 0
+
+
+def test_a_close_at_the_first_token_gives_the_record_its_end() -> None:
+    """The client left as P handed the request off: P's report has no finish of its own."""
+    collector = PerfMetricsCollector(DISAGGREGATED)
+    handed = prefill_timings("r1")
+    collector.ingest([handed])
+    collector.close(RequestClosed("r1", last_attempt=0))
+    [record] = collector.drain()
+    assert (record.prefill, record.finish_reason) == (handed, "abort")
 
 
 def test_each_request_is_reported_once() -> None:

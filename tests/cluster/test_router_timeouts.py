@@ -20,7 +20,7 @@ from cluster.worker_specs import worker_spec
 from decode_worker.actor import DecodeWorkerActor
 from engine.sampling_params import SamplingParams
 from tests.cluster.cluster_fixtures import local_ray as start_local_ray
-from worker_common.messages import GenerateRequest, Role, TokenDelta
+from worker_common.messages import GenerateRequest, PrefillResult, Role, TokenDelta
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +69,8 @@ def test_a_timed_out_prefill_is_cancelled_on_its_worker(local_ray: None) -> None
     slot = WorkerSlot("p-0", handle=worker)
     router = Router([slot], [WorkerSlot("d-0", handle=None)], prefill_retries=0, call_timeout_s=0.5)
     req = GenerateRequest("late-1", [1, 2, 3], SamplingParams(), time.time())
-    pre, where, attempts = asyncio.run(router._prefill(req))
-    assert (pre, where, attempts) == (None, None, 1)  # the local fallback takes it from here
+    pre, where, attempts, reported = asyncio.run(router._prefill(req))
+    assert (pre, where, attempts, reported) == (None, None, 1, 0)  # (cancelled there, it reports)
     assert not slot.healthy and slot.failures == 1 and slot.outstanding == 0
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -98,10 +98,50 @@ def test_a_client_gone_during_its_prefill_is_closed_with_the_collector(local_ray
             await task
 
     asyncio.run(leave_early())
-    assert closed == [RequestClosed("gone-1", prefill_attempts=1)]
+    assert closed == [RequestClosed("gone-1", last_attempt=0)]
     deadline = time.monotonic() + 30
     while ray.get(worker.cancelled_ids.remote(), timeout=30) != ["gone-1"]:
         assert time.monotonic() < deadline, "the prefill was not cancelled on its worker"
+        time.sleep(0.05)
+
+
+@ray.remote(num_cpus=0)
+class HandingPrefill:
+    """A prefill worker that prefills at once and hands the request off (a lease to pull)."""
+
+    def __init__(self) -> None:
+        self.cancelled: list[str] = []
+
+    async def prefill(self, req: GenerateRequest) -> PrefillResult:
+        return PrefillResult(req.request_id, 5, "x", None, ticket=None)
+
+    async def cancel(self, request_id: str) -> None:
+        self.cancelled.append(request_id)
+
+    async def cancelled_ids(self) -> list[str]:
+        return list(self.cancelled)
+
+
+def test_a_client_gone_at_its_first_token_frees_the_lease_and_is_closed(local_ray: None) -> None:
+    """The client leaves once it has P's first token, before any decode worker took the
+    request: P's lease ends at once (it pinned the pages until it expired) and the record of
+    the request ends with P's report."""
+    worker = HandingPrefill.remote()
+    router = Router([WorkerSlot("p-0", worker)], [WorkerSlot("d-0", None)], call_timeout_s=60)
+    closed: list[RequestClosed] = []
+    router.close_request = closed.append
+
+    async def leave_at_the_first_token() -> None:
+        req = GenerateRequest("first-1", [1, 2, 3], SamplingParams(), time.time())
+        stream = router.generate(req)
+        assert (await stream.__anext__()).token_ids == [5]
+        await stream.aclose()
+
+    asyncio.run(leave_at_the_first_token())
+    assert closed == [RequestClosed("first-1", last_attempt=0)]
+    deadline = time.monotonic() + 30
+    while ray.get(worker.cancelled_ids.remote(), timeout=30) != ["first-1"]:
+        assert time.monotonic() < deadline, "P's lease was not ended"
         time.sleep(0.05)
 
 
@@ -180,7 +220,7 @@ def test_router_local_prefill_fallback(decode_worker: WorkerSlot, fallback: bool
             deltas[-1].error == "no prefill worker could serve the request (local fallback is off)"
         )
         # No decode worker will report it: the failed attempt's report completes its record.
-        assert closed == [RequestClosed(req.request_id, prefill_attempts=1)]
+        assert closed == [RequestClosed(req.request_id, last_attempt=0, reason="error")]
     wait_no_pages_held(decode_worker)
 
 
@@ -191,7 +231,7 @@ def test_router_prefill_retries(local_ray: None, retries: int) -> None:
     config = config_of(router={"prefill_retries": retries})
     router = ClusterHandles(config, None, broken, [WorkerSlot("d-0", None)]).router()
     req = GenerateRequest(f"retry-{retries}", [1, 2, 3], SamplingParams(), time.time())
-    assert asyncio.run(router._prefill(req)) == (None, None, retries + 1)
+    assert asyncio.run(router._prefill(req)) == (None, None, retries + 1, retries)
     assert sum(w.failures for w in broken) == retries + 1
     # Each attempt is numbered, so that the collector joins D's report with the right one.
     seen = ray.get([w.handle.attempts_seen.remote() for w in broken], timeout=30)
@@ -200,7 +240,7 @@ def test_router_prefill_retries(local_ray: None, retries: int) -> None:
     # Retries allowed but no other worker to make them on: none is counted.
     lone = ClusterHandles(config, None, broken[:1], [WorkerSlot("d-0", None)]).router()
     req = GenerateRequest(f"lone-{retries}", [1, 2, 3], SamplingParams(), time.time())
-    assert asyncio.run(lone._prefill(req)) == (None, None, 1)
+    assert asyncio.run(lone._prefill(req)) == (None, None, 1, 0)
     assert (broken[0].failures, lone.num_prefill_retries) == (2, 0)
 
 
@@ -208,5 +248,5 @@ def test_a_request_out_of_time_blames_no_prefill_worker(local_ray: None) -> None
     workers = [WorkerSlot(f"p-{i}", handle=FailingPrefill.remote()) for i in range(2)]
     router = Router(workers, [WorkerSlot("d-0", None)], prefill_retries=1, call_timeout_s=1.0)
     late = GenerateRequest("late-2", [1, 2, 3], SamplingParams(), time.time() - 5)
-    assert asyncio.run(router._prefill(late)) == (None, None, 0)
+    assert asyncio.run(router._prefill(late)) == (None, None, 0, -1)
     assert all(w.healthy and w.failures == 0 for w in workers)

@@ -110,18 +110,21 @@ def test_chat_without_max_tokens_may_run_to_the_model_length(http, backend) -> N
 def test_max_completion_tokens_wins_over_the_deprecated_max_tokens(http, backend) -> None:
     r = http.post("/v1/chat/completions", json=CHAT | {"max_tokens": 3, "max_completion_tokens": 5})
     assert r.status_code == 200 and backend.requests[-1].sampling.max_tokens == 5
-    r = http.post(
-        "/v1/chat/completions", json=CHAT | {"max_tokens": 3, "max_completion_tokens": 10**6}
-    )
-    assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens"
+    for bad in (10**6, 0):  # beyond the model; not even one
+        body = CHAT | {"max_tokens": 3, "max_completion_tokens": bad}
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens"
 
 
 def test_null_fields_take_their_defaults(http, backend) -> None:
     nulls = {k: None for k in ("temperature", "top_p", "top_k", "stream", "ignore_eos", "seed")}
-    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2} | nulls)
+    base = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+    r = http.post("/v1/completions", json=base | nulls)
     assert r.status_code == 200, r.text
     s = backend.requests[-1].sampling
     assert (s.temperature, s.top_p, s.top_k, s.ignore_eos, s.seed) == (1.0, 1.0, -1, False, None)
+    streamed = base | {"stream": True, "stream_options": {"include_usage": None}}
+    assert http.post("/v1/completions", json=streamed).status_code == 200
 
 
 def test_fields_that_ask_for_nothing_are_accepted(http) -> None:
@@ -130,7 +133,9 @@ def test_fields_that_ask_for_nothing_are_accepted(http) -> None:
         "service_tier": "auto",
         "parallel_tool_calls": True,
         "min_tokens": 0,
+        "min_p": 0.0,
         "repetition_penalty": 1.0,
+        "top_k": 0,  # vLLM's "off", as -1
         "stream": True,
         "stream_options": {"include_usage": True, "include_obfuscation": False},
     }

@@ -37,24 +37,34 @@ def test_a_llama_3_instruct_generation_config(tmp_path: Path) -> None:
     assert load_generation_defaults(str(path), "auto").describe() == "temperature=0.6, top_p=0.9"
 
 
-def test_transformers_own_defaults_are_no_defaults(tmp_path: Path) -> None:
-    """As GenerationConfig.to_diff_dict: a value equal to transformers' default does not count
-    (top_k 50 there is not a top_k of 50 here), and vLLM reads top_k 0 as off."""
+def test_every_value_the_file_sets_counts(tmp_path: Path) -> None:
+    """As vLLM with transformers 5 (whose GenerationConfig defaults are all unset, so
+    to_diff_dict keeps every key the file sets): a top_k of 50 is a default of 50; vLLM reads
+    top_k 0 as off; keys Duet does not implement are named unless they ask for nothing."""
     path = checkpoint(
         tmp_path,
         {
             "temperature": 1.0,
-            "top_p": 1.0,
+            "top_p": 0.95,
             "top_k": 50,
             "repetition_penalty": 1.0,
             "max_new_tokens": 256,
         },
     )
-    assert read_generation_defaults(path) == GenerationDefaults(max_tokens=256)
+    assert read_generation_defaults(path) == GenerationDefaults(
+        temperature=1.0, top_p=0.95, top_k=50, max_tokens=256
+    )
     path = checkpoint(tmp_path, {"top_k": 0, "repetition_penalty": 1.1, "min_p": 0.05})
     defaults = read_generation_defaults(path)
     assert defaults.top_k == -1
     assert defaults.not_implemented == {"repetition_penalty": 1.1, "min_p": 0.05}
+
+
+def test_a_value_no_request_may_have_is_refused_with_the_file(tmp_path: Path) -> None:
+    """Else every request that leaves the field out would be refused, blaming the client."""
+    path = checkpoint(tmp_path, {"temperature": -1.0})
+    with pytest.raises(ValueError, match="generation_config.json: .*temperature"):
+        read_generation_defaults(path)
 
 
 def test_sources_without_a_generation_config(tmp_path: Path) -> None:
