@@ -51,17 +51,9 @@ class GenerationDefaults:
         )
 
     def describe(self) -> str:
-        given = {
-            k: v
-            for k, v in (
-                ("temperature", self.temperature),
-                ("top_p", self.top_p),
-                ("top_k", self.top_k),
-                ("max_tokens", self.max_tokens),
-            )
-            if v is not None
-        }
-        return ", ".join(f"{k}={v}" for k, v in given.items()) or "none"
+        keys = ("temperature", "top_p", "top_k", "max_tokens")
+        given = [f"{k}={getattr(self, k)}" for k in keys if getattr(self, k) is not None]
+        return ", ".join(given) or "none"
 
 
 def _number(raw: dict[str, object], key: str) -> float | None:

@@ -29,21 +29,33 @@ def local_ray() -> Iterator[None]:
         yield
 
 
-@ray.remote(num_cpus=0)
-class StuckPrefill:
-    """A prefill worker whose prefill never answers within the router's timeout."""
+class _KeepsCancels:
+    """A prefill worker's cancel, kept: which requests the router cancelled there."""
 
     def __init__(self) -> None:
         self.cancelled: list[str] = []
-
-    async def prefill(self, req: GenerateRequest) -> None:
-        await asyncio.sleep(30)
 
     async def cancel(self, request_id: str) -> None:
         self.cancelled.append(request_id)
 
     async def cancelled_ids(self) -> list[str]:
         return list(self.cancelled)
+
+
+def wait_cancelled(worker: object, request_id: str) -> None:
+    """Until the router's cancel of ``request_id`` (and only it) reached ``worker``."""
+    deadline = time.monotonic() + 30
+    while ray.get(worker.cancelled_ids.remote(), timeout=30) != [request_id]:  # type: ignore[attr-defined]
+        assert time.monotonic() < deadline, f"{request_id} was not cancelled on its worker"
+        time.sleep(0.05)
+
+
+@ray.remote(num_cpus=0)
+class StuckPrefill(_KeepsCancels):
+    """A prefill worker whose prefill never answers within the router's timeout."""
+
+    async def prefill(self, req: GenerateRequest) -> None:
+        await asyncio.sleep(30)
 
 
 @ray.remote(num_cpus=0)
@@ -72,12 +84,7 @@ def test_a_timed_out_prefill_is_cancelled_on_its_worker(local_ray: None) -> None
     pre, where, attempts, reported = asyncio.run(router._prefill(req))
     assert (pre, where, attempts, reported) == (None, None, 1, 0)  # (cancelled there, it reports)
     assert not slot.healthy and slot.failures == 1 and slot.outstanding == 0
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if ray.get(worker.cancelled_ids.remote(), timeout=30) == ["late-1"]:
-            break
-        time.sleep(0.05)
-    assert ray.get(worker.cancelled_ids.remote(), timeout=30) == ["late-1"]
+    wait_cancelled(worker, "late-1")
 
 
 def test_a_client_gone_during_its_prefill_is_closed_with_the_collector(local_ray: None) -> None:
@@ -99,27 +106,15 @@ def test_a_client_gone_during_its_prefill_is_closed_with_the_collector(local_ray
 
     asyncio.run(leave_early())
     assert closed == [RequestClosed("gone-1", last_attempt=0)]
-    deadline = time.monotonic() + 30
-    while ray.get(worker.cancelled_ids.remote(), timeout=30) != ["gone-1"]:
-        assert time.monotonic() < deadline, "the prefill was not cancelled on its worker"
-        time.sleep(0.05)
+    wait_cancelled(worker, "gone-1")
 
 
 @ray.remote(num_cpus=0)
-class HandingPrefill:
+class HandingPrefill(_KeepsCancels):
     """A prefill worker that prefills at once and hands the request off (a lease to pull)."""
-
-    def __init__(self) -> None:
-        self.cancelled: list[str] = []
 
     async def prefill(self, req: GenerateRequest) -> PrefillResult:
         return PrefillResult(req.request_id, 5, "x", None, ticket=None)
-
-    async def cancel(self, request_id: str) -> None:
-        self.cancelled.append(request_id)
-
-    async def cancelled_ids(self) -> list[str]:
-        return list(self.cancelled)
 
 
 def test_a_client_gone_at_its_first_token_frees_the_lease_and_is_closed(local_ray: None) -> None:
@@ -139,10 +134,7 @@ def test_a_client_gone_at_its_first_token_frees_the_lease_and_is_closed(local_ra
 
     asyncio.run(leave_at_the_first_token())
     assert closed == [RequestClosed("first-1", last_attempt=0)]
-    deadline = time.monotonic() + 30
-    while ray.get(worker.cancelled_ids.remote(), timeout=30) != ["first-1"]:
-        assert time.monotonic() < deadline, "P's lease was not ended"
-        time.sleep(0.05)
+    wait_cancelled(worker, "first-1")  # P's lease ends
 
 
 # ---- a real decode worker (the embedded model, aggregated mode) behind the router ----

@@ -10,15 +10,19 @@ import time
 import pytest
 
 from decode_worker.worker import DecodeWorker
-from tests.decode_worker.worker_helpers import held_pages, reports, wait_until_no_page_held
-from tests.tiny_engine import PAGE, greedy, tiny_engine
-from transfer import KVReceiver, TransceiverConfig
+from tests.decode_worker.worker_helpers import (
+    held_pages,
+    hog_all,
+    out_of_pages,
+    reports,
+    wait_until_no_page_held,
+)
+from tests.tiny_engine import greedy, tiny_engine
 from worker_common.messages import (
     GenerateRequest,
     PrefillResult,
     RequestTimings,
     TokenDelta,
-    WorkerDeadlines,
 )
 
 
@@ -114,22 +118,11 @@ def test_a_request_the_engine_ends_before_this_side_looks_keeps_every_token() ->
 
 @pytest.mark.timeout(120)
 def test_disconnect_while_waiting_for_pages_leaves_nothing_held() -> None:
-    engine = tiny_engine(8)  # 7 usable pages of 4 tokens
-    receiver = KVReceiver(
-        engine.kv.buffers,
-        list(engine.kv.specs.values()),
-        "tiny",
-        TransceiverConfig(secret="test-secret"),
-    )
     records: list[RequestTimings] = []
-    worker = DecodeWorker(
-        "d0", engine, receiver, report=records.extend, deadlines=WorkerDeadlines(page_wait_s=30)
-    )
+    worker = out_of_pages(records)
 
     async def main() -> None:
-        assert await asyncio.wrap_future(
-            worker.loop.call(lambda e: e.kv.allocate_slots("hog", 7 * PAGE))
-        )
+        await hog_all(worker)
         req = GenerateRequest("x", list(range(1, 13)), greedy(4), time.time())
         pre = PrefillResult(
             "x", 5, "", None, ticket=None
@@ -166,19 +159,11 @@ def test_an_abort_while_waiting_for_pages_ends_the_request_without_a_pull() -> N
     """The abort comes while the request waits for pages (not a cancel of its call: a caller
     that only calls ``abort``): it stops waiting at once, takes no page, pulls nothing, streams
     nothing and is reported as aborted. (The abort used to be dropped: the request went on.)"""
-    engine = tiny_engine(8)  # 7 usable pages of 4 tokens
-    receiver = KVReceiver(
-        engine.kv.buffers, list(engine.kv.specs.values()), "tiny", TransceiverConfig(secret="s")
-    )
     records: list[RequestTimings] = []
-    worker = DecodeWorker(
-        "d0", engine, receiver, report=records.extend, deadlines=WorkerDeadlines(page_wait_s=30)
-    )
+    worker = out_of_pages(records)
 
     async def main() -> None:
-        assert await asyncio.wrap_future(
-            worker.loop.call(lambda e: e.kv.allocate_slots("hog", 7 * PAGE))
-        )
+        await hog_all(worker)
         req = GenerateRequest("x", list(range(1, 13)), greedy(4), time.time())
         pre = PrefillResult("x", 5, "", None, ticket=None)  # a pull of it would fail
 

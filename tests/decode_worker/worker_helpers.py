@@ -1,5 +1,6 @@
-"""Helpers for the decode worker's tests: pages held, reports made, a prefill peer that stalls
-(and a worker facing it, a pull under way), a cluster config's decode deadlines."""
+"""Helpers for the decode worker's tests: pages held, reports made, a worker out of pages, a
+prefill peer that stalls (and a worker facing it, a pull under way), a cluster config's decode
+deadlines."""
 
 from __future__ import annotations
 
@@ -34,6 +35,25 @@ async def wait_until_no_page_held(worker: DecodeWorker, timeout_s: float = 10.0)
         assert time.monotonic() < deadline, "pages still held"
         await asyncio.sleep(0.02)
     await asyncio.wrap_future(worker.loop.call(lambda e: e.kv.check_integrity()))
+
+
+def out_of_pages(records: list[RequestTimings]) -> DecodeWorker:
+    """A worker of 7 usable pages of 4 tokens that waits up to 30 s for pages (``hog_all``
+    takes them all), reporting into ``records``."""
+    engine = tiny_engine(8)
+    receiver = KVReceiver(
+        engine.kv.buffers, list(engine.kv.specs.values()), "tiny", TransceiverConfig(secret="s")
+    )
+    return DecodeWorker(
+        "d0", engine, receiver, report=records.extend, deadlines=WorkerDeadlines(page_wait_s=30)
+    )
+
+
+async def hog_all(worker: DecodeWorker) -> None:
+    """Every page held by the request "hog" (``e.kv.free("hog")`` gives them back)."""
+    assert await asyncio.wrap_future(
+        worker.loop.call(lambda e: e.kv.allocate_slots("hog", 7 * PAGE))
+    )
 
 
 class StalledPrefill:
