@@ -120,8 +120,12 @@ class ClusterFrontend:
             if self._drain_ref is None:
                 self._drain_ref = self.collector.drain.remote()
             try:
-                records = await asyncio.wait_for(self._drain_ref, COLLECTOR_DRAIN_TIMEOUT_S)
-            except asyncio.TimeoutError:  # its answer comes with a later read
+                # (asyncio.timeout, not wait_for: Python 3.11's wait_for loses a cancel that
+                # lands as the answer comes, gh-86296, and this loop then ran on past the
+                # server's stop, which waited for it for ever.)
+                async with asyncio.timeout(COLLECTOR_DRAIN_TIMEOUT_S):
+                    records = await self._drain_ref
+            except TimeoutError:  # its answer comes with a later read
                 log.warning(
                     "perf-metrics collector did not answer within %gs", COLLECTOR_DRAIN_TIMEOUT_S
                 )

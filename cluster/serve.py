@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,7 +157,16 @@ def stop_server_thread(
         server.force_exit = True
         thread.join(grace_s)
     if thread.is_alive():
-        raise RuntimeError(f"the HTTP server thread did not end within {2 * grace_s:.0f} s")
+        raise RuntimeError(
+            f"the HTTP server thread did not end within {2 * grace_s:.0f} s; it is at:\n"
+            + thread_stack(thread)
+        )
+
+
+def thread_stack(thread: threading.Thread) -> str:
+    """Where ``thread`` runs now (for an error that says why it did not end)."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    return "".join(traceback.format_stack(frame)) if frame is not None else "(it has ended)"
 
 
 def start_cluster(

@@ -94,7 +94,8 @@ class ControlChannel:
     async def receive(self, timeout: float) -> Message:
         """The next message, malformed or not (the handshake: a malformed one ends it). Raises
         ChannelClosed, TimeoutError or TransferProtocolError."""
-        data = await asyncio.wait_for(self._read_frame(), timeout)
+        async with asyncio.timeout(timeout):  # (not wait_for: it may lose a cancel)
+            data = await self._read_frame()
         try:
             return decode_message(data)
         except TransferProtocolError:

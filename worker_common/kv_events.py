@@ -81,8 +81,9 @@ class KVEventPublisher:
                 left = deadline - loop.time()
                 if left <= 0:
                     return KVEventPoll(self.epoch, [], after_seq)
-                await asyncio.wait_for(event.wait(), left)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(left):  # (not wait_for: it may lose a cancel)
+                    await event.wait()
+            except TimeoutError:
                 return KVEventPoll(self.epoch, [], after_seq)
             finally:
                 self._forget(loop, event)

@@ -67,6 +67,51 @@ def test_a_late_collector_answer_is_kept_for_the_next_read(
     assert sizes[0] == 0 and sum(sizes) == 1  # the first read gave up; a later one has it
 
 
+class _AnsweredCollector:
+    """A collector whose drain is answered before the loop awaits it."""
+
+    class drain:  # noqa: N801 (the actor method's name)
+        @staticmethod
+        def remote() -> asyncio.Future[list[PerfRecord]]:
+            answer: asyncio.Future[list[PerfRecord]] = asyncio.get_running_loop().create_future()
+            answer.set_result([])
+            return answer
+
+
+def test_the_collector_drain_loop_ends_when_cancelled_as_a_drain_is_answered() -> None:
+    """The server's stop cancels the drain loop. A cancel that landed as a drain was answered
+    was lost (Python 3.11's asyncio.wait_for returns the answer then, gh-86296): the loop ran on,
+    and the server's stop waited for it for ever (a TP cluster test's stop hung, once)."""
+    server = types.SimpleNamespace(
+        collector=_AnsweredCollector(),
+        metrics=ServingMetrics("m"),
+        _perf=StatsBuffer(100),
+        _perf_lock=threading.Lock(),
+        _drain_ref=None,
+        stats_interval_s=0.0,
+    )
+    server._drain_collector = lambda: ClusterFrontend._drain_collector(server)  # type: ignore[arg-type]
+
+    async def cancel_at_every_phase() -> list[bool]:
+        server._drain_lock = asyncio.Lock()
+        ended = []
+        for phase in range(8):  # where the cancel lands in the loop's turn
+            loop_task = asyncio.ensure_future(ClusterFrontend._drain_collector_loop(server))  # type: ignore[arg-type]
+            for _ in range(phase):
+                await asyncio.sleep(0)
+            loop_task.cancel()
+            done, _ = await asyncio.wait({loop_task}, timeout=2.0)
+            ended.append(bool(done))
+            if not done:  # one that ran on: without a collector it can lose no cancel
+                server.collector = None
+                loop_task.cancel()
+                await asyncio.wait({loop_task}, timeout=2.0)
+                server.collector = _AnsweredCollector()
+        return ended
+
+    assert asyncio.run(cancel_at_every_phase()) == [True] * 8
+
+
 def test_the_peak_kv_usage_is_the_peak_of_every_group_together() -> None:
     """kv_cache_peak_usage_perc: the most pages held in all groups at once over all their pages;
     it was the sum of each group's own peak (10 + 6 of 22 pages here), which the groups reach at
