@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import os
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -34,7 +35,15 @@ log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 600.0  # a rank's model load and pools, before its transfer can start
 WATCH_INTERVAL_S = 0.5  # how often rank 0 checks that every other rank is alive
 WATCH_TIMEOUT_S = 30.0  # a rank that does not answer in this time counts as lost
-RECORDS_KEPT = 10_000  # served pulls' records waiting for their lease's wait_released
+RECORDS_KEPT = 10_000  # served pulls' records whose lease has not ended yet
+
+
+@dataclass(frozen=True)
+class LeaseEnded:
+    """A rank's lease that ended, with the record of the pull that served it (None: none did)."""
+
+    sub: str
+    record: TransferStats | None
 
 
 class _TPRankActor:
@@ -83,7 +92,8 @@ class _TPRankActor:
         self._sender: Any = None
         self._receiver: Any = None
         self._lock = threading.Lock()
-        self._released: dict[str, threading.Event] = {}
+        self._lease_ended = threading.Condition(self._lock)
+        self._ended: list[LeaseEnded] = []  # not yet handed to rank 0 (``released``)
         self._records: dict[str, TransferStats] = {}  # sub id -> its served pull's record
 
     def _pools(self) -> tuple[Any, list[Any]]:
@@ -105,27 +115,25 @@ class _TPRankActor:
         with self._lock:
             for record in records:
                 self._records[record.request_id] = record
-            while len(self._records) > RECORDS_KEPT:  # those of leases nobody waits on
+            while len(self._records) > RECORDS_KEPT:  # (a record whose lease never ended)
                 self._records.pop(next(iter(self._records)))
-            event = self._released.setdefault(sub, threading.Event())
-        event.set()
+            self._ended.append(LeaseEnded(sub, self._records.pop(sub, None)))
+            self._lease_ended.notify_all()
 
     def publish(
         self, sub: str, page_ids: dict[str, list[int]], declared: int, heads: tuple[int, int]
     ) -> TransferTicket:
-        with self._lock:
-            self._released[sub] = threading.Event()
         return self._sender.publish(sub, page_ids, declared, heads)
 
-    def wait_released(self, sub: str) -> TransferStats | None:
-        """Returns when the lease ``sub`` ended (rank 0 frees the pages once all have), with the
-        record of the pull that served it (None: none did)."""
+    def released(self, wait_s: float) -> list[LeaseEnded]:
+        """The leases that ended since the last call (rank 0 frees the pages once all of a
+        request's have); waits up to ``wait_s`` for one. Rank 0 keeps one such call open per
+        rank, however many leases are: a call per lease would hold one of the actor's threads
+        each, and a thousand open leases would leave none for ``publish``."""
         with self._lock:
-            event = self._released.setdefault(sub, threading.Event())
-        event.wait()
-        with self._lock:
-            self._released.pop(sub, None)
-            return self._records.pop(sub, None)
+            self._lease_ended.wait_for(lambda: bool(self._ended), wait_s)
+            ended, self._ended = self._ended, []
+        return ended
 
     def transfer_counters(self) -> TransferCounters:
         """This rank's transceiver counters (rank 0 sums them over the ranks)."""

@@ -14,6 +14,10 @@ rank that does not answer fails the call, and the rank watch takes the worker do
 (worker_common/tp_ranks.py). The parts' transfer records are joined into one per request and the
 counters cover every rank (worker_common/tp_transfer_stats.py).
 
+Rank 0 learns which of another rank's leases ended from one ``released`` call open per rank at
+a time (answered as leases end, or empty after RELEASED_WAIT_S), not one call per lease: each call
+holds one of the rank actor's threads while it waits. A rank that is lost fails its open parts.
+
 ``TPPublisher`` and ``TPPuller`` stand where a plain KVSender / KVReceiver stands in the workers;
 ranks 1.. run their own sender or receiver over their own pools (worker_common/tp_ranks.py).
 A failed pull on any decode rank fails the request on the decode worker (it frees its pages once
@@ -32,16 +36,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+from ray.exceptions import RayActorError
 
 from kvcache.head_shard import head_shards
 from transfer import KVReceiver, KVSender, TransceiverConfig
 from transfer.messages import TicketPart, TransferTicket
 from transfer.stats import TransferResult, TransferStats
+from worker_common.tp_ranks import LeaseEnded
 from worker_common.tp_transfer_stats import TPTransferBook, join_parts
 
 log = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 30.0  # a rank's publish or cancel; longer means the rank is lost
+RELEASED_WAIT_S = 5.0  # how long one ``released`` call waits on its rank for a lease to end
 
 
 @dataclass(frozen=True)
@@ -109,6 +116,9 @@ class TPPublisher:
         # Start-up, before the worker serves: these calls may block.
         for actor in self.rank_actors:
             ray.get(actor.start_sender.remote(rank_config, model), timeout=CALL_TIMEOUT_S)
+        self._closed = False
+        for rank in range(1, len(self.rank_actors) + 1):
+            self._ask_released(rank)
 
     async def publish(
         self, request_id: str, page_ids: dict[str, list[int]], declared_prompt_len: int
@@ -142,10 +152,6 @@ class TPPublisher:
                     continue
                 published.append((rank, sub))
                 parts[i] = TicketPart(read.decode_rank, read.head_start, read.head_count, answer)
-                ended = self.rank_actors[rank - 1].wait_released.remote(sub)
-                ended.future().add_done_callback(
-                    lambda f, rank=rank, sub=sub: self._ended(rank, sub, _record_of(f, sub))
-                )
             if failed is not None:
                 raise failed
         except BaseException:
@@ -161,11 +167,41 @@ class TPPublisher:
     async def _call(self, ref: Any) -> Any:
         """Another rank's answer; TimeoutError when it gives none in ``call_timeout_s``."""
         try:
-            return await asyncio.wait_for(_await_ref(ref), self.call_timeout_s)
+            async with asyncio.timeout(self.call_timeout_s):  # (not wait_for: it may lose a cancel)
+                return await ref
         except TimeoutError:
             raise TimeoutError(
                 f"a prefill rank did not answer within {self.call_timeout_s}s (lost?)"
             ) from None
+
+    def _ask_released(self, rank: int) -> None:
+        """Ask rank ``rank`` which of its leases ended, and again once it answers: one call open
+        per rank, answered by the Ray callback thread (never the worker's loop)."""
+        if self._closed:
+            return
+        ref = self.rank_actors[rank - 1].released.remote(RELEASED_WAIT_S)
+        ref.future().add_done_callback(lambda f: self._took_released(rank, f))
+
+    def _took_released(self, rank: int, answer: Any) -> None:
+        error = answer.exception()
+        if isinstance(error, RayActorError):
+            # The rank is lost (the rank watch takes the worker down): none of its open leases
+            # will end by a notice, so its parts fail now and the pages are freed.
+            self._fail_parts_of(rank, f"the rank was lost: {type(error).__name__}: {error}")
+            return
+        if error is not None:  # (not the rank's loss: its leases still end, ask again)
+            log.warning("prefill rank %d did not say which leases ended: %s", rank, error)
+        else:
+            ended: LeaseEnded
+            for ended in answer.result():
+                self._ended(rank, ended.sub, ended.record)
+        self._ask_released(rank)
+
+    def _fail_parts_of(self, rank: int, error: str) -> None:
+        with self._lock:
+            subs = [sub for left in self._open.values() for r, sub in left if r == rank]
+        for sub in subs:
+            self._ended(rank, sub, _failed_send(sub, error))
 
     def _own_record(self, sub: str) -> TransferStats | None:
         # Rank 0's lease ended (the transceiver records a served pull before it ends the lease):
@@ -229,6 +265,7 @@ class TPPublisher:
         return self.book.drain()
 
     def close(self) -> None:
+        self._closed = True  # (the open ``released`` calls end within RELEASED_WAIT_S)
         self.own.close()
 
 
@@ -303,15 +340,6 @@ class TPPuller:
 
 async def _await_ref(ref: Any) -> Any:
     return await ref
-
-
-def _record_of(ended: Any, sub: str) -> TransferStats | None:
-    """The record a rank's ``wait_released`` answered with (None: the part was not served); a
-    rank that could not answer failed its part."""
-    error = ended.exception()
-    if error is not None:
-        return _failed_send(sub, f"the rank was lost: {type(error).__name__}: {error}")
-    return ended.result()
 
 
 def _send_part(prefill_rank: int, sub: str) -> str:

@@ -260,3 +260,42 @@ def test_a_prefill_cancelled_while_its_ranks_publish_frees_its_pages() -> None:
         asyncio.run(main())
     finally:
         worker.close()
+
+
+def test_more_open_leases_than_the_rank_has_threads() -> None:
+    """Rank 1 has 3 threads and 6 requests hold a lease there: each publish is still answered
+    (rank 0 keeps one call open per rank for the leases that end, not one per lease), and each
+    request's pages are freed once its leases end."""
+    p_side = KVSide(specs(num_pages=PAGES), 13)
+    rank = PoolRank.options(num_cpus=0, max_concurrency=3).remote(14)
+    pub = publisher(p_side, rank, decode_tp=1, call_timeout_s=5.0)
+    ids = [f"many-{i}" for i in range(6)]
+    try:
+
+        async def publish_all() -> None:
+            for rid in ids:
+                await pub.publish(rid, p_side.allocate(rid, TOKENS), TOKENS)
+
+        asyncio.run(publish_all())
+        for rid in ids:
+            assert asyncio.run(pub.cancel(rid))
+        wait_until(lambda: sorted(p_side.released) == sorted(ids))
+    finally:
+        pub.close()
+
+
+def test_a_lost_rank_fails_its_open_parts_and_the_pages_are_freed() -> None:
+    """Rank 1 dies while a request's leases are open: its part can never end by a notice, so it
+    fails at once, rank 0's lease is still given up by its expiry, and the pages go back; the
+    request's record names the lost rank."""
+    p_side = KVSide(specs(num_pages=PAGES), 15)
+    rank = rank_actor(16)
+    pub = publisher(p_side, rank, decode_tp=1, lease_s=1.0)
+    try:
+        asyncio.run(pub.publish("lost", p_side.allocate("lost", TOKENS), TOKENS))
+        ray.kill(rank, no_restart=True)
+        wait_until(lambda: "lost" in p_side.released)
+        (send,) = pub.drain_transfer_stats()
+        assert not send.ok and "the rank was lost" in send.error, send
+    finally:
+        pub.close()
