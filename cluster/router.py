@@ -52,6 +52,9 @@ log = logging.getLogger(__name__)
 # a load-back is a copy (host to device), far cheaper than computing the token, yet it takes copy
 # time and device pages. 0.5 is a middle, not a measured figure.
 HOST_HIT_WEIGHT = 0.5
+# Before a decode worker that was unavailable is tried again (or another one): a restarting
+# actor is not back at once. Without this much time left, the request fails instead.
+DECODE_RETRY_PAUSE_S = 0.5
 
 
 @dataclass
@@ -222,7 +225,7 @@ class Router:
                 return
             self.num_local_fallbacks += 1
             local = dataclasses.replace(req, prefill_attempt=attempts)  # (that many failed)
-            async for d in self._stream_decode(local, None, None):
+            async for d in self._stream_decode(local, None, None, last_reported=reported):
                 yield d
             return
         req = dataclasses.replace(req, prefill_attempt=attempts - 1)  # the one D takes over
@@ -240,7 +243,9 @@ class Router:
             if handed_over:
                 return
             handed_over = True
-            async for d in self._stream_decode(req, pre, pworker):
+            async for d in self._stream_decode(
+                req, pre, pworker, last_reported=req.prefill_attempt
+            ):
                 yield d
         finally:
             if not handed_over and pworker is not None:
@@ -281,7 +286,8 @@ class Router:
             try:
                 left = max(self._left_s(req), 0.0)
                 call = dataclasses.replace(req, prefill_attempt=attempt)
-                pre = await asyncio.wait_for(w.handle.prefill.remote(call), left)
+                async with asyncio.timeout(left):  # (not wait_for: it may lose a cancel)
+                    pre = await w.handle.prefill.remote(call)
                 return pre, w, attempt + 1, attempt
             except RayTaskError as e:
                 if isinstance(e.cause, ValueError):
@@ -312,12 +318,14 @@ class Router:
         pre: PrefillResult | None,
         pworker: WorkerSlot | None,
         prefer: WorkerSlot | None = None,
+        last_reported: int = -1,
     ) -> AsyncIterator[TokenDelta]:
         """Stream from a decode worker (``prefer`` first, when given). A worker that is unavailable
         before it produced anything (it is restarting, or died) is replaced, within
         ``call_timeout_s``; after the first token, its failure ends the request with an error (the
         tokens already sent cannot be recalled). At ``call_timeout_s`` from the request's arrival
-        the request is aborted with an error."""
+        the request is aborted with an error. ``last_reported``: the prefill attempt whose report
+        is the collector's last when no decode worker reports the request (-1: none)."""
         rid = req.request_id
         started = finished = ok = False
         d: WorkerSlot | None = None
@@ -334,9 +342,8 @@ class Router:
                     refs = gen.__aiter__()
                     while not finished:
                         try:
-                            ref = await asyncio.wait_for(
-                                refs.__anext__(), max(self._left_s(req), 0.0)
-                            )
+                            async with asyncio.timeout(max(self._left_s(req), 0.0)):
+                                ref = await refs.__anext__()
                         except StopAsyncIteration:
                             break
                         delta: TokenDelta = await ref
@@ -364,8 +371,11 @@ class Router:
                     return
                 except RayActorError as e:
                     d.healthy = False
-                    if started or self._left_s(req) <= 0:
+                    if started or self._left_s(req) <= DECODE_RETRY_PAUSE_S:
                         finished = True
+                        # A decode worker that died reports nothing: the prefill's report is the
+                        # last the collector gets (it waited for D's until its pending bound).
+                        self._closed(rid, last_reported, "error")
                         yield _error_delta(
                             req,
                             f"decode worker {d.worker_id} failed: {type(e).__name__}: {e}",
@@ -377,7 +387,7 @@ class Router:
                             rid,
                             e,
                         )
-                        await asyncio.sleep(0.5)
+                        await asyncio.sleep(DECODE_RETRY_PAUSE_S)
                 except RayTaskError as e:
                     finished = True
                     yield _error_delta(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import ray
@@ -135,6 +135,38 @@ def test_a_client_gone_at_its_first_token_frees_the_lease_and_is_closed(local_ra
     asyncio.run(leave_at_the_first_token())
     assert closed == [RequestClosed("first-1", last_attempt=0)]
     wait_cancelled(worker, "first-1")  # P's lease ends
+
+
+@ray.remote(num_cpus=0)
+class _Dead:
+    """A decode worker, killed before any call."""
+
+    async def decode(self, req: GenerateRequest, pre: PrefillResult) -> AsyncIterator[TokenDelta]:
+        raise AssertionError("a dead decode worker ran a request")
+        yield  # (a streaming call, as the decode worker's)
+
+    async def abort(self, *args: object) -> None:
+        pass
+
+
+def test_a_request_whose_decode_workers_died_is_closed_with_the_prefill_report(
+    local_ray: None,
+) -> None:
+    """Every decode worker is dead: the request ends with an error at server.request_timeout_s,
+    P's lease ends at once, and the collector is told that P's handed-off report is the last (no
+    decode worker will ever report it; the record waited for one until its pending bound)."""
+    worker = HandingPrefill.remote()
+    ray.get(worker.cancelled_ids.remote(), timeout=60)  # started: it answers within the deadline
+    dead = _Dead.remote()
+    ray.kill(dead, no_restart=True)
+    router = Router([WorkerSlot("p-0", worker)], [WorkerSlot("d-0", dead)], call_timeout_s=2)
+    closed: list[RequestClosed] = []
+    router.close_request = closed.append
+    req = GenerateRequest("orphan-1", [1, 2, 3], SamplingParams(), time.time())
+    deltas = asyncio.run(collect(router, req))
+    assert deltas[0].token_ids == [5] and deltas[-1].error.startswith("decode worker d-0 failed")
+    assert closed == [RequestClosed("orphan-1", last_attempt=0, reason="error")]
+    wait_cancelled(worker, "orphan-1")
 
 
 # ---- a real decode worker (the embedded model, aggregated mode) behind the router ----
