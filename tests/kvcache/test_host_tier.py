@@ -10,6 +10,7 @@ import torch
 from kvcache.block_hash import hash_full_pages
 from kvcache.kv_events import KVEvent
 from kvcache.manager import KVCacheManager
+from kvcache.prefix_match import host_tokens_taken
 from kvcache.stats import HostTierStats
 from tests.kvcache.conftest import MakeManager, group_spec
 
@@ -206,3 +207,32 @@ def test_window_groups_offload_and_load_back_their_pages(make_manager: MakeManag
 def test_host_tier_needs_every_group() -> None:
     with pytest.raises(ValueError, match="host_tier_pages must name the groups"):
         KVCacheManager([group_spec()], "all_reusable", "cpu", host_tier_pages={"swa": 1})
+
+
+def test_host_tokens_taken_are_those_loaded_back(make_manager: MakeManager) -> None:
+    """The decode worker allocates a prompt as computed: a window group's host page before its
+    window is not loaded back, and is not reported as host-tier tokens (the match's
+    num_host_tokens counted it: /perf_metrics said tokens came from the host tier that did not)."""
+    m = make_manager(
+        groups=[
+            group_spec("full", (0,), num_pages=20, page_size=2),
+            group_spec("swa_2", (1,), num_pages=8, page_size=2, sliding_window=2),
+        ],
+        host_pages=8,
+    )
+    a = list(range(100, 112))  # 6 pages
+    run(m, "a", a)
+    run(m, "b", list(range(500, 514)))  # the small window pool offloads a's window pages
+    prompt = a + [7] * 7
+    match = m.match_prefix(prompt)
+    assert match.num_tokens == 12 and match.num_host_tokens == 2
+    assert m.allocate_slots("d", len(prompt) + 1, match, num_computed_tokens=len(prompt))
+    assert host_tokens_taken(match, m.page_ids("d")) == 0  # (its window starts past the hit)
+    assert host(m, "swa_2").loaded_back == 0
+    m.free("d")
+    # The engine's own admission computes from the hit: the host page is loaded back.
+    match = m.match_prefix(prompt)
+    assert m.allocate_slots("e", len(prompt), match)
+    assert host_tokens_taken(match, m.page_ids("e")) == match.num_host_tokens == 2
+    assert host(m, "swa_2").loaded_back == 1
+    m.free("e")
