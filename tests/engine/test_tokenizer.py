@@ -108,6 +108,30 @@ def test_hf_dir_tokenizer_matches_transformers(tiny_llama3_dir: Path) -> None:
     assert (tok.bos_token_id, tok.eos_token_id, tok.stop_token_ids) == (0, 1, (1, 4))
 
 
+@pytest.mark.parametrize(
+    "flags",
+    [{"add_bos_token": False}, {"add_bos_token": True, "add_eos_token": True}],
+)
+def test_add_bos_and_eos_flags_count_as_in_transformers(
+    tiny_llama3_dir: Path, tmp_path: Path, flags: dict[str, bool]
+) -> None:
+    """tokenizer_config.json's add_bos_token / add_eos_token next to a tokenizer.json whose
+    post-processor adds BOS: the ids are transformers' (5.x keeps the post-processor)."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    checkpoint = Path(shutil.copytree(tiny_llama3_dir, tmp_path / "ckpt"))
+    config_file = checkpoint / "tokenizer_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **flags}))
+    hf_tok = AutoTokenizer.from_pretrained(checkpoint)
+    tok = load_model(str(checkpoint)).tokenizer
+    assert tok is not None
+    for text in TEXTS:
+        assert tok.encode(text) == hf_tok(text)["input_ids"], text
+
+
 def test_template_errors(tiny_llama3_dir: Path) -> None:
     tok = load_model(str(tiny_llama3_dir)).tokenizer
     assert tok is not None
