@@ -1,8 +1,9 @@
 """The async OpenAI-compatible client: one streamed request -> one RequestRecord.
 
 It speaks `/v1/completions` and `/v1/chat/completions` with ``stream: true`` (server-sent events)
-and stamps every chunk that carries generated text with ``time.perf_counter()`` as it arrives. It
-asks for `stream_options.include_usage`, and uses the server's token counts when it gets them.
+and stamps every chunk that carries generated tokens with ``time.perf_counter()`` as it arrives
+(``_generated``). It asks for `stream_options.include_usage`, and uses the server's token counts
+when it gets them.
 A request succeeds only if the server answered 200, streamed at least one token and ended the stream
 with ``data: [DONE]``; anything else is recorded as a failure with its error, never raised.
 """
@@ -26,9 +27,13 @@ _PATHS: dict[str, str] = {"completions": "/v1/completions", "chat": "/v1/chat/co
 
 
 def normalize_base_url(url: str) -> str:
-    """ "http://h:8000/v1/" -> "http://h:8000": the server root that the API paths hang from."""
+    """ "http://h:8000/v1/" (or an endpoint's whole URL) -> "http://h:8000": the server root that
+    the API paths hang from."""
     url = url.rstrip("/")
-    return url[: -len("/v1")] if url.endswith("/v1") else url
+    for tail in (*_PATHS.values(), "/v1"):
+        if url.endswith(tail):
+            return url[: -len(tail)]
+    return url
 
 
 @dataclass(frozen=True)
@@ -150,21 +155,20 @@ class StreamingClient:
                 return
             record.response_id = record.response_id or str(event.get("id", ""))
             usage = event.get("usage")
-            if isinstance(usage, dict):
-                usage_tokens = usage.get("completion_tokens", usage_tokens)
-                record.prompt_len = usage.get("prompt_tokens", record.prompt_len)
+            if isinstance(usage, dict):  # (a count that is not a number is not taken)
+                if isinstance(completion := usage.get("completion_tokens"), int):
+                    usage_tokens = completion
+                if isinstance(prompt := usage.get("prompt_tokens"), int):
+                    record.prompt_len = prompt
             for choice in event.get("choices") or []:
-                text = (
-                    choice.get("text")
-                    if self.settings.endpoint == "completions"
-                    else (choice.get("delta") or {}).get("content")
-                )
-                # A chunk with new token ids counts even without text (a model without a tokenizer,
-                # or text held back by the server for a stop string or an incomplete character).
-                ids = choice.get("token_ids")
-                if text or ids:
+                if not isinstance(choice, dict):
+                    record.error = f"bad SSE choice (not an object): {data[:200]!r}"
+                    return
+                text, generated = _generated(choice, self.settings.endpoint)
+                if generated:
+                    ids = choice.get("token_ids")
                     record.chunk_times.append(arrival)
-                    texts.append(text or "")
+                    texts.append(text)
                     tokens_seen += len(ids) if isinstance(ids, list) and ids else 1
         record.generated_text = "".join(texts)
         record.output_tokens = usage_tokens if usage_tokens is not None else tokens_seen
@@ -174,6 +178,31 @@ class StreamingClient:
             record.error = "the stream ended without any generated text"
         else:
             record.success = True
+
+
+def _generated(choice: dict[str, Any], endpoint: Endpoint) -> tuple[str, bool]:
+    """(its text, whether it carries generated tokens) of one streamed choice.
+
+    A server that sends token ids (Duet, vLLM with return_token_ids) says which chunks carry
+    tokens: those with ids, text or not (text held back for a stop string or an incomplete
+    character). Without ids every chunk with a text field counts, empty or not, as
+    `vllm bench serve` counts it: a token whose text is empty (a special token, part of a
+    character) is still a token, and a reasoning model's thinking is streamed apart from the
+    content. A chat chunk that only names the role carries none.
+    """
+    ids = choice.get("token_ids")
+    if endpoint == "completions":
+        text = choice.get("text")
+        has_text = isinstance(text, str)
+    else:
+        delta = choice.get("delta") or {}
+        text = delta.get("content")
+        thinking = delta.get("reasoning_content") or delta.get("reasoning")
+        has_text = bool(text) or bool(thinking) or (isinstance(text, str) and "role" not in delta)
+    text = text if isinstance(text, str) else ""
+    if isinstance(ids, list):
+        return text, bool(ids)
+    return text, has_text
 
 
 async def probe_models(base_url: str, timeout_s: float = 10.0) -> list[str]:

@@ -92,6 +92,22 @@ def load_jsonl(
     return requests[skip:]
 
 
+# The pairs `vllm bench serve` keeps of a ShareGPT file (its sample_sharegpt_requests), so that both
+# tools draw the same kind of workload: no prompt or reply under 4 tokens (the reply's length not
+# checked when --sharegpt-output-len fixes it), no prompt over 1024, no pair over 2048.
+SHAREGPT_MIN_LEN = 4
+SHAREGPT_MAX_PROMPT_LEN = 1024
+SHAREGPT_MAX_TOTAL_LEN = 2048
+
+
+def _sharegpt_pair_kept(prompt_len: int, output_len: int, output_len_fixed: bool) -> bool:
+    if prompt_len < SHAREGPT_MIN_LEN or (not output_len_fixed and output_len < SHAREGPT_MIN_LEN):
+        return False
+    return (
+        prompt_len <= SHAREGPT_MAX_PROMPT_LEN and prompt_len + output_len <= SHAREGPT_MAX_TOTAL_LEN
+    )
+
+
 def _turn_text(entry: Any, turn: int, where: str) -> str:
     value = entry["conversations"][turn]
     if not isinstance(value, dict) or not isinstance(value.get("value"), str):
@@ -109,7 +125,8 @@ def load_sharegpt(
     skip: int = 0,
 ) -> list[BenchRequest]:
     """``num_prompts`` conversations of a ShareGPT file, shuffled with ``seed``, as requests:
-    those after the first ``skip`` of that order."""
+    those after the first ``skip`` of that order. With a ``codec`` (the lengths known) only the
+    pairs `vllm bench serve` keeps (``_sharegpt_pair_kept``)."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
@@ -130,19 +147,28 @@ def load_sharegpt(
         usable.append((_turn_text(entry, 0, where), _turn_text(entry, 1, where)))
     if not usable:
         raise WorkloadError(f"{path}: no conversation with at least two turns")
-    order = np.random.default_rng(seed).permutation(len(usable))[skip : skip + num_prompts]
     requests = []
-    for i in order:
+    for i in np.random.default_rng(seed).permutation(len(usable)):
         prompt, reply = usable[int(i)]
+        prompt_len = _prompt_len(prompt, codec)
         if fixed_output_len is not None:
             output_len = fixed_output_len
         elif codec is not None:
             output_len = max(1, len(codec.encode(reply)))
         else:
             output_len = default_output_len
-        requests.append(
-            BenchRequest(
-                prompt=prompt, prompt_len=_prompt_len(prompt, codec), output_len=output_len
-            )
+        if prompt_len is not None and not _sharegpt_pair_kept(
+            prompt_len, output_len, fixed_output_len is not None
+        ):
+            continue
+        requests.append(BenchRequest(prompt=prompt, prompt_len=prompt_len, output_len=output_len))
+        if len(requests) == skip + num_prompts:
+            break
+    if skip == 0 and not requests:
+        raise WorkloadError(
+            f"{path}: no conversation within vLLM's ShareGPT limits (prompt and reply of "
+            f">= {SHAREGPT_MIN_LEN} tokens, prompt <= {SHAREGPT_MAX_PROMPT_LEN}, both <= "
+            f"{SHAREGPT_MAX_TOTAL_LEN})"
         )
+    requests = requests[skip:]
     return requests

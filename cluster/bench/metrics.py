@@ -121,7 +121,10 @@ def summarize_run(
     Throughputs divide by ``duration_s`` (the run's wall time, first send to last completion) and
     count successful requests only; a prompt whose length nobody knows counts as 0 input tokens.
     TTFT, TPOT and E2EL statistics are over successful requests; ITL over every gap of every
-    successful request, pooled. Per-request lists (seconds) are kept for plots and re-analysis.
+    successful request, pooled. Per-request lists (seconds) are kept for plots and re-analysis:
+    one entry per request, in the order of ``records``, as `vllm bench serve` writes them (a
+    failed request has input length as sent, output length 0, TTFT 0.0, no ITLs and text "";
+    Duet's own ``tpots`` and ``e2els`` say null where a request has none).
     """
     if duration_s <= 0.0:
         raise ValueError(f"run duration must be positive, got {duration_s}")
@@ -156,13 +159,13 @@ def summarize_run(
     out.update(_server_fields(records, percentiles))
     out.update(
         {
-            "input_lens": input_lens,
-            "output_lens": output_lens,
-            "ttfts": ttfts,
-            "tpots": tpots,
-            "e2els": e2els,
-            "itls": itls,
-            "generated_texts": [r.generated_text for r in ok],
+            "input_lens": [r.prompt_len or 0 for r in records],
+            "output_lens": [r.output_tokens if r.success else 0 for r in records],
+            "ttfts": [(r.ttft or 0.0) if r.success else 0.0 for r in records],
+            "tpots": [r.tpot if r.success else None for r in records],
+            "e2els": [r.e2el if r.success else None for r in records],
+            "itls": [r.itls if r.success else [] for r in records],
+            "generated_texts": [r.generated_text if r.success else "" for r in records],
             "errors": [r.error for r in records],  # "" for a success, as in vllm
         }
     )

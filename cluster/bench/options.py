@@ -4,6 +4,7 @@ so a bad SLO, percentile or workload file fails before any request is sent)."""
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
 
 from cluster.bench.datasets import WorkloadError, load_jsonl, load_sharegpt
@@ -39,6 +40,11 @@ def build_sweep_options(args: argparse.Namespace) -> SweepOptions:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if not (args.burstiness > 0.0 and args.ramp_up_seconds >= 0.0):
         raise ValueError("--burstiness must be > 0 and --ramp-up-seconds >= 0")
+    if args.ramp_up_seconds > 0.0 and math.inf in args.request_rate:
+        raise ValueError(
+            "--ramp-up-seconds spreads the first sends of a finite --request-rate; at rate inf "
+            "every request is sent at once (give finite rates)"
+        )
     arrivals = ArrivalSettings(
         burstiness=args.burstiness,
         max_concurrency=args.max_concurrency,

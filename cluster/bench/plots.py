@@ -49,7 +49,11 @@ def plot_latency_cdfs(doc: dict[str, Any], path: Path) -> Path:
     ):
         for entry in doc["targets"]:
             for run in entry["runs"]:
-                values = sorted(1000.0 * v for v in run[key])
+                values = sorted(  # (the successful requests': a failed one has none)
+                    1000.0 * v
+                    for v, error in zip(run[key], run["errors"], strict=True)
+                    if not error and v is not None
+                )
                 if values:
                     ys = [(i + 1) / len(values) for i in range(len(values))]
                     ax.step(

@@ -223,9 +223,17 @@ def render_report(doc: dict[str, Any]) -> str:
                 if entry["goodput_is_lower_bound"]
                 else ""
             )
-            parts.append(
-                f"goodput: {fmt(float(entry['goodput']), 2)} req/s with >= 90% of requests at {limits}{bound}"
-            )
+            if math.isinf(float(entry["goodput"])):  # (a rate says nothing of that)
+                parts.append(
+                    f"goodput: >= 90% of requests met {limits} even with every request sent at "
+                    "once (rate inf), so any rate of this many requests does; each run's good "
+                    "req/s is in the table"
+                )
+            else:
+                parts.append(
+                    f"goodput: {fmt(float(entry['goodput']), 2)} req/s with >= 90% of requests "
+                    f"at {limits}{bound}"
+                )
         parts.append("")
     rows = comparison_rows(doc)
     if rows:

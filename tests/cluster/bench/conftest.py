@@ -9,6 +9,10 @@ It serves /v1/models, /v1/completions and /v1/chat/completions over real HTTP an
 - max_tokens == 15: the stream includes an error event;
 - max_tokens == 16: two tokens per chunk, with their ``token_ids``, and no usage chunk (a server
   that holds text back and does not report usage).
+- max_tokens == 17: vLLM's shape without ``return_token_ids``: a chat stream opens with a chunk
+  that names the role (content ""), and every third token's text is empty (a special token).
+- max_tokens == 18: Duet's shape: every chunk with its ``token_ids``, then one that only carries
+  the finish reason (text "", no ids).
 With ``duet=True`` it also serves /perf_metrics (drained on read; an entry shows ``perf_delay_s``
 after its request ended, as Duet's background reports do) with timings derived from the request: prefill_queue_time = 0.001 * prompt tokens, prefill_time = 0.002 * prompt tokens,
 transfer_time = 0.0005 * prompt tokens, transfer_bytes = 1000 * prompt tokens,
@@ -94,18 +98,26 @@ def build_app(state: EchoState) -> FastAPI:
                         yield f"data: {json.dumps({'id': rid, 'choices': [choice]})}\n\n"
                     yield "data: [DONE]\n\n"
                     return
+                if max_tokens == 17 and chat:
+                    role = {"index": 0, "delta": {"role": "assistant", "content": ""}}
+                    yield f"data: {json.dumps({'id': rid, 'choices': [role]})}\n\n"
                 for i in range(max_tokens):
                     await asyncio.sleep(state.per_token_s)
                     if max_tokens == 15 and i == 1:
                         yield f"data: {json.dumps({'error': {'message': 'injected stream error'}})}\n\n"
                         return
-                    piece = f" w{i}"
-                    choice = (
+                    piece = "" if max_tokens == 17 and i % 3 == 0 else f" w{i}"
+                    choice: dict[str, Any] = (
                         {"index": 0, "delta": {"content": piece}}
                         if chat
                         else {"index": 0, "text": piece}
                     )
+                    if max_tokens == 18:
+                        choice["token_ids"] = [i]
                     yield f"data: {json.dumps({'id': rid, 'choices': [choice]})}\n\n"
+                if max_tokens == 18:
+                    last = {"index": 0, "text": "", "finish_reason": "length", "token_ids": []}
+                    yield f"data: {json.dumps({'id': rid, 'choices': [last]})}\n\n"
                 if max_tokens == 14:
                     return
                 if include_usage:

@@ -88,7 +88,10 @@ def test_sweep_with_goodput_and_comparison(
     ):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
     printed = capsys.readouterr().out
-    assert "== disaggregated vs aggregated" in printed and "goodput: inf req/s" in printed
+    assert (
+        "== disaggregated vs aggregated" in printed
+        and "even with every request sent at once (rate inf)" in printed
+    )
 
 
 def test_unreachable_server(free_port: int, tmp_path: Path, capsys: Any) -> None:
@@ -199,6 +202,9 @@ def test_bad_tokenizer_and_settings(duet_server: Any, tmp_path: Path) -> None:
     assert code == 1 and results["error"].startswith("bad benchmark settings: bad percentile 'x'")
     code, results = bench([duet_server.url, "--vocab-size", "10"], tmp_path / "c")
     assert code == 1 and "use it with --tokenizer none" in results["error"]
+    # A ramp-up at rate inf (the default) would be written down and not happen.
+    code, results = bench([duet_server.url, *SMALL, "--ramp-up-seconds", "30"], tmp_path / "d")
+    assert code == 1 and "at rate inf every request is sent at once" in results["error"]
 
 
 def test_bad_request_rate_is_a_usage_error(capsys: Any) -> None:

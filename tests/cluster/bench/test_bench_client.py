@@ -96,6 +96,28 @@ def test_without_usage_the_tokens_are_counted_from_the_chunks_token_ids(
     assert len(record.chunk_times) == 8 and record.output_tokens == 16  # (not 8: the chunks)
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_without_token_ids_a_chunk_of_empty_text_is_a_token(start_echo: Any, endpoint: str) -> None:
+    """vLLM streams one chunk per token without ids unless asked; a special token's text is
+    empty. Each such chunk is a token, as `vllm bench serve` counts it (they were dropped: TTFT
+    came late, TPOT low and gaps merged), and a chat stream's role chunk is none."""
+    with start_echo(per_token_s=0.01) as server:
+        prompt: Any = "w1 w2" if endpoint == "chat" else [1, 2]
+        record = send(
+            server.url, BenchRequest(prompt=prompt, prompt_len=2, output_len=17), endpoint
+        )
+    assert record.success, record.error
+    assert len(record.chunk_times) == 17 and record.output_tokens == 17
+    assert record.generated_text == "".join(f" w{i}" for i in range(17) if i % 3)
+
+
+def test_with_token_ids_a_chunk_without_ids_is_no_token(duet_server: Any) -> None:
+    """Duet's last chunk carries only the finish reason: it is not a token."""
+    record = send(duet_server.url, BenchRequest(prompt=[1], prompt_len=1, output_len=18))
+    assert record.success, record.error
+    assert len(record.chunk_times) == 18 and len(record.itls) == 17
+
+
 def test_the_request_timeout_bounds_the_whole_request_not_each_read(start_echo: Any) -> None:
     with start_echo(per_token_s=0.3) as slow:  # each read 0.3 s, the whole stream 1.5 s
         record = send(slow.url, BenchRequest(prompt=[1], prompt_len=1, output_len=5), timeout_s=1.0)
@@ -132,3 +154,5 @@ def test_payloads() -> None:
 def test_normalize_base_url() -> None:
     assert normalize_base_url("http://h:1/v1/") == "http://h:1"
     assert normalize_base_url("http://h:1") == "http://h:1"
+    assert normalize_base_url("http://h:1/v1/chat/completions") == "http://h:1"
+    assert normalize_base_url("http://h:1/v1/completions/") == "http://h:1"

@@ -74,21 +74,43 @@ def convo(human: str, gpt: str) -> dict[str, Any]:
 
 def test_sharegpt_prompts_and_output_lengths(tmp_path: Path, word_codec: Any) -> None:
     data = [
-        convo("w1 w2", "w3 w4 w5"),
+        convo("w1 w2 w3 w4", "w5 w6 w7 w8 w9"),
         {"conversations": [{"from": "human", "value": "alone"}]},
-        convo("w6", "w7"),
+        convo("w6 w7 w8 w9 w10", "w7 w8 w9 w10"),
     ]
     path = sharegpt(tmp_path, data)
     by_prompt = {
         r.prompt: r for r in load_sharegpt(path, 10, default_output_len=9, codec=word_codec)
     }
-    assert set(by_prompt) == {"w1 w2", "w6"}  # the one-turn entry is skipped
-    assert (by_prompt["w1 w2"].prompt_len, by_prompt["w1 w2"].output_len) == (2, 3)
+    assert set(by_prompt) == {"w1 w2 w3 w4", "w6 w7 w8 w9 w10"}  # the one-turn entry is skipped
+    assert (by_prompt["w1 w2 w3 w4"].prompt_len, by_prompt["w1 w2 w3 w4"].output_len) == (4, 5)
     assert [r.output_len for r in load_sharegpt(path, 10, default_output_len=9)] == [9, 9]
     assert [r.output_len for r in load_sharegpt(path, 10, 9, word_codec, fixed_output_len=4)] == [
         4,
         4,
     ]
+
+
+def test_sharegpt_keeps_the_pairs_vllm_keeps(tmp_path: Path, word_codec: Any) -> None:
+    """As `vllm bench serve` samples ShareGPT: no prompt or reply under 4 tokens (the reply
+    unchecked when its length is fixed), no prompt over 1024, no pair over 2048; the sample is
+    still num_prompts long when enough pairs are kept."""
+    words = lambda n: " ".join(["w"] * n)  # noqa: E731
+    data = [
+        convo(words(3), words(10)),  # prompt too short
+        convo(words(10), words(3)),  # reply too short
+        convo(words(1025), words(10)),  # prompt too long
+        convo(words(1000), words(1049)),  # 2049 in all
+        *[convo(words(4 + i), words(4)) for i in range(6)],  # kept
+    ]
+    path = sharegpt(tmp_path, data)
+    kept = load_sharegpt(path, 5, 9, word_codec)
+    assert len(kept) == 5 and all(4 <= r.prompt_len <= 9 for r in kept)
+    fixed = load_sharegpt(path, 10, 9, word_codec, fixed_output_len=2)
+    # The reply unchecked, the total taken with the fixed length (1000 + 2 fits).
+    assert sorted(r.prompt_len for r in fixed) == [*range(4, 11), 1000]
+    with pytest.raises(WorkloadError, match="no conversation within vLLM's ShareGPT limits"):
+        load_sharegpt(sharegpt(tmp_path, data[:4]), 5, 9, word_codec)
 
 
 def test_sharegpt_seeded_sample(tmp_path: Path) -> None:

@@ -138,8 +138,13 @@ def test_summarize_run_throughput_and_stats() -> None:
     )  # (100 + 300) / 2: the 1-token request is left out
     assert out["median_itl_ms"] == pytest.approx(100.0)  # gaps 100, 100, 300 pooled
     assert out["mean_e2el_ms"] == pytest.approx(1700.0 / 3)
-    assert out["input_lens"] == [10, 20, 0]
-    assert out["output_lens"] == [3, 1, 2]
+    # One entry per request, in order, as vllm writes them (a failed one: 0, 0.0, [], "").
+    assert out["input_lens"] == [10, 20, 0, 10]
+    assert out["output_lens"] == [3, 1, 2, 0]
+    assert out["ttfts"] == pytest.approx([0.1, 0.3, 0.2, 0.0])
+    assert out["tpots"][1:] == [None, pytest.approx(0.3), None]
+    assert [len(gaps) for gaps in out["itls"]] == [2, 0, 1, 0]
+    assert out["generated_texts"][3] == ""
     assert out["errors"] == ["", "", "", "HTTP 500: boom"]
     assert "request_goodput" not in out
     assert out["num_server_metrics"] == 0 and out["mean_transfer_ms"] is None

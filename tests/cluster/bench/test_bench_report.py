@@ -20,9 +20,10 @@ def run(rate: float, scale: float, attainment: float | None = None) -> dict[str,
         "request_throughput": 2.0 * scale,
         "output_throughput": 20.0 * scale,
         "num_server_metrics": 0,
-        "ttfts": [0.1, 0.2],
-        "tpots": [0.01, 0.02],
-        "e2els": [0.3, 0.4],
+        "ttfts": [0.1, 0.2, 0.0],
+        "tpots": [0.01, 0.02, None],
+        "e2els": [0.3, 0.4, None],
+        "errors": ["", "", "HTTP 500: boom"],  # (a failed request: no point on a curve)
     }
     for metric in ("ttft", "tpot", "itl", "e2el"):
         for stat in ("mean", "median", "p50", "p99"):
@@ -106,6 +107,17 @@ def test_a_capped_sweep_names_no_goodput_rate_and_a_bound_gives_no_ratio() -> No
     bounded["targets"][0]["goodput_is_lower_bound"] = True
     row = comparison_rows(bounded)[-1]
     assert (row["metric"], row["ratio"]) == ("goodput req/s (a lower bound)", None)
+
+
+def test_a_goodput_at_rate_inf_is_said_in_words() -> None:
+    """Every request sent at once met the SLOs (the default rate inf): "inf req/s" told
+    nothing; the report says what it means."""
+    at_once = doc(slo=True)
+    at_once["targets"][0]["goodput"] = math.inf
+    at_once["targets"][0]["goodput_is_lower_bound"] = True
+    text = render_report(at_once)
+    assert "even with every request sent at once (rate inf)" in text
+    assert "inf req/s" not in text
 
 
 def test_results_file_roundtrip_with_infinity(tmp_path: Path) -> None:
