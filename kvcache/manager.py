@@ -228,6 +228,7 @@ class KVCacheManager:
             self._release(state, g, pool, plans[g])
         for g, pool in self._pools.items():
             self._extend(state, g, pool, plans[g], needed)
+            pool.note_evictable_peak()  # (a page released and evicted in this step never counts)
         self._finish_allocation(request_id)
         return True
 
@@ -300,7 +301,7 @@ class KVCacheManager:
         if plan.release:
             recycled = set(plan.recycle)
             # Oldest first: of a window's released pages, the oldest are evicted first.
-            pool.free(p for p in plan.release if p not in recycled)
+            pool.free((p for p in plan.release if p not in recycled), note_peak=False)
             first = state.first_live[g]
             pages[first : first + len(plan.release)] = [NULL_PAGE] * len(plan.release)
         if plan.start > len(pages):  # positions no step will read: never given a page

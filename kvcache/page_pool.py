@@ -200,11 +200,13 @@ class PagePool:
             self.held.take(1)
         self._ref_counts[page_id] += 1
 
-    def free(self, page_ids: Iterable[int]) -> None:
+    def free(self, page_ids: Iterable[int], note_peak: bool = True) -> None:
         """Drop one ref on each page, in the given order.
 
         A page reaching ref count 0 joins the free queue: at the tail when registered (evictable,
-        so the first page freed is the first evicted), at the head otherwise.
+        so the first page freed is the first evicted), at the head otherwise. ``note_peak``
+        False: the caller notes the evictable peak itself once its step is done
+        (``note_evictable_peak``), so that pages it evicts within that step never count.
         """
         for page_id in page_ids:
             self._check_page(page_id)
@@ -220,8 +222,11 @@ class PagePool:
                 else:
                     self._free_queue.append(page_id)
                     self._num_evictable += 1
-        if self._num_evictable > self.peak_evictable:
-            self.peak_evictable = self._num_evictable
+        if note_peak:
+            self.note_evictable_peak()
+
+    def note_evictable_peak(self) -> None:
+        self.peak_evictable = max(self.peak_evictable, self._num_evictable)
 
     def _check_page(self, page_id: int) -> None:
         if page_id == NULL_PAGE or not 0 < page_id < self.num_pages:

@@ -211,3 +211,29 @@ def test_the_peak_of_all_groups_together_is_not_the_sum_of_their_peaks(
     assert m.stats().peak_used == 13
     m.reset_peak()
     assert m.stats().peak_used == 0
+
+
+def test_a_page_released_and_evicted_in_one_step_is_not_an_evictable_peak(
+    make_manager: MakeManager,
+) -> None:
+    """A full window pool: each chunk releases one committed window page (evictable) and takes
+    one, evicting the oldest in the same call. Between calls at most 2 pages are evictable; the
+    interval peak said 3 (the page that was evictable only inside the call)."""
+    m = make_manager(
+        groups=[
+            group_spec("full", (0,), num_pages=40, page_size=2),
+            group_spec("swa_2", (1,), num_pages=5, page_size=2, sliding_window=2),
+        ]
+    )
+    tokens = list(range(100, 140))
+    assert m.allocate_slots("a", 8, m.match_prefix(tokens[:8] + [0]), num_computed_tokens=0)
+    m.commit("a", tokens, 8, prompt_done=False)
+    m.reset_peak()
+    done, seen = 8, 0
+    for _ in range(12):
+        assert m.allocate_slots("a", done + 2, num_computed_tokens=done)
+        done += 2
+        m.commit("a", tokens, done, prompt_done=False)
+        seen = max(seen, m.stats().groups["swa_2"].evictable)
+    assert m.stats().groups["swa_2"].peak_evictable == seen == 2
+    m.free("a")
