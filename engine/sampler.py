@@ -23,8 +23,10 @@ def apply_top_k_top_p(
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     if top_k is not None:
-        ranks = torch.arange(logits.shape[-1], device=logits.device)
-        sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
+        # Below the k-th logit, not past the k-th rank: a tie with the k-th stays, as in
+        # transformers' TopKLogitsWarper and vLLM (which tie survives a sort is arbitrary).
+        kth = sorted_logits.gather(-1, (top_k - 1)[:, None])
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
     if top_p is not None:
         probs = sorted_logits.softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above

@@ -14,10 +14,14 @@ def append_text(request: Request, token_id: int) -> str:
     return delta
 
 
-def flush_text(request: Request) -> None:
-    """Append the detokenizer's held-back tail (an incomplete character) once the request ends."""
-    if request.detokenizer is not None:
-        request.output_text += request.detokenizer.finish()
+def flush_text(request: Request) -> int:
+    """Append the detokenizer's held-back tail (an incomplete character, and what came with it in
+    its token) once the request ends; return its length."""
+    if request.detokenizer is None:
+        return 0
+    tail = request.detokenizer.finish()
+    request.output_text += tail
+    return len(tail)
 
 
 def _match_stop_string(request: Request, new_chars: int) -> bool:
@@ -70,5 +74,9 @@ def check_stop(request: Request, token_id: int, max_model_len: int) -> RequestSt
     ):
         status = RequestStatus.FINISHED_LENGTH
     if status is not None:
-        flush_text(request)
+        # The held-back tail is text too: a stop string in it ends the text there (it was
+        # streamed whole, stop string and all, when the request ended with it held).
+        flushed = flush_text(request)
+        if params.stop and flushed and _match_stop_string(request, flushed):
+            return RequestStatus.FINISHED_STOPPED
     return status

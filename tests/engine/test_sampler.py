@@ -37,6 +37,16 @@ def test_top_k_and_top_p_masks_are_exact() -> None:
     assert apply_top_k_top_p(logits, None, None) is logits
 
 
+def test_top_k_keeps_the_tokens_tied_with_the_kth_as_transformers_does() -> None:
+    from transformers.generation.logits_process import TopKLogitsWarper
+
+    logits = torch.tensor([[0.0, 2.0, 2.0, 2.0, 1.0], [0.0, 2.0, 1.0, 1.0, 1.0]])
+    for k in (1, 2, 3):
+        ours = apply_top_k_top_p(logits, top_k=torch.tensor([k, k]), top_p=None)
+        hf = TopKLogitsWarper(k)(torch.zeros(2, 1, dtype=torch.long), logits.clone())
+        assert torch.equal(torch.isinf(ours), torch.isinf(hf)), k
+
+
 @pytest.mark.parametrize(
     ("params", "allowed"), [({"top_k": 2}, {1, 3}), ({"top_p": 0.7}, {1, 3}), ({}, {0, 1, 2, 3})]
 )

@@ -6,6 +6,7 @@ import pytest
 import tokenizers
 
 from engine.detokenizer import IncrementalDetokenizer
+from engine.loaders import LoadedModel
 from engine.outputs import RequestOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -30,24 +31,48 @@ def generate(
     tok: Tokenizer, words: list[str], **params: object
 ) -> tuple[Request, list[RequestOutput]]:
     """Run one request whose model 'says' ``words`` in order; return it and its stream of outputs."""
+    return generate_ids(tok, [WORDS.index(w) for w in words], frozenset({0}), **params)
+
+
+def generate_ids(
+    tok: Tokenizer, ids: list[int], eos: frozenset[int], **params: object
+) -> tuple[Request, list[RequestOutput]]:
+    """Run one request whose model 'says' the token ``ids`` in order."""
     kv = tiny_kv()
     sched = tiny_scheduler(kv)
-    sp = SamplingParams(temperature=0.0, max_tokens=len(words), **params)  # type: ignore[arg-type]
-    prompt = [WORDS.index("here")]
+    sp = SamplingParams(temperature=0.0, max_tokens=len(ids), **params)  # type: ignore[arg-type]
+    prompt = [ids[0]]
     req = Request(
         "r",
         prompt,
         sp,
-        eos_token_ids=frozenset({0}),
+        eos_token_ids=eos,
         detokenizer=IncrementalDetokenizer(tok, prompt, sp.skip_special_tokens),
     )
     sched.add_request(req)
     stream: list[RequestOutput] = []
     while sched.has_unfinished():
-        _, changed = run_step(sched, lambda r: WORDS.index(words[r.num_output_tokens]))
+        _, changed = run_step(sched, lambda r: ids[r.num_output_tokens])
         stream += [RequestOutput.from_request(r) for r in changed]
     assert_no_leak(kv)
     return req, stream
+
+
+@pytest.mark.parametrize("end", ["max_tokens", "eos"])
+def test_a_stop_string_in_the_tail_released_at_the_end_stops_the_text(
+    default_model: LoadedModel, end: str
+) -> None:
+    """The last token is a space and half of a character ('Ġæ' of " 日"): its text is held back
+    until the character completes, and the request ends first. The stop string "User: " in that
+    tail ends the text as any stop string does (it was streamed, finish reason 'length')."""
+    tok = default_model.tokenizer
+    assert tok is not None
+    ids = tok.encode("\nUser: \u65e5\u672c", add_special_tokens=False)[:4]  # \n User : ' 日'[:1]
+    if end == "eos":
+        ids.append(tok.eos_token_id)
+    req, stream = generate_ids(tok, ids, frozenset({tok.eos_token_id}), stop=["User: "])
+    assert (req.finish_reason, req.stop_reason) == ("stop", "User: ")
+    assert req.output_text == "".join(o.delta_text for o in stream) == "\n"
 
 
 def test_stop_string_is_removed_from_the_text(word_tokenizer: Tokenizer) -> None:
