@@ -88,6 +88,10 @@ class ClusterFrontend:
             self._perf_task = None
 
     # ---- request path ----
+    @property
+    def has_tokenizer(self) -> bool:
+        return self.tokenizer is not None
+
     def _require_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
             raise ValueError(

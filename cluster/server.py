@@ -42,6 +42,7 @@ class ServingBackend(Protocol):
     max_model_len: int
     vocab_size: int
     sampling_defaults: GenerationDefaults  # what a request leaves out (the model's defaults)
+    has_tokenizer: bool  # False: a model of random weights (token ids only, no stop strings)
 
     async def start(self) -> None: ...
     async def stop(self) -> None: ...
@@ -200,6 +201,12 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
             if field == "max_tokens":  # (the body's own name for it)
                 field = body.max_tokens_field
             raise BadRequest(str(e), field) from e
+        if sampling.stop and not backend.has_tokenizer:  # (no text is made: they never match)
+            raise BadRequest(
+                f"stop strings need the model's tokenizer; {backend.model_name!r} has none "
+                "(random weights): use stop_token_ids",
+                "stop",
+            )
         return GenerateRequest(oa.new_id(kind), ids, sampling, time.time())
 
     def _head(req: GenerateRequest) -> oa.Head:

@@ -239,6 +239,11 @@ class LLMEngine:
                 f"sampling_params must be a SamplingParams, got {type(params).__name__}"
             )
         self.check_prompt(prompt_token_ids, f"request {request_id!r}")
+        if params.stop and self.tokenizer is None:  # (they would never match: no text is made)
+            raise ValueError(
+                f"request {request_id!r}: stop strings need the model's tokenizer, and this model "
+                "has none (random weights): use stop_token_ids"
+            )
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(

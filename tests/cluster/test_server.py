@@ -37,6 +37,7 @@ class WorkerBackend:
         self.vocab_size = engine.model_config.vocab_size
         self.requests: list[GenerateRequest] = []
         self.sampling_defaults = GenerationDefaults()
+        self.has_tokenizer = True
 
     async def start(self) -> None: ...
     async def stop(self) -> None: ...
@@ -249,3 +250,17 @@ def test_the_models_sampling_defaults_fill_what_a_request_leaves_out(http, backe
         assert backend.requests[-1].sampling.max_tokens == 16
     finally:
         backend.sampling_defaults = GenerationDefaults()
+
+
+def test_stop_strings_without_a_tokenizer_are_refused(http, backend) -> None:
+    """A model of random weights makes no text, so a stop string could never match: refused by
+    name, not accepted and ignored. Stop token ids still work."""
+    backend.has_tokenizer = False
+    try:
+        body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2}
+        r = http.post("/v1/completions", json=body | {"stop": ["x"]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stop", r.text
+        assert "use stop_token_ids" in r.json()["error"]["message"]
+        assert http.post("/v1/completions", json=body | {"stop_token_ids": [5]}).status_code == 200
+    finally:
+        backend.has_tokenizer = True

@@ -128,6 +128,21 @@ def test_invalid_requests_raise_and_allocate_nothing(
     assert_no_leak(engine.kv)
 
 
+def test_stop_strings_need_a_tokenizer() -> None:
+    """A model of random weights makes no text: a stop string could never match, so it is
+    refused (not accepted and ignored); stop token ids still work."""
+    from tests.tiny_engine import tiny_engine
+
+    engine = tiny_engine(16)
+    assert engine.tokenizer is None
+    with pytest.raises(ValueError, match="stop strings need the model's tokenizer"):
+        engine.add_request("x", [3], SamplingParams(stop=["a"]))
+    engine.add_request("y", [3], SamplingParams(max_tokens=2, stop_token_ids=[5]))
+    while engine.has_unfinished():
+        engine.step()
+    assert_no_leak(engine.kv)
+
+
 @pytest.mark.parametrize("seed", [None, 1234], ids=["greedy", "seeded"])
 def test_prefill_engine_hands_kv_to_decode_engine(
     make_tiny_engine: Callable[..., LLMEngine], seed: int | None
