@@ -40,9 +40,10 @@ class SamplingParams:
     top_p: float = 1.0
     """Nucleus sampling: keep the smallest set of tokens whose probability sums to >= top_p; in (0, 1]."""
     top_k: int = -1
-    """Keep the k most likely tokens; -1 keeps all."""
-    max_tokens: int = 16
-    """Maximum number of generated tokens (>= 1)."""
+    """Keep the k most likely tokens; -1 (or 0, as in vLLM; stored as -1) keeps all."""
+    max_tokens: int | None = 16
+    """Maximum number of generated tokens (>= 1); None: up to the model's max length, as in
+    vLLM."""
     seed: int | None = None
     """Seed of this request's own generator, in [-2**63, 2**64): the same seed gives the same
     tokens in any batch, aggregated or disaggregated."""
@@ -74,6 +75,8 @@ class SamplingParams:
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         else:
             raise _fail("stop_token_ids", "a list of token ids", self.stop_token_ids)
+        if self.top_k == 0 and _is_int(self.top_k):
+            object.__setattr__(self, "top_k", -1)
         self._validate()
 
     def _validate(self) -> None:
@@ -84,9 +87,9 @@ class SamplingParams:
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < p <= 1.0:
             raise _fail("top_p", "in (0, 1]", p)
         if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
-            raise _fail("top_k", "-1 (disabled) or an integer >= 1", self.top_k)
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise _fail("max_tokens", "an integer >= 1", self.max_tokens)
+            raise _fail("top_k", "-1 or 0 (disabled) or an integer >= 1", self.top_k)
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise _fail("max_tokens", "an integer >= 1 or None", self.max_tokens)
         if self.seed is not None and not (_is_int(self.seed) and -(2**63) <= self.seed < 2**64):
             # (what torch.Generator.manual_seed takes: beyond it, the step itself would fail)
             raise _fail("seed", "an integer in [-2**63, 2**64) or None", self.seed)

@@ -69,9 +69,8 @@ def check_stop(request: Request, token_id: int, max_model_len: int) -> RequestSt
         request.stop_reason = token_id
         status = RequestStatus.FINISHED_STOPPED
     elif (
-        len(request.output_token_ids) >= params.max_tokens
-        or len(request.all_token_ids) >= max_model_len
-    ):
+        params.max_tokens is not None and len(request.output_token_ids) >= params.max_tokens
+    ) or len(request.all_token_ids) >= max_model_len:
         status = RequestStatus.FINISHED_LENGTH
     if status is not None:
         # The held-back tail is text too: a stop string in it ends the text there (it was

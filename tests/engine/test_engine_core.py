@@ -143,6 +143,19 @@ def test_stop_strings_need_a_tokenizer() -> None:
     assert_no_leak(engine.kv)
 
 
+def test_max_tokens_none_runs_to_the_model_length() -> None:
+    from tests.tiny_engine import tiny_engine
+
+    engine = tiny_engine(16)
+    engine.add_request("z", [3, 4, 5], SamplingParams(max_tokens=None, ignore_eos=True))
+    outputs = []
+    while engine.has_unfinished():
+        outputs += [o for o in engine.step() if o.finished]
+    (out,) = outputs
+    assert out.finish_reason == "length" and len(out.token_ids) == engine.max_model_len - 3
+    assert_no_leak(engine.kv)
+
+
 @pytest.mark.parametrize("seed", [None, 1234], ids=["greedy", "seeded"])
 def test_prefill_engine_hands_kv_to_decode_engine(
     make_tiny_engine: Callable[..., LLMEngine], seed: int | None

@@ -41,11 +41,19 @@ def test_is_immutable() -> None:
         ({"temperature": float("nan")}, "SamplingParams.temperature must be a finite number >= 0"),
         ({"top_p": 0.0}, "SamplingParams.top_p must be in (0, 1], got 0.0"),
         ({"top_p": 1.5}, "SamplingParams.top_p must be in (0, 1], got 1.5"),
-        ({"top_k": 0}, "SamplingParams.top_k must be -1 (disabled) or an integer >= 1, got 0"),
-        ({"top_k": -2}, "SamplingParams.top_k must be -1 (disabled) or an integer >= 1, got -2"),
-        ({"top_k": 2.0}, "SamplingParams.top_k must be -1 (disabled) or an integer >= 1, got 2.0"),
-        ({"max_tokens": 0}, "SamplingParams.max_tokens must be an integer >= 1, got 0"),
-        ({"max_tokens": True}, "SamplingParams.max_tokens must be an integer >= 1, got True"),
+        (
+            {"top_k": -2},
+            "SamplingParams.top_k must be -1 or 0 (disabled) or an integer >= 1, got -2",
+        ),
+        (
+            {"top_k": 2.0},
+            "SamplingParams.top_k must be -1 or 0 (disabled) or an integer >= 1, got 2.0",
+        ),
+        ({"max_tokens": 0}, "SamplingParams.max_tokens must be an integer >= 1 or None, got 0"),
+        (
+            {"max_tokens": True},
+            "SamplingParams.max_tokens must be an integer >= 1 or None, got True",
+        ),
         (
             {"seed": "7"},
             "SamplingParams.seed must be an integer in [-2**63, 2**64) or None, got '7'",
@@ -75,3 +83,10 @@ def test_boundaries_are_accepted() -> None:
     assert p.top_k == 1 and p.max_tokens == 1 and p.seed == 0
     assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1 and SamplingParams(seed=-(2**63)).seed
     assert SamplingParams(top_p=1e-6).top_p == 1e-6
+
+
+def test_vllm_s_off_values() -> None:
+    """As vLLM: top_k 0 keeps all tokens (stored as -1), max_tokens None runs to the model's
+    max length."""
+    assert SamplingParams(top_k=0).top_k == -1
+    assert SamplingParams(max_tokens=None).max_tokens is None
