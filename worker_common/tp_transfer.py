@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 30.0  # a rank's publish or cancel; longer means the rank is lost
 RELEASED_WAIT_S = 5.0  # how long one ``released`` call waits on its rank for a lease to end
+RELEASED_RETRY_S = 1.0  # before a ``released`` call that failed (the rank not lost) is made again
 
 
 @dataclass(frozen=True)
@@ -184,17 +185,22 @@ class TPPublisher:
 
     def _took_released(self, rank: int, answer: Any) -> None:
         error = answer.exception()
+        if self._closed:
+            return
         if isinstance(error, RayActorError):
             # The rank is lost (the rank watch takes the worker down): none of its open leases
             # will end by a notice, so its parts fail now and the pages are freed.
             self._fail_parts_of(rank, f"the rank was lost: {type(error).__name__}: {error}")
             return
-        if error is not None:  # (not the rank's loss: its leases still end, ask again)
+        if error is not None:  # (not the rank's loss: its leases still end, ask again soon)
             log.warning("prefill rank %d did not say which leases ended: %s", rank, error)
-        else:
-            ended: LeaseEnded
-            for ended in answer.result():
-                self._ended(rank, ended.sub, ended.record)
+            retry = threading.Timer(RELEASED_RETRY_S, self._ask_released, (rank,))
+            retry.daemon = True
+            retry.start()
+            return
+        ended: LeaseEnded
+        for ended in answer.result():
+            self._ended(rank, ended.sub, ended.record)
         self._ask_released(rank)
 
     def _fail_parts_of(self, rank: int, error: str) -> None:
