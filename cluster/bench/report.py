@@ -63,12 +63,12 @@ def target_table(entry: dict[str, Any], tail: str, with_slo: bool) -> str:
         "failed",
         "req/s",
         "out tok/s",
-        "TTFT med",
-        f"TTFT p{tail}",
-        "TPOT med",
-        f"TPOT p{tail}",
-        f"ITL p{tail}",
-        f"E2E p{tail}",
+        "TTFT med ms",
+        f"TTFT p{tail} ms",
+        "TPOT med ms",
+        f"TPOT p{tail} ms",
+        f"ITL p{tail} ms",
+        f"E2E p{tail} ms",
     ]
     if with_slo:
         headers += ["SLO met", "good req/s"]
