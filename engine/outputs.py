@@ -15,7 +15,7 @@ class RequestOutput:
     ``text``/``token_ids`` are cumulative; ``delta_text``/``delta_token_ids`` are what is new since
     the previous output of this request (for streaming). While stop strings could still match, the
     last ``max_stop_len - 1`` characters are held back from ``delta_text`` so a stop string never
-    leaks to a stream; ``text`` always holds everything decoded so far (minus a matched stop string).
+    leaks to a stream (none with ``include_stop_str_in_output``); ``text`` always holds everything decoded so far (minus a matched stop string).
     """
 
     request_id: str
@@ -37,7 +37,10 @@ class RequestOutput:
         finished = request.is_finished
         text = request.output_text
         stream_end = len(text)
-        hold = request.sampling_params.max_stop_len - 1
+        params = request.sampling_params
+        # A kept stop string ends the text after itself, past all that was sent: nothing sent can
+        # be taken back, so nothing is held (as in vLLM).
+        hold = 0 if params.include_stop_str_in_output else params.max_stop_len - 1
         if not finished and hold > 0:
             stream_end = max(request.num_text_sent, stream_end - hold)
         delta_text = text[request.num_text_sent : stream_end]

@@ -98,6 +98,17 @@ def test_stop_string_kept_when_asked(word_tokenizer: Tokenizer) -> None:
     )
 
 
+def test_a_kept_stop_string_holds_no_text_back(word_tokenizer: Tokenizer) -> None:
+    """With include_stop_str_in_output, no streamed text can be taken back (the text ends after
+    the stop string, past all that was sent), so none is held back, as in vLLM: each token's text
+    streams at once."""
+    words = ["hello", "world", "hello", "stop", "here"]
+    _, stream = generate(word_tokenizer, words, stop=["stop here"], include_stop_str_in_output=True)
+    assert [o.delta_text for o in stream] == [f" {w}" for w in words]
+    _, held = generate(word_tokenizer, words, stop=["stop here"])
+    assert held[0].delta_text == ""  # (without it, the last 8 characters wait)
+
+
 def test_stop_string_spanning_tokens_and_earliest_match_wins(word_tokenizer: Tokenizer) -> None:
     req, _ = generate(
         word_tokenizer, ["hello", "world", "stop", "here"], stop=["stop here", "ld st"]
