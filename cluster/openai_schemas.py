@@ -5,9 +5,17 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    field_validator,
+    model_validator,
+)
 
 from engine.loaders.generation_defaults import GenerationDefaults
 from engine.sampling_params import SamplingParams
@@ -104,6 +112,35 @@ NOT_SUPPORTED_MESSAGE = {
 }
 
 
+def _shown(value: Any, limit: int = 100) -> str:
+    """``value`` as an error message quotes it: cut at ``limit`` characters (a refused field of
+    megabytes is not sent back whole)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
+def _prompt_kind(value: Any) -> str:
+    """Which form of prompt ``value`` is, by its first element: only that form is validated, so a
+    long list with one bad element is one error, not one per element and form."""
+    if isinstance(value, list) and value:
+        if isinstance(value[0], str):
+            return "list[str]"
+        if isinstance(value[0], list):
+            return "list[list[int]]"
+        return "list[int]"
+    return "list[int]" if isinstance(value, list) else "str"
+
+
+# (The tags are the names the union's errors had before: messages and params stay as they were.)
+Prompt = Annotated[
+    Annotated[str, Tag("str")]
+    | Annotated[list[int], Tag("list[int]")]
+    | Annotated[list[str], Tag("list[str]")]
+    | Annotated[list[list[int]], Tag("list[list[int]]")],
+    Discriminator(_prompt_kind),
+]
+
+
 def refused_fields(
     extra: dict[str, Any] | None, not_supported: dict[str, Callable[[Any], bool]], where: str = ""
 ) -> list[tuple[str, str]]:
@@ -115,7 +152,7 @@ def refused_fields(
         if check is None:
             refused.append((where + name, f"{where + name}: unknown field"))
         elif not check(value):
-            refused.append((where + name, f"{where + name}: not supported, got {value!r}"))
+            refused.append((where + name, f"{where + name}: not supported, got {_shown(value)}"))
     return refused
 
 
@@ -200,7 +237,7 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     DEFAULT_MAX_TOKENS: ClassVar[int | None] = 16  # OpenAI's (and vLLM's) for this endpoint
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Prompt
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt of this request; batches of prompts are refused (one request, one prompt)."""

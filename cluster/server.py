@@ -24,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cluster import openai_schemas as oa
@@ -75,13 +76,23 @@ def _err(message: str, code: int, param: str | None = None) -> JSONResponse:
     return JSONResponse(oa.error_body(message, kind, code, param), status_code=code)
 
 
+MAX_ERRORS_SHOWN = 5  # of a body's validation errors, in its error message
+
+
 def _validation_message(exc: ValidationError | RequestValidationError) -> tuple[str, str | None]:
+    """The message of a body's validation errors (the first few: a body of a million bad
+    elements is not answered with a million messages) and the field of the first."""
     errs = exc.errors()
     parts, param = [], None
-    for e in errs:
+    for e in errs[:MAX_ERRORS_SHOWN]:
         loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+        if e.get("type") == "json_invalid":  # (its location is a character offset, no field)
+            loc = ""
         param = param or loc or None
-        parts.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
+        msg = str(e.get("msg"))[:300]
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    if len(errs) > MAX_ERRORS_SHOWN:
+        parts.append(f"and {len(errs) - MAX_ERRORS_SHOWN} more")
     return "; ".join(parts), param
 
 
@@ -156,6 +167,26 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
     @app.exception_handler(BadRequest)
     async def _on_bad_request(_: Request, exc: BadRequest) -> JSONResponse:
         return _err(str(exc), exc.code, exc.param)
+
+    # Every error in OpenAI's shape, as vLLM answers them: an unknown route, a wrong method, a
+    # body the JSON parser gives up on, and a failure of our own.
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _err(str(exc.detail), exc.status_code)
+
+    @app.exception_handler(Exception)  # (Starlette raises it on after answering: it is logged)
+    async def _on_failure(_: Request, exc: Exception) -> JSONResponse:
+        return _err(f"internal error: {type(exc).__name__}: {exc}", 500)
+
+    aborting: set[asyncio.Task[None]] = set()
+
+    def _abort(request_id: str) -> None:
+        """Abort ``request_id`` in a task of its own: the caller is being cancelled (the client
+        left), and Starlette's cancel scope would cancel an abort awaited there at its first
+        await, before a backend that awaits first had acted."""
+        task = asyncio.ensure_future(backend.abort(request_id))
+        aborting.add(task)
+        task.add_done_callback(aborting.discard)
 
     def _check_body(body: oa.CompletionRequest | oa.ChatCompletionRequest) -> None:
         if body.model != backend.model_name:
@@ -235,7 +266,7 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             collect.cancel()
-            await backend.abort(req.request_id)
+            _abort(req.request_id)
             raise
         finally:
             gone.cancel()
@@ -288,7 +319,7 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
         finally:
             # A client that went away mid-stream must not keep pages on any worker.
             if not finished:
-                await backend.abort(rid)
+                _abort(rid)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -264,3 +264,35 @@ def test_stop_strings_without_a_tokenizer_are_refused(http, backend) -> None:
         assert http.post("/v1/completions", json=body | {"stop_token_ids": [5]}).status_code == 200
     finally:
         backend.has_tokenizer = True
+
+
+def test_a_long_prompt_with_one_bad_element_is_one_short_error(http) -> None:
+    """Each element of each prompt form was an error of its own: a 1 MB body was answered with
+    about 40 MB, validated for seconds on the loop that streams every other request."""
+    body = {"model": MODEL, "prompt": [1] * 100_000 + ["x"], "max_tokens": 1}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 400 and len(r.content) < 2000, len(r.content)
+    assert r.json()["error"]["param"] == "prompt.list[int].100000", r.text
+    r = http.post("/v1/completions", json=body | {"prompt": ["x"] * 50 + [1] * 50})
+    assert r.status_code == 400 and "and 45 more" in r.json()["error"]["message"], r.text
+
+
+def test_every_error_has_the_openai_shape(http, backend, monkeypatch) -> None:
+    """Unknown routes, wrong methods, bodies that are not JSON and our own failures answer
+    {"error": {...}} as vLLM does (FastAPI's {"detail": ...} and a bare text 500 did not)."""
+    for method, path, code in (("get", "/v1/nope", 404), ("get", "/v1/completions", 405)):
+        r = getattr(http, method)(path)
+        assert r.status_code == code and r.json()["error"]["code"] == code, r.text
+    r = http.post(
+        "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] is None, r.text
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "metadata": "y" * 10**5})
+    assert r.status_code == 400 and len(r.content) < 1000, len(r.content)  # not echoed whole
+
+    def broken(text: str) -> list[int]:
+        raise RuntimeError("the tokenizer broke")
+
+    monkeypatch.setattr(backend, "encode", broken)
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1})
+    assert r.status_code == 500 and "the tokenizer broke" in r.json()["error"]["message"]
