@@ -122,13 +122,12 @@ def _shown(value: Any, limit: int = 100) -> str:
 def _prompt_kind(value: Any) -> str:
     """Which form of prompt ``value`` is, by its first element: only that form is validated, so a
     long list with one bad element is one error, not one per element and form."""
-    if isinstance(value, list) and value:
-        if isinstance(value[0], str):
-            return "list[str]"
-        if isinstance(value[0], list):
-            return "list[list[int]]"
-        return "list[int]"
-    return "list[int]" if isinstance(value, list) else "str"
+    if not isinstance(value, list):
+        return "str"
+    first = value[0] if value else None
+    if isinstance(first, str):
+        return "list[str]"
+    return "list[list[int]]" if isinstance(first, list) else "list[int]"
 
 
 # (The tags are the names the union's errors had before: messages and params stay as they were.)

@@ -27,7 +27,6 @@ from engine.engine_core import LLMEngine
 from engine.engine_loop import EngineLoop
 from engine.output_stream import OutputStream
 from engine.outputs import RequestOutput
-from kvcache.prefix_match import host_tokens_taken
 from kvcache.spec import NULL_PAGE
 from transfer.messages import TransferTicket
 from transfer.stats import TransferResult, TransferStats
@@ -237,7 +236,7 @@ class DecodeWorker:
                 first_held = next((i for i, p in enumerate(pages) if p != NULL_PAGE), len(pages))
                 skips[g] = min(max(n_hit, first_held), n_prompt_pages)
                 dst[g] = pages[skips[g] : n_prompt_pages]
-            return n_hit, host_tokens_taken(prefix, kv.page_ids(rid)), skips, dst
+            return n_hit, prefix.host_tokens_taken(kv.page_ids(rid)), skips, dst
 
         deadline = time.monotonic() + self._gen_init_deadline_s
         while True:

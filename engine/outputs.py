@@ -15,7 +15,8 @@ class RequestOutput:
     ``text``/``token_ids`` are cumulative; ``delta_text``/``delta_token_ids`` are what is new since
     the previous output of this request (for streaming). While stop strings could still match, the
     last ``max_stop_len - 1`` characters are held back from ``delta_text`` so a stop string never
-    leaks to a stream (none with ``include_stop_str_in_output``); ``text`` always holds everything decoded so far (minus a matched stop string).
+    leaks to a stream (none with ``include_stop_str_in_output``); ``text`` always holds everything
+    decoded so far (minus a matched stop string).
     """
 
     request_id: str

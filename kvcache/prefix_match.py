@@ -45,22 +45,21 @@ class PrefixMatch:
     @property
     def num_host_tokens(self) -> int:
         """Tokens of the hit whose page some group loads back from the host tier."""
-        positions = {i for pages in self.host_pages.values() for i in pages}
+        return self.host_tokens_taken(None)
+
+    def host_tokens_taken(self, page_ids: dict[str, list[int]] | None) -> int:
+        """Tokens of the hit that a request's allocation loaded back from the host tier, given the
+        request's pages after it (``page_ids``; None: as the engine's admission takes them, all).
+        Fewer than ``num_host_tokens`` when the allocation starts past the hit (the decode
+        worker's, which counts the whole prompt computed): a window group's host pages before its
+        window stay where they are."""
+        positions = {
+            i
+            for g, pages in self.host_pages.items()
+            for i in pages
+            if page_ids is None or (i < len(page_ids.get(g, [])) and page_ids[g][i] != NULL_PAGE)
+        }
         return len(positions) * (self.num_tokens // self.num_pages if self.num_pages else 0)
-
-
-def host_tokens_taken(prefix: PrefixMatch, page_ids: dict[str, list[int]]) -> int:
-    """Tokens of ``prefix`` that a request's allocation loaded back from the host tier, given the
-    request's pages after it (``page_ids``). Fewer than ``prefix.num_host_tokens`` when the
-    allocation starts past the hit (the decode worker's, which counts the whole prompt computed):
-    a window group's host pages before its window stay where they are."""
-    positions = {
-        i
-        for g, pages in prefix.host_pages.items()
-        for i in pages
-        if i < len(page_ids.get(g, [])) and page_ids[g][i] != NULL_PAGE
-    }
-    return len(positions) * (prefix.num_tokens // prefix.num_pages if prefix.num_pages else 0)
 
 
 def find_cached_prefix(

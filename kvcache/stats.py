@@ -70,7 +70,7 @@ class ReuseCounters:
 
     A query is counted when a ``PrefixMatch`` is consumed by a request's first ``allocate_slots``;
     ``miss_tokens`` is the looked-up length minus the hit; ``host_hit_tokens`` the part of the hit
-    loaded back from the host tier (``prefix_match.host_tokens_taken``: of a decode worker's
+    loaded back from the host tier (``PrefixMatch.host_tokens_taken``: of a decode worker's
     allocation, which starts past the hit, fewer than ``PrefixMatch.num_host_tokens``).
     """
 

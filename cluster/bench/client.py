@@ -164,12 +164,11 @@ class StreamingClient:
                 if not isinstance(choice, dict):
                     record.error = f"bad SSE choice (not an object): {data[:200]!r}"
                     return
-                text, generated = _generated(choice, self.settings.endpoint)
-                if generated:
-                    ids = choice.get("token_ids")
+                text, tokens = _generated(choice, self.settings.endpoint)
+                if tokens:
                     record.chunk_times.append(arrival)
                     texts.append(text)
-                    tokens_seen += len(ids) if isinstance(ids, list) and ids else 1
+                    tokens_seen += tokens
         record.generated_text = "".join(texts)
         record.output_tokens = usage_tokens if usage_tokens is not None else tokens_seen
         if not done:
@@ -180,8 +179,9 @@ class StreamingClient:
             record.success = True
 
 
-def _generated(choice: dict[str, Any], endpoint: Endpoint) -> tuple[str, bool]:
-    """(its text, whether it carries generated tokens) of one streamed choice.
+def _generated(choice: dict[str, Any], endpoint: Endpoint) -> tuple[str, int]:
+    """(its text, the generated tokens it carries) of one streamed choice: its token ids', else
+    one for a chunk with text.
 
     A server that sends token ids (Duet, vLLM with return_token_ids) says which chunks carry
     tokens: those with ids, text or not (text held back for a stop string or an incomplete
@@ -190,7 +190,6 @@ def _generated(choice: dict[str, Any], endpoint: Endpoint) -> tuple[str, bool]:
     character) is still a token, and a reasoning model's thinking is streamed apart from the
     content. A chat chunk that only names the role carries none.
     """
-    ids = choice.get("token_ids")
     if endpoint == "completions":
         text = choice.get("text")
         has_text = isinstance(text, str)
@@ -198,11 +197,10 @@ def _generated(choice: dict[str, Any], endpoint: Endpoint) -> tuple[str, bool]:
         delta = choice.get("delta") or {}
         text = delta.get("content")
         thinking = delta.get("reasoning_content") or delta.get("reasoning")
-        has_text = bool(text) or bool(thinking) or (isinstance(text, str) and "role" not in delta)
+        has_text = bool(text or thinking) or (isinstance(text, str) and "role" not in delta)
     text = text if isinstance(text, str) else ""
-    if isinstance(ids, list):
-        return text, bool(ids)
-    return text, has_text
+    ids = choice.get("token_ids")
+    return text, len(ids) if isinstance(ids, list) else int(has_text)
 
 
 async def probe_models(base_url: str, timeout_s: float = 10.0) -> list[str]:

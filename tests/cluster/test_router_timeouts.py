@@ -50,6 +50,20 @@ def wait_cancelled(worker: object, request_id: str) -> None:
         time.sleep(0.05)
 
 
+def closing(router: Router) -> list[RequestClosed]:
+    """The requests ``router`` closes with the collector, as they are closed."""
+    closed: list[RequestClosed] = []
+    router.close_request = closed.append
+    return closed
+
+
+def one_to_one(prefill: object, decode: object = None, call_timeout_s: float = 60) -> Router:
+    """A router over one prefill and one decode worker."""
+    return Router(
+        [WorkerSlot("p-0", prefill)], [WorkerSlot("d-0", decode)], call_timeout_s=call_timeout_s
+    )
+
+
 @ray.remote(num_cpus=0)
 class StuckPrefill(_KeepsCancels):
     """A prefill worker whose prefill never answers within the router's timeout."""
@@ -92,9 +106,8 @@ def test_a_client_gone_during_its_prefill_is_closed_with_the_collector(local_ray
     the prefill worker's abort report completes its record (that report alone is not the last:
     a failed prefill may be retried)."""
     worker = StuckPrefill.remote()
-    router = Router([WorkerSlot("p-0", worker)], [WorkerSlot("d-0", None)], call_timeout_s=60)
-    closed: list[RequestClosed] = []
-    router.close_request = closed.append
+    router = one_to_one(worker)
+    closed = closing(router)
 
     async def leave_early() -> None:
         req = GenerateRequest("gone-1", [1, 2, 3], SamplingParams(), time.time())
@@ -122,9 +135,8 @@ def test_a_client_gone_at_its_first_token_frees_the_lease_and_is_closed(local_ra
     request: P's lease ends at once (it pinned the pages until it expired) and the record of
     the request ends with P's report."""
     worker = HandingPrefill.remote()
-    router = Router([WorkerSlot("p-0", worker)], [WorkerSlot("d-0", None)], call_timeout_s=60)
-    closed: list[RequestClosed] = []
-    router.close_request = closed.append
+    router = one_to_one(worker)
+    closed = closing(router)
 
     async def leave_at_the_first_token() -> None:
         req = GenerateRequest("first-1", [1, 2, 3], SamplingParams(), time.time())
@@ -159,9 +171,8 @@ def test_a_request_whose_decode_workers_died_is_closed_with_the_prefill_report(
     ray.get(worker.cancelled_ids.remote(), timeout=60)  # started: it answers within the deadline
     dead = _Dead.remote()
     ray.kill(dead, no_restart=True)
-    router = Router([WorkerSlot("p-0", worker)], [WorkerSlot("d-0", dead)], call_timeout_s=2)
-    closed: list[RequestClosed] = []
-    router.close_request = closed.append
+    router = one_to_one(worker, dead, call_timeout_s=2)
+    closed = closing(router)
     req = GenerateRequest("orphan-1", [1, 2, 3], SamplingParams(), time.time())
     deltas = asyncio.run(collect(router, req))
     assert deltas[0].token_ids == [5] and deltas[-1].error.startswith("decode worker d-0 failed")
@@ -229,8 +240,7 @@ def test_router_local_prefill_fallback(decode_worker: WorkerSlot, fallback: bool
     broken = WorkerSlot("p-0", handle=FailingPrefill.remote())
     config = config_of(router={"local_prefill_fallback": fallback, "prefill_retries": 0})
     router = router_of(config, [broken], decode_worker)
-    closed: list[RequestClosed] = []
-    router.close_request = closed.append
+    closed = closing(router)
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     req = GenerateRequest(f"fb-{fallback}", [1, 2, 3], params, time.time())
     deltas = asyncio.run(collect(router, req))

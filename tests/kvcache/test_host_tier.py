@@ -10,7 +10,6 @@ import torch
 from kvcache.block_hash import hash_full_pages
 from kvcache.kv_events import KVEvent
 from kvcache.manager import KVCacheManager
-from kvcache.prefix_match import host_tokens_taken
 from kvcache.stats import HostTierStats
 from tests.kvcache.conftest import MakeManager, group_spec
 
@@ -227,12 +226,12 @@ def test_host_tokens_taken_are_those_loaded_back(make_manager: MakeManager) -> N
     match = m.match_prefix(prompt)
     assert match.num_tokens == 12 and match.num_host_tokens == 2
     assert m.allocate_slots("d", len(prompt) + 1, match, num_computed_tokens=len(prompt))
-    assert host_tokens_taken(match, m.page_ids("d")) == 0  # (its window starts past the hit)
+    assert match.host_tokens_taken(m.page_ids("d")) == 0  # (its window starts past the hit)
     assert host(m, "swa_2").loaded_back == 0
     m.free("d")
     # The engine's own admission computes from the hit: the host page is loaded back.
     match = m.match_prefix(prompt)
     assert m.allocate_slots("e", len(prompt), match)
-    assert host_tokens_taken(match, m.page_ids("e")) == match.num_host_tokens == 2
+    assert match.host_tokens_taken(m.page_ids("e")) == match.num_host_tokens == 2
     assert host(m, "swa_2").loaded_back == 1
     m.free("e")
