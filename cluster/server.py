@@ -21,17 +21,19 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cluster import openai_schemas as oa
+from cluster.http_errors import (
+    BadRequest,
+    check_token_ids,
+    error_response,
+    install_error_handlers,
+)
 from engine.loaders.generation_defaults import GenerationDefaults
 from engine.sampling_params import SamplingParams
 from worker_common.messages import GenerateRequest, TokenDelta
-from worker_common.prompt_tokens import INT32_MAX
 
 log = logging.getLogger(__name__)
 
@@ -60,42 +62,6 @@ class ServingBackend(Protocol):
     async def transfer_stats(self) -> list[dict[str, Any]]: ...
 
 
-class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None, code: int = 400) -> None:
-        super().__init__(message)
-        self.param = param
-        self.code = code
-
-
-def _err(message: str, code: int, param: str | None = None) -> JSONResponse:
-    kind = "invalid_request_error" if code < 500 else "internal_error"
-    if code == 401:
-        kind = "authentication_error"
-    if code == 404:
-        kind = "not_found_error"
-    return JSONResponse(oa.error_body(message, kind, code, param), status_code=code)
-
-
-MAX_ERRORS_SHOWN = 5  # of a body's validation errors, in its error message
-
-
-def _validation_message(exc: ValidationError | RequestValidationError) -> tuple[str, str | None]:
-    """The message of a body's validation errors (the first few: a body of a million bad
-    elements is not answered with a million messages) and the field of the first."""
-    errs = exc.errors()
-    parts, param = [], None
-    for e in errs[:MAX_ERRORS_SHOWN]:
-        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
-        if e.get("type") == "json_invalid":  # (its location is a character offset, no field)
-            loc = ""
-        param = param or loc or None
-        msg = str(e.get("msg"))[:300]
-        parts.append(f"{loc}: {msg}" if loc else msg)
-    if len(errs) > MAX_ERRORS_SHOWN:
-        parts.append(f"and {len(errs) - MAX_ERRORS_SHOWN} more")
-    return "; ".join(parts), param
-
-
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
@@ -104,18 +70,6 @@ async def _until_disconnect(request: Request) -> None:
     """Return when the client has gone away (the body was already read)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-def check_token_ids(ids: list[int], vocab_size: int, field: str) -> None:
-    """BadRequest naming ``field`` unless every id is in [0, vocab_size) (so also in int32)."""
-    if not ids:
-        return
-    low, high = min(ids), max(ids)
-    if low < 0 or high >= min(vocab_size, INT32_MAX + 1):
-        bad = low if low < 0 else high
-        raise BadRequest(
-            f"{field}: token id {bad} is outside the vocabulary [0, {vocab_size})", field
-        )
 
 
 # Open without the API key: liveness and Prometheus scrapes (as vLLM leaves them). Everything
@@ -139,7 +93,7 @@ class _ApiKeyMiddleware:
         if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):  # constant time
-                await _err("invalid or missing API key", 401)(scope, receive, send)
+                await error_response("invalid or missing API key", 401)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -159,24 +113,7 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
     if expected_auth is not None:
         app.add_middleware(_ApiKeyMiddleware, expected=expected_auth)
 
-    @app.exception_handler(RequestValidationError)
-    async def _on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        msg, param = _validation_message(exc)
-        return _err(msg, 400, param)
-
-    @app.exception_handler(BadRequest)
-    async def _on_bad_request(_: Request, exc: BadRequest) -> JSONResponse:
-        return _err(str(exc), exc.code, exc.param)
-
-    # Every error in OpenAI's shape, as vLLM answers them: an unknown route, a wrong method, a
-    # body the JSON parser gives up on, and a failure of our own.
-    @app.exception_handler(StarletteHTTPException)
-    async def _on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _err(str(exc.detail), exc.status_code)
-
-    @app.exception_handler(Exception)  # (Starlette raises it on after answering: it is logged)
-    async def _on_failure(_: Request, exc: Exception) -> JSONResponse:
-        return _err(f"internal error: {type(exc).__name__}: {exc}", 500)
+    install_error_handlers(app)
 
     aborting: set[asyncio.Task[None]] = set()
 
@@ -280,7 +217,7 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
             text, finish, out_ids = collect.result()
         except Exception as e:  # our own fault: the request was validated above
             log.warning("request %s failed: %s", req.request_id, e)
-            return _err(str(e) or type(e).__name__, 500)
+            return error_response(str(e) or type(e).__name__, 500)
         return JSONResponse(build(text, finish, out_ids))
 
     async def _stream(
