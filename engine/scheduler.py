@@ -213,7 +213,11 @@ class Scheduler:
                 continue
             n = min(req.num_tokens - prefix.num_tokens, cfg.prefill_chunk_size, budget)
             if not self.kv.allocate_slots(
-                req.request_id, prefix.num_tokens + n, prefix, num_computed_tokens=prefix.num_tokens
+                req.request_id,
+                prefix.num_tokens + n,
+                prefix,
+                num_computed_tokens=prefix.num_tokens,
+                count_reuse=req.metrics.num_preemptions == 0,
             ):
                 break
             self.waiting.popleft()

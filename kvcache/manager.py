@@ -164,6 +164,7 @@ class KVCacheManager:
         num_total_tokens: int,
         prefix: PrefixMatch | None = None,
         num_computed_tokens: int | None = None,
+        count_reuse: bool = True,
     ) -> bool:
         """Make ``request_id`` hold pages for ``num_total_tokens`` tokens (its whole context so far).
 
@@ -174,8 +175,9 @@ class KVCacheManager:
 
         On a request's first call (it holds nothing yet; also the first call after ``free``), the
         ``prefix`` pages are taken first (ref +1 each; an evictable page leaves the free queue) and
-        counted in the reuse stats; pass the match even when empty so the query is counted. On later
-        calls ``prefix`` is ignored. Holding more pages than needed already is fine (never shrinks).
+        counted in the reuse stats (unless ``count_reuse`` is False: a preempted request's new
+        query, which vLLM counts apart and Duet not at all, so a request is one query); pass the
+        match even when empty so the query is counted. On later calls ``prefix`` is ignored. Holding more pages than needed already is fine (never shrinks).
 
         All or nothing: returns False, changing nothing (no eviction, no release, no stats), when
         some group lacks free + evictable pages (counting those this call releases) for its new
@@ -221,7 +223,7 @@ class KVCacheManager:
             state = RequestPages.empty(list(self._pools))
             self._requests[request_id] = state
             if taken is not None:
-                self._take_prefix(state, taken, plans)
+                self._take_prefix(state, taken, plans, count_reuse)
         # Every group gives back its released pages before any takes new ones: the pages held in
         # all groups at once (their peak on /metrics) never count a page this step released.
         for g, pool in self._pools.items():
@@ -277,7 +279,11 @@ class KVCacheManager:
         return plan if plan.num_fresh <= room else None
 
     def _take_prefix(
-        self, state: RequestPages, prefix: PrefixMatch, plans: dict[str, _GroupPlan]
+        self,
+        state: RequestPages,
+        prefix: PrefixMatch,
+        plans: dict[str, _GroupPlan],
+        count_reuse: bool,
     ) -> None:
         """Take the prefix's pages: touch its device pages, then (host tier) load back its host
         pages into new device pages."""
@@ -294,7 +300,8 @@ class KVCacheManager:
             loads[g] = sorted(i for i in prefix.host_pages.get(g, {}) if i >= start)
         loaded = self._host.take_loads(prefix, loads, state) if self._host is not None else 0
         state.block_hashes = list(prefix.block_hashes)
-        self._reuse.record(prefix.num_tokens, prefix.num_query_tokens, loaded * self.page_size)
+        if count_reuse:
+            self._reuse.record(prefix.num_tokens, prefix.num_query_tokens, loaded * self.page_size)
 
     def _release(self, state: RequestPages, g: str, pool: PagePool, plan: _GroupPlan) -> None:
         pages = state.pages[g]

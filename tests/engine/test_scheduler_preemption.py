@@ -99,3 +99,24 @@ def test_request_outgrowing_the_pool_finishes_with_an_error_keeping_its_tokens()
     assert req.status is RequestStatus.FINISHED_ERROR and req.output_token_ids == [7, 7]
     assert "needs 3 pages for 9 tokens" in (req.error or "")
     assert_no_leak(kv)
+
+
+def test_a_preempted_request_is_one_prefix_reuse_query() -> None:
+    """Its admission after the preemption looks its prefix up again (its own pages may still be
+    cached), but the reuse counters count each request once, as vLLM's hit rate leaves out
+    preempted requests' queries: the hit rate is not inflated by a request finding itself."""
+    kv = tiny_kv(num_pages=5, page_size=4)  # prefix reuse on
+    sched = tiny_scheduler(kv)
+    a = make_request("a", 4, max_tokens=8)
+    b = make_request("b", 4, max_tokens=8)
+    sched.add_request(a)
+    sched.add_request(b)
+    while not b.metrics.num_preemptions:
+        run_step(sched, counting_token)
+    while sched.has_unfinished():
+        run_step(sched, counting_token)
+    assert b.output_token_ids == list(range(50, 58))
+    stats = kv.stats()
+    assert stats.reuse_queries == 2
+    assert stats.reuse_hit_tokens + stats.reuse_miss_tokens == 8  # the two 4-token prompts
+    assert_no_leak(kv)
