@@ -23,8 +23,9 @@ from cluster.collector_actor import start_collector_actor
 from cluster.config import ClusterConfig
 from cluster.kv_index import KVIndex
 from cluster.preflight import preflight
-from cluster.router import Router, WorkerSlot
+from cluster.router import Router
 from cluster.transfer_setup import cluster_secret
+from cluster.worker_choice import WorkerSlot
 from cluster.worker_specs import worker_spec
 from decode_worker.actor import DecodeWorkerActor
 from prefill_worker.actor import PrefillWorkerActor

@@ -18,8 +18,9 @@ from typing import Any
 
 from cluster.kv_event_feed import ActorSource, KVEventFeed
 from cluster.prom_metrics import ServingMetrics
-from cluster.router import Router, WorkerSlot
+from cluster.router import Router
 from cluster.stats_poller import StatsPoller
+from cluster.worker_choice import WorkerSlot
 from engine.loaders.generation_defaults import GenerationDefaults
 from engine.stats import StatsBuffer
 from engine.tokenizer import Tokenizer

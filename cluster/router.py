@@ -1,14 +1,9 @@
 """The router: the P/D state machine behind the HTTP server (it implements server.ServingBackend).
 
-For each request: pick a prefill worker (queue length; for ``prefix_aware`` the worker that saw the
-same first page; for ``kv_aware`` the least cost from what each worker has cached, below), get the
-first token and a transfer ticket, stream the first token, pick a decode worker (running requests,
-then its cached prefix and free pages) and stream the rest from it.
-
-``kv_aware`` (Dynamo's KV router): the router keeps each worker's cached blocks from its KV events
-(cluster/kv_index.py, cluster/kv_event_feed.py) and sends a request to the prefill worker with the
-least cost = prompt tokens it would compute + HOST_HIT_WEIGHT x tokens it would load back from its
-host tier + prefill tokens it already has in flight from this router.
+For each request: pick a prefill worker, get the first token and a transfer ticket, stream the
+first token, pick a decode worker and stream the rest from it. Which workers, by
+``router.policy`` (load_balance, round_robin, prefix_aware, kv_aware: Dynamo's KV router, by
+what each worker has cached), is cluster/worker_choice.py's.
 
 Conditional disaggregation (``local_prefill_max_tokens`` > 0, llm-d's threshold): when the decode
 worker picked for a request already holds all but at most that many of its prompt tokens, it
@@ -31,11 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -43,33 +36,14 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from cluster.kv_index import KVIndex
 from cluster.messages import RequestClosed
-from kvcache.block_hash import hash_full_pages
-from worker_common.messages import GenerateRequest, PrefillResult, TokenDelta, WorkerStats
+from cluster.worker_choice import WorkerChoice, WorkerSlot
+from worker_common.messages import GenerateRequest, PrefillResult, TokenDelta
 
 log = logging.getLogger(__name__)
 
-# Cost of a prompt token a worker would load back from its host tier, in tokens it would compute:
-# a load-back is a copy (host to device), far cheaper than computing the token, yet it takes copy
-# time and device pages. 0.5 is a middle, not a measured figure.
-HOST_HIT_WEIGHT = 0.5
 # Before a decode worker that was unavailable is tried again (or another one): a restarting
 # actor is not back at once. Without this much time left, the request fails instead.
 DECODE_RETRY_PAUSE_S = 0.5
-
-
-@dataclass
-class WorkerSlot:
-    """The router's view of one worker actor."""
-
-    worker_id: str
-    handle: Any  # ray ActorHandle
-    outstanding: int = 0
-    free_pages: int = 0
-    healthy: bool = True
-    failures: int = 0
-    last_stats: WorkerStats | None = None  # the last stats poll's answer
-    queued_prefill_tokens: int = 0  # prompt tokens sent here to compute, not answered yet
-    num_prefills: int = 0  # prefills sent here (kv_aware spreads equal costs by it)
 
 
 def _error_delta(req: GenerateRequest, error: str) -> TokenDelta:
@@ -96,98 +70,18 @@ class Router:
         # Told of a request the router ends without a decode worker after prefill attempts (the
         # collector's join: no decode report will come; ``RequestClosed``).
         self.close_request: Callable[[RequestClosed], None] | None = None
-        if kv_index is None and (policy == "kv_aware" or local_prefill_max_tokens):
-            raise ValueError("kv_aware routing and local_prefill_max_tokens need a KVIndex")
+        self.choice = WorkerChoice(
+            prefill, decode, policy, page_size, kv_index, local_prefill_max_tokens
+        )
         self.prefill = prefill
         self.decode = decode
-        self.policy = policy
+        self.kv_index = kv_index
         self.prefill_retries = prefill_retries
         self.local_prefill_fallback = local_prefill_fallback
-        self._turn = 0  # round_robin position
-        self.page_size = page_size
         self.call_timeout_s = call_timeout_s
         self.num_prefill_retries = 0
         self.num_local_fallbacks = 0
-        self.kv_index = kv_index
-        self.local_prefill_max_tokens = local_prefill_max_tokens
         self.num_local_prefills = 0  # requests prefilled on their decode worker by the threshold
-
-    # ---- what workers have cached ----
-    def _block_hashes(self, req: GenerateRequest) -> list[int] | None:
-        """The prompt's block hashes, as far as a worker's prefix hit can reach (one token is
-        always computed), when the router indexes the workers' caches."""
-        if self.kv_index is None:
-            return None
-        tokens = req.prompt_token_ids.tolist()
-        return hash_full_pages(tokens[: len(tokens) - 1], self.page_size)
-
-    def _cached_tokens(self, w: WorkerSlot, hashes: list[int] | None) -> tuple[int, int]:
-        """(device, host) prompt tokens ``w`` holds, by its KV events."""
-        if self.kv_index is None or hashes is None:
-            return 0, 0
-        c = self.kv_index.cached_prefix(w.worker_id, hashes)
-        return c.device_pages * self.page_size, c.host_pages * self.page_size
-
-    def _prefill_cost(self, w: WorkerSlot, n_prompt: int, hashes: list[int] | None) -> float:
-        device, host = self._cached_tokens(w, hashes)
-        to_compute = n_prompt - device - host
-        return to_compute + HOST_HIT_WEIGHT * host + w.queued_prefill_tokens
-
-    # ---- choosing workers ----
-    def _pick_prefill(
-        self, req: GenerateRequest, exclude: set[str], hashes: list[int] | None = None
-    ) -> WorkerSlot | None:
-        live = [w for w in self.prefill if w.healthy and w.worker_id not in exclude]
-        return self._pick(live, req, hashes) if live else None
-
-    def _pick(
-        self, live: list[WorkerSlot], req: GenerateRequest, hashes: list[int] | None
-    ) -> WorkerSlot:
-        """Of ``live`` (not empty), the worker ``router.policy`` names to prefill ``req``."""
-        if self.policy == "round_robin":
-            self._turn += 1
-            return live[self._turn % len(live)]
-        if self.policy == "kv_aware":
-            n = len(req.prompt_token_ids)
-            return min(
-                live,
-                key=lambda w: (self._prefill_cost(w, n, hashes), w.outstanding, w.num_prefills),
-            )
-        least = min(w.outstanding for w in live)
-        if self.policy == "prefix_aware" and len(req.prompt_token_ids) >= self.page_size:
-            # Requests sharing their first page go to the same worker (its prefix cache has it),
-            # unless that worker is clearly busier than the least loaded one.
-            key = hashlib.blake2b(
-                req.prompt_token_ids.packed[: 4 * self.page_size], digest_size=8
-            ).digest()
-            preferred = live[int.from_bytes(key, "little") % len(live)]
-            if preferred.outstanding <= least + 2:
-                return preferred
-        return min(live, key=lambda w: w.outstanding)
-
-    def _live_decode(self) -> list[WorkerSlot]:
-        """The healthy decode workers, or all of them when none is (one may be back by now)."""
-        return [w for w in self.decode if w.healthy] or self.decode
-
-    def _pick_aggregated(self, req: GenerateRequest, hashes: list[int] | None) -> WorkerSlot:
-        """Aggregated mode: the decode worker that prefills ``req`` too, as the policy says."""
-        return self._pick(self._live_decode(), req, hashes)
-
-    def _pick_decode(self, hashes: list[int] | None = None) -> WorkerSlot:
-        return min(
-            self._live_decode(),
-            key=lambda w: (w.outstanding, -sum(self._cached_tokens(w, hashes)), -w.free_pages),
-        )
-
-    def _local_prefill_worker(
-        self, req: GenerateRequest, hashes: list[int] | None
-    ) -> WorkerSlot | None:
-        """The decode worker to prefill ``req`` itself (conditional disaggregation), or None."""
-        if not self.local_prefill_max_tokens or not self.prefill:
-            return None
-        d = self._pick_decode(hashes)
-        to_compute = len(req.prompt_token_ids) - sum(self._cached_tokens(d, hashes))
-        return d if to_compute <= self.local_prefill_max_tokens else None
 
     # ---- the request ----
     def _left_s(self, req: GenerateRequest) -> float:
@@ -195,17 +89,17 @@ class Router:
         return req.arrival_time + self.call_timeout_s - time.time()
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta]:
-        hashes = self._block_hashes(req)
-        local = self._local_prefill_worker(req, hashes)
+        hashes = self.choice.block_hashes(req)
+        local = self.choice.local_prefill_worker(req, hashes)
         if local is not None:
             self.num_local_prefills += 1
             async for delta in self._stream_decode(req, None, None, prefer=local):
                 yield delta
             return
         if not self.prefill:  # aggregated
-            prefer = self._pick_aggregated(req, hashes)
+            prefer = self.choice.pick_aggregated(req, hashes)
             # Its prompt is queued there until its first token (kv_aware weighs it, as for P).
-            queued = len(req.prompt_token_ids) - sum(self._cached_tokens(prefer, hashes))
+            queued = self.choice.tokens_to_compute(prefer, req, hashes)
             prefer.queued_prefill_tokens += queued
             try:
                 async for delta in self._stream_decode(req, None, None, prefer=prefer):
@@ -272,7 +166,7 @@ class Router:
         tried: set[str] = set()
         reported = -1
         for attempt in range(1 + self.prefill_retries):
-            w = self._pick_prefill(req, tried, hashes)
+            w = self.choice.pick_prefill(req, tried, hashes)
             if w is None or self._left_s(req) <= 0:
                 # (out of time: no worker is to blame, none is marked)
                 return None, None, attempt, reported
@@ -281,7 +175,7 @@ class Router:
             tried.add(w.worker_id)
             w.outstanding += 1
             w.num_prefills += 1
-            queued = len(req.prompt_token_ids) - sum(self._cached_tokens(w, hashes))
+            queued = self.choice.tokens_to_compute(w, req, hashes)
             w.queued_prefill_tokens += queued
             try:
                 left = max(self._left_s(req), 0.0)
@@ -332,7 +226,9 @@ class Router:
         gen: Any = None
         try:
             while not finished:
-                d, prefer = (prefer, None) if prefer is not None else (self._pick_decode(), None)
+                d, prefer = (
+                    (prefer, None) if prefer is not None else (self.choice.pick_decode(), None)
+                )
                 d.outstanding += 1
                 try:
                     if pre is None:

@@ -22,7 +22,7 @@ from typing import Any
 from ray.exceptions import RayActorError, RayTaskError
 
 from cluster.background_tasks import BackgroundTasks
-from cluster.router import WorkerSlot
+from cluster.worker_choice import WorkerSlot
 from engine.stats import StatsBuffer
 from worker_common.messages import StatsBatch
 

@@ -15,7 +15,8 @@ import ray
 from cluster.builder import ClusterHandles
 from cluster.config import ClusterConfig, config_from_dict
 from cluster.messages import RequestClosed
-from cluster.router import Router, WorkerSlot
+from cluster.router import Router
+from cluster.worker_choice import WorkerSlot
 from cluster.worker_specs import worker_spec
 from decode_worker.actor import DecodeWorkerActor
 from engine.sampling_params import SamplingParams

@@ -9,7 +9,7 @@ import pytest
 
 from cluster.builder import ClusterHandles, _actor_options
 from cluster.config import config_from_dict
-from cluster.router import WorkerSlot
+from cluster.worker_choice import WorkerSlot
 from cluster.worker_specs import worker_spec
 from engine.engine_core import LLMEngine
 from worker_common.messages import Role, WorkerDeadlines
@@ -203,8 +203,12 @@ def test_the_router_gets_the_router_and_server_settings() -> None:
     )
     handles = ClusterHandles(config, None, [WorkerSlot("p", None)], [WorkerSlot("d", None)])
     r = handles.router()
-    assert (r.policy, r.prefill_retries, r.local_prefill_fallback) == ("round_robin", 3, False)
-    assert (r.call_timeout_s, r.page_size) == (42.0, 32)
+    assert (r.choice.policy, r.prefill_retries, r.local_prefill_fallback) == (
+        "round_robin",
+        3,
+        False,
+    )
+    assert (r.call_timeout_s, r.choice.page_size) == (42.0, 32)
 
 
 def test_kvcache_num_pages_reaches_the_engine_instead_of_a_budget() -> None:

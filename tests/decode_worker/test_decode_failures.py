@@ -31,7 +31,7 @@ def test_a_failed_transfer_frees_the_pages_and_counts_once() -> None:
 
     from cluster.frontend import ClusterFrontend
     from cluster.prom_metrics import ServingMetrics
-    from cluster.router import WorkerSlot
+    from cluster.worker_choice import WorkerSlot
     from prefill_worker.worker import PrefillWorker
     from transfer import KVSender
 

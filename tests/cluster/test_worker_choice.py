@@ -7,7 +7,8 @@ import time
 import pytest
 
 from cluster.kv_index import KVIndex
-from cluster.router import Router, WorkerSlot
+from cluster.router import Router
+from cluster.worker_choice import WorkerSlot
 from engine.sampling_params import SamplingParams
 from kvcache.kv_events import KVEvent
 from worker_common.messages import GenerateRequest
@@ -26,14 +27,18 @@ def test_load_balance_picks_the_least_outstanding_healthy_prefill() -> None:
     p[0].outstanding, p[1].outstanding, p[2].outstanding = 2, 1, 0
     p[2].healthy = False
     router = Router(p, slots("d", 1))
-    assert router._pick_prefill(req([1, 2]), set()).worker_id == "p-1"
-    assert router._pick_prefill(req([1, 2]), {"p-1"}).worker_id == "p-0"  # retry goes elsewhere
-    assert router._pick_prefill(req([1, 2]), {"p-0", "p-1"}) is None  # nobody left: local fallback
+    assert router.choice.pick_prefill(req([1, 2]), set()).worker_id == "p-1"
+    assert (
+        router.choice.pick_prefill(req([1, 2]), {"p-1"}).worker_id == "p-0"
+    )  # retry goes elsewhere
+    assert (
+        router.choice.pick_prefill(req([1, 2]), {"p-0", "p-1"}) is None
+    )  # nobody left: local fallback
 
 
 def test_round_robin_takes_turns() -> None:
     router = Router(slots("p", 2), slots("d", 1), policy="round_robin")
-    picks = [router._pick_prefill(req([1]), set()).worker_id for _ in range(4)]
+    picks = [router.choice.pick_prefill(req([1]), set()).worker_id for _ in range(4)]
     assert picks == ["p-1", "p-0", "p-1", "p-0"]
 
 
@@ -41,22 +46,22 @@ def test_prefix_aware_sends_a_shared_first_page_to_one_worker_unless_it_is_busy(
     p = slots("p", 4)
     router = Router(p, slots("d", 1), policy="prefix_aware", page_size=4)
     shared = [7, 7, 7, 7]
-    first = router._pick_prefill(req(shared + [1, 2]), set())
-    assert all(router._pick_prefill(req(shared + [k]), set()) is first for k in range(10))
+    first = router.choice.pick_prefill(req(shared + [1, 2]), set())
+    assert all(router.choice.pick_prefill(req(shared + [k]), set()) is first for k in range(10))
     first.outstanding = 3  # clearly busier than the idle ones: load wins
-    assert router._pick_prefill(req(shared + [1]), set()) is not first
+    assert router.choice.pick_prefill(req(shared + [1]), set()) is not first
 
 
 def test_in_aggregated_mode_the_policy_picks_the_decode_worker() -> None:
     """router.policy picks the worker that prefills: a decode worker when there is no prefill
     worker (it was load balance whatever the policy said)."""
     router = Router([], slots("d", 3), policy="round_robin")
-    picks = [router._pick_aggregated(req([1]), None).worker_id for _ in range(3)]
+    picks = [router.choice.pick_aggregated(req([1]), None).worker_id for _ in range(3)]
     assert sorted(picks) == ["d-0", "d-1", "d-2"]
     d = slots("d", 4)
     router = Router([], d, policy="prefix_aware", page_size=4)
-    first = router._pick_aggregated(req([7, 7, 7, 7, 1]), None)
-    assert all(router._pick_aggregated(req([7, 7, 7, 7, k]), None) is first for k in range(9))
+    first = router.choice.pick_aggregated(req([7, 7, 7, 7, 1]), None)
+    assert all(router.choice.pick_aggregated(req([7, 7, 7, 7, k]), None) is first for k in range(9))
 
 
 def test_decode_choice_prefers_fewer_requests_then_more_free_pages() -> None:
@@ -64,9 +69,9 @@ def test_decode_choice_prefers_fewer_requests_then_more_free_pages() -> None:
     d[0].outstanding, d[1].outstanding, d[2].outstanding = 1, 0, 0
     d[1].free_pages, d[2].free_pages = 10, 50
     router = Router([], d)
-    assert router._pick_decode().worker_id == "d-2"
+    assert router.choice.pick_decode().worker_id == "d-2"
     d[2].healthy = False
-    assert router._pick_decode().worker_id == "d-1"
+    assert router.choice.pick_decode().worker_id == "d-1"
 
 
 def indexed_router(policy: str = "kv_aware", threshold: int = 0, n_decode: int = 1) -> Router:
@@ -86,7 +91,7 @@ PROMPT = list(range(1, 22))  # 21 tokens: 5 full pages a hit can reach (one toke
 
 
 def hashes_of(router: Router, tokens: list[int], pages: int) -> list[int]:
-    full = router._block_hashes(req(tokens))
+    full = router.choice.block_hashes(req(tokens))
     assert full is not None
     return full[:pages]
 
@@ -95,41 +100,43 @@ def test_kv_aware_sends_a_request_where_its_prefix_is_cached() -> None:
     router = indexed_router()
     index = router.kv_index
     assert index is not None
-    assert router._pick_prefill(req(PROMPT), set(), router._block_hashes(req(PROMPT))).worker_id
+    assert router.choice.pick_prefill(
+        req(PROMPT), set(), router.choice.block_hashes(req(PROMPT))
+    ).worker_id
     index.apply("p-1", [KVEvent("stored", "device", "full", hashes_of(router, PROMPT, 3))])
-    hashes = router._block_hashes(req(PROMPT))
-    assert router._pick_prefill(req(PROMPT), set(), hashes).worker_id == "p-1"
+    hashes = router.choice.block_hashes(req(PROMPT))
+    assert router.choice.pick_prefill(req(PROMPT), set(), hashes).worker_id == "p-1"
     # p-0 holds more, but on its host tier: 5 pages at half weight (10) vs p-1's 12 tokens to go
     index.apply("p-0", [KVEvent("stored", "host", "full", hashes_of(router, PROMPT, 5))])
-    assert router._prefill_cost(router.prefill[0], 21, hashes) == 1 + 0.5 * 20
-    assert router._prefill_cost(router.prefill[1], 21, hashes) == 21 - 12
-    assert router._pick_prefill(req(PROMPT), set(), hashes).worker_id == "p-1"
+    assert router.choice.prefill_cost(router.prefill[0], 21, hashes) == 1 + 0.5 * 20
+    assert router.choice.prefill_cost(router.prefill[1], 21, hashes) == 21 - 12
+    assert router.choice.pick_prefill(req(PROMPT), set(), hashes).worker_id == "p-1"
     # ... unless p-1 already has prefill work queued from this router
     router.prefill[1].queued_prefill_tokens = 5
-    assert router._pick_prefill(req(PROMPT), set(), hashes).worker_id == "p-0"
-    assert router._pick_prefill(req(PROMPT), {"p-0"}, hashes).worker_id == "p-1"  # a retry
+    assert router.choice.pick_prefill(req(PROMPT), set(), hashes).worker_id == "p-0"
+    assert router.choice.pick_prefill(req(PROMPT), {"p-0"}, hashes).worker_id == "p-1"  # a retry
 
 
 def test_kv_aware_without_any_cache_is_load_balance() -> None:
     router = indexed_router()
     router.prefill[0].outstanding = 2
-    hashes = router._block_hashes(req(PROMPT))
-    assert router._pick_prefill(req(PROMPT), set(), hashes).worker_id == "p-1"
+    hashes = router.choice.block_hashes(req(PROMPT))
+    assert router.choice.pick_prefill(req(PROMPT), set(), hashes).worker_id == "p-1"
 
 
 def test_conditional_disaggregation_by_the_decode_workers_cache() -> None:
     router = indexed_router(policy="load_balance", threshold=8, n_decode=2)
     index = router.kv_index
     assert index is not None
-    hashes = router._block_hashes(req(PROMPT))
-    assert router._local_prefill_worker(req(PROMPT), hashes) is None  # nothing cached
+    hashes = router.choice.block_hashes(req(PROMPT))
+    assert router.choice.local_prefill_worker(req(PROMPT), hashes) is None  # nothing cached
     index.apply("d-1", [KVEvent("stored", "device", "full", hashes_of(router, PROMPT, 3))])
-    assert router._local_prefill_worker(req(PROMPT), hashes) is None  # 21 - 12 = 9 > 8
+    assert router.choice.local_prefill_worker(req(PROMPT), hashes) is None  # 21 - 12 = 9 > 8
     index.apply("d-1", [KVEvent("stored", "host", "full", hashes_of(router, PROMPT, 4)[3:])])
-    local = router._local_prefill_worker(req(PROMPT), hashes)  # 21 - 16 = 5 <= 8
+    local = router.choice.local_prefill_worker(req(PROMPT), hashes)  # 21 - 16 = 5 <= 8
     assert local is not None and local.worker_id == "d-1"  # the one holding the prefix
     router.decode[1].outstanding = 1  # busier: the idle d-0 is chosen, and holds nothing
-    assert router._local_prefill_worker(req(PROMPT), hashes) is None
+    assert router.choice.local_prefill_worker(req(PROMPT), hashes) is None
 
 
 def test_routing_by_caches_needs_an_index() -> None:

@@ -1,0 +1,151 @@
+"""The router's choice of workers: its view of each worker (WorkerSlot) and the policies that pick
+one (``router.policy``; conditional disaggregation's local prefill). Pure over the slots: no actor
+is called to choose.
+
+``kv_aware`` (Dynamo's KV router): the choice weighs each worker's cached blocks from its KV events
+(cluster/kv_index.py) and takes the prefill worker with the least cost = prompt tokens it would
+compute + HOST_HIT_WEIGHT x tokens it would load back from its host tier + prefill tokens it already
+has in flight from this router.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+from cluster.kv_index import KVIndex
+from kvcache.block_hash import hash_full_pages
+from worker_common.messages import GenerateRequest, WorkerStats
+
+# Cost of a prompt token a worker would load back from its host tier, in tokens it would compute:
+# a load-back is a copy (host to device), far cheaper than computing the token, yet it takes copy
+# time and device pages. 0.5 is a middle, not a measured figure.
+HOST_HIT_WEIGHT = 0.5
+
+
+@dataclass
+class WorkerSlot:
+    """The router's view of one worker actor."""
+
+    worker_id: str
+    handle: Any  # ray ActorHandle
+    outstanding: int = 0
+    free_pages: int = 0
+    healthy: bool = True
+    failures: int = 0
+    last_stats: WorkerStats | None = None  # the last stats poll's answer
+    queued_prefill_tokens: int = 0  # prompt tokens sent here to compute, not answered yet
+    num_prefills: int = 0  # prefills sent here (kv_aware spreads equal costs by it)
+
+
+class WorkerChoice:
+    """Which prefill or decode worker takes a request, by ``policy`` (load_balance, round_robin,
+    prefix_aware, kv_aware) over the same slot lists the router holds."""
+
+    def __init__(
+        self,
+        prefill: list[WorkerSlot],
+        decode: list[WorkerSlot],
+        policy: str,
+        page_size: int,
+        kv_index: KVIndex | None,
+        local_prefill_max_tokens: int,
+    ) -> None:
+        if kv_index is None and (policy == "kv_aware" or local_prefill_max_tokens):
+            raise ValueError("kv_aware routing and local_prefill_max_tokens need a KVIndex")
+        self.prefill = prefill
+        self.decode = decode
+        self.policy = policy
+        self.page_size = page_size
+        self.kv_index = kv_index
+        self.local_prefill_max_tokens = local_prefill_max_tokens
+        self._turn = 0  # round_robin position
+
+    # ---- what workers have cached ----
+    def block_hashes(self, req: GenerateRequest) -> list[int] | None:
+        """The prompt's block hashes, as far as a worker's prefix hit can reach (one token is
+        always computed), when the router indexes the workers' caches."""
+        if self.kv_index is None:
+            return None
+        tokens = req.prompt_token_ids.tolist()
+        return hash_full_pages(tokens[: len(tokens) - 1], self.page_size)
+
+    def cached_tokens(self, w: WorkerSlot, hashes: list[int] | None) -> tuple[int, int]:
+        """(device, host) prompt tokens ``w`` holds, by its KV events."""
+        if self.kv_index is None or hashes is None:
+            return 0, 0
+        c = self.kv_index.cached_prefix(w.worker_id, hashes)
+        return c.device_pages * self.page_size, c.host_pages * self.page_size
+
+    def tokens_to_compute(
+        self, w: WorkerSlot, req: GenerateRequest, hashes: list[int] | None
+    ) -> int:
+        """Prompt tokens ``w`` would compute for ``req``: those it holds on neither tier."""
+        return len(req.prompt_token_ids) - sum(self.cached_tokens(w, hashes))
+
+    def prefill_cost(self, w: WorkerSlot, n_prompt: int, hashes: list[int] | None) -> float:
+        """kv_aware's cost of prefilling a prompt of ``n_prompt`` tokens on ``w`` (module doc)."""
+        device, host = self.cached_tokens(w, hashes)
+        to_compute = n_prompt - device - host
+        return to_compute + HOST_HIT_WEIGHT * host + w.queued_prefill_tokens
+
+    # ---- choosing workers ----
+    def pick_prefill(
+        self, req: GenerateRequest, exclude: set[str], hashes: list[int] | None = None
+    ) -> WorkerSlot | None:
+        """The healthy prefill worker not in ``exclude`` that the policy names; None when none."""
+        live = [w for w in self.prefill if w.healthy and w.worker_id not in exclude]
+        return self._pick(live, req, hashes) if live else None
+
+    def _pick(
+        self, live: list[WorkerSlot], req: GenerateRequest, hashes: list[int] | None
+    ) -> WorkerSlot:
+        """Of ``live`` (not empty), the worker ``policy`` names to prefill ``req``."""
+        if self.policy == "round_robin":
+            self._turn += 1
+            return live[self._turn % len(live)]
+        if self.policy == "kv_aware":
+            n = len(req.prompt_token_ids)
+            return min(
+                live,
+                key=lambda w: (self.prefill_cost(w, n, hashes), w.outstanding, w.num_prefills),
+            )
+        least = min(w.outstanding for w in live)
+        if self.policy == "prefix_aware" and len(req.prompt_token_ids) >= self.page_size:
+            # Requests sharing their first page go to the same worker (its prefix cache has it),
+            # unless that worker is clearly busier than the least loaded one.
+            key = hashlib.blake2b(
+                req.prompt_token_ids.packed[: 4 * self.page_size], digest_size=8
+            ).digest()
+            preferred = live[int.from_bytes(key, "little") % len(live)]
+            if preferred.outstanding <= least + 2:
+                return preferred
+        return min(live, key=lambda w: w.outstanding)
+
+    def _live_decode(self) -> list[WorkerSlot]:
+        """The healthy decode workers, or all of them when none is (one may be back by now)."""
+        return [w for w in self.decode if w.healthy] or self.decode
+
+    def pick_aggregated(self, req: GenerateRequest, hashes: list[int] | None) -> WorkerSlot:
+        """Aggregated mode: the decode worker that prefills ``req`` too, as the policy says."""
+        return self._pick(self._live_decode(), req, hashes)
+
+    def pick_decode(self, hashes: list[int] | None = None) -> WorkerSlot:
+        """The decode worker to take a prefilled request: the fewest running requests, then the
+        most of its prompt cached, then the most free pages."""
+        return min(
+            self._live_decode(),
+            key=lambda w: (w.outstanding, -sum(self.cached_tokens(w, hashes)), -w.free_pages),
+        )
+
+    def local_prefill_worker(
+        self, req: GenerateRequest, hashes: list[int] | None
+    ) -> WorkerSlot | None:
+        """The decode worker to prefill ``req`` itself (conditional disaggregation), or None."""
+        if not self.local_prefill_max_tokens or not self.prefill:
+            return None
+        d = self.pick_decode(hashes)
+        return (
+            d if self.tokens_to_compute(d, req, hashes) <= self.local_prefill_max_tokens else None
+        )
