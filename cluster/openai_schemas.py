@@ -325,13 +325,26 @@ class Head:
     model: str
 
 
-def _envelope(head: Head, obj: str, choice: dict[str, Any]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Ending:
+    """How a choice ended: OpenAI's finish_reason, and vLLM's stop_reason (the stop token id or
+    stop string that ended it; None for EOS, length, or while it goes on)."""
+
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+GOING_ON = Ending()
+
+
+def _envelope(head: Head, obj: str, choice: dict[str, Any], end: Ending) -> dict[str, Any]:
+    ending = {"finish_reason": end.finish_reason, "stop_reason": end.stop_reason}
     return {
         "id": head.id,
         "object": obj,
         "created": head.created,
         "model": head.model,
-        "choices": [{"index": 0, "logprobs": None, **choice}],
+        "choices": [{"index": 0, "logprobs": None, **choice, **ending}],
     }
 
 
@@ -339,29 +352,25 @@ def _envelope(head: Head, obj: str, choice: dict[str, Any]) -> dict[str, Any]:
 # (dummy weights) still give answers that can be checked and benchmarked.
 
 
-def completion_chunk(
-    head: Head, text: str, finish: str | None, token_ids: list[int]
-) -> dict[str, Any]:
-    choice = {"text": text, "finish_reason": finish, "token_ids": token_ids}
-    return _envelope(head, "text_completion", choice)
+def completion_chunk(head: Head, text: str, end: Ending, token_ids: list[int]) -> dict[str, Any]:
+    return _envelope(head, "text_completion", {"text": text, "token_ids": token_ids}, end)
 
 
 def completion_body(
-    head: Head, text: str, finish: str | None, use: dict[str, int], token_ids: list[int]
+    head: Head, text: str, end: Ending, use: dict[str, int], token_ids: list[int]
 ) -> dict[str, Any]:
-    return completion_chunk(head, text, finish, token_ids) | {"usage": use}
+    return completion_chunk(head, text, end, token_ids) | {"usage": use}
 
 
 def chat_chunk(
-    head: Head, delta: dict[str, Any], finish: str | None, token_ids: list[int]
+    head: Head, delta: dict[str, Any], end: Ending, token_ids: list[int]
 ) -> dict[str, Any]:
-    choice = {"delta": delta, "finish_reason": finish, "token_ids": token_ids}
-    return _envelope(head, "chat.completion.chunk", choice)
+    return _envelope(head, "chat.completion.chunk", {"delta": delta, "token_ids": token_ids}, end)
 
 
-def chat_body(head: Head, text: str, finish: str | None, use: dict[str, int]) -> dict[str, Any]:
-    choice = {"message": {"role": "assistant", "content": text}, "finish_reason": finish}
-    return _envelope(head, "chat.completion", choice) | {"usage": use}
+def chat_body(head: Head, text: str, end: Ending, use: dict[str, int]) -> dict[str, Any]:
+    choice = {"message": {"role": "assistant", "content": text}}
+    return _envelope(head, "chat.completion", choice, end) | {"usage": use}
 
 
 def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict[str, Any]:

@@ -133,6 +133,7 @@ class Router:
                 pre.finish_reason,
                 n_prompt,
                 1,
+                stop_reason=pre.stop_reason,
             )
             if handed_over:
                 return

@@ -180,22 +180,23 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
     def _head(req: GenerateRequest) -> oa.Head:
         return oa.Head(req.request_id, int(req.arrival_time), backend.model_name)
 
-    async def _collect(req: GenerateRequest) -> tuple[str, str | None, list[int]]:
+    async def _collect(req: GenerateRequest) -> tuple[str, oa.Ending, list[int]]:
         text: list[str] = []
         ids: list[int] = []
-        finish = None
+        end = oa.GOING_ON
         async for d in backend.generate(req):
             if d.error:
                 raise RuntimeError(d.error)
             text.append(d.text)
             ids.extend(d.token_ids)
-            finish = d.finish_reason or finish
-        return "".join(text), finish, ids
+            if d.finish_reason:
+                end = oa.Ending(d.finish_reason, d.stop_reason)
+        return "".join(text), end, ids
 
     async def _complete(
         req: GenerateRequest, request: Request, build: Callable[..., Any]
     ) -> Response:
-        """A non-streaming answer: collect every delta, then ``build(text, finish, token_ids)``.
+        """A non-streaming answer: collect every delta, then ``build(text, ending, token_ids)``.
         A client that goes away first aborts the request (it would hold pages until its end)."""
         collect = asyncio.ensure_future(_collect(req))
         gone = asyncio.ensure_future(_until_disconnect(request))
@@ -214,15 +215,15 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
             await backend.abort(req.request_id)
             return Response(status_code=499)
         try:
-            text, finish, out_ids = collect.result()
+            text, end, out_ids = collect.result()
         except Exception as e:  # our own fault: the request was validated above
             log.warning("request %s failed: %s", req.request_id, e)
             return error_response(str(e) or type(e).__name__, 500)
-        return JSONResponse(build(text, finish, out_ids))
+        return JSONResponse(build(text, end, out_ids))
 
     async def _stream(
         req: GenerateRequest,
-        make_chunk: Callable[[str, str | None, list[int]], dict[str, Any]],
+        make_chunk: Callable[[str, oa.Ending, list[int]], dict[str, Any]],
         include_usage: bool,
         first_chunk: dict[str, Any] | None = None,
     ) -> AsyncIterator[str]:
@@ -241,14 +242,15 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
                         break
                     n_out += len(d.token_ids)
                     if d.text or d.token_ids or d.finish_reason:
-                        yield _sse(make_chunk(d.text, d.finish_reason, d.token_ids) | no_usage)
+                        end = oa.Ending(d.finish_reason, d.stop_reason)
+                        yield _sse(make_chunk(d.text, end, d.token_ids) | no_usage)
                     if d.finish_reason:
                         finished = True
             except Exception as e:  # whatever failed, the client gets an error event and [DONE]
                 log.warning("stream %s failed: %s", rid, e)
                 yield _sse(oa.error_body(str(e) or type(e).__name__, "internal_error", 500))
             if include_usage:
-                chunk = make_chunk("", None, [])
+                chunk = make_chunk("", oa.GOING_ON, [])
                 chunk["choices"] = []
                 chunk["usage"] = oa.usage(len(req.prompt_token_ids), n_out)
                 yield _sse(chunk)
@@ -290,8 +292,8 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
         head = _head(req)
         if body.stream:
 
-            def make(text: str, fin: str | None, tids: list[int]) -> dict[str, Any]:
-                return oa.completion_chunk(head, text, fin, tids)
+            def make(text: str, end: oa.Ending, tids: list[int]) -> dict[str, Any]:
+                return oa.completion_chunk(head, text, end, tids)
 
             return StreamingResponse(
                 _stream(req, make, body.include_usage), media_type="text/event-stream"
@@ -299,8 +301,8 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
         return await _complete(
             req,
             request,
-            lambda text, fin, out: oa.completion_body(
-                head, text, fin, oa.usage(len(ids), len(out)), out
+            lambda text, end, out: oa.completion_body(
+                head, text, end, oa.usage(len(ids), len(out)), out
             ),
         )
 
@@ -316,17 +318,17 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
         head = _head(req)
         if body.stream:
 
-            def make(text: str, fin: str | None, tids: list[int]) -> dict[str, Any]:
-                return oa.chat_chunk(head, {"content": text} if text else {}, fin, tids)
+            def make(text: str, end: oa.Ending, tids: list[int]) -> dict[str, Any]:
+                return oa.chat_chunk(head, {"content": text} if text else {}, end, tids)
 
-            first = oa.chat_chunk(head, {"role": "assistant", "content": ""}, None, [])
+            first = oa.chat_chunk(head, {"role": "assistant", "content": ""}, oa.GOING_ON, [])
             return StreamingResponse(
                 _stream(req, make, body.include_usage, first), media_type="text/event-stream"
             )
         return await _complete(
             req,
             request,
-            lambda text, fin, out: oa.chat_body(head, text, fin, oa.usage(len(ids), len(out))),
+            lambda text, end, out: oa.chat_body(head, text, end, oa.usage(len(ids), len(out))),
         )
 
     @app.get("/metrics")

@@ -344,6 +344,7 @@ class DecodeWorker:
             num_prompt_tokens=len(out.prompt_token_ids),
             num_output_tokens=len(out.token_ids),
             error=out.error,
+            stop_reason=out.stop_reason if out.finished else None,
         )
 
     def _arrive(self, rid: str) -> bool:

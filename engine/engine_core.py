@@ -85,6 +85,9 @@ class LLMEngine:
             tokenizer.stop_token_ids if tokenizer else ()
         )
         self.eos_token_ids: frozenset[int] = frozenset(stop_ids)
+        # The one EOS that stops with no stop_reason; the others (generation_config's end-of-turn
+        # ids) stop as stop tokens, naming their id, as in vLLM.
+        self.eos_token_id = tokenizer.eos_token_id if tokenizer else None
         self.iteration_stats: StatsBuffer[IterationStats] = StatsBuffer(max_stats_len)
         self.request_stats: StatsBuffer[RequestStats] = StatsBuffer(
             max_stats_len if max_request_stats_len is None else max_request_stats_len
@@ -255,6 +258,7 @@ class LLMEngine:
             params,
             prompt=prompt,
             eos_token_ids=self.eos_token_ids,
+            eos_token_id=self.eos_token_id,
             prefill_only=prefill_only,
             arrival_time=arrival_time,
             detokenizer=detok,

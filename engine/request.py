@@ -96,7 +96,7 @@ class Request:
     """
 
     __slots__ = (
-        "request_id", "prompt", "prompt_token_ids", "sampling_params", "eos_token_ids",
+        "request_id", "prompt", "prompt_token_ids", "sampling_params", "eos_token_ids", "eos_token_id",
         "all_token_ids", "output_token_ids", "num_computed_tokens", "status", "stop_reason",
         "error", "prefill_only", "metrics", "page_ids", "kv_capacity", "kv_release_at",
         "detokenizer", "output_text",
@@ -112,6 +112,7 @@ class Request:
         *,
         prompt: str | None = None,
         eos_token_ids: frozenset[int] = frozenset(),
+        eos_token_id: int | None = None,
         prefill_only: bool = False,
         arrival_time: float | None = None,
         detokenizer: Any = None,
@@ -124,6 +125,7 @@ class Request:
         self.sampling_params = sampling_params
         # EOS only stops a request that does not ignore it; resolved once here, not every step.
         self.eos_token_ids = frozenset() if sampling_params.ignore_eos else frozenset(eos_token_ids)
+        self.eos_token_id = eos_token_id  # of those, the tokenizer's (stop_reason None)
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0

@@ -64,6 +64,8 @@ def check_stop(request: Request, token_id: int, max_model_len: int) -> RequestSt
         return RequestStatus.FINISHED_STOPPED  # the text ends at the stop string: nothing to flush
     status: RequestStatus | None = None
     if by_eos:
+        if token_id != request.eos_token_id:  # another EOS id (vLLM: a stop token id)
+            request.stop_reason = token_id
         status = RequestStatus.FINISHED_STOPPED
     elif by_stop_id:
         request.stop_reason = token_id

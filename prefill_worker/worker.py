@@ -151,6 +151,7 @@ class PrefillWorker:
             first_token_text=out.delta_text,
             finish_reason=out.finish_reason if out.finished else None,
             ticket=ticket,
+            stop_reason=out.stop_reason if out.finished else None,
         )
 
     async def _publish(self, rid: str, prompt_len: int) -> TransferTicket:

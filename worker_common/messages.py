@@ -128,6 +128,7 @@ class PrefillResult:
     first_token_text: str
     finish_reason: str | None
     ticket: TransferTicket | None
+    stop_reason: int | str | None = None  # when it finished: the stop token id or string
 
 
 @dataclass(frozen=True)
@@ -141,6 +142,8 @@ class TokenDelta:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None  # set when the request failed on our side
+    # On the last delta: the stop token id or stop string that ended it (vLLM's stop_reason).
+    stop_reason: int | str | None = None
     # On the decode worker's first delta of a request whose KV transfer failed and which it
     # prefilled itself (transfer.on_failure: recompute): the prefill worker's lease is no use now.
     kv_recomputed: bool = False

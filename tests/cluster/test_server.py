@@ -296,3 +296,37 @@ def test_every_error_has_the_openai_shape(http, backend, monkeypatch) -> None:
     monkeypatch.setattr(backend, "encode", broken)
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1})
     assert r.status_code == 500 and "the tokenizer broke" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_the_stop_reason_names_what_stopped_the_answer(http, path: str, stream: bool) -> None:
+    """As vLLM's stop_reason in each choice: the stop token id or stop string, None for length
+    (and on every chunk before the last)."""
+    body = (CHAT if "chat" in path else {"model": MODEL, "prompt": "The capital of France is"}) | {
+        "temperature": 0,
+        "ignore_eos": True,
+        "max_tokens": 6,
+    }
+    free = http.post(path, json=body).json()
+    tokens = free["choices"][0]["token_ids"] if "token_ids" in free["choices"][0] else None
+    if tokens is None:  # (chat bodies carry no ids: take them from a completion-shaped stream)
+        chunks = events(http.post(path, json=body | {"stream": True}).text)
+        tokens = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids", [])]
+    text = free["choices"][0].get("text") or free["choices"][0]["message"]["content"]
+    assert free["choices"][0]["stop_reason"] is None and len(tokens) == 6
+
+    def ending(extra: dict[str, Any]) -> tuple[str, Any]:
+        r = http.post(path, json=body | extra | {"stream": stream})
+        assert r.status_code == 200, r.text
+        if not stream:
+            choice = r.json()["choices"][0]
+            return choice["finish_reason"], choice["stop_reason"]
+        choices = [ch for c in events(r.text) for ch in c["choices"]]
+        assert all(ch["stop_reason"] is None for ch in choices[:-1])
+        return choices[-1]["finish_reason"], choices[-1]["stop_reason"]
+
+    assert ending({"stop_token_ids": [tokens[3]]}) == ("stop", tokens[3])
+    stop = text.strip()[2:5]  # (three characters inside the answer)
+    assert ending({"stop": [stop]}) == ("stop", stop)
+    assert ending({}) == ("length", None)

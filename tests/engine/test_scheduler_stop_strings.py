@@ -47,6 +47,7 @@ def generate_ids(
         prompt,
         sp,
         eos_token_ids=eos,
+        eos_token_id=tok.eos_token_id,
         detokenizer=IncrementalDetokenizer(tok, prompt, sp.skip_special_tokens),
     )
     sched.add_request(req)
@@ -150,6 +151,18 @@ def test_a_token_that_stops_by_its_id_adds_its_text_only_when_asked(
         include_stop_str_in_output=include,
     )
     assert req.output_text == (" hello <eos>" if include else " hello")
+
+
+def test_another_eos_id_stops_naming_its_id_as_vllm(word_tokenizer: Tokenizer) -> None:
+    """An EOS id other than the tokenizer's (generation_config's end-of-turn ids) stops as a stop
+    token does in vLLM: stop_reason is its id, its text left out; the tokenizer's EOS has none."""
+    eos = frozenset({word_tokenizer.eos_token_id, 4})  # "here" (id 4) as a second EOS
+    req, _ = generate_ids(word_tokenizer, [1, 4, 2], eos)
+    assert (req.finish_reason, req.stop_reason, req.output_text) == ("stop", 4, " hello")
+    req, _ = generate_ids(word_tokenizer, [1, 1, 0, 2], eos)
+    assert (req.finish_reason, req.stop_reason) == ("stop", None)
+    req, _ = generate_ids(word_tokenizer, [1, 1, 4, 2], eos, ignore_eos=True)
+    assert (req.finish_reason, req.stop_reason) == ("length", None)
 
 
 def test_streamed_deltas_add_up_to_the_text(word_tokenizer: Tokenizer) -> None:

@@ -4,6 +4,7 @@ ticket is published only after the context is finalized, and every way out gives
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -68,7 +69,12 @@ def test_request_finished_at_its_first_token_publishes_nothing() -> None:
 
     async def main() -> None:
         res = await worker.prefill(GenerateRequest("b", list(range(1, 11)), greedy(1), time.time()))
-        assert res.ticket is None and res.finish_reason == "length"
+        assert res.ticket is None and res.finish_reason == "length" and res.stop_reason is None
+        await wait_until_no_page_held(worker)
+        first = res.first_token_id  # (greedy: the same again) as a stop token, it is named
+        stop = dataclasses.replace(greedy(4), stop_token_ids=[first])
+        res = await worker.prefill(GenerateRequest("c", list(range(1, 11)), stop, time.time()))
+        assert (res.ticket, res.finish_reason, res.stop_reason) == (None, "stop", first)
         await wait_until_no_page_held(worker)
 
     try:
