@@ -17,6 +17,7 @@ from pydantic import (
     model_validator,
 )
 
+from engine.chat_template import content_text
 from engine.loaders.generation_defaults import GenerationDefaults
 from engine.sampling_params import SamplingParams
 
@@ -260,16 +261,7 @@ class ChatMessage(BaseModel):
 
     def text(self) -> str:
         """The message's text; text parts on lines of their own (as vLLM joins them)."""
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text":
-                raise ValueError(f"only text content parts are supported, got {part.get('type')!r}")
-            if not isinstance(part.get("text"), str):
-                raise ValueError("a text content part needs its text (a string)")
-            parts.append(part["text"])
-        return "\n".join(parts)
+        return content_text(self.content)
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -91,13 +91,7 @@ def sampling_defaults(config: ClusterConfig) -> GenerationDefaults:
     except ValueError as e:
         raise ConfigError(SOURCE, [f"model.generation_config: auto reads {e}"]) from None
     log.info("sampling defaults from the model's generation_config.json: %s", defaults.describe())
-    for key, value in defaults.not_implemented.items():
-        log.warning(
-            "the model's generation_config.json sets %s=%s, which Duet does not implement: "
-            "requests are sampled without it (vLLM would apply it)",
-            key,
-            value,
-        )
+    defaults.warn_not_implemented(log)
     return defaults
 
 

@@ -72,23 +72,59 @@ def compile_chat_template(source: str) -> jinja2.Template:
         raise ChatTemplateError(f"chat template does not compile: {exc}") from exc
 
 
+def content_text(content: Any) -> str:
+    """A message's content as text: a string as is, None as "", OpenAI's list of content parts
+    as its text parts on lines of their own (as vLLM joins them); other parts are refused."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise ChatTemplateError(
+            f"a message's content must be a string or a list of parts, got {type(content).__name__}"
+        )
+    parts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            raise ChatTemplateError(f"only text content parts are supported, got {kind!r}")
+        if not isinstance(part.get("text"), str):
+            raise ChatTemplateError("a text content part needs its text (a string)")
+        parts.append(part["text"])
+    return "\n".join(parts)
+
+
+# Names the template gets from the call itself: template variables may not replace them.
+_RESERVED = frozenset({"messages", "add_generation_prompt"})
+
+
 def render_chat_template(
     source: str,
     messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
     special_tokens: dict[str, str | None] | None = None,
+    continue_final_message: bool = False,
     **extra: Any,
 ) -> str:
     """Render ``messages`` (dicts with at least ``role`` and ``content``).
 
     ``special_tokens`` (``bos_token``, ``eos_token``, ...) and ``extra`` (``tools``, ``documents``,
     template-specific flags) become template variables, as in transformers' ``apply_chat_template``.
+    ``continue_final_message``: the text ends where the last message's content does (what the
+    template writes after it, an end-of-turn, is cut), so the model continues that message, as in
+    transformers; not with ``add_generation_prompt``.
     """
     for message in messages:
         if not isinstance(message, dict) or "role" not in message:
             raise ChatTemplateError(
                 f"each chat message must be a dict with a 'role', got {message!r}"
             )
+    if continue_final_message and add_generation_prompt:
+        raise ChatTemplateError(
+            "continue_final_message and add_generation_prompt cannot both be true: the first "
+            "continues the last message, the second opens a new one"
+        )
+    clash = _RESERVED & set(extra)
+    if clash:
+        raise ChatTemplateError(f"template variables may not be named {sorted(clash)}")
     variables: dict[str, Any] = {
         "tools": None,
         "documents": None,
@@ -96,8 +132,25 @@ def render_chat_template(
         **extra,
     }
     try:
-        return compile_chat_template(source).render(
+        text = compile_chat_template(source).render(
             messages=messages, add_generation_prompt=add_generation_prompt, **variables
         )
     except jinja2.TemplateError as exc:
         raise ChatTemplateError(f"chat template failed: {exc}") from exc
+    return _cut_after_final_message(text, messages) if continue_final_message else text
+
+
+def _cut_after_final_message(text: str, messages: list[dict[str, Any]]) -> str:
+    """``text`` up to the end of the last message's content (transformers' rule: the last place
+    its stripped content appears; its trailing spaces kept only where the template kept them)."""
+    final = content_text(messages[-1].get("content")) if messages else ""
+    at = text.rfind(final.strip()) if final.strip() else -1
+    if at == -1:
+        raise ChatTemplateError(
+            "continue_final_message: the last message does not appear in the rendered chat "
+            "(an empty message, or a template that rewrites it)"
+        )
+    kept = final.lstrip()
+    if text[at : at + len(kept)] == kept:
+        return text[: at + len(kept)]
+    return text[: at + len(final.strip())]

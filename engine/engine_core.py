@@ -265,7 +265,8 @@ class LLMEngine:
         )
 
     def check_prompt(self, token_ids: list[int], what: str) -> None:
-        """Raise ValueError unless ``token_ids`` is a non-empty list of in-vocabulary ids that fits max_model_len."""
+        """Raise ValueError unless ``token_ids`` is a non-empty list of in-vocabulary ids that leaves
+        room for one output token within max_model_len (vLLM's rule)."""
         if not isinstance(token_ids, list) or not token_ids:
             raise ValueError(f"{what}: the prompt is empty (need at least one token)")
         vocab = self.model_config.vocab_size
@@ -274,9 +275,10 @@ class LLMEngine:
                 raise ValueError(
                     f"{what}: token id {t!r} is not an integer in [0, vocab_size={vocab})"
                 )
-        if len(token_ids) > self.max_model_len:
+        if len(token_ids) >= self.max_model_len:
             raise ValueError(
-                f"{what}: the prompt has {len(token_ids)} tokens, more than max_model_len={self.max_model_len}"
+                f"{what}: the prompt has {len(token_ids)} tokens; with at least one output token "
+                f"that is more than max_model_len={self.max_model_len}"
             )
 
     def add_request(

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from tqdm import tqdm
+
+from engine.chat_template import content_text
 from engine.engine_config import EngineConfig
 from engine.engine_core import LLMEngine
 from engine.loaders.generation_defaults import GenerationDefaults, load_generation_defaults
@@ -15,8 +19,13 @@ from engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from engine.loaders import LoadedModel
 
-Prompt = str | list[int]
+log = logging.getLogger(__name__)
+
+# A prompt: text, token ids, or vLLM's TextPrompt / TokensPrompt dicts.
+Prompt = str | list[int] | Mapping[str, Any]
 Message = dict[str, Any]
+# vLLM's progress option: a bool, or a tqdm-like class to make the bar with.
+Progress = bool | Callable[..., tqdm]
 
 
 class LLM:
@@ -27,16 +36,17 @@ class LLM:
     max_num_seqs=256, max_num_batched_tokens=2048, prefill_chunk_size=512, max_model_len=None,
     reuse_policy="all_reusable", seed=0)``, and ``generation_config``: "auto" (vLLM's default)
     samples without given params as the checkpoint's generation_config.json says
-    (``get_default_sampling_params``), "none" with SamplingParams' defaults. Bad arguments raise
-    ValueError naming the field.
+    (``get_default_sampling_params``), "none" (or vLLM's "vllm") with SamplingParams' defaults.
+    vLLM's ``enable_prefix_caching`` (reuse_policy) and ``enforce_eager`` (no CUDA graphs) are
+    taken too. Bad arguments raise ValueError naming the field.
     """
 
     def __init__(
         self, model: str = "default", generation_config: str = "auto", **kwargs: Any
     ) -> None:
-        if generation_config not in ("auto", "none"):
+        if generation_config not in ("auto", "none", "vllm"):
             raise ValueError(
-                f"generation_config must be 'auto' or 'none', got {generation_config!r}"
+                f"generation_config must be 'auto' or 'none' ('vllm'), got {generation_config!r}"
             )
         config = _engine_config(model, kwargs)
         self._defaults = GenerationDefaults()
@@ -45,6 +55,7 @@ class LLM:
                 self._defaults = load_generation_defaults(model, config.load_format)
             except FileNotFoundError:
                 pass  # the engine says what is missing, in its words
+            self._defaults.warn_not_implemented(log)
         self.engine = LLMEngine.from_config(config)
         self._ids = itertools.count()
 
@@ -77,35 +88,56 @@ class LLM:
     def tokenizer(self):  # noqa: ANN201 (engine.tokenizer.Tokenizer | None)
         return self.engine.tokenizer
 
+    def get_tokenizer(self):  # noqa: ANN201 (engine.tokenizer.Tokenizer | None)
+        """The model's tokenizer (vLLM's name for ``tokenizer``)."""
+        return self.engine.tokenizer
+
     def generate(
         self,
-        prompts: str | list[int] | Sequence[Prompt],
+        prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: Progress = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text, or a list of token ids); outputs in input order.
+        """Generate for every prompt (text, a list of token ids, or vLLM's ``{"prompt": text}`` /
+        ``{"prompt_token_ids": ids}``); outputs in input order (none for no prompts).
+        ``use_tqdm``: a progress bar of finished requests (True, or a tqdm-like class), as vLLM's.
 
         Everything is validated before anything is queued, so a bad input raises ValueError and
         leaves the engine as it was.
         """
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        if (
+            isinstance(prompts, (str, Mapping))
+            or isinstance(prompts, list)
+            and prompts
+            and isinstance(prompts[0], int)
         ):
-            prompts = [prompts]  # type: ignore[list-item]  # one text or one token-id prompt
-        if not isinstance(prompts, Sequence) or not prompts:
+            prompts = [prompts]  # type: ignore[list-item]  # one prompt
+        if not isinstance(prompts, Sequence):
             raise ValueError(
-                "prompts must be a string, a list of token ids, or a non-empty list of those"
+                "prompts must be a string, a list of token ids, a prompt dict, or a list of those"
             )
         encoded = [self._encode(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
-        return self._run(encoded, sampling_params)
+        return self._run(encoded, sampling_params, use_tqdm)
 
     def chat(
         self,
         messages: list[Message] | Sequence[list[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: Progress = True,
+        *,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation (a list of {"role", "content"} dicts) or a list of
-        conversations, rendered with the model's chat template."""
+        """Generate replies to one conversation (a list of {"role", "content"} dicts; a content
+        may be OpenAI's list of text parts) or a list of conversations, rendered with the model's
+        chat template, or ``chat_template``; ``chat_template_kwargs`` and ``tools`` become
+        template variables. ``continue_final_message`` (with ``add_generation_prompt=False``)
+        continues the last message instead of opening a new one. The arguments and their order
+        are vLLM's (what follows ``use_tqdm`` is keyword-only)."""
         if self.tokenizer is None:
             raise ValueError(
                 "chat needs a tokenizer, and this model has none; use generate with token ids"
@@ -113,20 +145,30 @@ class LLM:
         if not isinstance(messages, Sequence) or not messages:
             raise ValueError("messages must be a non-empty list of messages or of conversations")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        options = dict(chat_template_kwargs or {})
+        if tools is not None:
+            options["tools"] = tools
         encoded: list[tuple[str | None, list[int]]] = []
         for i, conv in enumerate(conversations):
             if not isinstance(conv, list) or not conv or not all(isinstance(m, dict) for m in conv):
                 raise ValueError(f"messages[{i}] must be a non-empty list of message dicts")
+            conv = [m | {"content": content_text(m.get("content"))} for m in conv]
             text = self.tokenizer.apply_chat_template(
-                conv, add_generation_prompt=add_generation_prompt
+                conv,
+                add_generation_prompt,
+                chat_template=chat_template,
+                continue_final_message=continue_final_message,
+                **options,
             )
             ids = self.tokenizer.encode(text, add_special_tokens=False)
             self.engine.check_prompt(ids, f"messages[{i}]")
             encoded.append((text, ids))
-        return self._run(encoded, sampling_params)
+        return self._run(encoded, sampling_params, use_tqdm)
 
     # ---- internals ----
     def _encode(self, prompt: object, what: str) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, Mapping):
+            prompt = _prompt_of(prompt, what)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError(f"{what}: the prompt is empty")
@@ -140,7 +182,8 @@ class LLM:
             ids, text = prompt, None
         else:
             raise ValueError(
-                f"{what}: expected a string or a list of token ids, got {type(prompt).__name__}"
+                f"{what}: expected a string, a list of token ids or a prompt dict, "
+                f"got {type(prompt).__name__}"
             )
         self.engine.check_prompt(ids, what)
         return text, list(ids)
@@ -167,9 +210,14 @@ class LLM:
         )
 
     def _run(
-        self, encoded: list[tuple[str | None, list[int]]], sampling_params: object
+        self,
+        encoded: list[tuple[str | None, list[int]]],
+        sampling_params: object,
+        use_tqdm: Progress = False,
     ) -> list[RequestOutput]:
         params = self._params(sampling_params, len(encoded))
+        if not encoded:
+            return []
         ids = [f"llm-{next(self._ids)}" for _ in encoded]
         requests = [
             self.engine.make_request(rid, tokens, p, prompt=text)
@@ -177,6 +225,7 @@ class LLM:
         ]
         ours = set(ids)
         results: dict[str, RequestOutput] = {}
+        bar = _progress(use_tqdm, len(ids))
         try:
             for request in requests:
                 self.engine.scheduler.add_request(request)
@@ -189,6 +238,8 @@ class LLM:
                 for out in outputs:
                     if out.finished and out.request_id in ours:
                         results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
                 if not outputs and self.engine.scheduler.num_running == 0:
                     # Offline, nothing else holds pages: an idle step with requests waiting is a bug.
                     raise RuntimeError("no request could be scheduled; the engine made no progress")
@@ -197,10 +248,54 @@ class LLM:
                 if rid not in results:
                     self.engine.abort_request(rid)
             raise
+        finally:
+            if bar is not None:
+                bar.close()
         return [results[rid] for rid in ids]
 
 
+def _prompt_of(prompt: Mapping[str, Any], what: str) -> str | list[int]:
+    """The text or token ids of vLLM's TextPrompt ({"prompt"}) or TokensPrompt
+    ({"prompt_token_ids"}); any other key (images, cache salts, ...) is refused by name."""
+    keys = set(prompt)
+    if keys == {"prompt"}:
+        return prompt["prompt"]
+    if keys == {"prompt_token_ids"}:
+        return prompt["prompt_token_ids"]
+    other = sorted(keys - {"prompt", "prompt_token_ids"})
+    raise ValueError(
+        f"{what}: a prompt dict has one of 'prompt' or 'prompt_token_ids'"
+        + (f"; not supported: {other}" if other else f", got {sorted(keys)}")
+    )
+
+
+def _progress(use_tqdm: Progress, total: int) -> tqdm | None:
+    if use_tqdm is False:
+        return None
+    make = tqdm if use_tqdm is True else use_tqdm
+    if not callable(make):
+        raise ValueError(f"use_tqdm must be a bool or a tqdm-like class, got {use_tqdm!r}")
+    return make(total=total, desc="Processed prompts", dynamic_ncols=True)
+
+
+# vLLM's LLM arguments that name an EngineConfig setting: (vLLM name, Duet field, its value).
+_VLLM_ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "enable_prefix_caching": ("reuse_policy", lambda on: "all_reusable" if on else "none"),
+    "enforce_eager": ("cuda_graphs", lambda eager: not eager),
+}
+
+
 def _engine_config(model: str, kwargs: dict[str, Any]) -> EngineConfig:
+    kwargs = dict(kwargs)
+    for name, (field, value) in _VLLM_ALIASES.items():
+        if name not in kwargs:
+            continue
+        given = kwargs.pop(name)
+        if not isinstance(given, bool):
+            raise ValueError(f"{name} must be a bool, got {given!r}")
+        if field in kwargs:
+            raise ValueError(f"give {name} or {field}, not both")
+        kwargs[field] = value(given)
     unknown = set(kwargs) - set(EngineConfig.__dataclass_fields__)
     if unknown:
         raise ValueError(

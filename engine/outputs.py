@@ -9,6 +9,23 @@ from engine.request import FinishReason, Request, RequestMetrics
 
 
 @dataclass(frozen=True)
+class CompletionOutput:
+    """One completion of a request, shaped as vLLM's (``RequestOutput.outputs[0]``): Duet makes one
+    per request (no ``n``) and no log probabilities (None, as vLLM without ``logprobs``)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: None
+    finish_reason: FinishReason | None
+    stop_reason: int | str | None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """The state of one request after a step.
 
@@ -31,6 +48,16 @@ class RequestOutput:
     stop_reason: int | str | None
     metrics: RequestMetrics
     error: str | None = None
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """The request's completion as vLLM's ``RequestOutput.outputs`` holds it: code written for
+        vLLM reads ``out.outputs[0].text`` here too."""
+        return [
+            CompletionOutput(
+                0, self.text, self.token_ids, None, None, self.finish_reason, self.stop_reason
+            )
+        ]
 
     @classmethod
     def from_request(cls, request: Request) -> RequestOutput:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,6 +24,19 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+# vLLM's fields Duet does not implement, with the one value each takes (the one that asks nothing).
+_NOT_IMPLEMENTED: dict[str, object] = {
+    "n": 1,
+    "min_tokens": 0,
+    "min_p": 0.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "logprobs": None,
+    "prompt_logprobs": None,
+}
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling and stopping options (vLLM names and defaults).
@@ -36,7 +48,7 @@ class SamplingParams:
     """
 
     temperature: float = 1.0
-    """Softmax temperature; 0 means greedy (exact argmax)."""
+    """Softmax temperature in [0, 2] (vLLM's and OpenAI's range); 0 means greedy (exact argmax)."""
     top_p: float = 1.0
     """Nucleus sampling: keep the smallest set of tokens whose probability sums to >= top_p; in (0, 1]."""
     top_k: int = -1
@@ -46,7 +58,7 @@ class SamplingParams:
     vLLM."""
     seed: int | None = None
     """Seed of this request's own generator, in [-2**63, 2**64): the same seed gives the same
-    tokens in any batch, aggregated or disaggregated."""
+    tokens in any batch, aggregated or disaggregated. -1 means none (vLLM's rule)."""
     stop: tuple[str, ...] = ()
     """Strings that end generation when they appear in the output text."""
     stop_token_ids: tuple[int, ...] = ()
@@ -59,6 +71,16 @@ class SamplingParams:
     (a stop token, a shown EOS), at the end of the text."""
     skip_special_tokens: bool = True
     """Leave special tokens (BOS, EOS, ...) out of the decoded text."""
+    # vLLM's fields that Duet does not implement: taken only with the value that asks for nothing
+    # (so code written for vLLM that sets them so still runs), refused otherwise by name.
+    n: int = 1
+    min_tokens: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -77,12 +99,14 @@ class SamplingParams:
             raise _fail("stop_token_ids", "a list of token ids", self.stop_token_ids)
         if self.top_k == 0 and _is_int(self.top_k):
             object.__setattr__(self, "top_k", -1)
+        if self.seed == -1 and _is_int(self.seed):
+            object.__setattr__(self, "seed", None)
         self._validate()
 
     def _validate(self) -> None:
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise _fail("temperature", "a finite number >= 0", t)
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= 2:
+            raise _fail("temperature", "in [0, 2]", t)
         p = self.top_p
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < p <= 1.0:
             raise _fail("top_p", "in (0, 1]", p)
@@ -102,6 +126,14 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise _fail(name, "a bool", getattr(self, name))
+        for name, nothing in _NOT_IMPLEMENTED.items():
+            value = getattr(self, name)
+            if value != nothing or isinstance(value, bool):
+                raise SamplingParamsError(
+                    name,
+                    f"SamplingParams.{name}={value!r} is not supported by Duet "
+                    f"(only {nothing!r}, which asks for nothing)",
+                )
 
     @property
     def is_greedy(self) -> bool:

@@ -77,11 +77,21 @@ class Tokenizer:
         return self.backend.id_to_token(token_id)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
+        **extra: Any,
     ) -> str:
         """The prompt text for ``messages``; encode it with ``add_special_tokens=False`` (the
-        template writes BOS itself where the model wants it), or use :meth:`encode_chat`."""
-        if self.chat_template is None:
+        template writes BOS itself where the model wants it), or use :meth:`encode_chat`.
+        ``chat_template``: a Jinja template to use instead of the model's; ``extra``: template
+        variables (``tools``, template flags); ``continue_final_message``: see
+        engine.chat_template.render_chat_template."""
+        source = chat_template if chat_template is not None else self.chat_template
+        if source is None:
             raise ValueError(
                 "this tokenizer has no chat template; pass a prompt string instead of messages"
             )
@@ -92,13 +102,14 @@ class Tokenizer:
             "pad_token": self.pad_token,
         }
         return render_chat_template(
-            self.chat_template, messages, add_generation_prompt, special, **extra
+            source, messages, add_generation_prompt, special, continue_final_message, **extra
         )
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **options: Any
     ) -> list[int]:
+        """The prompt's token ids for ``messages`` (``options`` as :meth:`apply_chat_template`)."""
         return self.encode(
-            self.apply_chat_template(messages, add_generation_prompt, **extra),
+            self.apply_chat_template(messages, add_generation_prompt, **options),
             add_special_tokens=False,
         )

@@ -12,6 +12,7 @@ caller to say so.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +55,16 @@ class GenerationDefaults:
         keys = ("temperature", "top_p", "top_k", "max_tokens")
         given = [f"{k}={getattr(self, k)}" for k in keys if getattr(self, k) is not None]
         return ", ".join(given) or "none"
+
+    def warn_not_implemented(self, logger: logging.Logger) -> None:
+        """Say, once per key, what the file asks that requests are sampled without."""
+        for key, value in self.not_implemented.items():
+            logger.warning(
+                "the model's generation_config.json sets %s=%s, which Duet does not implement: "
+                "requests are sampled without it (vLLM would apply it)",
+                key,
+                value,
+            )
 
 
 def _number(raw: dict[str, object], key: str) -> float | None:

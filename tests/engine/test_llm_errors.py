@@ -31,14 +31,16 @@ def assert_untouched(llm: LLM) -> None:
     ("prompts", "params", "message"),
     [
         ("", OK, "prompts[0]: the prompt is empty"),
-        ([], OK, "prompts must be a string, a list of token ids, or a non-empty list of those"),
+        (3, OK, "prompts must be a string, a list of token ids, a prompt dict, or a list of"),
         (["hello", ""], OK, "prompts[1]: the prompt is empty"),
         ([[5, 6], []], OK, "prompts[1]: the prompt is empty (need at least one token)"),
-        ([[3] * 33], OK, "prompts[0]: the prompt has 33 tokens, more than max_model_len=32"),
+        ([[3] * 32], OK, "prompts[0]: the prompt has 32 tokens; with at least one output token"),
         (["hello " * 40], OK, "prompts[0]: the prompt has"),
         ([[5, 99999]], OK, "prompts[0]: token id 99999 is not an integer in [0, vocab_size=320)"),
         ([[5, -1]], OK, "prompts[0]: token id -1 is not an integer in [0, vocab_size=320)"),
-        ([3.5], OK, "prompts[0]: expected a string or a list of token ids, got float"),
+        ([3.5], OK, "prompts[0]: expected a string, a list of token ids or a prompt dict, got"),
+        ({"prompt": "a", "x": 1}, OK, "prompts[0]: a prompt dict has one of 'prompt' or"),
+        ([{"prompt_token_ids": [5], "multi_modal_data": {}}], OK, "prompts[0]: a prompt dict"),
         (
             ["a"],
             {"temperature": 0},
@@ -68,7 +70,7 @@ def test_bad_chat_input(tiny_llm: LLM) -> None:
     ):
         tiny_llm.chat([[{"role": "user", "content": "hi"}], []])
     with pytest.raises(
-        ValueError, match=r"messages\[0\]: the prompt has \d+ tokens, more than max_model_len=32"
+        ValueError, match=r"messages\[0\]: the prompt has \d+ tokens; with at least one output"
     ):
         tiny_llm.chat([{"role": "user", "content": "hello world " * 20}])
     assert_untouched(tiny_llm)

@@ -36,9 +36,9 @@ def test_is_immutable() -> None:
     [
         (
             {"temperature": -0.1},
-            "SamplingParams.temperature must be a finite number >= 0, got -0.1",
+            "SamplingParams.temperature must be in [0, 2], got -0.1",
         ),
-        ({"temperature": float("nan")}, "SamplingParams.temperature must be a finite number >= 0"),
+        ({"temperature": float("nan")}, "SamplingParams.temperature must be in [0, 2]"),
         ({"top_p": 0.0}, "SamplingParams.top_p must be in (0, 1], got 0.0"),
         ({"top_p": 1.5}, "SamplingParams.top_p must be in (0, 1], got 1.5"),
         (

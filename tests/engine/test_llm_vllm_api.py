@@ -1,0 +1,162 @@
+"""The offline API as code written for vLLM's ``LLM`` calls it: outputs[0], prompt dicts, use_tqdm,
+chat's arguments in vLLM's order, SamplingParams fields Duet takes only at their no-op value, and
+vLLM's constructor names. (tiny random Llama-3 with its tokenizer and chat template.)"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.llm import LLM
+from engine.loaders import LoadedModel
+from engine.sampling_params import SamplingParams, SamplingParamsError
+
+from .conftest_engine import assert_no_leak
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+CONV = [{"role": "user", "content": "hello there"}]
+
+
+@pytest.fixture
+def tiny_llm(tiny_llama3_loaded: LoadedModel) -> LLM:
+    return LLM.from_loaded(tiny_llama3_loaded, page_size=4, num_pages=64, max_model_len=64)
+
+
+def test_outputs_holds_the_completion_as_in_vllm(tiny_llm: LLM) -> None:
+    out = tiny_llm.generate("hello", GREEDY, use_tqdm=False)[0]
+    (completion,) = out.outputs
+    assert (completion.index, completion.text, completion.token_ids) == (0, out.text, out.token_ids)
+    assert (completion.finish_reason, completion.stop_reason) == ("length", None)
+    assert completion.logprobs is None and completion.cumulative_logprob is None
+
+
+def test_prompt_dicts_are_the_same_prompts(tiny_llm: LLM) -> None:
+    ids = tiny_llm.tokenizer.encode("hello world")
+    plain = tiny_llm.generate(["hello world", ids], GREEDY, use_tqdm=False)
+    dicts = tiny_llm.generate(
+        [{"prompt": "hello world"}, {"prompt_token_ids": ids}], GREEDY, use_tqdm=False
+    )
+    assert [o.token_ids for o in dicts] == [o.token_ids for o in plain]
+    assert dicts[0].prompt == "hello world" and dicts[1].prompt is None
+    one = tiny_llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in one] == [plain[1].token_ids]
+    assert tiny_llm.generate([], GREEDY) == []
+    assert_no_leak(tiny_llm.engine.kv)
+
+
+def test_use_tqdm_counts_finished_requests(tiny_llm: LLM) -> None:
+    bars: list[Any] = []
+
+    class Bar:
+        def __init__(self, total: int, **_: Any) -> None:
+            self.total, self.done, self.closed = total, 0, False
+            bars.append(self)
+
+        def update(self, n: int) -> None:
+            self.done += n
+
+        def close(self) -> None:
+            self.closed = True
+
+    tiny_llm.generate(["a", "b", "c"], GREEDY, use_tqdm=Bar)
+    tiny_llm.chat(CONV, GREEDY, Bar)  # (chat's third argument is use_tqdm, as in vLLM)
+    assert [(b.total, b.done, b.closed) for b in bars] == [(3, 3, True), (1, 1, True)]
+    with pytest.raises(ValueError, match="use_tqdm must be a bool or a tqdm-like class"):
+        tiny_llm.generate("a", GREEDY, use_tqdm="yes")  # type: ignore[arg-type]
+
+
+def test_chat_takes_vllms_arguments(tiny_llm: LLM) -> None:
+    tok = tiny_llm.tokenizer
+    with_prompt = tok.apply_chat_template(CONV, True)
+    out = tiny_llm.chat(CONV, GREEDY, False)[0]  # use_tqdm=False: still a generation prompt
+    assert out.prompt == with_prompt
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+    ]
+    assert tiny_llm.chat(parts, GREEDY, False)[0].prompt == tok.apply_chat_template(
+        [{"role": "user", "content": "a\nb"}], True
+    )
+    template = "{% for m in messages %}[{{ m.content }}]{% endfor %}{{ tools | tojson }}{{ flag }}"
+    out = tiny_llm.chat(
+        CONV,
+        GREEDY,
+        False,
+        chat_template=template,
+        chat_template_kwargs={"flag": "!"},
+        tools=[{"type": "function"}],
+    )[0]
+    assert out.prompt == '[hello there][{"type": "function"}]!'
+    with pytest.raises(TypeError):  # vLLM's lora_request position: keyword-only here, no mix-up
+        tiny_llm.chat(CONV, GREEDY, False, None)  # type: ignore[misc]
+    with pytest.raises(ValueError, match="only text content parts"):
+        tiny_llm.chat([{"role": "user", "content": [{"type": "image_url"}]}], GREEDY, False)
+    assert_no_leak(tiny_llm.engine.kv)
+
+
+def test_continue_final_message_renders_as_transformers(
+    tiny_llm: LLM, tiny_hf_checkpoints: dict[str, Path]
+) -> None:
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(tiny_hf_checkpoints["llama3"])
+    conv = CONV + [{"role": "assistant", "content": "The answer is "}]
+    want = hf.apply_chat_template(
+        conv, tokenize=False, add_generation_prompt=False, continue_final_message=True
+    )
+    out = tiny_llm.chat(
+        conv, GREEDY, False, add_generation_prompt=False, continue_final_message=True
+    )
+    assert out[0].prompt == want and want.endswith("The answer is")
+    with pytest.raises(ValueError, match="cannot both be true"):
+        tiny_llm.chat(conv, GREEDY, False, continue_final_message=True)
+
+
+def test_sampling_params_take_vllms_fields_only_where_they_ask_nothing() -> None:
+    SamplingParams(
+        n=1,
+        min_tokens=0,
+        min_p=0.0,
+        presence_penalty=0,
+        frequency_penalty=0.0,
+        repetition_penalty=1.0,
+        logprobs=None,
+        prompt_logprobs=None,
+    )
+    for field, value in (
+        ("n", 2),
+        ("min_tokens", 4),
+        ("min_p", 0.1),
+        ("presence_penalty", 0.5),
+        ("frequency_penalty", -0.5),
+        ("repetition_penalty", 1.1),
+        ("logprobs", 0),
+        ("prompt_logprobs", 1),
+        ("n", True),
+    ):
+        with pytest.raises(SamplingParamsError, match=f"SamplingParams.{field}=.* not supported"):
+            SamplingParams(**{field: value})
+    assert SamplingParams(seed=-1).seed is None  # (vLLM: -1 is no seed)
+    with pytest.raises(SamplingParamsError, match="temperature must be in \\[0, 2\\]"):
+        SamplingParams(temperature=2.5)
+
+
+def test_vllms_constructor_names_and_unapplied_generation_config(
+    tiny_hf_checkpoints: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_hf_checkpoints["llama3"], ckpt)
+    (ckpt / "generation_config.json").write_text(json.dumps({"repetition_penalty": 1.3}))
+    with caplog.at_level(logging.WARNING, logger="engine.llm"):
+        llm = LLM(str(ckpt), enable_prefix_caching=False, enforce_eager=True, num_pages=32)
+    assert llm.engine.kv.reuse_policy.value == "none"
+    assert any("repetition_penalty=1.3" in r.getMessage() for r in caplog.records)
+    assert llm.get_tokenizer() is llm.tokenizer
+    with pytest.raises(ValueError, match="give enable_prefix_caching or reuse_policy, not both"):
+        LLM(str(ckpt), enable_prefix_caching=True, reuse_policy="none")
+    with pytest.raises(ValueError, match="enforce_eager must be a bool"):
+        LLM(str(ckpt), enforce_eager="yes")
