@@ -125,12 +125,12 @@ def render_chat_template(
     clash = _RESERVED & set(extra)
     if clash:
         raise ChatTemplateError(f"template variables may not be named {sorted(clash)}")
-    variables: dict[str, Any] = {
-        "tools": None,
-        "documents": None,
-        **(special_tokens or {}),
-        **extra,
-    }
+    if any(m["role"] == "developer" for m in messages) and not _knows_developer(source):
+        messages = _developer_as_system(messages)
+    # (a special token the model lacks is left undefined, which renders as "", as transformers
+    # leaves it out; None would render "None")
+    specials = {k: v for k, v in (special_tokens or {}).items() if v is not None}
+    variables: dict[str, Any] = {"tools": None, "documents": None, **specials, **extra}
     try:
         text = compile_chat_template(source).render(
             messages=messages, add_generation_prompt=add_generation_prompt, **variables
@@ -138,6 +138,25 @@ def render_chat_template(
     except jinja2.TemplateError as exc:
         raise ChatTemplateError(f"chat template failed: {exc}") from exc
     return _cut_after_final_message(text, messages) if continue_final_message else text
+
+
+@lru_cache(maxsize=32)
+def _knows_developer(source: str) -> bool:
+    return '"developer"' in source or "'developer'" in source
+
+
+def _developer_as_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI's ``developer`` role (newer clients send it for ``system``) as ``system``, for a
+    template that does not name it (vLLM's rule: most templates would drop it, keep a default
+    system prompt beside it, or refuse the conversation); the system messages then merge into
+    one at the start, as templates that want it first need."""
+    converted = [m | {"role": "system"} if m["role"] == "developer" else m for m in messages]
+    systems = [i for i, m in enumerate(converted) if m["role"] == "system"]
+    if systems == [0] or not systems:
+        return converted
+    text = "\n\n".join(t for t in (content_text(converted[i].get("content")) for i in systems) if t)
+    rest = [m for m in converted if m["role"] != "system"]
+    return [{"role": "system", "content": text}, *rest]
 
 
 def _cut_after_final_message(text: str, messages: list[dict[str, Any]]) -> str:

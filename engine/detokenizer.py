@@ -8,8 +8,13 @@ from engine.tokenizer import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
 # Tokens of the prompt decoded as left context, so the first generated token gets the spacing it has
-# in the full text (sentencepiece-style decoders drop a leading space at the start of a decode).
+# in the full text (sentencepiece-style decoders drop a leading space at the start of a decode):
+# the fewest, from _PROMPT_CONTEXT_TOKENS on, whose text has no broken character, up to
+# _PROMPT_CONTEXT_MAX (vLLM's search). A context that starts inside a character of byte tokens
+# (Gemma's and Llama 2's <0xNN>) would make a byte-fallback decoder turn every byte token of the
+# run into U+FFFD, generated ones included.
 _PROMPT_CONTEXT_TOKENS = 5
+_PROMPT_CONTEXT_MAX = 24
 
 
 class IncrementalDetokenizer:
@@ -29,7 +34,7 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self._ids: list[int] = list(prompt_ids)
         self._num_prompt = len(self._ids)
-        self.prefix_offset = max(self._num_prompt - _PROMPT_CONTEXT_TOKENS, 0)
+        self.prefix_offset = self._context_start()
         self.read_offset = self._num_prompt
         self.text = ""  # everything emitted so far
 
@@ -40,6 +45,15 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _context_start(self) -> int:
+        """Where the prompt's left context starts (module comment); the shortest window when no
+        window is whole (a prompt that ends inside a character)."""
+        n = self._num_prompt
+        for size in range(_PROMPT_CONTEXT_TOKENS, min(n, _PROMPT_CONTEXT_MAX) + 1):
+            if REPLACEMENT_CHAR not in self._decode(self._ids[n - size :]):
+                return n - size
+        return max(n - _PROMPT_CONTEXT_TOKENS, 0)
 
     def add(self, token_id: int) -> str:
         """Feed one token; returns the newly completed text (possibly empty)."""

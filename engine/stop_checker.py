@@ -25,21 +25,22 @@ def flush_text(request: Request) -> int:
 
 
 def _match_stop_string(request: Request, new_chars: int) -> bool:
-    """Find a stop string that the newest characters completed; truncate the text there."""
+    """Find a stop string that the newest characters completed; truncate the text there. Of
+    several, the one that completes first wins (ties: the first listed), as in vLLM: the text is
+    then what feeding the characters one at a time would have stopped at."""
     text = request.output_text
     params = request.sampling_params
-    best: tuple[int, str] | None = None
+    best: tuple[int, int, str] | None = None  # (end, start, stop string)
     for stop in params.stop:
         # Only a match ending inside the new characters is new; earlier text was checked already.
         start = max(0, len(text) - new_chars - len(stop) + 1)
         idx = text.find(stop, start)
-        if idx != -1 and (best is None or idx < best[0]):
-            best = (idx, stop)
+        if idx != -1 and (best is None or idx + len(stop) < best[0]):
+            best = (idx + len(stop), idx, stop)
     if best is None:
         return False
-    idx, stop = best
-    end = idx + len(stop) if params.include_stop_str_in_output else idx
-    request.output_text = text[:end]
+    end, idx, stop = best
+    request.output_text = text[: end if params.include_stop_str_in_output else idx]
     request.stop_reason = stop
     return True
 

@@ -92,3 +92,41 @@ def test_random_streams_concatenate_to_decode(default_model: LoadedModel, ids: l
         deltas = [detok.add(i) for i in ids]
         assert all(not d.endswith(REPLACEMENT_CHAR) for d in deltas)
         assert "".join(deltas) + detok.finish() == tok.decode(ids, skip_special_tokens=skip)
+
+
+def _byte_fallback_tokenizer() -> Tokenizer:
+    """Gemma's kind of tokenizer: pieces, and <0xNN> byte tokens for what they lack (emoji, most
+    accented letters), decoded by Replace + ByteFallback + Fuse."""
+    from tokenizers import AddedToken, decoders, models, normalizers
+    from tokenizers import Tokenizer as Backend
+
+    pieces = ["▁", "▁Hi", "Hi", "▁and", "and", "▁a", "a", "b", "!"]
+    vocab = [("<pad>", 0.0), ("<eos>", 0.0), ("<bos>", 0.0), ("<unk>", 0.0)]
+    vocab += [(f"<0x{b:02X}>", -10.0) for b in range(256)]
+    vocab += [(p, -1.0 - 0.1 * i) for i, p in enumerate(pieces)]
+    backend = Backend(models.Unigram(vocab, unk_id=3, byte_fallback=True))
+    backend.normalizer = normalizers.Replace(" ", "▁")
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    backend.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t in ("<pad>", "<eos>", "<bos>", "<unk>")
+        ]
+    )
+    return Tokenizer(backend, bos_token="<bos>", eos_token="<eos>")
+
+
+def test_a_prompt_ending_in_byte_tokens_leaves_the_generated_text_whole() -> None:
+    """The prompt's left context must start at a character: five tokens back would start inside
+    the emoji's bytes here, and the byte-fallback decoder then made every byte token of the run,
+    the generated "ü" included, into U+FFFD (as neither transformers nor vLLM do)."""
+    tok = _byte_fallback_tokenizer()
+    prompt = tok.encode("Hi 👍🏽")
+    full = tok.encode("Hi 👍🏽ü and 😀!")
+    assert full[: len(prompt)] == prompt and len(prompt) > 5  # (8 byte tokens after "Hi")
+    generated = full[len(prompt) :]
+    detok = IncrementalDetokenizer(tok, prompt)
+    text = detok.add_many(generated) + detok.finish()
+    assert text == tok.decode(generated) == "ü and 😀!"

@@ -110,6 +110,23 @@ def test_a_kept_stop_string_holds_no_text_back(word_tokenizer: Tokenizer) -> Non
     assert held[0].delta_text == ""  # (without it, the last 8 characters wait)
 
 
+def test_of_stop_strings_one_token_completes_the_first_to_complete_wins(
+    word_tokenizer: Tokenizer,
+) -> None:
+    """vLLM 0.32's rule: the text is what one character at a time would have stopped at ("r"
+    completes inside " world" before "world" does); a tie goes to the first listed."""
+    for include, text in ((False, " hello wo"), (True, " hello wor")):
+        req, _ = generate(
+            word_tokenizer,
+            ["hello", "world", "here"],
+            stop=["world", "r"],
+            include_stop_str_in_output=include,
+        )
+        assert (req.stop_reason, req.output_text) == ("r", text)
+    req, _ = generate(word_tokenizer, ["hello", "world"], stop=["rld", "orld"])
+    assert (req.stop_reason, req.output_text) == ("rld", " hello wo")
+
+
 def test_stop_string_spanning_tokens_and_earliest_match_wins(word_tokenizer: Tokenizer) -> None:
     req, _ = generate(
         word_tokenizer, ["hello", "world", "stop", "here"], stop=["stop here", "ld st"]

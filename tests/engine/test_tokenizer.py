@@ -153,3 +153,36 @@ def test_template_sandbox_and_helpers(tiny_llama3_dir: Path) -> None:
     as_json = Tokenizer(tok.backend, chat_template="{{ messages | tojson }}{{ flag }}")
     text = as_json.apply_chat_template([{"role": "user", "content": "日本 <b>"}], flag="!")
     assert text == '[{"role": "user", "content": "日本 <b>"}]!'
+
+
+def test_the_developer_role_is_a_system_message_for_templates_that_do_not_name_it(
+    default_model: LoadedModel, tiny_llama3_dir: Path
+) -> None:
+    """Newer OpenAI clients send ``developer`` for ``system``. As vLLM, a template that never names
+    the role gets it as ``system`` (SmolLM2's would keep its default system prompt and add a
+    ``developer`` turn the model never saw); the system messages merge first."""
+    tok = _gguf_tokenizer(default_model)
+    user = {"role": "user", "content": "Hi"}
+    developer = [{"role": "developer", "content": "Answer in French."}, user]
+    system = [{"role": "system", "content": "Answer in French."}, user]
+    assert tok.apply_chat_template(developer) == tok.apply_chat_template(system)
+    late = [user, {"role": "developer", "content": "B"}, {"role": "system", "content": "A"}]
+    merged = [{"role": "system", "content": "B\n\nA"}, user]
+    assert tok.apply_chat_template(late) == tok.apply_chat_template(merged)
+    naming = Tokenizer(
+        tok.backend, chat_template="{% for m in messages %}{{ m.role }};{% endfor %}"
+    )
+    assert naming.apply_chat_template(developer) == "system;user;"  # (it does not name it)
+    knows = Tokenizer(
+        tok.backend,
+        chat_template="{% for m in messages %}{% if m.role == 'developer' %}D{% endif %}{% endfor %}",
+    )
+    assert knows.apply_chat_template(developer) == "D"
+
+
+def test_a_special_token_the_model_lacks_renders_as_nothing(tiny_llama3_dir: Path) -> None:
+    """As transformers: an unset ``bos_token`` is undefined in the template, not the text None."""
+    tok = load_model(str(tiny_llama3_dir)).tokenizer
+    assert tok is not None
+    bare = Tokenizer(tok.backend, eos_token=tok.eos_token, chat_template="[{{ bos_token }}]")
+    assert bare.apply_chat_template([{"role": "user", "content": "x"}]) == "[]"
