@@ -104,9 +104,19 @@ class ClusterFrontend:
         return self._require_tokenizer().encode(text, add_special_tokens=True)
 
     def encode_chat(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        return self._require_tokenizer().encode_chat(messages, add_generation_prompt)
+        return self._require_tokenizer().encode_chat(
+            messages,
+            add_generation_prompt,
+            continue_final_message=continue_final_message,
+            variables=template_kwargs,
+        )
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         return self.router.generate(request)

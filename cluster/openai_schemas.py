@@ -100,7 +100,6 @@ NOT_SUPPORTED_CHAT = _NOT_SUPPORTED_COMMON | {
     "web_search_options": _none_or(),
     "prompt_cache_key": _none_or(),
     "safety_identifier": _none_or(),
-    "continue_final_message": _none_or(False),  # vLLM's
     "echo": _none_or(False),  # vLLM's
 }
 NOT_SUPPORTED_MESSAGE = {
@@ -267,8 +266,12 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
-    # vLLM's extension: False renders the messages without the assistant turn's opening.
+    # vLLM's extensions: False renders the messages without the assistant turn's opening;
+    # continue_final_message (with add_generation_prompt false) continues the last message;
+    # chat_template_kwargs are template variables (Qwen 3's enable_thinking, ...).
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("messages")
     @classmethod
@@ -290,6 +293,14 @@ class ChatCompletionRequest(_SamplingFields):
 
     def refused(self) -> list[tuple[str, str]]:
         refused = refused_fields(self.model_extra, NOT_SUPPORTED_CHAT) + self._misused()
+        if self.continue_final_message and self.add_generation_prompt:
+            refused.append(
+                (
+                    "continue_final_message",
+                    "continue_final_message: not with add_generation_prompt true (the first "
+                    "continues the last message, the second opens a new one)",
+                )
+            )
         for i, message in enumerate(self.messages):
             refused += refused_fields(message.model_extra, NOT_SUPPORTED_MESSAGE, f"messages[{i}].")
         return refused

@@ -51,7 +51,12 @@ class ServingBackend(Protocol):
     async def stop(self) -> None: ...
     def encode(self, text: str) -> list[int]: ...
     def encode_chat(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]: ...
     def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]: ...
     async def abort(self, request_id: str) -> None: ...
@@ -311,7 +316,12 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
         _check_body(body)
         try:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            ids = backend.encode_chat(messages, body.add_generation_prompt)
+            ids = backend.encode_chat(
+                messages,
+                body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                template_kwargs=body.chat_template_kwargs,
+            )
         except (ValueError, TypeError) as e:  # TypeError: text the tokenizer cannot take
             raise BadRequest(str(e), "messages") from e
         req = _prepare(body, ids, "chatcmpl")

@@ -102,12 +102,13 @@ def render_chat_template(
     add_generation_prompt: bool = True,
     special_tokens: dict[str, str | None] | None = None,
     continue_final_message: bool = False,
-    **extra: Any,
+    variables: dict[str, Any] | None = None,
 ) -> str:
     """Render ``messages`` (dicts with at least ``role`` and ``content``).
 
-    ``special_tokens`` (``bos_token``, ``eos_token``, ...) and ``extra`` (``tools``, ``documents``,
-    template-specific flags) become template variables, as in transformers' ``apply_chat_template``.
+    ``special_tokens`` (``bos_token``, ``eos_token``, ...) and ``variables`` (``tools``,
+    ``documents``, template-specific flags: vLLM's chat_template_kwargs) become template
+    variables, as in transformers' ``apply_chat_template``.
     ``continue_final_message``: the text ends where the last message's content does (what the
     template writes after it, an end-of-turn, is cut), so the model continues that message, as in
     transformers; not with ``add_generation_prompt``.
@@ -122,6 +123,7 @@ def render_chat_template(
             "continue_final_message and add_generation_prompt cannot both be true: the first "
             "continues the last message, the second opens a new one"
         )
+    extra = dict(variables or {})
     clash = _RESERVED & set(extra)
     if clash:
         raise ChatTemplateError(f"template variables may not be named {sorted(clash)}")

@@ -158,7 +158,7 @@ class LLM:
                 add_generation_prompt,
                 chat_template=chat_template,
                 continue_final_message=continue_final_message,
-                **options,
+                variables=options,
             )
             ids = self.tokenizer.encode(text, add_special_tokens=False)
             self.engine.check_prompt(ids, f"messages[{i}]")

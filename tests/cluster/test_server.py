@@ -46,9 +46,19 @@ class WorkerBackend:
         return self.tokenizer.encode(text)
 
     def encode_chat(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        return self.tokenizer.encode_chat(messages, add_generation_prompt)
+        return self.tokenizer.encode_chat(
+            messages,
+            add_generation_prompt,
+            continue_final_message=continue_final_message,
+            variables=template_kwargs,
+        )
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         self.requests.append(request)
@@ -330,3 +340,27 @@ def test_the_stop_reason_names_what_stopped_the_answer(http, path: str, stream: 
     stop = text.strip()[2:5]  # (three characters inside the answer)
     assert ending({"stop": [stop]}) == ("stop", stop)
     assert ending({}) == ("length", None)
+
+
+def test_chat_continues_the_final_message_and_takes_template_variables(http, backend) -> None:
+    """vLLM's continue_final_message (the prompt ends inside the last message, for the model to go
+    on with it) and chat_template_kwargs (template variables)."""
+    conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Bonjour, je"}]
+    body = {"model": MODEL, "messages": conv, "max_tokens": 2, "temperature": 0}
+    r = http.post(
+        "/v1/chat/completions",
+        json=body | {"add_generation_prompt": False, "continue_final_message": True},
+    )
+    assert r.status_code == 200, r.text
+    want = backend.tokenizer.apply_chat_template(conv, False, continue_final_message=True)
+    assert want.endswith("Bonjour, je")
+    assert backend.requests[-1].prompt_token_ids.tolist() == backend.encode_chat(
+        conv, False, continue_final_message=True
+    )
+    r = http.post("/v1/chat/completions", json=body | {"continue_final_message": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+    kwargs = {"chat_template_kwargs": {"enable_thinking": False}}
+    assert http.post("/v1/chat/completions", json=body | kwargs).status_code == 200
+    bad = {"chat_template_kwargs": {"messages": []}}  # (the template's own variable)
+    r = http.post("/v1/chat/completions", json=body | bad)
+    assert r.status_code == 400 and "may not be named" in r.json()["error"]["message"]

@@ -151,7 +151,9 @@ def test_template_sandbox_and_helpers(tiny_llama3_dir: Path) -> None:
     with pytest.raises(ChatTemplateError):
         escaping.apply_chat_template([{"role": "user", "content": "x"}])
     as_json = Tokenizer(tok.backend, chat_template="{{ messages | tojson }}{{ flag }}")
-    text = as_json.apply_chat_template([{"role": "user", "content": "日本 <b>"}], flag="!")
+    text = as_json.apply_chat_template(
+        [{"role": "user", "content": "日本 <b>"}], variables={"flag": "!"}
+    )
     assert text == '[{"role": "user", "content": "日本 <b>"}]!'
 
 
