@@ -17,7 +17,6 @@ from pydantic import (
     model_validator,
 )
 
-from engine.chat_template import content_text
 from engine.loaders.generation_defaults import GenerationDefaults
 from engine.sampling_params import SamplingParams
 
@@ -257,10 +256,6 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
-
-    def text(self) -> str:
-        """The message's text; text parts on lines of their own (as vLLM joins them)."""
-        return content_text(self.content)
 
 
 class ChatCompletionRequest(_SamplingFields):

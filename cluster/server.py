@@ -52,7 +52,7 @@ class ServingBackend(Protocol):
     def encode(self, text: str) -> list[int]: ...
     def encode_chat(
         self,
-        messages: list[dict[str, str]],
+        messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         *,
         continue_final_message: bool = False,
@@ -315,7 +315,8 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
     async def chat(body: oa.ChatCompletionRequest, request: Request) -> Response:
         _check_body(body)
         try:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            # (the template takes content parts as it is written to: engine.chat_template)
+            messages = [{"role": m.role, "content": m.content} for m in body.messages]
             ids = backend.encode_chat(
                 messages,
                 body.add_generation_prompt,

@@ -57,19 +57,62 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-@lru_cache(maxsize=32)
-def compile_chat_template(source: str) -> jinja2.Template:
-    """Compile once per distinct template text (a pure function of ``source``)."""
+def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+@lru_cache(maxsize=32)
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile once per distinct template text (a pure function of ``source``)."""
     try:
-        return env.from_string(source)
+        return _environment().from_string(source)
     except jinja2.TemplateSyntaxError as exc:
         raise ChatTemplateError(f"chat template does not compile: {exc}") from exc
+
+
+@lru_cache(maxsize=32)
+def takes_content_parts(source: str) -> bool:
+    """Whether the template loops over a message's content (Gemma 3's does): it is written for
+    OpenAI's list of content parts, and gets them as they are (vLLM's "openai" content format,
+    found much as vLLM finds it: a for loop over ``<x>.content``, ``<x>['content']`` or
+    ``content``). Other templates get the parts' text joined."""
+    try:
+        tree = _environment().parse(source)
+    except jinja2.TemplateSyntaxError:
+        return False
+    for loop in tree.find_all(jinja2.nodes.For):
+        it = loop.iter
+        while isinstance(it, (jinja2.nodes.Filter, jinja2.nodes.Test)) and it.node is not None:
+            it = it.node
+        if isinstance(it, jinja2.nodes.Getitem) and isinstance(it.arg, jinja2.nodes.Slice):
+            it = it.node
+        if (
+            isinstance(it, jinja2.nodes.Getitem)
+            and isinstance(it.arg, jinja2.nodes.Const)
+            and it.arg.value == "content"
+            or isinstance(it, jinja2.nodes.Getattr)
+            and it.attr == "content"
+            or isinstance(it, jinja2.nodes.Name)
+            and it.name == "content"
+        ):
+            return True
+    return False
+
+
+def _content_parts(content: Any) -> str | list[dict[str, str]]:
+    """A message's content for a template that takes parts: a list as its text parts, a string
+    as is (as transformers passes them; vLLM would make it one part, which such templates render
+    alike)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    content_text(content)  # (refuses what is not a text part)
+    return [{"type": "text", "text": part["text"]} for part in content]
 
 
 def content_text(content: Any) -> str:
@@ -129,6 +172,10 @@ def render_chat_template(
         raise ChatTemplateError(f"template variables may not be named {sorted(clash)}")
     if any(m["role"] == "developer" for m in messages) and not _knows_developer(source):
         messages = _developer_as_system(messages)
+    as_content = _content_parts if takes_content_parts(source) else content_text
+    messages = [
+        m | {"content": as_content(m["content"])} if "content" in m else m for m in messages
+    ]
     # (a special token the model lacks is left undefined, which renders as "", as transformers
     # leaves it out; None would render "None")
     specials = {k: v for k, v in (special_tokens or {}).items() if v is not None}

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from engine.chat_template import content_text
 from engine.engine_config import EngineConfig
 from engine.engine_core import LLMEngine
 from engine.loaders.generation_defaults import GenerationDefaults, load_generation_defaults
@@ -152,7 +151,6 @@ class LLM:
         for i, conv in enumerate(conversations):
             if not isinstance(conv, list) or not conv or not all(isinstance(m, dict) for m in conv):
                 raise ValueError(f"messages[{i}] must be a non-empty list of message dicts")
-            conv = [m | {"content": content_text(m.get("content"))} for m in conv]
             text = self.tokenizer.apply_chat_template(
                 conv,
                 add_generation_prompt,

@@ -188,3 +188,36 @@ def test_a_special_token_the_model_lacks_renders_as_nothing(tiny_llama3_dir: Pat
     assert tok is not None
     bare = Tokenizer(tok.backend, eos_token=tok.eos_token, chat_template="[{{ bos_token }}]")
     assert bare.apply_chat_template([{"role": "user", "content": "x"}]) == "[]"
+
+
+# Gemma 3's way with content: a loop over OpenAI's list of parts (a string passes as is).
+PARTS_TEMPLATE = (
+    "{%- for message in messages -%}<{{ message['role'] }}>"
+    "{%- if message['content'] is string -%}{{ message['content'] | trim }}"
+    "{%- else -%}{%- for item in message['content'] -%}[{{ item['text'] | trim }}]{%- endfor -%}"
+    "{%- endif -%}{%- endfor -%}"
+)
+
+
+def test_content_parts_reach_a_template_that_loops_over_them(
+    default_model: LoadedModel, tiny_llama3_dir: Path
+) -> None:
+    """As vLLM's content-format detection and transformers: a template written for content parts
+    gets them (a string as one part); any other template gets their text joined by new lines."""
+    from transformers import AutoTokenizer
+
+    from engine.chat_template import takes_content_parts
+
+    smol = _gguf_tokenizer(default_model)
+    assert smol.chat_template is not None and not takes_content_parts(smol.chat_template)
+    assert takes_content_parts(PARTS_TEMPLATE)
+    parts = [{"type": "text", "text": "part one"}, {"type": "text", "text": " part two"}]
+    conv = [{"role": "user", "content": parts}, {"role": "assistant", "content": "ok"}]
+    ours = Tokenizer(smol.backend, chat_template=PARTS_TEMPLATE).apply_chat_template(conv, False)
+    hf = AutoTokenizer.from_pretrained(tiny_llama3_dir)
+    want = hf.apply_chat_template(
+        conv, chat_template=PARTS_TEMPLATE, tokenize=False, add_generation_prompt=False
+    )
+    assert ours == want == "<user>[part one][part two]<assistant>ok"
+    joined = [{"role": "user", "content": "part one\n part two"}, conv[1]]
+    assert smol.apply_chat_template(conv) == smol.apply_chat_template(joined)
