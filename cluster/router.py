@@ -51,6 +51,12 @@ def _error_delta(req: GenerateRequest, error: str) -> TokenDelta:
     return TokenDelta(req.request_id, [], "", "abort", len(req.prompt_token_ids), 0, error=error)
 
 
+def _timeout_delta(req: GenerateRequest, call_timeout_s: float) -> TokenDelta:
+    return _error_delta(
+        req, f"the request took longer than server.request_timeout_s ({call_timeout_s:g}s)"
+    )
+
+
 class Router:
     def __init__(
         self,
@@ -111,6 +117,10 @@ class Router:
             return
         pre, pworker, attempts, reported = await self._prefill(req, hashes)
         if pre is None:
+            if self._left_s(req) <= 0:  # (no time left for a local prefill either)
+                self._closed(req.request_id, reported, "error")
+                yield _timeout_delta(req, self.call_timeout_s)
+                return
             if self.prefill and not self.local_prefill_fallback:
                 self._closed(req.request_id, reported, "error")
                 yield _error_delta(
@@ -179,25 +189,29 @@ class Router:
             queued = self.choice.tokens_to_compute(w, req, hashes)
             w.queued_prefill_tokens += queued
             try:
-                left = max(self._left_s(req), 0.0)
-                call = dataclasses.replace(req, prefill_attempt=attempt)
-                async with asyncio.timeout(left):  # (not wait_for: it may lose a cancel)
-                    pre = await w.handle.prefill.remote(call)
+                ref = w.handle.prefill.remote(dataclasses.replace(req, prefill_attempt=attempt))
+                async with asyncio.timeout(max(self._left_s(req), 0.0)):  # (not wait_for: it
+                    pre = await ref  # may lose a cancel)
                 return pre, w, attempt + 1, attempt
             except RayTaskError as e:
                 if isinstance(e.cause, ValueError):
                     raise e.cause from None  # the request itself is bad: no retry
                 reported = attempt  # (its worker reports how it failed)
                 log.warning("prefill of %s failed on %s: %s", req.request_id, w.worker_id, e)
-            except (RayActorError, asyncio.TimeoutError) as e:
-                if isinstance(e, asyncio.TimeoutError):  # it may still prefill and lease the KV
-                    w.handle.cancel.remote(req.request_id)
-                    reported = attempt  # (aborted there, it reports)
+            except asyncio.TimeoutError:
+                # The request's time ran out: no worker is to blame (a long prompt, a queue), and
+                # no other attempt has time. The call is cancelled (queued: it never runs), and
+                # so is the request, which may have prefilled and leased its KV meanwhile.
+                ray.cancel(ref)
+                w.handle.cancel.remote(req.request_id)
+                return None, None, attempt + 1, attempt  # (aborted there, it reports)
+            except RayActorError as e:
                 w.healthy = False  # until its stats answer again
                 log.warning(
                     "prefill worker %s unavailable for %s: %s", w.worker_id, req.request_id, e
                 )
             except asyncio.CancelledError:
+                ray.cancel(ref)
                 w.handle.cancel.remote(req.request_id)
                 self._closed(req.request_id, attempt, "abort")
                 raise
@@ -260,11 +274,7 @@ class Router:
                         )
                 except asyncio.TimeoutError:
                     # Not ``finished``: the ``finally`` below aborts it on the decode worker.
-                    yield _error_delta(
-                        req,
-                        f"the request took longer than server.request_timeout_s "
-                        f"({self.call_timeout_s:g}s)",
-                    )
+                    yield _timeout_delta(req, self.call_timeout_s)
                     return
                 except RayActorError as e:
                     d.healthy = False

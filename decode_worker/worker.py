@@ -163,7 +163,7 @@ class DecodeWorker:
             ),
             attempt,
         )
-        if not ok:
+        if not ok and not aborted:  # (a pull its client's abort cut short did not fail)
             self.num_transfer_failures += 1
         if aborted or not ok:
             self._aborted.discard(rid)
@@ -303,7 +303,9 @@ class DecodeWorker:
             return RequestOutput.from_request(request) if request.is_finished else None
 
         try:
-            done_at_add = await asyncio.wrap_future(self.loop.call(add_and_check))
+            # Shielded: a cancel while the add waits behind an engine step must not drop the add,
+            # or nothing would report the request; added, it is aborted below and reported so.
+            done_at_add = await asyncio.shield(asyncio.wrap_future(self.loop.call(add_and_check)))
             if done_at_add is not None:  # the first token already met a stop condition
                 finished = True
                 self.loop.unsubscribe(rid)

@@ -71,6 +71,21 @@ class EngineLoop:
         fut.set_exception(RuntimeError(closed))
         return fut
 
+    def abort(self, request_id: str, reason: str) -> concurrent.futures.Future[bool]:
+        """Abort ``request_id`` in the engine and end its subscriber's stream with ``reason``: an
+        aborted request makes no output of its own, so a consumer waiting for one would wait
+        until its deadline. The future tells whether the engine still had the request."""
+
+        def run(engine: LLMEngine) -> bool:
+            known = engine.abort_request(request_id)
+            with self._sinks_lock:
+                sink = self._sinks.pop(request_id, None)
+            if sink is not None:
+                sink(_error_output(request_id, reason))
+            return known
+
+        return self.call(run)
+
     def subscribe(self, request_id: str, sink: Sink) -> None:
         with self._sinks_lock:
             self._sinks[request_id] = sink

@@ -178,8 +178,8 @@ class PrefillWorker:
         """The client went away: stop the prefill, or give up the lease of a finished one."""
         if request_id in self._publishing:  # prefilled, not yet leased: ``_publish`` cancels
             self._publishing[request_id] = True
-        elif request_id in self._pending:
-            await asyncio.wrap_future(self.loop.call(lambda e: e.abort_request(request_id)))
+        elif request_id in self._pending:  # (its ``prefill`` call ends now, not at its deadline)
+            await asyncio.wrap_future(self.loop.abort(request_id, "the client went away"))
         else:
             await _settled(self.publisher.cancel(request_id))
 

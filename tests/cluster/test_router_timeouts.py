@@ -1,7 +1,7 @@
-"""The router's deadlines and retries on a real local Ray: a prefill worker that does not answer in
-time is marked unhealthy and the request is cancelled there (it may still prefill it later and
-lease its KV, which nobody would pull); router.prefill_retries, router.local_prefill_fallback and
-server.request_timeout_s with a real decode worker."""
+"""The router's deadlines and retries on a real local Ray: a request whose time runs out in its
+prefill is cancelled there (it may still prefill it later and lease its KV, which nobody would
+pull), blames no worker and goes nowhere else; router.prefill_retries,
+router.local_prefill_fallback and server.request_timeout_s with a real decode worker."""
 
 from __future__ import annotations
 
@@ -91,15 +91,43 @@ class FailingPrefill:
         pass
 
 
-def test_a_timed_out_prefill_is_cancelled_on_its_worker(local_ray: None) -> None:
+@ray.remote(num_cpus=0)
+class CountingDecode:
+    """A decode worker that counts the requests it is given."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        self.calls += 1
+        yield TokenDelta(req.request_id, [7], "x", "length", 3, 1)
+
+    async def abort(self, *args: object) -> None:
+        pass
+
+    async def calls_made(self) -> int:
+        return self.calls
+
+
+def test_a_request_out_of_time_in_its_prefill_is_cancelled_there_and_goes_nowhere_else(
+    local_ray: None,
+) -> None:
+    """The request's time ran out, not the worker: it stays healthy (it used to be marked down,
+    and every request after fell back to the decode worker's local prefill), and the request is
+    not handed to the decode worker to prefill with no time left."""
     worker = StuckPrefill.remote()
     slot = WorkerSlot("p-0", handle=worker)
-    router = Router([slot], [WorkerSlot("d-0", handle=None)], prefill_retries=0, call_timeout_s=0.5)
+    decode = CountingDecode.remote()
+    router = Router([slot], [WorkerSlot("d-0", decode)], prefill_retries=1, call_timeout_s=0.5)
+    closed = closing(router)
     req = GenerateRequest("late-1", [1, 2, 3], SamplingParams(), time.time())
-    pre, where, attempts, reported = asyncio.run(router._prefill(req))
-    assert (pre, where, attempts, reported) == (None, None, 1, 0)  # (cancelled there, it reports)
-    assert not slot.healthy and slot.failures == 1 and slot.outstanding == 0
-    wait_cancelled(worker, "late-1")
+    deltas = asyncio.run(collect(router, req))
+    assert len(deltas) == 1 and "server.request_timeout_s (0.5s)" in (deltas[0].error or "")
+    assert slot.healthy and slot.failures == 0 and slot.outstanding == 0
+    assert router.num_local_fallbacks == 0 and router.num_prefill_retries == 0
+    assert ray.get(decode.calls_made.remote(), timeout=30) == 0
+    assert closed == [RequestClosed("late-1", last_attempt=0, reason="error")]
+    wait_cancelled(worker, "late-1")  # (cancelled there, it reports)
 
 
 def test_a_client_gone_during_its_prefill_is_closed_with_the_collector(local_ray: None) -> None:

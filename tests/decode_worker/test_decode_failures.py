@@ -152,6 +152,29 @@ def test_a_client_that_leaves_mid_pull_is_reported_and_its_pages_come_back() -> 
 
 
 @pytest.mark.timeout(120)
+def test_a_pull_its_clients_abort_cut_short_is_no_transfer_failure() -> None:
+    """The router's abort while the KV is on the way (it also ends P's lease, so the pull fails):
+    the request ends as aborted, and /metrics' transfer failures do not count it."""
+    records: list[RequestTimings] = []
+    worker, stalled = facing_a_stall(records)
+
+    async def main() -> None:
+        task = await pull_under_way(worker, stalled, list(range(1, 23)))
+        await worker.abort("x", prompt_tokens=22)  # (its call arrived: the flag is set)
+        await task  # the pull fails at its deadline: the request ends, aborted
+        (record,) = await reports(worker, records)
+        assert (record.request_id, record.finish_reason) == ("x", "abort")
+        assert worker.stats().transfer.failures == 0
+        await wait_until_no_page_held(worker)
+
+    try:
+        asyncio.run(main())
+    finally:
+        stalled.close()
+        worker.close()
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("on_failure", ["fail", "recompute"])
 def test_a_client_that_leaves_while_a_failed_pulls_pages_are_freed_leaves_none_held(
     on_failure: str,

@@ -5,6 +5,7 @@ every request the worker was handed is reported once, even one that never reache
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -182,6 +183,42 @@ def test_an_abort_while_waiting_for_pages_ends_the_request_without_a_pull() -> N
         assert worker.stats().transfer.failures == 0  # no pull was made
         ((rid, finish),) = [(r.request_id, r.finish_reason) for r in await reports(worker, records)]
         assert (rid, finish) == ("x", "abort")
+
+    try:
+        asyncio.run(main())
+    finally:
+        worker.close()
+
+
+def test_a_client_gone_while_its_add_waits_behind_a_step_is_still_reported() -> None:
+    """The call ran, so the router's abort does not report it (the worker's own records must):
+    its add, queued behind the engine's work when the client left, is made and aborted, and the
+    engine reports it (the add used to be dropped with the cancel, and the request went
+    unreported: missing from /perf_metrics, or pending in the collector for good)."""
+    records: list[RequestTimings] = []
+    worker = DecodeWorker("d0", tiny_engine(64), None, records.extend)
+
+    async def main() -> None:
+        gate = threading.Event()
+        worker.loop.call(lambda e: gate.wait(30))  # the engine thread busy: the add queues
+        stream = worker.generate(GenerateRequest("q", list(range(1, 11)), greedy(8), time.time()))
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0.2)  # (the add is queued)
+        first.cancel()  # the client leaves
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        abort = asyncio.ensure_future(worker.abort("q", prompt_tokens=10))  # the router's
+        await asyncio.sleep(0.2)  # (the call had arrived: the usual abort, queued too)
+        gate.set()
+        await abort
+        deadline = time.monotonic() + 10
+        while not any(r.request_id == "q" for r in await reports(worker, records)):
+            assert time.monotonic() < deadline, "the request was never reported"
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.2)
+        q = [r for r in await reports(worker, records) if r.request_id == "q"]
+        assert [r.finish_reason for r in q] == ["abort"]
+        await wait_until_no_page_held(worker)
 
     try:
         asyncio.run(main())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import time
 
 import pytest
@@ -75,6 +76,33 @@ def test_request_finished_at_its_first_token_publishes_nothing() -> None:
         stop = dataclasses.replace(greedy(4), stop_token_ids=[first])
         res = await worker.prefill(GenerateRequest("c", list(range(1, 11)), stop, time.time()))
         assert (res.ticket, res.finish_reason, res.stop_reason) == (None, "stop", first)
+        await wait_until_no_page_held(worker)
+
+    try:
+        asyncio.run(main())
+    finally:
+        worker.close()
+
+
+def test_a_cancel_during_the_prefill_ends_its_call_at_once() -> None:
+    """The router gave up on the request (its client left, its time ran out): the prefill call
+    ends now, with an error nobody waits for, instead of holding one of the actor's call slots
+    until prefill.prefill_deadline_s (the aborted request made no output to end it)."""
+    worker = make_worker()
+
+    async def main() -> None:
+        gate = threading.Event()
+        worker.loop.call(lambda e: gate.wait(30))  # the engine thread busy: the add queues
+        req = GenerateRequest("c", list(range(1, 11)), greedy(4), time.time())
+        call = asyncio.ensure_future(worker.prefill(req))
+        await asyncio.sleep(0.2)
+        cancel = asyncio.ensure_future(worker.cancel("c"))
+        await asyncio.sleep(0.2)  # (its abort is queued behind the add, before any step)
+        gate.set()
+        await cancel
+        with pytest.raises(PrefillError, match="the client went away"):
+            await asyncio.wait_for(call, 30)  # (the deadline is prefill_deadline_s: 300 s)
+        assert worker.stats().num_in_flight == 0
         await wait_until_no_page_held(worker)
 
     try:
