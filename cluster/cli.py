@@ -133,7 +133,9 @@ def _run_default(prompts: list[str], max_tokens: int) -> int:
     # Greedy, so `make run` prints the same answers every time; one batch for all prompts.
     params = engine.SamplingParams(max_tokens=max_tokens, temperature=0.0)
     conversations = [[{"role": "user", "content": prompt}] for prompt in prompts]
-    for prompt, output in zip(prompts, llm.chat(conversations, params), strict=True):
+    for prompt, output in zip(
+        prompts, llm.chat(conversations, params, use_tqdm=False), strict=True
+    ):
         print(f"> {prompt}\n{output.text.strip()}\n", flush=True)
     return EXIT_OK
 

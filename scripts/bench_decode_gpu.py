@@ -232,7 +232,7 @@ def offline(
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     total = args.requests * args.output_len
     llm = LLM.from_loaded(loaded, **engine_kwargs)
-    llm.generate(prompts[:2], params)  # warm-up
+    llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
     runner = llm.engine.runner
     execute = runner.execute
     step_s = {"decode": 0.0, "prefill": 0.0}  # execute() ends in a host sync (sampled ids)
@@ -249,7 +249,7 @@ def offline(
     runner.execute = timed_execute
     sync(device)
     t = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    outs = llm.generate(prompts, params, use_tqdm=False)
     sync(device)
     t_engine = time.perf_counter() - t
     del llm, runner

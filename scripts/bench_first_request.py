@@ -59,7 +59,7 @@ def one_process(args: argparse.Namespace) -> dict:
         prompt = [(i + 1 + j * 7919) % (vocab - 1) + 1 for j in range(n)]
         sync()
         start = time.perf_counter()
-        llm.generate([prompt], params)
+        llm.generate([prompt], params, use_tqdm=False)
         sync()
         times.append(time.perf_counter() - start)
     return {"warm_up": args.warm_up == 1, "build_s": build_s, "request_s": times}

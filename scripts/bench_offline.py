@@ -149,7 +149,7 @@ def main() -> None:
 
     # Warm-up both sides on other prompts (the engine then starts with an empty prefix cache).
     LLM.from_loaded(loaded, max_num_seqs=64).generate(
-        [[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=4)
+        [[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False
     )
     hf_generate(hf, [[1, 2, 3, 4]], 4, pad_id)
 
@@ -161,7 +161,7 @@ def main() -> None:
             prefill_chunk_size=512,
             max_model_len=1024,
         )
-        return llm.generate([list(p) for p in prompts], params)
+        return llm.generate([list(p) for p in prompts], params, use_tqdm=False)
 
     # Interleaved repeats, best of each: the machine is shared, so load comes and goes during a run.
     n_serial = min(args.hf_serial, args.num_requests)
@@ -236,7 +236,7 @@ def profile_engine(
     llm = LLM.from_loaded(loaded, max_num_seqs=64, max_model_len=1024)
     profiler = cProfile.Profile()
     profiler.enable()
-    llm.generate([list(p) for p in prompts], params)
+    llm.generate([list(p) for p in prompts], params, use_tqdm=False)
     profiler.disable()
     stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]  # {(file, line, name): (cc, nc, tt, ct, callers)}
     total = sum(v[3] for (f, _, n), v in stats.items() if n == "generate" and f.endswith("llm.py"))

@@ -87,7 +87,7 @@ def token_agreement(prompts: list[list[int]], max_tokens: int) -> dict[str, Any]
     outs = {}
     for tp in (1, 2):
         with _llm(tp, "float32") as llm:
-            outs[tp] = [o.token_ids for o in llm.generate(prompts, params)]
+            outs[tp] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     first_diff = []
     for a, b in zip(outs[1], outs[2], strict=True):
         diff = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
@@ -106,11 +106,11 @@ def decode_tpot(prompts: list[list[int]], max_tokens: int, reps: int) -> dict[st
     llms = {tp: _llm(tp, "bfloat16") for tp in (1, 2)}
     try:
         for llm in llms.values():  # warm-up
-            llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))
+            llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
         times: dict[int, list[float]] = {1: [], 2: []}
         for r in range(reps):
             for tp in (1, 2) if r % 2 == 0 else (2, 1):
-                outs = llms[tp].generate(prompts, params)
+                outs = llms[tp].generate(prompts, params, use_tqdm=False)
                 tpots = [
                     (o.metrics.finished_time - o.metrics.first_token_time) / (len(o.token_ids) - 1)
                     for o in outs

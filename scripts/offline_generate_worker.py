@@ -59,7 +59,10 @@ def _duet(args: argparse.Namespace) -> Generate:
 
     def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        return [list(o.token_ids) for o in llm.generate([list(p) for p in prompts], params)]
+        return [
+            list(o.token_ids)
+            for o in llm.generate([list(p) for p in prompts], params, use_tqdm=False)
+        ]
 
     return generate
 
