@@ -66,7 +66,6 @@ _NOT_SUPPORTED_COMMON: dict[str, Callable[[Any], bool]] = {
     "frequency_penalty": _none_or(0, 0.0),
     "presence_penalty": _none_or(0, 0.0),
     "logit_bias": _none_or({}),
-    "n": _none_or(1),
     "user": _none_or_a(str),  # the end user's id, for the provider's abuse monitoring
     "service_tier": _none_or("auto", "default"),
     "store": _none_or(False),
@@ -185,6 +184,8 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # Choices of one prompt, each sampled on its own (with a seed, choice i takes seed + i).
+    n: int = Field(default=1, ge=1, le=128)
 
     @model_validator(mode="before")
     @classmethod
@@ -335,14 +336,18 @@ class Ending:
 GOING_ON = Ending()
 
 
-def _envelope(head: Head, obj: str, choice: dict[str, Any], end: Ending) -> dict[str, Any]:
+def _choice(index: int, payload: dict[str, Any], end: Ending) -> dict[str, Any]:
     ending = {"finish_reason": end.finish_reason, "stop_reason": end.stop_reason}
+    return {"index": index, "logprobs": None, **payload, **ending}
+
+
+def _envelope(head: Head, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "id": head.id,
         "object": obj,
         "created": head.created,
         "model": head.model,
-        "choices": [{"index": 0, "logprobs": None, **choice, **ending}],
+        "choices": choices,
     }
 
 
@@ -350,25 +355,35 @@ def _envelope(head: Head, obj: str, choice: dict[str, Any], end: Ending) -> dict
 # (dummy weights) still give answers that can be checked and benchmarked.
 
 
-def completion_chunk(head: Head, text: str, end: Ending, token_ids: list[int]) -> dict[str, Any]:
-    return _envelope(head, "text_completion", {"text": text, "token_ids": token_ids}, end)
+def completion_choice(index: int, text: str, end: Ending, token_ids: list[int]) -> dict[str, Any]:
+    return _choice(index, {"text": text, "token_ids": token_ids}, end)
+
+
+def completion_chunk(
+    head: Head, index: int, text: str, end: Ending, token_ids: list[int]
+) -> dict[str, Any]:
+    return _envelope(head, "text_completion", [completion_choice(index, text, end, token_ids)])
 
 
 def completion_body(
-    head: Head, text: str, end: Ending, use: dict[str, int], token_ids: list[int]
+    head: Head, choices: list[dict[str, Any]], use: dict[str, int]
 ) -> dict[str, Any]:
-    return completion_chunk(head, text, end, token_ids) | {"usage": use}
+    return _envelope(head, "text_completion", choices) | {"usage": use}
 
 
 def chat_chunk(
-    head: Head, delta: dict[str, Any], end: Ending, token_ids: list[int]
+    head: Head, index: int, delta: dict[str, Any], end: Ending, token_ids: list[int]
 ) -> dict[str, Any]:
-    return _envelope(head, "chat.completion.chunk", {"delta": delta, "token_ids": token_ids}, end)
+    choice = _choice(index, {"delta": delta, "token_ids": token_ids}, end)
+    return _envelope(head, "chat.completion.chunk", [choice])
 
 
-def chat_body(head: Head, text: str, end: Ending, use: dict[str, int]) -> dict[str, Any]:
-    choice = {"message": {"role": "assistant", "content": text}}
-    return _envelope(head, "chat.completion", choice, end) | {"usage": use}
+def chat_choice(index: int, text: str, end: Ending) -> dict[str, Any]:
+    return _choice(index, {"message": {"role": "assistant", "content": text}}, end)
+
+
+def chat_body(head: Head, choices: list[dict[str, Any]], use: dict[str, int]) -> dict[str, Any]:
+    return _envelope(head, "chat.completion", choices) | {"usage": use}
 
 
 def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict[str, Any]:

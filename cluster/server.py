@@ -1,12 +1,13 @@
 """The OpenAI-compatible HTTP server (FastAPI): request validation, tokenization, SSE streaming.
 
 The server owns no model state: it turns HTTP bodies into GenerateRequests for the router and the
-router's TokenDeltas back into OpenAI bodies. Every request is validated here, once, before any
-worker sees it: a field Duet does not implement is refused by name (openai_schemas.py), token ids
-must be in the vocabulary, and the prompt plus ``max_tokens`` must fit the model. 4xx is for
-requests the client must fix; 5xx only for our own faults. A stream that has started ends with an
-error event and then ``[DONE]`` whatever goes wrong; a client that goes away, streaming or not,
-aborts its request on every worker.
+router's TokenDeltas back into OpenAI bodies (cluster/answers.py: the ``n`` choices, whole or
+streamed). Every request is validated here, once, before any worker sees it: a field Duet does not
+implement is refused by name (openai_schemas.py), token ids must be in the vocabulary, and the
+prompt plus ``max_tokens`` must fit the model. 4xx is for requests the client must fix; 5xx only
+for our own faults. A stream that has started ends with an error event and then ``[DONE]``
+whatever goes wrong; a client that goes away, streaming or not, aborts its request on every
+worker.
 """
 
 from __future__ import annotations
@@ -14,10 +15,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cluster import openai_schemas as oa
+from cluster.answers import Answers, Choice, choice_requests
 from cluster.http_errors import (
     BadRequest,
     check_token_ids,
@@ -65,16 +66,6 @@ class ServingBackend(Protocol):
     async def perf_metrics(self) -> list[dict[str, Any]]: ...
     async def iteration_stats(self) -> list[dict[str, Any]]: ...
     async def transfer_stats(self) -> list[dict[str, Any]]: ...
-
-
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
-
-
-async def _until_disconnect(request: Request) -> None:
-    """Return when the client has gone away (the body was already read)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 # Open without the API key: liveness and Prometheus scrapes (as vLLM leaves them). Everything
@@ -182,88 +173,10 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
             )
         return GenerateRequest(oa.new_id(kind), ids, sampling, time.time())
 
+    answers = Answers(backend.generate, backend.abort, _abort)
+
     def _head(req: GenerateRequest) -> oa.Head:
         return oa.Head(req.request_id, int(req.arrival_time), backend.model_name)
-
-    async def _collect(req: GenerateRequest) -> tuple[str, oa.Ending, list[int]]:
-        text: list[str] = []
-        ids: list[int] = []
-        end = oa.GOING_ON
-        async for d in backend.generate(req):
-            if d.error:
-                raise RuntimeError(d.error)
-            text.append(d.text)
-            ids.extend(d.token_ids)
-            if d.finish_reason:
-                end = oa.Ending(d.finish_reason, d.stop_reason)
-        return "".join(text), end, ids
-
-    async def _complete(
-        req: GenerateRequest, request: Request, build: Callable[..., Any]
-    ) -> Response:
-        """A non-streaming answer: collect every delta, then ``build(text, ending, token_ids)``.
-        A client that goes away first aborts the request (it would hold pages until its end)."""
-        collect = asyncio.ensure_future(_collect(req))
-        gone = asyncio.ensure_future(_until_disconnect(request))
-        try:
-            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            collect.cancel()
-            _abort(req.request_id)
-            raise
-        finally:
-            gone.cancel()
-        if not collect.done():  # the client went away
-            collect.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await collect
-            await backend.abort(req.request_id)
-            return Response(status_code=499)
-        try:
-            text, end, out_ids = collect.result()
-        except Exception as e:  # our own fault: the request was validated above
-            log.warning("request %s failed: %s", req.request_id, e)
-            return error_response(str(e) or type(e).__name__, 500)
-        return JSONResponse(build(text, end, out_ids))
-
-    async def _stream(
-        req: GenerateRequest,
-        make_chunk: Callable[[str, oa.Ending, list[int]], dict[str, Any]],
-        include_usage: bool,
-        first_chunk: dict[str, Any] | None = None,
-    ) -> AsyncIterator[str]:
-        rid = req.request_id
-        n_out, finished = 0, False
-        # With include_usage, every chunk but the usage one says "usage": null (OpenAI's rule).
-        no_usage: dict[str, Any] = {"usage": None} if include_usage else {}
-        try:
-            if first_chunk is not None:
-                yield _sse(first_chunk | no_usage)
-            try:
-                async for d in backend.generate(req):
-                    if d.error:
-                        yield _sse(oa.error_body(d.error, "internal_error", 500))
-                        finished = True
-                        break
-                    n_out += len(d.token_ids)
-                    if d.text or d.token_ids or d.finish_reason:
-                        end = oa.Ending(d.finish_reason, d.stop_reason)
-                        yield _sse(make_chunk(d.text, end, d.token_ids) | no_usage)
-                    if d.finish_reason:
-                        finished = True
-            except Exception as e:  # whatever failed, the client gets an error event and [DONE]
-                log.warning("stream %s failed: %s", rid, e)
-                yield _sse(oa.error_body(str(e) or type(e).__name__, "internal_error", 500))
-            if include_usage:
-                chunk = make_chunk("", oa.GOING_ON, [])
-                chunk["choices"] = []
-                chunk["usage"] = oa.usage(len(req.prompt_token_ids), n_out)
-                yield _sse(chunk)
-            yield "data: [DONE]\n\n"
-        finally:
-            # A client that went away mid-stream must not keep pages on any worker.
-            if not finished:
-                _abort(rid)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -294,22 +207,28 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
         except (ValueError, TypeError) as e:  # TypeError: text the tokenizer cannot take
             raise BadRequest(str(e), "prompt") from e
         req = _prepare(body, ids, "cmpl")
-        head = _head(req)
+        head, reqs = _head(req), choice_requests(req, body.n)
         if body.stream:
 
-            def make(text: str, end: oa.Ending, tids: list[int]) -> dict[str, Any]:
-                return oa.completion_chunk(head, text, end, tids)
+            def make(i: int, text: str, end: oa.Ending, tids: list[int]) -> dict[str, Any]:
+                return oa.completion_chunk(head, i, text, end, tids)
 
             return StreamingResponse(
-                _stream(req, make, body.include_usage), media_type="text/event-stream"
+                answers.stream(reqs, make, body.include_usage), media_type="text/event-stream"
             )
-        return await _complete(
-            req,
-            request,
-            lambda text, end, out: oa.completion_body(
-                head, text, end, oa.usage(len(ids), len(out)), out
-            ),
-        )
+
+        def build(choices: list[Choice]) -> dict[str, Any]:
+            made = sum(len(c.token_ids) for c in choices)
+            return oa.completion_body(
+                head,
+                [
+                    oa.completion_choice(i, c.text, c.end, c.token_ids)
+                    for i, c in enumerate(choices)
+                ],
+                oa.usage(len(ids), made),
+            )
+
+        return await answers.whole(reqs, request, build)
 
     @app.post("/v1/chat/completions")
     async def chat(body: oa.ChatCompletionRequest, request: Request) -> Response:
@@ -326,21 +245,28 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
         except (ValueError, TypeError) as e:  # TypeError: text the tokenizer cannot take
             raise BadRequest(str(e), "messages") from e
         req = _prepare(body, ids, "chatcmpl")
-        head = _head(req)
+        head, reqs = _head(req), choice_requests(req, body.n)
         if body.stream:
 
-            def make(text: str, end: oa.Ending, tids: list[int]) -> dict[str, Any]:
-                return oa.chat_chunk(head, {"content": text} if text else {}, end, tids)
+            def make(i: int, text: str, end: oa.Ending, tids: list[int]) -> dict[str, Any]:
+                return oa.chat_chunk(head, i, {"content": text} if text else {}, end, tids)
 
-            first = oa.chat_chunk(head, {"role": "assistant", "content": ""}, oa.GOING_ON, [])
+            role = {"role": "assistant", "content": ""}  # (each choice's first chunk, as vLLM)
+            first = [oa.chat_chunk(head, i, role, oa.GOING_ON, []) for i in range(len(reqs))]
             return StreamingResponse(
-                _stream(req, make, body.include_usage, first), media_type="text/event-stream"
+                answers.stream(reqs, make, body.include_usage, first),
+                media_type="text/event-stream",
             )
-        return await _complete(
-            req,
-            request,
-            lambda text, end, out: oa.chat_body(head, text, end, oa.usage(len(ids), len(out))),
-        )
+
+        def build(choices: list[Choice]) -> dict[str, Any]:
+            made = sum(len(c.token_ids) for c in choices)
+            return oa.chat_body(
+                head,
+                [oa.chat_choice(i, c.text, c.end) for i, c in enumerate(choices)],
+                oa.usage(len(ids), made),
+            )
+
+        return await answers.whole(reqs, request, build)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -81,6 +81,22 @@ def test_completions_match_transformers(client, model_name, hf_gguf_model, ours)
         assert "".join(c.choices[0].text for c in streamed if c.choices) == want
 
 
+def test_n_greedy_choices_through_prefill_and_decode_are_transformers(
+    client, model_name, hf_gguf_model, ours
+) -> None:
+    """OpenAI's n with the official client, over the disaggregated path: every choice of a
+    greedy request is transformers' answer (each choice is its own request to P and D)."""
+    want, _, want_ids = expected(hf_gguf_model, ours, ours.encode(PROMPTS[0]), 8)
+    r = client.completions.create(
+        model=model_name, prompt=PROMPTS[0], max_tokens=8, temperature=0, n=2
+    )
+    assert [(c.index, c.text, c.token_ids) for c in r.choices] == [
+        (0, want, want_ids),
+        (1, want, want_ids),
+    ]
+    assert r.usage.completion_tokens == 2 * len(want_ids)
+
+
 def test_chat_matches_transformers(client, running, model_name, hf_gguf_model, ours) -> None:
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     want, _, _ = expected(hf_gguf_model, ours, ours.encode_chat(messages), 24)
@@ -178,7 +194,8 @@ def test_client_disconnect_frees_pages_on_both_sides(running, model_name) -> Non
         ({"prompt": [5, -1]}, 400, "prompt"),
         ({"prompt": [2**40]}, 400, "prompt"),  # not even an int32
         ({"stop_token_ids": [2**33]}, 400, "stop_token_ids"),
-        ({"n": 2}, 400, "n"),
+        ({"n": 0}, 400, "n"),
+        ({"n": 129}, 400, "n"),
         ({"logprobs": 2}, 400, "logprobs"),
         ({"echo": True}, 400, "echo"),
         ({"best_of": 2}, 400, "best_of"),

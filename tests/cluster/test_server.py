@@ -364,3 +364,43 @@ def test_chat_continues_the_final_message_and_takes_template_variables(http, bac
     bad = {"chat_template_kwargs": {"messages": []}}  # (the template's own variable)
     r = http.post("/v1/chat/completions", json=body | bad)
     assert r.status_code == 400 and "may not be named" in r.json()["error"]["message"]
+
+
+def test_n_choices_are_sampled_each_with_its_own_seed(http, backend) -> None:
+    """OpenAI's n: one choice per sample, choice i as the single request with seed + i (vLLM's
+    rule), streamed with each delta naming its choice; the usage counts every choice."""
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 5, "ignore_eos": True}
+    body |= {"temperature": 1.0, "seed": 7}
+    r = http.post("/v1/completions", json=body | {"n": 3})
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    assert [r.request_id.rsplit("-", 1)[1] for r in backend.requests[-3:]] == ["0", "1", "2"]
+    assert r.json()["usage"]["completion_tokens"] == 15
+    alone = [
+        http.post("/v1/completions", json=body | {"seed": 7 + i}).json()["choices"][0]
+        for i in range(3)
+    ]
+    assert [c["token_ids"] for c in choices] == [c["token_ids"] for c in alone]
+    assert len({tuple(c["token_ids"]) for c in choices}) > 1  # (the choices do differ)
+
+    chat = CHAT | {"max_tokens": 5, "ignore_eos": True, "temperature": 1.0, "seed": 7, "n": 2}
+    whole = http.post("/v1/chat/completions", json=chat).json()["choices"]
+    chunks = events(http.post("/v1/chat/completions", json=chat | {"stream": True}).text)
+    streamed: dict[int, str] = {0: "", 1: ""}
+    ends: dict[int, str] = {}
+    roles = 0
+    for c in chunks:
+        (choice,) = c["choices"]
+        roles += choice["delta"].get("role") == "assistant"
+        streamed[choice["index"]] += choice["delta"].get("content", "")
+        if choice["finish_reason"]:
+            ends[choice["index"]] = choice["finish_reason"]
+    assert roles == 2 and ends == {0: "length", 1: "length"}
+    assert [streamed[0], streamed[1]] == [c["message"]["content"] for c in whole]
+
+
+def test_n_is_refused_outside_its_range(http) -> None:
+    for n in (0, 129):
+        r = http.post("/v1/chat/completions", json=CHAT | {"n": n})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n"

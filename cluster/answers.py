@@ -1,0 +1,197 @@
+"""An OpenAI answer from a request's deltas: its ``n`` choices, each one GenerateRequest (seeded as
+vLLM seeds them), collected whole or streamed as server-sent events. A choice that ends with an
+error ends the answer; a client that goes away aborts every choice not yet finished (it would hold
+pages until its end)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from cluster import openai_schemas as oa
+from cluster.http_errors import error_response
+from worker_common.messages import GenerateRequest, TokenDelta
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One choice of a whole (non-streamed) answer."""
+
+    text: str
+    end: oa.Ending
+    token_ids: list[int]
+
+
+def choice_requests(req: GenerateRequest, n: int) -> list[GenerateRequest]:
+    """``req`` as ``n`` requests, ``<id>-<index>``; with a seed, choice i samples with seed + i
+    (vLLM's rule: the choices differ, and the same body gives the same answer again)."""
+    if n == 1:
+        return [req]
+    out = []
+    for i in range(n):
+        seed = None if req.sampling.seed is None else req.sampling.seed + i
+        sampling = dataclasses.replace(req.sampling, seed=seed)
+        out.append(dataclasses.replace(req, request_id=f"{req.request_id}-{i}", sampling=sampling))
+    return out
+
+
+_ENDED = object()
+
+
+async def merged(streams: list[AsyncIterator[TokenDelta]]) -> AsyncIterator[tuple[int, TokenDelta]]:
+    """(choice index, delta) as the streams yield them. Leaving early closes every stream (each
+    is cancelled, so its own cleanup, the router's abort, runs)."""
+    if len(streams) == 1:
+        async for delta in streams[0]:
+            yield 0, delta
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[TokenDelta]) -> None:
+        try:
+            async for delta in stream:
+                queue.put_nowait((i, delta))
+        except Exception as e:  # handed to the reader (a cancel is the reader's own)
+            queue.put_nowait((i, e))
+        finally:
+            queue.put_nowait((i, _ENDED))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(tasks)
+        while left:
+            i, item = await queue.get()
+            if item is _ENDED:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+async def _until_disconnect(request: Request) -> None:
+    """Return when the client has gone away (the body was already read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class Answers:
+    """Answers over ``generate`` (the backend's), aborting through ``abort_later`` (in a task of
+    its own: the caller may be being cancelled) and ``abort`` (awaited)."""
+
+    def __init__(
+        self,
+        generate: Callable[[GenerateRequest], AsyncIterator[TokenDelta]],
+        abort: Callable[[str], Any],
+        abort_later: Callable[[str], None],
+    ) -> None:
+        self._generate = generate
+        self._abort = abort
+        self._abort_later = abort_later
+
+    async def _collect(self, req: GenerateRequest) -> Choice:
+        text: list[str] = []
+        ids: list[int] = []
+        end = oa.GOING_ON
+        async for d in self._generate(req):
+            if d.error:
+                raise RuntimeError(d.error)
+            text.append(d.text)
+            ids.extend(d.token_ids)
+            if d.finish_reason:
+                end = oa.Ending(d.finish_reason, d.stop_reason)
+        return Choice("".join(text), end, ids)
+
+    async def whole(
+        self,
+        reqs: list[GenerateRequest],
+        request: Request,
+        build: Callable[[list[Choice]], dict[str, Any]],
+    ) -> Response:
+        """A non-streamed answer: collect every choice, then ``build(choices)``."""
+        collect = asyncio.ensure_future(asyncio.gather(*(self._collect(r) for r in reqs)))
+        gone = asyncio.ensure_future(_until_disconnect(request))
+        try:
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            collect.cancel()
+            for r in reqs:
+                self._abort_later(r.request_id)
+            raise
+        finally:
+            gone.cancel()
+        if not collect.done():  # the client went away
+            collect.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await collect
+            for r in reqs:
+                await self._abort(r.request_id)
+            return Response(status_code=499)
+        try:
+            choices = collect.result()
+        except Exception as e:  # our own fault: the request was validated before
+            log.warning("request %s failed: %s", reqs[0].request_id, e)
+            for r in reqs:  # (the other choices of it may still run)
+                self._abort_later(r.request_id)
+            return error_response(str(e) or type(e).__name__, 500)
+        return JSONResponse(build(choices))
+
+    async def stream(
+        self,
+        reqs: list[GenerateRequest],
+        make_chunk: Callable[[int, str, oa.Ending, list[int]], dict[str, Any]],
+        include_usage: bool,
+        first_chunks: list[dict[str, Any]] | None = None,
+    ) -> AsyncIterator[str]:
+        """A streamed answer: a chunk per delta, naming its choice; an error event and then
+        ``[DONE]`` whatever goes wrong."""
+        n_out = 0
+        unfinished = {r.request_id for r in reqs}
+        # With include_usage, every chunk but the usage one says "usage": null (OpenAI's rule).
+        no_usage: dict[str, Any] = {"usage": None} if include_usage else {}
+        try:
+            for chunk in first_chunks or []:
+                yield _sse(chunk | no_usage)
+            try:
+                async for i, d in merged([self._generate(r) for r in reqs]):
+                    if d.error:
+                        unfinished.discard(reqs[i].request_id)  # (it ended on our side)
+                        yield _sse(oa.error_body(d.error, "internal_error", 500))
+                        break
+                    n_out += len(d.token_ids)
+                    if d.text or d.token_ids or d.finish_reason:
+                        end = oa.Ending(d.finish_reason, d.stop_reason)
+                        yield _sse(make_chunk(i, d.text, end, d.token_ids) | no_usage)
+                    if d.finish_reason:
+                        unfinished.discard(reqs[i].request_id)
+            except Exception as e:  # whatever failed, the client gets an error event and [DONE]
+                log.warning("stream %s failed: %s", reqs[0].request_id, e)
+                yield _sse(oa.error_body(str(e) or type(e).__name__, "internal_error", 500))
+            if include_usage:
+                chunk = make_chunk(0, "", oa.GOING_ON, [])
+                chunk["choices"] = []
+                chunk["usage"] = oa.usage(len(reqs[0].prompt_token_ids), n_out)
+                yield _sse(chunk)
+            yield "data: [DONE]\n\n"
+        finally:
+            # A client that went away mid-stream must not keep pages on any worker.
+            for rid in unfinished:
+                self._abort_later(rid)
