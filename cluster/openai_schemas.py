@@ -71,7 +71,6 @@ _NOT_SUPPORTED_COMMON: dict[str, Callable[[Any], bool]] = {
     "store": _none_or(False),
     "metadata": _none_or({}),
     # vLLM's extensions, at the values that ask for nothing
-    "min_tokens": _none_or(0),
     "min_p": _none_or(0, 0.0),
     "repetition_penalty": _none_or(1, 1.0),
 }
@@ -179,6 +178,7 @@ class _SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    min_tokens: int = 0
     # vLLM's extensions: special tokens left out of the text; a matched stop string kept in it.
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -206,6 +206,7 @@ class _SamplingFields(BaseModel):
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
         )

@@ -97,6 +97,7 @@ class Request:
 
     __slots__ = (
         "request_id", "prompt", "prompt_token_ids", "sampling_params", "eos_token_ids", "eos_token_id",
+        "min_tokens_masked",
         "all_token_ids", "output_token_ids", "num_computed_tokens", "status", "stop_reason",
         "error", "prefill_only", "metrics", "page_ids", "kv_capacity", "kv_release_at",
         "detokenizer", "output_text",
@@ -125,6 +126,12 @@ class Request:
         self.sampling_params = sampling_params
         # EOS only stops a request that does not ignore it; resolved once here, not every step.
         self.eos_token_ids = frozenset() if sampling_params.ignore_eos else frozenset(eos_token_ids)
+        # What min_tokens masks: every EOS id (ignored or not, as vLLM) and the stop token ids.
+        self.min_tokens_masked: tuple[int, ...] = (
+            tuple(sorted(set(eos_token_ids) | set(sampling_params.stop_token_ids)))
+            if sampling_params.min_tokens
+            else ()
+        )
         self.eos_token_id = eos_token_id  # of those, the tokenizer's (stop_reason None)
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []

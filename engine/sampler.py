@@ -36,6 +36,24 @@ def apply_top_k_top_p(
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def _mask_before_min_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """``logits`` with each row's EOS and stop token ids at -inf while its request has fewer
+    than ``min_tokens`` generated tokens (vLLM's MinTokensLogitsProcessor, transformers'
+    MinNewTokensLengthLogitsProcessor); the same tensor when no row needs it."""
+    rows: list[int] = []
+    cols: list[int] = []
+    vocab = logits.shape[-1]
+    for i, r in enumerate(requests):
+        if r.num_output_tokens < r.sampling_params.min_tokens:
+            ids = [t for t in r.min_tokens_masked if t < vocab]
+            rows += [i] * len(ids)
+            cols += ids
+    if not rows:
+        return logits
+    where = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
+    return logits.index_put(where, torch.tensor(float("-inf"), device=logits.device))
+
+
 class Sampler:
     """Samples one token per row of logits, each row with its request's SamplingParams."""
 
@@ -50,6 +68,7 @@ class Sampler:
             raise ValueError(
                 f"sample got {logits.shape[0]} logits rows for {len(requests)} requests"
             )
+        logits = _mask_before_min_tokens(logits, requests)
         tokens = logits.argmax(dim=-1)  # exact greedy; first index among ties, like HF
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
         if random_rows:

@@ -27,7 +27,6 @@ def _is_int(value: object) -> bool:
 # vLLM's fields Duet does not implement, with the one value each takes (the one that asks nothing).
 _NOT_IMPLEMENTED: dict[str, object] = {
     "n": 1,
-    "min_tokens": 0,
     "min_p": 0.0,
     "presence_penalty": 0.0,
     "frequency_penalty": 0.0,
@@ -71,10 +70,12 @@ class SamplingParams:
     (a stop token, a shown EOS), at the end of the text."""
     skip_special_tokens: bool = True
     """Leave special tokens (BOS, EOS, ...) out of the decoded text."""
+    min_tokens: int = 0
+    """Generated tokens before EOS or a stop token id may be sampled (they are masked until
+    then) and before a stop string may match (vLLM's semantics); at most ``max_tokens``."""
     # vLLM's fields that Duet does not implement: taken only with the value that asks for nothing
     # (so code written for vLLM that sets them so still runs), refused otherwise by name.
     n: int = 1
-    min_tokens: int = 0
     min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -114,6 +115,10 @@ class SamplingParams:
             raise _fail("top_k", "-1 or 0 (disabled) or an integer >= 1", self.top_k)
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise _fail("max_tokens", "an integer >= 1 or None", self.max_tokens)
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise _fail("min_tokens", "an integer >= 0", self.min_tokens)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise _fail("min_tokens", f"at most max_tokens={self.max_tokens}", self.min_tokens)
         if self.seed is not None and not (_is_int(self.seed) and -(2**63) <= self.seed < 2**64):
             # (what torch.Generator.manual_seed takes: beyond it, the step itself would fail)
             raise _fail("seed", "an integer in [-2**63, 2**64) or None", self.seed)

@@ -61,7 +61,9 @@ def check_stop(request: Request, token_id: int, max_model_len: int) -> RequestSt
         params.include_stop_str_in_output or not (by_eos or by_stop_id)
     ):
         new_chars = len(append_text(request, token_id))
-    if params.stop and new_chars and _match_stop_string(request, new_chars):
+    # (vLLM: a stop string matches only once more than min_tokens tokens are generated)
+    strings = bool(params.stop) and len(request.output_token_ids) > params.min_tokens
+    if strings and new_chars and _match_stop_string(request, new_chars):
         return RequestStatus.FINISHED_STOPPED  # the text ends at the stop string: nothing to flush
     status: RequestStatus | None = None
     if by_eos:
@@ -79,6 +81,6 @@ def check_stop(request: Request, token_id: int, max_model_len: int) -> RequestSt
         # The held-back tail is text too: a stop string in it ends the text there (it was
         # streamed whole, stop string and all, when the request ended with it held).
         flushed = flush_text(request)
-        if params.stop and flushed and _match_stop_string(request, flushed):
+        if strings and flushed and _match_stop_string(request, flushed):
             return RequestStatus.FINISHED_STOPPED
     return status

@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 import ray
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.serve import start_cluster
@@ -95,6 +96,35 @@ def test_n_greedy_choices_through_prefill_and_decode_are_transformers(
         (1, want, want_ids),
     ]
     assert r.usage.completion_tokens == 2 * len(want_ids)
+
+
+def test_min_tokens_through_prefill_and_decode_is_transformers_min_new_tokens(
+    client, model_name, hf_gguf_model, ours
+) -> None:
+    """vLLM's min_tokens over the disaggregated path (P samples the first token, D the rest):
+    the stop ids stay masked until then, as transformers' min_new_tokens masks them."""
+    prompt_ids = ours.encode(PROMPTS[2])
+    free = hf_greedy_ids(hf_gguf_model, prompt_ids, 8, sorted(ours.stop_token_ids))
+    stop = free[1]  # greedy's second token, as a stop token
+    with torch.inference_mode():
+        out = hf_gguf_model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=8,
+            min_new_tokens=5,
+            eos_token_id=sorted({*ours.stop_token_ids, stop}),
+            pad_token_id=stop,
+        )
+    want = out[0, len(prompt_ids) :].tolist()
+    r = client.completions.create(
+        model=model_name,
+        prompt=PROMPTS[2],
+        max_tokens=8,
+        temperature=0,
+        extra_body={"min_tokens": 5, "stop_token_ids": [stop]},
+    )
+    assert r.choices[0].token_ids == want and len(want) >= 5
 
 
 def test_chat_matches_transformers(client, running, model_name, hf_gguf_model, ours) -> None:
@@ -202,7 +232,7 @@ def test_client_disconnect_frees_pages_on_both_sides(running, model_name) -> Non
         ({"suffix": "!"}, 400, "suffix"),
         ({"presence_penalty": 0.5}, 400, "presence_penalty"),
         ({"logit_bias": {"5": 10}}, 400, "logit_bias"),
-        ({"min_tokens": 2}, 400, "min_tokens"),  # (vLLM's; only 0 asks for nothing)
+        ({"min_tokens": 17}, 400, "min_tokens"),  # (more than max_tokens)
         ({"frobnicate": 1}, 400, "frobnicate"),
         ({"stream_options": {"include_usage": True, "more": 1}}, 400, "stream_options.more"),
     ],

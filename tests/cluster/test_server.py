@@ -157,7 +157,7 @@ def test_fields_that_ask_for_nothing_are_accepted(http) -> None:
 @pytest.mark.parametrize(
     ("patch", "param"),
     [
-        ({"min_tokens": 3}, "min_tokens"),
+        ({"min_tokens": 3, "max_tokens": 2}, "min_tokens"),  # (more than max_tokens)
         ({"repetition_penalty": 1.2}, "repetition_penalty"),
         ({"service_tier": "flex"}, "service_tier"),
         ({"user": 7}, "user"),

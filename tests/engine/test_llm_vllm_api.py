@@ -119,7 +119,6 @@ def test_continue_final_message_renders_as_transformers(
 def test_sampling_params_take_vllms_fields_only_where_they_ask_nothing() -> None:
     SamplingParams(
         n=1,
-        min_tokens=0,
         min_p=0.0,
         presence_penalty=0,
         frequency_penalty=0.0,
@@ -129,7 +128,6 @@ def test_sampling_params_take_vllms_fields_only_where_they_ask_nothing() -> None
     )
     for field, value in (
         ("n", 2),
-        ("min_tokens", 4),
         ("min_p", 0.1),
         ("presence_penalty", 0.5),
         ("frequency_penalty", -0.5),

@@ -127,6 +127,21 @@ def test_of_stop_strings_one_token_completes_the_first_to_complete_wins(
     assert (req.stop_reason, req.output_text) == ("rld", " hello wo")
 
 
+def test_a_stop_string_matches_only_once_more_than_min_tokens_are_generated(
+    word_tokenizer: Tokenizer,
+) -> None:
+    """vLLM's rule: text made while at most min_tokens tokens exist is not searched again."""
+    words = ["hello", "stop", "world", "stop", "here"]
+    req, _ = generate(word_tokenizer, words, stop=["stop"])
+    assert (req.output_text, len(req.output_token_ids)) == (" hello ", 2)
+    req, _ = generate(word_tokenizer, words, stop=["stop"], min_tokens=3)
+    assert (req.output_text, req.stop_reason, len(req.output_token_ids)) == (
+        " hello stop world ",
+        "stop",
+        4,
+    )
+
+
 def test_stop_string_spanning_tokens_and_earliest_match_wins(word_tokenizer: Tokenizer) -> None:
     req, _ = generate(
         word_tokenizer, ["hello", "world", "stop", "here"], stop=["stop here", "ld st"]
