@@ -25,6 +25,7 @@ by the server's stats poller (cluster/stats_poller.py) and by the outcome of eac
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -44,6 +45,9 @@ log = logging.getLogger(__name__)
 # Before a decode worker that was unavailable is tried again (or another one): a restarting
 # actor is not back at once. Without this much time left, the request fails instead.
 DECODE_RETRY_PAUSE_S = 0.5
+# How long a prefill worker's cancel waits for the decode worker to take the abort of the same
+# request (``Router._after``): the pages are given back at the latest then.
+ABORT_ORDER_WAIT_S = 5.0
 
 
 def _error_delta(req: GenerateRequest, error: str) -> TokenDelta:
@@ -88,6 +92,7 @@ class Router:
         self.num_prefill_retries = 0
         self.num_local_fallbacks = 0
         self.num_local_prefills = 0  # requests prefilled on their decode worker by the threshold
+        self._ordering: set[asyncio.Task[None]] = set()  # (``_after``'s tasks, kept until done)
 
     # ---- the request ----
     def _left_s(self, req: GenerateRequest) -> float:
@@ -159,6 +164,23 @@ class Router:
                 pworker.handle.cancel.remote(req.request_id)
                 self._closed(req.request_id, req.prefill_attempt, "abort")
 
+    def _after(self, call: Any, then: Callable[[], Any]) -> None:
+        """``then()`` once ``call`` (an actor call's ref, or None: at once) has answered, or failed,
+        or ABORT_ORDER_WAIT_S passed; in a task of its own, as the caller may be being cancelled."""
+        if call is None:
+            then()
+            return
+
+        async def wait_then() -> None:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(ABORT_ORDER_WAIT_S):
+                    await call
+            then()
+
+        task = asyncio.get_running_loop().create_task(wait_then())
+        self._ordering.add(task)
+        task.add_done_callback(self._ordering.discard)
+
     def _closed(self, request_id: str, last_reported: int, reason: str) -> None:
         """Tell the collector the request ended here, without a decode worker: the report of
         attempt ``last_reported`` is the last to come (-1: no worker will report it, nothing is
@@ -189,9 +211,9 @@ class Router:
             queued = self.choice.tokens_to_compute(w, req, hashes)
             w.queued_prefill_tokens += queued
             try:
-                ref = w.handle.prefill.remote(dataclasses.replace(req, prefill_attempt=attempt))
+                call = w.handle.prefill.remote(dataclasses.replace(req, prefill_attempt=attempt))
                 async with asyncio.timeout(max(self._left_s(req), 0.0)):  # (not wait_for: it
-                    pre = await ref  # may lose a cancel)
+                    pre = await call  # may lose a cancel)
                 return pre, w, attempt + 1, attempt
             except RayTaskError as e:
                 if isinstance(e.cause, ValueError):
@@ -200,9 +222,9 @@ class Router:
                 log.warning("prefill of %s failed on %s: %s", req.request_id, w.worker_id, e)
             except asyncio.TimeoutError:
                 # The request's time ran out: no worker is to blame (a long prompt, a queue), and
-                # no other attempt has time. The call is cancelled (queued: it never runs), and
-                # so is the request, which may have prefilled and leased its KV meanwhile.
-                ray.cancel(ref)
+                # no other attempt has time. It is cancelled there, which ends the call (and
+                # gives up a lease it made meanwhile). Not ray.cancel: a call cancelled before
+                # its request reached the engine would go unreported.
                 w.handle.cancel.remote(req.request_id)
                 return None, None, attempt + 1, attempt  # (aborted there, it reports)
             except RayActorError as e:
@@ -211,7 +233,6 @@ class Router:
                     "prefill worker %s unavailable for %s: %s", w.worker_id, req.request_id, e
                 )
             except asyncio.CancelledError:
-                ray.cancel(ref)
                 w.handle.cancel.remote(req.request_id)
                 self._closed(req.request_id, attempt, "abort")
                 raise
@@ -304,19 +325,22 @@ class Router:
                 finally:
                     d.outstanding -= 1
         finally:
+            aborted = None
             if not finished and d is not None:  # the client went away (generator closed/cancelled)
                 if gen is not None:
                     ray.cancel(gen)
                 # With the prompt's length: D reports the request itself if the cancel stopped
                 # its call before it ran (nothing else would; as the last report when it was to
                 # prefill it too: no prefill worker saw it).
-                d.handle.abort.remote(
+                aborted = d.handle.abort.remote(
                     rid, len(req.prompt_token_ids), pre is None, req.prefill_attempt
                 )
             if not ok and pworker is not None:
                 # P may still hold the lease (D never pulled, or failed): give the pages back now
                 # rather than at lease expiry. A pull still reading them keeps them until it ends.
-                pworker.handle.cancel.remote(rid)
+                # After D took the abort: a pull the ended lease refuses is then D's abort, not
+                # a transfer failure (the two calls to two actors would race).
+                self._after(aborted, lambda: pworker.handle.cancel.remote(rid))
 
     async def abort(self, request_id: str) -> None:
         for w in self.decode:

@@ -116,7 +116,9 @@ class PrefillWorker:
         self.loop.subscribe(rid, stream.push)
         self._pending.add(rid)
         try:
-            await asyncio.wrap_future(self.loop.call(add))
+            # Shielded: a cancel while the add waits behind an engine step must not drop the add,
+            # or nothing would report the request; added, it is aborted below and reported so.
+            await asyncio.shield(asyncio.wrap_future(self.loop.call(add)))
             out = await stream.get(self._deadline_s)
             self.loop.unsubscribe(rid)  # a prefill-only request yields exactly one output
         except ValueError:

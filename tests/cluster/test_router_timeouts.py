@@ -159,6 +159,69 @@ class HandingPrefill(_KeepsCancels):
         return PrefillResult(req.request_id, 5, "x", None, ticket=None)
 
 
+@ray.remote(num_cpus=0)
+class PullingDecode:
+    """A decode worker whose pull takes long, and whose abort takes a while to be taken."""
+
+    def __init__(self) -> None:
+        self.aborted_at: float | None = None
+
+    async def decode(self, req: GenerateRequest, pre: PrefillResult) -> AsyncIterator[TokenDelta]:
+        await asyncio.sleep(30)
+        yield TokenDelta(req.request_id, [], "", "length", 3, 1)
+
+    async def abort(self, *args: object) -> None:
+        await asyncio.sleep(0.3)
+        self.aborted_at = time.time()
+
+    async def when_aborted(self) -> float | None:
+        return self.aborted_at
+
+
+@ray.remote(num_cpus=0)
+class TimedHandingPrefill:
+    """HandingPrefill that notes when its cancel came."""
+
+    def __init__(self) -> None:
+        self.cancelled_at: float | None = None
+
+    async def prefill(self, req: GenerateRequest) -> PrefillResult:
+        return PrefillResult(req.request_id, 5, "x", None, ticket=None)
+
+    async def cancel(self, request_id: str) -> None:
+        self.cancelled_at = time.time()
+
+    async def when_cancelled(self) -> float | None:
+        return self.cancelled_at
+
+
+def test_a_client_gone_mid_pull_ends_the_lease_only_once_the_decode_worker_took_the_abort(
+    local_ray: None,
+) -> None:
+    """Sent together, P's cancel could end the lease before D heard of the abort: D's pull was
+    refused and counted as a transfer failure, the request recorded as an error."""
+    prefill, decode = TimedHandingPrefill.remote(), PullingDecode.remote()
+    router = one_to_one(prefill, decode)
+
+    async def leave_mid_pull() -> None:
+        req = GenerateRequest("mid-pull", [1, 2, 3], SamplingParams(), time.time())
+        stream = router.generate(req)
+        assert (await stream.__anext__()).token_ids == [5]  # P's first token
+        task = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0.5)  # D's pull is under way
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        deadline = time.monotonic() + 30
+        while await prefill.when_cancelled.remote() is None:
+            assert time.monotonic() < deadline, "P's lease was never cancelled"
+            await asyncio.sleep(0.05)
+
+    asyncio.run(leave_mid_pull())
+    aborted, cancelled = ray.get([decode.when_aborted.remote(), prefill.when_cancelled.remote()])
+    assert aborted is not None and cancelled >= aborted
+
+
 def test_a_client_gone_at_its_first_token_frees_the_lease_and_is_closed(local_ray: None) -> None:
     """The client leaves once it has P's first token, before any decode worker took the
     request: P's lease ends at once (it pinned the pages until it expired) and the record of

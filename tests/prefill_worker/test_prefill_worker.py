@@ -13,10 +13,11 @@ import pytest
 from prefill_worker.worker import PrefillError, PrefillWorker
 from tests.tiny_engine import greedy, tiny_engine
 from transfer import KVSender, TransceiverConfig
-from worker_common.messages import GenerateRequest
+from worker_common.messages import GenerateRequest, RequestTimings
+from worker_common.request_report import Sink
 
 
-def make_worker() -> PrefillWorker:
+def make_worker(report: Sink | None = None) -> PrefillWorker:
     engine = tiny_engine(64)
     specs = list(engine.kv.specs.values())
     return PrefillWorker(
@@ -25,6 +26,7 @@ def make_worker() -> PrefillWorker:
         lambda release: KVSender(
             engine.kv.buffers, specs, "tiny", TransceiverConfig(secret="test-secret"), release
         ),
+        report,
     )
 
 
@@ -103,6 +105,36 @@ def test_a_cancel_during_the_prefill_ends_its_call_at_once() -> None:
         with pytest.raises(PrefillError, match="the client went away"):
             await asyncio.wait_for(call, 30)  # (the deadline is prefill_deadline_s: 300 s)
         assert worker.stats().num_in_flight == 0
+        await wait_until_no_page_held(worker)
+
+    try:
+        asyncio.run(main())
+    finally:
+        worker.close()
+
+
+def test_a_prefill_call_cancelled_while_its_add_waits_is_still_reported() -> None:
+    """The call is cancelled (as Ray cancels an async actor call) while its add waits behind an
+    engine step: the add is made and then aborted, so the request is reported (a dropped add left
+    it unreported, and the collector, told this attempt's report was the last, lost it)."""
+    records: list[RequestTimings] = []
+    worker = make_worker(records.extend)
+
+    async def main() -> None:
+        gate = threading.Event()
+        worker.loop.call(lambda e: gate.wait(30))  # the engine thread busy: the add queues
+        req = GenerateRequest("q", list(range(1, 11)), greedy(4), time.time())
+        call = asyncio.ensure_future(worker.prefill(req))
+        await asyncio.sleep(0.2)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        gate.set()
+        deadline = time.monotonic() + 10
+        while not any(r.request_id == "q" for r in records):
+            assert time.monotonic() < deadline, "the request was never reported"
+            await asyncio.sleep(0.02)
+        assert [r.finish_reason for r in records if r.request_id == "q"] == ["abort"]
         await wait_until_no_page_held(worker)
 
     try:
