@@ -164,17 +164,17 @@ class Router:
                 pworker.handle.cancel.remote(req.request_id)
                 self._closed(req.request_id, req.prefill_attempt, "abort")
 
-    def _after(self, call: Any, then: Callable[[], Any]) -> None:
-        """``then()`` once ``call`` (an actor call's ref, or None: at once) has answered, or failed,
+    def _after(self, calls: list[Any], then: Callable[[], Any]) -> None:
+        """``then()`` once ``calls`` (actor calls' refs; none: at once) have answered, or failed,
         or ABORT_ORDER_WAIT_S passed; in a task of its own, as the caller may be being cancelled."""
-        if call is None:
+        if not calls:
             then()
             return
 
         async def wait_then() -> None:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(ABORT_ORDER_WAIT_S):
-                    await call
+                    await asyncio.gather(*calls, return_exceptions=True)
             then()
 
         task = asyncio.get_running_loop().create_task(wait_then())
@@ -340,13 +340,16 @@ class Router:
                 # rather than at lease expiry. A pull still reading them keeps them until it ends.
                 # After D took the abort: a pull the ended lease refuses is then D's abort, not
                 # a transfer failure (the two calls to two actors would race).
-                self._after(aborted, lambda: pworker.handle.cancel.remote(rid))
+                self._after(
+                    [] if aborted is None else [aborted], lambda: pworker.handle.cancel.remote(rid)
+                )
 
     async def abort(self, request_id: str) -> None:
-        for w in self.decode:
-            w.handle.abort.remote(request_id)
+        """Abort ``request_id`` everywhere: the decode workers first, the prefill workers once
+        those took it (as ``_stream_decode`` orders its own cleanup)."""
+        taken = [w.handle.abort.remote(request_id) for w in self.decode]
         for w in self.prefill:
-            w.handle.cancel.remote(request_id)
+            self._after(taken, lambda w=w: w.handle.cancel.remote(request_id))
 
     # ---- health ----
     def health(self) -> dict[str, Any]:

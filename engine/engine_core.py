@@ -369,9 +369,10 @@ class LLMEngine:
         """Free the pages a prefill-only request kept (its KV was transferred, or the lease expired)."""
         self.scheduler.release(request_id)
 
-    def abort_request(self, request_id: str) -> bool:
-        """Abort and free a request; False when it is unknown or already finished."""
-        request = self.scheduler.abort(request_id)
+    def abort_request(self, request_id: str, keep_prefilled: bool = False) -> bool:
+        """Abort and free a request; False when it is unknown or already finished (with
+        ``keep_prefilled``: or prefilled, its pages held for their lease)."""
+        request = self.scheduler.abort(request_id, keep_prefilled)
         if request is not None:
             self._record_finished(request)
         return request is not None

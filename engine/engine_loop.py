@@ -71,18 +71,22 @@ class EngineLoop:
         fut.set_exception(RuntimeError(closed))
         return fut
 
-    def abort(self, request_id: str, reason: str) -> concurrent.futures.Future[bool]:
+    def abort(
+        self, request_id: str, reason: str, keep_prefilled: bool = False
+    ) -> concurrent.futures.Future[bool]:
         """Abort ``request_id`` in the engine and end its subscriber's stream with ``reason``: an
         aborted request makes no output of its own, so a consumer waiting for one would wait
-        until its deadline. The future tells whether the engine still had the request."""
+        until its deadline. The future tells whether it was aborted (``keep_prefilled``: not a
+        request already prefilled, whose output went out; see LLMEngine.abort_request)."""
 
         def run(engine: LLMEngine) -> bool:
-            known = engine.abort_request(request_id)
-            with self._sinks_lock:
-                sink = self._sinks.pop(request_id, None)
-            if sink is not None:
-                sink(_error_output(request_id, reason))
-            return known
+            aborted = engine.abort_request(request_id, keep_prefilled)
+            if aborted:
+                with self._sinks_lock:
+                    sink = self._sinks.pop(request_id, None)
+                if sink is not None:
+                    sink(_error_output(request_id, reason))
+            return aborted
 
         return self.call(run)
 

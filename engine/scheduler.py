@@ -123,10 +123,13 @@ class Scheduler:
             self._finish(request, status, now)
         return request
 
-    def abort(self, request_id: str) -> Request | None:
-        """Finish a request as aborted and free its pages; None when it is unknown or already done."""
+    def abort(self, request_id: str, keep_prefilled: bool = False) -> Request | None:
+        """Finish a request as aborted and free its pages; None when it is unknown or already done
+        (with ``keep_prefilled``, also when it is prefilled and holds its pages for a lease)."""
         request = self.requests.get(request_id)
         if request is None:
+            return None
+        if keep_prefilled and request.status is RequestStatus.PREFILLED:
             return None
         if request in self.loading:
             self.loading.remove(request)

@@ -83,6 +83,7 @@ class PrefillWorker:
         self._pending: set[str] = set()  # admitted, no reply yet
         # Prefilled, their lease being made -> whether their client went away meanwhile.
         self._publishing: dict[str, bool] = {}
+        self._gone: set[str] = set()  # pending, their client gone (``cancel``)
 
     def _tick(self, engine: LLMEngine) -> None:
         self.keeper.tick(engine)
@@ -135,10 +136,15 @@ class PrefillWorker:
             ) from e
         finally:
             self._pending.discard(rid)
+            gone = rid in self._gone
+            self._gone.discard(rid)
             # After whatever call aborted it: its facts go once the engine's record of it is out.
             self.loop.call(lambda e: self.keeper.retire(rid))
         if out.error:
             raise PrefillError(out.error)
+        if gone and not out.finished:  # prefilled as the cancel came: no lease for it
+            self._release(rid)
+            raise PrefillError(f"prefill of {rid} was cancelled: the client went away")
         if out.finish_reason == "abort":
             raise PrefillError(f"prefill of {rid} was aborted")
         first = out.token_ids[0]
@@ -181,7 +187,10 @@ class PrefillWorker:
         if request_id in self._publishing:  # prefilled, not yet leased: ``_publish`` cancels
             self._publishing[request_id] = True
         elif request_id in self._pending:  # (its ``prefill`` call ends now, not at its deadline)
-            await asyncio.wrap_future(self.loop.abort(request_id, "the client went away"))
+            self._gone.add(request_id)  # (prefilled meanwhile, it gives its pages back instead)
+            await asyncio.wrap_future(
+                self.loop.abort(request_id, "the client went away", keep_prefilled=True)
+            )
         else:
             await _settled(self.publisher.cancel(request_id))
 

@@ -172,7 +172,7 @@ class PullingDecode:
 
     async def abort(self, *args: object) -> None:
         await asyncio.sleep(0.3)
-        self.aborted_at = time.time()
+        self.aborted_at = self.aborted_at or time.time()  # (the first abort taken)
 
     async def when_aborted(self) -> float | None:
         return self.aborted_at
@@ -189,7 +189,7 @@ class TimedHandingPrefill:
         return PrefillResult(req.request_id, 5, "x", None, ticket=None)
 
     async def cancel(self, request_id: str) -> None:
-        self.cancelled_at = time.time()
+        self.cancelled_at = self.cancelled_at or time.time()  # (the first cancel)
 
     async def when_cancelled(self) -> float | None:
         return self.cancelled_at
@@ -199,7 +199,9 @@ def test_a_client_gone_mid_pull_ends_the_lease_only_once_the_decode_worker_took_
     local_ray: None,
 ) -> None:
     """Sent together, P's cancel could end the lease before D heard of the abort: D's pull was
-    refused and counted as a transfer failure, the request recorded as an error."""
+    refused and counted as a transfer failure, the request recorded as an error. Both the
+    router's own cleanup and the server's abort of the request (sent as the client leaves)
+    cancel P only once D took the abort."""
     prefill, decode = TimedHandingPrefill.remote(), PullingDecode.remote()
     router = one_to_one(prefill, decode)
 
@@ -210,6 +212,7 @@ def test_a_client_gone_mid_pull_ends_the_lease_only_once_the_decode_worker_took_
         task = asyncio.ensure_future(stream.__anext__())
         await asyncio.sleep(0.5)  # D's pull is under way
         task.cancel()
+        await router.abort("mid-pull")  # (the server's, as the client leaves)
         with pytest.raises(asyncio.CancelledError):
             await task
         deadline = time.monotonic() + 30

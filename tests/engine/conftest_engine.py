@@ -84,10 +84,18 @@ def make_request(
     prefill_only: bool = False,
     **params: Any,
 ) -> Request:
-    """A greedy request; ``prompt`` is a token list or a length (tokens 10, 11, ... so no EOS inside)."""
+    """A greedy request; ``prompt`` is a token list or a length (tokens 10, 11, ... so no EOS inside).
+    ``eos[0]`` plays the tokenizer's EOS (it stops with no stop_reason)."""
     tokens = list(range(10, 10 + prompt)) if isinstance(prompt, int) else list(prompt)
     sp = SamplingParams(temperature=0.0, **params)
-    return Request(request_id, tokens, sp, eos_token_ids=frozenset(eos), prefill_only=prefill_only)
+    return Request(
+        request_id,
+        tokens,
+        sp,
+        eos_token_ids=frozenset(eos),
+        eos_token_id=eos[0] if eos else None,
+        prefill_only=prefill_only,
+    )
 
 
 def run_step(

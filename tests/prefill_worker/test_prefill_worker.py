@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from engine.request import RequestStatus
 from prefill_worker.worker import PrefillError, PrefillWorker
 from tests.tiny_engine import greedy, tiny_engine
 from transfer import KVSender, TransceiverConfig
@@ -135,6 +136,34 @@ def test_a_prefill_call_cancelled_while_its_add_waits_is_still_reported() -> Non
             assert time.monotonic() < deadline, "the request was never reported"
             await asyncio.sleep(0.02)
         assert [r.finish_reason for r in records if r.request_id == "q"] == ["abort"]
+        await wait_until_no_page_held(worker)
+
+    try:
+        asyncio.run(main())
+    finally:
+        worker.close()
+
+
+def test_a_cancel_that_comes_as_the_prefill_ends_gives_the_pages_back_without_a_lease() -> None:
+    """The cancel finds the request pending, but its prefill ends before the abort runs: the
+    abort leaves the prefilled request alone (it used to free the pages under the coming
+    publish, which then failed with a misleading "late release" warning); the call gives the
+    pages back itself and ends with an error nobody waits for."""
+    worker = make_worker()
+
+    async def main() -> None:
+        req = GenerateRequest("e", list(range(1, 11)), greedy(4), time.time())
+        call = asyncio.ensure_future(worker.prefill(req))
+        await asyncio.sleep(0)  # (its add is queued)
+        requests = worker.loop.engine.scheduler.requests
+        deadline = time.monotonic() + 10
+        # Without yielding to this loop: the call cannot see its output before the cancel runs.
+        while getattr(requests.get("e"), "status", None) is not RequestStatus.PREFILLED:
+            assert time.monotonic() < deadline, "never prefilled"
+            time.sleep(0.001)
+        await worker.cancel("e")  # finds it pending; its abort finds it prefilled
+        with pytest.raises(PrefillError, match="cancelled: the client went away"):
+            await asyncio.wait_for(call, 30)
         await wait_until_no_page_held(worker)
 
     try:
