@@ -319,8 +319,10 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     extra = {k: json.loads(v) for k, v in args.engine_arg}
-    max_len = max(
-        args.context + args.steps + 16, args.max_prompt + args.output_len, *args.ttft_prompts
+    max_len = max(  # (a TTFT prompt needs room for its first token)
+        args.context + args.steps + 16,
+        args.max_prompt + args.output_len,
+        *(n + 1 for n in args.ttft_prompts),
     )
     engine_kwargs: dict[str, Any] = dict(
         dtype=args.dtype,
