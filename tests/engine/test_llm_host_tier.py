@@ -86,7 +86,9 @@ def test_second_turns_hit_the_host_tier_and_keep_their_tokens(
     # The first turns overflowed the device pool: their pages went to host, and the second turns
     # of the first conversations were served from there.
     assert host.offloaded >= 4 and host.loaded_back >= 4 and host.drops == 0
-    assert stats.reuse_host_hit_tokens == host.hit_tokens > 0
+    # The tier counts every load-back; the reuse counters one query per request, so a preempted
+    # request's loads on its re-admission count only in the tier's (vLLM leaves them out too).
+    assert 0 < stats.reuse_host_hit_tokens <= host.hit_tokens
     assert_no_leak(with_tier.engine.kv)
     seconds = with_tier.engine.drain_request_stats()[-len(TOPICS) :]
     host_tokens = [r.metrics.num_cached_host_tokens for r in seconds]
