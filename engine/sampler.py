@@ -44,7 +44,8 @@ def _mask_before_min_tokens(logits: torch.Tensor, requests: list[Request]) -> to
     cols: list[int] = []
     vocab = logits.shape[-1]
     for i, r in enumerate(requests):
-        if r.num_output_tokens < r.sampling_params.min_tokens:
+        # (``min_tokens_masked`` is empty without min_tokens: one slot read per row per step)
+        if r.min_tokens_masked and r.num_output_tokens < r.sampling_params.min_tokens:
             ids = [t for t in r.min_tokens_masked if t < vocab]
             rows += [i] * len(ids)
             cols += ids

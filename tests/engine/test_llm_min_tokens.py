@@ -11,23 +11,9 @@ import torch
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
-from .conftest_engine import assert_no_leak
+from .conftest_engine import assert_no_leak, hf_greedy
 
 MAX_TOKENS = 12
-
-
-def hf_min_new_tokens(hf, prompt: list[int], min_new: int, stop_ids: list[int]) -> list[int]:  # noqa: ANN001
-    with torch.inference_mode():
-        out = hf.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=MAX_TOKENS,
-            min_new_tokens=min_new,
-            eos_token_id=stop_ids,
-            pad_token_id=stop_ids[0],
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 def test_min_tokens_masks_the_stop_ids_as_transformers(
@@ -55,7 +41,7 @@ def test_min_tokens_masks_the_stop_ids_as_transformers(
                 temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=[stop], min_tokens=min_tokens
             )
             (got,) = llm.generate([prompt], masked, use_tqdm=False)
-            want = hf_min_new_tokens(hf, prompt, min_tokens, sorted({*eos, stop}))
+            want = hf_greedy(hf, prompt, MAX_TOKENS, sorted({*eos, stop}), min_tokens)
             assert got.token_ids == want, (prompt, min_tokens)
             assert len(got.token_ids) >= min_tokens and stop not in got.token_ids[:min_tokens]
     assert_no_leak(llm.engine.kv)
