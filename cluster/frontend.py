@@ -57,9 +57,9 @@ class ClusterFrontend:
         self.metrics = ServingMetrics(model_name)
         self.poller = StatsPoller(router.prefill + router.decode, stats_interval_s, max_stats_len)
         self.kv_feed: KVEventFeed | None = None
-        if router.kv_index is not None:
+        if router.choice.kv_index is not None:
             sources = {w.worker_id: ActorSource(w.handle) for w in router.prefill + router.decode}
-            self.kv_feed = KVEventFeed(sources, router.kv_index)
+            self.kv_feed = KVEventFeed(sources, router.choice.kv_index)
         self.stats_interval_s = stats_interval_s
         # /perf_metrics is drained on read; what nobody read yet is kept by the buffer rule.
         self._perf: StatsBuffer[dict[str, Any]] = StatsBuffer(perf_buffer_len)

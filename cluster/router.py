@@ -85,7 +85,6 @@ class Router:
         )
         self.prefill = prefill
         self.decode = decode
-        self.kv_index = kv_index
         self.prefill_retries = prefill_retries
         self.local_prefill_fallback = local_prefill_fallback
         self.call_timeout_s = call_timeout_s

@@ -98,7 +98,7 @@ def hashes_of(router: Router, tokens: list[int], pages: int) -> list[int]:
 
 def test_kv_aware_sends_a_request_where_its_prefix_is_cached() -> None:
     router = indexed_router()
-    index = router.kv_index
+    index = router.choice.kv_index
     assert index is not None
     assert router.choice.pick_prefill(
         req(PROMPT), set(), router.choice.block_hashes(req(PROMPT))
@@ -126,7 +126,7 @@ def test_kv_aware_without_any_cache_is_load_balance() -> None:
 
 def test_conditional_disaggregation_by_the_decode_workers_cache() -> None:
     router = indexed_router(policy="load_balance", threshold=8, n_decode=2)
-    index = router.kv_index
+    index = router.choice.kv_index
     assert index is not None
     hashes = router.choice.block_hashes(req(PROMPT))
     assert router.choice.local_prefill_worker(req(PROMPT), hashes) is None  # nothing cached
