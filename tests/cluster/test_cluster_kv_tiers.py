@@ -194,7 +194,7 @@ def test_host_tier_kv_aware_routing_and_local_prefill(
 
 def test_a_lost_event_batch_rebuilds_the_workers_index(running: Any, ours: Any) -> None:
     feed = running.frontend.kv_feed
-    index = running.frontend.router.kv_index
+    index = running.frontend.router.choice.kv_index
     d = running.handles.decode[0]
     events_caught_up(running)
     gaps, rebuilds = feed.feeds["decode-0"].gaps, index.rebuilds["decode-0"]
