@@ -63,16 +63,11 @@ def _none_or_a(kind: type) -> Callable[[Any], bool]:
 # OpenAI request fields Duet does not implement. Each is accepted only with a value that asks for
 # nothing (so a client sending the default still works) and refused otherwise, naming it.
 _NOT_SUPPORTED_COMMON: dict[str, Callable[[Any], bool]] = {
-    "frequency_penalty": _none_or(0, 0.0),
-    "presence_penalty": _none_or(0, 0.0),
     "logit_bias": _none_or({}),
     "user": _none_or_a(str),  # the end user's id, for the provider's abuse monitoring
     "service_tier": _none_or("auto", "default"),
     "store": _none_or(False),
     "metadata": _none_or({}),
-    # vLLM's extensions, at the values that ask for nothing
-    "min_p": _none_or(0, 0.0),
-    "repetition_penalty": _none_or(1, 1.0),
 }
 NOT_SUPPORTED_COMPLETION = _NOT_SUPPORTED_COMMON | {
     "logprobs": _none_or(),  # an int here: 0 still returns the sampled tokens' logprobs
@@ -170,10 +165,15 @@ class _SamplingFields(BaseModel):
         ),
     )
     # None: the model's default (its generation_config.json), else temperature 1 (0 means greedy),
-    # top_p 1, top_k -1 (off)
+    # top_p 1, top_k -1 (off), min_p 0, no penalties (engine/penalties.py; min_p and
+    # repetition_penalty are vLLM's extensions)
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -202,6 +202,10 @@ class _SamplingFields(BaseModel):
             top_p=_first(self.top_p, defaults.top_p, 1.0),
             # (vLLM reads top_k 0 as off, as -1)
             top_k=int(_first(self.top_k, defaults.top_k, -1)) or -1,
+            min_p=_first(self.min_p, defaults.min_p, 0.0),
+            presence_penalty=_first(self.presence_penalty, defaults.presence_penalty, 0.0),
+            frequency_penalty=_first(self.frequency_penalty, defaults.frequency_penalty, 0.0),
+            repetition_penalty=_first(self.repetition_penalty, defaults.repetition_penalty, 1.0),
             seed=self.seed,
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),

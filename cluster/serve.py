@@ -91,7 +91,6 @@ def sampling_defaults(config: ClusterConfig) -> GenerationDefaults:
     except ValueError as e:
         raise ConfigError(SOURCE, [f"model.generation_config: auto reads {e}"]) from None
     log.info("sampling defaults from the model's generation_config.json: %s", defaults.describe())
-    defaults.warn_not_implemented(log)
     return defaults
 
 

@@ -16,7 +16,8 @@ from worker_common.messages import Role, WorkerDeadlines, WorkerSpec
 
 def engine_config_for(config: ClusterConfig, role: Role) -> EngineConfig:
     """The EngineConfig of a prefill or decode worker of ``config`` (device "cuda" is resolved to
-    the worker's own GPU on its node)."""
+    the worker's own GPU on its node; dtype "auto" to the checkpoint's here, so that every worker
+    gets the same one)."""
     pool = config.prefill if role is Role.PREFILL else config.decode
     on_gpu = pool.resources.num_gpus > 0
     kv = config.kvcache
@@ -47,7 +48,7 @@ def engine_config_for(config: ClusterConfig, role: Role) -> EngineConfig:
         # The engine's request stats are the source of the per-request reports (/perf_metrics).
         max_request_stats_len=config.stats.perf_buffer_len,
         tensor_parallel_size=pool.tensor_parallel_size,
-    )
+    ).resolved()
 
 
 def worker_spec(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +17,20 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+# vLLM's other names of the same dtypes (its ``dtype`` argument and --dtype take them too)
+DTYPE_ALIASES: dict[str, str] = {"half": "float16", "float": "float32"}
 DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2-135M in float32
+
+
+def dtype_name(value: Any) -> str:
+    """The engine's name of a dtype given as vLLM's ``dtype`` takes one: "auto", a name of DTYPES
+    or DTYPE_ALIASES, or a torch.dtype of DTYPES. Anything else comes back as given (refused by
+    the caller with the list of names)."""
+    if isinstance(value, torch.dtype):
+        return next((name for name, d in DTYPES.items() if d == value), str(value))
+    if isinstance(value, str):
+        return DTYPE_ALIASES.get(value, value)
+    return value
 
 
 def _positive_int(owner: str, name: str, value: Any, minimum: int = 1) -> None:
@@ -34,7 +48,9 @@ class EngineConfig:
     load_format: str = "auto"
     """One of "auto" (from the path), "gguf", "hf", "dummy" (random weights)."""
     dtype: str = "float32"
-    """Weights, activations and KV cache: "float32", "bfloat16" or "float16"."""
+    """Weights, activations and KV cache: "float32", "bfloat16" or "float16" (vLLM's "half",
+    "float" and torch dtypes are taken too), or "auto": the dtype the checkpoint holds
+    (engine/loaders/checkpoint_dtype.py; ``resolved`` reads it)."""
     device: str = "cpu"
     page_size: int = 16
     """Tokens per KV page."""
@@ -47,6 +63,10 @@ class EngineConfig:
     gpu_memory_fraction: float = 0.9
     """On CUDA, without a byte budget: the share of the free memory (after weights and the
     activation estimate) that the KV pool takes."""
+    gpu_memory_utilization: float | None = None
+    """vLLM's budget, in place of ``gpu_memory_fraction``: the share of the GPU's whole memory
+    this engine may take (weights, activations and KV together; the KV pool gets what is left of
+    it once the weights are loaded, less the activation estimate). None: ``gpu_memory_fraction``."""
     kv_max_tokens: int | None = None
     """Cap on the tokens the KV pool holds (None: what max_num_seqs sequences of max_model_len use)."""
     max_num_seqs: int = 256
@@ -98,8 +118,12 @@ class EngineConfig:
             raise ValueError(
                 f"{owner}.load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}"
             )
-        if self.dtype not in DTYPES:
-            raise ValueError(f"{owner}.dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))  # (frozen: normalised once)
+        if self.dtype not in ("auto", *DTYPES):
+            raise ValueError(
+                f"{owner}.dtype must be 'auto' or one of {(*DTYPES, *DTYPE_ALIASES)}, got "
+                f"{self.dtype!r}"
+            )
         try:
             torch.device(self.device)
         except (RuntimeError, TypeError) as e:
@@ -115,6 +139,13 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
             raise ValueError(
                 f"{owner}.gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction!r}"
+            )
+        if self.gpu_memory_utilization is not None and not (
+            0.0 < self.gpu_memory_utilization <= 1.0
+        ):
+            raise ValueError(
+                f"{owner}.gpu_memory_utilization must be in (0, 1], got "
+                f"{self.gpu_memory_utilization!r}"
             )
         if self.kv_max_tokens is not None:
             _positive_int(owner, "kv_max_tokens", self.kv_max_tokens)
@@ -172,4 +203,20 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            raise ValueError(
+                "dtype 'auto' is read from the checkpoint first (EngineConfig.resolved)"
+            )
         return DTYPES[self.dtype]
+
+    def resolved(self, loaded: torch.dtype | None = None) -> EngineConfig:
+        """This config with dtype "auto" made the checkpoint's (``loaded``: the dtype of a model
+        already loaded, else read from ``model``); other dtypes as they are."""
+        if self.dtype != "auto":
+            return self
+        if loaded is not None:
+            return dataclasses.replace(self, dtype=dtype_name(loaded))
+        from engine.loaders.checkpoint_dtype import checkpoint_dtype
+
+        found = checkpoint_dtype(self.model, self.load_format, self.dummy_config)
+        return dataclasses.replace(self, dtype=found)

@@ -103,6 +103,10 @@ class LLMEngine:
         workers start Ray actors instead, worker_common/tp_ranks.py)."""
         from engine.loaders import load_model  # deferred: pulls in gguf, safetensors, the model
 
+        try:
+            config = config.resolved()
+        except OSError as e:
+            raise ValueError(f"LLM.model={config.model!r}: {e}") from e
         if config.tensor_parallel_size > 1:
             return cls._from_config_tp(config, start_ranks or LocalRanks)
         try:
@@ -177,7 +181,9 @@ class LLMEngine:
         model's device, whatever ``config.device`` says (a model loaded on a GPU next to a KV
         cache in host memory cannot run)."""
         mc = loaded.config
-        model_device = next(loaded.model.parameters()).device
+        first = next(loaded.model.parameters())
+        config = config.resolved(first.dtype)
+        model_device = first.device
         if torch.device(config.device) != model_device:
             config = dataclasses.replace(config, device=str(model_device))
         max_model_len = (
@@ -241,7 +247,13 @@ class LLMEngine:
             raise ValueError(
                 f"sampling_params must be a SamplingParams, got {type(params).__name__}"
             )
+        params = params.copy()  # (the caller's may change later: vLLM's are mutable, so ours)
         self.check_prompt(prompt_token_ids, f"request {request_id!r}")
+        if params.n != 1:
+            raise ValueError(
+                f"request {request_id!r}: one engine request is one completion (n=1); "
+                f"engine.LLM makes the n={params.n} completions as n requests"
+            )
         if params.stop and self.tokenizer is None:  # (they would never match: no text is made)
             raise ValueError(
                 f"request {request_id!r}: stop strings need the model's tokenizer, and this model "

@@ -15,10 +15,12 @@ from kvcache.manager import KVCacheManager
 from kvcache.sizing import (
     check_one_request_fits,
     cuda_free_bytes,
+    cuda_memory,
     device_kv_budget,
     host_pages_per_group,
     pages_per_request,
     size_pool_groups,
+    utilization_kv_budget,
 )
 from kvcache.spec import MapperKind, PoolGroupSpec
 
@@ -85,7 +87,16 @@ def build_kv_cache(
     else:
         budget = config.kv_cache_memory_bytes
         if budget is None:
-            if device.type == "cuda":
+            if device.type == "cuda" and config.gpu_memory_utilization is not None:
+                free, total, held = cuda_memory(device)
+                budget = utilization_kv_budget(
+                    total,
+                    free,
+                    held,
+                    config.gpu_memory_utilization,
+                    activation_peak_estimate(model, config),
+                )
+            elif device.type == "cuda":
                 budget = device_kv_budget(
                     cuda_free_bytes(device),
                     config.gpu_memory_fraction,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Callable, Mapping, Sequence
@@ -36,8 +37,12 @@ class LLM:
     reuse_policy="all_reusable", seed=0)``, and ``generation_config``: "auto" (vLLM's default)
     samples without given params as the checkpoint's generation_config.json says
     (``get_default_sampling_params``), "none" (or vLLM's "vllm") with SamplingParams' defaults.
-    vLLM's ``enable_prefix_caching`` (reuse_policy) and ``enforce_eager`` (no CUDA graphs) are
-    taken too. Bad arguments raise ValueError naming the field.
+    vLLM's names are taken too: ``enable_prefix_caching`` (reuse_policy), ``enforce_eager`` (no
+    CUDA graphs), ``block_size`` (page_size), ``gpu_memory_utilization`` (its meaning, not
+    gpu_memory_fraction's), ``dtype`` "auto", "half" or a torch dtype, ``trust_remote_code``
+    (no checkpoint code ever runs), ``tokenizer`` (the checkpoint's own only),
+    ``kv_cache_dtype="auto"`` and ``quantization=None``. Bad arguments raise ValueError naming
+    the field.
     """
 
     def __init__(
@@ -54,7 +59,6 @@ class LLM:
                 self._defaults = load_generation_defaults(model, config.load_format)
             except FileNotFoundError:
                 pass  # the engine says what is missing, in its words
-            self._defaults.warn_not_implemented(log)
         self.engine = LLMEngine.from_config(config)
         self._ids = itertools.count()
 
@@ -101,6 +105,8 @@ class LLM:
         """Generate for every prompt (text, a list of token ids, or vLLM's ``{"prompt": text}`` /
         ``{"prompt_token_ids": ids}``); outputs in input order (none for no prompts).
         ``use_tqdm``: a progress bar of finished requests (True, or a tqdm-like class), as vLLM's.
+        A prompt whose params ask ``n`` > 1 completions gets one output with all of them in
+        ``outputs`` (each a request of its own; see SamplingParams.n).
 
         Everything is validated before anything is queued, so a bad input raises ValueError and
         leaves the engine as it was.
@@ -216,11 +222,15 @@ class LLM:
         params = self._params(sampling_params, len(encoded))
         if not encoded:
             return []
-        ids = [f"llm-{next(self._ids)}" for _ in encoded]
-        requests = [
-            self.engine.make_request(rid, tokens, p, prompt=text)
-            for rid, (text, tokens), p in zip(ids, encoded, params, strict=True)
-        ]
+        groups: list[tuple[str, list[str]]] = []  # (a prompt's id, its completions' request ids)
+        requests = []
+        for (text, tokens), p in zip(encoded, params, strict=True):
+            pid = f"llm-{next(self._ids)}"
+            rids = [pid] if p.n == 1 else [f"{pid}-{i}" for i in range(p.n)]
+            for i, rid in enumerate(rids):
+                requests.append(self.engine.make_request(rid, tokens, _choice(p, i), prompt=text))
+            groups.append((pid, rids))
+        ids = [r.request_id for r in requests]
         ours = set(ids)
         results: dict[str, RequestOutput] = {}
         bar = _progress(use_tqdm, len(ids))
@@ -249,7 +259,21 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
-        return [results[rid] for rid in ids]
+        return [
+            results[rids[0]]
+            if len(rids) == 1
+            else RequestOutput.of_choices(pid, [results[rid] for rid in rids])
+            for pid, rids in groups
+        ]
+
+
+def _choice(params: SamplingParams, i: int) -> SamplingParams:
+    """Completion ``i`` of ``params.n``: one request's params, seeded seed + i (vLLM's rule: the
+    completions differ, and the same call gives the same completions again)."""
+    if params.n == 1:
+        return params
+    seed = None if params.seed is None else params.seed + i
+    return dataclasses.replace(params, n=1, seed=seed)
 
 
 def _prompt_of(prompt: Mapping[str, Any], what: str) -> str | list[int]:
@@ -276,10 +300,27 @@ def _progress(use_tqdm: Progress, total: int) -> tqdm | None:
     return make(total=total, desc="Processed prompts", dynamic_ncols=True)
 
 
+def _flag(convert: Callable[[bool], Any]) -> Callable[[str, Any], Any]:
+    def check(name: str, given: Any) -> Any:
+        if not isinstance(given, bool):
+            raise ValueError(f"{name} must be a bool, got {given!r}")
+        return convert(given)
+
+    return check
+
+
 # vLLM's LLM arguments that name an EngineConfig setting: (vLLM name, Duet field, its value).
-_VLLM_ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
-    "enable_prefix_caching": ("reuse_policy", lambda on: "all_reusable" if on else "none"),
-    "enforce_eager": ("cuda_graphs", lambda eager: not eager),
+_VLLM_ALIASES: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
+    "enable_prefix_caching": ("reuse_policy", _flag(lambda on: "all_reusable" if on else "none")),
+    "enforce_eager": ("cuda_graphs", _flag(lambda eager: not eager)),
+    "block_size": ("page_size", lambda _name, size: size),  # (EngineConfig checks it)
+}
+# vLLM's LLM arguments Duet takes at the values that ask nothing of it; others are refused.
+_VLLM_NO_OPS: dict[str, tuple[Any, ...]] = {
+    # Duet's model classes are its own: no checkpoint's code ever runs, with or without leave.
+    "trust_remote_code": (False, True),
+    "kv_cache_dtype": ("auto",),  # the KV cache is in the model's dtype
+    "quantization": (None,),
 }
 
 
@@ -289,11 +330,26 @@ def _engine_config(model: str, kwargs: dict[str, Any]) -> EngineConfig:
         if name not in kwargs:
             continue
         given = kwargs.pop(name)
-        if not isinstance(given, bool):
-            raise ValueError(f"{name} must be a bool, got {given!r}")
         if field in kwargs:
             raise ValueError(f"give {name} or {field}, not both")
-        kwargs[field] = value(given)
+        kwargs[field] = value(name, given)
+    for name, allowed in _VLLM_NO_OPS.items():
+        if name in kwargs:
+            given = kwargs.pop(name)
+            if not any(given is a or (type(given) is type(a) and given == a) for a in allowed):
+                raise ValueError(
+                    f"{name}={given!r} is not supported by Duet (it takes {name} only as "
+                    f"{' or '.join(repr(a) for a in allowed)})"
+                )
+    if "tokenizer" in kwargs:  # vLLM's: another tokenizer than the checkpoint's
+        given = kwargs.pop("tokenizer")
+        if given is not None and given != model:
+            raise ValueError(
+                f"tokenizer={given!r}: Duet uses the checkpoint's own tokenizer (give None or "
+                "the model's path)"
+            )
+    if {"gpu_memory_utilization", "gpu_memory_fraction"} <= set(kwargs):
+        raise ValueError("give gpu_memory_utilization or gpu_memory_fraction, not both")
     unknown = set(kwargs) - set(EngineConfig.__dataclass_fields__)
     if unknown:
         raise ValueError(

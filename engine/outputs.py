@@ -10,8 +10,8 @@ from engine.request import FinishReason, Request, RequestMetrics
 
 @dataclass(frozen=True)
 class CompletionOutput:
-    """One completion of a request, shaped as vLLM's (``RequestOutput.outputs[0]``): Duet makes one
-    per request (no ``n``) and no log probabilities (None, as vLLM without ``logprobs``)."""
+    """One completion of a prompt, shaped as vLLM's (``RequestOutput.outputs[i]``), without log
+    probabilities (None, as vLLM without ``logprobs``)."""
 
     index: int
     text: str
@@ -48,16 +48,32 @@ class RequestOutput:
     stop_reason: int | str | None
     metrics: RequestMetrics
     error: str | None = None
+    choices: tuple[CompletionOutput, ...] = ()
+    """With ``SamplingParams.n`` > 1 (``engine.LLM``): every completion of the prompt, in order;
+    the fields above are then the first's. Empty for one completion (``outputs`` makes it)."""
 
     @property
     def outputs(self) -> list[CompletionOutput]:
-        """The request's completion as vLLM's ``RequestOutput.outputs`` holds it: code written for
-        vLLM reads ``out.outputs[0].text`` here too."""
+        """The prompt's completions as vLLM's ``RequestOutput.outputs`` holds them: code written
+        for vLLM reads ``out.outputs[0].text`` here too."""
+        if self.choices:
+            return list(self.choices)
         return [
             CompletionOutput(
                 0, self.text, self.token_ids, None, None, self.finish_reason, self.stop_reason
             )
         ]
+
+    @classmethod
+    def of_choices(cls, request_id: str, choices: list[RequestOutput]) -> RequestOutput:
+        """The finished completions of one prompt (each a request of its own) as one output."""
+        return dataclasses.replace(
+            choices[0],
+            request_id=request_id,
+            choices=tuple(
+                dataclasses.replace(c.outputs[0], index=i) for i, c in enumerate(choices)
+            ),
+        )
 
     @classmethod
     def from_request(cls, request: Request) -> RequestOutput:

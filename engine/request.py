@@ -97,7 +97,7 @@ class Request:
 
     __slots__ = (
         "request_id", "prompt", "prompt_token_ids", "sampling_params", "eos_token_ids", "eos_token_id",
-        "min_tokens_masked",
+        "min_tokens_masked", "penalized",
         "all_token_ids", "output_token_ids", "num_computed_tokens", "status", "stop_reason",
         "error", "prefill_only", "metrics", "page_ids", "kv_capacity", "kv_release_at",
         "detokenizer", "output_text",
@@ -132,6 +132,7 @@ class Request:
             if sampling_params.min_tokens
             else ()
         )
+        self.penalized = sampling_params.penalized  # (read per row and step by the sampler)
         self.eos_token_id = eos_token_id  # of those, the tokenizer's (stop_reason None)
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []

@@ -1,4 +1,5 @@
-"""Batched token sampling: greedy, temperature, top-k and top-p, with per-request generators.
+"""Batched token sampling: greedy, temperature, min_p, top-k and top-p, with per-request
+generators, after min_tokens' mask and the penalties (engine/penalties.py).
 
 Random rows sample by the exponential race: ``argmax(probs / q)`` with ``q ~ Exp(1)`` i.i.d. picks
 token i with probability ``probs[i]``. A request with a seed draws its ``q`` from its own generator,
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.penalties import apply_min_p, apply_penalties
 from engine.request import Request
 
 
@@ -69,7 +71,7 @@ class Sampler:
             raise ValueError(
                 f"sample got {logits.shape[0]} logits rows for {len(requests)} requests"
             )
-        logits = _mask_before_min_tokens(logits, requests)
+        logits = apply_penalties(_mask_before_min_tokens(logits, requests), requests)
         tokens = logits.argmax(dim=-1)  # exact greedy; first index among ties, like HF
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
         if random_rows:
@@ -84,6 +86,11 @@ class Sampler:
             [p.temperature for p in params], dtype=logits.dtype, device=logits.device
         )
         scaled = logits / temps[:, None]
+        if any(p.min_p > 0.0 for p in params):
+            min_p = torch.tensor(
+                [p.min_p for p in params], dtype=logits.dtype, device=logits.device
+            )
+            scaled = apply_min_p(scaled, min_p)
         top_k = None
         if any(p.top_k != -1 for p in params):
             top_k = torch.tensor(

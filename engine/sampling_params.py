@@ -1,9 +1,11 @@
-"""How one request samples and when it stops: validated once, immutable afterwards."""
+"""How one request samples and when it stops: validated when made and at every change."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 _GREEDY_EPS = 1e-5  # temperatures below this are treated as greedy (exact argmax)
 
@@ -26,19 +28,18 @@ def _is_int(value: object) -> bool:
 
 # vLLM's fields Duet does not implement, with the one value each takes (the one that asks nothing).
 _NOT_IMPLEMENTED: dict[str, object] = {
-    "n": 1,
-    "min_p": 0.0,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
     "logprobs": None,
     "prompt_logprobs": None,
 }
 
 
-@dataclass(frozen=True)
+@dataclass
 class SamplingParams:
     """Per-request sampling and stopping options (vLLM names and defaults).
+
+    Mutable as vLLM's (``params.max_tokens = 512`` after ``get_default_sampling_params()``, as
+    vLLM's examples do), and validated at every assignment as when made: an object that exists
+    is valid. A request takes a copy when it is made, so a change later does not reach it.
 
     ``stop`` accepts one string or a sequence of strings and is stored as a tuple, like
     ``stop_token_ids``. A request stops at the first of: EOS (unless ``ignore_eos``), a token of
@@ -73,13 +74,21 @@ class SamplingParams:
     min_tokens: int = 0
     """Generated tokens before EOS or a stop token id may be sampled (they are masked until
     then) and before a stop string may match (vLLM's semantics); at most ``max_tokens``."""
+    n: int = 1
+    """Completions of the prompt. ``engine.LLM`` (and the HTTP server, from its own ``n``) makes
+    them as n requests, completion i sampled with seed + i when a seed is given (vLLM's rule);
+    one request of the engine (``LLMEngine.make_request``) is one completion and takes n=1."""
+    repetition_penalty: float = 1.0
+    """> 0; 1 is none. The logit of each token of the prompt or the output is divided by it when
+    positive, multiplied by it otherwise (transformers' and vLLM's rule; engine/penalties.py)."""
+    presence_penalty: float = 0.0
+    """In [-2, 2]: subtracted once from the logit of each token generated so far (OpenAI's)."""
+    frequency_penalty: float = 0.0
+    """In [-2, 2]: subtracted from the logit of each generated token per time it was generated."""
+    min_p: float = 0.0
+    """In [0, 1]: when sampling, drop tokens less likely than min_p times the most likely one."""
     # vLLM's fields that Duet does not implement: taken only with the value that asks for nothing
     # (so code written for vLLM that sets them so still runs), refused otherwise by name.
-    n: int = 1
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
 
@@ -103,6 +112,20 @@ class SamplingParams:
         if self.seed == -1 and _is_int(self.seed):
             object.__setattr__(self, "seed", None)
         self._validate()
+        object.__setattr__(self, "_made", True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if "_made" not in self.__dict__:  # (the dataclass __init__ setting the fields)
+            object.__setattr__(self, name, value)
+            return
+        if name not in self.__dataclass_fields__:
+            raise AttributeError(f"SamplingParams has no field {name!r}")
+        # Validated (and normalised: a stop string becomes a tuple) as a new object would be.
+        checked = dataclasses.replace(self, **{name: value})
+        object.__setattr__(self, name, getattr(checked, name))
+
+    def copy(self) -> SamplingParams:
+        return dataclasses.replace(self)
 
     def _validate(self) -> None:
         t = self.temperature
@@ -115,6 +138,22 @@ class SamplingParams:
             raise _fail("top_k", "-1 or 0 (disabled) or an integer >= 1", self.top_k)
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise _fail("max_tokens", "an integer >= 1 or None", self.max_tokens)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not -2 <= value <= 2
+            ):
+                raise _fail(name, "in [-2, 2]", value)
+        r = self.repetition_penalty
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r < float("inf"):
+            raise _fail("repetition_penalty", "a number > 0", r)
+        m = self.min_p
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m <= 1:
+            raise _fail("min_p", "in [0, 1]", m)
+        if not _is_int(self.n) or self.n < 1:
+            raise _fail("n", "an integer >= 1", self.n)
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise _fail("min_tokens", "an integer >= 0", self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -139,6 +178,15 @@ class SamplingParams:
                     f"SamplingParams.{name}={value!r} is not supported by Duet "
                     f"(only {nothing!r}, which asks for nothing)",
                 )
+
+    @property
+    def penalized(self) -> bool:
+        """Asks for a penalty (engine/penalties.py)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
     @property
     def is_greedy(self) -> bool:

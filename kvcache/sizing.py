@@ -26,11 +26,16 @@ from kvcache.spec import PoolGroupSpec
 
 def cuda_free_bytes(device: torch.device | str) -> int:
     """Free memory of a CUDA device now, in bytes (``torch.cuda.mem_get_info``)."""
+    return cuda_memory(device)[0]
+
+
+def cuda_memory(device: torch.device | str) -> tuple[int, int, int]:
+    """(free, total, held by this process's torch allocator) of a CUDA device now, in bytes."""
     device = torch.device(device)
     if device.type != "cuda":
-        raise ValueError(f"cuda_free_bytes needs a CUDA device, got {device}")
-    free, _total = torch.cuda.mem_get_info(device)
-    return int(free)
+        raise ValueError(f"cuda_memory needs a CUDA device, got {device}")
+    free, total = torch.cuda.mem_get_info(device)
+    return int(free), int(total), int(torch.cuda.memory_reserved(device))
 
 
 def device_kv_budget(
@@ -56,6 +61,33 @@ def device_kv_budget(
             f"- activation peak {activation_peak_bytes} B = {remaining} B"
         )
     return int(remaining * fraction)
+
+
+def utilization_kv_budget(
+    total_bytes: int,
+    free_bytes: int,
+    used_bytes: int,
+    utilization: float,
+    activation_peak_bytes: int = 0,
+) -> int:
+    """KV budget in bytes under vLLM's ``gpu_memory_utilization``: the engine may take
+    ``utilization`` of the device's ``total_bytes`` in all; it holds ``used_bytes`` already (its
+    weights, loaded) and needs ``activation_peak_bytes`` more for a step; the KV cache gets the
+    rest, and never more than the ``free_bytes`` other processes left (less the activations)."""
+    if not 0.0 < utilization <= 1.0:
+        raise ValueError(f"utilization must be in (0, 1], got {utilization}")
+    if min(total_bytes, free_bytes, used_bytes, activation_peak_bytes) < 0:
+        raise ValueError("byte counts must be >= 0")
+    share = int(total_bytes * utilization)
+    budget = min(share - used_bytes, free_bytes) - activation_peak_bytes
+    if budget <= 0:
+        raise ValueError(
+            f"no memory left for the KV cache under gpu_memory_utilization={utilization}: "
+            f"{utilization} of {total_bytes} B is {share} B, the engine holds {used_bytes} B, a "
+            f"step needs about {activation_peak_bytes} B more, and {free_bytes} B are free; "
+            "raise gpu_memory_utilization"
+        )
+    return budget
 
 
 class KVSizingError(ValueError):

@@ -90,8 +90,14 @@ class ModelConfig(Section):
             "dummy: random weights shaped by dummy_config (benchmarks without a checkpoint)."
         ),
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Weights, activations and KV cache dtype."
+    dtype: Literal["float32", "bfloat16", "float16", "half", "float", "auto"] = Field(
+        "float32",
+        description=(
+            "Weights, activations and KV cache dtype (half = float16, float = float32, as vLLM "
+            "names them). auto: the dtype the checkpoint holds, as transformers' "
+            'torch_dtype="auto" reads it (config.json, else its safetensors); float32 for GGUF '
+            "files and dummy weights. Unlike vLLM's auto, a float32 checkpoint stays float32."
+        ),
     )
     max_model_len: int | None = Field(
         None, gt=0, description="Longest prompt + output in tokens; None = the model's own limit."

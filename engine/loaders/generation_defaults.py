@@ -3,30 +3,31 @@ them (``--generation-config auto``): every key the file sets counts (with transf
 ``GenerationConfig`` defaults are all unset, vLLM's ``to_diff_dict`` keeps each of them; a file's
 top_k 50 is a top_k of 50). A request's own value always wins; these fill only what it leaves out.
 
-What Duet samples with: temperature, top_p, top_k, and ``max_new_tokens`` as the default
-max_tokens of a chat request. Keys vLLM would also apply that Duet does not implement
-(repetition_penalty, presence_penalty, frequency_penalty, min_p) are returned apart, for the
-caller to say so.
+What Duet samples with: temperature, top_p, top_k, min_p, the three penalties, and
+``max_new_tokens`` as the default max_tokens of a chat request (vLLM's list).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from engine.loaders.source import checkpoint_path, detect_format
 from engine.sampling_params import SamplingParams
 
-# Keys vLLM applies that Duet does not implement, with the value that asks for nothing
-_NOT_IMPLEMENTED = {
-    "repetition_penalty": 1.0,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "min_p": 0.0,
-}
+# SamplingParams fields the file may set (max_tokens from its max_new_tokens)
+_KEYS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_tokens",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 
 
 @dataclass(frozen=True)
@@ -37,34 +38,24 @@ class GenerationDefaults:
     top_p: float | None = None
     top_k: int | None = None
     max_tokens: int | None = None
-    # Keys the file sets that Duet does not implement: key -> value
-    not_implemented: dict[str, float] = field(default_factory=dict)
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
 
     def as_sampling_params(self) -> SamplingParams:
         """SamplingParams' defaults with these in their place (ValueError for a value no request
         may have)."""
-        base = SamplingParams()
-        return SamplingParams(
-            max_tokens=base.max_tokens if self.max_tokens is None else self.max_tokens,
-            temperature=base.temperature if self.temperature is None else self.temperature,
-            top_p=base.top_p if self.top_p is None else self.top_p,
-            top_k=base.top_k if self.top_k is None else self.top_k,
-        )
+        given = {k: v for k, v in self.fields().items() if v is not None}
+        return SamplingParams(**given)
+
+    def fields(self) -> dict[str, float | int | None]:
+        """Each SamplingParams field this sets or leaves out (None)."""
+        return {k: getattr(self, k) for k in _KEYS}
 
     def describe(self) -> str:
-        keys = ("temperature", "top_p", "top_k", "max_tokens")
-        given = [f"{k}={getattr(self, k)}" for k in keys if getattr(self, k) is not None]
+        given = [f"{k}={v}" for k, v in self.fields().items() if v is not None]
         return ", ".join(given) or "none"
-
-    def warn_not_implemented(self, logger: logging.Logger) -> None:
-        """Say, once per key, what the file asks that requests are sampled without."""
-        for key, value in self.not_implemented.items():
-            logger.warning(
-                "the model's generation_config.json sets %s=%s, which Duet does not implement: "
-                "requests are sampled without it (vLLM would apply it)",
-                key,
-                value,
-            )
 
 
 def _number(raw: dict[str, object], key: str) -> float | None:
@@ -94,11 +85,10 @@ def read_generation_defaults(directory: Path) -> GenerationDefaults:
         # (vLLM reads top_k 0 as "off", as Duet's -1)
         top_k=None if top_k is None else (int(top_k) if top_k != 0 else -1),
         max_tokens=None if max_new is None else int(max_new),
-        not_implemented={
-            k: v
-            for k, neutral in _NOT_IMPLEMENTED.items()
-            if (v := _number(raw, k)) is not None and v != neutral
-        },
+        min_p=_number(raw, "min_p"),
+        repetition_penalty=_number(raw, "repetition_penalty"),
+        presence_penalty=_number(raw, "presence_penalty"),
+        frequency_penalty=_number(raw, "frequency_penalty"),
     )
     try:
         defaults.as_sampling_params()

@@ -23,6 +23,7 @@ from tests.cluster.cluster_fixtures import (
     wait_no_pages_held,
     worker_stats,
 )
+from tests.oracle import openai_penalized_greedy
 from worker_common.messages import Role
 
 pytestmark = pytest.mark.slow
@@ -114,6 +115,29 @@ def test_min_tokens_through_prefill_and_decode_is_transformers_min_new_tokens(
         extra_body={"min_tokens": 5, "stop_token_ids": [stop]},
     )
     assert r.choices[0].token_ids == want and len(want) >= 5
+
+
+def test_penalties_through_prefill_and_decode_are_transformers_and_openais(
+    client, model_name, hf_gguf_model, ours
+) -> None:
+    """The penalties over the disaggregated path (P samples the first token from the prompt's
+    counts, D the rest from prompt and output): repetition_penalty as transformers' processor,
+    presence and frequency as OpenAI defines them (tests/oracle.py)."""
+    prompt_ids = ours.encode(PROMPTS[3])
+    eos = sorted(ours.stop_token_ids)
+    free = hf_greedy_ids(hf_gguf_model, prompt_ids, 16, eos)
+    for extra, want in (
+        ({"repetition_penalty": 1.5}, hf_greedy_ids(hf_gguf_model, prompt_ids, 16, eos, 0, 1.5)),
+        (
+            {"presence_penalty": 0.5, "frequency_penalty": 1.0},
+            openai_penalized_greedy(hf_gguf_model, prompt_ids, 16, eos, 0.5, 1.0),
+        ),
+    ):
+        assert want != free  # (the penalties change this answer)
+        r = client.completions.create(
+            model=model_name, prompt=PROMPTS[3], max_tokens=16, temperature=0, extra_body=extra
+        )
+        assert r.choices[0].token_ids == want, extra
 
 
 def test_chat_matches_transformers(client, running, model_name, hf_gguf_model, ours) -> None:

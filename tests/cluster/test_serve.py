@@ -98,7 +98,7 @@ def test_a_server_held_open_by_a_stream_is_forced_out_and_its_tasks_end() -> Non
 
 def test_model_generation_config_picks_the_sampling_defaults(tmp_path: Path, caplog) -> None:  # noqa: ANN001
     """model.generation_config: auto reads the checkpoint's generation_config.json (and says in
-    the log what it cannot honour); none keeps Duet's defaults."""
+    the log what it found); none keeps Duet's defaults."""
     from cluster.config import ConfigError, config_from_dict
     from cluster.serve import sampling_defaults
     from engine.loaders.generation_defaults import GenerationDefaults
@@ -111,7 +111,8 @@ def test_model_generation_config_picks_the_sampling_defaults(tmp_path: Path, cap
     with caplog.at_level("INFO", logger="cluster.serve"):
         defaults = sampling_defaults(auto)
     assert (defaults.temperature, defaults.top_k, defaults.top_p) == (0.7, 20, None)
-    assert "repetition_penalty=1.05, which Duet does not implement" in caplog.text
+    assert defaults.repetition_penalty == 1.05  # (applied, as vLLM applies it)
+    assert "temperature=0.7, top_k=20, repetition_penalty=1.05" in caplog.text
     none = config_from_dict({"model": {"source": str(tmp_path), "generation_config": "none"}})
     assert sampling_defaults(none) == GenerationDefaults()
     # A file asking for what no request may have is the config's problem, named before any start.

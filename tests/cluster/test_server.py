@@ -158,7 +158,9 @@ def test_fields_that_ask_for_nothing_are_accepted(http) -> None:
     ("patch", "param"),
     [
         ({"min_tokens": 3, "max_tokens": 2}, "min_tokens"),  # (more than max_tokens)
-        ({"repetition_penalty": 1.2}, "repetition_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),  # (must be > 0)
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"logit_bias": {"5": 3}}, "logit_bias"),
         ({"service_tier": "flex"}, "service_tier"),
         ({"user": 7}, "user"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),  # without a stream

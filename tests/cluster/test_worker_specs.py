@@ -151,6 +151,15 @@ def test_per_request_stats_off_means_no_collector_and_no_engine_records(
     assert (spec.collector_name is None) == (perf_buffer_len == 0)
 
 
+@pytest.mark.parametrize(("given", "engine"), [("auto", "float32"), ("half", "float16")])
+def test_every_worker_gets_the_dtype_resolved_once(given: str, engine: str) -> None:
+    # auto: the embedded GGUF's (float32), read in the server process, so that no worker reads
+    # its own (and prefill and decode workers cannot disagree).
+    config = config_from_dict({"model": {"dtype": given}})
+    for role in (Role.PREFILL, Role.DECODE):
+        assert worker_spec(config, role, 0, None, transfer_secret="x").engine.dtype == engine
+
+
 def test_an_aggregated_decode_worker_has_no_transceiver() -> None:
     config = config_from_dict({"prefill": {"replicas": 0}, "decode": {"replicas": 2}})
     assert worker_spec(config, Role.DECODE, 1, None).transceiver is None

@@ -40,7 +40,7 @@ def test_a_llama_3_instruct_generation_config(tmp_path: Path) -> None:
 def test_every_value_the_file_sets_counts(tmp_path: Path) -> None:
     """As vLLM with transformers 5 (whose GenerationConfig defaults are all unset, so
     to_diff_dict keeps every key the file sets): a top_k of 50 is a default of 50; vLLM reads
-    top_k 0 as off; keys Duet does not implement are named unless they ask for nothing."""
+    top_k 0 as off; min_p and the penalties count as the rest (vLLM applies them too)."""
     path = checkpoint(
         tmp_path,
         {
@@ -52,12 +52,15 @@ def test_every_value_the_file_sets_counts(tmp_path: Path) -> None:
         },
     )
     assert read_generation_defaults(path) == GenerationDefaults(
-        temperature=1.0, top_p=0.95, top_k=50, max_tokens=256
+        temperature=1.0, top_p=0.95, top_k=50, max_tokens=256, repetition_penalty=1.0
     )
-    path = checkpoint(tmp_path, {"top_k": 0, "repetition_penalty": 1.1, "min_p": 0.05})
-    defaults = read_generation_defaults(path)
+    path = checkpoint(
+        tmp_path, {"top_k": 0, "repetition_penalty": 1.1, "min_p": 0.05, "presence_penalty": 0.5}
+    )
+    defaults = read_generation_defaults(path).as_sampling_params()
     assert defaults.top_k == -1
-    assert defaults.not_implemented == {"repetition_penalty": 1.1, "min_p": 0.05}
+    assert (defaults.repetition_penalty, defaults.min_p) == (1.1, 0.05)
+    assert (defaults.presence_penalty, defaults.frequency_penalty) == (0.5, 0.0)
 
 
 def test_a_value_no_request_may_have_is_refused_with_the_file(tmp_path: Path) -> None:

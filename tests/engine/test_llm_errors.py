@@ -94,7 +94,7 @@ def test_invalid_sampling_params_fail_before_reaching_the_engine() -> None:
         ),
         (
             {"dtype": "int8"},
-            "LLM.dtype must be one of ('float32', 'bfloat16', 'float16'), got 'int8'",
+            "LLM.dtype must be 'auto' or one of ('float32', 'bfloat16', 'float16', 'half', 'float'), got 'int8'",
         ),
         ({"num_pages": 1}, "LLM.num_pages must be an integer >= 2, got 1"),
         ({"page_size": 0}, "LLM.page_size must be an integer >= 1, got 0"),

@@ -5,7 +5,6 @@ vLLM's constructor names. (tiny random Llama-3 with its tokenizer and chat templ
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 from pathlib import Path
 from typing import Any
@@ -116,45 +115,116 @@ def test_continue_final_message_renders_as_transformers(
         tiny_llm.chat(conv, GREEDY, False, continue_final_message=True)
 
 
-def test_sampling_params_take_vllms_fields_only_where_they_ask_nothing() -> None:
-    SamplingParams(
-        n=1,
-        min_p=0.0,
-        presence_penalty=0,
-        frequency_penalty=0.0,
-        repetition_penalty=1.0,
-        logprobs=None,
-        prompt_logprobs=None,
+def test_n_completions_are_n_requests_seeded_seed_plus_i(tiny_llm: LLM) -> None:
+    sampled = SamplingParams(temperature=1.0, max_tokens=6, seed=5, ignore_eos=True)
+    three = SamplingParams(**{**_fields(sampled), "n": 3})
+    outs = tiny_llm.generate([[1, 2, 3], [4, 5]], [three, GREEDY], use_tqdm=False)
+    assert [len(o.outputs) for o in outs] == [3, 1]
+    assert [c.index for c in outs[0].outputs] == [0, 1, 2]
+    for i, completion in enumerate(outs[0].outputs):
+        alone = SamplingParams(**{**_fields(sampled), "seed": 5 + i})
+        assert (
+            completion.token_ids == tiny_llm.generate([1, 2, 3], alone, use_tqdm=False)[0].token_ids
+        )
+    assert len({tuple(c.token_ids) for c in outs[0].outputs}) > 1  # the seeds differ
+    assert outs[0].token_ids == outs[0].outputs[0].token_ids  # the fields are the first's
+    greedy = tiny_llm.generate(
+        [1, 2, 3], SamplingParams(**{**_fields(GREEDY), "n": 2}), use_tqdm=False
     )
+    assert greedy[0].outputs[0].token_ids == greedy[0].outputs[1].token_ids
+    with pytest.raises(ValueError, match="one engine request is one completion"):
+        tiny_llm.engine.make_request("x", [1, 2], three)
+    assert_no_leak(tiny_llm.engine.kv)
+
+
+def _fields(params: SamplingParams) -> dict[str, Any]:
+    return {f: getattr(params, f) for f in params.__dataclass_fields__}
+
+
+def test_sampling_params_change_as_vllms_do_and_stay_valid(tiny_llm: LLM) -> None:
+    params = tiny_llm.get_default_sampling_params()
+    params.max_tokens = 2  # (vLLM's examples/offline_inference/basic/generate.py does this)
+    params.temperature = 0.0
+    params.stop = "x"
+    assert params.stop == ("x",)
+    assert len(tiny_llm.generate([1, 2, 3], params, use_tqdm=False)[0].token_ids) <= 2
+    with pytest.raises(SamplingParamsError, match="temperature must be in"):
+        params.temperature = 3.0
+    assert params.temperature == 0.0
+    with pytest.raises(AttributeError, match="no field 'max_new_tokens'"):
+        params.max_new_tokens = 5  # type: ignore[attr-defined]
+    request = tiny_llm.engine.make_request("r", [1, 2], params)
+    params.max_tokens = 7  # a request made before keeps what it was made with
+    assert request.sampling_params.max_tokens == 2
+
+
+def test_sampling_params_take_vllms_fields_and_refuse_what_duet_lacks_by_name() -> None:
+    SamplingParams(logprobs=None, prompt_logprobs=None)
     for field, value in (
-        ("n", 2),
-        ("min_p", 0.1),
-        ("presence_penalty", 0.5),
-        ("frequency_penalty", -0.5),
-        ("repetition_penalty", 1.1),
         ("logprobs", 0),
         ("prompt_logprobs", 1),
-        ("n", True),
+        ("logprobs", True),
     ):
         with pytest.raises(SamplingParamsError, match=f"SamplingParams.{field}=.* not supported"):
             SamplingParams(**{field: value})
     assert SamplingParams(seed=-1).seed is None  # (vLLM: -1 is no seed)
     with pytest.raises(SamplingParamsError, match="temperature must be in \\[0, 2\\]"):
         SamplingParams(temperature=2.5)
+    for n in (0, True, 1.0):
+        with pytest.raises(SamplingParamsError, match="n must be an integer >= 1"):
+            SamplingParams(n=n)
+    for field, value, rule in (
+        ("presence_penalty", 2.5, "in \\[-2, 2\\]"),
+        ("frequency_penalty", -3, "in \\[-2, 2\\]"),
+        ("repetition_penalty", 0.0, "a number > 0"),
+        ("min_p", 1.5, "in \\[0, 1\\]"),
+    ):
+        with pytest.raises(SamplingParamsError, match=f"{field} must be {rule}"):
+            SamplingParams(**{field: value})
 
 
-def test_vllms_constructor_names_and_unapplied_generation_config(
-    tiny_hf_checkpoints: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+def test_vllms_constructor_names_and_the_generation_configs_penalty(
+    tiny_hf_checkpoints: dict[str, Path], tmp_path: Path
 ) -> None:
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tiny_hf_checkpoints["llama3"], ckpt)
     (ckpt / "generation_config.json").write_text(json.dumps({"repetition_penalty": 1.3}))
-    with caplog.at_level(logging.WARNING, logger="engine.llm"):
-        llm = LLM(str(ckpt), enable_prefix_caching=False, enforce_eager=True, num_pages=32)
+    llm = LLM(str(ckpt), enable_prefix_caching=False, enforce_eager=True, num_pages=32)
     assert llm.engine.kv.reuse_policy.value == "none"
-    assert any("repetition_penalty=1.3" in r.getMessage() for r in caplog.records)
+    assert llm.get_default_sampling_params().repetition_penalty == 1.3  # (as vLLM applies it)
     assert llm.get_tokenizer() is llm.tokenizer
     with pytest.raises(ValueError, match="give enable_prefix_caching or reuse_policy, not both"):
         LLM(str(ckpt), enable_prefix_caching=True, reuse_policy="none")
     with pytest.raises(ValueError, match="enforce_eager must be a bool"):
         LLM(str(ckpt), enforce_eager="yes")
+
+
+def test_vllms_other_constructor_arguments(tiny_hf_checkpoints: dict[str, Path]) -> None:
+    path = str(tiny_hf_checkpoints["llama3"])
+    llm = LLM(
+        path,
+        block_size=8,
+        dtype="float",
+        trust_remote_code=True,  # (Duet runs no checkpoint code: a leave never used)
+        kv_cache_dtype="auto",
+        quantization=None,
+        tokenizer=path,
+        num_pages=32,
+        max_model_len=64,
+    )
+    assert llm.engine.scheduler.config.page_size == 8
+    assert llm.generate([1, 2, 3], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    refused = {
+        "quantization": ("awq", "takes quantization only as None"),
+        "kv_cache_dtype": ("fp8", "takes kv_cache_dtype only as 'auto'"),
+        "tokenizer": ("other/tokenizer", "the checkpoint's own tokenizer"),
+        "block_size": (0, "page_size must be an integer >= 1"),
+        "gpu_memory_utilization": (1.5, "must be in \\(0, 1\\]"),
+    }
+    for name, (value, message) in refused.items():
+        with pytest.raises(ValueError, match=message):
+            LLM(path, **{name: value})
+    with pytest.raises(ValueError, match="gpu_memory_utilization or gpu_memory_fraction"):
+        LLM(path, gpu_memory_utilization=0.5, gpu_memory_fraction=0.5)
+    with pytest.raises(ValueError, match="give block_size or page_size, not both"):
+        LLM(path, block_size=8, page_size=8)

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, SamplingParamsError
 
 
 def test_defaults_follow_vllm() -> None:
@@ -26,9 +24,14 @@ def test_stop_is_normalized_to_a_tuple() -> None:
     assert SamplingParams().max_stop_len == 0
 
 
-def test_is_immutable() -> None:
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        SamplingParams().temperature = 0.5  # type: ignore[misc]
+def test_changes_are_validated_as_construction_is() -> None:
+    params = SamplingParams()
+    params.temperature = 0.5
+    params.stop_token_ids = [3, 4]
+    assert (params.temperature, params.stop_token_ids) == (0.5, (3, 4))
+    with pytest.raises(SamplingParamsError, match="top_p must be in"):
+        params.top_p = 0.0
+    assert params.top_p == 1.0  # (a refused change leaves the object as it was)
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ from kvcache.sizing import (
     pages_per_request,
     size_pool_groups,
     split_budget,
+    utilization_kv_budget,
 )
 from tests.kvcache.conftest import group_spec
 
@@ -28,6 +29,18 @@ def test_device_budget() -> None:
         device_kv_budget(100, 0.0)
     with pytest.raises(ValueError, match=">= 0"):
         device_kv_budget(100, 0.5, weights_bytes=-1)
+
+
+def test_utilization_budget_is_the_engines_share_less_what_it_holds() -> None:
+    # vLLM's gpu_memory_utilization: 0.5 of 1000 for the engine in all; it holds 200 (weights),
+    # a step needs 100: the KV cache gets 200.
+    assert utilization_kv_budget(1000, 700, 200, 0.5, 100) == 200
+    # Never more than other processes left free.
+    assert utilization_kv_budget(1000, 150, 200, 0.9, 100) == 50
+    with pytest.raises(ValueError, match="raise gpu_memory_utilization"):
+        utilization_kv_budget(1000, 700, 450, 0.5, 100)
+    with pytest.raises(ValueError, match="utilization"):
+        utilization_kv_budget(1000, 700, 200, 1.5)
 
 
 def test_split_by_shares() -> None:

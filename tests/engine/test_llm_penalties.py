@@ -1,0 +1,71 @@
+"""vLLM's penalties and min_p (engine/penalties.py), greedy against transformers on the tiny random
+Llama 3: repetition_penalty as transformers' own processor, presence and frequency as OpenAI
+defines them (tests/oracle.py), each row of a batch with its own."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from tests.oracle import hf_greedy, openai_penalized_greedy
+
+from .conftest_engine import assert_no_leak
+
+MAX_TOKENS = 12
+PROMPTS = [[0, 17, 42, 99, 3], [0, 250, 8], [0, *range(30, 50)], [0, 5, 5, 5, 5, 6]]
+
+
+@pytest.fixture(scope="module")
+def models(tiny_hf_checkpoints: dict[str, Path]) -> tuple[LLM, object]:
+    from transformers import AutoModelForCausalLM
+
+    directory = tiny_hf_checkpoints["llama3"]
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    return LLM(str(directory), page_size=4, num_pages=128), hf
+
+
+def greedy(**penalties: float) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, **penalties)
+
+
+def test_repetition_penalty_is_transformers(models) -> None:
+    llm, hf = models
+    eos = sorted(llm.engine.eos_token_ids)
+    # One batch, each row with its own penalty (1.0: none; below 1 favours repeats).
+    penalties = [1.0, 1.3, 2.0, 0.7]
+    outs = llm.generate(PROMPTS, [greedy(repetition_penalty=r) for r in penalties], use_tqdm=False)
+    plain = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    for prompt, r, out, free in zip(PROMPTS, penalties, outs, plain, strict=True):
+        assert out.token_ids == hf_greedy(hf, prompt, MAX_TOKENS, eos, repetition_penalty=r)
+        if r == 1.0:
+            assert out.token_ids == free.token_ids
+    changed = [o.token_ids != f.token_ids for o, f in zip(outs, plain, strict=True)]
+    assert sum(changed) >= 2  # (the penalties changed the answers)
+    assert_no_leak(llm.engine.kv)
+
+
+def test_presence_and_frequency_penalties_as_openai_defines_them(models) -> None:
+    llm, hf = models
+    eos = sorted(llm.engine.eos_token_ids)
+    cases = [(1.5, 0.0), (0.0, 1.0), (-1.0, 0.5), (0.0, 0.0)]
+    params = [greedy(presence_penalty=p, frequency_penalty=f) for p, f in cases]
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    for prompt, (p, f), out in zip(PROMPTS, cases, outs, strict=True):
+        assert out.token_ids == openai_penalized_greedy(hf, prompt, MAX_TOKENS, eos, p, f), prompt
+    plain = llm.generate(PROMPTS[:3], greedy(), use_tqdm=False)
+    assert [o.token_ids for o in outs[:3]] != [o.token_ids for o in plain]
+
+
+def test_min_p_keeps_only_tokens_near_the_most_likely(models) -> None:
+    llm, _ = models
+    sampled = dict(temperature=1.0, max_tokens=MAX_TOKENS, seed=3, ignore_eos=True)
+    plain = llm.generate(PROMPTS, greedy(ignore_eos=True), use_tqdm=False)  # type: ignore[arg-type]
+    free = llm.generate(PROMPTS, SamplingParams(**sampled), use_tqdm=False)
+    only_top = llm.generate(PROMPTS, SamplingParams(**sampled, min_p=1.0), use_tqdm=False)
+    # min_p 1: only the most likely token is left, so sampling is greedy; without it, not.
+    assert [o.token_ids for o in only_top] == [o.token_ids for o in plain]
+    assert [o.token_ids for o in free] != [o.token_ids for o in plain]
