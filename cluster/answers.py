@@ -19,9 +19,13 @@ from fastapi.responses import JSONResponse, Response
 
 from cluster import openai_schemas as oa
 from cluster.http_errors import error_response
+from engine.logprobs import TokenLogprobs
 from worker_common.messages import GenerateRequest, TokenDelta
 
 log = logging.getLogger(__name__)
+
+# (choice index, text, ending, token ids, their logprobs) -> one chunk of a streamed answer
+MakeChunk = Callable[[int, str, oa.Ending, list[int], tuple[TokenLogprobs, ...]], dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,7 @@ class Choice:
     text: str
     end: oa.Ending
     token_ids: list[int]
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per token, when the request asked
 
 
 def choice_requests(req: GenerateRequest, n: int) -> list[GenerateRequest]:
@@ -110,15 +115,17 @@ class Answers:
     async def _collect(self, req: GenerateRequest) -> Choice:
         text: list[str] = []
         ids: list[int] = []
+        logprobs: list[TokenLogprobs] = []
         end = oa.GOING_ON
         async for d in self._generate(req):
             if d.error:
                 raise RuntimeError(d.error)
             text.append(d.text)
             ids.extend(d.token_ids)
+            logprobs.extend(d.logprobs)
             if d.finish_reason:
                 end = oa.Ending(d.finish_reason, d.stop_reason)
-        return Choice("".join(text), end, ids)
+        return Choice("".join(text), end, ids, tuple(logprobs))
 
     async def whole(
         self,
@@ -157,7 +164,7 @@ class Answers:
     async def stream(
         self,
         reqs: list[GenerateRequest],
-        make_chunk: Callable[[int, str, oa.Ending, list[int]], dict[str, Any]],
+        make_chunk: MakeChunk,
         include_usage: bool,
         first_chunks: list[dict[str, Any]] | None = None,
     ) -> AsyncIterator[str]:
@@ -179,14 +186,15 @@ class Answers:
                     n_out += len(d.token_ids)
                     if d.text or d.token_ids or d.finish_reason:
                         end = oa.Ending(d.finish_reason, d.stop_reason)
-                        yield _sse(make_chunk(i, d.text, end, d.token_ids) | no_usage)
+                        chunk = make_chunk(i, d.text, end, d.token_ids, d.logprobs)
+                        yield _sse(chunk | no_usage)
                     if d.finish_reason:
                         unfinished.discard(reqs[i].request_id)
             except Exception as e:  # whatever failed, the client gets an error event and [DONE]
                 log.warning("stream %s failed: %s", reqs[0].request_id, e)
                 yield _sse(oa.error_body(str(e) or type(e).__name__, "internal_error", 500))
             if include_usage:
-                chunk = make_chunk(0, "", oa.GOING_ON, [])
+                chunk = make_chunk(0, "", oa.GOING_ON, [], ())
                 chunk["choices"] = []
                 chunk["usage"] = oa.usage(len(reqs[0].prompt_token_ids), n_out)
                 yield _sse(chunk)

@@ -103,6 +103,13 @@ class ClusterFrontend:
     def encode(self, text: str) -> list[int]:
         return self._require_tokenizer().encode(text, add_special_tokens=True)
 
+    def token_text(self, token_id: int) -> str:
+        """One token as the logprobs of an answer name it: its text, or ``token_id:<id>`` for a
+        model without a tokenizer (vLLM's return_tokens_as_token_ids form)."""
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
     def encode_chat(
         self,
         messages: list[dict[str, Any]],

@@ -18,6 +18,7 @@ from pydantic import (
 )
 
 from engine.loaders.generation_defaults import GenerationDefaults
+from engine.logprobs import MAX_LOGPROBS
 from engine.sampling_params import SamplingParams
 
 
@@ -70,14 +71,11 @@ _NOT_SUPPORTED_COMMON: dict[str, Callable[[Any], bool]] = {
     "metadata": _none_or({}),
 }
 NOT_SUPPORTED_COMPLETION = _NOT_SUPPORTED_COMMON | {
-    "logprobs": _none_or(),  # an int here: 0 still returns the sampled tokens' logprobs
     "best_of": _none_or(1),
     "echo": _none_or(False),
     "suffix": _none_or(""),
 }
 NOT_SUPPORTED_CHAT = _NOT_SUPPORTED_COMMON | {
-    "logprobs": _none_or(False),
-    "top_logprobs": _none_or(0),
     "tools": _none_or([]),
     "tool_choice": _none_or("none"),
     "parallel_tool_calls": _none_or_a(bool),  # (about tools, which must be none)
@@ -213,7 +211,13 @@ class _SamplingFields(BaseModel):
             min_tokens=self.min_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            logprobs=self.top_logprobs_asked,
         )
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        """None: no logprobs; k: each token's and the k most likely of its position."""
+        return None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -242,6 +246,12 @@ class CompletionRequest(_SamplingFields):
     DEFAULT_MAX_TOKENS: ClassVar[int | None] = 16  # OpenAI's (and vLLM's) for this endpoint
 
     prompt: Prompt
+    # Each token's log probability and the most likely of its position (OpenAI's legacy int).
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt of this request; batches of prompts are refused (one request, one prompt)."""
@@ -273,6 +283,13 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # Each token's log probability, and the top_logprobs most likely of its position.
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("messages")
     @classmethod
@@ -294,6 +311,8 @@ class ChatCompletionRequest(_SamplingFields):
 
     def refused(self) -> list[tuple[str, str]]:
         refused = refused_fields(self.model_extra, NOT_SUPPORTED_CHAT) + self._misused()
+        if self.top_logprobs is not None and not self.logprobs:
+            refused.append(("top_logprobs", "top_logprobs: only with logprobs: true"))
         if self.continue_final_message and self.add_generation_prompt:
             refused.append(
                 (
@@ -360,14 +379,22 @@ def _envelope(head: Head, obj: str, choices: list[dict[str, Any]]) -> dict[str, 
 # (dummy weights) still give answers that can be checked and benchmarked.
 
 
-def completion_choice(index: int, text: str, end: Ending, token_ids: list[int]) -> dict[str, Any]:
-    return _choice(index, {"text": text, "token_ids": token_ids}, end)
+def completion_choice(
+    index: int, text: str, end: Ending, token_ids: list[int], logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    return _choice(index, {"text": text, "token_ids": token_ids, "logprobs": logprobs}, end)
 
 
 def completion_chunk(
-    head: Head, index: int, text: str, end: Ending, token_ids: list[int]
+    head: Head,
+    index: int,
+    text: str,
+    end: Ending,
+    token_ids: list[int],
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    return _envelope(head, "text_completion", [completion_choice(index, text, end, token_ids)])
+    choice = completion_choice(index, text, end, token_ids, logprobs)
+    return _envelope(head, "text_completion", [choice])
 
 
 def completion_body(
@@ -377,14 +404,22 @@ def completion_body(
 
 
 def chat_chunk(
-    head: Head, index: int, delta: dict[str, Any], end: Ending, token_ids: list[int]
+    head: Head,
+    index: int,
+    delta: dict[str, Any],
+    end: Ending,
+    token_ids: list[int],
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    choice = _choice(index, {"delta": delta, "token_ids": token_ids}, end)
+    choice = _choice(index, {"delta": delta, "token_ids": token_ids, "logprobs": logprobs}, end)
     return _envelope(head, "chat.completion.chunk", [choice])
 
 
-def chat_choice(index: int, text: str, end: Ending) -> dict[str, Any]:
-    return _choice(index, {"message": {"role": "assistant", "content": text}}, end)
+def chat_choice(
+    index: int, text: str, end: Ending, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    message = {"role": "assistant", "content": text}
+    return _choice(index, {"message": message, "logprobs": logprobs}, end)
 
 
 def chat_body(head: Head, choices: list[dict[str, Any]], use: dict[str, int]) -> dict[str, Any]:

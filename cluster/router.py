@@ -148,6 +148,7 @@ class Router:
                 n_prompt,
                 1,
                 stop_reason=pre.stop_reason,
+                logprobs=() if pre.first_token_logprobs is None else (pre.first_token_logprobs,),
             )
             if handed_over:
                 return

@@ -32,7 +32,9 @@ from cluster.http_errors import (
     error_response,
     install_error_handlers,
 )
+from cluster.openai_logprobs import chat_logprobs, completion_logprobs
 from engine.loaders.generation_defaults import GenerationDefaults
+from engine.logprobs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from worker_common.messages import GenerateRequest, TokenDelta
 
@@ -51,6 +53,7 @@ class ServingBackend(Protocol):
     async def start(self) -> None: ...
     async def stop(self) -> None: ...
     def encode(self, text: str) -> list[int]: ...
+    def token_text(self, token_id: int) -> str: ...
     def encode_chat(
         self,
         messages: list[dict[str, Any]],
@@ -67,6 +70,8 @@ class ServingBackend(Protocol):
     async def iteration_stats(self) -> list[dict[str, Any]]: ...
     async def transfer_stats(self) -> list[dict[str, Any]]: ...
 
+
+Logprobs = tuple[TokenLogprobs, ...]
 
 # Open without the API key: liveness and Prometheus scrapes (as vLLM leaves them). Everything
 # else needs it: the API, and the stats endpoints, which drain what they return.
@@ -208,10 +213,18 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
             raise BadRequest(str(e), "prompt") from e
         req = _prepare(body, ids, "cmpl")
         head, reqs = _head(req), choice_requests(req, body.n)
+        asked = req.sampling.logprobs is not None
         if body.stream:
+            offsets = [0] * len(reqs)  # each choice's characters so far (text_offset)
 
-            def make(i: int, text: str, end: oa.Ending, tids: list[int]) -> dict[str, Any]:
-                return oa.completion_chunk(head, i, text, end, tids)
+            def make(
+                i: int, text: str, end: oa.Ending, tids: list[int], lps: Logprobs
+            ) -> dict[str, Any]:
+                logprobs = None
+                if asked:
+                    logprobs = completion_logprobs(lps, backend.token_text, offsets[i])
+                    offsets[i] += sum(len(t) for t in logprobs["tokens"])
+                return oa.completion_chunk(head, i, text, end, tids, logprobs)
 
             return StreamingResponse(
                 answers.stream(reqs, make, body.include_usage), media_type="text/event-stream"
@@ -222,7 +235,13 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
             return oa.completion_body(
                 head,
                 [
-                    oa.completion_choice(i, c.text, c.end, c.token_ids)
+                    oa.completion_choice(
+                        i,
+                        c.text,
+                        c.end,
+                        c.token_ids,
+                        completion_logprobs(c.logprobs, backend.token_text) if asked else None,
+                    )
                     for i, c in enumerate(choices)
                 ],
                 oa.usage(len(ids), made),
@@ -246,10 +265,15 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
             raise BadRequest(str(e), "messages") from e
         req = _prepare(body, ids, "chatcmpl")
         head, reqs = _head(req), choice_requests(req, body.n)
+        asked = req.sampling.logprobs is not None
         if body.stream:
 
-            def make(i: int, text: str, end: oa.Ending, tids: list[int]) -> dict[str, Any]:
-                return oa.chat_chunk(head, i, {"content": text} if text else {}, end, tids)
+            def make(
+                i: int, text: str, end: oa.Ending, tids: list[int], lps: Logprobs
+            ) -> dict[str, Any]:
+                logprobs = chat_logprobs(lps, backend.token_text) if asked else None
+                delta = {"content": text} if text else {}
+                return oa.chat_chunk(head, i, delta, end, tids, logprobs)
 
             role = {"role": "assistant", "content": ""}  # (each choice's first chunk, as vLLM)
             first = [oa.chat_chunk(head, i, role, oa.GOING_ON, []) for i in range(len(reqs))]
@@ -262,7 +286,15 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
             made = sum(len(c.token_ids) for c in choices)
             return oa.chat_body(
                 head,
-                [oa.chat_choice(i, c.text, c.end) for i, c in enumerate(choices)],
+                [
+                    oa.chat_choice(
+                        i,
+                        c.text,
+                        c.end,
+                        chat_logprobs(c.logprobs, backend.token_text) if asked else None,
+                    )
+                    for i, c in enumerate(choices)
+                ],
                 oa.usage(len(ids), made),
             )
 

@@ -193,7 +193,11 @@ class DecodeWorker:
         def add(e: LLMEngine) -> Any:
             self.keeper.note(rid, facts)
             args = (rid, prompt, pre.first_token_id, req.sampling)
-            sent = {"arrival_time": req.arrival_time, "first_text_sent": len(pre.first_token_text)}
+            sent = {
+                "arrival_time": req.arrival_time,
+                "first_text_sent": len(pre.first_token_text),
+                "first_logprobs": pre.first_token_logprobs,
+            }
             if not ok:  # recompute: the prompt's KV is computed here
                 return e.add_recomputed_request(*args, **sent)
             return e.add_prefilled_request(
@@ -347,6 +351,9 @@ class DecodeWorker:
             num_output_tokens=len(out.token_ids),
             error=out.error,
             stop_reason=out.stop_reason if out.finished else None,
+            logprobs=out.logprobs[len(out.token_ids) - len(out.delta_token_ids) :]
+            if out.logprobs
+            else (),
         )
 
     def _arrive(self, rid: str) -> bool:

@@ -16,6 +16,7 @@ from engine.batch_builder import BatchBuilder
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_config import EngineConfig
 from engine.kv_setup import build_kv_cache
+from engine.logprobs import TokenLogprobs
 from engine.model_config import ModelConfig
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
@@ -327,6 +328,7 @@ class LLMEngine:
         first_text_sent: int,
         num_cached_tokens: int = 0,
         num_cached_host_tokens: int = 0,
+        first_logprobs: TokenLogprobs | None = None,
     ) -> Request:
         """Start decoding a request whose prompt KV the caller already placed in ``self.kv`` (pages
         allocated under ``request_id``); the first token was produced and streamed elsewhere.
@@ -334,8 +336,10 @@ class LLMEngine:
         cache (the rest came from elsewhere), ``num_cached_host_tokens`` of it from the host tier,
         for the request's stats. ``first_text_sent``: the characters of the first token's text the
         prefill side streamed (PrefillResult.first_token_text); it holds back the end that a stop
-        string could still claim, which this side streams or drops."""
+        string could still claim, which this side streams or drops. ``first_logprobs``: the first
+        token's (PrefillResult.first_token_logprobs), when the request asks for logprobs."""
         request = self.make_request(request_id, prompt_token_ids, params, arrival_time=arrival_time)
+        request.next_logprobs = first_logprobs
         request.metrics.num_cached_tokens = num_cached_tokens
         request.metrics.num_cached_host_tokens = num_cached_host_tokens
         self.scheduler.add_prefilled_request(request, first_token_id)
@@ -353,12 +357,14 @@ class LLMEngine:
         *,
         arrival_time: float | None = None,
         first_text_sent: int,
+        first_logprobs: TokenLogprobs | None = None,
     ) -> Request:
         """Queue a prefilled request whose KV never arrived (transfer.on_failure: recompute): its
         prompt and the first token (sampled and streamed elsewhere) are computed here, as a
-        preempted request is recomputed, and decoding goes on from there. ``first_text_sent`` as
-        for add_prefilled_request."""
+        preempted request is recomputed, and decoding goes on from there. ``first_text_sent`` and
+        ``first_logprobs`` as for add_prefilled_request."""
         request = self.make_request(request_id, prompt_token_ids, params, arrival_time=arrival_time)
+        request.next_logprobs = first_logprobs
         self.scheduler.add_recomputed_request(request, first_token_id)
         self._sent_elsewhere(request, first_text_sent)
         if request.is_finished:

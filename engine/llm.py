@@ -259,12 +259,18 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
+        decode = self._token_text
         return [
-            results[rids[0]]
+            results[rids[0]].with_token_texts(decode)
             if len(rids) == 1
-            else RequestOutput.of_choices(pid, [results[rid] for rid in rids])
+            else RequestOutput.of_choices(pid, [results[rid] for rid in rids], decode)
             for pid, rids in groups
         ]
+
+    def _token_text(self, ids: list[int]) -> str:
+        """A logprobs entry's token as text (vLLM's decoded_token); "" without a tokenizer."""
+        tokenizer = self.engine.tokenizer
+        return tokenizer.decode(ids, skip_special_tokens=False) if tokenizer is not None else ""
 
 
 def _choice(params: SamplingParams, i: int) -> SamplingParams:

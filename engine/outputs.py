@@ -3,21 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine.logprobs import Logprob, TokenLogprobs, as_vllm
 from engine.request import FinishReason, Request, RequestMetrics
 
 
 @dataclass(frozen=True)
 class CompletionOutput:
-    """One completion of a prompt, shaped as vLLM's (``RequestOutput.outputs[i]``), without log
-    probabilities (None, as vLLM without ``logprobs``)."""
+    """One completion of a prompt, shaped as vLLM's (``RequestOutput.outputs[i]``); ``logprobs``
+    and ``cumulative_logprob`` only when the request asked for them (None otherwise, as vLLM's)."""
 
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
-    logprobs: None
+    logprobs: list[dict[int, Logprob]] | None  # with SamplingParams.logprobs: one per token
     finish_reason: FinishReason | None
     stop_reason: int | str | None
 
@@ -48,6 +50,8 @@ class RequestOutput:
     stop_reason: int | str | None
     metrics: RequestMetrics
     error: str | None = None
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+    """With ``SamplingParams.logprobs``: one per token of ``token_ids`` (engine/logprobs.py)."""
     choices: tuple[CompletionOutput, ...] = ()
     """With ``SamplingParams.n`` > 1 (``engine.LLM``): every completion of the prompt, in order;
     the fields above are then the first's. Empty for one completion (``outputs`` makes it)."""
@@ -56,23 +60,44 @@ class RequestOutput:
     def outputs(self) -> list[CompletionOutput]:
         """The prompt's completions as vLLM's ``RequestOutput.outputs`` holds them: code written
         for vLLM reads ``out.outputs[0].text`` here too."""
-        if self.choices:
-            return list(self.choices)
-        return [
-            CompletionOutput(
-                0, self.text, self.token_ids, None, None, self.finish_reason, self.stop_reason
-            )
-        ]
+        return list(self.choices) if self.choices else [self.completion(0)]
+
+    def completion(
+        self, index: int, decode: Callable[[list[int]], str] | None = None
+    ) -> CompletionOutput:
+        """This request's completion as choice ``index``; ``decode`` names the logprobs' tokens."""
+        entries = None if self.logprobs is None else [as_vllm(e, decode) for e in self.logprobs]
+        total = None if self.logprobs is None else sum(e.logprob for e in self.logprobs)
+        return CompletionOutput(
+            index,
+            self.text,
+            self.token_ids,
+            total,
+            entries,
+            self.finish_reason,
+            self.stop_reason,
+        )
+
+    def with_token_texts(self, decode: Callable[[list[int]], str]) -> RequestOutput:
+        """The same output with its logprobs' tokens named by ``decode`` (as vLLM's
+        ``decoded_token``); itself when it has none."""
+        if self.logprobs is None and not any(c.logprobs for c in self.choices):
+            return self
+        return dataclasses.replace(self, choices=(self.completion(0, decode),))
 
     @classmethod
-    def of_choices(cls, request_id: str, choices: list[RequestOutput]) -> RequestOutput:
-        """The finished completions of one prompt (each a request of its own) as one output."""
+    def of_choices(
+        cls,
+        request_id: str,
+        choices: list[RequestOutput],
+        decode: Callable[[list[int]], str] | None = None,
+    ) -> RequestOutput:
+        """The finished completions of one prompt (each a request of its own) as one output;
+        ``decode`` names the logprobs' tokens."""
         return dataclasses.replace(
             choices[0],
             request_id=request_id,
-            choices=tuple(
-                dataclasses.replace(c.outputs[0], index=i) for i, c in enumerate(choices)
-            ),
+            choices=tuple(c.completion(i, decode) for i, c in enumerate(choices)),
         )
 
     @classmethod
@@ -104,4 +129,5 @@ class RequestOutput:
             stop_reason=request.stop_reason,
             metrics=dataclasses.replace(request.metrics),
             error=request.error,
+            logprobs=None if request.logprobs is None else tuple(request.logprobs),
         )

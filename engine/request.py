@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 import torch
 
+from engine.logprobs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from kvcache.manager import NO_RELEASE
 
@@ -97,7 +98,7 @@ class Request:
 
     __slots__ = (
         "request_id", "prompt", "prompt_token_ids", "sampling_params", "eos_token_ids", "eos_token_id",
-        "min_tokens_masked", "penalized",
+        "min_tokens_masked", "penalized", "logprobs", "next_logprobs",
         "all_token_ids", "output_token_ids", "num_computed_tokens", "status", "stop_reason",
         "error", "prefill_only", "metrics", "page_ids", "kv_capacity", "kv_release_at",
         "detokenizer", "output_text",
@@ -133,6 +134,11 @@ class Request:
             else ()
         )
         self.penalized = sampling_params.penalized  # (read per row and step by the sampler)
+        # One TokenLogprobs per output token when the request asks for them (else None); the
+        # sampler (or the caller, for a token sampled elsewhere) sets ``next_logprobs`` for the
+        # token appended next.
+        self.logprobs: list[TokenLogprobs] | None = None if sampling_params.logprobs is None else []
+        self.next_logprobs: TokenLogprobs | None = None
         self.eos_token_id = eos_token_id  # of those, the tokenizer's (stop_reason None)
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -186,6 +192,13 @@ class Request:
         worker (it does not start a token gap of this engine)."""
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.logprobs is not None:
+            entry, self.next_logprobs = self.next_logprobs, None
+            if entry is None or entry.token_id != token_id:
+                raise RuntimeError(
+                    f"request {self.request_id!r}: token {token_id} came without its logprobs"
+                )
+            self.logprobs.append(entry)
         m = self.metrics
         if m.first_token_time is None:
             m.first_token_time = now

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.logprobs import token_logprobs
 from engine.penalties import apply_min_p, apply_penalties
 from engine.request import Request
 
@@ -71,12 +72,18 @@ class Sampler:
             raise ValueError(
                 f"sample got {logits.shape[0]} logits rows for {len(requests)} requests"
             )
+        raw = logits
         logits = apply_penalties(_mask_before_min_tokens(logits, requests), requests)
         tokens = logits.argmax(dim=-1)  # exact greedy; first index among ties, like HF
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
         if random_rows:
             picked = self._sample_random(logits[random_rows], [requests[i] for i in random_rows])
             tokens[random_rows] = picked
+        asking = [i for i, r in enumerate(requests) if r.logprobs is not None]
+        if asking:  # (of the raw logits: engine/logprobs.py)
+            counts = [requests[i].sampling_params.logprobs or 0 for i in asking]
+            for i, entry in zip(asking, token_logprobs(raw[asking], tokens[asking], counts)):
+                requests[i].next_logprobs = entry
         return tokens.tolist()
 
     def _sample_random(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from engine.logprobs import MAX_LOGPROBS
+
 _GREEDY_EPS = 1e-5  # temperatures below this are treated as greedy (exact argmax)
 
 
@@ -28,7 +30,6 @@ def _is_int(value: object) -> bool:
 
 # vLLM's fields Duet does not implement, with the one value each takes (the one that asks nothing).
 _NOT_IMPLEMENTED: dict[str, object] = {
-    "logprobs": None,
     "prompt_logprobs": None,
 }
 
@@ -87,9 +88,11 @@ class SamplingParams:
     """In [-2, 2]: subtracted from the logit of each generated token per time it was generated."""
     min_p: float = 0.0
     """In [0, 1]: when sampling, drop tokens less likely than min_p times the most likely one."""
+    logprobs: int | None = None
+    """None: none. k in [0, 20]: each generated token's log probability and rank, and the k most
+    likely tokens of its position, in the model's own distribution (engine/logprobs.py)."""
     # vLLM's fields that Duet does not implement: taken only with the value that asks for nothing
     # (so code written for vLLM that sets them so still runs), refused otherwise by name.
-    logprobs: int | None = None
     prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
@@ -152,6 +155,10 @@ class SamplingParams:
         m = self.min_p
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m <= 1:
             raise _fail("min_p", "in [0, 1]", m)
+        if self.logprobs is not None and not (
+            _is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise _fail("logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]", self.logprobs)
         if not _is_int(self.n) or self.n < 1:
             raise _fail("n", "an integer >= 1", self.n)
         if not _is_int(self.min_tokens) or self.min_tokens < 0:

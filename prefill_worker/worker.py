@@ -160,6 +160,7 @@ class PrefillWorker:
             finish_reason=out.finish_reason if out.finished else None,
             ticket=ticket,
             stop_reason=out.stop_reason if out.finished else None,
+            first_token_logprobs=out.logprobs[0] if out.logprobs else None,
         )
 
     async def _publish(self, rid: str, prompt_len: int) -> TransferTicket:

@@ -15,6 +15,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from engine.logprobs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from worker_common.prompt_tokens import PromptTokens
 
@@ -129,6 +130,8 @@ class PrefillResult:
     finish_reason: str | None
     ticket: TransferTicket | None
     stop_reason: int | str | None = None  # when it finished: the stop token id or string
+    # When the request asks for logprobs (SamplingParams.logprobs): the first token's.
+    first_token_logprobs: TokenLogprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,8 @@ class TokenDelta:
     # On the decode worker's first delta of a request whose KV transfer failed and which it
     # prefilled itself (transfer.on_failure: recompute): the prefill worker's lease is no use now.
     kv_recomputed: bool = False
+    # When the request asks for logprobs: one per token of ``token_ids`` (engine/logprobs.py).
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 # ---- per-request stats (to the perf-metrics collector) -----------------------------------------

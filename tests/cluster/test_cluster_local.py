@@ -140,6 +140,34 @@ def test_penalties_through_prefill_and_decode_are_transformers_and_openais(
         assert r.choices[0].token_ids == want, extra
 
 
+def test_logprobs_through_prefill_and_decode_are_the_models(
+    client, model_name, hf_gguf_model, ours
+) -> None:
+    """The first token's logprobs come from P (with its PrefillResult), the rest from D: each is
+    transformers' log-softmax of the raw logits at that position, whole and streamed."""
+    import torch
+
+    body = {"model": model_name, "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0}
+    r = client.completions.create(**body, logprobs=2)
+    choice = r.choices[0]
+    prompt_ids = ours.encode(PROMPTS[0])
+    with torch.inference_mode():
+        logits = hf_gguf_model(torch.tensor([prompt_ids + choice.token_ids])).logits[0].float()
+    want = logits[len(prompt_ids) - 1 : -1].log_softmax(dim=-1)
+    got = choice.logprobs.token_logprobs
+    assert len(got) == len(choice.token_ids) == 6
+    for pos, (token, value) in enumerate(zip(choice.token_ids, got, strict=True)):
+        assert abs(value - want[pos, token].item()) < 1e-3, pos
+    streamed = [
+        lp
+        for chunk in client.completions.create(**body, logprobs=2, stream=True)
+        for c in chunk.choices
+        if c.logprobs
+        for lp in c.logprobs.token_logprobs
+    ]
+    assert streamed == got
+
+
 def test_chat_matches_transformers(client, running, model_name, hf_gguf_model, ours) -> None:
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     want, _, _ = expected(hf_gguf_model, ours, ours.encode_chat(messages), 24)
@@ -239,11 +267,11 @@ def test_client_disconnect_frees_pages_on_both_sides(running, model_name) -> Non
         ({"stop_token_ids": [2**33]}, 400, "stop_token_ids"),
         ({"n": 0}, 400, "n"),
         ({"n": 129}, 400, "n"),
-        ({"logprobs": 2}, 400, "logprobs"),
+        ({"logprobs": 21}, 400, "logprobs"),  # (at most 20)
         ({"echo": True}, 400, "echo"),
         ({"best_of": 2}, 400, "best_of"),
         ({"suffix": "!"}, 400, "suffix"),
-        ({"presence_penalty": 0.5}, 400, "presence_penalty"),
+        ({"presence_penalty": 2.5}, 400, "presence_penalty"),  # (in [-2, 2])
         ({"logit_bias": {"5": 10}}, 400, "logit_bias"),
         ({"min_tokens": 17}, 400, "min_tokens"),  # (more than max_tokens)
         ({"frobnicate": 1}, 400, "frobnicate"),
@@ -270,8 +298,7 @@ def test_bad_requests_are_4xx_and_leak_nothing(
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"logprobs": True}, "logprobs"),
-        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"top_logprobs": 3}, "top_logprobs"),  # (only with logprobs: true)
         ({"audio": {"voice": "x"}}, "audio"),
         ({"max_completion_tokens": 100_000}, "max_completion_tokens"),
         (

@@ -45,6 +45,9 @@ class WorkerBackend:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
     def encode_chat(
         self,
         messages: list[dict[str, Any]],

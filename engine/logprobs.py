@@ -1,0 +1,75 @@
+"""The log probabilities of generated tokens (``SamplingParams.logprobs``, OpenAI's ``logprobs``).
+
+They are the model's own distribution: the log-softmax of the raw logits in float32, before
+penalties, min_tokens' mask, temperature, min_p, top-k or top-p (vLLM's default,
+``logprobs_mode="raw_logprobs"``; transformers' ``output_logits``). Each generated token gets its
+own log probability and rank, and the ``k`` most likely tokens of its position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MAX_LOGPROBS = 20  # most top tokens a request may ask for (OpenAI's top_logprobs, vLLM's default)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One generated token's log probability, its rank in the model's distribution (1: the most
+    likely), and the ``k`` most likely tokens of its position as (token id, log probability), most
+    likely first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """vLLM's ``Logprob``: what ``CompletionOutput.logprobs`` maps each token id to."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, top_counts: list[int]
+) -> list[TokenLogprobs]:
+    """The TokenLogprobs of ``tokens`` [R] sampled from the raw ``logits`` [R, V]; row i with its
+    ``top_counts[i]`` most likely tokens."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+    ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
+    k = max(top_counts)
+    top_values, top_ids = (
+        logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], tokens[:, None][:, :0])
+    )
+    rows = zip(
+        tokens.tolist(),
+        chosen.tolist(),
+        ranks.tolist(),
+        top_ids.tolist(),
+        top_values.tolist(),
+        top_counts,
+        strict=True,
+    )
+    return [
+        TokenLogprobs(token, value, rank, tuple(zip(ids[:count], values[:count], strict=True)))
+        for token, value, rank, ids, values, count in rows
+    ]
+
+
+def as_vllm(entry: TokenLogprobs, decode: object = None) -> dict[int, Logprob]:
+    """One position as vLLM's ``SampleLogprobs`` holds it: the sampled token and the top ones,
+    each with its rank; ``decode`` (token ids -> text) names them."""
+
+    def named(token: int) -> str | None:
+        return decode([token]) if callable(decode) else None
+
+    out = {token: Logprob(value, i + 1, named(token)) for i, (token, value) in enumerate(entry.top)}
+    out[entry.token_id] = Logprob(entry.logprob, entry.rank, named(entry.token_id))
+    return out
