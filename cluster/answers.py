@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from cluster import openai_schemas as oa
+from cluster import openai_responses as resp
 from cluster.http_errors import error_response
 from engine.logprobs import TokenLogprobs
 from worker_common.messages import GenerateRequest, TokenDelta
@@ -25,7 +25,7 @@ from worker_common.messages import GenerateRequest, TokenDelta
 log = logging.getLogger(__name__)
 
 # (choice index, text, ending, token ids, their logprobs) -> one chunk of a streamed answer
-MakeChunk = Callable[[int, str, oa.Ending, list[int], tuple[TokenLogprobs, ...]], dict[str, Any]]
+MakeChunk = Callable[[int, str, resp.Ending, list[int], tuple[TokenLogprobs, ...]], dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class Choice:
     """One choice of a whole (non-streamed) answer."""
 
     text: str
-    end: oa.Ending
+    end: resp.Ending
     token_ids: list[int]
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per token, when the request asked
 
@@ -116,7 +116,7 @@ class Answers:
         text: list[str] = []
         ids: list[int] = []
         logprobs: list[TokenLogprobs] = []
-        end = oa.GOING_ON
+        end = resp.GOING_ON
         async for d in self._generate(req):
             if d.error:
                 raise RuntimeError(d.error)
@@ -124,7 +124,7 @@ class Answers:
             ids.extend(d.token_ids)
             logprobs.extend(d.logprobs)
             if d.finish_reason:
-                end = oa.Ending(d.finish_reason, d.stop_reason)
+                end = resp.Ending(d.finish_reason, d.stop_reason)
         return Choice("".join(text), end, ids, tuple(logprobs))
 
     async def whole(
@@ -181,22 +181,22 @@ class Answers:
                 async for i, d in merged([self._generate(r) for r in reqs]):
                     if d.error:
                         unfinished.discard(reqs[i].request_id)  # (it ended on our side)
-                        yield _sse(oa.error_body(d.error, "internal_error", 500))
+                        yield _sse(resp.error_body(d.error, "internal_error", 500))
                         break
                     n_out += len(d.token_ids)
                     if d.text or d.token_ids or d.finish_reason:
-                        end = oa.Ending(d.finish_reason, d.stop_reason)
+                        end = resp.Ending(d.finish_reason, d.stop_reason)
                         chunk = make_chunk(i, d.text, end, d.token_ids, d.logprobs)
                         yield _sse(chunk | no_usage)
                     if d.finish_reason:
                         unfinished.discard(reqs[i].request_id)
             except Exception as e:  # whatever failed, the client gets an error event and [DONE]
                 log.warning("stream %s failed: %s", reqs[0].request_id, e)
-                yield _sse(oa.error_body(str(e) or type(e).__name__, "internal_error", 500))
+                yield _sse(resp.error_body(str(e) or type(e).__name__, "internal_error", 500))
             if include_usage:
-                chunk = make_chunk(0, "", oa.GOING_ON, [], ())
+                chunk = make_chunk(0, "", resp.GOING_ON, [], ())
                 chunk["choices"] = []
-                chunk["usage"] = oa.usage(len(reqs[0].prompt_token_ids), n_out)
+                chunk["usage"] = resp.usage(len(reqs[0].prompt_token_ids), n_out)
                 yield _sse(chunk)
             yield "data: [DONE]\n\n"
         finally:

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cluster import openai_schemas as oa
+from cluster import openai_responses as resp
 from worker_common.prompt_tokens import INT32_MAX
 
 
@@ -27,7 +27,7 @@ def error_response(message: str, code: int, param: str | None = None) -> JSONRes
         kind = "authentication_error"
     if code == 404:
         kind = "not_found_error"
-    return JSONResponse(oa.error_body(message, kind, code, param), status_code=code)
+    return JSONResponse(resp.error_body(message, kind, code, param), status_code=code)
 
 
 MAX_ERRORS_SHOWN = 5  # of a body's validation errors, in its error message

@@ -1,10 +1,8 @@
-"""OpenAI-compatible request bodies (validated at the HTTP edge) and response builders."""
+"""OpenAI-compatible request bodies, validated at the HTTP edge (the responses: cluster/openai_responses.py)."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
@@ -324,107 +322,3 @@ class ChatCompletionRequest(_SamplingFields):
         for i, message in enumerate(self.messages):
             refused += refused_fields(message.model_extra, NOT_SUPPORTED_MESSAGE, f"messages[{i}].")
         return refused
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-@dataclass(frozen=True)
-class Head:
-    """What every body and chunk of one response carries: its id, when it was created (the
-    request's arrival, Unix seconds: the same in every chunk of a stream) and the model."""
-
-    id: str
-    created: int
-    model: str
-
-
-@dataclass(frozen=True)
-class Ending:
-    """How a choice ended: OpenAI's finish_reason, and vLLM's stop_reason (the stop token id or
-    stop string that ended it; None for EOS, length, or while it goes on)."""
-
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-GOING_ON = Ending()
-
-
-def _choice(index: int, payload: dict[str, Any], end: Ending) -> dict[str, Any]:
-    ending = {"finish_reason": end.finish_reason, "stop_reason": end.stop_reason}
-    return {"index": index, "logprobs": None, **payload, **ending}
-
-
-def _envelope(head: Head, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-    return {
-        "id": head.id,
-        "object": obj,
-        "created": head.created,
-        "model": head.model,
-        "choices": choices,
-    }
-
-
-# token_ids in a choice: an extension (as vLLM's return_token_ids) so that models without a tokenizer
-# (dummy weights) still give answers that can be checked and benchmarked.
-
-
-def completion_choice(
-    index: int, text: str, end: Ending, token_ids: list[int], logprobs: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    return _choice(index, {"text": text, "token_ids": token_ids, "logprobs": logprobs}, end)
-
-
-def completion_chunk(
-    head: Head,
-    index: int,
-    text: str,
-    end: Ending,
-    token_ids: list[int],
-    logprobs: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    choice = completion_choice(index, text, end, token_ids, logprobs)
-    return _envelope(head, "text_completion", [choice])
-
-
-def completion_body(
-    head: Head, choices: list[dict[str, Any]], use: dict[str, int]
-) -> dict[str, Any]:
-    return _envelope(head, "text_completion", choices) | {"usage": use}
-
-
-def chat_chunk(
-    head: Head,
-    index: int,
-    delta: dict[str, Any],
-    end: Ending,
-    token_ids: list[int],
-    logprobs: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    choice = _choice(index, {"delta": delta, "token_ids": token_ids, "logprobs": logprobs}, end)
-    return _envelope(head, "chat.completion.chunk", [choice])
-
-
-def chat_choice(
-    index: int, text: str, end: Ending, logprobs: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    message = {"role": "assistant", "content": text}
-    return _choice(index, {"message": message, "logprobs": logprobs}, end)
-
-
-def chat_body(head: Head, choices: list[dict[str, Any]], use: dict[str, int]) -> dict[str, Any]:
-    return _envelope(head, "chat.completion", choices) | {"usage": use}
-
-
-def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}

@@ -24,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from cluster import openai_responses as resp
 from cluster import openai_schemas as oa
 from cluster.answers import Answers, Choice, choice_requests
 from cluster.http_errors import (
@@ -176,12 +177,12 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
                 "(random weights): use stop_token_ids",
                 "stop",
             )
-        return GenerateRequest(oa.new_id(kind), ids, sampling, time.time())
+        return GenerateRequest(resp.new_id(kind), ids, sampling, time.time())
 
     answers = Answers(backend.generate, backend.abort, _abort)
 
-    def _head(req: GenerateRequest) -> oa.Head:
-        return oa.Head(req.request_id, int(req.arrival_time), backend.model_name)
+    def _head(req: GenerateRequest) -> resp.Head:
+        return resp.Head(req.request_id, int(req.arrival_time), backend.model_name)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -218,13 +219,13 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
             offsets = [0] * len(reqs)  # each choice's characters so far (text_offset)
 
             def make(
-                i: int, text: str, end: oa.Ending, tids: list[int], lps: Logprobs
+                i: int, text: str, end: resp.Ending, tids: list[int], lps: Logprobs
             ) -> dict[str, Any]:
                 logprobs = None
                 if asked:
                     logprobs = completion_logprobs(lps, backend.token_text, offsets[i])
                     offsets[i] += sum(len(t) for t in logprobs["tokens"])
-                return oa.completion_chunk(head, i, text, end, tids, logprobs)
+                return resp.completion_chunk(head, i, text, end, tids, logprobs)
 
             return StreamingResponse(
                 answers.stream(reqs, make, body.include_usage), media_type="text/event-stream"
@@ -232,10 +233,10 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
 
         def build(choices: list[Choice]) -> dict[str, Any]:
             made = sum(len(c.token_ids) for c in choices)
-            return oa.completion_body(
+            return resp.completion_body(
                 head,
                 [
-                    oa.completion_choice(
+                    resp.completion_choice(
                         i,
                         c.text,
                         c.end,
@@ -244,7 +245,7 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
                     )
                     for i, c in enumerate(choices)
                 ],
-                oa.usage(len(ids), made),
+                resp.usage(len(ids), made),
             )
 
         return await answers.whole(reqs, request, build)
@@ -269,14 +270,14 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
         if body.stream:
 
             def make(
-                i: int, text: str, end: oa.Ending, tids: list[int], lps: Logprobs
+                i: int, text: str, end: resp.Ending, tids: list[int], lps: Logprobs
             ) -> dict[str, Any]:
                 logprobs = chat_logprobs(lps, backend.token_text) if asked else None
                 delta = {"content": text} if text else {}
-                return oa.chat_chunk(head, i, delta, end, tids, logprobs)
+                return resp.chat_chunk(head, i, delta, end, tids, logprobs)
 
             role = {"role": "assistant", "content": ""}  # (each choice's first chunk, as vLLM)
-            first = [oa.chat_chunk(head, i, role, oa.GOING_ON, []) for i in range(len(reqs))]
+            first = [resp.chat_chunk(head, i, role, resp.GOING_ON, []) for i in range(len(reqs))]
             return StreamingResponse(
                 answers.stream(reqs, make, body.include_usage, first),
                 media_type="text/event-stream",
@@ -284,10 +285,10 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
 
         def build(choices: list[Choice]) -> dict[str, Any]:
             made = sum(len(c.token_ids) for c in choices)
-            return oa.chat_body(
+            return resp.chat_body(
                 head,
                 [
-                    oa.chat_choice(
+                    resp.chat_choice(
                         i,
                         c.text,
                         c.end,
@@ -295,7 +296,7 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
                     )
                     for i, c in enumerate(choices)
                 ],
-                oa.usage(len(ids), made),
+                resp.usage(len(ids), made),
             )
 
         return await answers.whole(reqs, request, build)
