@@ -49,7 +49,7 @@ def test_every_bad_field_is_listed_in_one_error(tmp_path: Path) -> None:
     # In the order of ClusterConfig's sections, then of each section's fields.
     assert caught.value.issues == [
         "model.load_format: must be one of 'auto', 'gguf', 'hf', 'dummy', got 'safetensors'",
-        "model.dtype: must be one of 'float32', 'bfloat16', 'float16', got 'fp8'",
+        "model.dtype: must be one of 'float32', 'bfloat16', 'float16', 'half', 'float', 'auto', got 'fp8'",
         "prefill.replicas: must be >= 0, got -1",
         "server.port: must be an integer, got 'eighty'",
         "server.prot: unknown key (did you mean 'port'?); allowed: api_key, host, port, "
