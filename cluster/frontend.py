@@ -108,7 +108,7 @@ class ClusterFrontend:
         model without a tokenizer (vLLM's return_tokens_as_token_ids form)."""
         if self.tokenizer is None:
             return f"token_id:{token_id}"
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return self.tokenizer.token_text(token_id)
 
     def encode_chat(
         self,

@@ -309,7 +309,7 @@ class ChatCompletionRequest(_SamplingFields):
 
     def refused(self) -> list[tuple[str, str]]:
         refused = refused_fields(self.model_extra, NOT_SUPPORTED_CHAT) + self._misused()
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:  # (0 asks nothing: vLLM's rule)
             refused.append(("top_logprobs", "top_logprobs: only with logprobs: true"))
         if self.continue_final_message and self.add_generation_prompt:
             refused.append(

@@ -7,8 +7,9 @@ TransceiverConfig, deadlines, stats) made here, in the server process, once.
 from __future__ import annotations
 
 import logging
+import struct
 
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, ConfigError
 from cluster.transfer_setup import transceiver_config
 from engine.engine_config import EngineConfig
 from worker_common.messages import Role, WorkerDeadlines, WorkerSpec
@@ -24,7 +25,7 @@ def engine_config_for(config: ClusterConfig, role: Role) -> EngineConfig:
     dummy = (
         config.model.dummy_config.as_hf_dict() if config.model.dummy_config is not None else None
     )
-    return EngineConfig(
+    engine = EngineConfig(
         model=config.model.source,
         load_format=config.model.load_format,
         dtype=config.model.dtype,
@@ -48,7 +49,14 @@ def engine_config_for(config: ClusterConfig, role: Role) -> EngineConfig:
         # The engine's request stats are the source of the per-request reports (/perf_metrics).
         max_request_stats_len=config.stats.perf_buffer_len,
         tensor_parallel_size=pool.tensor_parallel_size,
-    ).resolved()
+    )
+    try:
+        return engine.resolved()
+    except (OSError, ValueError, struct.error) as e:  # (a missing or truncated checkpoint)
+        raise ConfigError(
+            "cluster config",
+            [f"model.dtype: auto reads the checkpoint's dtype, and could not: {e}"],
+        ) from None
 
 
 def worker_spec(

@@ -339,7 +339,7 @@ class LLMEngine:
         string could still claim, which this side streams or drops. ``first_logprobs``: the first
         token's (PrefillResult.first_token_logprobs), when the request asks for logprobs."""
         request = self.make_request(request_id, prompt_token_ids, params, arrival_time=arrival_time)
-        request.next_logprobs = first_logprobs
+        _take_first_logprobs(request, first_token_id, first_logprobs)
         request.metrics.num_cached_tokens = num_cached_tokens
         request.metrics.num_cached_host_tokens = num_cached_host_tokens
         self.scheduler.add_prefilled_request(request, first_token_id)
@@ -364,7 +364,7 @@ class LLMEngine:
         preempted request is recomputed, and decoding goes on from there. ``first_text_sent`` and
         ``first_logprobs`` as for add_prefilled_request."""
         request = self.make_request(request_id, prompt_token_ids, params, arrival_time=arrival_time)
-        request.next_logprobs = first_logprobs
+        _take_first_logprobs(request, first_token_id, first_logprobs)
         self.scheduler.add_recomputed_request(request, first_token_id)
         self._sent_elsewhere(request, first_text_sent)
         if request.is_finished:
@@ -457,3 +457,14 @@ class LLMEngine:
 
     def drain_request_stats(self) -> list[RequestStats]:
         return self.request_stats.drain()
+
+
+def _take_first_logprobs(request: Request, token_id: int, entry: TokenLogprobs | None) -> None:
+    """Hand a first token sampled elsewhere its logprobs, before the scheduler takes the request:
+    one asking for them without them is refused here, not left half-added."""
+    if request.logprobs is not None and (entry is None or entry.token_id != token_id):
+        raise ValueError(
+            f"request {request.request_id!r} asks for logprobs, but its first token {token_id} "
+            "came without them"
+        )
+    request.next_logprobs = entry

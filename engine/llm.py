@@ -267,10 +267,10 @@ class LLM:
             for pid, rids in groups
         ]
 
-    def _token_text(self, ids: list[int]) -> str:
+    def _token_text(self, token_id: int) -> str:
         """A logprobs entry's token as text (vLLM's decoded_token); "" without a tokenizer."""
         tokenizer = self.engine.tokenizer
-        return tokenizer.decode(ids, skip_special_tokens=False) if tokenizer is not None else ""
+        return tokenizer.token_text(token_id) if tokenizer is not None else ""
 
 
 def _choice(params: SamplingParams, i: int) -> SamplingParams:

@@ -8,6 +8,7 @@ own log probability and rank, and the ``k`` most likely tokens of its position.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,8 +44,9 @@ def token_logprobs(
     ``top_counts[i]`` most likely tokens."""
     logprobs = logits.float().log_softmax(dim=-1)
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]
-    ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
-    k = max(top_counts)
+    # (vLLM's rank: a token tied with the sampled one counts as ahead of it)
+    ranks = (logprobs >= chosen[:, None]).sum(dim=-1)
+    k = min(max(top_counts), logprobs.shape[-1])
     top_values, top_ids = (
         logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], tokens[:, None][:, :0])
     )
@@ -63,13 +65,14 @@ def token_logprobs(
     ]
 
 
-def as_vllm(entry: TokenLogprobs, decode: object = None) -> dict[int, Logprob]:
-    """One position as vLLM's ``SampleLogprobs`` holds it: the sampled token and the top ones,
-    each with its rank; ``decode`` (token ids -> text) names them."""
+def as_vllm(entry: TokenLogprobs, name: Callable[[int], str] | None = None) -> dict[int, Logprob]:
+    """One position as vLLM's ``SampleLogprobs`` holds it: the sampled token first, then the top
+    ones, each with its rank; ``name`` (token id -> text) names them."""
 
     def named(token: int) -> str | None:
-        return decode([token]) if callable(decode) else None
+        return name(token) if name is not None else None
 
-    out = {token: Logprob(value, i + 1, named(token)) for i, (token, value) in enumerate(entry.top)}
-    out[entry.token_id] = Logprob(entry.logprob, entry.rank, named(entry.token_id))
+    out = {entry.token_id: Logprob(entry.logprob, entry.rank, named(entry.token_id))}
+    for i, (token, value) in enumerate(entry.top):
+        out.setdefault(token, Logprob(value, i + 1, named(token)))
     return out

@@ -63,7 +63,7 @@ class RequestOutput:
         return list(self.choices) if self.choices else [self.completion(0)]
 
     def completion(
-        self, index: int, decode: Callable[[list[int]], str] | None = None
+        self, index: int, decode: Callable[[int], str] | None = None
     ) -> CompletionOutput:
         """This request's completion as choice ``index``; ``decode`` names the logprobs' tokens."""
         entries = None if self.logprobs is None else [as_vllm(e, decode) for e in self.logprobs]
@@ -78,7 +78,7 @@ class RequestOutput:
             self.stop_reason,
         )
 
-    def with_token_texts(self, decode: Callable[[list[int]], str]) -> RequestOutput:
+    def with_token_texts(self, decode: Callable[[int], str]) -> RequestOutput:
         """The same output with its logprobs' tokens named by ``decode`` (as vLLM's
         ``decoded_token``); itself when it has none."""
         if self.logprobs is None and not any(c.logprobs for c in self.choices):
@@ -90,7 +90,7 @@ class RequestOutput:
         cls,
         request_id: str,
         choices: list[RequestOutput],
-        decode: Callable[[list[int]], str] | None = None,
+        decode: Callable[[int], str] | None = None,
     ) -> RequestOutput:
         """The finished completions of one prompt (each a request of its own) as one output;
         ``decode`` names the logprobs' tokens."""

@@ -22,27 +22,48 @@ from engine.request import Request
 
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """``logits`` [S, V] with each row's penalties applied (a new tensor; the same one when no
-    row asks for any)."""
+    row asks for any). All penalised rows at once, on the (row, token) entries they touch only:
+    each request's distinct prompt tokens are found once and kept on it."""
     rows = [i for i, r in enumerate(requests) if r.penalized]
     if not rows:
         return logits
+    device, width = logits.device, logits.shape[-1]  # (token ids are below it: make_request)
+    asked = [requests[i] for i in rows]
+    params = [r.sampling_params for r in asked]
     logits = logits.clone()
-    vocab = logits.shape[-1]
-    for i in rows:
-        r, row = requests[i], logits[i]
-        params = r.sampling_params
-        if params.repetition_penalty != 1.0:
-            seen = torch.tensor(
-                sorted({t for t in r.all_token_ids if t < vocab}), device=row.device
-            )
-            values = row[seen]
-            penalty = params.repetition_penalty
-            row[seen] = torch.where(values > 0, values / penalty, values * penalty)
-        if r.output_token_ids and (params.presence_penalty or params.frequency_penalty):
-            out = torch.tensor([t for t in r.output_token_ids if t < vocab], device=row.device)
-            ids, counts = out.unique(return_counts=True)
-            row[ids] -= params.frequency_penalty * counts.to(row.dtype) + params.presence_penalty
+    flat = logits.view(-1)
+    out_keys = torch.tensor(  # row * width + token, one per generated token
+        [rows[k] * width + t for k, r in enumerate(asked) for t in r.output_token_ids],
+        dtype=torch.long,
+        device=device,
+    )
+    repetition = torch.ones(logits.shape[0], dtype=logits.dtype, device=device)
+    repetition[rows] = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype)
+    if any(p.repetition_penalty != 1.0 for p in params):
+        prompts = [rows[k] * width + _prompt_tokens(r, device) for k, r in enumerate(asked)]
+        # A key seen twice (a prompt token generated again) is written twice with the same
+        # value, both computed from the logits as they were: no need to make the keys distinct.
+        seen = torch.cat([*prompts, out_keys])
+        values, penalty = flat[seen], repetition[seen // width]
+        flat[seen] = torch.where(values > 0, values / penalty, values * penalty)
+    if out_keys.numel() and any(p.presence_penalty or p.frequency_penalty for p in params):
+        frequency = torch.zeros_like(repetition)
+        presence = torch.zeros_like(repetition)
+        frequency[rows] = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype)
+        presence[rows] = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype)
+        keys, counts = out_keys.unique(return_counts=True)
+        row = keys // width
+        flat[keys] -= frequency[row] * counts.to(logits.dtype) + presence[row]
     return logits
+
+
+def _prompt_tokens(request: Request, device: torch.device) -> torch.Tensor:
+    """The distinct token ids of ``request``'s prompt, found once and kept on the request."""
+    if request.prompt_token_set is None:
+        request.prompt_token_set = torch.tensor(
+            sorted(set(request.prompt_token_ids)), dtype=torch.long, device=device
+        )
+    return request.prompt_token_set
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

@@ -98,7 +98,7 @@ class Request:
 
     __slots__ = (
         "request_id", "prompt", "prompt_token_ids", "sampling_params", "eos_token_ids", "eos_token_id",
-        "min_tokens_masked", "penalized", "logprobs", "next_logprobs",
+        "min_tokens_masked", "penalized", "prompt_token_set", "logprobs", "next_logprobs",
         "all_token_ids", "output_token_ids", "num_computed_tokens", "status", "stop_reason",
         "error", "prefill_only", "metrics", "page_ids", "kv_capacity", "kv_release_at",
         "detokenizer", "output_text",
@@ -134,6 +134,7 @@ class Request:
             else ()
         )
         self.penalized = sampling_params.penalized  # (read per row and step by the sampler)
+        self.prompt_token_set: torch.Tensor | None = None  # (engine/penalties.py keeps it)
         # One TokenLogprobs per output token when the request asks for them (else None); the
         # sampler (or the caller, for a token sampled elsewhere) sets ``next_logprobs`` for the
         # token appended next.

@@ -70,6 +70,16 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text as logprobs name it: its decoding, with the leading spaces a
+        SentencePiece decoder strips from a lone token (Llama 2's "▁world" is " world") put back,
+        as vLLM's convert_ids_list_to_tokens does."""
+        text = self.backend.decode([token_id], skip_special_tokens=False)
+        piece = self.backend.id_to_token(token_id) or ""
+        marks = len(piece) - len(piece.lstrip("▁"))
+        spaces = len(text) - len(text.lstrip(" "))
+        return " " * max(marks - spaces, 0) + text
+
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 

@@ -55,6 +55,13 @@ def test_chat_logprobs_whole_and_streamed(http) -> None:  # noqa: F811
         for c in ch["logprobs"]["content"]
     ]
     assert streamed == content
+    # top_logprobs 0 asks nothing, with or without logprobs (vLLM's rule)
+    assert (
+        http.post(
+            "/v1/chat/completions", json=CHAT | {"max_tokens": 1, "top_logprobs": 0}
+        ).status_code
+        == 200
+    )
     only = http.post("/v1/chat/completions", json=CHAT | {"max_tokens": 2, "logprobs": True})
     assert all(c["top_logprobs"] == [] for c in only.json()["choices"][0]["logprobs"]["content"])
 

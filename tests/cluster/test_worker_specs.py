@@ -160,6 +160,15 @@ def test_every_worker_gets_the_dtype_resolved_once(given: str, engine: str) -> N
         assert worker_spec(config, role, 0, None, transfer_secret="x").engine.dtype == engine
 
 
+def test_a_checkpoint_auto_cannot_read_is_a_config_error(tmp_path) -> None:
+    from cluster.config import ConfigError
+
+    (tmp_path / "config.json").write_text("{")  # (truncated)
+    config = config_from_dict({"model": {"source": str(tmp_path), "dtype": "auto"}})
+    with pytest.raises(ConfigError, match="model.dtype: auto reads the checkpoint's dtype"):
+        worker_spec(config, Role.DECODE, 0, None, transfer_secret="x")
+
+
 def test_an_aggregated_decode_worker_has_no_transceiver() -> None:
     config = config_from_dict({"prefill": {"replicas": 0}, "decode": {"replicas": 2}})
     assert worker_spec(config, Role.DECODE, 1, None).transceiver is None

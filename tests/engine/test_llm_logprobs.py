@@ -88,3 +88,18 @@ def test_sampled_tokens_get_their_own_logprob_and_rank(models) -> None:
             assert math.isfinite(entry.logprob) and entry.logprob <= 0
     with pytest.raises(ValueError, match="logprobs must be None or an integer in \\[0, 20\\]"):
         SamplingParams(logprobs=21)
+
+
+def test_a_first_token_sampled_elsewhere_needs_its_logprobs(models) -> None:
+    """A decode worker's request that asks for logprobs gets the first token's with it; without
+    them it is refused before the scheduler takes it (nothing held, nothing left running)."""
+    llm, _ = models
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=1)
+    with pytest.raises(ValueError, match="came without them"):
+        engine.add_recomputed_request("r", [0, 5, 6], 7, params, first_text_sent=0)
+    assert not engine.has_unfinished()
+    assert_no_leak(engine.kv)
+    # vLLM's shape: the sampled token first, then the top ones
+    (out,) = llm.generate([[0, 5, 6]], params, use_tqdm=False)
+    assert all(next(iter(e)) == t for t, e in zip(out.token_ids, out.outputs[0].logprobs))

@@ -221,3 +221,30 @@ def test_content_parts_reach_a_template_that_loops_over_them(
     assert ours == want == "<user>[part one][part two]<assistant>ok"
     joined = [{"role": "user", "content": "part one\n part two"}, conv[1]]
     assert smol.apply_chat_template(conv) == smol.apply_chat_template(joined)
+
+
+def test_a_lone_tokens_text_keeps_the_space_sentencepiece_strips() -> None:
+    """Logprobs name tokens one by one: Llama 2's decoder strips the leading space of a lone
+    "▁world", which token_text puts back (vLLM's convert_ids_list_to_tokens)."""
+    import tokenizers
+    from tokenizers import decoders, models, normalizers, pre_tokenizers
+
+    backend = tokenizers.Tokenizer(
+        models.WordLevel({"<unk>": 0, "▁Hello": 1, "▁world": 2, "!": 3}, unk_token="<unk>")
+    )
+    backend.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+    )
+    backend.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
+    backend.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    tok = Tokenizer(backend)
+    ids = tok.encode("Hello world")
+    assert tok.decode([ids[1]]) == "world"  # (what a lone decode gives)
+    assert [tok.token_text(i) for i in ids] == [" Hello", " world"]
