@@ -37,8 +37,7 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
         dtype=torch.long,
         device=device,
     )
-    repetition = torch.ones(logits.shape[0], dtype=logits.dtype, device=device)
-    repetition[rows] = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype)
+    repetition = _per_row(logits, rows, [p.repetition_penalty for p in params], 1.0)
     if any(p.repetition_penalty != 1.0 for p in params):
         prompts = [rows[k] * width + _prompt_tokens(r, device) for k, r in enumerate(asked)]
         # A key seen twice (a prompt token generated again) is written twice with the same
@@ -47,14 +46,22 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
         values, penalty = flat[seen], repetition[seen // width]
         flat[seen] = torch.where(values > 0, values / penalty, values * penalty)
     if out_keys.numel() and any(p.presence_penalty or p.frequency_penalty for p in params):
-        frequency = torch.zeros_like(repetition)
-        presence = torch.zeros_like(repetition)
-        frequency[rows] = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype)
-        presence[rows] = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype)
+        frequency = _per_row(logits, rows, [p.frequency_penalty for p in params], 0.0)
+        presence = _per_row(logits, rows, [p.presence_penalty for p in params], 0.0)
         keys, counts = out_keys.unique(return_counts=True)
         row = keys // width
         flat[keys] -= frequency[row] * counts.to(logits.dtype) + presence[row]
     return logits
+
+
+def _per_row(
+    logits: torch.Tensor, rows: list[int], values: list[float], neutral: float
+) -> torch.Tensor:
+    """One value per row of ``logits`` (on its device): ``values`` at ``rows``, else ``neutral``."""
+    full = [neutral] * logits.shape[0]
+    for row, value in zip(rows, values, strict=True):
+        full[row] = value
+    return torch.tensor(full, dtype=logits.dtype, device=logits.device)
 
 
 def _prompt_tokens(request: Request, device: torch.device) -> torch.Tensor:
