@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,10 @@ class SamplingParamsError(ValueError):
 
 def _fail(name: str, expected: str, got: object) -> SamplingParamsError:
     return SamplingParamsError(name, f"SamplingParams.{name} must be {expected}, got {got!r}")
+
+
+# Set while an assignment to a SamplingParams is checked (SamplingParams.__setattr__)
+_ASSIGNING: ContextVar[bool] = ContextVar("sampling_params_assigning", default=False)
 
 
 def _is_int(value: object) -> bool:
@@ -123,8 +128,14 @@ class SamplingParams:
             return
         if name not in self.__dataclass_fields__:
             raise AttributeError(f"SamplingParams has no field {name!r}")
-        # Validated (and normalised: a stop string becomes a tuple) as a new object would be.
-        checked = dataclasses.replace(self, **{name: value})
+        # Validated (and normalised: a stop string becomes a tuple) as a new object would be,
+        # but for the rules between fields (min_tokens <= max_tokens), which would make the order
+        # of assignments matter: those hold when a request is made of it (make_request's copy).
+        token = _ASSIGNING.set(True)
+        try:
+            checked = dataclasses.replace(self, **{name: value})
+        finally:
+            _ASSIGNING.reset(token)
         object.__setattr__(self, name, getattr(checked, name))
 
     def copy(self) -> SamplingParams:
@@ -163,7 +174,11 @@ class SamplingParams:
             raise _fail("n", "an integer >= 1", self.n)
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise _fail("min_tokens", "an integer >= 0", self.min_tokens)
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+        if (
+            self.max_tokens is not None
+            and self.min_tokens > self.max_tokens
+            and not _ASSIGNING.get()
+        ):
             raise _fail("min_tokens", f"at most max_tokens={self.max_tokens}", self.min_tokens)
         if self.seed is not None and not (_is_int(self.seed) and -(2**63) <= self.seed < 2**64):
             # (what torch.Generator.manual_seed takes: beyond it, the step itself would fail)

@@ -32,6 +32,12 @@ def test_changes_are_validated_as_construction_is() -> None:
     with pytest.raises(SamplingParamsError, match="top_p must be in"):
         params.top_p = 0.0
     assert params.top_p == 1.0  # (a refused change leaves the object as it was)
+    # Rules between fields hold once it is used, not after each assignment (order is free)
+    params.min_tokens = 100
+    params.max_tokens = 200
+    params.max_tokens = 50
+    with pytest.raises(SamplingParamsError, match="min_tokens must be at most max_tokens=50"):
+        params.copy()  # (what a request of it makes: engine/engine_core.make_request)
 
 
 @pytest.mark.parametrize(
