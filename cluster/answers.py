@@ -45,8 +45,7 @@ def choice_requests(req: GenerateRequest, n: int) -> list[GenerateRequest]:
         return [req]
     out = []
     for i in range(n):
-        seed = None if req.sampling.seed is None else req.sampling.seed + i
-        sampling = dataclasses.replace(req.sampling, seed=seed)
+        sampling = req.sampling.for_choice(i)
         out.append(dataclasses.replace(req, request_id=f"{req.request_id}-{i}", sampling=sampling))
     return out
 

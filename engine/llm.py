@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 from collections.abc import Callable, Mapping, Sequence
@@ -228,7 +227,11 @@ class LLM:
             pid = f"llm-{next(self._ids)}"
             rids = [pid] if p.n == 1 else [f"{pid}-{i}" for i in range(p.n)]
             for i, rid in enumerate(rids):
-                requests.append(self.engine.make_request(rid, tokens, _choice(p, i), prompt=text))
+                requests.append(
+                    self.engine.make_request(
+                        rid, tokens, p if p.n == 1 else p.for_choice(i), prompt=text
+                    )
+                )
             groups.append((pid, rids))
         ids = [r.request_id for r in requests]
         ours = set(ids)
@@ -271,15 +274,6 @@ class LLM:
         """A logprobs entry's token as text (vLLM's decoded_token); "" without a tokenizer."""
         tokenizer = self.engine.tokenizer
         return tokenizer.token_text(token_id) if tokenizer is not None else ""
-
-
-def _choice(params: SamplingParams, i: int) -> SamplingParams:
-    """Completion ``i`` of ``params.n``: one request's params, seeded seed + i (vLLM's rule: the
-    completions differ, and the same call gives the same completions again)."""
-    if params.n == 1:
-        return params
-    seed = None if params.seed is None else params.seed + i
-    return dataclasses.replace(params, n=1, seed=seed)
 
 
 def _prompt_of(prompt: Mapping[str, Any], what: str) -> str | list[int]:

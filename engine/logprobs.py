@@ -47,9 +47,7 @@ def token_logprobs(
     # (vLLM's rank: a token tied with the sampled one counts as ahead of it)
     ranks = (logprobs >= chosen[:, None]).sum(dim=-1)
     k = min(max(top_counts), logprobs.shape[-1])
-    top_values, top_ids = (
-        logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], tokens[:, None][:, :0])
-    )
+    top_values, top_ids = logprobs.topk(k, dim=-1)
     rows = zip(
         tokens.tolist(),
         chosen.tolist(),

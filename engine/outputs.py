@@ -81,7 +81,7 @@ class RequestOutput:
     def with_token_texts(self, decode: Callable[[int], str]) -> RequestOutput:
         """The same output with its logprobs' tokens named by ``decode`` (as vLLM's
         ``decoded_token``); itself when it has none."""
-        if self.logprobs is None and not any(c.logprobs for c in self.choices):
+        if self.logprobs is None:
             return self
         return dataclasses.replace(self, choices=(self.completion(0, decode),))
 

@@ -37,8 +37,8 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
         dtype=torch.long,
         device=device,
     )
-    repetition = _per_row(logits, rows, [p.repetition_penalty for p in params], 1.0)
     if any(p.repetition_penalty != 1.0 for p in params):
+        repetition = _per_row(logits, rows, [p.repetition_penalty for p in params], 1.0)
         prompts = [rows[k] * width + _prompt_tokens(r, device) for k, r in enumerate(asked)]
         # A key seen twice (a prompt token generated again) is written twice with the same
         # value, both computed from the logits as they were: no need to make the keys distinct.

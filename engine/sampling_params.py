@@ -33,6 +33,11 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_number(value: object) -> bool:
+    """An int or a float, not a bool (a NaN fails every range check after this)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 # vLLM's fields Duet does not implement, with the one value each takes (the one that asks nothing).
 _NOT_IMPLEMENTED: dict[str, object] = {
     "prompt_logprobs": None,
@@ -141,12 +146,19 @@ class SamplingParams:
     def copy(self) -> SamplingParams:
         return dataclasses.replace(self)
 
+    def for_choice(self, i: int) -> SamplingParams:
+        """The params of completion ``i`` of several of one prompt (``n``, offline or over HTTP):
+        one completion, seeded seed + i (vLLM's rule: the completions differ, and the same call
+        gives the same completions again)."""
+        seed = None if self.seed is None else self.seed + i
+        return dataclasses.replace(self, n=1, seed=seed)
+
     def _validate(self) -> None:
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= 2:
+        if not (_is_number(t) and 0 <= t <= 2):
             raise _fail("temperature", "in [0, 2]", t)
         p = self.top_p
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < p <= 1.0:
+        if not (_is_number(p) and 0.0 < p <= 1.0):
             raise _fail("top_p", "in (0, 1]", p)
         if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
             raise _fail("top_k", "-1 or 0 (disabled) or an integer >= 1", self.top_k)
@@ -154,17 +166,13 @@ class SamplingParams:
             raise _fail("max_tokens", "an integer >= 1 or None", self.max_tokens)
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not -2 <= value <= 2
-            ):
+            if not (_is_number(value) and -2 <= value <= 2):
                 raise _fail(name, "in [-2, 2]", value)
         r = self.repetition_penalty
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r < float("inf"):
+        if not (_is_number(r) and 0 < r < float("inf")):
             raise _fail("repetition_penalty", "a number > 0", r)
         m = self.min_p
-        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m <= 1:
+        if not (_is_number(m) and 0 <= m <= 1):
             raise _fail("min_p", "in [0, 1]", m)
         if self.logprobs is not None and not (
             _is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS

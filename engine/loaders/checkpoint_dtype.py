@@ -15,17 +15,9 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from engine.engine_config import DTYPES, dtype_name
 from engine.loaders.source import checkpoint_path, detect_format
 
-# The names the engine takes (engine/engine_config.DTYPES) of what config.json and safetensors'
-# headers write.
-_CONFIG_NAMES = {
-    "float32": "float32",
-    "float": "float32",
-    "bfloat16": "bfloat16",
-    "float16": "float16",
-    "half": "float16",
-}
 _SAFETENSORS_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 _HEADER_LIMIT = 100 << 20  # safetensors' own cap on a header's size
 
@@ -66,8 +58,9 @@ def _named(config: dict[str, Any]) -> str | None:
     for holder in (config, config.get("text_config") or {}):
         for key in ("dtype", "torch_dtype"):
             value = holder.get(key)
-            if isinstance(value, str) and value.removeprefix("torch.") in _CONFIG_NAMES:
-                return _CONFIG_NAMES[value.removeprefix("torch.")]
+            name = dtype_name(value.removeprefix("torch.")) if isinstance(value, str) else None
+            if name in DTYPES:
+                return name
     return None
 
 
