@@ -24,8 +24,8 @@ from worker_common.messages import GenerateRequest, TokenDelta
 
 log = logging.getLogger(__name__)
 
-# (choice index, text, ending, token ids, their logprobs) -> one chunk of a streamed answer
-MakeChunk = Callable[[int, str, resp.Ending, list[int], tuple[TokenLogprobs, ...]], dict[str, Any]]
+# (choice index, a delta of it) -> one chunk of a streamed answer
+MakeChunk = Callable[[int, TokenDelta], dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -36,16 +36,24 @@ class Choice:
     end: resp.Ending
     token_ids: list[int]
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per token, when the request asked
+    # one per prompt token (the first None), when the request asked for prompt logprobs
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
 
-def choice_requests(req: GenerateRequest, n: int) -> list[GenerateRequest]:
+def choice_requests(
+    req: GenerateRequest, n: int, share_prompt_logprobs: bool = True
+) -> list[GenerateRequest]:
     """``req`` as ``n`` requests, ``<id>-<index>``; with a seed, choice i samples with seed + i
-    (vLLM's rule: the choices differ, and the same body gives the same answer again)."""
+    (vLLM's rule: the choices differ, and the same body gives the same answer again). With
+    ``share_prompt_logprobs`` only the first computes the prompt's logprobs, for all of them (the
+    others may then read the prompt from the prefix cache)."""
     if n == 1:
         return [req]
     out = []
     for i in range(n):
         sampling = req.sampling.for_choice(i)
+        if i > 0 and share_prompt_logprobs:
+            sampling.prompt_logprobs = None
         out.append(dataclasses.replace(req, request_id=f"{req.request_id}-{i}", sampling=sampling))
     return out
 
@@ -115,6 +123,7 @@ class Answers:
         text: list[str] = []
         ids: list[int] = []
         logprobs: list[TokenLogprobs] = []
+        prompt_logprobs = None
         end = resp.GOING_ON
         async for d in self._generate(req):
             if d.error:
@@ -122,9 +131,10 @@ class Answers:
             text.append(d.text)
             ids.extend(d.token_ids)
             logprobs.extend(d.logprobs)
+            prompt_logprobs = prompt_logprobs or d.prompt_logprobs
             if d.finish_reason:
                 end = resp.Ending(d.finish_reason, d.stop_reason)
-        return Choice("".join(text), end, ids, tuple(logprobs))
+        return Choice("".join(text), end, ids, tuple(logprobs), prompt_logprobs)
 
     async def whole(
         self,
@@ -165,10 +175,11 @@ class Answers:
         reqs: list[GenerateRequest],
         make_chunk: MakeChunk,
         include_usage: bool,
+        prompt_tokens: int,
         first_chunks: list[dict[str, Any]] | None = None,
     ) -> AsyncIterator[str]:
         """A streamed answer: a chunk per delta, naming its choice; an error event and then
-        ``[DONE]`` whatever goes wrong."""
+        ``[DONE]`` whatever goes wrong. ``prompt_tokens``: the usage's, every prompt counted once."""
         n_out = 0
         unfinished = {r.request_id for r in reqs}
         # With include_usage, every chunk but the usage one says "usage": null (OpenAI's rule).
@@ -184,18 +195,16 @@ class Answers:
                         break
                     n_out += len(d.token_ids)
                     if d.text or d.token_ids or d.finish_reason:
-                        end = resp.Ending(d.finish_reason, d.stop_reason)
-                        chunk = make_chunk(i, d.text, end, d.token_ids, d.logprobs)
-                        yield _sse(chunk | no_usage)
+                        yield _sse(make_chunk(i, d) | no_usage)
                     if d.finish_reason:
                         unfinished.discard(reqs[i].request_id)
             except Exception as e:  # whatever failed, the client gets an error event and [DONE]
                 log.warning("stream %s failed: %s", reqs[0].request_id, e)
                 yield _sse(resp.error_body(str(e) or type(e).__name__, "internal_error", 500))
             if include_usage:
-                chunk = make_chunk(0, "", resp.GOING_ON, [], ())
+                chunk = make_chunk(0, TokenDelta(reqs[0].request_id, [], ""))
                 chunk["choices"] = []
-                chunk["usage"] = resp.usage(len(reqs[0].prompt_token_ids), n_out)
+                chunk["usage"] = resp.usage(prompt_tokens, n_out)
                 yield _sse(chunk)
             yield "data: [DONE]\n\n"
         finally:

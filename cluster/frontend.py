@@ -110,6 +110,13 @@ class ClusterFrontend:
             return f"token_id:{token_id}"
         return self.tokenizer.token_text(token_id)
 
+    def decode(self, token_ids: list[int]) -> str:
+        """A prompt of token ids as text (``echo``); "" for a model without a tokenizer, whose
+        answers have no text either."""
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
     def encode_chat(
         self,
         messages: list[dict[str, Any]],

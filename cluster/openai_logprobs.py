@@ -9,31 +9,61 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from engine.logprobs import TokenLogprobs
+from engine.logprobs import TokenLogprobs, as_vllm
 
 Name = Callable[[int], str]  # token id -> its text
 
 
+def _finite(logprob: float) -> float:
+    """JSON has no -inf: a token the model rules out is -9999.0 (OpenAI's and vLLM's value)."""
+    return max(logprob, -9999.0)
+
+
 def completion_logprobs(
-    entries: Sequence[TokenLogprobs], name: Name, offset: int = 0
+    token_ids: Sequence[int],
+    entries: Sequence[TokenLogprobs | None],
+    name: Name,
+    offset: int = 0,
 ) -> dict[str, Any]:
-    """The completions endpoint's ``logprobs`` of ``entries``; the first token's text starts at
-    character ``offset`` of the answer (a stream's earlier chunks hold the rest)."""
-    tokens = [name(e.token_id) for e in entries]
+    """The completions endpoint's ``logprobs`` of ``token_ids``, each with its entry (None: a
+    token without one, an echoed prompt's first: its logprob and top tokens are null); the first
+    token's text starts at character ``offset`` of the answer (a stream's earlier chunks hold the
+    rest)."""
+    tokens = [name(t) for t in token_ids]
     offsets = []
     for token in tokens:
         offsets.append(offset)
         offset += len(token)
     return {
         "tokens": tokens,
-        "token_logprobs": [e.logprob for e in entries],
+        "token_logprobs": [None if e is None else _finite(e.logprob) for e in entries],
         # the top tokens of each position, and the sampled one (as vLLM's)
         "top_logprobs": [
-            {name(t): lp for t, lp in e.top} | {token: e.logprob}
+            None
+            if e is None
+            else {name(t): _finite(lp) for t, lp in e.top} | {token: _finite(e.logprob)}
             for e, token in zip(entries, tokens, strict=True)
         ],
         "text_offset": offsets,
     }
+
+
+def prompt_logprobs(entries: Sequence[TokenLogprobs | None], name: Name) -> list[Any]:
+    """vLLM's ``prompt_logprobs`` of an answer: per prompt token null (the first) or token id ->
+    its logprob, rank and text, the prompt's own token first."""
+    return [
+        None
+        if e is None
+        else {
+            str(token): {
+                "logprob": _finite(logprob.logprob),
+                "rank": logprob.rank,
+                "decoded_token": logprob.decoded_token,
+            }
+            for token, logprob in as_vllm(e, name).items()
+        }
+        for e in entries
+    ]
 
 
 def chat_logprobs(entries: Sequence[TokenLogprobs], name: Name) -> dict[str, Any]:
@@ -41,7 +71,7 @@ def chat_logprobs(entries: Sequence[TokenLogprobs], name: Name) -> dict[str, Any
 
     def one(token: int, logprob: float) -> dict[str, Any]:
         text = name(token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
 
     return {
         "content": [

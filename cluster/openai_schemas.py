@@ -70,7 +70,6 @@ _NOT_SUPPORTED_COMMON: dict[str, Callable[[Any], bool]] = {
 }
 NOT_SUPPORTED_COMPLETION = _NOT_SUPPORTED_COMMON | {
     "best_of": _none_or(1),
-    "echo": _none_or(False),
     "suffix": _none_or(""),
 }
 NOT_SUPPORTED_CHAT = _NOT_SUPPORTED_COMMON | {
@@ -182,6 +181,9 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     # Choices of one prompt, each sampled on its own (with a seed, choice i takes seed + i).
     n: int = Field(default=1, ge=1, le=128)
+    # vLLM's extension: each prompt token's log probability and the k most likely of its position
+    # (the first token has none), in the answer's ``prompt_logprobs``; not streamed.
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     @model_validator(mode="before")
     @classmethod
@@ -210,12 +212,18 @@ class _SamplingFields(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             logprobs=self.top_logprobs_asked,
+            prompt_logprobs=self.prompt_logprobs_asked,
         )
 
     @property
     def top_logprobs_asked(self) -> int | None:
         """None: no logprobs; k: each token's and the k most likely of its position."""
         return None
+
+    @property
+    def prompt_logprobs_asked(self) -> int | None:
+        """None: no prompt logprobs; k: each prompt token's and the k most likely of its position."""
+        return self.prompt_logprobs
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -232,9 +240,12 @@ class _SamplingFields(BaseModel):
 
     def _misused(self) -> list[tuple[str, str]]:
         """(field, message) for fields of this body that contradict each other."""
+        misused = []
         if self.stream_options is not None and not self.stream:
-            return [("stream_options", "stream_options: only with stream: true")]
-        return []
+            misused.append(("stream_options", "stream_options: only with stream: true"))
+        if self.prompt_logprobs is not None and self.stream:  # (vLLM's rule)
+            misused.append(("prompt_logprobs", "prompt_logprobs: not with stream: true"))
+        return misused
 
     def refused(self) -> list[tuple[str, str]]:
         return refused_fields(self.model_extra, NOT_SUPPORTED_COMPLETION) + self._misused()
@@ -246,23 +257,40 @@ class CompletionRequest(_SamplingFields):
     prompt: Prompt
     # Each token's log probability and the most likely of its position (OpenAI's legacy int).
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # The prompt before each choice's text, and with logprobs the prompt tokens' before its
+    # tokens' (the first prompt token's null); with max_tokens 0, the prompt alone.
+    echo: bool = False
 
     @property
     def top_logprobs_asked(self) -> int | None:
         return self.logprobs
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of this request; batches of prompts are refused (one request, one prompt)."""
+    @property
+    def prompt_logprobs_asked(self) -> int | None:
+        if self.prompt_logprobs is None and self.echo:  # (vLLM's rule: echo scores the prompt)
+            return self.logprobs
+        return self.prompt_logprobs
+
+    @property
+    def prompt_only(self) -> bool:
+        """echo with max_tokens 0: the answer is the prompt (one token is made and left out)."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return 1 if self.prompt_only else self.max_tokens
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts, in order: a string or a list of token ids is one; a list of
+        either is a batch, whose prompt k has choices k * n .. k * n + n - 1 (OpenAI's order)."""
         p = self.prompt
         if isinstance(p, str):
-            return p
+            return [p]
         if len(p) == 0:
             raise ValueError("prompt must not be empty")
         if all(isinstance(x, int) for x in p):
-            return list(p)  # type: ignore[arg-type]
-        if len(p) == 1:
-            return p[0]  # type: ignore[return-value]
-        raise ValueError("only one prompt per request is supported")
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
 
 
 class ChatMessage(BaseModel):

@@ -149,6 +149,7 @@ class Router:
                 1,
                 stop_reason=pre.stop_reason,
                 logprobs=() if pre.first_token_logprobs is None else (pre.first_token_logprobs,),
+                prompt_logprobs=pre.prompt_logprobs,
             )
             if handed_over:
                 return

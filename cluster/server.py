@@ -27,15 +27,15 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from cluster import openai_responses as resp
 from cluster import openai_schemas as oa
 from cluster.answers import Answers, Choice, choice_requests
+from cluster.completion_choices import CompletionChoices
 from cluster.http_errors import (
     BadRequest,
     check_token_ids,
     error_response,
     install_error_handlers,
 )
-from cluster.openai_logprobs import chat_logprobs, completion_logprobs
+from cluster.openai_logprobs import chat_logprobs, prompt_logprobs
 from engine.loaders.generation_defaults import GenerationDefaults
-from engine.logprobs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from worker_common.messages import GenerateRequest, TokenDelta
 
@@ -55,6 +55,7 @@ class ServingBackend(Protocol):
     async def stop(self) -> None: ...
     def encode(self, text: str) -> list[int]: ...
     def token_text(self, token_id: int) -> str: ...
+    def decode(self, token_ids: list[int]) -> str: ...
     def encode_chat(
         self,
         messages: list[dict[str, Any]],
@@ -71,8 +72,6 @@ class ServingBackend(Protocol):
     async def iteration_stats(self) -> list[dict[str, Any]]: ...
     async def transfer_stats(self) -> list[dict[str, Any]]: ...
 
-
-Logprobs = tuple[TokenLogprobs, ...]
 
 # Open without the API key: liveness and Prometheus scrapes (as vLLM leaves them). Everything
 # else needs it: the API, and the stats endpoints, which drain what they return.
@@ -139,9 +138,9 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
             raise BadRequest("; ".join(message for _, message in refused), refused[0][0])
 
     def _prepare(
-        body: oa.CompletionRequest | oa.ChatCompletionRequest, ids: list[int], kind: str
+        body: oa.CompletionRequest | oa.ChatCompletionRequest, ids: list[int], request_id: str
     ) -> GenerateRequest:
-        """The request for the router, its id ``<kind>-...`` (the response's id, as OpenAI's)."""
+        """The request for the router, its id ``request_id``."""
         if not ids:
             raise BadRequest("prompt must not be empty", "prompt")
         check_token_ids(ids, backend.vocab_size, "prompt")
@@ -177,7 +176,7 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
                 "(random weights): use stop_token_ids",
                 "stop",
             )
-        return GenerateRequest(resp.new_id(kind), ids, sampling, time.time())
+        return GenerateRequest(request_id, ids, sampling, time.time())
 
     answers = Answers(backend.generate, backend.abort, _abort)
 
@@ -208,45 +207,34 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
     async def completions(body: oa.CompletionRequest, request: Request) -> Response:
         _check_body(body)
         try:
-            prompt = body.single_prompt()
-            ids = backend.encode(prompt) if isinstance(prompt, str) else prompt
+            prompts = body.prompts()
+            encoded = [backend.encode(p) if isinstance(p, str) else p for p in prompts]
         except (ValueError, TypeError) as e:  # TypeError: text the tokenizer cannot take
             raise BadRequest(str(e), "prompt") from e
-        req = _prepare(body, ids, "cmpl")
-        head, reqs = _head(req), choice_requests(req, body.n)
-        asked = req.sampling.logprobs is not None
+        rid = resp.new_id("cmpl")  # (the response's; prompt k of a batch is <rid>-<k>)
+        firsts = [
+            _prepare(body, ids, rid if len(encoded) == 1 else f"{rid}-{k}")
+            for k, ids in enumerate(encoded)
+        ]
+        head = resp.Head(rid, int(firsts[0].arrival_time), backend.model_name)
+        # Whole, a prompt's choices share the first one's prompt logprobs; streamed, each echoes
+        # its own with its first chunk.
+        reqs = [r for f in firsts for r in choice_requests(f, body.n, not body.stream)]
+        texts = [
+            "" if not body.echo else p if isinstance(p, str) else backend.decode(ids)
+            for p, ids in zip(prompts, encoded, strict=True)
+        ]
+        made = CompletionChoices(body, head, encoded, texts, backend.token_text)
+        n_prompt = sum(len(ids) for ids in encoded)
         if body.stream:
-            offsets = [0] * len(reqs)  # each choice's characters so far (text_offset)
-
-            def make(
-                i: int, text: str, end: resp.Ending, tids: list[int], lps: Logprobs
-            ) -> dict[str, Any]:
-                logprobs = None
-                if asked:
-                    logprobs = completion_logprobs(lps, backend.token_text, offsets[i])
-                    offsets[i] += sum(len(t) for t in logprobs["tokens"])
-                return resp.completion_chunk(head, i, text, end, tids, logprobs)
-
             return StreamingResponse(
-                answers.stream(reqs, make, body.include_usage), media_type="text/event-stream"
+                answers.stream(reqs, made.chunk, body.include_usage, n_prompt),
+                media_type="text/event-stream",
             )
 
         def build(choices: list[Choice]) -> dict[str, Any]:
-            made = sum(len(c.token_ids) for c in choices)
-            return resp.completion_body(
-                head,
-                [
-                    resp.completion_choice(
-                        i,
-                        c.text,
-                        c.end,
-                        c.token_ids,
-                        completion_logprobs(c.logprobs, backend.token_text) if asked else None,
-                    )
-                    for i, c in enumerate(choices)
-                ],
-                resp.usage(len(ids), made),
-            )
+            n_out = sum(len(c.token_ids) for c in choices)
+            return resp.completion_body(head, made.whole(choices), resp.usage(n_prompt, n_out))
 
         return await answers.whole(reqs, request, build)
 
@@ -264,28 +252,27 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
             )
         except (ValueError, TypeError) as e:  # TypeError: text the tokenizer cannot take
             raise BadRequest(str(e), "messages") from e
-        req = _prepare(body, ids, "chatcmpl")
+        req = _prepare(body, ids, resp.new_id("chatcmpl"))  # (the response's id, as OpenAI's)
         head, reqs = _head(req), choice_requests(req, body.n)
         asked = req.sampling.logprobs is not None
         if body.stream:
 
-            def make(
-                i: int, text: str, end: resp.Ending, tids: list[int], lps: Logprobs
-            ) -> dict[str, Any]:
-                logprobs = chat_logprobs(lps, backend.token_text) if asked else None
-                delta = {"content": text} if text else {}
-                return resp.chat_chunk(head, i, delta, end, tids, logprobs)
+            def make(i: int, d: TokenDelta) -> dict[str, Any]:
+                logprobs = chat_logprobs(d.logprobs, backend.token_text) if asked else None
+                delta = {"content": d.text} if d.text else {}
+                end = resp.Ending(d.finish_reason, d.stop_reason)
+                return resp.chat_chunk(head, i, delta, end, d.token_ids, logprobs)
 
             role = {"role": "assistant", "content": ""}  # (each choice's first chunk, as vLLM)
             first = [resp.chat_chunk(head, i, role, resp.GOING_ON, []) for i in range(len(reqs))]
             return StreamingResponse(
-                answers.stream(reqs, make, body.include_usage, first),
+                answers.stream(reqs, make, body.include_usage, len(ids), first),
                 media_type="text/event-stream",
             )
 
         def build(choices: list[Choice]) -> dict[str, Any]:
             made = sum(len(c.token_ids) for c in choices)
-            return resp.chat_body(
+            answer = resp.chat_body(
                 head,
                 [
                     resp.chat_choice(
@@ -298,6 +285,10 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
                 ],
                 resp.usage(len(ids), made),
             )
+            if body.prompt_logprobs is not None:  # (vLLM's: beside the choices)
+                scored = choices[0].prompt_logprobs or ()
+                answer["prompt_logprobs"] = prompt_logprobs(scored, backend.token_text)
+            return answer
 
         return await answers.whole(reqs, request, build)
 

@@ -66,8 +66,10 @@ class WorkerChoice:
     def block_hashes(self, req: GenerateRequest) -> list[int] | None:
         """The prompt's block hashes, as far as a worker's prefix hit can reach (one token is
         always computed), when the router indexes the workers' caches."""
-        if self.kv_index is None:
-            return None
+        if self.kv_index is None or req.sampling.prompt_logprobs is not None:
+            return (
+                None  # (a request scoring its prompt reads no cache: every worker computes it all)
+            )
         tokens = req.prompt_token_ids.tolist()
         return hash_full_pages(tokens[: len(tokens) - 1], self.page_size)
 

@@ -354,6 +354,10 @@ class DecodeWorker:
             logprobs=out.logprobs[len(out.token_ids) - len(out.delta_token_ids) :]
             if out.logprobs
             else (),
+            # (with the first tokens: the prompt was computed here, as this call's first output)
+            prompt_logprobs=out.prompt_token_logprobs
+            if len(out.delta_token_ids) == len(out.token_ids)
+            else None,
         )
 
     def _arrive(self, rid: str) -> bool:

@@ -19,6 +19,7 @@ from engine.kv_setup import build_kv_cache
 from engine.logprobs import TokenLogprobs
 from engine.model_config import ModelConfig
 from engine.outputs import RequestOutput
+from engine.prompt_logprobs import plan_prompt_logits
 from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner, PagedCausalLM
 from engine.sampler import Sampler
@@ -76,6 +77,8 @@ class LLMEngine:
             model_config.num_layers,
             Sampler(seed, kv.device),
             tp.group if tp is not None and tp.size > 1 else None,
+            model_config.vocab_size,
+            scheduler_config.max_num_seqs,
         )
         # Graph capture of the all-reduces is not done yet: tensor-parallel steps run eagerly.
         if cuda_graphs and kv.device.type == "cuda" and (tp is None or tp.size == 1):
@@ -340,6 +343,7 @@ class LLMEngine:
         token's (PrefillResult.first_token_logprobs), when the request asks for logprobs."""
         request = self.make_request(request_id, prompt_token_ids, params, arrival_time=arrival_time)
         _take_first_logprobs(request, first_token_id, first_logprobs)
+        request.took_prompt_elsewhere()
         request.metrics.num_cached_tokens = num_cached_tokens
         request.metrics.num_cached_host_tokens = num_cached_host_tokens
         self.scheduler.add_prefilled_request(request, first_token_id)
@@ -365,6 +369,7 @@ class LLMEngine:
         ``first_logprobs`` as for add_prefilled_request."""
         request = self.make_request(request_id, prompt_token_ids, params, arrival_time=arrival_time)
         _take_first_logprobs(request, first_token_id, first_logprobs)
+        request.took_prompt_elsewhere()
         self.scheduler.add_recomputed_request(request, first_token_id)
         self._sent_elsewhere(request, first_text_sent)
         if request.is_finished:
@@ -408,7 +413,8 @@ class LLMEngine:
         if sched.requests:
             batch = self.builder.build(sched)
             sampling = [r for r, s in zip(sched.requests, sched.sample, strict=True) if s]
-            tokens = self.runner.execute(batch, sampling)
+            prompt_rows = plan_prompt_logits(sched.requests, sched.num_new_tokens)
+            tokens = self.runner.execute(batch, sampling, prompt_rows)
             changed.extend(self.scheduler.update(sched, tokens))
         outputs = [RequestOutput.from_request(r) for r in changed]
         num_finished = 0

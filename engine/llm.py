@@ -227,11 +227,10 @@ class LLM:
             pid = f"llm-{next(self._ids)}"
             rids = [pid] if p.n == 1 else [f"{pid}-{i}" for i in range(p.n)]
             for i, rid in enumerate(rids):
-                requests.append(
-                    self.engine.make_request(
-                        rid, tokens, p if p.n == 1 else p.for_choice(i), prompt=text
-                    )
-                )
+                choice = p if p.n == 1 else p.for_choice(i)
+                if i > 0:  # (one output, one prompt_logprobs: the first completion's)
+                    choice.prompt_logprobs = None
+                requests.append(self.engine.make_request(rid, tokens, choice, prompt=text))
             groups.append((pid, rids))
         ids = [r.request_id for r in requests]
         ours = set(ids)

@@ -52,6 +52,11 @@ class RequestOutput:
     error: str | None = None
     logprobs: tuple[TokenLogprobs, ...] | None = None
     """With ``SamplingParams.logprobs``: one per token of ``token_ids`` (engine/logprobs.py)."""
+    prompt_token_logprobs: tuple[TokenLogprobs | None, ...] | None = None
+    """With ``SamplingParams.prompt_logprobs``, once the prompt is computed: one per prompt token,
+    the first None (engine/prompt_logprobs.py)."""
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    """The same as vLLM's ``RequestOutput.prompt_logprobs`` holds them (``engine.LLM`` fills it)."""
     choices: tuple[CompletionOutput, ...] = ()
     """With ``SamplingParams.n`` > 1 (``engine.LLM``): every completion of the prompt, in order;
     the fields above are then the first's. Empty for one completion (``outputs`` makes it)."""
@@ -79,11 +84,22 @@ class RequestOutput:
         )
 
     def with_token_texts(self, decode: Callable[[int], str]) -> RequestOutput:
-        """The same output with its logprobs' tokens named by ``decode`` (as vLLM's
-        ``decoded_token``); itself when it has none."""
-        if self.logprobs is None:
+        """The same output with its logprobs' and prompt logprobs' tokens named by ``decode`` (as
+        vLLM's ``decoded_token``); itself when it has neither."""
+        if self.logprobs is None and self.prompt_token_logprobs is None:
             return self
-        return dataclasses.replace(self, choices=(self.completion(0, decode),))
+        return dataclasses.replace(
+            self,
+            choices=() if self.logprobs is None else (self.completion(0, decode),),
+            prompt_logprobs=self._named_prompt_logprobs(decode),
+        )
+
+    def _named_prompt_logprobs(
+        self, decode: Callable[[int], str] | None
+    ) -> list[dict[int, Logprob] | None] | None:
+        if self.prompt_token_logprobs is None:
+            return None
+        return [None if e is None else as_vllm(e, decode) for e in self.prompt_token_logprobs]
 
     @classmethod
     def of_choices(
@@ -97,6 +113,8 @@ class RequestOutput:
         return dataclasses.replace(
             choices[0],
             request_id=request_id,
+            # (the prompt's logprobs: the first completion's, which alone asks for them)
+            prompt_logprobs=choices[0]._named_prompt_logprobs(decode),
             choices=tuple(c.completion(i, decode) for i, c in enumerate(choices)),
         )
 
@@ -130,4 +148,8 @@ class RequestOutput:
             metrics=dataclasses.replace(request.metrics),
             error=request.error,
             logprobs=None if request.logprobs is None else tuple(request.logprobs),
+            # (shared, not copied: a tuple once the prompt is whole)
+            prompt_token_logprobs=request.prompt_logprobs
+            if isinstance(request.prompt_logprobs, tuple)
+            else None,
         )

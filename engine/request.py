@@ -99,6 +99,7 @@ class Request:
     __slots__ = (
         "request_id", "prompt", "prompt_token_ids", "sampling_params", "eos_token_ids", "eos_token_id",
         "min_tokens_masked", "penalized", "prompt_token_set", "logprobs", "next_logprobs",
+        "prompt_logprobs", "wants_prompt_logits",
         "all_token_ids", "output_token_ids", "num_computed_tokens", "status", "stop_reason",
         "error", "prefill_only", "metrics", "page_ids", "kv_capacity", "kv_release_at",
         "detokenizer", "output_text",
@@ -140,6 +141,16 @@ class Request:
         # token appended next.
         self.logprobs: list[TokenLogprobs] | None = None if sampling_params.logprobs is None else []
         self.next_logprobs: TokenLogprobs | None = None
+        # With prompt_logprobs: one entry per prompt token, the first None (nothing comes before
+        # it), filled chunk by chunk as the prompt is computed (engine/prompt_logprobs.py), then a
+        # tuple that every output shares. ``wants_prompt_logits`` until it is whole: the request
+        # then reads nothing from the prefix cache (a cached position has no logits).
+        self.prompt_logprobs: (
+            list[TokenLogprobs | None] | tuple[TokenLogprobs | None, ...] | None
+        ) = None if sampling_params.prompt_logprobs is None else [None]
+        self.wants_prompt_logits = len(prompt_token_ids) > 1 and self.prompt_logprobs is not None
+        if self.prompt_logprobs is not None and not self.wants_prompt_logits:
+            self.prompt_logprobs = (None,)
         self.eos_token_id = eos_token_id  # of those, the tokenizer's (stop_reason None)
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -187,6 +198,12 @@ class Request:
     @property
     def finish_reason(self) -> FinishReason | None:
         return self.status.finish_reason
+
+    def took_prompt_elsewhere(self) -> None:
+        """The prompt was computed by another worker (prefill and decode apart): its prompt
+        logprobs, if asked, went with the first token from there; none are made here."""
+        self.prompt_logprobs = None
+        self.wants_prompt_logits = False
 
     def append_output_token(self, token_id: int, now: float, sampled_here: bool = True) -> None:
         """Add a generated token; ``sampled_here`` is False for a first token sampled by another

@@ -10,6 +10,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.forward_batch import ForwardBatch
 from engine.host_malloc import keep_freed_memory
 from engine.model.linear import Linear
+from engine.prompt_logprobs import PromptLogitsRows
 from engine.request import Request
 from engine.sampler import Sampler
 from engine.tp.comm import TPGroup
@@ -43,8 +44,13 @@ class ModelRunner:
         num_layers: int,
         sampler: Sampler,
         tp_group: TPGroup | None = None,
+        vocab_size: int = 0,
+        max_logits_rows: int = 1,
     ) -> None:
         self.model = model
+        # (size the slices of prompt rows' logits: engine/prompt_logprobs.py)
+        self.vocab_size = vocab_size
+        self.max_logits_rows = max_logits_rows
         # Rank 0 of a tensor-parallel worker: every forward pass starts by sending the batch to
         # the other ranks (engine/tp/follower.py), which join its all-reduces.
         self.tp_group = tp_group
@@ -69,25 +75,40 @@ class ModelRunner:
         graphs.capture()
         self.graphs = graphs
 
-    def compute_logits(self, batch: ForwardBatch) -> torch.Tensor:
-        """Forward ``batch`` (filling the KV pages) and return the logits [S, vocab] of its sampled rows."""
+    def compute_logits(
+        self, batch: ForwardBatch, prompt_rows: PromptLogitsRows | None = None
+    ) -> torch.Tensor:
+        """Forward ``batch`` (filling the KV pages) and return the logits [S, vocab] of its sampled
+        rows; ``prompt_rows``' requests get their prompt tokens' logprobs on the way."""
         with torch.inference_mode():
-            if self.graphs is not None:
+            if self.graphs is not None and prompt_rows is None:
                 logits = self.graphs.run(batch)
                 if logits is not None:
                     return logits
             if self.tp_group is not None:
                 self.tp_group.broadcast_object(TPStep(batch_to(batch, torch.device("cpu"))))
             hidden = self.model.forward(batch, self.kv_caches)
+            if prompt_rows is not None:
+                prompt_rows.fill(
+                    lambda rows: self.model.compute_logits(hidden, rows.to(hidden.device)),
+                    self.vocab_size,
+                    self.max_logits_rows,
+                )
             return self.model.compute_logits(hidden, batch.logits_indices)
 
-    def execute(self, batch: ForwardBatch, sampling_requests: list[Request]) -> list[int]:
-        """One step: the next token of each of ``sampling_requests`` (one per ``logits_indices`` row)."""
+    def execute(
+        self,
+        batch: ForwardBatch,
+        sampling_requests: list[Request],
+        prompt_rows: PromptLogitsRows | None = None,
+    ) -> list[int]:
+        """One step: the next token of each of ``sampling_requests`` (one per ``logits_indices``
+        row); ``prompt_rows`` (engine/prompt_logprobs.py) score prompt tokens as well."""
         if batch.logits_indices.shape[0] != len(sampling_requests):
             raise ValueError(
                 f"batch samples {batch.logits_indices.shape[0]} rows but {len(sampling_requests)} requests were given"
             )
-        logits = self.compute_logits(batch)
+        logits = self.compute_logits(batch, prompt_rows)
         if not sampling_requests:
             return []
         with torch.inference_mode():

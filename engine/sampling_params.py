@@ -38,12 +38,6 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-# vLLM's fields Duet does not implement, with the one value each takes (the one that asks nothing).
-_NOT_IMPLEMENTED: dict[str, object] = {
-    "prompt_logprobs": None,
-}
-
-
 @dataclass
 class SamplingParams:
     """Per-request sampling and stopping options (vLLM names and defaults).
@@ -101,9 +95,10 @@ class SamplingParams:
     logprobs: int | None = None
     """None: none. k in [0, 20]: each generated token's log probability and rank, and the k most
     likely tokens of its position, in the model's own distribution (engine/logprobs.py)."""
-    # vLLM's fields that Duet does not implement: taken only with the value that asks for nothing
-    # (so code written for vLLM that sets them so still runs), refused otherwise by name.
     prompt_logprobs: int | None = None
+    """None: none. k in [0, 20]: each prompt token's log probability and rank given the tokens
+    before it, and the k most likely tokens of its position (the first token has none). A request
+    asking for them reads nothing from the prefix cache: every position is computed."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -174,10 +169,10 @@ class SamplingParams:
         m = self.min_p
         if not (_is_number(m) and 0 <= m <= 1):
             raise _fail("min_p", "in [0, 1]", m)
-        if self.logprobs is not None and not (
-            _is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            raise _fail("logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]", self.logprobs)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (_is_int(value) and 0 <= value <= MAX_LOGPROBS):
+                raise _fail(name, f"None or an integer in [0, {MAX_LOGPROBS}]", value)
         if not _is_int(self.n) or self.n < 1:
             raise _fail("n", "an integer >= 1", self.n)
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
@@ -200,14 +195,6 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise _fail(name, "a bool", getattr(self, name))
-        for name, nothing in _NOT_IMPLEMENTED.items():
-            value = getattr(self, name)
-            if value != nothing or isinstance(value, bool):
-                raise SamplingParamsError(
-                    name,
-                    f"SamplingParams.{name}={value!r} is not supported by Duet "
-                    f"(only {nothing!r}, which asks for nothing)",
-                )
 
     @property
     def penalized(self) -> bool:

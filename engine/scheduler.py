@@ -210,8 +210,10 @@ class Scheduler:
                 self._finish_never_fits(req, req.num_tokens, now)
                 out.finished.append(req)
                 continue
-            prefix = self.kv.match_prefix(req.all_token_ids)
-            if self._reuses and self.inflight.first_uncached_page_in_flight(req, prefix):
+            # (a request scoring its prompt computes every position: a cached one has no logits)
+            reads_cache = self._reuses and not req.wants_prompt_logits
+            prefix = self.kv.match_prefix(req.all_token_ids, read=reads_cache)
+            if reads_cache and self.inflight.first_uncached_page_in_flight(req, prefix):
                 passed_over.append(self.waiting.popleft())
                 continue
             n = min(req.num_tokens - prefix.num_tokens, cfg.prefill_chunk_size, budget)
@@ -220,7 +222,8 @@ class Scheduler:
                 prefix.num_tokens + n,
                 prefix,
                 num_computed_tokens=prefix.num_tokens,
-                count_reuse=req.metrics.num_preemptions == 0,
+                # (a lookup that may not read is no query of the cache: not in its hit rate)
+                count_reuse=req.metrics.num_preemptions == 0 and not req.wants_prompt_logits,
             ):
                 break
             self.waiting.popleft()

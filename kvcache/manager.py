@@ -143,16 +143,17 @@ class KVCacheManager:
             ) from None
 
     # ---- prefix reuse ----
-    def match_prefix(self, token_ids: list[int]) -> PrefixMatch:
+    def match_prefix(self, token_ids: list[int], read: bool = True) -> PrefixMatch:
         """Longest cached prefix of ``token_ids``, in whole pages, that every group can serve
         (kvcache/prefix_match.py says what a window group must hold for a hit).
 
         Pure lookup: takes no refs and changes no state. At least one token is always left to
         compute, so ``num_tokens <= len(token_ids) - 1`` (an exact multiple of page_size loses its last
-        page). Empty under ``ReusePolicy.NONE``.
+        page). Empty under ``ReusePolicy.NONE``, and with ``read`` False (a request that must
+        compute every position; its pages are still cached for others once committed).
         """
         n = len(token_ids)
-        if not self.reuse_policy.reuses or n <= 1:
+        if not self.reuse_policy.reuses or n <= 1 or not read:
             return PrefixMatch(0, {g: [] for g in self._pools}, [], n)
         host = self._host.pools if self._host is not None else None
         return find_cached_prefix(token_ids, self.page_size, self._pools, self.windows, host)

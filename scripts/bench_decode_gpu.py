@@ -238,9 +238,9 @@ def offline(
     step_s = {"decode": 0.0, "prefill": 0.0}  # execute() ends in a host sync (sampled ids)
     step_n = {"decode": 0, "prefill": 0}
 
-    def timed_execute(batch: Any, sampling: Any) -> list[int]:
+    def timed_execute(batch: Any, sampling: Any, *rest: Any) -> list[int]:
         t0 = time.perf_counter()
-        out = execute(batch, sampling)
+        out = execute(batch, sampling, *rest)
         kind = "decode" if batch.is_decode_only else "prefill"
         step_s[kind] += time.perf_counter() - t0
         step_n[kind] += 1

@@ -132,6 +132,8 @@ class PrefillResult:
     stop_reason: int | str | None = None  # when it finished: the stop token id or string
     # When the request asks for logprobs (SamplingParams.logprobs): the first token's.
     first_token_logprobs: TokenLogprobs | None = None
+    # When it asks for prompt_logprobs: one per prompt token, the first None.
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -152,6 +154,9 @@ class TokenDelta:
     kv_recomputed: bool = False
     # When the request asks for logprobs: one per token of ``token_ids`` (engine/logprobs.py).
     logprobs: tuple[TokenLogprobs, ...] = ()
+    # On the first delta, when the request asks for prompt_logprobs: one per prompt token, the
+    # first None (engine/prompt_logprobs.py).
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
 
 # ---- per-request stats (to the perf-metrics collector) -----------------------------------------

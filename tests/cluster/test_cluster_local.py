@@ -144,7 +144,8 @@ def test_logprobs_through_prefill_and_decode_are_the_models(
     client, model_name, hf_gguf_model, ours
 ) -> None:
     """The first token's logprobs come from P (with its PrefillResult), the rest from D: each is
-    transformers' log-softmax of the raw logits at that position, whole and streamed."""
+    transformers' log-softmax of the raw logits at that position, whole and streamed; with echo
+    the prompt tokens' come from P too, scored by the positions before them."""
     import torch
 
     body = {"model": model_name, "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0}
@@ -166,6 +167,13 @@ def test_logprobs_through_prefill_and_decode_are_the_models(
         for lp in c.logprobs.token_logprobs
     ]
     assert streamed == got
+    echoed = client.completions.create(**body, logprobs=0, echo=True).choices[0]
+    assert echoed.text == PROMPTS[0] + choice.text
+    scored = echoed.logprobs.token_logprobs
+    assert scored[0] is None and len(scored) == len(prompt_ids) + 6
+    prompt_want = logits[: len(prompt_ids) - 1].log_softmax(dim=-1)
+    for pos, token in enumerate(prompt_ids[1:]):
+        assert abs(scored[pos + 1] - prompt_want[pos, token].item()) < 1e-3, pos
 
 
 def test_chat_matches_transformers(client, running, model_name, hf_gguf_model, ours) -> None:
@@ -268,7 +276,8 @@ def test_client_disconnect_frees_pages_on_both_sides(running, model_name) -> Non
         ({"n": 0}, 400, "n"),
         ({"n": 129}, 400, "n"),
         ({"logprobs": 21}, 400, "logprobs"),  # (at most 20)
-        ({"echo": True}, 400, "echo"),
+        ({"echo": "maybe"}, 400, "echo"),  # (a bool)
+        ({"prompt_logprobs": 21}, 400, "prompt_logprobs"),
         ({"best_of": 2}, 400, "best_of"),
         ({"suffix": "!"}, 400, "suffix"),
         ({"presence_penalty": 2.5}, 400, "presence_penalty"),  # (in [-2, 2])

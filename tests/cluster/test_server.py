@@ -48,6 +48,9 @@ class WorkerBackend:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
     def encode_chat(
         self,
         messages: list[dict[str, Any]],

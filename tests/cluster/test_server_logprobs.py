@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from tests.cluster.test_server import CHAT, MODEL, backend, events, http  # noqa: F401 (fixtures)
 
 PROMPT = {"model": MODEL, "prompt": "The capital of France is", "temperature": 0}
@@ -71,7 +73,91 @@ def test_what_a_body_may_ask_of_logprobs(http) -> None:  # noqa: F811
         ("/v1/chat/completions", CHAT | {"top_logprobs": 2}, "top_logprobs"),  # without logprobs
         ("/v1/chat/completions", CHAT | {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ("/v1/completions", PROMPT | {"logprobs": 21}, "logprobs"),
-        ("/v1/completions", PROMPT | {"echo": True, "logprobs": 1}, "echo"),  # prompt logprobs
+        ("/v1/completions", PROMPT | {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+        ("/v1/completions", PROMPT | {"prompt_logprobs": 21}, "prompt_logprobs"),
+        ("/v1/chat/completions", CHAT | {"prompt_logprobs": -1}, "prompt_logprobs"),
+        ("/v1/chat/completions", CHAT | {"echo": True}, "echo"),  # (vLLM's, another meaning)
     ):
         r = http.post(path, json=body | {"max_tokens": 2})
         assert r.status_code == 400 and r.json()["error"]["param"].startswith(param), r.text
+
+
+def test_echo_puts_the_prompt_and_its_logprobs_first(http, backend) -> None:  # noqa: F811
+    """vLLM's echo: the prompt's text before the choice's, with logprobs the prompt tokens'
+    entries before the choice's tokens' (the first null); streamed as whole; max_tokens 0 is the
+    prompt alone; ``prompt_logprobs`` gives the same numbers in vLLM's per-token dicts."""
+    ids = backend.encode(PROMPT["prompt"])
+    body = PROMPT | {"max_tokens": 3, "ignore_eos": True, "logprobs": 1, "echo": True}
+    choice = http.post("/v1/completions", json=body).json()["choices"][0]
+    plain = http.post("/v1/completions", json=body | {"echo": False}).json()["choices"][0]
+    assert choice["text"] == PROMPT["prompt"] + plain["text"]
+    assert choice["token_ids"] == plain["token_ids"]  # (the generated ones, as without echo)
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(ids) + 3
+    assert lp["tokens"] == [backend.token_text(t) for t in ids + choice["token_ids"]]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][len(ids) :] == plain["logprobs"]["token_logprobs"]
+    assert choice["prompt_logprobs"] is not None and plain["prompt_logprobs"] is None
+    # each echoed prompt token with the logprobs (1) most likely of its position and its own,
+    # even when prompt_logprobs asks for more
+    wider = http.post("/v1/completions", json=body | {"prompt_logprobs": 3}).json()["choices"][0]
+    assert wider["logprobs"] == lp
+    assert all(len(e) in (3, 4) for e in wider["prompt_logprobs"][1:])
+    chunks = events(http.post("/v1/completions", json=body | {"stream": True}).text)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == choice["text"]
+    assert streamed_logprobs(chunks) == {
+        k: lp[k] for k in ("tokens", "token_logprobs", "text_offset")
+    }
+    # max_tokens 0: the prompt alone, scored
+    alone = http.post("/v1/completions", json=body | {"max_tokens": 0}).json()["choices"][0]
+    assert alone["text"] == PROMPT["prompt"] and alone["token_ids"] == []
+    assert alone["logprobs"]["token_logprobs"] == lp["token_logprobs"][: len(ids)]
+    r = http.post("/v1/completions", json=PROMPT | {"max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    # vLLM's prompt_logprobs: per prompt token, its own and the k most likely
+    asked = PROMPT | {"max_tokens": 1, "prompt_logprobs": 2}
+    scored = http.post("/v1/completions", json=asked).json()["choices"][0]["prompt_logprobs"]
+    assert len(scored) == len(ids) and scored[0] is None
+    for pos, (token, entry) in enumerate(zip(ids[1:], scored[1:]), start=1):
+        assert entry[str(token)]["logprob"] == lp["token_logprobs"][pos]
+        assert sum(e["rank"] <= 2 for e in entry.values()) == 2
+        assert entry[str(token)]["decoded_token"] == backend.token_text(token)
+    chat = http.post("/v1/chat/completions", json=CHAT | {"max_tokens": 1, "prompt_logprobs": 0})
+    assert chat.json()["prompt_logprobs"][0] is None
+    assert len(chat.json()["prompt_logprobs"]) == chat.json()["usage"]["prompt_tokens"]
+
+
+def test_a_batch_of_prompts_has_n_choices_each_in_order(http, backend) -> None:  # noqa: F811
+    """OpenAI's batch: prompt k's choices are k * n .. k * n + n - 1; with echo each carries its
+    own prompt (the first choice of a prompt scores it for the others); usage counts each prompt
+    once; streamed as whole."""
+    prompts = ["The capital of France is", "One, two,"]
+    body = {"model": MODEL, "prompt": prompts, "max_tokens": 2, "temperature": 0, "n": 2}
+    body |= {"ignore_eos": True, "echo": True, "logprobs": 0}
+    r = http.post("/v1/completions", json=body).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3]
+    alone = [
+        http.post("/v1/completions", json=body | {"prompt": p, "n": 1}).json()["choices"][0]
+        for p in prompts
+    ]
+    for i, c in enumerate(r["choices"]):
+        want = alone[i // 2]
+        assert c["text"] == want["text"]  # (greedy)
+        assert c["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+        got, ref = c["logprobs"]["token_logprobs"], want["logprobs"]["token_logprobs"]
+        assert got[0] is None and ref[0] is None  # (batched otherwise: equal to float32's noise)
+        assert got[1:] == pytest.approx(ref[1:], abs=1e-4)
+    ids = [backend.encode(p) for p in prompts]
+    assert r["usage"]["prompt_tokens"] == sum(len(i) for i in ids)
+    assert r["usage"]["completion_tokens"] == 8
+    chunks = events(http.post("/v1/completions", json=body | {"stream": True}).text)
+    for i, c in enumerate(r["choices"]):
+        parts = [ch for chunk in chunks for ch in chunk["choices"] if ch["index"] == i]
+        assert "".join(p["text"] for p in parts) == c["text"]
+        assert (
+            sum((p["logprobs"]["token_logprobs"] for p in parts), [])
+            == (c["logprobs"]["token_logprobs"])
+        )
+    token_batch = body | {"prompt": ids, "echo": False, "logprobs": None, "n": 1}
+    texts = [c["text"] for c in http.post("/v1/completions", json=token_batch).json()["choices"]]
+    assert texts == [a["text"][len(p) :] for a, p in zip(alone, prompts, strict=True)]

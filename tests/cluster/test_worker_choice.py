@@ -135,6 +135,10 @@ def test_conditional_disaggregation_by_the_decode_workers_cache() -> None:
     index.apply("d-1", [KVEvent("stored", "host", "full", hashes_of(router, PROMPT, 4)[3:])])
     local = router.choice.local_prefill_worker(req(PROMPT), hashes)  # 21 - 16 = 5 <= 8
     assert local is not None and local.worker_id == "d-1"  # the one holding the prefix
+    # a request scoring its prompt (prompt_logprobs) reads no cache: d-1 would compute all 21
+    scoring = GenerateRequest("s", PROMPT, SamplingParams(prompt_logprobs=0), time.time())
+    assert router.choice.block_hashes(scoring) is None
+    assert router.choice.local_prefill_worker(scoring, None) is None
     router.decode[1].outstanding = 1  # busier: the idle d-0 is chosen, and holds nothing
     assert router.choice.local_prefill_worker(req(PROMPT), hashes) is None
 

@@ -51,9 +51,9 @@ def test_warm_up_runs_a_prefill_and_a_decode_step(
     batches: list[tuple[int, int]] = []
     execute = ModelRunner.execute
 
-    def counted(self: ModelRunner, batch, sampling):  # noqa: ANN001, ANN202
+    def counted(self: ModelRunner, batch, sampling, *rest):  # noqa: ANN001, ANN002, ANN202
         batches.append((batch.input_ids.numel(), len(sampling)))
-        return execute(self, batch, sampling)
+        return execute(self, batch, sampling, *rest)
 
     monkeypatch.setattr(ModelRunner, "execute", counted)
     build(warm_up=False, device=device)

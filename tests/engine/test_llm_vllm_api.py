@@ -159,12 +159,6 @@ def test_sampling_params_change_as_vllms_do_and_stay_valid(tiny_llm: LLM) -> Non
 
 
 def test_sampling_params_take_vllms_fields_and_refuse_what_duet_lacks_by_name() -> None:
-    SamplingParams(prompt_logprobs=None)
-    for value in (0, 1, True):
-        with pytest.raises(
-            SamplingParamsError, match="SamplingParams.prompt_logprobs=.* not supported"
-        ):
-            SamplingParams(prompt_logprobs=value)
     assert SamplingParams(seed=-1).seed is None  # (vLLM: -1 is no seed)
     with pytest.raises(SamplingParamsError, match="temperature must be in \\[0, 2\\]"):
         SamplingParams(temperature=2.5)

@@ -1,0 +1,113 @@
+"""The /v1/completions endpoint's choices, whole and as stream chunks: the text, the token ids and
+the logprobs of each, with ``echo`` the prompt before them (vLLM's shape: the prompt's text first,
+and with ``logprobs`` the prompt tokens' entries first, the very first one null, each with the
+``logprobs`` most likely tokens), with ``max_tokens`` 0 the prompt alone, and vLLM's
+``prompt_logprobs`` beside them (null unless computed). A batch of prompts has ``n`` choices per
+prompt, prompt k's at k * n .. k * n + n - 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from cluster import openai_responses as resp
+from cluster.answers import Choice
+from cluster.openai_logprobs import Name, completion_logprobs, prompt_logprobs
+from cluster.openai_schemas import CompletionRequest
+from engine.logprobs import TokenLogprobs
+from worker_common.messages import TokenDelta
+
+PromptEntries = Sequence[TokenLogprobs | None]
+
+
+class CompletionChoices:
+    """The choices of one completions answer to ``body``, over the prompts ``prompt_ids`` whose
+    texts are ``prompt_texts`` (used with echo); ``name`` names the logprobs' tokens."""
+
+    def __init__(
+        self,
+        body: CompletionRequest,
+        head: resp.Head,
+        prompt_ids: list[list[int]],
+        prompt_texts: list[str],
+        name: Name,
+    ) -> None:
+        self.body = body
+        self.head = head
+        self.prompt_ids = prompt_ids
+        self.prompt_texts = prompt_texts
+        self.name = name
+        self._echoed: set[int] = set()  # choices whose stream sent the prompt
+        self._offsets: dict[int, int] = {}  # each streamed choice's characters so far
+
+    def _parts(
+        self,
+        index: int,
+        text: str,
+        token_ids: list[int],
+        entries: Sequence[TokenLogprobs],
+        prompt_entries: PromptEntries | None,
+        echo: bool,
+        offset: int = 0,
+    ) -> tuple[str, list[int], dict[str, Any] | None]:
+        """(text, token ids, logprobs) of a choice or chunk; ``echo``: the prompt goes first."""
+        k = self.body.logprobs
+        if self.body.prompt_only:  # (the one token made is left out)
+            text, token_ids, entries = "", [], ()
+        scored: list[int] = list(token_ids)
+        lps: list[TokenLogprobs | None] = list(entries)
+        if echo:
+            prompt = index // self.body.n
+            text = self.prompt_texts[prompt] + text
+            if k is not None:
+                # (each with the k most likely, as the answer's own tokens, whatever
+                # prompt_logprobs asked)
+                trimmed = [
+                    None if e is None else dataclasses.replace(e, top=e.top[:k])
+                    for e in _computed(prompt_entries)
+                ]
+                scored = self.prompt_ids[prompt] + scored
+                lps = [*trimmed, *lps]
+        logprobs = None if k is None else completion_logprobs(scored, lps, self.name, offset)
+        return text, token_ids, logprobs
+
+    def whole(self, choices: list[Choice]) -> list[dict[str, Any]]:
+        """The choices of a whole answer: each prompt's first choice brought its prompt logprobs
+        for the prompt's other choices."""
+        out = []
+        for index, c in enumerate(choices):
+            scored = choices[index - index % self.body.n].prompt_logprobs
+            text, token_ids, logprobs = self._parts(
+                index, c.text, c.token_ids, c.logprobs, scored, self.body.echo
+            )
+            choice = resp.completion_choice(index, text, c.end, token_ids, logprobs)
+            asked = self.body.prompt_logprobs_asked is not None
+            choice["prompt_logprobs"] = (
+                prompt_logprobs(_computed(scored), self.name) if asked else None
+            )
+            out.append(choice)
+        return out
+
+    def chunk(self, index: int, d: TokenDelta) -> dict[str, Any]:
+        """The stream chunk of choice ``index``'s delta ``d``; the prompt goes with its first."""
+        # (a choice's first delta brings its first token; the usage chunk's brings none)
+        echo = self.body.echo and bool(d.token_ids) and index not in self._echoed
+        if echo:
+            self._echoed.add(index)
+        offset = self._offsets.get(index, 0)
+        text, token_ids, logprobs = self._parts(
+            index, d.text, d.token_ids, d.logprobs, d.prompt_logprobs, echo, offset
+        )
+        if logprobs is not None:
+            self._offsets[index] = offset + sum(len(t) for t in logprobs["tokens"])
+        end = resp.Ending(d.finish_reason, d.stop_reason)
+        return resp.completion_chunk(self.head, index, text, end, token_ids, logprobs)
+
+
+def _computed(entries: PromptEntries | None) -> PromptEntries:
+    """The prompt logprobs a worker sent for a request that asked for them."""
+    if entries is None:
+        raise RuntimeError("the prompt's logprobs did not come back from the worker")
+    return entries
