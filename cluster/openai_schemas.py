@@ -62,7 +62,6 @@ def _none_or_a(kind: type) -> Callable[[Any], bool]:
 # OpenAI request fields Duet does not implement. Each is accepted only with a value that asks for
 # nothing (so a client sending the default still works) and refused otherwise, naming it.
 _NOT_SUPPORTED_COMMON: dict[str, Callable[[Any], bool]] = {
-    "logit_bias": _none_or({}),
     "user": _none_or_a(str),  # the end user's id, for the provider's abuse monitoring
     "service_tier": _none_or("auto", "default"),
     "store": _none_or(False),
@@ -172,6 +171,8 @@ class _SamplingFields(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    # Token id (a JSON object's keys are strings: "50256") -> a bias in [-100, 100] on its logit.
+    logit_bias: dict[int, float] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     # vLLM's extensions: special tokens left out of the text; a matched stop string kept in it.
@@ -207,6 +208,7 @@ class _SamplingFields(BaseModel):
             seed=self.seed,
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
+            logit_bias=self.logit_bias or None,
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,

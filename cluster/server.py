@@ -145,6 +145,7 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
             raise BadRequest("prompt must not be empty", "prompt")
         check_token_ids(ids, backend.vocab_size, "prompt")
         check_token_ids(body.stop_token_ids or [], backend.vocab_size, "stop_token_ids")
+        check_token_ids(list(body.logit_bias or {}), backend.vocab_size, "logit_bias")
         room = backend.max_model_len - len(ids)
         if room < 1:
             raise BadRequest(

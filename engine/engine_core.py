@@ -258,6 +258,13 @@ class LLMEngine:
                 f"request {request_id!r}: one engine request is one completion (n=1); "
                 f"engine.LLM makes the n={params.n} completions as n requests"
             )
+        vocab = self.model_config.vocab_size
+        beyond = [t for t in params.logit_bias or {} if t >= vocab]
+        if beyond:  # (the step would fail on them, for every request of its batch)
+            raise ValueError(
+                f"request {request_id!r}: logit_bias has token ids {beyond[:5]} outside the "
+                f"vocabulary [0, {vocab})"
+            )
         if params.stop and self.tokenizer is None:  # (they would never match: no text is made)
             raise ValueError(
                 f"request {request_id!r}: stop strings need the model's tokenizer, and this model "

@@ -1,5 +1,6 @@
 """Batched token sampling: greedy, temperature, min_p, top-k and top-p, with per-request
-generators, after min_tokens' mask and the penalties (engine/penalties.py).
+generators, after min_tokens' mask, logit_bias and the penalties (engine/penalties.py), in vLLM's
+order.
 
 Random rows sample by the exponential race: ``argmax(probs / q)`` with ``q ~ Exp(1)`` i.i.d. picks
 token i with probability ``probs[i]``. A request with a seed draws its ``q`` from its own generator,
@@ -58,6 +59,26 @@ def _mask_before_min_tokens(logits: torch.Tensor, requests: list[Request]) -> to
     return logits.index_put(where, torch.tensor(float("-inf"), device=logits.device))
 
 
+def _add_logit_bias(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """``logits`` with each row's logit_bias added (OpenAI's); the same tensor when no row has
+    one (a slot read per row)."""
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    for i, r in enumerate(requests):
+        if r.logit_bias is not None:
+            ids, bias = r.logit_bias
+            rows += [i] * len(ids)
+            cols += ids
+            values += bias
+    if not rows:
+        return logits
+    device = logits.device
+    where = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+    bias_t = torch.tensor(values, dtype=logits.dtype, device=device)
+    return logits.index_put(where, bias_t, accumulate=True)
+
+
 class Sampler:
     """Samples one token per row of logits, each row with its request's SamplingParams."""
 
@@ -73,7 +94,8 @@ class Sampler:
                 f"sample got {logits.shape[0]} logits rows for {len(requests)} requests"
             )
         raw = logits
-        logits = apply_penalties(_mask_before_min_tokens(logits, requests), requests)
+        logits = _add_logit_bias(_mask_before_min_tokens(logits, requests), requests)
+        logits = apply_penalties(logits, requests)
         tokens = logits.argmax(dim=-1)  # exact greedy; first index among ties, like HF
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
         if random_rows:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -95,6 +95,9 @@ class SamplingParams:
     logprobs: int | None = None
     """None: none. k in [0, 20]: each generated token's log probability and rank, and the k most
     likely tokens of its position, in the model's own distribution (engine/logprobs.py)."""
+    logit_bias: dict[int, float] | None = None
+    """Token id -> a value in [-100, 100] added to its logit before penalties and sampling
+    (OpenAI's and vLLM's; -100 all but bans a token, 100 all but forces it). Kept as a copy."""
     prompt_logprobs: int | None = None
     """None: none. k in [0, 20]: each prompt token's log probability and rank given the tokens
     before it, and the k most likely tokens of its position (the first token has none). A request
@@ -115,6 +118,10 @@ class SamplingParams:
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         else:
             raise _fail("stop_token_ids", "a list of token ids", self.stop_token_ids)
+        if isinstance(self.logit_bias, Mapping):  # (a copy: a later change to the caller's
+            object.__setattr__(self, "logit_bias", dict(self.logit_bias))  # dict reaches nothing)
+        elif self.logit_bias is not None:
+            raise _fail("logit_bias", "a dict of token id -> bias, or None", self.logit_bias)
         if self.top_k == 0 and _is_int(self.top_k):
             object.__setattr__(self, "top_k", -1)
         if self.seed == -1 and _is_int(self.seed):
@@ -192,6 +199,11 @@ class SamplingParams:
         for tid in self.stop_token_ids:
             if not _is_int(tid) or tid < 0:
                 raise _fail("stop_token_ids", "integers >= 0", tid)
+        for tid, bias in (self.logit_bias or {}).items():
+            if not _is_int(tid) or tid < 0:
+                raise _fail("logit_bias", "keyed by token ids (integers >= 0)", tid)
+            if not (_is_number(bias) and -100 <= bias <= 100):
+                raise _fail("logit_bias", "valued in [-100, 100]", bias)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise _fail(name, "a bool", getattr(self, name))

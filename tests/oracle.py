@@ -15,10 +15,13 @@ def hf_greedy(
     eos_ids: Sequence[int],
     min_new_tokens: int = 0,
     repetition_penalty: float = 1.0,
+    logit_bias: dict[int, float] | None = None,
 ) -> list[int]:
     """transformers' greedy continuation of one prompt (the oracle), stopping at EOS like the
-    engine; ``min_new_tokens`` masks the EOS ids until then (the oracle of min_tokens), and
-    ``repetition_penalty`` is transformers' RepetitionPenaltyLogitsProcessor."""
+    engine; ``min_new_tokens`` masks the EOS ids until then (the oracle of min_tokens),
+    ``repetition_penalty`` is transformers' RepetitionPenaltyLogitsProcessor, and ``logit_bias``
+    its SequenceBiasLogitsProcessor over one-token sequences."""
+    bias = None if not logit_bias else {(t,): b for t, b in logit_bias.items()}
     with torch.inference_mode():
         out = hf_model.generate(
             torch.tensor([prompt_ids]),
@@ -27,6 +30,7 @@ def hf_greedy(
             max_new_tokens=max_new_tokens,
             min_new_tokens=min_new_tokens,
             repetition_penalty=repetition_penalty,
+            sequence_bias=bias,
             eos_token_id=list(eos_ids),
             pad_token_id=int(next(iter(eos_ids))),
         )

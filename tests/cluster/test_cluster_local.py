@@ -281,7 +281,7 @@ def test_client_disconnect_frees_pages_on_both_sides(running, model_name) -> Non
         ({"best_of": 2}, 400, "best_of"),
         ({"suffix": "!"}, 400, "suffix"),
         ({"presence_penalty": 2.5}, 400, "presence_penalty"),  # (in [-2, 2])
-        ({"logit_bias": {"5": 10}}, 400, "logit_bias"),
+        ({"logit_bias": {"5": -101}}, 400, "logit_bias"),
         ({"min_tokens": 17}, 400, "min_tokens"),  # (more than max_tokens)
         ({"frobnicate": 1}, 400, "frobnicate"),
         ({"stream_options": {"include_usage": True, "more": 1}}, 400, "stream_options.more"),

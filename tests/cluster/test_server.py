@@ -166,7 +166,9 @@ def test_fields_that_ask_for_nothing_are_accepted(http) -> None:
         ({"min_tokens": 3, "max_tokens": 2}, "min_tokens"),  # (more than max_tokens)
         ({"repetition_penalty": 0}, "repetition_penalty"),  # (must be > 0)
         ({"presence_penalty": 2.5}, "presence_penalty"),
-        ({"logit_bias": {"5": 3}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),  # (in [-100, 100])
+        ({"logit_bias": {"five": 3}}, "logit_bias"),
+        ({"logit_bias": {"49152": 3}}, "logit_bias"),  # (the vocabulary is [0, 49152))
         ({"service_tier": "flex"}, "service_tier"),
         ({"user": 7}, "user"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),  # without a stream
@@ -194,6 +196,19 @@ def test_vllm_text_options_reach_the_worker(http, backend) -> None:
     assert http.post("/v1/chat/completions", json=body).status_code == 200
     without_turn = backend.requests[-1].prompt_token_ids.tolist()
     assert with_turn[: len(without_turn)] == without_turn and len(with_turn) > len(without_turn)
+
+
+def test_logit_bias_keyed_by_token_id_strings_reaches_the_sampler(http, backend) -> None:
+    """OpenAI's logit_bias: JSON keys are strings; +100 on a token makes it every greedy token,
+    -100 on the greedy first token makes another first."""
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 3}
+    body |= {"temperature": 0, "ignore_eos": True}
+    first = http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"][0]
+    forced = http.post("/v1/completions", json=body | {"logit_bias": {"1234": 100}}).json()
+    assert forced["choices"][0]["token_ids"] == [1234] * 3
+    assert backend.requests[-1].sampling.logit_bias == {1234: 100.0}
+    banned = http.post("/v1/completions", json=body | {"logit_bias": {str(first): -100}})
+    assert banned.json()["choices"][0]["token_ids"][0] != first
 
 
 def test_text_parts_are_joined_by_new_lines(http, backend) -> None:

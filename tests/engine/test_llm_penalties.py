@@ -69,3 +69,29 @@ def test_min_p_keeps_only_tokens_near_the_most_likely(models) -> None:
     # min_p 1: only the most likely token is left, so sampling is greedy; without it, not.
     assert [o.token_ids for o in only_top] == [o.token_ids for o in plain]
     assert [o.token_ids for o in free] != [o.token_ids for o in plain]
+
+
+def test_logit_bias_is_transformers_sequence_bias(models) -> None:
+    """OpenAI's logit_bias, added to the logits before penalties and sampling: each row of a
+    batch its own, against transformers' SequenceBiasLogitsProcessor of one-token sequences."""
+    llm, hf = models
+    eos = sorted(llm.engine.eos_token_ids)
+    plain = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    # ban the first greedy token of row 0; force a token into row 1; nudge row 2; none for row 3
+    biases = [{plain[0].token_ids[0]: -100.0}, {77: 100.0}, {5: 4.5, 9: -2.0}, None]
+    outs = llm.generate(PROMPTS, [greedy(logit_bias=b) for b in biases], use_tqdm=False)
+    for prompt, bias, out in zip(PROMPTS, biases, outs, strict=True):
+        assert out.token_ids == hf_greedy(hf, prompt, MAX_TOKENS, eos, logit_bias=bias), prompt
+    assert outs[0].token_ids[0] != plain[0].token_ids[0]
+    assert outs[1].token_ids == [77] * MAX_TOKENS
+    assert outs[3].token_ids == plain[3].token_ids
+    mine = {3: 1.0}
+    params = greedy(logit_bias=mine)
+    mine[3] = 100.0  # (the params keep a copy)
+    assert params.logit_bias == {3: 1.0}
+    for bad in ({3: 100.5}, {-1: 1.0}, {True: 1.0}, [(3, 1.0)]):
+        with pytest.raises(ValueError, match="logit_bias"):
+            greedy(logit_bias=bad)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([PROMPTS[0]], greedy(logit_bias={10**6: 1.0}), use_tqdm=False)
+    assert_no_leak(llm.engine.kv)
