@@ -1,7 +1,8 @@
 """Host overhead of one decode iteration: scheduler + KV cache manager + batch preparation.
 
 Everything but the model: ``schedule()`` (page reservation through the real KVCacheManager),
-``BatchBuilder.build()`` (the ForwardBatch tensors), the sampling-request list and ``update()``
+``BatchBuilder.build()`` (the ForwardBatch tensors), the sampling-request list, the prompt rows to
+score (none asked here: the cost every step pays) and ``update()``
 (progress, page commits for reuse, stop checks). The model's place is taken by a fixed token per
 request. Target (shared/ANCHORS.md): <= 1 ms per decode iteration with 256 running requests.
 
@@ -22,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.batch_builder import BatchBuilder  # noqa: E402
+from engine.prompt_logprobs import plan_prompt_logits  # noqa: E402
 from engine.request import Request  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.scheduler import Scheduler  # noqa: E402
@@ -65,6 +67,7 @@ def one_step(sched: Scheduler, builder: BatchBuilder, times: dict[str, list[floa
     builder.release(out.released_ids)
     builder.build(out)
     sampling = [r for r, s in zip(out.requests, out.sample, strict=True) if s]
+    plan_prompt_logits(out.requests, out.num_new_tokens)  # (what a step scores of prompts)
     t2 = time.perf_counter()
     sched.update(out, [1] * len(sampling))
     t3 = time.perf_counter()
