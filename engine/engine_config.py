@@ -66,7 +66,8 @@ class EngineConfig:
     gpu_memory_utilization: float | None = None
     """vLLM's budget, in place of ``gpu_memory_fraction``: the share of the GPU's whole memory
     this engine may take (weights, activations and KV together; the KV pool gets what is left of
-    it once the weights are loaded, less the activation estimate). None: ``gpu_memory_fraction``."""
+    it once the weights are loaded, less the activation estimate). More than other processes
+    left free is refused, as in vLLM. None: ``gpu_memory_fraction``."""
     kv_max_tokens: int | None = None
     """Cap on the tokens the KV pool holds (None: what max_num_seqs sequences of max_model_len use)."""
     max_num_seqs: int = 256

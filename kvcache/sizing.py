@@ -73,13 +73,21 @@ def utilization_kv_budget(
     """KV budget in bytes under vLLM's ``gpu_memory_utilization``: the engine may take
     ``utilization`` of the device's ``total_bytes`` in all; it holds ``used_bytes`` already (its
     weights, loaded) and needs ``activation_peak_bytes`` more for a step; the KV cache gets the
-    rest, and never more than the ``free_bytes`` other processes left (less the activations)."""
+    rest. As vLLM, an engine whose share is more than other processes left it (``free_bytes``
+    now, plus what it holds) is refused, not given less than it asked for."""
     if not 0.0 < utilization <= 1.0:
         raise ValueError(f"utilization must be in (0, 1], got {utilization}")
     if min(total_bytes, free_bytes, used_bytes, activation_peak_bytes) < 0:
         raise ValueError("byte counts must be >= 0")
     share = int(total_bytes * utilization)
-    budget = min(share - used_bytes, free_bytes) - activation_peak_bytes
+    if free_bytes + used_bytes < share:
+        gib = 1 << 30
+        raise ValueError(
+            f"gpu_memory_utilization={utilization} asks for {share / gib:.2f} GiB of this GPU's "
+            f"{total_bytes / gib:.2f} GiB, but only {(free_bytes + used_bytes) / gib:.2f} GiB "
+            "were left by other processes: lower gpu_memory_utilization, or free the GPU"
+        )
+    budget = share - used_bytes - activation_peak_bytes
     if budget <= 0:
         raise ValueError(
             f"no memory left for the KV cache under gpu_memory_utilization={utilization}: "

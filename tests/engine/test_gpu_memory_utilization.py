@@ -1,9 +1,12 @@
 """vLLM's ``gpu_memory_utilization`` on a GPU: the engine takes that share of the device's memory in
-all (weights, KV, a step's activations), whatever the share."""
+all (weights, KV, a step's activations), whatever the share, and refuses a share that other
+processes left it less than."""
 
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -40,3 +43,39 @@ def test_the_engine_takes_its_share_of_the_gpu(utilization: float) -> None:
     del llm
     assert held <= utilization * total
     assert held >= (utilization - 0.05) * total, (held, kv)
+
+
+def test_a_share_other_processes_took_is_refused() -> None:
+    """vLLM's rule: another process holds 60% of the GPU, so a share of 0.5 cannot be had; the
+    engine refuses to start rather than take less than it was told."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    hog = subprocess.Popen(  # (holds its tensor until its stdin closes)
+        [
+            sys.executable,
+            "-c",
+            "import sys, torch; t = torch.empty(int(sys.argv[1]), dtype=torch.uint8, "
+            "device='cuda'); print('held', flush=True); sys.stdin.read()",
+            str(int(0.6 * total)),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert hog.stdout is not None and hog.stdout.readline().strip() == "held"
+        with pytest.raises(ValueError, match="were left by other processes"):
+            LLM(
+                "llama-3-8b",
+                generation_config="none",
+                load_format="dummy",
+                dtype="bfloat16",
+                device="cuda",
+                gpu_memory_utilization=0.5,
+                enforce_eager=True,
+            )
+    finally:
+        assert hog.stdin is not None
+        hog.stdin.close()
+        hog.wait(timeout=60)

@@ -35,8 +35,10 @@ def test_utilization_budget_is_the_engines_share_less_what_it_holds() -> None:
     # vLLM's gpu_memory_utilization: 0.5 of 1000 for the engine in all; it holds 200 (weights),
     # a step needs 100: the KV cache gets 200.
     assert utilization_kv_budget(1000, 700, 200, 0.5, 100) == 200
-    # Never more than other processes left free.
-    assert utilization_kv_budget(1000, 150, 200, 0.9, 100) == 50
+    # A share larger than what other processes left is refused (vLLM's rule), not cut down.
+    with pytest.raises(ValueError, match="only 0.00 GiB were left by other processes"):
+        utilization_kv_budget(1000, 150, 200, 0.9, 100)
+    assert utilization_kv_budget(1000, 700, 200, 0.9, 100) == 600  # (700 + 200 >= 900)
     with pytest.raises(ValueError, match="raise gpu_memory_utilization"):
         utilization_kv_budget(1000, 700, 450, 0.5, 100)
     with pytest.raises(ValueError, match="utilization"):
