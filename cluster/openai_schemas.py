@@ -173,6 +173,8 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     # Token id (a JSON object's keys are strings: "50256") -> a bias in [-100, 100] on its logit.
     logit_bias: dict[int, float] | None = None
+    # vLLM's extension: only these tokens may be sampled.
+    allowed_token_ids: list[int] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     # vLLM's extensions: special tokens left out of the text; a matched stop string kept in it.
@@ -209,6 +211,7 @@ class _SamplingFields(BaseModel):
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
             logit_bias=self.logit_bias or None,
+            allowed_token_ids=self.allowed_token_ids,
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,

@@ -146,6 +146,7 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
         check_token_ids(ids, backend.vocab_size, "prompt")
         check_token_ids(body.stop_token_ids or [], backend.vocab_size, "stop_token_ids")
         check_token_ids(list(body.logit_bias or {}), backend.vocab_size, "logit_bias")
+        check_token_ids(body.allowed_token_ids or [], backend.vocab_size, "allowed_token_ids")
         room = backend.max_model_len - len(ids)
         if room < 1:
             raise BadRequest(

@@ -259,12 +259,16 @@ class LLMEngine:
                 f"engine.LLM makes the n={params.n} completions as n requests"
             )
         vocab = self.model_config.vocab_size
-        beyond = [t for t in params.logit_bias or {} if t >= vocab]
-        if beyond:  # (the step would fail on them, for every request of its batch)
-            raise ValueError(
-                f"request {request_id!r}: logit_bias has token ids {beyond[:5]} outside the "
-                f"vocabulary [0, {vocab})"
-            )
+        for name, ids in (
+            ("logit_bias", params.logit_bias or {}),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+        ):
+            beyond = [t for t in ids if t >= vocab]
+            if beyond:  # (the step would fail on them, for every request of its batch)
+                raise ValueError(
+                    f"request {request_id!r}: {name} has token ids {beyond[:5]} outside the "
+                    f"vocabulary [0, {vocab})"
+                )
         if params.stop and self.tokenizer is None:  # (they would never match: no text is made)
             raise ValueError(
                 f"request {request_id!r}: stop strings need the model's tokenizer, and this model "

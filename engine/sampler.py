@@ -1,6 +1,6 @@
 """Batched token sampling: greedy, temperature, min_p, top-k and top-p, with per-request
-generators, after min_tokens' mask, logit_bias and the penalties (engine/penalties.py), in vLLM's
-order.
+generators, after allowed_token_ids, min_tokens' mask, logit_bias and the penalties
+(engine/penalties.py), in vLLM's order.
 
 Random rows sample by the exponential race: ``argmax(probs / q)`` with ``q ~ Exp(1)`` i.i.d. picks
 token i with probability ``probs[i]``. A request with a seed draws its ``q`` from its own generator,
@@ -59,6 +59,22 @@ def _mask_before_min_tokens(logits: torch.Tensor, requests: list[Request]) -> to
     return logits.index_put(where, torch.tensor(float("-inf"), device=logits.device))
 
 
+def _keep_allowed(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """``logits`` with every token outside a row's allowed_token_ids at -inf; the same tensor when
+    no row restricts (a slot read per row)."""
+    rows = [i for i, r in enumerate(requests) if r.allowed_token_ids is not None]
+    if not rows:
+        return logits
+    keep = torch.zeros((len(rows), logits.shape[-1]), dtype=torch.bool, device=logits.device)
+    for k, i in enumerate(rows):
+        ids = requests[i].allowed_token_ids
+        keep[k, torch.tensor(ids, device=logits.device)] = True
+    logits = logits.clone()
+    where = torch.tensor(rows, device=logits.device)
+    logits[where] = logits[where].masked_fill(~keep, float("-inf"))
+    return logits
+
+
 def _add_logit_bias(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """``logits`` with each row's logit_bias added (OpenAI's); the same tensor when no row has
     one (a slot read per row)."""
@@ -94,7 +110,8 @@ class Sampler:
                 f"sample got {logits.shape[0]} logits rows for {len(requests)} requests"
             )
         raw = logits
-        logits = _add_logit_bias(_mask_before_min_tokens(logits, requests), requests)
+        logits = _mask_before_min_tokens(_keep_allowed(logits, requests), requests)
+        logits = _add_logit_bias(logits, requests)
         logits = apply_penalties(logits, requests)
         tokens = logits.argmax(dim=-1)  # exact greedy; first index among ties, like HF
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]

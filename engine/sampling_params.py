@@ -95,6 +95,9 @@ class SamplingParams:
     logprobs: int | None = None
     """None: none. k in [0, 20]: each generated token's log probability and rank, and the k most
     likely tokens of its position, in the model's own distribution (engine/logprobs.py)."""
+    allowed_token_ids: tuple[int, ...] | None = None
+    """vLLM's: when given (a non-empty list of token ids), only these may be sampled; every other
+    token's logit is -inf before anything else applies (the logprobs stay the model's own)."""
     logit_bias: dict[int, float] | None = None
     """Token id -> a value in [-100, 100] added to its logit before penalties and sampling
     (OpenAI's and vLLM's; -100 all but bans a token, 100 all but forces it). Kept as a copy."""
@@ -118,6 +121,12 @@ class SamplingParams:
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         else:
             raise _fail("stop_token_ids", "a list of token ids", self.stop_token_ids)
+        if isinstance(self.allowed_token_ids, Sequence) and not isinstance(
+            self.allowed_token_ids, str
+        ):
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        elif self.allowed_token_ids is not None:
+            raise _fail("allowed_token_ids", "a list of token ids, or None", self.allowed_token_ids)
         if isinstance(self.logit_bias, Mapping):  # (a copy: a later change to the caller's
             object.__setattr__(self, "logit_bias", dict(self.logit_bias))  # dict reaches nothing)
         elif self.logit_bias is not None:
@@ -199,6 +208,12 @@ class SamplingParams:
         for tid in self.stop_token_ids:
             if not _is_int(tid) or tid < 0:
                 raise _fail("stop_token_ids", "integers >= 0", tid)
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:  # (nothing could be sampled)
+                raise _fail("allowed_token_ids", "a non-empty list of token ids", [])
+            for tid in self.allowed_token_ids:
+                if not _is_int(tid) or tid < 0:
+                    raise _fail("allowed_token_ids", "integers >= 0", tid)
         for tid, bias in (self.logit_bias or {}).items():
             if not _is_int(tid) or tid < 0:
                 raise _fail("logit_bias", "keyed by token ids (integers >= 0)", tid)

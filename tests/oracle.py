@@ -16,12 +16,15 @@ def hf_greedy(
     min_new_tokens: int = 0,
     repetition_penalty: float = 1.0,
     logit_bias: dict[int, float] | None = None,
+    allowed_token_ids: list[int] | None = None,
 ) -> list[int]:
     """transformers' greedy continuation of one prompt (the oracle), stopping at EOS like the
     engine; ``min_new_tokens`` masks the EOS ids until then (the oracle of min_tokens),
     ``repetition_penalty`` is transformers' RepetitionPenaltyLogitsProcessor, and ``logit_bias``
-    its SequenceBiasLogitsProcessor over one-token sequences."""
+    its SequenceBiasLogitsProcessor over one-token sequences, ``allowed_token_ids`` its
+    ``prefix_allowed_tokens_fn`` allowing the same tokens at every step."""
     bias = None if not logit_bias else {(t,): b for t, b in logit_bias.items()}
+    allowed = None if allowed_token_ids is None else (lambda _b, _ids: list(allowed_token_ids))
     with torch.inference_mode():
         out = hf_model.generate(
             torch.tensor([prompt_ids]),
@@ -31,6 +34,7 @@ def hf_greedy(
             min_new_tokens=min_new_tokens,
             repetition_penalty=repetition_penalty,
             sequence_bias=bias,
+            prefix_allowed_tokens_fn=allowed,
             eos_token_id=list(eos_ids),
             pad_token_id=int(next(iter(eos_ids))),
         )

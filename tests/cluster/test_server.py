@@ -198,9 +198,9 @@ def test_vllm_text_options_reach_the_worker(http, backend) -> None:
     assert with_turn[: len(without_turn)] == without_turn and len(with_turn) > len(without_turn)
 
 
-def test_logit_bias_keyed_by_token_id_strings_reaches_the_sampler(http, backend) -> None:
+def test_logit_bias_and_allowed_token_ids_reach_the_sampler(http, backend) -> None:
     """OpenAI's logit_bias: JSON keys are strings; +100 on a token makes it every greedy token,
-    -100 on the greedy first token makes another first."""
+    -100 on the greedy first token makes another first. vLLM's allowed_token_ids."""
     body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 3}
     body |= {"temperature": 0, "ignore_eos": True}
     first = http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"][0]
@@ -209,6 +209,12 @@ def test_logit_bias_keyed_by_token_id_strings_reaches_the_sampler(http, backend)
     assert backend.requests[-1].sampling.logit_bias == {1234: 100.0}
     banned = http.post("/v1/completions", json=body | {"logit_bias": {str(first): -100}})
     assert banned.json()["choices"][0]["token_ids"][0] != first
+    # vLLM's allowed_token_ids: only these are sampled
+    few = http.post("/v1/completions", json=body | {"allowed_token_ids": [11, 1234]}).json()
+    assert set(few["choices"][0]["token_ids"]) <= {11, 1234}
+    for bad in ([], [49152]):
+        r = http.post("/v1/completions", json=body | {"allowed_token_ids": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids"
 
 
 def test_text_parts_are_joined_by_new_lines(http, backend) -> None:

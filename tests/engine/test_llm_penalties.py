@@ -1,6 +1,7 @@
-"""vLLM's penalties and min_p (engine/penalties.py), greedy against transformers on the tiny random
-Llama 3: repetition_penalty as transformers' own processor, presence and frequency as OpenAI
-defines them (tests/oracle.py), each row of a batch with its own."""
+"""vLLM's penalties and min_p (engine/penalties.py), logit_bias and allowed_token_ids (the sampler),
+greedy against transformers on the tiny random Llama 3: repetition_penalty, logit_bias and
+allowed_token_ids as transformers' own processors, presence and frequency as OpenAI defines them
+(tests/oracle.py), each row of a batch with its own."""
 
 from __future__ import annotations
 
@@ -94,4 +95,26 @@ def test_logit_bias_is_transformers_sequence_bias(models) -> None:
             greedy(logit_bias=bad)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.generate([PROMPTS[0]], greedy(logit_bias={10**6: 1.0}), use_tqdm=False)
+    assert_no_leak(llm.engine.kv)
+
+
+def test_allowed_token_ids_is_transformers_prefix_allowed_tokens(models) -> None:
+    llm, hf = models
+    eos = sorted(llm.engine.eos_token_ids)
+    plain = llm.generate(PROMPTS[:3], greedy(), use_tqdm=False)
+    # row 0 may not take its greedy first token; row 1 picks among three; row 2 is free
+    allowed = [[t for t in range(1, 300) if t != plain[0].token_ids[0]], [7, 70, 300], None]
+    params = [greedy(allowed_token_ids=a, logprobs=1) for a in allowed]
+    outs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+    for prompt, a, out in zip(PROMPTS[:3], allowed, outs, strict=True):
+        assert out.token_ids == hf_greedy(hf, prompt, MAX_TOKENS, eos, allowed_token_ids=a)
+    assert set(outs[1].token_ids) <= {7, 70, 300}
+    assert outs[2].token_ids == plain[2].token_ids
+    # the logprobs stay the model's own: a forced token's rank is its rank in the model
+    assert any(e[t].rank > 1 for t, e in zip(outs[1].token_ids, outs[1].outputs[0].logprobs))
+    for bad in ([], [-1], "7"):
+        with pytest.raises(ValueError, match="allowed_token_ids"):
+            greedy(allowed_token_ids=bad)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([PROMPTS[0]], greedy(allowed_token_ids=[10**6]), use_tqdm=False)
     assert_no_leak(llm.engine.kv)

@@ -37,7 +37,7 @@ def test_penalties_min_p_and_logprobs_on_the_gpu_are_the_cpus(
             logit_bias={5: 3.0, 9: -100.0},
         ),
         SamplingParams(temperature=1.0, seed=2, max_tokens=10, min_p=1.0, logprobs=1),
-        SamplingParams(temperature=0, max_tokens=10, logprobs=0, n=2),
+        SamplingParams(temperature=0, max_tokens=10, logprobs=0, n=2, allowed_token_ids=[3, 9, 77]),
     ]
     cpu = LLM(directory, page_size=4, num_pages=128).generate(PROMPTS, params, use_tqdm=False)
     gpu = LLM(directory, device="cuda", page_size=4, num_pages=128).generate(
