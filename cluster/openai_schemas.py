@@ -175,6 +175,8 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[int, float] | None = None
     # vLLM's extension: only these tokens may be sampled.
     allowed_token_ids: list[int] | None = None
+    # vLLM's extension: keep only the prompt's last k tokens (-1: as many as the model takes).
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     ignore_eos: bool = False
     min_tokens: int = 0
     # vLLM's extensions: special tokens left out of the text; a matched stop string kept in it.
@@ -225,6 +227,13 @@ class _SamplingFields(BaseModel):
         """None: no logprobs; k: each token's and the k most likely of its position."""
         return None
 
+    def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt ``ids`` as ``truncate_prompt_tokens`` cuts it: its last k tokens."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return ids
+        return ids[-(max_model_len if k == -1 else k) :]
+
     @property
     def prompt_logprobs_asked(self) -> int | None:
         """None: no prompt logprobs; k: each prompt token's and the k most likely of its position."""
@@ -250,6 +259,10 @@ class _SamplingFields(BaseModel):
             misused.append(("stream_options", "stream_options: only with stream: true"))
         if self.prompt_logprobs is not None and self.stream:  # (vLLM's rule)
             misused.append(("prompt_logprobs", "prompt_logprobs: not with stream: true"))
+        if self.truncate_prompt_tokens == 0:
+            misused.append(
+                ("truncate_prompt_tokens", "truncate_prompt_tokens: at least 1 (-1: the model's)")
+            )
         return misused
 
     def refused(self) -> list[tuple[str, str]]:

@@ -210,7 +210,12 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
         _check_body(body)
         try:
             prompts = body.prompts()
-            encoded = [backend.encode(p) if isinstance(p, str) else p for p in prompts]
+            encoded = [
+                body.truncated(
+                    backend.encode(p) if isinstance(p, str) else p, backend.max_model_len
+                )
+                for p in prompts
+            ]
         except (ValueError, TypeError) as e:  # TypeError: text the tokenizer cannot take
             raise BadRequest(str(e), "prompt") from e
         rid = resp.new_id("cmpl")  # (the response's; prompt k of a batch is <rid>-<k>)
@@ -222,8 +227,12 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
         # Whole, a prompt's choices share the first one's prompt logprobs; streamed, each echoes
         # its own with its first chunk.
         reqs = [r for f in firsts for r in choice_requests(f, body.n, not body.stream)]
-        texts = [
-            "" if not body.echo else p if isinstance(p, str) else backend.decode(ids)
+        texts = [  # (a prompt cut by truncate_prompt_tokens: the text of what is left)
+            ""
+            if not body.echo
+            else p
+            if isinstance(p, str) and body.truncate_prompt_tokens is None
+            else backend.decode(ids)
             for p, ids in zip(prompts, encoded, strict=True)
         ]
         made = CompletionChoices(body, head, encoded, texts, backend.token_text)
@@ -254,6 +263,7 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
             )
         except (ValueError, TypeError) as e:  # TypeError: text the tokenizer cannot take
             raise BadRequest(str(e), "messages") from e
+        ids = body.truncated(ids, backend.max_model_len)
         req = _prepare(body, ids, resp.new_id("chatcmpl"))  # (the response's id, as OpenAI's)
         head, reqs = _head(req), choice_requests(req, body.n)
         asked = req.sampling.logprobs is not None

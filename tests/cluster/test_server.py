@@ -217,6 +217,27 @@ def test_logit_bias_and_allowed_token_ids_reach_the_sampler(http, backend) -> No
         assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids"
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(http, backend) -> None:
+    """vLLM's truncate_prompt_tokens: the request runs on the prompt's last k tokens (echo shows
+    their text); -1 keeps what the model takes; a prompt too long for the model fits after it."""
+    text = "one two three four five six seven eight"
+    ids = backend.encode(text)
+    body = {"model": MODEL, "prompt": text, "max_tokens": 1, "echo": True}
+    r = http.post("/v1/completions", json=body | {"truncate_prompt_tokens": 3}).json()
+    assert backend.requests[-1].prompt_token_ids.tolist() == ids[-3:]
+    assert r["usage"]["prompt_tokens"] == 3
+    assert r["choices"][0]["text"].startswith(backend.decode(ids[-3:]))
+    chat = CHAT | {"max_tokens": 1, "truncate_prompt_tokens": 2}
+    assert http.post("/v1/chat/completions", json=chat).json()["usage"]["prompt_tokens"] == 2
+    long = {"model": MODEL, "prompt": [5] * 600, "max_tokens": 1}  # (max_model_len is 512)
+    assert http.post("/v1/completions", json=long).status_code == 400
+    cut = http.post("/v1/completions", json=long | {"truncate_prompt_tokens": 500})
+    assert cut.json()["usage"]["prompt_tokens"] == 500
+    for k in (0, -2):
+        r = http.post("/v1/completions", json=body | {"truncate_prompt_tokens": k})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
 def test_text_parts_are_joined_by_new_lines(http, backend) -> None:
     parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "World"}]
     body = CHAT | {"max_tokens": 1, "messages": [{"role": "user", "content": parts}]}
