@@ -177,16 +177,25 @@ class Answers:
         include_usage: bool,
         prompt_tokens: int,
         first_chunks: list[dict[str, Any]] | None = None,
+        continuous_usage: bool = False,
     ) -> AsyncIterator[str]:
         """A streamed answer: a chunk per delta, naming its choice; an error event and then
-        ``[DONE]`` whatever goes wrong. ``prompt_tokens``: the usage's, every prompt counted once."""
+        ``[DONE]`` whatever goes wrong. ``prompt_tokens``: the usage's, every prompt counted once.
+        ``continuous_usage`` (vLLM's continuous_usage_stats): every chunk says its choice's usage
+        so far."""
         n_out = 0
+        made = [0] * len(reqs)  # each choice's tokens so far
         unfinished = {r.request_id for r in reqs}
-        # With include_usage, every chunk but the usage one says "usage": null (OpenAI's rule).
-        no_usage: dict[str, Any] = {"usage": None} if include_usage else {}
+
+        def usage_of(i: int) -> dict[str, Any]:
+            # With include_usage, every chunk but the usage one says "usage": null (OpenAI's).
+            if continuous_usage:
+                return {"usage": resp.usage(len(reqs[i].prompt_token_ids), made[i])}
+            return {"usage": None} if include_usage else {}
+
         try:
-            for chunk in first_chunks or []:
-                yield _sse(chunk | no_usage)
+            for k, chunk in enumerate(first_chunks or []):
+                yield _sse(chunk | usage_of(k))
             try:
                 async for i, d in merged([self._generate(r) for r in reqs]):
                     if d.error:
@@ -194,8 +203,9 @@ class Answers:
                         yield _sse(resp.error_body(d.error, "internal_error", 500))
                         break
                     n_out += len(d.token_ids)
+                    made[i] += len(d.token_ids)
                     if d.text or d.token_ids or d.finish_reason:
-                        yield _sse(make_chunk(i, d) | no_usage)
+                        yield _sse(make_chunk(i, d) | usage_of(i))
                     if d.finish_reason:
                         unfinished.discard(reqs[i].request_id)
             except Exception as e:  # whatever failed, the client gets an error event and [DONE]

@@ -39,6 +39,8 @@ class StreamOptions(BaseModel):
         return _drop_nulls(cls, data)
 
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk says its choice's usage so far.
+    continuous_usage_stats: bool = False
     # OpenAI pads stream events with random characters unless told not to; Duet never pads, so
     # only "no padding" can be honoured.
     include_obfuscation: Literal[False] = False
@@ -251,6 +253,13 @@ class _SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's rule: continuous_usage_stats counts only with include_usage."""
+        return self.include_usage and bool(
+            self.stream_options and self.stream_options.continuous_usage_stats
+        )
 
     def _misused(self) -> list[tuple[str, str]]:
         """(field, message) for fields of this body that contradict each other."""

@@ -239,7 +239,9 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
         n_prompt = sum(len(ids) for ids in encoded)
         if body.stream:
             return StreamingResponse(
-                answers.stream(reqs, made.chunk, body.include_usage, n_prompt),
+                answers.stream(
+                    reqs, made.chunk, body.include_usage, n_prompt, None, body.continuous_usage
+                ),
                 media_type="text/event-stream",
             )
 
@@ -278,7 +280,9 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
             role = {"role": "assistant", "content": ""}  # (each choice's first chunk, as vLLM)
             first = [resp.chat_chunk(head, i, role, resp.GOING_ON, []) for i in range(len(reqs))]
             return StreamingResponse(
-                answers.stream(reqs, make, body.include_usage, len(ids), first),
+                answers.stream(
+                    reqs, make, body.include_usage, len(ids), first, body.continuous_usage
+                ),
                 media_type="text/event-stream",
             )
 

@@ -238,6 +238,28 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(http, backend) -> 
         assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
 
 
+def test_continuous_usage_stats_put_each_choices_usage_in_every_chunk(http, backend) -> None:
+    """vLLM's continuous_usage_stats (with include_usage): every chunk says its choice's prompt
+    and completion tokens so far; the last chunk the whole answer's."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = CHAT | {"max_tokens": 3, "ignore_eos": True, "n": 2, "stream": True}
+    chunks = events(http.post("/v1/chat/completions", json=body | {"stream_options": options}).text)
+    prompt = chunks[-1]["usage"]["prompt_tokens"]
+    seen = {0: 0, 1: 0}
+    for c in chunks[:-1]:
+        (choice,) = c["choices"]
+        seen[choice["index"]] += len(choice["token_ids"])
+        assert c["usage"] == {
+            "prompt_tokens": prompt,
+            "completion_tokens": seen[choice["index"]],
+            "total_tokens": prompt + seen[choice["index"]],
+        }
+    assert seen == {0: 3, 1: 3} and chunks[-1]["usage"]["completion_tokens"] == 6
+    # without include_usage it asks nothing
+    alone = body | {"stream_options": {"continuous_usage_stats": True}}
+    assert all("usage" not in c for c in events(http.post("/v1/chat/completions", json=alone).text))
+
+
 def test_text_parts_are_joined_by_new_lines(http, backend) -> None:
     parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "World"}]
     body = CHAT | {"max_tokens": 1, "messages": [{"role": "user", "content": parts}]}
