@@ -14,7 +14,7 @@ from typing import Any
 
 from cluster import openai_responses as resp
 from cluster.answers import Choice
-from cluster.openai_logprobs import Name, completion_logprobs, prompt_logprobs
+from cluster.openai_logprobs import Name, completion_logprobs, computed, prompt_logprobs
 from cluster.openai_schemas import CompletionRequest
 from engine.logprobs import TokenLogprobs
 from worker_common.messages import TokenDelta
@@ -66,7 +66,7 @@ class CompletionChoices:
                 # prompt_logprobs asked)
                 trimmed = [
                     None if e is None else dataclasses.replace(e, top=e.top[:k])
-                    for e in _computed(prompt_entries)
+                    for e in computed(prompt_entries)
                 ]
                 scored = self.prompt_ids[prompt] + scored
                 lps = [*trimmed, *lps]
@@ -84,9 +84,7 @@ class CompletionChoices:
             )
             choice = resp.completion_choice(index, text, c.end, token_ids, logprobs)
             asked = self.body.prompt_logprobs_asked is not None
-            choice["prompt_logprobs"] = (
-                prompt_logprobs(_computed(scored), self.name) if asked else None
-            )
+            choice["prompt_logprobs"] = prompt_logprobs(scored, self.name) if asked else None
             out.append(choice)
         return out
 
@@ -104,10 +102,3 @@ class CompletionChoices:
             self._offsets[index] = offset + sum(len(t) for t in logprobs["tokens"])
         end = resp.Ending(d.finish_reason, d.stop_reason)
         return resp.completion_chunk(self.head, index, text, end, token_ids, logprobs)
-
-
-def _computed(entries: PromptEntries | None) -> PromptEntries:
-    """The prompt logprobs a worker sent for a request that asked for them."""
-    if entries is None:
-        raise RuntimeError("the prompt's logprobs did not come back from the worker")
-    return entries

@@ -48,7 +48,16 @@ def completion_logprobs(
     }
 
 
-def prompt_logprobs(entries: Sequence[TokenLogprobs | None], name: Name) -> list[Any]:
+def computed(
+    entries: Sequence[TokenLogprobs | None] | None,
+) -> Sequence[TokenLogprobs | None]:
+    """The prompt logprobs a worker sent for a request that asked for them (none: our fault)."""
+    if entries is None:
+        raise RuntimeError("the prompt's logprobs did not come back from the worker")
+    return entries
+
+
+def prompt_logprobs(entries: Sequence[TokenLogprobs | None] | None, name: Name) -> list[Any]:
     """vLLM's ``prompt_logprobs`` of an answer: per prompt token null (the first) or token id ->
     its logprob, rank and text, the prompt's own token first."""
     return [
@@ -62,7 +71,7 @@ def prompt_logprobs(entries: Sequence[TokenLogprobs | None], name: Name) -> list
             }
             for token, logprob in as_vllm(e, name).items()
         }
-        for e in entries
+        for e in computed(entries)
     ]
 
 

@@ -177,7 +177,8 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[int, float] | None = None
     # vLLM's extension: only these tokens may be sampled.
     allowed_token_ids: list[int] | None = None
-    # vLLM's extension: keep only the prompt's last k tokens (-1: as many as the model takes).
+    # vLLM's extension: keep only the prompt's last k tokens (-1: max_model_len of them, vLLM's
+    # rule, so a prompt that long is still refused: no room is left for an output token).
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     ignore_eos: bool = False
     min_tokens: int = 0

@@ -41,6 +41,9 @@ from worker_common.messages import GenerateRequest, TokenDelta
 
 log = logging.getLogger(__name__)
 
+# Most choices one completions request makes (prompts of a batch x n): each is an engine request.
+MAX_CHOICES = 1024
+
 
 class ServingBackend(Protocol):
     """What the server needs from the cluster (cluster.frontend.ClusterFrontend implements it)."""
@@ -210,6 +213,11 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
         _check_body(body)
         try:
             prompts = body.prompts()
+            if len(prompts) * body.n > MAX_CHOICES:
+                raise ValueError(
+                    f"{len(prompts)} prompts x n={body.n} make {len(prompts) * body.n} choices; "
+                    f"at most {MAX_CHOICES} per request"
+                )
             encoded = [
                 body.truncated(
                     backend.encode(p) if isinstance(p, str) else p, backend.max_model_len
@@ -219,10 +227,14 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
         except (ValueError, TypeError) as e:  # TypeError: text the tokenizer cannot take
             raise BadRequest(str(e), "prompt") from e
         rid = resp.new_id("cmpl")  # (the response's; prompt k of a batch is <rid>-<k>)
-        firsts = [
-            _prepare(body, ids, rid if len(encoded) == 1 else f"{rid}-{k}")
-            for k, ids in enumerate(encoded)
-        ]
+        firsts = []
+        for k, ids in enumerate(encoded):
+            try:
+                firsts.append(_prepare(body, ids, rid if len(encoded) == 1 else f"{rid}-{k}"))
+            except BadRequest as e:  # (which prompt of a batch)
+                if len(encoded) == 1 or e.param != "prompt":
+                    raise
+                raise BadRequest(f"prompt[{k}]: {e}", "prompt") from e
         head = resp.Head(rid, int(firsts[0].arrival_time), backend.model_name)
         # Whole, a prompt's choices share the first one's prompt logprobs; streamed, each echoes
         # its own with its first chunk.
@@ -302,8 +314,9 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
                 resp.usage(len(ids), made),
             )
             if body.prompt_logprobs is not None:  # (vLLM's: beside the choices)
-                scored = choices[0].prompt_logprobs or ()
-                answer["prompt_logprobs"] = prompt_logprobs(scored, backend.token_text)
+                answer["prompt_logprobs"] = prompt_logprobs(
+                    choices[0].prompt_logprobs, backend.token_text
+                )
             return answer
 
         return await answers.whole(reqs, request, build)

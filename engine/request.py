@@ -99,7 +99,7 @@ class Request:
     __slots__ = (
         "request_id", "prompt", "prompt_token_ids", "sampling_params", "eos_token_ids", "eos_token_id",
         "min_tokens_masked", "penalized", "prompt_token_set", "logprobs", "next_logprobs",
-        "prompt_logprobs", "wants_prompt_logits", "logit_bias", "allowed_token_ids",
+        "prompt_logprobs", "wants_prompt_logits", "logit_bias", "allowed_token_ids", "allowed_ids_tensor",
         "all_token_ids", "output_token_ids", "num_computed_tokens", "status", "stop_reason",
         "error", "prefill_only", "metrics", "page_ids", "kv_capacity", "kv_release_at",
         "detokenizer", "output_text",
@@ -139,6 +139,7 @@ class Request:
         bias = sampling_params.logit_bias
         self.logit_bias = (list(bias), list(bias.values())) if bias else None
         self.allowed_token_ids = sampling_params.allowed_token_ids  # (None: all)
+        self.allowed_ids_tensor: torch.Tensor | None = None  # (the sampler's, made once)
         self.prompt_token_set: torch.Tensor | None = None  # (engine/penalties.py keeps it)
         # One TokenLogprobs per output token when the request asks for them (else None); the
         # sampler (or the caller, for a token sampled elsewhere) sets ``next_logprobs`` for the

@@ -67,8 +67,10 @@ def _keep_allowed(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor
         return logits
     keep = torch.zeros((len(rows), logits.shape[-1]), dtype=torch.bool, device=logits.device)
     for k, i in enumerate(rows):
-        ids = requests[i].allowed_token_ids
-        keep[k, torch.tensor(ids, device=logits.device)] = True
+        r = requests[i]
+        if r.allowed_ids_tensor is None or r.allowed_ids_tensor.device != logits.device:
+            r.allowed_ids_tensor = torch.tensor(r.allowed_token_ids, device=logits.device)
+        keep[k, r.allowed_ids_tensor] = True
     logits = logits.clone()
     where = torch.tensor(rows, device=logits.device)
     logits[where] = logits[where].masked_fill(~keep, float("-inf"))

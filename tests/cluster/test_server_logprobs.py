@@ -134,6 +134,7 @@ def test_a_batch_of_prompts_has_n_choices_each_in_order(http, backend) -> None: 
     prompts = ["The capital of France is", "One, two,"]
     body = {"model": MODEL, "prompt": prompts, "max_tokens": 2, "temperature": 0, "n": 2}
     body |= {"ignore_eos": True, "echo": True, "logprobs": 0}
+    start = len(backend.requests)
     r = http.post("/v1/completions", json=body).json()
     assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3]
     alone = [
@@ -150,7 +151,13 @@ def test_a_batch_of_prompts_has_n_choices_each_in_order(http, backend) -> None: 
     ids = [backend.encode(p) for p in prompts]
     assert r["usage"]["prompt_tokens"] == sum(len(i) for i in ids)
     assert r["usage"]["completion_tokens"] == 8
-    chunks = events(http.post("/v1/completions", json=body | {"stream": True}).text)
+    made = {q.request_id for q in backend.requests[start : start + 4]}
+    assert made == {f"{r['id']}-{k}-{i}" for k in range(2) for i in range(2)}  # prompt k, choice i
+    usage = {"include_usage": True}
+    streamed = body | {"stream": True, "stream_options": usage}
+    chunks = events(http.post("/v1/completions", json=streamed).text)
+    assert chunks[-1]["usage"] == r["usage"]
+    chunks = chunks[:-1]
     for i, c in enumerate(r["choices"]):
         parts = [ch for chunk in chunks for ch in chunk["choices"] if ch["index"] == i]
         assert "".join(p["text"] for p in parts) == c["text"]
@@ -161,3 +168,11 @@ def test_a_batch_of_prompts_has_n_choices_each_in_order(http, backend) -> None: 
     token_batch = body | {"prompt": ids, "echo": False, "logprobs": None, "n": 1}
     texts = [c["text"] for c in http.post("/v1/completions", json=token_batch).json()["choices"]]
     assert texts == [a["text"][len(p) :] for a, p in zip(alone, prompts, strict=True)]
+    # a batch is refused whole, naming the prompt, before any of it runs
+    before = len(backend.requests)
+    too_long = http.post("/v1/completions", json=body | {"prompt": [ids[0], [5] * 600]})
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "prompt"
+    assert too_long.json()["error"]["message"].startswith("prompt[1]: ")
+    too_many = http.post("/v1/completions", json=body | {"prompt": [[5]] * 9, "n": 128})
+    assert too_many.status_code == 400 and "at most 1024" in too_many.json()["error"]["message"]
+    assert len(backend.requests) == before

@@ -86,6 +86,12 @@ def test_logit_bias_is_transformers_sequence_bias(models) -> None:
     assert outs[0].token_ids[0] != plain[0].token_ids[0]
     assert outs[1].token_ids == [77] * MAX_TOKENS
     assert outs[3].token_ids == plain[3].token_ids
+    # with a penalty: the bias first, then the penalty (vLLM's order, and transformers')
+    both = greedy(logit_bias={5: 4.5, 9: -2.0}, repetition_penalty=1.5)
+    (out,) = llm.generate([PROMPTS[2]], both, use_tqdm=False)
+    assert out.token_ids == hf_greedy(
+        hf, PROMPTS[2], MAX_TOKENS, eos, repetition_penalty=1.5, logit_bias={5: 4.5, 9: -2.0}
+    )
     mine = {3: 1.0}
     params = greedy(logit_bias=mine)
     mine[3] = 100.0  # (the params keep a copy)
