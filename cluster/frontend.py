@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from cluster.kv_event_feed import ActorSource, KVEventFeed
+from cluster.openai_logprobs import token_id_name
 from cluster.prom_metrics import ServingMetrics
 from cluster.router import Router
 from cluster.stats_poller import StatsPoller
@@ -107,7 +108,7 @@ class ClusterFrontend:
         """One token as the logprobs of an answer name it: its text, or ``token_id:<id>`` for a
         model without a tokenizer (vLLM's return_tokens_as_token_ids form)."""
         if self.tokenizer is None:
-            return f"token_id:{token_id}"
+            return token_id_name(token_id)
         return self.tokenizer.token_text(token_id)
 
     def decode(self, token_ids: list[int]) -> str:

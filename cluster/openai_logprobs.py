@@ -14,6 +14,11 @@ from engine.logprobs import TokenLogprobs, as_vllm
 Name = Callable[[int], str]  # token id -> its text
 
 
+def token_id_name(token_id: int) -> str:
+    """A token named by its id (vLLM's return_tokens_as_token_ids form)."""
+    return f"token_id:{token_id}"
+
+
 def _finite(logprob: float) -> float:
     """JSON has no -inf: a token the model rules out is -9999.0 (OpenAI's and vLLM's value)."""
     return max(logprob, -9999.0)

@@ -175,6 +175,8 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     # Token id (a JSON object's keys are strings: "50256") -> a bias in [-100, 100] on its logit.
     logit_bias: dict[int, float] | None = None
+    # vLLM's extension: logprobs name tokens "token_id:<id>", not by their text.
+    return_tokens_as_token_ids: bool = False
     # vLLM's extension: only these tokens may be sampled.
     allowed_token_ids: list[int] | None = None
     # vLLM's extension: keep only the prompt's last k tokens (-1: max_model_len of them, vLLM's

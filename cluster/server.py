@@ -34,7 +34,7 @@ from cluster.http_errors import (
     error_response,
     install_error_handlers,
 )
-from cluster.openai_logprobs import chat_logprobs, prompt_logprobs
+from cluster.openai_logprobs import Name, chat_logprobs, prompt_logprobs, token_id_name
 from engine.loaders.generation_defaults import GenerationDefaults
 from engine.sampling_params import SamplingParams
 from worker_common.messages import GenerateRequest, TokenDelta
@@ -185,6 +185,11 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
 
     answers = Answers(backend.generate, backend.abort, _abort)
 
+    def _namer(body: oa.CompletionRequest | oa.ChatCompletionRequest) -> Name:
+        """How the answer's logprobs name tokens: their text, or ``token_id:<id>`` (vLLM's
+        return_tokens_as_token_ids, for clients that must not re-tokenize)."""
+        return token_id_name if body.return_tokens_as_token_ids else backend.token_text
+
     def _head(req: GenerateRequest) -> resp.Head:
         return resp.Head(req.request_id, int(req.arrival_time), backend.model_name)
 
@@ -247,7 +252,7 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
             else backend.decode(ids)
             for p, ids in zip(prompts, encoded, strict=True)
         ]
-        made = CompletionChoices(body, head, encoded, texts, backend.token_text)
+        made = CompletionChoices(body, head, encoded, texts, _namer(body))
         n_prompt = sum(len(ids) for ids in encoded)
         if body.stream:
             return StreamingResponse(
@@ -281,10 +286,11 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
         req = _prepare(body, ids, resp.new_id("chatcmpl"))  # (the response's id, as OpenAI's)
         head, reqs = _head(req), choice_requests(req, body.n)
         asked = req.sampling.logprobs is not None
+        name = _namer(body)
         if body.stream:
 
             def make(i: int, d: TokenDelta) -> dict[str, Any]:
-                logprobs = chat_logprobs(d.logprobs, backend.token_text) if asked else None
+                logprobs = chat_logprobs(d.logprobs, name) if asked else None
                 delta = {"content": d.text} if d.text else {}
                 end = resp.Ending(d.finish_reason, d.stop_reason)
                 return resp.chat_chunk(head, i, delta, end, d.token_ids, logprobs)
@@ -307,16 +313,14 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
                         i,
                         c.text,
                         c.end,
-                        chat_logprobs(c.logprobs, backend.token_text) if asked else None,
+                        chat_logprobs(c.logprobs, name) if asked else None,
                     )
                     for i, c in enumerate(choices)
                 ],
                 resp.usage(len(ids), made),
             )
             if body.prompt_logprobs is not None:  # (vLLM's: beside the choices)
-                answer["prompt_logprobs"] = prompt_logprobs(
-                    choices[0].prompt_logprobs, backend.token_text
-                )
+                answer["prompt_logprobs"] = prompt_logprobs(choices[0].prompt_logprobs, name)
             return answer
 
         return await answers.whole(reqs, request, build)

@@ -68,6 +68,22 @@ def test_chat_logprobs_whole_and_streamed(http) -> None:  # noqa: F811
     assert all(c["top_logprobs"] == [] for c in only.json()["choices"][0]["logprobs"]["content"])
 
 
+def test_return_tokens_as_token_ids_names_tokens_by_id(http, backend) -> None:  # noqa: F811
+    """vLLM's return_tokens_as_token_ids: "token_id:<id>" wherever logprobs name a token."""
+    body = PROMPT | {"max_tokens": 2, "logprobs": 1, "echo": True}
+    body |= {"return_tokens_as_token_ids": True}
+    choice = http.post("/v1/completions", json=body).json()["choices"][0]
+    ids = backend.encode(PROMPT["prompt"]) + choice["token_ids"]
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in ids]
+    assert all(
+        k.startswith("token_id:") for top in choice["logprobs"]["top_logprobs"][1:] for k in top
+    )
+    chat = CHAT | {"max_tokens": 2, "logprobs": True, "top_logprobs": 1}
+    chat |= {"return_tokens_as_token_ids": True}
+    content = http.post("/v1/chat/completions", json=chat).json()["choices"][0]["logprobs"]
+    assert all(c["token"].startswith("token_id:") for c in content["content"])
+
+
 def test_what_a_body_may_ask_of_logprobs(http) -> None:  # noqa: F811
     for path, body, param in (
         ("/v1/chat/completions", CHAT | {"top_logprobs": 2}, "top_logprobs"),  # without logprobs
