@@ -152,7 +152,7 @@ class LLM:
         options = dict(chat_template_kwargs or {})
         if tools is not None:
             options["tools"] = tools
-        encoded: list[tuple[str | None, list[int]]] = []
+        encoded: list[tuple[str | None, list[int], str]] = []
         for i, conv in enumerate(conversations):
             if not isinstance(conv, list) or not conv or not all(isinstance(m, dict) for m in conv):
                 raise ValueError(f"messages[{i}] must be a non-empty list of message dicts")
@@ -164,12 +164,11 @@ class LLM:
                 variables=options,
             )
             ids = self.tokenizer.encode(text, add_special_tokens=False)
-            self.engine.check_prompt(ids, f"messages[{i}]")
-            encoded.append((text, ids))
+            encoded.append((text, ids, f"messages[{i}]"))
         return self._run(encoded, sampling_params, use_tqdm)
 
     # ---- internals ----
-    def _encode(self, prompt: object, what: str) -> tuple[str | None, list[int]]:
+    def _encode(self, prompt: object, what: str) -> tuple[str | None, list[int], str]:
         if isinstance(prompt, Mapping):
             prompt = _prompt_of(prompt, what)
         if isinstance(prompt, str):
@@ -188,8 +187,7 @@ class LLM:
                 f"{what}: expected a string, a list of token ids or a prompt dict, "
                 f"got {type(prompt).__name__}"
             )
-        self.engine.check_prompt(ids, what)
-        return text, list(ids)
+        return text, list(ids), what
 
     def _params(self, sampling_params: object, n: int) -> list[SamplingParams]:
         if sampling_params is None:
@@ -214,16 +212,25 @@ class LLM:
 
     def _run(
         self,
-        encoded: list[tuple[str | None, list[int]]],
+        encoded: list[tuple[str | None, list[int], str]],
         sampling_params: object,
         use_tqdm: Progress = False,
     ) -> list[RequestOutput]:
+        """Run the prompts (text, token ids, what an error calls the prompt), each with its params,
+        checked all before any is queued."""
         params = self._params(sampling_params, len(encoded))
         if not encoded:
             return []
+        prompts = []
+        for (text, tokens, what), p in zip(encoded, params, strict=True):
+            k = p.truncate_prompt_tokens  # (vLLM's: the last k; -1: max_model_len of them)
+            if k is not None and isinstance(tokens, list):
+                tokens = tokens[-(self.engine.max_model_len if k == -1 else k) :]
+            self.engine.check_prompt(tokens, what)
+            prompts.append((text, tokens))
         groups: list[tuple[str, list[str]]] = []  # (a prompt's id, its completions' request ids)
         requests = []
-        for (text, tokens), p in zip(encoded, params, strict=True):
+        for (text, tokens), p in zip(prompts, params, strict=True):
             pid = f"llm-{next(self._ids)}"
             rids = [pid] if p.n == 1 else [f"{pid}-{i}" for i in range(p.n)]
             for i, rid in enumerate(rids):

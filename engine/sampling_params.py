@@ -95,6 +95,9 @@ class SamplingParams:
     logprobs: int | None = None
     """None: none. k in [0, 20]: each generated token's log probability and rank, and the k most
     likely tokens of its position, in the model's own distribution (engine/logprobs.py)."""
+    truncate_prompt_tokens: int | None = None
+    """vLLM's: >= 1 keeps only the prompt's last k tokens (``engine.LLM``; -1: max_model_len of
+    them, which leaves no room for an output token when the prompt is that long)."""
     allowed_token_ids: tuple[int, ...] | None = None
     """vLLM's: when given (a non-empty list of token ids), only these may be sampled; every other
     token's logit is -inf before anything else applies (the logprobs stay the model's own)."""
@@ -208,6 +211,9 @@ class SamplingParams:
         for tid in self.stop_token_ids:
             if not _is_int(tid) or tid < 0:
                 raise _fail("stop_token_ids", "integers >= 0", tid)
+        k = self.truncate_prompt_tokens
+        if k is not None and not (_is_int(k) and (k >= 1 or k == -1)):
+            raise _fail("truncate_prompt_tokens", "None, -1 or an integer >= 1", k)
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:  # (nothing could be sampled)
                 raise _fail("allowed_token_ids", "a non-empty list of token ids", [])

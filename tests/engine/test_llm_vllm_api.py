@@ -158,6 +158,24 @@ def test_sampling_params_change_as_vllms_do_and_stay_valid(tiny_llm: LLM) -> Non
     assert request.sampling_params.max_tokens == 2
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(tiny_llm: LLM) -> None:
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompt = [5, 17, 42, 99, 3, 8]
+    cut = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, truncate_prompt_tokens=3)
+    (out,) = tiny_llm.generate([prompt], cut, use_tqdm=False)
+    (want,) = tiny_llm.generate([prompt[-3:]], greedy, use_tqdm=False)
+    assert out.prompt_token_ids == prompt[-3:] and out.token_ids == want.token_ids
+    # a prompt too long for the model runs once cut (max_model_len here: 64)
+    long = [7] * 70
+    with pytest.raises(ValueError, match="prompts\\[0\\]: the prompt has 70 tokens"):
+        tiny_llm.generate([long], greedy, use_tqdm=False)
+    cut.truncate_prompt_tokens = 60
+    assert len(tiny_llm.generate([long], cut, use_tqdm=False)[0].prompt_token_ids) == 60
+    for k in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens must be None, -1 or"):
+            SamplingParams(truncate_prompt_tokens=k)  # type: ignore[arg-type]
+
+
 def test_sampling_params_take_vllms_fields_and_refuse_what_duet_lacks_by_name() -> None:
     assert SamplingParams(seed=-1).seed is None  # (vLLM: -1 is no seed)
     with pytest.raises(SamplingParamsError, match="temperature must be in \\[0, 2\\]"):
