@@ -51,9 +51,7 @@ def choice_requests(
         return [req]
     out = []
     for i in range(n):
-        sampling = req.sampling.for_choice(i)
-        if i > 0 and share_prompt_logprobs:
-            sampling.prompt_logprobs = None
+        sampling = req.sampling.for_choice(i, share_prompt_logprobs)
         out.append(dataclasses.replace(req, request_id=f"{req.request_id}-{i}", sampling=sampling))
     return out
 

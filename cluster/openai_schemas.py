@@ -17,7 +17,7 @@ from pydantic import (
 
 from engine.loaders.generation_defaults import GenerationDefaults
 from engine.logprobs import MAX_LOGPROBS
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, last_prompt_tokens
 
 
 def _drop_nulls(model: type[BaseModel], data: Any) -> Any:
@@ -181,7 +181,7 @@ class _SamplingFields(BaseModel):
     allowed_token_ids: list[int] | None = None
     # vLLM's extension: keep only the prompt's last k tokens (-1: max_model_len of them, vLLM's
     # rule, so a prompt that long is still refused: no room is left for an output token).
-    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    truncate_prompt_tokens: int | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     # vLLM's extensions: special tokens left out of the text; a matched stop string kept in it.
@@ -225,6 +225,7 @@ class _SamplingFields(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             logprobs=self.top_logprobs_asked,
             prompt_logprobs=self.prompt_logprobs_asked,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,  # (validated there)
         )
 
     @property
@@ -233,11 +234,9 @@ class _SamplingFields(BaseModel):
         return None
 
     def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
-        """The prompt ``ids`` as ``truncate_prompt_tokens`` cuts it: its last k tokens."""
-        k = self.truncate_prompt_tokens
-        if k is None:
-            return ids
-        return ids[-(max_model_len if k == -1 else k) :]
+        """The prompt ``ids`` as ``truncate_prompt_tokens`` cuts it (a bad value is refused when
+        the request's SamplingParams are made)."""
+        return last_prompt_tokens(ids, self.truncate_prompt_tokens, max_model_len)
 
     @property
     def prompt_logprobs_asked(self) -> int | None:
@@ -271,10 +270,6 @@ class _SamplingFields(BaseModel):
             misused.append(("stream_options", "stream_options: only with stream: true"))
         if self.prompt_logprobs is not None and self.stream:  # (vLLM's rule)
             misused.append(("prompt_logprobs", "prompt_logprobs: not with stream: true"))
-        if self.truncate_prompt_tokens == 0:
-            misused.append(
-                ("truncate_prompt_tokens", "truncate_prompt_tokens: at least 1 (-1: the model's)")
-            )
         return misused
 
     def refused(self) -> list[tuple[str, str]]:

@@ -244,14 +244,12 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
         # Whole, a prompt's choices share the first one's prompt logprobs; streamed, each echoes
         # its own with its first chunk.
         reqs = [r for f in firsts for r in choice_requests(f, body.n, not body.stream)]
-        texts = [  # (a prompt cut by truncate_prompt_tokens: the text of what is left)
-            ""
-            if not body.echo
-            else p
-            if isinstance(p, str) and body.truncate_prompt_tokens is None
-            else backend.decode(ids)
-            for p, ids in zip(prompts, encoded, strict=True)
-        ]
+        texts = [""] * len(prompts)  # (what echo puts first)
+        if body.echo:
+            for k, (p, ids) in enumerate(zip(prompts, encoded, strict=True)):
+                # (a prompt cut by truncate_prompt_tokens: the text of what is left)
+                cut = not isinstance(p, str) or body.truncate_prompt_tokens is not None
+                texts[k] = backend.decode(ids) if cut else p
         made = CompletionChoices(body, head, encoded, texts, _namer(body))
         n_prompt = sum(len(ids) for ids in encoded)
         if body.stream:

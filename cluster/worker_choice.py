@@ -66,10 +66,9 @@ class WorkerChoice:
     def block_hashes(self, req: GenerateRequest) -> list[int] | None:
         """The prompt's block hashes, as far as a worker's prefix hit can reach (one token is
         always computed), when the router indexes the workers' caches."""
+        # (a request scoring its prompt reads no cache: every worker would compute all of it)
         if self.kv_index is None or req.sampling.prompt_logprobs is not None:
-            return (
-                None  # (a request scoring its prompt reads no cache: every worker computes it all)
-            )
+            return None
         tokens = req.prompt_token_ids.tolist()
         return hash_full_pages(tokens[: len(tokens) - 1], self.page_size)
 

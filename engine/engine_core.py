@@ -19,7 +19,7 @@ from engine.kv_setup import build_kv_cache
 from engine.logprobs import TokenLogprobs
 from engine.model_config import ModelConfig
 from engine.outputs import RequestOutput
-from engine.prompt_logprobs import plan_prompt_logits
+from engine.prompt_logprobs import plan_prompt_logits, slice_rows
 from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner, PagedCausalLM
 from engine.sampler import Sampler
@@ -77,8 +77,7 @@ class LLMEngine:
             model_config.num_layers,
             Sampler(seed, kv.device),
             tp.group if tp is not None and tp.size > 1 else None,
-            model_config.vocab_size,
-            scheduler_config.max_num_seqs,
+            slice_rows(model_config.vocab_size, scheduler_config.max_num_seqs),
         )
         # Graph capture of the all-reduces is not done yet: tensor-parallel steps run eagerly.
         if cuda_graphs and kv.device.type == "cuda" and (tp is None or tp.size == 1):

@@ -13,7 +13,7 @@ from engine.engine_config import EngineConfig
 from engine.engine_core import LLMEngine
 from engine.loaders.generation_defaults import GenerationDefaults, load_generation_defaults
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, last_prompt_tokens
 
 if TYPE_CHECKING:
     from engine.loaders import LoadedModel
@@ -223,9 +223,7 @@ class LLM:
             return []
         prompts = []
         for (text, tokens, what), p in zip(encoded, params, strict=True):
-            k = p.truncate_prompt_tokens  # (vLLM's: the last k; -1: max_model_len of them)
-            if k is not None and isinstance(tokens, list):
-                tokens = tokens[-(self.engine.max_model_len if k == -1 else k) :]
+            tokens = last_prompt_tokens(tokens, p.truncate_prompt_tokens, self.engine.max_model_len)
             self.engine.check_prompt(tokens, what)
             prompts.append((text, tokens))
         groups: list[tuple[str, list[str]]] = []  # (a prompt's id, its completions' request ids)
@@ -234,9 +232,7 @@ class LLM:
             pid = f"llm-{next(self._ids)}"
             rids = [pid] if p.n == 1 else [f"{pid}-{i}" for i in range(p.n)]
             for i, rid in enumerate(rids):
-                choice = p if p.n == 1 else p.for_choice(i)
-                if i > 0:  # (one output, one prompt_logprobs: the first completion's)
-                    choice.prompt_logprobs = None
+                choice = p if p.n == 1 else p.for_choice(i)  # (one output, one prompt_logprobs)
                 requests.append(self.engine.make_request(rid, tokens, choice, prompt=text))
             groups.append((pid, rids))
         ids = [r.request_id for r in requests]

@@ -33,13 +33,10 @@ class PromptLogitsRows:
     top_counts: list[int]  # how many most likely tokens each row's request asks for
     owners: list[tuple[Request, int]]  # (request, how many of the rows are its), in row order
 
-    def fill(
-        self, logits_of: Callable[[torch.Tensor], torch.Tensor], vocab_size: int, max_rows: int
-    ) -> None:
-        """Score the rows (``logits_of(row indices)`` -> their float32 logits), at most
-        ``max_rows`` at a time, and append each request's entries; a request whose prompt is then
-        whole gets them as a tuple."""
-        step = max(1, min(max_rows, MAX_LOGITS_PER_SLICE // max(vocab_size, 1)))
+    def fill(self, logits_of: Callable[[torch.Tensor], torch.Tensor], step: int) -> None:
+        """Score the rows (``logits_of(row indices)`` -> their float32 logits), ``step`` at a time
+        (``slice_rows``), and append each request's entries; a request whose prompt is then whole
+        gets them as a tuple."""
         entries = []
         for i in range(0, len(self.rows), step):
             logits = logits_of(torch.tensor(self.rows[i : i + step]))
@@ -54,6 +51,12 @@ class PromptLogitsRows:
             if len(scored) == request.num_prompt_tokens:
                 request.prompt_logprobs = tuple(scored)
                 request.wants_prompt_logits = False
+
+
+def slice_rows(vocab_size: int, max_num_seqs: int) -> int:
+    """Prompt rows whose logits are computed at once: no more than a step samples, nor than
+    MAX_LOGITS_PER_SLICE floats."""
+    return max(1, min(max_num_seqs, MAX_LOGITS_PER_SLICE // max(vocab_size, 1)))
 
 
 def plan_prompt_logits(

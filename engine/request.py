@@ -150,12 +150,11 @@ class Request:
         # it), filled chunk by chunk as the prompt is computed (engine/prompt_logprobs.py), then a
         # tuple that every output shares. ``wants_prompt_logits`` until it is whole: the request
         # then reads nothing from the prefix cache (a cached position has no logits).
+        asked = sampling_params.prompt_logprobs is not None
+        self.wants_prompt_logits = asked and len(prompt_token_ids) > 1
         self.prompt_logprobs: (
             list[TokenLogprobs | None] | tuple[TokenLogprobs | None, ...] | None
-        ) = None if sampling_params.prompt_logprobs is None else [None]
-        self.wants_prompt_logits = len(prompt_token_ids) > 1 and self.prompt_logprobs is not None
-        if self.prompt_logprobs is not None and not self.wants_prompt_logits:
-            self.prompt_logprobs = (None,)
+        ) = [None] if self.wants_prompt_logits else (None,) if asked else None
         self.eos_token_id = eos_token_id  # of those, the tokenizer's (stop_reason None)
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []

@@ -44,13 +44,10 @@ class ModelRunner:
         num_layers: int,
         sampler: Sampler,
         tp_group: TPGroup | None = None,
-        vocab_size: int = 0,
-        max_logits_rows: int = 1,
+        prompt_slice_rows: int = 1,
     ) -> None:
         self.model = model
-        # (size the slices of prompt rows' logits: engine/prompt_logprobs.py)
-        self.vocab_size = vocab_size
-        self.max_logits_rows = max_logits_rows
+        self.prompt_slice_rows = prompt_slice_rows  # (engine/prompt_logprobs.slice_rows)
         # Rank 0 of a tensor-parallel worker: every forward pass starts by sending the batch to
         # the other ranks (engine/tp/follower.py), which join its all-reduces.
         self.tp_group = tp_group
@@ -91,8 +88,7 @@ class ModelRunner:
             if prompt_rows is not None:
                 prompt_rows.fill(
                     lambda rows: self.model.compute_logits(hidden, rows.to(hidden.device)),
-                    self.vocab_size,
-                    self.max_logits_rows,
+                    self.prompt_slice_rows,
                 )
             return self.model.compute_logits(hidden, batch.logits_indices)
 

@@ -33,6 +33,14 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def last_prompt_tokens(ids: list[int], k: int | None, max_model_len: int) -> list[int]:
+    """``ids`` as ``truncate_prompt_tokens=k`` keeps them: the last k (-1: the last
+    max_model_len; None: all)."""
+    if k is None:
+        return ids
+    return ids[-(max_model_len if k == -1 else k) :]
+
+
 def _is_number(value: object) -> bool:
     """An int or a float, not a bool (a NaN fails every range check after this)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -96,8 +104,9 @@ class SamplingParams:
     """None: none. k in [0, 20]: each generated token's log probability and rank, and the k most
     likely tokens of its position, in the model's own distribution (engine/logprobs.py)."""
     truncate_prompt_tokens: int | None = None
-    """vLLM's: >= 1 keeps only the prompt's last k tokens (``engine.LLM``; -1: max_model_len of
-    them, which leaves no room for an output token when the prompt is that long)."""
+    """vLLM's: >= 1 keeps only the prompt's last k tokens (-1: max_model_len of them, which leaves
+    no room for an output token when the prompt is that long). ``engine.LLM`` and the HTTP edge
+    cut the prompt (``last_prompt_tokens``) before the request is made."""
     allowed_token_ids: tuple[int, ...] | None = None
     """vLLM's: when given (a non-empty list of token ids), only these may be sampled; every other
     token's logit is -inf before anything else applies (the logprobs stay the model's own)."""
@@ -160,12 +169,14 @@ class SamplingParams:
     def copy(self) -> SamplingParams:
         return dataclasses.replace(self)
 
-    def for_choice(self, i: int) -> SamplingParams:
+    def for_choice(self, i: int, share_prompt_logprobs: bool = True) -> SamplingParams:
         """The params of completion ``i`` of several of one prompt (``n``, offline or over HTTP):
         one completion, seeded seed + i (vLLM's rule: the completions differ, and the same call
-        gives the same completions again)."""
+        gives the same completions again). With ``share_prompt_logprobs`` only the first computes
+        the prompt's logprobs, for all of them (the others may read the prompt from the cache)."""
         seed = None if self.seed is None else self.seed + i
-        return dataclasses.replace(self, n=1, seed=seed)
+        prompt_logprobs = None if i > 0 and share_prompt_logprobs else self.prompt_logprobs
+        return dataclasses.replace(self, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
 
     def _validate(self) -> None:
         t = self.temperature
