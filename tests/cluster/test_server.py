@@ -198,68 +198,6 @@ def test_vllm_text_options_reach_the_worker(http, backend) -> None:
     assert with_turn[: len(without_turn)] == without_turn and len(with_turn) > len(without_turn)
 
 
-def test_logit_bias_and_allowed_token_ids_reach_the_sampler(http, backend) -> None:
-    """OpenAI's logit_bias: JSON keys are strings; +100 on a token makes it every greedy token,
-    -100 on the greedy first token makes another first. vLLM's allowed_token_ids."""
-    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 3}
-    body |= {"temperature": 0, "ignore_eos": True}
-    first = http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"][0]
-    forced = http.post("/v1/completions", json=body | {"logit_bias": {"1234": 100}}).json()
-    assert forced["choices"][0]["token_ids"] == [1234] * 3
-    assert backend.requests[-1].sampling.logit_bias == {1234: 100.0}
-    banned = http.post("/v1/completions", json=body | {"logit_bias": {str(first): -100}})
-    assert banned.json()["choices"][0]["token_ids"][0] != first
-    # vLLM's allowed_token_ids: only these are sampled
-    few = http.post("/v1/completions", json=body | {"allowed_token_ids": [11, 1234]}).json()
-    assert set(few["choices"][0]["token_ids"]) <= {11, 1234}
-    for bad in ([], [49152]):
-        r = http.post("/v1/completions", json=body | {"allowed_token_ids": bad})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids"
-
-
-def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(http, backend) -> None:
-    """vLLM's truncate_prompt_tokens: the request runs on the prompt's last k tokens (echo shows
-    their text); -1 keeps what the model takes; a prompt too long for the model fits after it."""
-    text = "one two three four five six seven eight"
-    ids = backend.encode(text)
-    body = {"model": MODEL, "prompt": text, "max_tokens": 1, "echo": True}
-    r = http.post("/v1/completions", json=body | {"truncate_prompt_tokens": 3}).json()
-    assert backend.requests[-1].prompt_token_ids.tolist() == ids[-3:]
-    assert r["usage"]["prompt_tokens"] == 3
-    assert r["choices"][0]["text"].startswith(backend.decode(ids[-3:]))
-    chat = CHAT | {"max_tokens": 1, "truncate_prompt_tokens": 2}
-    assert http.post("/v1/chat/completions", json=chat).json()["usage"]["prompt_tokens"] == 2
-    long = {"model": MODEL, "prompt": [5] * 600, "max_tokens": 1}  # (max_model_len is 512)
-    assert http.post("/v1/completions", json=long).status_code == 400
-    cut = http.post("/v1/completions", json=long | {"truncate_prompt_tokens": 500})
-    assert cut.json()["usage"]["prompt_tokens"] == 500
-    for k in (0, -2):
-        r = http.post("/v1/completions", json=body | {"truncate_prompt_tokens": k})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
-
-
-def test_continuous_usage_stats_put_each_choices_usage_in_every_chunk(http, backend) -> None:
-    """vLLM's continuous_usage_stats (with include_usage): every chunk says its choice's prompt
-    and completion tokens so far; the last chunk the whole answer's."""
-    options = {"include_usage": True, "continuous_usage_stats": True}
-    body = CHAT | {"max_tokens": 3, "ignore_eos": True, "n": 2, "stream": True}
-    chunks = events(http.post("/v1/chat/completions", json=body | {"stream_options": options}).text)
-    prompt = chunks[-1]["usage"]["prompt_tokens"]
-    seen = {0: 0, 1: 0}
-    for c in chunks[:-1]:
-        (choice,) = c["choices"]
-        seen[choice["index"]] += len(choice["token_ids"])
-        assert c["usage"] == {
-            "prompt_tokens": prompt,
-            "completion_tokens": seen[choice["index"]],
-            "total_tokens": prompt + seen[choice["index"]],
-        }
-    assert seen == {0: 3, 1: 3} and chunks[-1]["usage"]["completion_tokens"] == 6
-    # without include_usage it asks nothing
-    alone = body | {"stream_options": {"continuous_usage_stats": True}}
-    assert all("usage" not in c for c in events(http.post("/v1/chat/completions", json=alone).text))
-
-
 def test_text_parts_are_joined_by_new_lines(http, backend) -> None:
     parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "World"}]
     body = CHAT | {"max_tokens": 1, "messages": [{"role": "user", "content": parts}]}
