@@ -192,8 +192,8 @@ class Answers:
             return {"usage": None} if include_usage else {}
 
         try:
-            for k, chunk in enumerate(first_chunks or []):
-                yield _sse(chunk | usage_of(k))
+            for chunk in first_chunks or []:
+                yield _sse(chunk | usage_of(chunk["choices"][0]["index"]))
             try:
                 async for i, d in merged([self._generate(r) for r in reqs]):
                     if d.error:

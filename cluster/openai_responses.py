@@ -98,9 +98,13 @@ def chat_chunk(
 
 
 def chat_choice(
-    index: int, text: str, end: Ending, logprobs: dict[str, Any] | None = None
+    index: int,
+    text: str,
+    end: Ending,
+    logprobs: dict[str, Any] | None = None,
+    role: str = "assistant",
 ) -> dict[str, Any]:
-    message = {"role": "assistant", "content": text}
+    message = {"role": role, "content": text}
     return _choice(index, {"message": message, "logprobs": logprobs}, end)
 
 

@@ -88,7 +88,6 @@ NOT_SUPPORTED_CHAT = _NOT_SUPPORTED_COMMON | {
     "web_search_options": _none_or(),
     "prompt_cache_key": _none_or(),
     "safety_identifier": _none_or(),
-    "echo": _none_or(False),  # vLLM's
 }
 NOT_SUPPORTED_MESSAGE = {
     "name": _none_or(),
@@ -334,6 +333,9 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the answer starts with the last message's content when that message has the
+    # answer's role (a continued message: add_generation_prompt false).
+    echo: bool = False
     # Each token's log probability, and the top_logprobs most likely of its position.
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -341,6 +343,12 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def top_logprobs_asked(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def response_role(self) -> str:
+        """The answer's role (vLLM's rule): the assistant's, unless no new turn is opened, when it
+        is the last message's, which the answer goes on with."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
 
     @field_validator("messages")
     @classmethod

@@ -35,6 +35,7 @@ from cluster.http_errors import (
     install_error_handlers,
 )
 from cluster.openai_logprobs import Name, chat_logprobs, prompt_logprobs, token_id_name
+from engine.chat_template import content_text
 from engine.loaders.generation_defaults import GenerationDefaults
 from engine.sampling_params import SamplingParams
 from worker_common.messages import GenerateRequest, TokenDelta
@@ -285,6 +286,10 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
         head, reqs = _head(req), choice_requests(req, body.n)
         asked = req.sampling.logprobs is not None
         name = _namer(body)
+        role = body.response_role
+        last = body.messages[-1]
+        # (vLLM's echo: the content of the message the answer goes on with comes first)
+        echoed = content_text(last.content) if body.echo and last.role == role else ""
         if body.stream:
 
             def make(i: int, d: TokenDelta) -> dict[str, Any]:
@@ -293,8 +298,13 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
                 end = resp.Ending(d.finish_reason, d.stop_reason)
                 return resp.chat_chunk(head, i, delta, end, d.token_ids, logprobs)
 
-            role = {"role": "assistant", "content": ""}  # (each choice's first chunk, as vLLM)
-            first = [resp.chat_chunk(head, i, role, resp.GOING_ON, []) for i in range(len(reqs))]
+            # Each choice's first chunk names the role, as vLLM's; an echo follows in one chunk.
+            opening = [{"role": role, "content": ""}] + ([{"content": echoed}] if echoed else [])
+            first = [
+                resp.chat_chunk(head, i, delta, resp.GOING_ON, [])
+                for delta in opening
+                for i in range(len(reqs))
+            ]
             return StreamingResponse(
                 answers.stream(
                     reqs, make, body.include_usage, len(ids), first, body.continuous_usage
@@ -309,9 +319,10 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
                 [
                     resp.chat_choice(
                         i,
-                        c.text,
+                        echoed + c.text,
                         c.end,
                         chat_logprobs(c.logprobs, name) if asked else None,
+                        role,
                     )
                     for i, c in enumerate(choices)
                 ],

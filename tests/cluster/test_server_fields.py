@@ -1,6 +1,7 @@
 """vLLM's and OpenAI's request fields at the HTTP edge over a real decode worker: logit_bias and
 allowed_token_ids reach the sampler, truncate_prompt_tokens cuts the prompt, and
-continuous_usage_stats puts usage in every chunk."""
+continuous_usage_stats puts usage in every chunk, chat's echo repeats the message the answer goes on
+with."""
 
 from __future__ import annotations
 
@@ -67,3 +68,39 @@ def test_continuous_usage_stats_put_each_choices_usage_in_every_chunk(http, back
     # without include_usage it asks nothing
     alone = body | {"stream_options": {"continuous_usage_stats": True}}
     assert all("usage" not in c for c in events(http.post("/v1/chat/completions", json=alone).text))
+
+
+def test_chat_echo_starts_the_answer_with_the_message_it_continues(http) -> None:  # noqa: F811
+    """vLLM's chat echo: with no new turn opened (add_generation_prompt false) the answer has the
+    last message's role and starts with its content, whole and streamed; a new assistant turn
+    after a user's message echoes nothing."""
+    conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Bonjour, je"}]
+    body = {"model": MODEL, "messages": conv, "max_tokens": 3, "temperature": 0, "n": 2}
+    body |= {"ignore_eos": True, "add_generation_prompt": False, "continue_final_message": True}
+    plain = http.post("/v1/chat/completions", json=body).json()["choices"]
+    echoed = http.post("/v1/chat/completions", json=body | {"echo": True}).json()["choices"]
+    for p, e in zip(plain, echoed, strict=True):
+        assert e["message"] == {
+            "role": "assistant",
+            "content": "Bonjour, je" + p["message"]["content"],
+        }
+    chunks = events(
+        http.post("/v1/chat/completions", json=body | {"echo": True, "stream": True}).text
+    )
+    for i, e in enumerate(echoed):
+        deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"][0]["index"] == i]
+        assert deltas[0] == {"role": "assistant", "content": ""}
+        assert deltas[1] == {"content": "Bonjour, je"}
+        assert "".join(d.get("content", "") for d in deltas) == e["message"]["content"]
+    # A new turn (the assistant's, after the user's message): nothing to go on with.
+    turn = CHAT | {"max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    new = http.post("/v1/chat/completions", json=turn | {"echo": True}).json()["choices"][0]
+    assert (
+        new["message"]
+        == http.post("/v1/chat/completions", json=turn).json()["choices"][0]["message"]
+    )
+    # The answer goes on with a user's message: it has the user's role.
+    user = {"model": MODEL, "messages": [{"role": "user", "content": "Once upon"}], "echo": True}
+    user |= {"max_tokens": 2, "add_generation_prompt": False, "continue_final_message": True}
+    message = http.post("/v1/chat/completions", json=user).json()["choices"][0]["message"]
+    assert message["role"] == "user" and message["content"].startswith("Once upon")

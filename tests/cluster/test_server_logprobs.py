@@ -92,7 +92,6 @@ def test_what_a_body_may_ask_of_logprobs(http) -> None:  # noqa: F811
         ("/v1/completions", PROMPT | {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
         ("/v1/completions", PROMPT | {"prompt_logprobs": 21}, "prompt_logprobs"),
         ("/v1/chat/completions", CHAT | {"prompt_logprobs": -1}, "prompt_logprobs"),
-        ("/v1/chat/completions", CHAT | {"echo": True}, "echo"),  # (vLLM's, another meaning)
     ):
         r = http.post(path, json=body | {"max_tokens": 2})
         assert r.status_code == 400 and r.json()["error"]["param"].startswith(param), r.text
