@@ -101,8 +101,13 @@ class ClusterFrontend:
             )
         return self.tokenizer
 
-    def encode(self, text: str) -> list[int]:
-        return self._require_tokenizer().encode(text, add_special_tokens=True)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._require_tokenizer().encode(text, add_special_tokens=add_special_tokens)
+
+    def token_pieces(self, token_ids: list[int]) -> list[str]:
+        """Each token's piece in the vocabulary (vLLM's token_strs: "Ġworld", not " world")."""
+        tokenizer = self._require_tokenizer()
+        return [tokenizer.id_to_token(t) or "" for t in token_ids]
 
     def token_text(self, token_id: int) -> str:
         """One token as the logprobs of an answer name it: its text, or ``token_id:<id>`` for a

@@ -35,6 +35,7 @@ from cluster.http_errors import (
     install_error_handlers,
 )
 from cluster.openai_logprobs import Name, chat_logprobs, prompt_logprobs, token_id_name
+from cluster.tokenize_api import add_tokenize_routes
 from engine.chat_template import content_text
 from engine.loaders.generation_defaults import GenerationDefaults
 from engine.sampling_params import SamplingParams
@@ -57,8 +58,9 @@ class ServingBackend(Protocol):
 
     async def start(self) -> None: ...
     async def stop(self) -> None: ...
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def token_text(self, token_id: int) -> str: ...
+    def token_pieces(self, token_ids: list[int]) -> list[str]: ...
     def decode(self, token_ids: list[int]) -> str: ...
     def encode_chat(
         self,
@@ -130,13 +132,16 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
         aborting.add(task)
         task.add_done_callback(aborting.discard)
 
-    def _check_body(body: oa.CompletionRequest | oa.ChatCompletionRequest) -> None:
-        if body.model != backend.model_name:
+    def _check_model(model: str) -> None:
+        if model != backend.model_name:
             raise BadRequest(
-                f"model {body.model!r} does not exist; this server serves {backend.model_name!r}",
+                f"model {model!r} does not exist; this server serves {backend.model_name!r}",
                 "model",
                 404,
             )
+
+    def _check_body(body: oa.CompletionRequest | oa.ChatCompletionRequest) -> None:
+        _check_model(body.model)
         refused = body.refused()
         if refused:
             raise BadRequest("; ".join(message for _, message in refused), refused[0][0])
@@ -333,6 +338,8 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
             return answer
 
         return await answers.whole(reqs, request, build)
+
+    add_tokenize_routes(app, backend, _check_model)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -461,10 +461,19 @@ def test_metrics_and_perf_metrics(running, client, model_name) -> None:
         assert all(r["kv"]["groups"]["full"]["total"] > 0 for r in iterations)
 
 
-def test_health_and_models(running, model_name) -> None:
+def test_health_models_and_tokenize(running, model_name, hf_gguf_tokenizer) -> None:
     assert get_json(running.url, "/health")["healthy"] is True
     models = get_json(running.url, "/v1/models")
     assert models["data"][0]["id"] == model_name
+    # vLLM's /tokenize and /detokenize through the server's tokenizer: transformers' ids and pieces
+    tokenizer = hf_gguf_tokenizer
+    text = "The capital of France is"
+    body = {"model": model_name, "prompt": text, "return_token_strs": True}
+    r = httpx.post(running.url + "/tokenize", json=body, timeout=30).json()
+    assert r["tokens"] == tokenizer(text)["input_ids"]
+    assert r["token_strs"] == tokenizer.convert_ids_to_tokens(r["tokens"])
+    r = httpx.post(running.url + "/detokenize", json={"tokens": r["tokens"]}, timeout=30)
+    assert r.json() == {"prompt": text}
 
 
 def test_prefill_actor_killed_mid_request(running, client, model_name) -> None:

@@ -42,8 +42,11 @@ class WorkerBackend:
     async def start(self) -> None: ...
     async def stop(self) -> None: ...
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens)
+
+    def token_pieces(self, token_ids: list[int]) -> list[str]:
+        return [self.tokenizer.id_to_token(t) or "" for t in token_ids]
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -1,0 +1,58 @@
+"""vLLM's /tokenize and /detokenize (cluster/tokenize_api.py) over the real app and tokenizer: the
+ids are the ones the generation endpoints run for the same prompt or messages."""
+
+from __future__ import annotations
+
+from tests.cluster.test_server import CHAT, MODEL, backend, http  # noqa: F401 (fixtures)
+
+
+def test_tokenize_gives_the_ids_the_endpoints_run(http, backend) -> None:  # noqa: F811
+    text = "The capital of France is"
+    r = http.post("/tokenize", json={"model": MODEL, "prompt": text}).json()
+    http.post("/v1/completions", json={"model": MODEL, "prompt": text, "max_tokens": 1})
+    assert r["tokens"] == backend.requests[-1].prompt_token_ids.tolist()
+    assert r["count"] == len(r["tokens"]) and r["max_model_len"] == backend.max_model_len
+    assert r["token_strs"] is None
+    # pieces of the vocabulary, as vLLM's convert_ids_to_tokens ("Ġcapital", not " capital")
+    strs = http.post("/tokenize", json={"prompt": text, "return_token_strs": True}).json()
+    assert strs["token_strs"] == [backend.tokenizer.id_to_token(t) for t in r["tokens"]]
+    assert "Ġcapital" in strs["token_strs"]
+    # the messages' ids are the chat endpoint's (the same template and options)
+    chat = {"messages": CHAT["messages"], "add_generation_prompt": False}
+    ids = http.post("/tokenize", json=chat).json()["tokens"]
+    http.post("/v1/chat/completions", json=CHAT | {"max_tokens": 1, "add_generation_prompt": False})
+    assert ids == backend.requests[-1].prompt_token_ids.tolist()
+    opened = http.post("/tokenize", json=chat | {"add_generation_prompt": True}).json()["tokens"]
+    assert opened[: len(ids)] == ids and len(opened) > len(ids)
+
+
+def test_detokenize_is_the_text_of_the_ids(http, backend) -> None:  # noqa: F811
+    ids = backend.encode("Bonjour, le monde")
+    r = http.post("/detokenize", json={"model": MODEL, "tokens": ids})
+    assert r.json() == {"prompt": "Bonjour, le monde"}
+
+
+def test_what_tokenize_and_detokenize_refuse(http) -> None:  # noqa: F811
+    for path, body, code, param in (
+        ("/tokenize", {"prompt": "x", "model": "other"}, 404, "model"),
+        ("/tokenize", {"prompt": "x", "truncate": 3}, 400, "truncate"),  # (unknown field)
+        ("/tokenize", {"prompt": 3}, 400, "prompt"),
+        (
+            "/tokenize",
+            {"messages": CHAT["messages"], "add_special_tokens": True},
+            400,
+            "add_special_tokens",
+        ),
+        (
+            "/tokenize",
+            {"messages": CHAT["messages"], "continue_final_message": True},
+            400,
+            "continue_final_message",
+        ),
+        ("/detokenize", {"tokens": [49152]}, 400, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+    ):
+        r = http.post(path, json=body)
+        assert r.status_code == code and r.json()["error"]["param"] == param, (body, r.text)
+    r = http.post("/tokenize", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400
