@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from cluster.http_errors import BadRequest, check_token_ids, validation_message
-from cluster.openai_schemas import ChatMessage, refused_fields
+from cluster.openai_schemas import NOT_SUPPORTED_MESSAGE, ChatMessage, refused_fields
 
 
 class _Body(BaseModel):
@@ -44,6 +44,8 @@ class TokenizeChat(_Body):
 
     def refused(self) -> list[tuple[str, str]]:
         refused = super().refused()
+        for i, message in enumerate(self.messages):  # (what chat refuses of a message)
+            refused += refused_fields(message.model_extra, NOT_SUPPORTED_MESSAGE, f"messages[{i}].")
         if self.add_special_tokens:
             refused.append(
                 (

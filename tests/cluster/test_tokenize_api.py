@@ -49,6 +49,12 @@ def test_what_tokenize_and_detokenize_refuse(http) -> None:  # noqa: F811
             400,
             "continue_final_message",
         ),
+        (
+            "/tokenize",
+            {"messages": [CHAT["messages"][0] | {"tool_call_id": "c1"}]},
+            400,
+            "messages[0].tool_call_id",
+        ),
         ("/detokenize", {"tokens": [49152]}, 400, "tokens"),
         ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
     ):
