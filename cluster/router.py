@@ -133,7 +133,9 @@ class Router:
                 return
             self.num_local_fallbacks += 1
             local = dataclasses.replace(req, prefill_attempt=attempts)  # (that many failed)
-            async for d in self._stream_decode(local, None, None, last_reported=reported):
+            async for d in self._stream_decode(
+                local, None, None, last_reported=reported, hashes=hashes
+            ):
                 yield d
             return
         req = dataclasses.replace(req, prefill_attempt=attempts - 1)  # the one D takes over
@@ -155,7 +157,7 @@ class Router:
                 return
             handed_over = True
             async for d in self._stream_decode(
-                req, pre, pworker, last_reported=req.prefill_attempt
+                req, pre, pworker, last_reported=req.prefill_attempt, hashes=hashes
             ):
                 yield d
         finally:
@@ -250,13 +252,16 @@ class Router:
         pworker: WorkerSlot | None,
         prefer: WorkerSlot | None = None,
         last_reported: int = -1,
+        hashes: list[int] | None = None,
     ) -> AsyncIterator[TokenDelta]:
         """Stream from a decode worker (``prefer`` first, when given). A worker that is unavailable
         before it produced anything (it is restarting, or died) is replaced, within
         ``call_timeout_s``; after the first token, its failure ends the request with an error (the
         tokens already sent cannot be recalled). At ``call_timeout_s`` from the request's arrival
         the request is aborted with an error. ``last_reported``: the prefill attempt whose report
-        is the collector's last when no decode worker reports the request (-1: none)."""
+        is the collector's last when no decode worker reports the request (-1: none).
+        ``hashes``: the prompt's block hashes, for a pick by what each decode worker holds (a
+        worker's cached prefix is neither pulled nor computed again)."""
         rid = req.request_id
         started = finished = ok = False
         d: WorkerSlot | None = None
@@ -264,7 +269,9 @@ class Router:
         try:
             while not finished:
                 d, prefer = (
-                    (prefer, None) if prefer is not None else (self.choice.pick_decode(), None)
+                    (prefer, None)
+                    if prefer is not None
+                    else (self.choice.pick_decode(hashes), None)
                 )
                 d.outstanding += 1
                 try:
