@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -117,6 +118,21 @@ STOP_GRACE_S = 30.0
 START_TIMEOUT_S = 30.0
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host``:``port`` (0: any free port) for uvicorn to serve on, with the
+    options uvicorn's own binding sets (address reuse, inheritable)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
 def start_server_thread(
     app: Any, host: str, port: int
 ) -> tuple[uvicorn.Server, threading.Thread, int]:
@@ -204,11 +220,14 @@ def serve(config: ClusterConfig) -> None:
         frontend = make_frontend(config, handles, defaults)
         api_key = config.server.api_key.get_secret_value() if config.server.api_key else None
         app = create_app(frontend, api_key)
+        # Bound here, so that the address printed is the one served (port 0: the port taken).
+        sock = listening_socket(config.server.host, config.server.port)
         print(
-            f"Duet serving {frontend.model_name} on http://{config.server.host}:{config.server.port}",
+            f"Duet serving {frontend.model_name} on http://{config.server.host}:"
+            f"{sock.getsockname()[1]}",
             flush=True,
         )
-        uvicorn.run(app, host=config.server.host, port=config.server.port, log_level="info")
+        uvicorn.Server(uvicorn.Config(app, log_level="info")).run(sockets=[sock])
     finally:
         handles.shutdown()
         if owns_ray:

@@ -120,3 +120,38 @@ def test_model_generation_config_picks_the_sampling_defaults(tmp_path: Path, cap
     with pytest.raises(ConfigError, match="model.generation_config: auto reads .*top_p"):
         sampling_defaults(auto)
     assert sampling_defaults(none) == GenerationDefaults()
+
+
+def test_duet_serves_on_the_socket_it_announces() -> None:
+    """`duet serve` binds before it prints its address: with port 0 the port taken, not 0."""
+    import threading
+
+    import uvicorn
+
+    from cluster.serve import listening_socket
+
+    app = FastAPI()
+
+    @app.get("/")
+    async def root() -> str:
+        return "here"
+
+    sock = listening_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    assert port != 0
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.05)
+        assert httpx.get(f"http://127.0.0.1:{port}/", timeout=10).json() == "here"
+        with pytest.raises(OSError):  # (the port is ours: another bind is refused)
+            listening_socket("127.0.0.1", port).close()
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+    assert not thread.is_alive()
