@@ -105,8 +105,7 @@ class _TPRankActor:
         from transfer import KVSender
 
         buffers, specs = self._pools()
-        # A port of its own: the ranks of a worker share a node.
-        config = dataclasses.replace(config, port=0)
+        # (config.port is this rank's own: the ranks of a worker share a node; tp_transfer.py)
         self._sender = KVSender(buffers, specs, model, config, self._on_released)
 
     def _on_released(self, sub: str) -> None:

@@ -78,6 +78,13 @@ def plan_reads(num_kv_heads: int, prefill_tp: int, decode_tp: int) -> list[Read]
     return reads
 
 
+def rank_listener(config: TransceiverConfig, rank: int) -> TransceiverConfig:
+    """Rank ``rank``'s transceiver settings: the ranks of a worker share a node, so each listens
+    on a port of its own, ``transfer.port + rank`` (a range a firewall can open), any free one
+    when transfer.port is 0."""
+    return dataclasses.replace(config, port=config.port + rank if config.port else 0)
+
+
 def sub_id(request_id: str, decode_rank: int) -> str:
     return f"{request_id}|d{decode_rank}"
 
@@ -115,8 +122,11 @@ class TPPublisher:
         self._own_records: dict[str, TransferStats] = {}
         self.own = make_own(lambda sub: self._ended(0, sub, self._own_record(sub)))
         # Start-up, before the worker serves: these calls may block.
-        for actor in self.rank_actors:
-            ray.get(actor.start_sender.remote(rank_config, model), timeout=CALL_TIMEOUT_S)
+        for rank, actor in enumerate(self.rank_actors, start=1):
+            ray.get(
+                actor.start_sender.remote(rank_listener(rank_config, rank), model),
+                timeout=CALL_TIMEOUT_S,
+            )
         self._closed = False
         for rank in range(1, len(self.rank_actors) + 1):
             self._ask_released(rank)

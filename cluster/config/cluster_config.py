@@ -21,7 +21,8 @@ class ClusterConfig(Section):
 
     model: ModelConfig = Field(default_factory=ModelConfig, description="The model to serve.")
     prefill: PrefillPoolConfig = Field(
-        default_factory=PrefillPoolConfig, description="Prefill workers (replicas 0 = aggregated)."
+        default_factory=PrefillPoolConfig,
+        description="Prefill workers (replicas 0 = aggregated: none, the other fields unused).",
     )
     decode: DecodePoolConfig = Field(
         default_factory=DecodePoolConfig, description="Decode workers."
@@ -30,7 +31,8 @@ class ClusterConfig(Section):
         default_factory=KVCacheConfig, description="Each worker's paged KV cache."
     )
     transfer: TransferConfig = Field(
-        default_factory=TransferConfig, description="KV transfer from prefill to decode."
+        default_factory=TransferConfig,
+        description="KV transfer from prefill to decode (unused in aggregated mode: no prefill workers).",
     )
     router: RouterConfig = Field(default_factory=RouterConfig, description="Request routing.")
     server: ServerConfig = Field(
@@ -51,6 +53,15 @@ class ClusterConfig(Section):
                     "transfer.port",
                     f"{self.prefill.replicas} prefill workers on this one host cannot all listen "
                     f"on port {self.transfer.port}: use 0 (any free port)",
+                )
+            )
+        last_port = self.transfer.port + self.prefill.tensor_parallel_size - 1
+        if self.transfer.port and last_port > 65535:
+            issues.append(
+                (
+                    "transfer.port",
+                    f"prefill rank {self.prefill.tensor_parallel_size - 1} would listen on "
+                    f"{last_port} (port + rank), past 65535",
                 )
             )
         if self.transfer.staging_tokens % page_size:

@@ -159,7 +159,16 @@ class TransferConfig(Section):
             "for KV in host memory and thread-polling for KV on a GPU."
         ),
     )
-    port: int = Field(0, ge=0, le=65535, description="Listener port; 0 = any free port.")
+    port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description=(
+            "A prefill worker's listener port; 0 = any free port. With "
+            "prefill.tensor_parallel_size N its rank r listens on port + r (ports port .. "
+            "port + N - 1)."
+        ),
+    )
     ucx_tls: tuple[str, ...] | None = Field(
         None,
         description=(

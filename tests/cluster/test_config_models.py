@@ -341,6 +341,10 @@ def test_transfer_settings_that_would_validate_and_then_fail() -> None:
     assert "cannot all listen on port 5555" in issues_of(two)[0]  # the second failed to bind
     two["ray"] = {"address": "auto"}  # a cluster of nodes: one per node may share the port
     assert config_from_dict(two).transfer.port == 5555
+    ranks = {"prefill": {"tensor_parallel_size": 4}, "transfer": {"port": 65533}}
+    assert "would listen on 65536 (port + rank)" in issues_of(ranks)[0]  # rank 3
+    ranks["transfer"]["port"] = 65532
+    assert config_from_dict(ranks).transfer.port == 65532
 
 
 def test_transfer_secret_failure_policy_and_fault_injection() -> None:

@@ -20,6 +20,7 @@ import torch
 
 from prefill_worker.worker import PrefillWorker
 from tests.cluster.cluster_fixtures import local_ray
+from tests.ports import free_fixed_port
 from tests.prefill_worker.test_prefill_worker import wait_until_no_page_held
 from tests.tiny_engine import greedy, tiny_engine
 from tests.transfer.conftest import MODEL, KVSide, config, specs
@@ -69,9 +70,14 @@ def rank_actor(seed: int, publish_delay_s: float = 0.0) -> Any:
 
 
 def publisher(
-    side: KVSide, rank: Any, decode_tp: int = 2, call_timeout_s: float = 30.0, lease_s: float = 10.0
+    side: KVSide,
+    rank: Any,
+    decode_tp: int = 2,
+    call_timeout_s: float = 30.0,
+    lease_s: float = 10.0,
+    port: int = 0,
 ) -> TPPublisher:
-    cfg = config(lease_s=lease_s)
+    cfg = config(lease_s=lease_s, port=port)
     return TPPublisher(
         lambda release: KVSender(side.kv.buffers, side.specs, MODEL, cfg, release),
         [rank],
@@ -142,6 +148,19 @@ def test_one_record_per_request_over_all_ranks_and_counters_of_every_rank() -> N
         wait_until(refused_on_both_ranks)
     finally:
         pull.close()
+        pub.close()
+
+
+def test_with_a_fixed_transfer_port_rank_r_listens_on_port_plus_r() -> None:
+    """transfer.port for a firewall: the ranks of one worker share its node, so rank r takes
+    port + r, and the ticket's parts say where each listens."""
+    port = free_fixed_port()
+    side = KVSide(specs(num_pages=PAGES), 5)
+    pub = publisher(side, rank_actor(6), port=port)
+    try:
+        ticket = asyncio.run(pub.publish("r0", side.allocate("r0", TOKENS), TOKENS))
+        assert sorted({p.ticket.port for p in ticket.parts}) == [port, port + 1]
+    finally:
         pub.close()
 
 
