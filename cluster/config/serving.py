@@ -19,8 +19,9 @@ class RouterConfig(Section):
         description=(
             "How the router picks the worker that prefills a request: a prefill worker, or in "
             "aggregated mode a decode worker (a disaggregated request's decode worker is the one "
-            "with the fewest requests, then the most of its prompt cached, then the most free "
-            "pages). round_robin: in turn; load_balance: fewest queued + running requests; "
+            "with the fewest requests, then the most of its prompt cached, known from the "
+            "workers' KV events under kv_aware or local_prefill_max_tokens > 0, then the most "
+            "free pages). round_robin: in turn; load_balance: fewest queued + running requests; "
             "prefix_aware: requests sharing their first page go to one worker (by a hash), load "
             "as tie-break; kv_aware: the least cost from what each worker has cached, known from "
             "its KV events: prompt tokens its device does not hold, host-tier hits at half "
@@ -28,11 +29,18 @@ class RouterConfig(Section):
         ),
     )
     prefill_retries: int = Field(
-        1, ge=0, description="Times a failed prefill is retried on another prefill worker."
+        1,
+        ge=0,
+        description=(
+            "Times a failed prefill is retried on another prefill worker (disaggregated mode)."
+        ),
     )
     local_prefill_fallback: bool = Field(
         True,
-        description="When no prefill worker is healthy, let the decode worker prefill locally.",
+        description=(
+            "When no prefill worker is healthy, let the decode worker prefill locally "
+            "(disaggregated mode; in aggregated mode decode workers always prefill)."
+        ),
     )
     local_prefill_max_tokens: int = Field(
         0,
