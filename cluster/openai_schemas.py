@@ -372,14 +372,30 @@ class ChatCompletionRequest(_SamplingFields):
         refused = refused_fields(self.model_extra, NOT_SUPPORTED_CHAT) + self._misused()
         if self.top_logprobs and not self.logprobs:  # (0 asks nothing: vLLM's rule)
             refused.append(("top_logprobs", "top_logprobs: only with logprobs: true"))
-        if self.continue_final_message and self.add_generation_prompt:
-            refused.append(
-                (
-                    "continue_final_message",
-                    "continue_final_message: not with add_generation_prompt true (the first "
-                    "continues the last message, the second opens a new one)",
-                )
+        return refused + conversation_refusals(
+            self.messages, self.add_generation_prompt, self.continue_final_message
+        )
+
+
+def conversation_refusals(
+    messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool
+) -> list[tuple[str, str]]:
+    """(field, message) for what a conversation may not ask (chat's and /tokenize's rule): the
+    message fields Duet does not implement, a continued message that opens a new turn too."""
+    refused = []
+    if continue_final_message and add_generation_prompt:
+        refused.append(
+            (
+                "continue_final_message",
+                "continue_final_message: not with add_generation_prompt true (the first "
+                "continues the last message, the second opens a new one)",
             )
-        for i, message in enumerate(self.messages):
-            refused += refused_fields(message.model_extra, NOT_SUPPORTED_MESSAGE, f"messages[{i}].")
-        return refused
+        )
+    for i, message in enumerate(messages):
+        refused += refused_fields(message.model_extra, NOT_SUPPORTED_MESSAGE, f"messages[{i}].")
+    return refused
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as the chat template takes them (engine.chat_template reads the parts)."""
+    return [{"role": m.role, "content": m.content} for m in messages]

@@ -277,9 +277,8 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
         _check_body(body)
         try:
             # (the template takes content parts as it is written to: engine.chat_template)
-            messages = [{"role": m.role, "content": m.content} for m in body.messages]
             ids = backend.encode_chat(
-                messages,
+                oa.template_messages(body.messages),
                 body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
                 template_kwargs=body.chat_template_kwargs,

@@ -15,7 +15,12 @@ from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from cluster.http_errors import BadRequest, check_token_ids, validation_message
-from cluster.openai_schemas import NOT_SUPPORTED_MESSAGE, ChatMessage, refused_fields
+from cluster.openai_schemas import (
+    ChatMessage,
+    conversation_refusals,
+    refused_fields,
+    template_messages,
+)
 
 
 class _Body(BaseModel):
@@ -44,21 +49,15 @@ class TokenizeChat(_Body):
 
     def refused(self) -> list[tuple[str, str]]:
         refused = super().refused()
-        for i, message in enumerate(self.messages):  # (what chat refuses of a message)
-            refused += refused_fields(message.model_extra, NOT_SUPPORTED_MESSAGE, f"messages[{i}].")
+        refused += conversation_refusals(
+            self.messages, self.add_generation_prompt, self.continue_final_message
+        )
         if self.add_special_tokens:
             refused.append(
                 (
                     "add_special_tokens",
                     "add_special_tokens: only false with messages (the chat template writes the "
                     "special tokens; /v1/chat/completions adds none)",
-                )
-            )
-        if self.continue_final_message and self.add_generation_prompt:
-            refused.append(
-                (
-                    "continue_final_message",
-                    "continue_final_message: not with add_generation_prompt true",
                 )
             )
         return refused
@@ -100,7 +99,7 @@ def add_tokenize_routes(app: FastAPI, backend: Any, check_model: Callable[[str],
         try:
             if isinstance(body, TokenizeChat):
                 ids = backend.encode_chat(
-                    [{"role": m.role, "content": m.content} for m in body.messages],
+                    template_messages(body.messages),
                     body.add_generation_prompt,
                     continue_final_message=body.continue_final_message,
                     template_kwargs=body.chat_template_kwargs,
