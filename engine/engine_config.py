@@ -65,9 +65,10 @@ class EngineConfig:
     activation estimate) that the KV pool takes."""
     gpu_memory_utilization: float | None = None
     """vLLM's budget, in place of ``gpu_memory_fraction``: the share of the GPU's whole memory
-    this engine may take (weights, activations and KV together; the KV pool gets what is left of
-    it once the weights are loaded, less the activation estimate). More than other processes
-    left free is refused, as in vLLM. None: ``gpu_memory_fraction``."""
+    this engine may take (weights, activations and KV together, and what loading took outside
+    torch's allocator; the KV pool gets what is left of it once the weights are loaded, less the
+    activation estimate). More than other processes left free is refused before the weights
+    load, as in vLLM. None: ``gpu_memory_fraction``."""
     kv_max_tokens: int | None = None
     """Cap on the tokens the KV pool holds (None: what max_num_seqs sequences of max_model_len use)."""
     max_num_seqs: int = 256

@@ -15,7 +15,7 @@ import torch
 from engine.batch_builder import BatchBuilder
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_config import EngineConfig
-from engine.kv_setup import build_kv_cache
+from engine.kv_setup import build_kv_cache, log_footprint, memory_at_start
 from engine.logprobs import TokenLogprobs
 from engine.model_config import ModelConfig
 from engine.outputs import RequestOutput
@@ -34,6 +34,7 @@ from engine.tp.messages import TPSetup
 from engine.tp.partition import TPPartition, tp_problems
 from engine.warm_up import warm_up
 from kvcache.manager import KVCacheManager
+from kvcache.sizing import CudaMemory
 
 if TYPE_CHECKING:
     from engine.loaders import LoadedModel
@@ -110,8 +111,10 @@ class LLMEngine:
             config = config.resolved()
         except OSError as e:
             raise ValueError(f"LLM.model={config.model!r}: {e}") from e
-        if config.tensor_parallel_size > 1:
-            return cls._from_config_tp(config, start_ranks or LocalRanks)
+        tp_size = config.tensor_parallel_size
+        at_start = memory_at_start(config, rank_device(config, 0) if tp_size > 1 else config.device)
+        if tp_size > 1:
+            return cls._from_config_tp(config, start_ranks or LocalRanks, at_start)
         try:
             loaded = load_model(
                 config.model,
@@ -125,10 +128,12 @@ class LLMEngine:
             raise ValueError(
                 f"LLM.model={config.model!r} (load_format={config.load_format!r}): {e}"
             ) from e
-        return cls.from_loaded(loaded, config)
+        return cls.from_loaded(loaded, config, memory_at_start=at_start)
 
     @classmethod
-    def _from_config_tp(cls, config: EngineConfig, start_ranks: StartRanks) -> LLMEngine:
+    def _from_config_tp(
+        cls, config: EngineConfig, start_ranks: StartRanks, at_start: CudaMemory | None
+    ) -> LLMEngine:
         """Rank 0 here, ranks 1.. started by ``start_ranks``."""
         from engine.loaders import load_model
         from engine.loaders.load import read_model_config
@@ -160,7 +165,7 @@ class LLMEngine:
                 config.seed,
                 tp=tp,
             )
-            engine = cls.from_loaded(loaded, config, tp)
+            engine = cls.from_loaded(loaded, config, tp, at_start)
         except BaseException:
             ranks.kill()
             raise
@@ -175,14 +180,19 @@ class LLMEngine:
 
     @classmethod
     def from_loaded(
-        cls, loaded: LoadedModel, config: EngineConfig, tp: TPContext | None = None
+        cls,
+        loaded: LoadedModel,
+        config: EngineConfig,
+        tp: TPContext | None = None,
+        memory_at_start: CudaMemory | None = None,
     ) -> LLMEngine:
         """An engine over an already loaded model (its fields model/load_format/dtype are not used
         again; several engines may share one model, each with its own KV cache). With ``tp`` this
         is rank 0 of a tensor-parallel worker: its KV pools hold its head shard, and the other
         ranks get the page counts (TPSetup) once they are sized. The KV cache goes on the
         model's device, whatever ``config.device`` says (a model loaded on a GPU next to a KV
-        cache in host memory cannot run)."""
+        cache in host memory cannot run). ``memory_at_start``: the device before the model was
+        loaded, so that gpu_memory_utilization counts what loading took outside torch."""
         mc = loaded.config
         first = next(loaded.model.parameters())
         config = config.resolved(first.dtype)
@@ -204,7 +214,7 @@ class LLMEngine:
             page_size=config.page_size,
         )
         shard = tp.partition.kv if tp is not None else None
-        kv = build_kv_cache(mc, config, max_model_len, shard)
+        kv = build_kv_cache(mc, config, max_model_len, shard, memory_at_start)
         if tp is not None and tp.size > 1:
             assert tp.group is not None
             tp.group.broadcast_object(TPSetup({n: s.num_pages for n, s in kv.specs.items()}))
@@ -223,6 +233,7 @@ class LLMEngine:
         )
         if config.warm_up:
             engine.warm_up()
+        log_footprint(config, kv.device, memory_at_start)
         return engine
 
     def warm_up(self) -> None:

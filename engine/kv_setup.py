@@ -13,11 +13,14 @@ from engine.model_config import ModelConfig
 from kvcache.head_shard import HeadShard
 from kvcache.manager import KVCacheManager
 from kvcache.sizing import (
+    CudaMemory,
     check_one_request_fits,
+    check_share_left,
     cuda_free_bytes,
     cuda_memory,
     device_kv_budget,
     host_pages_per_group,
+    non_torch_growth,
     pages_per_request,
     size_pool_groups,
     utilization_kv_budget,
@@ -56,6 +59,40 @@ def kv_pool_templates(
     ]
 
 
+def memory_at_start(config: EngineConfig, device: str) -> CudaMemory | None:
+    """The device's memory before the engine loads its model onto ``device``, where
+    gpu_memory_utilization sizes the KV cache (a CUDA device); None elsewhere. A share other
+    processes have not left is refused here, before minutes of loading (ValueError)."""
+    utilization = config.gpu_memory_utilization
+    if torch.device(device).type != "cuda" or utilization is None:
+        return None
+    now = cuda_memory(device)
+    check_share_left(now.total, now.free + now.torch_reserved, utilization)
+    return now
+
+
+def log_footprint(config: EngineConfig, device: torch.device, at_start: CudaMemory | None) -> None:
+    """Once the engine is built and warmed up: what it holds of its gpu_memory_utilization share,
+    in torch's allocator and outside it; a warning where the activation estimate or libraries
+    loaded after sizing took it past the share."""
+    if at_start is None or config.gpu_memory_utilization is None:
+        return
+    now = cuda_memory(device)
+    outside = non_torch_growth(at_start, now)
+    held = now.torch_reserved - at_start.torch_reserved + outside
+    share = int(now.total * config.gpu_memory_utilization)
+    gib = 1 << 30
+    log = logger.warning if held > share else logger.info
+    log(
+        "GPU memory: the engine holds %.2f GiB (%.2f outside torch's allocator) of its %.2f GiB "
+        "share (gpu_memory_utilization=%s)",
+        held / gib,
+        outside / gib,
+        share / gib,
+        config.gpu_memory_utilization,
+    )
+
+
 def activation_peak_estimate(model: ModelConfig, config: EngineConfig) -> int:
     """Rough upper bound of one step's activations in bytes (a profiling run would be exact)."""
     elem = torch.empty((), dtype=config.torch_dtype).element_size()
@@ -67,11 +104,17 @@ def activation_peak_estimate(model: ModelConfig, config: EngineConfig) -> int:
 
 
 def build_kv_cache(
-    model: ModelConfig, config: EngineConfig, max_model_len: int, shard: HeadShard | None = None
+    model: ModelConfig,
+    config: EngineConfig,
+    max_model_len: int,
+    shard: HeadShard | None = None,
+    memory_at_start: CudaMemory | None = None,
 ) -> KVCacheManager:
     """A KVCacheManager with ``config.num_pages`` pages per group, or as many as the memory budget
     holds (split by ``config.pool_ratio``, or by what one request holds in each group; capped at
     what ``max_num_seqs`` requests of ``max_model_len`` tokens can use). Logs the pages per group.
+    Under ``gpu_memory_utilization``, what the engine took outside torch's allocator since
+    ``memory_at_start`` (the device before its model was loaded) counts against its share.
 
     With ``config.host_tier_bytes``, a host tier beneath the groups (kvcache/host_tier.py).
 
@@ -88,13 +131,14 @@ def build_kv_cache(
         budget = config.kv_cache_memory_bytes
         if budget is None:
             if device.type == "cuda" and config.gpu_memory_utilization is not None:
-                free, total, held = cuda_memory(device)
+                now = cuda_memory(device)
                 budget = utilization_kv_budget(
-                    total,
-                    free,
-                    held,
+                    now.total,
+                    now.free,
+                    now.torch_reserved,
                     config.gpu_memory_utilization,
                     activation_peak_estimate(model, config),
+                    0 if memory_at_start is None else non_torch_growth(memory_at_start, now),
                 )
             elif device.type == "cuda":
                 budget = device_kv_budget(

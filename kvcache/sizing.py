@@ -17,6 +17,7 @@ full-attention group, about window + chunk in a sliding-window group.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 
@@ -24,18 +25,35 @@ from kvcache.sliding_window import max_pages_held
 from kvcache.spec import PoolGroupSpec
 
 
+class CudaMemory(NamedTuple):
+    """A CUDA device's memory at one moment, in bytes."""
+
+    free: int
+    total: int
+    torch_reserved: int
+    """held by this process's torch allocator"""
+
+
 def cuda_free_bytes(device: torch.device | str) -> int:
     """Free memory of a CUDA device now, in bytes (``torch.cuda.mem_get_info``)."""
-    return cuda_memory(device)[0]
+    return cuda_memory(device).free
 
 
-def cuda_memory(device: torch.device | str) -> tuple[int, int, int]:
-    """(free, total, held by this process's torch allocator) of a CUDA device now, in bytes."""
+def cuda_memory(device: torch.device | str) -> CudaMemory:
+    """The device's free and total memory and what this process's torch allocator holds, now."""
     device = torch.device(device)
     if device.type != "cuda":
         raise ValueError(f"cuda_memory needs a CUDA device, got {device}")
     free, total = torch.cuda.mem_get_info(device)
-    return int(free), int(total), int(torch.cuda.memory_reserved(device))
+    return CudaMemory(int(free), int(total), int(torch.cuda.memory_reserved(device)))
+
+
+def non_torch_growth(before: CudaMemory, now: CudaMemory) -> int:
+    """Device memory taken since ``before`` outside torch's allocator (CUDA libraries' workspaces
+    and modules, NCCL's buffers): what left the free pool less what torch's allocator grew by. As
+    vLLM's profiling, it is charged to the engine: the free pool cannot tell whose it is, and an
+    engine that ignored it would take more than its share."""
+    return max(0, (before.free - now.free) - (now.torch_reserved - before.torch_reserved))
 
 
 def device_kv_budget(
@@ -63,30 +81,41 @@ def device_kv_budget(
     return int(remaining * fraction)
 
 
+def check_share_left(total_bytes: int, left_bytes: int, utilization: float) -> int:
+    """The engine's share of the device in bytes, ``utilization`` of ``total_bytes``. As vLLM,
+    a share past what other processes left it (``left_bytes``: free, plus what the engine holds)
+    is refused, not cut down; engine/kv_setup.memory_at_start asks before the weights load."""
+    share = int(total_bytes * utilization)
+    if left_bytes < share:
+        gib = 1 << 30
+        raise ValueError(
+            f"gpu_memory_utilization={utilization} asks for {share / gib:.2f} GiB of this GPU's "
+            f"{total_bytes / gib:.2f} GiB, but only {left_bytes / gib:.2f} GiB "
+            "were left by other processes: lower gpu_memory_utilization, or free the GPU"
+        )
+    return share
+
+
 def utilization_kv_budget(
     total_bytes: int,
     free_bytes: int,
     used_bytes: int,
     utilization: float,
     activation_peak_bytes: int = 0,
+    non_torch_bytes: int = 0,
 ) -> int:
     """KV budget in bytes under vLLM's ``gpu_memory_utilization``: the engine may take
-    ``utilization`` of the device's ``total_bytes`` in all; it holds ``used_bytes`` already (its
-    weights, loaded) and needs ``activation_peak_bytes`` more for a step; the KV cache gets the
+    ``utilization`` of the device's ``total_bytes`` in all; it holds ``used_bytes`` already in
+    torch's allocator (its weights, loaded) and ``non_torch_bytes`` outside it (non_torch_growth
+    since it started), and needs ``activation_peak_bytes`` more for a step; the KV cache gets the
     rest. As vLLM, an engine whose share is more than other processes left it (``free_bytes``
     now, plus what it holds) is refused, not given less than it asked for."""
     if not 0.0 < utilization <= 1.0:
         raise ValueError(f"utilization must be in (0, 1], got {utilization}")
-    if min(total_bytes, free_bytes, used_bytes, activation_peak_bytes) < 0:
+    if min(total_bytes, free_bytes, used_bytes, activation_peak_bytes, non_torch_bytes) < 0:
         raise ValueError("byte counts must be >= 0")
-    share = int(total_bytes * utilization)
-    if free_bytes + used_bytes < share:
-        gib = 1 << 30
-        raise ValueError(
-            f"gpu_memory_utilization={utilization} asks for {share / gib:.2f} GiB of this GPU's "
-            f"{total_bytes / gib:.2f} GiB, but only {(free_bytes + used_bytes) / gib:.2f} GiB "
-            "were left by other processes: lower gpu_memory_utilization, or free the GPU"
-        )
+    used_bytes += non_torch_bytes
+    share = check_share_left(total_bytes, free_bytes + used_bytes, utilization)
     budget = share - used_bytes - activation_peak_bytes
     if budget <= 0:
         raise ValueError(

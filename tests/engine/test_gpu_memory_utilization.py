@@ -24,7 +24,8 @@ pytestmark = [
 def test_the_engine_takes_its_share_of_the_gpu(utilization: float) -> None:
     gc.collect()
     torch.cuda.empty_cache()
-    total = torch.cuda.get_device_properties(0).total_memory
+    free_before, total = torch.cuda.mem_get_info(0)
+    reserved_before = torch.cuda.memory_reserved(0)
     # The 8B shape in bf16 (16 GB of weights): 256 requests of 8192 tokens would hold 256 GB of
     # KV, so the share, not the scheduler's limits, sizes the pool.
     llm = LLM(
@@ -38,10 +39,13 @@ def test_the_engine_takes_its_share_of_the_gpu(utilization: float) -> None:
     )
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     assert len(llm.generate([[1, 2, 3]] * 8, greedy, use_tqdm=False)[0].token_ids) == 4
-    held = torch.cuda.memory_reserved(0)
+    held = torch.cuda.memory_reserved(0) - reserved_before
+    # All the engine took from the device, its cuBLAS and Triton state outside torch's allocator
+    # included (this process's CUDA context was there before).
+    footprint = free_before - torch.cuda.mem_get_info(0)[0]
     kv = llm.engine.kv.stats()
     del llm
-    assert held <= utilization * total
+    assert footprint <= utilization * total + (256 << 20), (footprint, held, kv)
     assert held >= (utilization - 0.05) * total, (held, kv)
 
 

@@ -2,13 +2,16 @@ import pytest
 import torch
 
 from kvcache.sizing import (
+    CudaMemory,
     KVSizingError,
     budget_shares,
     cap_pages_by_tokens,
     check_one_request_fits,
+    check_share_left,
     cuda_free_bytes,
     device_kv_budget,
     host_pages_per_group,
+    non_torch_growth,
     pages_per_request,
     size_pool_groups,
     split_budget,
@@ -43,6 +46,26 @@ def test_utilization_budget_is_the_engines_share_less_what_it_holds() -> None:
         utilization_kv_budget(1000, 700, 450, 0.5, 100)
     with pytest.raises(ValueError, match="utilization"):
         utilization_kv_budget(1000, 700, 200, 1.5)
+
+
+def test_memory_taken_outside_torch_counts_against_the_share() -> None:
+    # Since the engine started 300 left the free pool; torch's allocator grew by 200 of it, so
+    # 100 went elsewhere (a library's workspace, NCCL). Another process freeing memory in between
+    # is not the engine's to spend: no negative growth.
+    start = CudaMemory(free=900, total=1000, torch_reserved=0)
+    assert non_torch_growth(start, CudaMemory(600, 1000, 200)) == 100
+    assert non_torch_growth(start, CudaMemory(950, 1000, 200)) == 0
+    # The share of 0.5 (500) less the 200 torch holds, the 100 outside it and a step's 100.
+    assert utilization_kv_budget(1000, 600, 200, 0.5, 100, non_torch_bytes=100) == 100
+    assert utilization_kv_budget(1000, 600, 200, 0.5, 100) == 200  # (what ignoring it gave)
+    with pytest.raises(ValueError, match="raise gpu_memory_utilization"):
+        utilization_kv_budget(1000, 600, 200, 0.4, 100, non_torch_bytes=100)
+
+
+def test_a_share_not_left_is_refused_before_anything_loads() -> None:
+    assert check_share_left(1000, 500, 0.5) == 500
+    with pytest.raises(ValueError, match="only 0.00 GiB were left by other processes"):
+        check_share_left(1000, 499, 0.5)
 
 
 def test_split_by_shares() -> None:
