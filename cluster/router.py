@@ -255,8 +255,8 @@ class Router:
         hashes: list[int] | None = None,
     ) -> AsyncIterator[TokenDelta]:
         """Stream from a decode worker (``prefer`` first, when given). A worker that is unavailable
-        before it produced anything (it is restarting, or died) is replaced, within
-        ``call_timeout_s``; after the first token, its failure ends the request with an error (the
+        before it produced anything (it is restarting, died, or is out of reach) is replaced, within
+        ``call_timeout_s``, and told to abort the request; after the first token, its failure ends the request with an error (the
         tokens already sent cannot be recalled). At ``call_timeout_s`` from the request's arrival
         the request is aborted with an error. ``last_reported``: the prefill attempt whose report
         is the collector's last when no decode worker reports the request (-1: none).
@@ -265,6 +265,7 @@ class Router:
         rid = req.request_id
         started = finished = ok = False
         d: WorkerSlot | None = None
+        replaced: WorkerSlot | None = None  # a worker found unavailable before its first token
         gen: Any = None
         try:
             while not finished:
@@ -273,6 +274,12 @@ class Router:
                     if prefer is not None
                     else (self.choice.pick_decode(hashes), None)
                 )
+                if replaced is not None and replaced is not d:
+                    # Unavailable may mean unreachable, not dead: it may have the request and run
+                    # it to the end, its pages held for nobody. Told before another takes it (a
+                    # dead one's call fails, which is all we wait for).
+                    self._after([replaced.handle.abort.remote(rid)], lambda: None)
+                replaced = None
                 d.outstanding += 1
                 try:
                     if pre is None:
@@ -323,6 +330,7 @@ class Router:
                             rid,
                             e,
                         )
+                        replaced = d
                         await asyncio.sleep(DECODE_RETRY_PAUSE_S)
                 except RayTaskError as e:
                     finished = True

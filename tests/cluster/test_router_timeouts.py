@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import ray
+from ray.exceptions import ActorUnavailableError
 
 from cluster.builder import ClusterHandles
 from cluster.config import ClusterConfig, config_from_dict
@@ -273,6 +274,55 @@ def test_a_request_whose_decode_workers_died_is_closed_with_the_prefill_report(
     assert deltas[0].token_ids == [5] and deltas[-1].error.startswith("decode worker d-0 failed")
     assert closed == [RequestClosed("orphan-1", last_attempt=0, reason="error")]
     wait_cancelled(worker, "orphan-1")
+
+
+class _KeepsAborts:
+    """A decode worker's abort, kept: the calls it was sent."""
+
+    def __init__(self) -> None:
+        self.aborted: list[tuple[object, ...]] = []
+
+    async def abort(self, *args: object) -> None:
+        self.aborted.append(args)
+
+    async def aborts(self) -> list[tuple[object, ...]]:
+        return list(self.aborted)
+
+
+@ray.remote(num_cpus=0)
+class _Unreachable(_KeepsAborts):
+    """A decode worker alive but out of the router's reach: its call fails as an unavailable
+    actor's does, and it may still have the request."""
+
+    async def decode(self, req: GenerateRequest, pre: PrefillResult) -> AsyncIterator[TokenDelta]:
+        raise ActorUnavailableError("the connection to the actor was lost", None)
+        yield  # (a streaming call, as the decode worker's)
+
+
+@ray.remote(num_cpus=0)
+class _Answering(_KeepsAborts):
+    async def decode(self, req: GenerateRequest, pre: PrefillResult) -> AsyncIterator[TokenDelta]:
+        yield TokenDelta(req.request_id, [6], "y", "length", 3, 2)
+
+
+def test_a_decode_worker_replaced_as_unavailable_is_told_to_abort(local_ray: None) -> None:
+    """An unavailable decode worker may only be unreachable and still run the request: the
+    router tells it to abort (no report: the one that serves it reports) before another takes
+    the request, which the client gets whole."""
+    unreachable, answering = _Unreachable.remote(), _Answering.remote()
+    router = Router(
+        [WorkerSlot("p-0", HandingPrefill.remote())],
+        [WorkerSlot("d-0", unreachable), WorkerSlot("d-1", answering)],
+        call_timeout_s=60,
+    )
+    req = GenerateRequest("moved-1", [1, 2, 3], SamplingParams(), time.time())
+    deltas = asyncio.run(collect(router, req))
+    assert [d.token_ids for d in deltas] == [[5], [6]] and deltas[-1].error is None
+    deadline = time.monotonic() + 30
+    while ray.get(unreachable.aborts.remote(), timeout=30) != [("moved-1",)]:
+        assert time.monotonic() < deadline, "the replaced decode worker was not told to abort"
+        time.sleep(0.05)
+    assert ray.get(answering.aborts.remote(), timeout=30) == []
 
 
 # ---- a real decode worker (the embedded model, aggregated mode) behind the router ----
