@@ -4,8 +4,8 @@ One task per worker on the server's event loop long-polls the worker's batches
 (worker_common/kv_events.py) and applies them in order. Whenever the numbers do not follow on
 (a batch was lost, or the worker's outbox overflowed) or the worker's epoch changed (first contact,
 or a restart), the task takes a snapshot of the worker's cache and rebuilds that worker's index
-from it, then goes on from the snapshot's number. A worker that does not answer is forgotten (the
-router assumes it holds nothing) until it answers again.
+from it, then goes on from the snapshot's number. A worker that does not answer, or not in time,
+is forgotten (the router assumes it holds nothing) until it answers again.
 """
 
 from __future__ import annotations
@@ -24,6 +24,10 @@ log = logging.getLogger(__name__)
 
 POLL_WAIT_S = 1.0  # how long one poll waits on the worker for a new batch
 RETRY_S = 0.5  # after a worker did not answer
+# A worker that is alive but silent (its loop stuck) must not freeze its task: a poll's answer is
+# due within its wait plus this, a snapshot (taken between engine steps) within SNAPSHOT_S.
+ANSWER_SLACK_S = 10.0
+SNAPSHOT_S = 10.0
 
 
 class KVEventSource(Protocol):
@@ -59,7 +63,8 @@ class WorkerFeed:
 
     async def step(self, wait_s: float = POLL_WAIT_S) -> None:
         """One poll: apply the batches that follow on, or rebuild from a snapshot."""
-        poll = await self.source.poll(self.epoch, self.seq, wait_s)
+        async with asyncio.timeout(wait_s + ANSWER_SLACK_S):
+            poll = await self.source.poll(self.epoch, self.seq, wait_s)
         if poll.epoch != self.epoch:
             await self._rebuild()
             return
@@ -81,7 +86,8 @@ class WorkerFeed:
             await self._rebuild()
 
     async def _rebuild(self) -> None:
-        snapshot = await self.source.snapshot()
+        async with asyncio.timeout(SNAPSHOT_S):
+            snapshot = await self.source.snapshot()
         self.index.rebuild(self.worker_id, snapshot.blocks)
         self.epoch, self.seq = snapshot.epoch, snapshot.seq
 
@@ -106,7 +112,7 @@ class KVEventFeed:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the feed must outlive any one failed call
-                if isinstance(e, (RayActorError, RayTaskError)):
+                if isinstance(e, (RayActorError, RayTaskError, TimeoutError)):
                     log.warning("KV events of %s unavailable: %s", feed.worker_id, e)
                 else:
                     log.exception("KV events of %s: unexpected failure", feed.worker_id)

@@ -291,9 +291,11 @@ class Router:
                         try:
                             async with asyncio.timeout(max(self._left_s(req), 0.0)):
                                 ref = await refs.__anext__()
+                                # (a large delta, prompt logprobs say, may still be on its way
+                                # from another node's object store)
+                                delta: TokenDelta = await ref
                         except StopAsyncIteration:
                             break
-                        delta: TokenDelta = await ref
                         started = True
                         if delta.kv_recomputed and pworker is not None:
                             # D prefilled it itself: P's lease would only pin its pages until

@@ -7,8 +7,11 @@ the ``max_stats_len`` rule (-1 all, 0 none, N the newest N). /iteration_stats, /
 /metrics read those buffers and the last WorkerStats; they never wait on a worker.
 
 A worker that answers late delays only its own task, and its answer is awaited, never dropped: the
-records it drained are in that answer. A worker that died loses nothing already collected from it;
-its task marks it unhealthy and asks again next interval (Ray may restart it).
+records it drained are in that answer. One that has not answered within ANSWER_S is marked
+unhealthy (alive but stuck, the router would otherwise keep sending it requests on stale stats);
+the same call is awaited again next interval, and its answer makes it healthy again. A worker that
+died loses nothing already collected from it; its task marks it unhealthy and asks again next
+interval (Ray may restart it).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from engine.stats import StatsBuffer
 from worker_common.messages import StatsBatch
 
 log = logging.getLogger(__name__)
+
+ANSWER_S = 10.0  # a worker's stats are due within this (it answers between engine steps)
 
 
 class StatsPoller:
@@ -50,9 +55,22 @@ class StatsPoller:
         await self._tasks.stop()
 
     async def _poll(self, w: WorkerSlot) -> None:
+        pending: Any = None  # a call not answered yet: its answer holds drained records
         while True:
+            if pending is None:
+                pending = w.handle.drain_stats.remote()
             try:
-                batch: StatsBatch = await w.handle.drain_stats.remote()  # no deadline: see above
+                async with asyncio.timeout(max(ANSWER_S, self.interval_s)):
+                    batch: StatsBatch = await pending
+            except TimeoutError:
+                w.healthy = False
+                log.warning(
+                    "stats of %s: no answer within %gs, marked unhealthy",
+                    w.worker_id,
+                    max(ANSWER_S, self.interval_s),
+                )
+                await asyncio.sleep(self.interval_s)
+                continue
             except RayActorError as e:
                 w.healthy = False  # dead or restarting; healthy again once it answers
                 log.warning("stats of %s unavailable: %s", w.worker_id, e)
@@ -60,6 +78,7 @@ class StatsPoller:
                 log.warning("stats of %s failed: %s", w.worker_id, e)
             else:
                 self.take(w, batch)
+            pending = None
             await asyncio.sleep(self.interval_s)
 
     def take(self, w: WorkerSlot, batch: StatsBatch) -> None:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
-from cluster.kv_event_feed import WorkerFeed
+from cluster import kv_event_feed
+from cluster.kv_event_feed import KVEventFeed, WorkerFeed
 from cluster.kv_index import KVIndex
 from engine.engine_core import LLMEngine
 from tests.tiny_engine import greedy, tiny_engine
@@ -114,5 +115,41 @@ def test_idle_polls_leave_no_waiter_behind() -> None:
         cancelled.cancel()
         await asyncio.gather(cancelled, return_exceptions=True)
         assert publisher.num_waiters == 0
+
+    asyncio.run(scenario())
+
+
+class SilentSource:
+    """A worker alive but stuck: its calls never answer."""
+
+    async def poll(self, epoch: str | None, after_seq: int, wait_s: float) -> KVEventPoll:
+        await asyncio.sleep(3600)
+        raise AssertionError("unreachable")
+
+    async def snapshot(self) -> KVSnapshot:
+        await asyncio.sleep(3600)
+        raise AssertionError("unreachable")
+
+
+def test_a_silent_worker_is_forgotten_not_waited_for(monkeypatch) -> None:
+    """A worker whose poll never answers: its task gives up on the poll's bound, forgets what the
+    worker held (the router then assumes nothing cached there) and asks again, instead of
+    trusting a stale index for ever."""
+    monkeypatch.setattr(kv_event_feed, "ANSWER_SLACK_S", 0.05)
+    monkeypatch.setattr(kv_event_feed, "RETRY_S", 0.01)
+
+    async def scenario() -> None:
+        index = KVIndex(["p-0"])
+        index.rebuild("p-0", {"full": {"device": [11, 12]}})
+        feed = KVEventFeed({"p-0": SilentSource()}, index)
+        feed.start()
+        try:
+            for _ in range(500):  # bounded: 5 s (a poll waits 1 s, then its slack)
+                if not index.workers["p-0"].groups:
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            await feed.stop()
+        assert not index.workers["p-0"].groups
 
     asyncio.run(scenario())
