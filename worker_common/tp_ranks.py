@@ -164,6 +164,15 @@ class _TPRankActor:
 TPRankActor = ray.remote(_TPRankActor)
 
 
+def take_worker_down(worker_id: str, problem: str) -> None:
+    """A rank lost (dead, hung, or a pull of its past its deadlines): rank 0's process exits, so
+    the router sees the worker gone and Ray restarts it with all its ranks afresh; no page a lost
+    rank may still write is ever handed to another request."""
+    log.error("%s: tensor-parallel rank lost (%s); the worker goes down", worker_id, problem)
+    logging.shutdown()
+    os._exit(1)
+
+
 class RayRanks:
     """Rank 0's handle on ranks 1..size-1 (engine.tp.local_ranks.Ranks)."""
 
@@ -225,11 +234,7 @@ class RayRanks:
             except Exception as e:  # RayActorError, a timeout: the rank is gone or hung
                 problem = f"{type(e).__name__}: {e}"
             if problem is not None and not self._closing.is_set():
-                log.error(
-                    "%s: tensor-parallel rank lost (%s); the worker goes down", worker_id, problem
-                )
-                logging.shutdown()
-                os._exit(1)
+                take_worker_down(worker_id, problem)
 
     def close(self) -> None:
         self._closing.set()

@@ -271,6 +271,15 @@ class TPPublisher:
 
         return all(await asyncio.gather(*(one(rank, sub) for rank, sub in subs)))
 
+    async def _rank_pull(self, ref: Any, rank: int, prompt_len: int) -> TransferResult:
+        bound_s = pull_bound_s(self.config, prompt_len) + self.call_slack_s
+        try:
+            async with asyncio.timeout(bound_s):
+                return await ref
+        except TimeoutError:
+            self.on_rank_lost(f"decode rank {rank}'s pull did not end within {bound_s:g}s")
+            raise
+
     def stats(self) -> dict[str, Any]:
         """Rank 0's transceiver stats with every counter over all ranks (TPTransferBook)."""
         self.book.refresh(lambda rank: self.rank_actors[rank - 1].transfer_counters.remote())
@@ -286,7 +295,11 @@ class TPPublisher:
 
 
 class TPPuller:
-    """The decode side (worker's KVPuller): rank 0's KVReceiver plus ranks 1..'s."""
+    """The decode side (worker's KVPuller): rank 0's KVReceiver plus ranks 1..'s.
+
+    A rank's pull that outlasts its transfer deadlines (pull_bound_s) calls ``on_rank_lost``:
+    the rank may still write the request's pages, so they cannot be freed, and the worker goes
+    down as for a rank the watch finds lost (tp_ranks.take_worker_down)."""
 
     def __init__(
         self,
@@ -294,9 +307,14 @@ class TPPuller:
         rank_actors: Sequence[Any],
         rank_config: TransceiverConfig,
         model: str,
+        on_rank_lost: Callable[[str], None],
+        call_slack_s: float = CALL_TIMEOUT_S,
     ) -> None:
         self.own = own
         self.rank_actors = list(rank_actors)
+        self.config = rank_config
+        self.on_rank_lost = on_rank_lost
+        self.call_slack_s = call_slack_s
         self.book = TPTransferBook(rank_config.max_stats_len, len(self.rank_actors))
         # Start-up, before the worker serves: these calls may block.
         for actor in self.rank_actors:
@@ -311,8 +329,8 @@ class TPPuller:
     ) -> TransferResult:
         """Every decode rank's pulls at once; ok only when all are. Returns once every pull has
         ended (none still writes any rank's pages). A rank's pull is bounded by its transfer
-        deadlines, and a lost rank's by Ray (its actor dies with an error); the worker's loop
-        awaits them, never blocks on them."""
+        deadlines (past them, the rank is lost: see the class), and a dead rank's by Ray (its
+        actor dies with an error); the worker's loop awaits them, never blocks on them."""
         if not ticket.parts:
             return _failed(
                 ticket.request_id,
@@ -326,7 +344,8 @@ class TPPuller:
             if part.decode_rank == 0:
                 calls.append(self.own.pull(*args))
             else:
-                calls.append(_await_ref(self.rank_actors[part.decode_rank - 1].pull.remote(*args)))
+                ref = self.rank_actors[part.decode_rank - 1].pull.remote(*args)
+                calls.append(self._rank_pull(ref, part.decode_rank, expected_prompt_len))
         results = await asyncio.gather(*calls, return_exceptions=True)
         self.own.drain_transfer_stats()  # rank 0's part records: the join below stands for them
         records: list[tuple[str, TransferStats]] = []
@@ -339,6 +358,15 @@ class TPPuller:
         stats = join_parts(ticket.request_id, "recv", records)
         self.book.record(stats)
         return TransferResult(ticket.request_id, stats.ok, stats.error, stats)
+
+    async def _rank_pull(self, ref: Any, rank: int, prompt_len: int) -> TransferResult:
+        bound_s = pull_bound_s(self.config, prompt_len) + self.call_slack_s
+        try:
+            async with asyncio.timeout(bound_s):
+                return await ref
+        except TimeoutError:
+            self.on_rank_lost(f"decode rank {rank}'s pull did not end within {bound_s:g}s")
+            raise
 
     def stats(self) -> dict[str, Any]:
         """Rank 0's transceiver stats with every counter over all ranks (TPTransferBook)."""
@@ -354,8 +382,16 @@ class TPPuller:
         self.own.close()
 
 
-async def _await_ref(ref: Any) -> Any:
-    return await ref
+def pull_bound_s(config: TransceiverConfig, prompt_len: int) -> float:
+    """The longest one pull of ``prompt_len`` tokens may take within ``config``'s deadlines:
+    the connection, P's answer, every chunk (or a direct read's copy), the last notice."""
+    chunks = -(-prompt_len // config.staging_tokens) + 1
+    return (
+        config.connect_deadline_s
+        + config.pull_deadline_s
+        + chunks * config.chunk_deadline_s
+        + config.done_deadline_s
+    )
 
 
 def _send_part(prefill_rank: int, sub: str) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 from engine.engine_core import LLMEngine
 from transfer import KVReceiver, KVSender, TransceiverConfig
 from worker_common.messages import WorkerSpec
+from worker_common.tp_ranks import take_worker_down
 from worker_common.tp_transfer import TPPublisher, TPPuller, plan_reads
 
 
@@ -90,7 +92,8 @@ def make_puller(
     own = KVReceiver(kv.buffers, list(kv.specs.values()), _model_identity(engine), tc, loop)
     if engine_tp(engine) == 1 and spec.peer_tensor_parallel_size == 1:
         return own
-    return TPPuller(own, rank_actors(engine), tc, _model_identity(engine))
+    lost = functools.partial(take_worker_down, spec.worker_id)
+    return TPPuller(own, rank_actors(engine), tc, _model_identity(engine), lost)
 
 
 def engine_tp(engine: LLMEngine) -> int:

@@ -40,17 +40,22 @@ class _PoolRank(_TPRankActor):
     """Rank 1 of a worker: the rank actor's transfer methods over random pools of its own (no
     model); ``publish_delay_s`` holds its publish answers back, as a slow or hung rank does."""
 
-    def __init__(self, seed: int, publish_delay_s: float = 0.0) -> None:
+    def __init__(self, seed: int, publish_delay_s: float = 0.0, pull_delay_s: float = 0.0) -> None:
         self.name = f"pool rank {seed}"
         self._init_transfer()
         side = KVSide(specs(num_pages=PAGES), seed)
         self._follower = SimpleNamespace(buffers=side.kv.buffers, specs=side.specs)
         self._ready.set()
         self.publish_delay_s = publish_delay_s
+        self.pull_delay_s = pull_delay_s
 
     def publish(self, *args: Any) -> Any:
         time.sleep(self.publish_delay_s)
         return super().publish(*args)
+
+    def pull(self, *args: Any) -> Any:
+        time.sleep(self.pull_delay_s)  # (a rank whose transfer loop is stuck)
+        return super().pull(*args)
 
     def pages(self, page_ids: list[int]) -> torch.Tensor:
         return self._follower.buffers["full"][page_ids].clone()
@@ -65,8 +70,18 @@ def ray_local() -> Iterator[None]:
         yield
 
 
-def rank_actor(seed: int, publish_delay_s: float = 0.0) -> Any:
-    return PoolRank.options(num_cpus=0, max_concurrency=100).remote(seed, publish_delay_s)
+def rank_actor(seed: int, publish_delay_s: float = 0.0, pull_delay_s: float = 0.0) -> Any:
+    return PoolRank.options(num_cpus=0, max_concurrency=100).remote(
+        seed, publish_delay_s, pull_delay_s
+    )
+
+
+def puller(d_side: KVSide, rank: Any, lost: list[str] | None = None, **cfg: Any) -> TPPuller:
+    """Rank 0's TPPuller over ``d_side`` and decode rank 1 ``rank``; a lost rank goes to ``lost``
+    (a worker would exit)."""
+    on_lost = (lost if lost is not None else []).append
+    own = KVReceiver(d_side.kv.buffers, d_side.specs, MODEL, config(**cfg))
+    return TPPuller(own, [rank], config(**cfg), MODEL, on_lost, call_slack_s=0.5)
 
 
 def publisher(
@@ -100,8 +115,7 @@ def test_one_record_per_request_over_all_ranks_and_counters_of_every_rank() -> N
     p_side, d_side = KVSide(specs(num_pages=PAGES), 1), KVSide(specs(num_pages=PAGES), 2)
     p_rank, d_rank = rank_actor(3), rank_actor(4)
     pub = publisher(p_side, p_rank)
-    pull = TPPuller(KVReceiver(d_side.kv.buffers, d_side.specs, MODEL, config()), [d_rank],
-                    config(), MODEL)  # fmt: skip
+    pull = puller(d_side, d_rank)
     try:
         src = p_side.allocate("r1", TOKENS)
         dst = d_side.allocate("r1", TOKENS)
@@ -194,6 +208,31 @@ def test_a_slow_rank_is_awaited_without_blocking_the_loop() -> None:
         assert asyncio.run(pub.cancel("r2"))  # both ranks' leases, awaited likewise
         wait_until(lambda: "r2" in p_side.released)
     finally:
+        pub.close()
+
+
+def test_a_decode_rank_whose_pull_outlasts_its_deadlines_is_lost() -> None:
+    """Decode rank 1's pull does not end within the transfer deadlines (its loop stuck): rank 0
+    stops waiting and reports the rank lost (the worker would go down: the rank may still write
+    the pages, which must not go to another request), and the pull fails."""
+    p_side, d_side = KVSide(specs(num_pages=PAGES), 11), KVSide(specs(num_pages=PAGES), 12)
+    pub = publisher(p_side, rank_actor(13))
+    lost: list[str] = []
+    deadlines = dict(connect_deadline_s=0.3, pull_deadline_s=0.3, chunk_deadline_s=0.2)
+    pull = puller(d_side, rank_actor(14, pull_delay_s=8.0), lost, done_deadline_s=0.2, **deadlines)
+    try:
+        src, dst = p_side.allocate("r9", TOKENS), d_side.allocate("r9", TOKENS)
+
+        async def transfer() -> Any:
+            ticket = await pub.publish("r9", src, TOKENS)
+            return await pull.pull(ticket, dst, 0, TOKENS)
+
+        result = asyncio.run(transfer())  # (before the rank's 8 s are up: see ``lost``)
+        assert not result.ok and "TimeoutError" in (result.error or "")
+        # connect 0.3 + P's answer 0.3 + 3 chunks (10 tokens of 8) * 0.2 + done 0.2 + call 0.5
+        assert lost == ["decode rank 1's pull did not end within 1.9s"]
+    finally:
+        pull.close()
         pub.close()
 
 
