@@ -76,6 +76,9 @@ def compile_chat_template(source: str) -> jinja2.Template:
         raise ChatTemplateError(f"chat template does not compile: {exc}") from exc
 
 
+CONTENT_FORMATS = ("auto", "string", "openai")
+
+
 @lru_cache(maxsize=32)
 def takes_content_parts(source: str) -> bool:
     """Whether the template loops over a message's content (Gemma 3's does): it is written for
@@ -146,6 +149,7 @@ def render_chat_template(
     special_tokens: dict[str, str | None] | None = None,
     continue_final_message: bool = False,
     variables: dict[str, Any] | None = None,
+    content_format: str = "auto",
 ) -> str:
     """Render ``messages`` (dicts with at least ``role`` and ``content``).
 
@@ -155,7 +159,14 @@ def render_chat_template(
     ``continue_final_message``: the text ends where the last message's content does (what the
     template writes after it, an end-of-turn, is cut), so the model continues that message, as in
     transformers; not with ``add_generation_prompt``.
+    ``content_format`` (vLLM's chat_template_content_format): how a content given as OpenAI's
+    list of parts reaches the template: "openai" as the parts, "string" as their text joined,
+    "auto" as the template reads it (takes_content_parts).
     """
+    if content_format not in CONTENT_FORMATS:
+        raise ChatTemplateError(
+            f"chat_template_content_format must be one of {CONTENT_FORMATS}, got {content_format!r}"
+        )
     for message in messages:
         if not isinstance(message, dict) or "role" not in message:
             raise ChatTemplateError(
@@ -172,7 +183,8 @@ def render_chat_template(
         raise ChatTemplateError(f"template variables may not be named {sorted(clash)}")
     if any(m["role"] == "developer" for m in messages) and not _knows_developer(source):
         messages = _developer_as_system(messages)
-    as_content = _content_parts if takes_content_parts(source) else content_text
+    parts = takes_content_parts(source) if content_format == "auto" else content_format == "openai"
+    as_content = _content_parts if parts else content_text
     messages = [
         m | {"content": as_content(m["content"])} if "content" in m else m for m in messages
     ]

@@ -7,10 +7,12 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import torch
 from tqdm import tqdm
 
-from engine.engine_config import EngineConfig
+from engine.engine_config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from engine.engine_core import LLMEngine
+from engine.hf_tokenizer_view import HFTokenizerView
 from engine.loaders.generation_defaults import GenerationDefaults, load_generation_defaults
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams, last_prompt_tokens
@@ -31,7 +33,8 @@ class LLM:
     """Offline batch generation (the aggregated path; also the oracle for the cluster's tokens).
 
     Keyword arguments are the fields of :class:`engine.engine_config.EngineConfig`, e.g.
-    ``LLM(model="default", dtype="float32", device="cpu", page_size=16, num_pages=None,
+    ``LLM(model="default", dtype="float32", device=<"cuda" where a GPU is visible, as vLLM picks
+    its platform, else "cpu">, page_size=16, num_pages=None,
     max_num_seqs=256, max_num_batched_tokens=2048, prefill_chunk_size=512, max_model_len=None,
     reuse_policy="all_reusable", seed=0)``, and ``generation_config``: "auto" (vLLM's default)
     samples without given params as the checkpoint's generation_config.json says
@@ -90,20 +93,27 @@ class LLM:
     def tokenizer(self):  # noqa: ANN201 (engine.tokenizer.Tokenizer | None)
         return self.engine.tokenizer
 
-    def get_tokenizer(self):  # noqa: ANN201 (engine.tokenizer.Tokenizer | None)
-        """The model's tokenizer (vLLM's name for ``tokenizer``)."""
-        return self.engine.tokenizer
+    def get_tokenizer(self) -> HFTokenizerView | None:
+        """The model's tokenizer as vLLM hands it out: called as transformers' tokenizers are
+        (engine/hf_tokenizer_view.py); None for a model without one. ``LLM.tokenizer`` is the
+        engine's own."""
+        if self.tokenizer is None:
+            return None
+        return HFTokenizerView(self.tokenizer)
 
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
         use_tqdm: Progress = True,
+        lora_request: None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, a list of token ids, or vLLM's ``{"prompt": text}`` /
         ``{"prompt_token_ids": ids}``); outputs in input order (none for no prompts).
         ``use_tqdm``: a progress bar of finished requests (True, or a tqdm-like class), as vLLM's.
+        ``lora_request`` and ``priority`` are taken, in vLLM's places, only where they ask for
+        nothing (None; all priorities 0): Duet has no LoRA adapters and one queue order.
         A prompt whose params ask ``n`` > 1 completions gets one output with all of them in
         ``outputs`` (each a request of its own; see SamplingParams.n).
 
@@ -121,6 +131,9 @@ class LLM:
             raise ValueError(
                 "prompts must be a string, a list of token ids, a prompt dict, or a list of those"
             )
+        _refuse_lora(lora_request)
+        if priority is not None and any(priority):
+            raise ValueError("priority: Duet serves requests in arrival order (give None or 0s)")
         encoded = [self._encode(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
         return self._run(encoded, sampling_params, use_tqdm)
 
@@ -129,19 +142,22 @@ class LLM:
         messages: list[Message] | Sequence[list[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: Progress = True,
-        *,
+        lora_request: None = None,
         chat_template: str | None = None,
-        chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} dicts; a content
         may be OpenAI's list of text parts) or a list of conversations, rendered with the model's
         chat template, or ``chat_template``; ``chat_template_kwargs`` and ``tools`` become
         template variables. ``continue_final_message`` (with ``add_generation_prompt=False``)
         continues the last message instead of opening a new one. The arguments and their order
-        are vLLM's (what follows ``use_tqdm`` is keyword-only)."""
+        are vLLM's (``lora_request`` only None); ``chat_template_content_format`` is vLLM's
+        ("auto", "string" or "openai": engine.chat_template.render_chat_template)."""
+        _refuse_lora(lora_request)
         if self.tokenizer is None:
             raise ValueError(
                 "chat needs a tokenizer, and this model has none; use generate with token ids"
@@ -162,6 +178,7 @@ class LLM:
                 chat_template=chat_template,
                 continue_final_message=continue_final_message,
                 variables=options,
+                content_format=chat_template_content_format,
             )
             ids = self.tokenizer.encode(text, add_special_tokens=False)
             encoded.append((text, ids, f"messages[{i}]"))
@@ -278,14 +295,29 @@ class LLM:
         return tokenizer.token_text(token_id) if tokenizer is not None else ""
 
 
+def _refuse_lora(lora_request: object) -> None:
+    if lora_request is not None:
+        raise ValueError("lora_request: Duet serves no LoRA adapters (give None)")
+
+
 def _prompt_of(prompt: Mapping[str, Any], what: str) -> str | list[int]:
-    """The text or token ids of vLLM's TextPrompt ({"prompt"}) or TokensPrompt
-    ({"prompt_token_ids"}); any other key (images, cache salts, ...) is refused by name."""
+    """The text or token ids of vLLM's TextPrompt ({"prompt"}: a str) or TokensPrompt
+    ({"prompt_token_ids"}: a list of ints); any other key (images, cache salts, ...) is refused
+    by name, and so is a value of the other kind (text under prompt_token_ids would otherwise be
+    tokenized again, special tokens and all)."""
     keys = set(prompt)
     if keys == {"prompt"}:
+        if not isinstance(prompt["prompt"], str):
+            raise ValueError(f"{what}: 'prompt' must be a string (token ids: 'prompt_token_ids')")
         return prompt["prompt"]
     if keys == {"prompt_token_ids"}:
-        return prompt["prompt_token_ids"]
+        ids = prompt["prompt_token_ids"]
+        if not isinstance(ids, list):
+            raise ValueError(
+                f"{what}: 'prompt_token_ids' must be a list of token ids, got "
+                f"{type(ids).__name__} (text: 'prompt')"
+            )
+        return ids
     other = sorted(keys - {"prompt", "prompt_token_ids"})
     raise ValueError(
         f"{what}: a prompt dict has one of 'prompt' or 'prompt_token_ids'"
@@ -323,6 +355,15 @@ _VLLM_NO_OPS: dict[str, tuple[Any, ...]] = {
     "trust_remote_code": (False, True),
     "kv_cache_dtype": ("auto",),  # the KV cache is in the model's dtype
     "quantization": (None,),
+    # Asking for nothing Duet lacks: the checkpoint as it is on disk, no offloaded weights,
+    # prefills always chunked (prefill_chunk_size), no periodic stats log.
+    "revision": (None,),
+    "download_dir": (None,),
+    "tokenizer_mode": ("auto",),
+    "hf_overrides": (None, {}),
+    "cpu_offload_gb": (0,),
+    "enable_chunked_prefill": (None, True),
+    "disable_log_stats": (True,),
 }
 
 
@@ -352,6 +393,16 @@ def _engine_config(model: str, kwargs: dict[str, Any]) -> EngineConfig:
             )
     if {"gpu_memory_utilization", "gpu_memory_fraction"} <= set(kwargs):
         raise ValueError("give gpu_memory_utilization or gpu_memory_fraction, not both")
+    if "device" not in kwargs:
+        kwargs["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+    if torch.device(kwargs["device"]).type != "cuda" and "gpu_memory_utilization" in kwargs:
+        # (vLLM's CPU build ignores it too; a script written for a GPU still runs)
+        log.warning(
+            "gpu_memory_utilization has no effect on %s: the KV cache takes "
+            "kv_cache_memory_bytes (default %d B) there",
+            kwargs["device"],
+            DEFAULT_CPU_KV_BYTES,
+        )
     unknown = set(kwargs) - set(EngineConfig.__dataclass_fields__)
     if unknown:
         raise ValueError(

@@ -62,6 +62,11 @@ class RequestOutput:
     the fields above are then the first's. Empty for one completion (``outputs`` makes it)."""
 
     @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens found in the prefix cache (vLLM's ``RequestOutput.num_cached_tokens``)."""
+        return self.metrics.num_cached_tokens
+
+    @property
     def outputs(self) -> list[CompletionOutput]:
         """The prompt's completions as vLLM's ``RequestOutput.outputs`` holds them: code written
         for vLLM reads ``out.outputs[0].text`` here too."""

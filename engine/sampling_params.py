@@ -169,6 +169,8 @@ class SamplingParams:
     def copy(self) -> SamplingParams:
         return dataclasses.replace(self)
 
+    clone = copy  # (vLLM's name)
+
     def for_choice(self, i: int, share_prompt_logprobs: bool = True) -> SamplingParams:
         """The params of completion ``i`` of several of one prompt (``n``, offline or over HTTP):
         one completion, seeded seed + i (vLLM's rule: the completions differ, and the same call

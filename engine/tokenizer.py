@@ -94,12 +94,13 @@ class Tokenizer:
         chat_template: str | None = None,
         continue_final_message: bool = False,
         variables: dict[str, Any] | None = None,
+        content_format: str = "auto",
     ) -> str:
         """The prompt text for ``messages``; encode it with ``add_special_tokens=False`` (the
         template writes BOS itself where the model wants it), or use :meth:`encode_chat`.
         ``chat_template``: a Jinja template to use instead of the model's; ``variables``: template
         variables (``tools``, template flags); ``continue_final_message``: see
-        engine.chat_template.render_chat_template."""
+        engine.chat_template.render_chat_template, as ``content_format``."""
         source = chat_template if chat_template is not None else self.chat_template
         if source is None:
             raise ValueError(
@@ -112,7 +113,13 @@ class Tokenizer:
             "pad_token": self.pad_token,
         }
         return render_chat_template(
-            source, messages, add_generation_prompt, special, continue_final_message, variables
+            source,
+            messages,
+            add_generation_prompt,
+            special,
+            continue_final_message,
+            variables,
+            content_format,
         )
 
     def encode_chat(

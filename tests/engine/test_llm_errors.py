@@ -41,6 +41,9 @@ def assert_untouched(llm: LLM) -> None:
         ([3.5], OK, "prompts[0]: expected a string, a list of token ids or a prompt dict, got"),
         ({"prompt": "a", "x": 1}, OK, "prompts[0]: a prompt dict has one of 'prompt' or"),
         ([{"prompt_token_ids": [5], "multi_modal_data": {}}], OK, "prompts[0]: a prompt dict"),
+        # (text under prompt_token_ids was tokenized again, special tokens and all)
+        ({"prompt_token_ids": "hello"}, OK, "prompts[0]: 'prompt_token_ids' must be a list"),
+        ({"prompt": [5, 6]}, OK, "prompts[0]: 'prompt' must be a string"),
         (
             ["a"],
             {"temperature": 0},

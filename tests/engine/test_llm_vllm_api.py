@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from engine.hf_tokenizer_view import HFTokenizerView
 from engine.llm import LLM
 from engine.loaders import LoadedModel
 from engine.sampling_params import SamplingParams, SamplingParamsError
@@ -90,8 +91,18 @@ def test_chat_takes_vllms_arguments(tiny_llm: LLM) -> None:
         tools=[{"type": "function"}],
     )[0]
     assert out.prompt == '[hello there][{"type": "function"}]!'
-    with pytest.raises(TypeError):  # vLLM's lora_request position: keyword-only here, no mix-up
-        tiny_llm.chat(CONV, GREEDY, False, None)  # type: ignore[misc]
+    # vLLM's positions: lora_request (None only), chat_template, chat_template_content_format
+    reads_parts = (
+        "{% for m in messages %}{% for p in m.content %}<{{ p.text }}>{% endfor %}{% endfor %}"
+    )
+    as_parts = tiny_llm.chat(parts, GREEDY, False, None, reads_parts, "openai")[0].prompt
+    assert as_parts == "<a><b>"
+    as_text = tiny_llm.chat(parts, GREEDY, False, None, reads_parts, "string")[0].prompt
+    assert as_text == "<><><>"  # ("a\nb", a string, iterated)
+    with pytest.raises(ValueError, match="chat_template_content_format must be one of"):
+        tiny_llm.chat(parts, GREEDY, False, None, None, "text")
+    with pytest.raises(ValueError, match="no LoRA adapters"):
+        tiny_llm.chat(CONV, GREEDY, False, object())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="only text content parts"):
         tiny_llm.chat([{"role": "user", "content": [{"type": "image_url"}]}], GREEDY, False)
     assert_no_leak(tiny_llm.engine.kv)
@@ -203,7 +214,9 @@ def test_vllms_constructor_names_and_the_generation_configs_penalty(
     llm = LLM(str(ckpt), enable_prefix_caching=False, enforce_eager=True, num_pages=32)
     assert llm.engine.kv.reuse_policy.value == "none"
     assert llm.get_default_sampling_params().repetition_penalty == 1.3  # (as vLLM applies it)
-    assert llm.get_tokenizer() is llm.tokenizer
+    # (vLLM hands out transformers' tokenizer: engine/hf_tokenizer_view.py, tested there)
+    assert isinstance(llm.get_tokenizer(), HFTokenizerView)
+    assert llm.get_tokenizer().tokenizer is llm.tokenizer
     with pytest.raises(ValueError, match="give enable_prefix_caching or reuse_policy, not both"):
         LLM(str(ckpt), enable_prefix_caching=True, reuse_policy="none")
     with pytest.raises(ValueError, match="enforce_eager must be a bool"):
@@ -222,15 +235,32 @@ def test_vllms_other_constructor_arguments(tiny_hf_checkpoints: dict[str, Path])
         tokenizer=path,
         num_pages=32,
         max_model_len=64,
+        # asking for nothing Duet lacks
+        revision=None,
+        download_dir=None,
+        tokenizer_mode="auto",
+        hf_overrides={},
+        cpu_offload_gb=0,
+        enable_chunked_prefill=True,
+        disable_log_stats=True,
     )
     assert llm.engine.scheduler.config.page_size == 8
-    assert llm.generate([1, 2, 3], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    out = llm.generate([1, 2, 3], GREEDY, False, None, priority=[0])[0]  # vLLM's positions
+    assert out.outputs[0].token_ids and out.num_cached_tokens == out.metrics.num_cached_tokens
+    assert GREEDY.clone() == GREEDY and GREEDY.clone() is not GREEDY
+    with pytest.raises(ValueError, match="no LoRA adapters"):
+        llm.generate([1, 2, 3], GREEDY, False, object())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="arrival order"):
+        llm.generate([1, 2, 3], GREEDY, False, priority=[1])
     refused = {
         "quantization": ("awq", "takes quantization only as None"),
         "kv_cache_dtype": ("fp8", "takes kv_cache_dtype only as 'auto'"),
         "tokenizer": ("other/tokenizer", "the checkpoint's own tokenizer"),
         "block_size": (0, "page_size must be an integer >= 1"),
         "gpu_memory_utilization": (1.5, "must be in \\(0, 1\\]"),
+        "cpu_offload_gb": (4, "takes cpu_offload_gb only as 0"),
+        "revision": ("main", "takes revision only as None"),
+        "enable_chunked_prefill": (False, "takes enable_chunked_prefill only as None or True"),
     }
     for name, (value, message) in refused.items():
         with pytest.raises(ValueError, match=message):
