@@ -285,7 +285,7 @@ class LLMEngine:
                 "has none (random weights): use stop_token_ids"
             )
         detok = None
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and params.detokenize:
             detok = IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, params.skip_special_tokens
             )

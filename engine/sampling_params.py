@@ -84,6 +84,9 @@ class SamplingParams:
     (a stop token, a shown EOS), at the end of the text."""
     skip_special_tokens: bool = True
     """Leave special tokens (BOS, EOS, ...) out of the decoded text."""
+    detokenize: bool = True
+    """False: no text is made, token ids only (vLLM's; the text fields stay ""); stop strings,
+    which match text, are then refused."""
     min_tokens: int = 0
     """Generated tokens before EOS or a stop token id may be sampled (they are masked until
     then) and before a stop string may match (vLLM's semantics); at most ``max_tokens``."""
@@ -238,7 +241,14 @@ class SamplingParams:
                 raise _fail("logit_bias", "keyed by token ids (integers >= 0)", tid)
             if not (_is_number(bias) and -100 <= bias <= 100):
                 raise _fail("logit_bias", "valued in [-100, 100]", bias)
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        if self.stop and self.detokenize is False:
+            raise _fail("stop", "empty with detokenize=False (stop strings match text)", self.stop)
+        for name in (
+            "ignore_eos",
+            "include_stop_str_in_output",
+            "skip_special_tokens",
+            "detokenize",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise _fail(name, "a bool", getattr(self, name))
 

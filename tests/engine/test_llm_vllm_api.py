@@ -269,3 +269,17 @@ def test_vllms_other_constructor_arguments(tiny_hf_checkpoints: dict[str, Path])
         LLM(path, gpu_memory_utilization=0.5, gpu_memory_fraction=0.5)
     with pytest.raises(ValueError, match="give block_size or page_size, not both"):
         LLM(path, block_size=8, page_size=8)
+
+
+def test_detokenize_false_gives_the_same_tokens_and_no_text(tiny_llm: LLM) -> None:
+    """vLLM's SamplingParams.detokenize (benchmarks turn it off): the tokens as with text, no
+    text made; stop strings, which match text, are refused with it."""
+    base = dict(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with_text = tiny_llm.generate("hello", SamplingParams(**base), use_tqdm=False)[0].outputs[0]
+    bare = SamplingParams(**base, detokenize=False)
+    without = tiny_llm.generate("hello", bare, use_tqdm=False)[0].outputs[0]
+    assert with_text.text and without.text == ""
+    assert without.token_ids == with_text.token_ids
+    with pytest.raises(SamplingParamsError, match="stop must be empty with detokenize=False"):
+        SamplingParams(stop=["x"], detokenize=False)
+    assert_no_leak(tiny_llm.engine.kv)
