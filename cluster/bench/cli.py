@@ -59,22 +59,25 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--range-ratio", type=float, default=0.0, help="lengths uniform in len*(1-r)..len*(1+r)"
     )
     work.add_argument(
-        "--prefix-len", type=int, default=32, help="shared-prefix: tokens of each group's prefix"
+        "--prefix-len",
+        type=int,
+        default=None,
+        help="shared-prefix: tokens of each group's prefix (32)",
     )
     work.add_argument(
-        "--num-prefix-groups", type=int, default=4, help="shared-prefix: number of prefixes"
+        "--num-prefix-groups", type=int, default=None, help="shared-prefix: number of prefixes (4)"
     )
     work.add_argument(
         "--num-turns",
         type=int,
-        default=2,
-        help="multi-turn: turns per conversation (--num-prompts / this = conversations)",
+        default=None,
+        help="multi-turn: turns per conversation (--num-prompts / this = conversations; 2)",
     )
     work.add_argument(
         "--turn-len",
         type=int,
-        default=32,
-        help="multi-turn: new tokens of each later turn (after the previous prompt and answer)",
+        default=None,
+        help="multi-turn: new tokens of each later turn (after the previous prompt and answer; 32)",
     )
     work.add_argument(
         "--sharegpt-output-len", type=int, default=None, help="fixed output length for ShareGPT"

@@ -93,12 +93,40 @@ def _vocab(args: argparse.Namespace, codec: HFTokenizerCodec | None) -> list[int
     return list(range(args.vocab_size))
 
 
+# Flags that shape one kind of workload: (the workloads that read it, its default there).
+_WORKLOAD_FLAGS: dict[str, tuple[tuple[str, ...], Any]] = {
+    "dataset_path": (("jsonl", "sharegpt"), None),
+    "sharegpt_output_len": (("sharegpt",), None),
+    "prefix_len": (("shared-prefix",), 32),
+    "num_prefix_groups": (("shared-prefix",), 4),
+    "num_turns": (("multi-turn",), 2),
+    "turn_len": (("multi-turn",), 32),
+}
+
+
+def check_workload_flags(args: argparse.Namespace) -> None:
+    """A flag given for another workload than ``--workload`` is refused (it would change
+    nothing: --dataset-path with random prompts ran random prompts); those of the chosen one
+    get their defaults."""
+    for name, (workloads, default) in _WORKLOAD_FLAGS.items():
+        if getattr(args, name) is None:
+            if args.workload in workloads:
+                setattr(args, name, default)
+        elif args.workload not in workloads:
+            flag = "--" + name.replace("_", "-")
+            raise WorkloadError(
+                f"{flag} is read by --workload {' / '.join(workloads)}, not by "
+                f"--workload {args.workload}"
+            )
+
+
 def build_workload(args: argparse.Namespace, part: int = 0) -> list[BenchRequest]:
     """The requests of a run (part 0: of every run, the same list for every rate and target).
     With ``--fresh-prompts-per-rate`` the i-th rate takes part i: synthetic prompts drawn with
     seed + i, a file's next ``--num-prompts`` prompts (none shared with another part)."""
     if args.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    check_workload_flags(args)
     codec = _codec(args)
     if args.workload in ("jsonl", "sharegpt"):
         if not args.dataset_path:

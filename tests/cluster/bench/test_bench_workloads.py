@@ -112,3 +112,27 @@ def test_embedded_model_tokenizer() -> None:
     assert len(ids) == 49152 - 17
     assert ids[0] == 17 and ids[-1] == 49151
     assert codec.decode(codec.encode("Hello world")) == "Hello world"
+
+
+def test_a_flag_of_another_workload_is_refused_not_ignored() -> None:
+    """--dataset-path with random prompts ran random prompts and recorded the file's path;
+    --prefix-len or --num-turns changed nothing outside their workloads."""
+    from cluster.bench.cli import parse_bench_args
+    from cluster.bench.datasets import WorkloadError
+    from cluster.bench.options import build_workload
+
+    base = ["--tokenizer", "none", "--vocab-size", "100", "--num-prompts", "4"]
+    for extra, message in [
+        (
+            ["--dataset-path", "sharegpt.json"],
+            "--dataset-path is read by --workload jsonl / sharegpt",
+        ),
+        (["--prefix-len", "8"], "--prefix-len is read by --workload shared-prefix"),
+        (["--num-turns", "2"], "--num-turns is read by --workload multi-turn"),
+    ]:
+        with pytest.raises(WorkloadError, match=message):
+            build_workload(parse_bench_args([*base, *extra]))
+    args = parse_bench_args([*base, "--workload", "shared-prefix", "--input-len", "4"])
+    requests = build_workload(args)  # (its own flags at their defaults)
+    assert (args.prefix_len, args.num_prefix_groups) == (32, 4)
+    assert all(len(r.prompt) == 36 for r in requests)
