@@ -40,6 +40,13 @@ class Encoding(dict[str, Any]):
 class HFTokenizerView:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
+        # (the engine's tokenizer does not change: its special tokens are read once)
+        self.bos_token, self.eos_token = tokenizer.bos_token, tokenizer.eos_token
+        self.unk_token, self.pad_token = tokenizer.unk_token, tokenizer.pad_token
+        self.bos_token_id, self.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+        self.unk_token_id = self._special_id(tokenizer.unk_token)
+        self.pad_token_id = self._special_id(tokenizer.pad_token)
+        self.chat_template = tokenizer.chat_template
 
     # ---- text <-> ids ----
     def __call__(
@@ -138,43 +145,7 @@ class HFTokenizerView:
         mask = [[1] * len(ids) for ids in out] if batch else [1] * len(out[0])
         return Encoding(input_ids=result, attention_mask=mask)
 
-    @property
-    def chat_template(self) -> str | None:
-        return self.tokenizer.chat_template
-
     # ---- special tokens ----
-    @property
-    def bos_token(self) -> str | None:
-        return self.tokenizer.bos_token
-
-    @property
-    def eos_token(self) -> str | None:
-        return self.tokenizer.eos_token
-
-    @property
-    def unk_token(self) -> str | None:
-        return self.tokenizer.unk_token
-
-    @property
-    def pad_token(self) -> str | None:
-        return self.tokenizer.pad_token
-
-    @property
-    def bos_token_id(self) -> int | None:
-        return self.tokenizer.bos_token_id
-
-    @property
-    def eos_token_id(self) -> int | None:
-        return self.tokenizer.eos_token_id
-
-    @property
-    def unk_token_id(self) -> int | None:
-        return self._special_id(self.tokenizer.unk_token)
-
-    @property
-    def pad_token_id(self) -> int | None:
-        return self._special_id(self.tokenizer.pad_token)
-
     def _special_id(self, token: str | None) -> int | None:
         return None if token is None else self.tokenizer.token_to_id(token)
 

@@ -271,15 +271,6 @@ class TPPublisher:
 
         return all(await asyncio.gather(*(one(rank, sub) for rank, sub in subs)))
 
-    async def _rank_pull(self, ref: Any, rank: int, prompt_len: int) -> TransferResult:
-        bound_s = pull_bound_s(self.config, prompt_len) + self.call_slack_s
-        try:
-            async with asyncio.timeout(bound_s):
-                return await ref
-        except TimeoutError:
-            self.on_rank_lost(f"decode rank {rank}'s pull did not end within {bound_s:g}s")
-            raise
-
     def stats(self) -> dict[str, Any]:
         """Rank 0's transceiver stats with every counter over all ranks (TPTransferBook)."""
         self.book.refresh(lambda rank: self.rank_actors[rank - 1].transfer_counters.remote())
