@@ -17,19 +17,22 @@ from typing import Any
 from cluster.bench.datasets import WorkloadError
 from cluster.bench.errors import BenchError
 from cluster.bench.options import (
+    DEFAULT_OUTPUT_LEN,
+    DEFAULT_TARGET,
     WORKLOADS,
     build_sweep_options,
     build_workload,
     describe_workload,
+    parse_endpoint,
     parse_rate,
+    resolve_target,
 )
 from cluster.bench.report import comparison_rows, render_report
 from cluster.bench.results_file import write_results
 from cluster.bench.slo import SloSpecError
 from cluster.bench.sweep import run_sweeps
 from cluster.bench.target import build_targets
-
-DEFAULT_TARGET = "configs/local.yaml"
+from cluster.bench.vllm_result import VLLM_PERCENTILE_METRICS, VllmResultFiles
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,26 +40,65 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "target",
         nargs="?",
-        default=DEFAULT_TARGET,
+        default=None,
         help="a cluster config YAML (started on local Ray and stopped after) or the URL of any "
         f"OpenAI-compatible server (default: {DEFAULT_TARGET})",
     )
+    server = parser.add_argument_group(
+        "a running server named as `vllm bench serve` names it (instead of TARGET)"
+    )
+    server.add_argument("--base-url", default=None, help="its root URL, e.g. http://10.0.0.5:8000")
+    server.add_argument(
+        "--host", default=None, help="with --port: http://HOST:PORT (default host 127.0.0.1)"
+    )
+    server.add_argument("--port", type=int, default=None, help="(default port 8000)")
     parser.add_argument(
         "--model", default=None, help="model name to send (default: the first at /v1/models)"
     )
-    parser.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    parser.add_argument(
+        "--endpoint",
+        type=parse_endpoint,
+        default="completions",
+        metavar="completions|chat",
+        help="the API to call (vLLM's /v1/completions and /v1/chat/completions are taken too)",
+    )
     work = parser.add_argument_group("workload")
-    work.add_argument("--workload", choices=WORKLOADS, default="random")
+    work.add_argument(
+        "--workload",
+        "--dataset-name",
+        choices=WORKLOADS,
+        default="random",
+        help="what to send (random and sharegpt as `vllm bench serve --dataset-name` has them)",
+    )
     work.add_argument("--dataset-path", default=None, help="the JSONL or ShareGPT JSON file")
     work.add_argument("--num-prompts", type=int, default=16, help="requests per run (per rate)")
     work.add_argument(
-        "--input-len", type=int, default=64, help="random prompt tokens (after the prefix)"
+        "--input-len",
+        "--random-input-len",
+        type=int,
+        default=64,
+        help="random prompt tokens (after the prefix)",
     )
     work.add_argument(
-        "--output-len", type=int, default=16, help="max_tokens per request (default for files too)"
+        "--output-len",
+        "--random-output-len",
+        type=int,
+        default=None,
+        help=f"max_tokens per request (default {DEFAULT_OUTPUT_LEN}; jsonl: for lines without "
+        "output_len; sharegpt: given, it fixes every request's, as --sharegpt-output-len)",
     )
     work.add_argument(
-        "--range-ratio", type=float, default=0.0, help="lengths uniform in len*(1-r)..len*(1+r)"
+        "--range-ratio",
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths uniform in len*(1-r)..len*(1+r)",
+    )
+    work.add_argument(
+        "--random-prefix-len",
+        type=int,
+        default=None,
+        help="random: one prefix of this many tokens shared by every prompt (before --input-len)",
     )
     work.add_argument(
         "--prefix-len",
@@ -126,7 +168,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
     out = parser.add_argument_group("metrics and output")
     out.add_argument(
-        "--percentiles", default="50,90,99", help="comma-separated percentiles to report"
+        "--percentiles",
+        "--metric-percentiles",
+        default="50,90,99",
+        help="comma-separated percentiles to report",
     )
     out.add_argument(
         "--goodput",
@@ -155,13 +200,45 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--result-file", default=None, help="JSON results path (default: OUTPUT_DIR/results.json)"
     )
     out.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    saved = parser.add_argument_group(
+        "per-run files as `vllm bench serve --save-result` writes them (besides results.json)"
+    )
+    saved.add_argument(
+        "--save-result",
+        action="store_true",
+        help="also write each run (target x rate) as vLLM's flat result JSON",
+    )
+    saved.add_argument(
+        "--result-dir", default=None, help="where those files go (default: --output-dir)"
+    )
+    saved.add_argument(
+        "--result-filename",
+        default=None,
+        help="the file's name, for a single run (default: "
+        "LABEL-RATEqps[-concurrencyC]-MODEL-DATE.json, as vLLM names it)",
+    )
+    saved.add_argument(
+        "--label", default=None, help="the files' label (default: the target's: disaggregated, ...)"
+    )
+    saved.add_argument(
+        "--percentile-metrics",
+        default=None,
+        help="the metrics whose statistics those files hold, of ttft,tpot,itl,e2el (default "
+        f"{','.join(VLLM_PERCENTILE_METRICS)}, as vLLM's; the report and results.json always "
+        "hold all four)",
+    )
     out.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     send = parser.add_argument_group("requests")
     send.add_argument(
         "--request-timeout", type=float, default=300.0, help="seconds for one request"
     )
     send.add_argument(
-        "--run-deadline", type=float, default=600.0, help="seconds for one run; the rest then fail"
+        "--run-deadline",
+        type=float,
+        default=None,
+        help="seconds for one run, the rest then fail (default: its last arrival plus "
+        "--request-timeout for every request that must wait for another: never shorter than "
+        "the requests' own timeouts allow)",
     )
     send.add_argument(
         "--num-warmups", type=int, default=1, help="unmeasured requests before each target's sweep"
@@ -195,7 +272,7 @@ def _header(args: argparse.Namespace) -> dict[str, Any]:
         "date": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"),
         "backend": "openai-compatible",
         "endpoint_type": args.endpoint,
-        "target": args.target,
+        "target": None,
         "num_prompts": args.num_prompts,
         "request_rates": sorted(args.request_rate),
         "burstiness": args.burstiness,
@@ -216,10 +293,17 @@ def run_bench(args: argparse.Namespace) -> int:
     result_path = (
         Path(args.result_file) if args.result_file else Path(args.output_dir) / "results.json"
     )
+    vllm_files: VllmResultFiles | None = None
+    saved_paths: list[Path] = []
     try:
         try:
+            target = resolve_target(args)
+            results["target"] = target
             options = build_sweep_options(args)
-            targets = build_targets(args.target, args.compare, args.compare_target)
+            vllm_files = VllmResultFiles.from_args(args)
+            targets = build_targets(target, args.compare, args.compare_target)
+            if vllm_files is not None:
+                vllm_files.check_single_run(len(targets) * len(options.request_rates))
             requests = build_workload(args)
             per_rate = None
             if args.fresh_prompts_per_rate:
@@ -240,6 +324,8 @@ def run_bench(args: argparse.Namespace) -> int:
         # Saved on every path, a crash included, so that nothing measured is lost.
         results["comparison"] = comparison_rows(results) if results["percentiles"] else []
         write_results(result_path, results)
+        if vllm_files is not None:  # (each complete run, also when a later one failed)
+            saved_paths = vllm_files.write(results)
     print(render_report(results), end="")
     if not args.no_plots and any(t["runs"] for t in results["targets"]):
         from cluster.bench.plots import write_plots
@@ -247,6 +333,8 @@ def run_bench(args: argparse.Namespace) -> int:
         plots = write_plots(results, result_path.parent)
         print("plots: " + ", ".join(str(p) for p in plots))
     print(f"results: {result_path}")
+    if vllm_files is not None:
+        print("vLLM-layout results: " + (", ".join(str(p) for p in saved_paths) or "none"))
     if results["error"]:
         print(
             f"duet bench: error: {results['error']} (results so far saved to {result_path})",

@@ -160,6 +160,8 @@ class StreamingClient:
                     usage_tokens = completion
                 if isinstance(prompt := usage.get("prompt_tokens"), int):
                     record.prompt_len = prompt
+            if event.get("choices"):
+                record.last_choice_at = arrival
             for choice in event.get("choices") or []:
                 if not isinstance(choice, dict):
                     record.error = f"bad SSE choice (not an object): {data[:200]!r}"

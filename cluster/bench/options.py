@@ -18,6 +18,46 @@ from cluster.bench.workloads import multi_turn_workload, random_workload, shared
 
 WORKLOADS = ("random", "shared-prefix", "multi-turn", "jsonl", "sharegpt")
 SYNTHETIC = ("random", "shared-prefix", "multi-turn")
+DEFAULT_TARGET = "configs/local.yaml"
+DEFAULT_OUTPUT_LEN = 16
+# --endpoint's values: ours, and the paths `vllm bench serve --endpoint` takes.
+_ENDPOINTS = {
+    "completions": "completions",
+    "/v1/completions": "completions",
+    "chat": "chat",
+    "/v1/chat/completions": "chat",
+}
+
+
+def parse_endpoint(text: str) -> str:
+    """--endpoint for argparse: "completions" or "chat", or vLLM's path of either."""
+    try:
+        return _ENDPOINTS[text]
+    except KeyError:
+        raise argparse.ArgumentTypeError(
+            f"bad endpoint {text!r}: expected one of {', '.join(_ENDPOINTS)}"
+        ) from None
+
+
+def resolve_target(args: argparse.Namespace) -> str:
+    """What to benchmark: TARGET (a config or a URL), or the server that --base-url, or --host and
+    --port, name as `vllm bench serve` does; configs/local.yaml when none is given. Naming it
+    both ways is refused: one of the two would be ignored."""
+    by_flags = [f for f in ("base_url", "host", "port") if getattr(args, f) is not None]
+    if not by_flags:
+        return args.target if args.target is not None else DEFAULT_TARGET
+    flags = " / ".join("--" + f.replace("_", "-") for f in by_flags)
+    if args.target is not None:
+        raise ValueError(f"the server is named twice: TARGET {args.target} and {flags}")
+    if args.base_url is not None:
+        if len(by_flags) > 1:
+            raise ValueError("--base-url names the whole server: leave --host and --port out")
+        return args.base_url
+    host = args.host if args.host is not None else "127.0.0.1"
+    port = args.port if args.port is not None else 8000
+    if not 0 < port < 65536:
+        raise ValueError(f"--port must be within 1..65535, got {port}")
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def parse_rate(text: str) -> float:
@@ -38,6 +78,10 @@ def build_sweep_options(args: argparse.Namespace) -> SweepOptions:
     slos = parse_slos(args.goodput) if args.goodput is not None else None
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if args.run_deadline is not None and not args.run_deadline > 0.0:
+        raise ValueError(f"--run-deadline must be > 0 seconds, got {args.run_deadline}")
+    if not args.request_timeout > 0.0:
+        raise ValueError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
     if not (args.burstiness > 0.0 and args.ramp_up_seconds >= 0.0):
         raise ValueError("--burstiness must be > 0 and --ramp-up-seconds >= 0")
     if args.ramp_up_seconds > 0.0 and math.inf in args.request_rate:
@@ -101,6 +145,7 @@ _WORKLOAD_FLAGS: dict[str, tuple[tuple[str, ...], Any]] = {
     "num_prefix_groups": (("shared-prefix",), 4),
     "num_turns": (("multi-turn",), 2),
     "turn_len": (("multi-turn",), 32),
+    "random_prefix_len": (("random",), 0),
 }
 
 
@@ -120,6 +165,24 @@ def check_workload_flags(args: argparse.Namespace) -> None:
             )
 
 
+def output_len(args: argparse.Namespace) -> int:
+    """max_tokens of the requests whose workload does not say it: --output-len or its default."""
+    return args.output_len if args.output_len is not None else DEFAULT_OUTPUT_LEN
+
+
+def sharegpt_fixed_output_len(args: argparse.Namespace) -> int | None:
+    """The output length of every ShareGPT request, when one is given: --sharegpt-output-len, or
+    --output-len as `vllm bench serve` takes it there (not only the fallback for a reply whose
+    length no tokenizer counts); None lets each reply's length decide."""
+    given = {v for v in (args.output_len, args.sharegpt_output_len) if v is not None}
+    if len(given) > 1:
+        raise WorkloadError(
+            f"--output-len {args.output_len} and --sharegpt-output-len "
+            f"{args.sharegpt_output_len} disagree: give one"
+        )
+    return given.pop() if given else None
+
+
 def build_workload(args: argparse.Namespace, part: int = 0) -> list[BenchRequest]:
     """The requests of a run (part 0: of every run, the same list for every rate and target).
     With ``--fresh-prompts-per-rate`` the i-th rate takes part i: synthetic prompts drawn with
@@ -134,23 +197,30 @@ def build_workload(args: argparse.Namespace, part: int = 0) -> list[BenchRequest
         skip = part * args.num_prompts
         if args.workload == "jsonl":
             requests = load_jsonl(
-                args.dataset_path, args.num_prompts, args.output_len, codec, skip=skip
+                args.dataset_path, args.num_prompts, output_len(args), codec, skip=skip
             )
         else:
             requests = load_sharegpt(
                 args.dataset_path,
                 args.num_prompts,
-                args.output_len,
+                DEFAULT_OUTPUT_LEN,
                 codec,
-                args.sharegpt_output_len,
+                sharegpt_fixed_output_len(args),
                 args.seed,
                 skip=skip,
             )
-        if part and len(requests) < args.num_prompts:
+        if len(requests) < args.num_prompts:
+            # Fewer requests than asked would be a smaller run than the report says was asked for.
+            usable = "usable prompts" if args.workload == "sharegpt" else "prompts"
+            if part:
+                raise WorkloadError(
+                    f"--fresh-prompts-per-rate: {args.dataset_path} has too few {usable} for "
+                    f"rate {part + 1} (each rate takes {args.num_prompts} of its own: "
+                    f"{part + 1} x --num-prompts at least)"
+                )
             raise WorkloadError(
-                f"--fresh-prompts-per-rate: {args.dataset_path} has too few prompts for rate "
-                f"{part + 1} (each rate takes {args.num_prompts} of its own: "
-                f"{part + 1} x --num-prompts at least)"
+                f"{args.dataset_path} has {len(requests)} {usable}, fewer than --num-prompts "
+                f"{args.num_prompts}: pass --num-prompts {len(requests)} (or fewer)"
             )
     else:
         if args.endpoint == "chat" and codec is None:
@@ -160,13 +230,19 @@ def build_workload(args: argparse.Namespace, part: int = 0) -> list[BenchRequest
         text_codec = codec if args.endpoint == "chat" else None  # completions take exact token ids
         vocab = _vocab(args, codec)
         common = dict(
-            output_len=args.output_len,
+            output_len=output_len(args),
             vocab=vocab,
             range_ratio=args.range_ratio,
             seed=args.seed + part,
         )
         if args.workload == "random":
-            requests = random_workload(args.num_prompts, args.input_len, codec=text_codec, **common)  # type: ignore[arg-type]
+            requests = random_workload(
+                args.num_prompts,
+                args.input_len,
+                codec=text_codec,
+                prefix_len=args.random_prefix_len,
+                **common,  # type: ignore[arg-type]
+            )
         elif args.workload == "multi-turn":
             if args.num_turns < 1 or args.num_prompts % args.num_turns:
                 raise ValueError(
@@ -205,9 +281,13 @@ def describe_workload(args: argparse.Namespace, requests: list[BenchRequest]) ->
         "dataset_path": args.dataset_path,
         "num_prompts": len(requests),
         "input_len": args.input_len if args.workload in SYNTHETIC else None,
-        "output_len": args.output_len,
+        "output_len": (
+            sharegpt_fixed_output_len(args) if args.workload == "sharegpt" else output_len(args)
+        ),
         "range_ratio": args.range_ratio,
-        "prefix_len": args.prefix_len if args.workload == "shared-prefix" else None,
+        "prefix_len": {"shared-prefix": args.prefix_len, "random": args.random_prefix_len}.get(
+            args.workload
+        ),
         "num_prefix_groups": args.num_prefix_groups if args.workload == "shared-prefix" else None,
         "num_turns": args.num_turns if args.workload == "multi-turn" else None,
         "turn_len": args.turn_len if args.workload == "multi-turn" else None,

@@ -63,6 +63,7 @@ class RequestRecord:
     max_tokens: int
     start: float = 0.0  # when the request was sent (after any concurrency wait)
     end: float = 0.0  # when the stream ended or the request failed
+    last_choice_at: float = 0.0  # the arrival of the last chunk with a choice (0.0: none came)
     success: bool = False
     error: str = ""
     response_id: str = ""  # the `id` of the streamed chunks: the key to join /perf_metrics
@@ -88,8 +89,12 @@ class RequestRecord:
 
     @property
     def e2el(self) -> float | None:
-        """End-to-end latency in seconds (send to end of stream); None for a failed request."""
-        return self.end - self.start if self.success else None
+        """End-to-end latency in seconds, send to the last chunk with a choice (the last tokens or
+        the finish reason), as `vllm bench serve` measures it: not the usage chunk, the
+        ``[DONE]`` or the connection's close after it. None for a failed request."""
+        if not self.success:
+            return None
+        return (self.last_choice_at or self.end) - self.start
 
     @property
     def tpot(self) -> float | None:

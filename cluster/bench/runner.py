@@ -31,11 +31,37 @@ class ArrivalSettings:
 
 @dataclass
 class RunOutcome:
-    """The records of one run in workload order, and its wall time (first send to last end)."""
+    """The records of one run in workload order, its wall time (first send to last end), and the
+    deadline it ran under."""
 
     records: list[RequestRecord]
     duration_s: float
     deadline_hit: bool
+    deadline_s: float
+
+
+# Beyond the requests' own bounds: the client's start and the stream's close.
+_DEADLINE_SLACK_S = 5.0
+
+
+def default_deadline(
+    requests: Sequence[BenchRequest],
+    offsets: Sequence[float],
+    max_concurrency: int | None,
+    request_timeout_s: float,
+) -> float:
+    """A run deadline no run cut short that its requests' own timeouts would let finish: the last
+    scheduled arrival, plus a request timeout for each request that may have to wait for another
+    to end (a slot under --max-concurrency, a conversation's previous turn) before its own.
+
+    A fixed default (once 600 s) failed long low-rate sweeps whose every request was on time."""
+    depth = [0] * len(requests)  # requests before this one in its chain of `after`
+    for i, request in enumerate(requests):
+        if request.after is not None:
+            depth[i] = depth[request.after] + 1
+    chain = max(depth, default=0) + 1
+    waves = -(-len(requests) // max_concurrency) if max_concurrency else 1
+    return max(offsets, default=0.0) + chain * waves * request_timeout_s + _DEADLINE_SLACK_S
 
 
 def _unfinished(
@@ -56,11 +82,12 @@ async def run_requests(
     client: StreamingClient,
     requests: Sequence[BenchRequest],
     arrivals: ArrivalSettings,
-    deadline_s: float,
+    deadline_s: float | None,
     show_progress: bool = True,
     label: str = "",
 ) -> RunOutcome:
-    """Send ``requests`` on the arrival schedule and wait for all, or until ``deadline_s`` passes.
+    """Send ``requests`` on the arrival schedule and wait for all, or until ``deadline_s`` passes
+    (None: ``default_deadline`` with the client's request timeout).
 
     A request with ``after`` (a conversation's later turn) is sent once that request ended, and
     not before its own arrival time. Requests still unsent or in flight at the deadline are
@@ -74,6 +101,10 @@ async def run_requests(
     offsets = arrival_offsets(
         len(requests), arrivals.request_rate, arrivals.burstiness, arrivals.ramp_up_s, arrivals.seed
     )
+    if deadline_s is None:
+        deadline_s = default_deadline(
+            requests, offsets, arrivals.max_concurrency, client.settings.request_timeout_s
+        )
     limit = asyncio.Semaphore(arrivals.max_concurrency) if arrivals.max_concurrency else None
     progress = tqdm(
         total=len(requests),
@@ -126,4 +157,6 @@ async def run_requests(
     # start) is no time the server had work.
     first = min(sent, default=start)
     duration = max((r.end for r in records), default=first) - first
-    return RunOutcome(records=records, duration_s=duration, deadline_hit=bool(pending))
+    return RunOutcome(
+        records=records, duration_s=duration, deadline_hit=bool(pending), deadline_s=deadline_s
+    )

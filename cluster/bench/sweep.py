@@ -20,7 +20,7 @@ from cluster.bench.kv_tier_counters import fetch_kv_tier_totals, kv_tier_fields
 from cluster.bench.metrics import DEFAULT_PERCENTILES, summarize_run
 from cluster.bench.perf_metrics import collect_server_timings, fetch_perf_metrics
 from cluster.bench.records import BenchRequest, Prompt
-from cluster.bench.runner import ArrivalSettings, run_requests
+from cluster.bench.runner import ArrivalSettings, RunOutcome, run_requests
 from cluster.bench.slo import SloSpec, goodput_rate
 from cluster.bench.target import Target
 
@@ -36,7 +36,7 @@ class SweepOptions:
     model: str | None = None  # None: the first model the server lists at /v1/models
     endpoint: Endpoint = "completions"
     request_timeout_s: float = 300.0
-    run_deadline_s: float = 600.0  # per rate: unfinished requests then count as failed
+    run_deadline_s: float | None = None  # per rate, then unfinished requests fail (None: derived)
     ignore_eos: bool = True
     temperature: float = 0.0
     num_warmups: int = 1
@@ -70,14 +70,15 @@ async def _warm_up(client: StreamingClient, request: BenchRequest, count: int, u
 
 
 def _run_entry(
-    rate: float, options: SweepOptions, summary: dict[str, Any], deadline_hit: bool
+    rate: float, options: SweepOptions, summary: dict[str, Any], outcome: RunOutcome
 ) -> dict[str, Any]:
     return {
         "request_rate": rate,
         "burstiness": options.arrivals.burstiness,
         "max_concurrency": options.arrivals.max_concurrency,
         "ramp_up_seconds": options.arrivals.ramp_up_s,
-        "deadline_hit": deadline_hit,
+        "run_deadline_s": outcome.deadline_s,
+        "deadline_hit": outcome.deadline_hit,
         **summary,
     }
 
@@ -159,7 +160,7 @@ async def sweep_url(
             duration = max(outcome.duration_s, 1e-9)  # a run of instant failures can measure 0
             summary = summarize_run(outcome.records, duration, options.percentiles, options.slos)
             summary.update(kv_tier_fields(tier_before, tier_after))
-            entry["runs"].append(_run_entry(rate, options, summary, outcome.deadline_hit))
+            entry["runs"].append(_run_entry(rate, options, summary, outcome))
             update_goodput(entry)
             if outcome.records and summary["completed"] == 0:
                 first = next(r.error for r in outcome.records if r.error)

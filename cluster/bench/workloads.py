@@ -68,14 +68,21 @@ def random_workload(
     range_ratio: float = 0.0,
     seed: int = 0,
     codec: TokenCodec | None = None,
+    prefix_len: int = 0,
 ) -> list[BenchRequest]:
-    """``num_prompts`` independent random prompts; input and output lengths per ``length_bounds``."""
+    """``num_prompts`` independent random prompts; input and output lengths per ``length_bounds``.
+    With ``prefix_len`` every prompt starts with the same ``prefix_len`` random tokens (`vllm
+    bench serve`'s --random-prefix-len: a system prompt's reuse), then its own ``input_len``."""
+    if prefix_len < 0:
+        raise ValueError(f"prefix length must be >= 0, got {prefix_len}")
     ids_pool = _check_vocab(vocab)
     rng = np.random.default_rng(seed)
     in_lens = _lengths(rng, input_len, range_ratio, num_prompts)
     out_lens = _lengths(rng, output_len, range_ratio, num_prompts)
+    # (drawn after the lengths: without a prefix the prompts are those of earlier versions)
+    prefix = _draw_ids(rng, ids_pool, prefix_len)
     return [
-        _request(_draw_ids(rng, ids_pool, n_in), n_out, codec, None)
+        _request(prefix + _draw_ids(rng, ids_pool, n_in), n_out, codec, None)
         for n_in, n_out in zip(in_lens, out_lens, strict=True)
     ]
 

@@ -13,6 +13,7 @@ It serves /v1/models, /v1/completions and /v1/chat/completions over real HTTP an
   that names the role (content ""), and every third token's text is empty (a special token).
 - max_tokens == 18: Duet's shape: every chunk with its ``token_ids``, then one that only carries
   the finish reason (text "", no ids).
+- max_tokens == 19: half a second between the last token chunk and the usage chunk.
 With ``duet=True`` it also serves /perf_metrics (drained on read; an entry shows ``perf_delay_s``
 after its request ended, as Duet's background reports do) with timings derived from the request: prefill_queue_time = 0.001 * prompt tokens, prefill_time = 0.002 * prompt tokens,
 transfer_time = 0.0005 * prompt tokens, transfer_bytes = 1000 * prompt tokens,
@@ -120,6 +121,8 @@ def build_app(state: EchoState) -> FastAPI:
                     yield f"data: {json.dumps({'id': rid, 'choices': [last]})}\n\n"
                 if max_tokens == 14:
                     return
+                if max_tokens == 19:
+                    await asyncio.sleep(0.5)  # a slow tail: usage and [DONE] come late
                 if include_usage:
                     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": max_tokens}
                     yield f"data: {json.dumps({'id': rid, 'choices': [], 'usage': usage})}\n\n"

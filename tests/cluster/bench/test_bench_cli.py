@@ -176,6 +176,8 @@ def test_sweep_stops_when_every_request_fails(duet_server: Any, tmp_path: Path) 
         "jsonl",
         "--dataset-path",
         str(path),
+        "--num-prompts",
+        "3",
         "--tokenizer",
         "none",
         "--disable-tqdm",

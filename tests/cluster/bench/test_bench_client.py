@@ -156,3 +156,14 @@ def test_normalize_base_url() -> None:
     assert normalize_base_url("http://h:1") == "http://h:1"
     assert normalize_base_url("http://h:1/v1/chat/completions") == "http://h:1"
     assert normalize_base_url("http://h:1/v1/completions/") == "http://h:1"
+
+
+def test_e2el_ends_at_the_last_chunk_with_a_choice_not_at_done(start_echo: Any) -> None:
+    """As `vllm bench serve` measures it: the usage chunk and [DONE] that come after are no
+    latency of the answer (the server here sends them half a second late)."""
+    with start_echo(per_token_s=0.001) as server:
+        record = send(server.url, BenchRequest(prompt=[1], prompt_len=1, output_len=19))
+    assert record.success, record.error
+    assert record.last_choice_at == record.chunk_times[-1]
+    assert record.e2el == record.last_choice_at - record.start
+    assert record.end - record.last_choice_at >= 0.5  # (the tail the server slept)

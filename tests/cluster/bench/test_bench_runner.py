@@ -11,11 +11,14 @@ import pytest
 
 from cluster.bench.client import ClientSettings, StreamingClient
 from cluster.bench.records import BenchRequest
-from cluster.bench.runner import ArrivalSettings, RunOutcome, run_requests
+from cluster.bench.runner import ArrivalSettings, RunOutcome, default_deadline, run_requests
 
 
 def run(
-    url: str, requests: list[BenchRequest], arrivals: ArrivalSettings, deadline_s: float = 30.0
+    url: str,
+    requests: list[BenchRequest],
+    arrivals: ArrivalSettings,
+    deadline_s: float | None = 30.0,
 ) -> RunOutcome:
     async def go() -> RunOutcome:
         async with StreamingClient(ClientSettings(base_url=url, model="tiny-echo")) as client:
@@ -91,3 +94,32 @@ def test_deadline_cuts_unfinished_requests(start_echo: Any) -> None:
 def test_rejects_zero_concurrency(duet_server: Any) -> None:
     with pytest.raises(ValueError, match="max concurrency"):
         run(duet_server.url, workload(1), ArrivalSettings(max_concurrency=0))
+
+
+def test_the_default_deadline_lets_every_request_use_its_own_timeout() -> None:
+    """A fixed 600 s cut long low-rate runs whose every request was on time: the default is the
+    last arrival plus a request timeout per request that may wait for another before its own."""
+    four = workload(4)
+    assert default_deadline(four, [0.0, 300.0, 500.0, 700.0], None, 300.0) == 700.0 + 300.0 + 5.0
+    # Under a cap of 2, four requests at once may run as two waves.
+    assert default_deadline(four, [0.0] * 4, 2, 300.0) == 2 * 300.0 + 5.0
+    # A conversation of three turns: each turn waits for the one before it.
+    turns = [
+        BenchRequest(prompt=[1], prompt_len=1, output_len=1),
+        BenchRequest(prompt=[1], prompt_len=1, output_len=1, after=0),
+        BenchRequest(prompt=[1], prompt_len=1, output_len=1, after=1),
+    ]
+    assert default_deadline(turns, [0.0] * 3, None, 10.0) == 3 * 10.0 + 5.0
+
+
+def test_a_run_without_a_deadline_gets_the_default_and_says_so(duet_server: Any) -> None:
+    async def go() -> RunOutcome:
+        settings = ClientSettings(
+            base_url=duet_server.url, model="tiny-echo", request_timeout_s=7.0
+        )
+        async with StreamingClient(settings) as client:
+            return await run_requests(client, workload(2), ArrivalSettings(), None, False)
+
+    outcome = asyncio.run(go())
+    assert all(r.success for r in outcome.records) and not outcome.deadline_hit
+    assert outcome.deadline_s == 7.0 + 5.0  # both due at once: one timeout
