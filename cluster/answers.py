@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 
 # (choice index, a delta of it) -> one chunk of a streamed answer
 MakeChunk = Callable[[int, TokenDelta], dict[str, Any]]
+# one per prompt token (the first None), when the request asked for prompt logprobs
+PromptLogprobs = tuple[TokenLogprobs | None, ...] | None
 
 
 @dataclass(frozen=True)
@@ -36,24 +38,78 @@ class Choice:
     end: resp.Ending
     token_ids: list[int]
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per token, when the request asked
-    # one per prompt token (the first None), when the request asked for prompt logprobs
-    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
+    prompt_logprobs: PromptLogprobs = None
 
 
-def choice_requests(
-    req: GenerateRequest, n: int, share_prompt_logprobs: bool = True
-) -> list[GenerateRequest]:
+def choice_requests(req: GenerateRequest, n: int) -> list[GenerateRequest]:
     """``req`` as ``n`` requests, ``<id>-<index>``; with a seed, choice i samples with seed + i
-    (vLLM's rule: the choices differ, and the same body gives the same answer again). With
-    ``share_prompt_logprobs`` only the first computes the prompt's logprobs, for all of them (the
-    others may then read the prompt from the prefix cache)."""
+    (vLLM's rule: the choices differ, and the same body gives the same answer again). Only the
+    first computes the prompt's logprobs, for all of them (the others may then read the prompt
+    from the prefix cache): a whole answer takes them from the first choice, a stream through
+    ``sharing_prompt_logprobs``."""
     if n == 1:
         return [req]
     out = []
     for i in range(n):
-        sampling = req.sampling.for_choice(i, share_prompt_logprobs)
+        sampling = req.sampling.for_choice(i, share_prompt_logprobs=True)
         out.append(dataclasses.replace(req, request_id=f"{req.request_id}-{i}", sampling=sampling))
     return out
+
+
+def sharing_prompt_logprobs(
+    reqs: list[GenerateRequest], streams: list[AsyncIterator[TokenDelta]], n: int
+) -> list[AsyncIterator[TokenDelta]]:
+    """The ``streams`` of ``reqs``, ``n`` choices per prompt made by ``choice_requests``: a
+    choice that did not ask for its prompt's logprobs while its prompt's first choice did gets
+    them on its first delta, which waits for the first choice's (a streamed choice echoes its
+    prompt's logprobs with its first chunk, and may come before the first choice's)."""
+    out = list(streams)
+    for first in range(0, len(reqs), n):
+        lender = reqs[first].sampling.prompt_logprobs is not None
+        borrowers = [
+            j
+            for j in range(first + 1, min(first + n, len(reqs)))
+            if reqs[j].sampling.prompt_logprobs is None
+        ]
+        if not lender or not borrowers:
+            continue
+        scored: asyncio.Future[PromptLogprobs] = asyncio.get_running_loop().create_future()
+        out[first] = _lending(streams[first], scored)
+        for j in borrowers:
+            out[j] = _borrowing(streams[j], scored)
+    return out
+
+
+async def _lending(
+    stream: AsyncIterator[TokenDelta], scored: asyncio.Future[PromptLogprobs]
+) -> AsyncIterator[TokenDelta]:
+    try:
+        async for d in stream:
+            if not scored.done():  # (the first delta brings the prompt's logprobs)
+                scored.set_result(d.prompt_logprobs)
+            yield d
+    finally:
+        if not scored.done():  # ended before any delta: the borrowers fail as a choice whose
+            scored.set_result(None)  # worker sent none would (openai_logprobs.computed)
+
+
+async def _borrowing(
+    stream: AsyncIterator[TokenDelta], scored: asyncio.Future[PromptLogprobs]
+) -> AsyncIterator[TokenDelta]:
+    first = True
+    try:
+        async for d in stream:
+            if first and not d.error:
+                # (shielded: a cancelled borrower must not cancel what the others wait for)
+                d = dataclasses.replace(d, prompt_logprobs=await asyncio.shield(scored))
+            first = False
+            yield d
+    finally:
+        # Cancelled while waiting, the stream is not the one cancelled: closed here, so that its
+        # own cleanup (the router's abort) runs now, as merged promises.
+        aclose = getattr(stream, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
 _ENDED = object()
@@ -176,11 +232,12 @@ class Answers:
         prompt_tokens: int,
         first_chunks: list[dict[str, Any]] | None = None,
         continuous_usage: bool = False,
+        n: int = 1,
     ) -> AsyncIterator[str]:
         """A streamed answer: a chunk per delta, naming its choice; an error event and then
         ``[DONE]`` whatever goes wrong. ``prompt_tokens``: the usage's, every prompt counted once.
         ``continuous_usage`` (vLLM's continuous_usage_stats): every chunk says its choice's usage
-        so far."""
+        so far. ``n``: choices per prompt (``choice_requests``'), which share its logprobs."""
         n_out = 0
         made = [0] * len(reqs)  # each choice's tokens so far
         unfinished = {r.request_id for r in reqs}
@@ -195,7 +252,8 @@ class Answers:
             for chunk in first_chunks or []:
                 yield _sse(chunk | usage_of(chunk["choices"][0]["index"]))
             try:
-                async for i, d in merged([self._generate(r) for r in reqs]):
+                streams = sharing_prompt_logprobs(reqs, [self._generate(r) for r in reqs], n)
+                async for i, d in merged(streams):
                     if d.error:
                         unfinished.discard(reqs[i].request_id)  # (it ended on our side)
                         yield _sse(resp.error_body(d.error, "internal_error", 500))

@@ -247,9 +247,8 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
                     raise
                 raise BadRequest(f"prompt[{k}]: {e}", "prompt") from e
         head = resp.Head(rid, int(firsts[0].arrival_time), backend.model_name)
-        # Whole, a prompt's choices share the first one's prompt logprobs; streamed, each echoes
-        # its own with its first chunk.
-        reqs = [r for f in firsts for r in choice_requests(f, body.n, not body.stream)]
+        # (a prompt's choices share its first one's prompt logprobs, whole or streamed)
+        reqs = [r for f in firsts for r in choice_requests(f, body.n)]
         texts = [""] * len(prompts)  # (what echo puts first)
         if body.echo:
             for k, (p, ids) in enumerate(zip(prompts, encoded, strict=True)):
@@ -261,7 +260,13 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
         if body.stream:
             return StreamingResponse(
                 answers.stream(
-                    reqs, made.chunk, body.include_usage, n_prompt, None, body.continuous_usage
+                    reqs,
+                    made.chunk,
+                    body.include_usage,
+                    n_prompt,
+                    None,
+                    body.continuous_usage,
+                    body.n,
                 ),
                 media_type="text/event-stream",
             )

@@ -191,3 +191,31 @@ def test_a_batch_of_prompts_has_n_choices_each_in_order(http, backend) -> None: 
     too_many = http.post("/v1/completions", json=body | {"prompt": [[5]] * 9, "n": 128})
     assert too_many.status_code == 400 and "at most 1024" in too_many.json()["error"]["message"]
     assert len(backend.requests) == before
+
+
+def test_a_prompts_choices_share_its_prompt_logprobs_whole_and_streamed(http, backend) -> None:  # noqa: F811
+    """echo with logprobs and n: only the first choice asks the worker for the prompt's logprobs
+    (each other one would score the whole prompt again, reading nothing from the prefix cache);
+    every choice still echoes them, streamed as whole."""
+    n_prompt = len(backend.encode(PROMPT["prompt"]))
+    body = PROMPT | {"max_tokens": 3, "ignore_eos": True, "echo": True, "logprobs": 1, "n": 3}
+    start = len(backend.requests)
+    whole = http.post("/v1/completions", json=body).json()["choices"]
+    chunks = events(http.post("/v1/completions", json=body | {"stream": True}).text)
+    asked = [q.sampling.prompt_logprobs for q in backend.requests[start:]]
+    assert asked == [1, None, None] * 2
+    streamed = []
+    for i, c in enumerate(whole):
+        parts = [ch for chunk in chunks for ch in chunk["choices"] if ch["index"] == i]
+        assert "".join(p["text"] for p in parts) == c["text"]
+        assert c["text"].startswith(PROMPT["prompt"])
+        joined = streamed_logprobs([{"choices": [p]} for p in parts])
+        assert joined["tokens"] == c["logprobs"]["tokens"]
+        assert joined["text_offset"] == c["logprobs"]["text_offset"]
+        got, want = joined["token_logprobs"], c["logprobs"]["token_logprobs"]
+        assert got[0] is None and want[0] is None
+        assert got[1:] == pytest.approx(want[1:], abs=1e-4)  # (two runs: float32's noise)
+        streamed.append(got)
+    # the prompt's entries are its first choice's: the same numbers in every choice
+    for answer in ([c["logprobs"]["token_logprobs"] for c in whole], streamed):
+        assert all(lp[:n_prompt] == answer[0][:n_prompt] for lp in answer)

@@ -1,0 +1,94 @@
+"""A streamed answer's choices (cluster/answers.py) over scripted deltas: a prompt's choices share
+the prompt logprobs its first choice computes, whichever choice's first delta comes first."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from cluster.answers import Answers, choice_requests
+from engine.logprobs import TokenLogprobs
+from engine.sampling_params import SamplingParams
+from worker_common.messages import GenerateRequest, TokenDelta
+
+SCORED = (None, TokenLogprobs(token_id=7, logprob=-0.5, rank=1, top=()))
+
+
+def _requests(n: int) -> list[GenerateRequest]:
+    sampling = SamplingParams(max_tokens=1, logprobs=0, prompt_logprobs=0)
+    return choice_requests(GenerateRequest("r", [5, 7], sampling, arrival_time=0.0), n)
+
+
+def _chunk(i: int, d: TokenDelta) -> dict[str, Any]:
+    lent = None if d.prompt_logprobs is None else len(d.prompt_logprobs)
+    return {"choices": [{"index": i, "text": d.text, "prompt_logprobs": lent}]}
+
+
+def _choices(events: list[str]) -> list[dict[str, Any]]:
+    return [c for e in events if e.startswith("data: {") for c in json.loads(e[6:])["choices"]]
+
+
+def test_only_the_first_choice_of_a_prompt_asks_for_its_prompt_logprobs() -> None:
+    assert [r.sampling.prompt_logprobs for r in _requests(3)] == [0, None, None]
+
+
+def test_a_choice_that_comes_first_waits_for_the_prompt_logprobs_of_the_first() -> None:
+    """Choice 1's first delta comes before choice 0's: it is held until choice 0's brings the
+    prompt's logprobs, and then carries them; choice 0 and the others go on as they come."""
+
+    async def run() -> list[dict[str, Any]]:
+        lent = asyncio.Event()
+
+        async def generate(req: GenerateRequest) -> AsyncIterator[TokenDelta]:
+            if req.request_id == "r-0":
+                await asyncio.sleep(0.05)  # (it computes the whole prompt)
+                lent.set()
+                yield TokenDelta(req.request_id, [1], "a", "length", prompt_logprobs=SCORED)
+            else:
+                assert not lent.is_set()
+                yield TokenDelta(req.request_id, [2], "b", "length")
+
+        answers = Answers(generate, lambda rid: None, lambda rid: None)
+        return _choices([e async for e in answers.stream(_requests(2), _chunk, False, 2, n=2)])
+
+    assert asyncio.run(run()) == [
+        {"index": 0, "text": "a", "prompt_logprobs": 2},
+        {"index": 1, "text": "b", "prompt_logprobs": 2},
+    ]
+
+
+def test_a_choice_left_waiting_is_closed_when_the_answer_fails() -> None:
+    """Choice 2 fails while choice 1 waits for the prompt logprobs choice 0 has not sent: the
+    answer ends with an error event, and by then every choice is closed (its own cleanup, the
+    router's abort, has run), the waiting one too."""
+    closed: list[str] = []
+
+    async def run() -> tuple[list[str], list[str]]:
+        async def choice(req: GenerateRequest) -> AsyncIterator[TokenDelta]:
+            try:
+                if req.request_id == "r-0":
+                    await asyncio.sleep(10)
+                elif req.request_id == "r-2":
+                    await asyncio.sleep(0.05)
+                    raise RuntimeError("the worker died")
+                yield TokenDelta(req.request_id, [2], "b")
+                await asyncio.sleep(10)
+            finally:
+                closed.append(req.request_id)
+
+        kept = []  # (so that no garbage collection closes a stream the answer left open)
+
+        def generate(req: GenerateRequest) -> AsyncIterator[TokenDelta]:
+            kept.append(choice(req))
+            return kept[-1]
+
+        answers = Answers(generate, lambda rid: None, lambda rid: None)
+        events = [e async for e in answers.stream(_requests(3), _chunk, False, 2, n=3)]
+        await asyncio.sleep(0.01)  # (the answer cancels its choices' tasks as it ends)
+        return events, sorted(closed)
+
+    events, closed_by_then = asyncio.run(run())
+    assert "the worker died" in events[0] and events[1:] == ["data: [DONE]\n\n"]
+    assert closed_by_then == ["r-0", "r-1", "r-2"]
