@@ -1,8 +1,8 @@
-"""OpenAI-compatible request bodies, validated at the HTTP edge (the responses: cluster/openai_responses.py)."""
+"""OpenAI-compatible request bodies, validated at the HTTP edge (the responses:
+cluster/openai_responses.py; the OpenAI fields Duet refuses: cluster/openai_unsupported.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
@@ -15,6 +15,12 @@ from pydantic import (
     model_validator,
 )
 
+from cluster.openai_unsupported import (
+    NOT_SUPPORTED_CHAT,
+    NOT_SUPPORTED_COMPLETION,
+    NOT_SUPPORTED_MESSAGE,
+    refused_fields,
+)
 from engine.loaders.generation_defaults import GenerationDefaults
 from engine.logprobs import MAX_LOGPROBS
 from engine.sampling_params import SamplingParams, last_prompt_tokens
@@ -46,64 +52,9 @@ class StreamOptions(BaseModel):
     include_obfuscation: Literal[False] = False
 
 
-def _none_or(*no_ops: Any) -> Callable[[Any], bool]:
-    """A value that asks for nothing: None, or one of ``no_ops``."""
-    return lambda v: v is None or any(v == x and type(v) is type(x) for x in no_ops)
-
-
 def _first(*values: float | None) -> float:
     """The first value that is not None (the last is never None)."""
     return next(v for v in values if v is not None)
-
-
-def _none_or_a(kind: type) -> Callable[[Any], bool]:
-    """Any value of ``kind``: a field that asks nothing of generation whatever its value."""
-    return lambda v: v is None or isinstance(v, kind)
-
-
-# OpenAI request fields Duet does not implement. Each is accepted only with a value that asks for
-# nothing (so a client sending the default still works) and refused otherwise, naming it.
-_NOT_SUPPORTED_COMMON: dict[str, Callable[[Any], bool]] = {
-    "user": _none_or_a(str),  # the end user's id, for the provider's abuse monitoring
-    "service_tier": _none_or("auto", "default"),
-    "store": _none_or(False),
-    "metadata": _none_or({}),
-}
-NOT_SUPPORTED_COMPLETION = _NOT_SUPPORTED_COMMON | {
-    "best_of": _none_or(1),
-    "suffix": _none_or(""),
-}
-NOT_SUPPORTED_CHAT = _NOT_SUPPORTED_COMMON | {
-    "tools": _none_or([]),
-    "tool_choice": _none_or("none"),
-    "parallel_tool_calls": _none_or_a(bool),  # (about tools, which must be none)
-    "functions": _none_or([]),
-    "function_call": _none_or("none"),
-    "response_format": _none_or({"type": "text"}),
-    "modalities": _none_or(["text"]),
-    "audio": _none_or(),
-    "prediction": _none_or(),
-    "reasoning_effort": _none_or(),
-    "verbosity": _none_or(),
-    "web_search_options": _none_or(),
-    "prompt_cache_key": _none_or(),
-    "safety_identifier": _none_or(),
-}
-NOT_SUPPORTED_MESSAGE = {
-    "name": _none_or(),
-    "tool_calls": _none_or([]),
-    "tool_call_id": _none_or(),
-    "function_call": _none_or(),
-    "refusal": _none_or(),
-    "audio": _none_or(),
-}
-
-
-def _shown(value: Any, limit: int = 100) -> str:
-    """``value`` as an error message quotes it: cut at ``limit`` characters (a refused field of
-    megabytes is not sent back whole)."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
 
 def _prompt_kind(value: Any) -> str:
@@ -125,21 +76,6 @@ Prompt = Annotated[
     | Annotated[list[list[int]], Tag("list[list[int]]")],
     Discriminator(_prompt_kind),
 ]
-
-
-def refused_fields(
-    extra: dict[str, Any] | None, not_supported: dict[str, Callable[[Any], bool]], where: str = ""
-) -> list[tuple[str, str]]:
-    """(field, message) for every field of ``extra`` (what a body had beyond the fields Duet
-    implements) that must be refused: a known OpenAI field asking for something, or an unknown one."""
-    refused = []
-    for name, value in (extra or {}).items():
-        check = not_supported.get(name)
-        if check is None:
-            refused.append((where + name, f"{where + name}: unknown field"))
-        elif not check(value):
-            refused.append((where + name, f"{where + name}: not supported, got {_shown(value)}"))
-    return refused
 
 
 class _SamplingFields(BaseModel):

@@ -7,9 +7,8 @@ per output token, ``inter_token_latency_seconds`` each gap between two tokens. v
 ``time_per_output_token_seconds`` (deprecated in 0.11, since removed) was the inter-token latency,
 not the per-request mean; it is not exported: a dashboard that reads it should read
 ``inter_token_latency_seconds``. Every metric carries a ``model_name`` label; per-worker gauges add
-``role`` and ``worker``; per pool group metrics add ``group`` (the KV pool group: "full",
-"swa_<window>") and ``medium``: "device" (the worker's KV pool) or "host" (the KV host tier beneath
-it, ``kvcache.host_tier_bytes``).
+``role`` and ``worker``. A worker's KV cache metrics (per pool group and tier) are
+cluster/kv_cache_metrics.py's, in the same registry.
 
 Counters that workers keep themselves (transfer failures and their outcomes, expired leases,
 refused peers, injected faults) arrive as running totals
@@ -21,16 +20,15 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from cluster.kv_cache_metrics import PREFIX, KVCacheMetrics, running_delta
 from cluster.messages import PerfRecord
 from kvcache.stats import KVCacheStats
 from worker_common.messages import Role
-
-PREFIX = "duet:"
 
 # Latency buckets (seconds): 1 ms to 10 min, dense where interactive serving lives.
 LATENCY_BUCKETS = (
@@ -52,10 +50,6 @@ class _WorkerTotals:
     transfer_failed_requests: int = 0
     refused_peers: int = 0
     injected_faults: int = 0
-    # Label tails (after model, role, worker) of each per-group gauge this worker set.
-    group_series: dict[Gauge, set[tuple[str, ...]]] = field(default_factory=dict)
-    # The worker's last running total of each KV counter series (metric, label tail).
-    kv_totals: dict[tuple[Counter, tuple[str, ...]], int] = field(default_factory=dict)
 
 
 class ServingMetrics:
@@ -129,76 +123,7 @@ class ServingMetrics:
             registry=reg,
         )
 
-        group = [*worker, "group", "medium"]
-        self.kv_group_pages = Gauge(
-            PREFIX + "kv_cache_pages",
-            "Pages of a KV pool group by state: used (held by requests), free (what an allocation "
-            "may take, evictable ones included), evictable (cached, held by nobody).",
-            [*group, "state"],
-            registry=reg,
-        )
-        self.kv_group_peak_pages = Gauge(
-            PREFIX + "kv_cache_peak_pages",
-            "Most pages of a KV pool group in a state at once during the worker's last complete "
-            "stats interval (stats.interval_s): used, evictable.",
-            [*group, "state"],
-            registry=reg,
-        )
-        self.kv_group_free_low_water = Gauge(
-            PREFIX + "kv_cache_free_low_water_pages",
-            "Fewest plain free pages (neither held nor cached) of a KV pool group at once during "
-            "the last complete stats interval; 0: it evicted cached pages or came close.",
-            group,
-            registry=reg,
-        )
-        self.kv_group_window = Gauge(
-            PREFIX + "kv_cache_sliding_window_tokens",
-            "The attention window of a sliding-window KV pool group, in tokens (full-attention "
-            "groups have none).",
-            [*worker, "group"],
-            registry=reg,
-        )
-
-        def kv_counter(name: str, doc: str, labels: list[str]) -> Counter:
-            return Counter(PREFIX + name, doc, labels, registry=reg)
-
-        self.prefix_queries = kv_counter(
-            "prefix_cache_queries_total",
-            "Prompt tokens looked up in a worker's prefix cache (once per admitted request).",
-            worker,
-        )
-        self.prefix_hits = kv_counter(
-            "prefix_cache_hits_total",
-            "Prompt tokens found in a worker's prefix cache, by where: its KV pool (device) or "
-            "its host tier (loaded back).",
-            [*worker, "medium"],
-        )
-        self.kv_offloaded = kv_counter(
-            "kv_offloaded_pages_total",
-            "Reusable pages a pool group evicted and copied into the host tier.",
-            group,
-        )
-        self.kv_loaded_back = kv_counter(
-            "kv_loaded_back_pages_total",
-            "Host-tier pages copied back into a pool group for a prefix hit.",
-            group,
-        )
-        self.kv_host_hits = kv_counter(
-            "kv_host_hit_tokens_total",
-            "Prompt tokens a pool group served from the host tier (loaded back).",
-            group,
-        )
-        self.kv_host_drops = kv_counter(
-            "kv_host_drops_total",
-            "Pages dropped from the host tier to make room before any prefix hit reused them.",
-            group,
-        )
-        self.kv_skipped_stores = kv_counter(
-            "kv_skipped_stores_total",
-            "Evicted reusable pages not stored in the host tier: every host page was being read "
-            "by a load-back.",
-            group,
-        )
+        self.kv = KVCacheMetrics(reg, worker)
 
         self.request_success = Counter(
             PREFIX + "request_success_total",
@@ -322,72 +247,26 @@ class ServingMetrics:
         }
         with self._totals_lock:
             seen = self._worker_totals.setdefault((labels[1], worker_id), _WorkerTotals())
-            if pid is not None and seen.pid not in (None, pid):  # a restarted worker
-                seen = self._worker_totals[(labels[1], worker_id)] = _WorkerTotals(
-                    group_series=seen.group_series
-                )
+            restarted = pid is not None and seen.pid not in (None, pid)
+            if restarted:
+                seen = self._worker_totals[(labels[1], worker_id)] = _WorkerTotals()
             seen.pid = pid
-            deltas = {k: _delta(getattr(seen, k), v) for k, v in totals.items()}
+            deltas = {k: running_delta(getattr(seen, k), v) for k, v in totals.items()}
             for k, v in totals.items():
                 setattr(seen, k, v)
         for name, delta in deltas.items():
             getattr(self, name).labels(*labels).inc(delta)
+        if restarted:
+            self.kv.restarted(labels)
         if kv is not None:
-            self._set_kv(labels, seen, kv, kv_interval)
-
-    def _set_kv(
-        self,
-        labels: tuple[str, str, str],
-        seen: _WorkerTotals,
-        kv: KVCacheStats,
-        interval: KVCacheStats | None,
-    ) -> None:
-        values: list[tuple[Gauge, tuple[str, ...], float]] = []
-        totals: list[tuple[Counter, tuple[str, ...], int]] = [
-            (self.prefix_queries, (), kv.reuse_hit_tokens + kv.reuse_miss_tokens),
-            (self.prefix_hits, ("device",), kv.reuse_hit_tokens - kv.reuse_host_hit_tokens),
-        ]
-        if any(g.host is not None for g in kv.groups.values()):
-            totals.append((self.prefix_hits, ("host",), kv.reuse_host_hit_tokens))
-        for name, g in kv.groups.items():
-            for state, n in (("used", g.used), ("free", g.free), ("evictable", g.evictable)):
-                values.append((self.kv_group_pages, (name, "device", state), n))
-            if g.sliding_window is not None:
-                values.append((self.kv_group_window, (name,), g.sliding_window))
-            h = g.host
-            if h is None:
-                continue
-            for state, n in (("used", h.used), ("free", h.free), ("pinned", h.pinned)):
-                values.append((self.kv_group_pages, (name, "host", state), n))
-            for counter, total in (
-                (self.kv_offloaded, h.offloaded),
-                (self.kv_loaded_back, h.loaded_back),
-                (self.kv_host_hits, h.hit_tokens),
-                (self.kv_host_drops, h.drops),
-                (self.kv_skipped_stores, h.skipped_stores),
-            ):
-                totals.append((counter, (name, "host"), total))
-        for name, g in (interval.groups if interval is not None else {}).items():
-            for state, n in (("used", g.peak_used), ("evictable", g.peak_evictable)):
-                values.append((self.kv_group_peak_pages, (name, "device", state), n))
-            values.append((self.kv_group_free_low_water, (name, "device"), g.free_low_water))
-        with self._totals_lock:
-            for gauge, tail, value in values:
-                gauge.labels(*labels, *tail).set(value)
-                seen.group_series.setdefault(gauge, set()).add(tail)
-            increments = []
-            for counter, tail, total in totals:
-                previous = seen.kv_totals.get((counter, tail), 0)
-                seen.kv_totals[(counter, tail)] = total
-                increments.append((counter, tail, _delta(previous, total)))
-        for counter, tail, increment in increments:
-            counter.labels(*labels, *tail).inc(increment)
+            self.kv.set(labels, kv, kv_interval)
 
     def remove_worker(self, worker_id: str, role: Role | str) -> None:
         """Forget a worker that left the cluster, so its gauges stop being exported."""
         self.hide_worker(worker_id, role)
         with self._totals_lock:
             self._worker_totals.pop((Role(role).value, worker_id), None)
+        self.kv.forget((self.model_name, Role(role).value, worker_id))
 
     def hide_worker(self, worker_id: str, role: Role | str) -> None:
         """Stop exporting a worker's gauges (it is down: their last values would pass for
@@ -397,23 +276,8 @@ class ServingMetrics:
             with contextlib.suppress(KeyError):  # a gauge it never set
                 metric.remove(*labels)
         # Counters stay: their totals are history, and Prometheus handles a series that stops.
-        with self._totals_lock:
-            seen = self._worker_totals.get((labels[1], worker_id))
-            group_gauges = (
-                self.kv_group_pages,
-                self.kv_group_peak_pages,
-                self.kv_group_free_low_water,
-                self.kv_group_window,
-            )
-            for gauge in group_gauges:
-                for tail in seen.group_series.get(gauge, ()) if seen else ():
-                    with contextlib.suppress(KeyError):
-                        gauge.remove(*labels, *tail)
+        self.kv.hide(labels)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric in this registry."""
         return generate_latest(self.registry)
-
-
-def _delta(previous_total: int, total: int) -> int:
-    return total - previous_total if total >= previous_total else total

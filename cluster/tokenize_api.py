@@ -15,12 +15,8 @@ from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from cluster.http_errors import BadRequest, check_token_ids, validation_message
-from cluster.openai_schemas import (
-    ChatMessage,
-    conversation_refusals,
-    refused_fields,
-    template_messages,
-)
+from cluster.openai_schemas import ChatMessage, conversation_refusals, template_messages
+from cluster.openai_unsupported import refused_fields
 
 
 class _Body(BaseModel):

@@ -23,11 +23,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
+from decode_worker.receive_plan import ReceivePlan, plan_receive
 from engine.engine_core import LLMEngine
 from engine.engine_loop import EngineLoop
 from engine.output_stream import OutputStream
 from engine.outputs import RequestOutput
-from kvcache.spec import NULL_PAGE
 from transfer.messages import TransferTicket
 from transfer.stats import TransferResult, TransferStats
 from worker_common.kv_events import KVEventPublisher
@@ -133,9 +133,10 @@ class DecodeWorker:
             finally:
                 self._ended_early(rid, len(prompt), WorkerFacts(received, None, attempt), "abort")
             return
-        hit, host_tokens, skips, dst = init
         transfer_start = time.time()
-        pull = asyncio.ensure_future(self.puller.pull(pre.ticket, dst, skips, len(prompt)))
+        pull = asyncio.ensure_future(
+            self.puller.pull(pre.ticket, init.dst_page_ids, init.skip_pages, len(prompt))
+        )
         self._receiving[rid] = pull
         try:
             result = await asyncio.shield(pull)
@@ -203,8 +204,8 @@ class DecodeWorker:
             return e.add_prefilled_request(
                 *args,
                 **sent,
-                num_cached_tokens=hit * page_size,
-                num_cached_host_tokens=host_tokens,
+                num_cached_tokens=init.hit_pages * page_size,
+                num_cached_host_tokens=init.host_hit_tokens,
             )
 
         tell_router = not ok  # (on the first delta: the router gives P's lease up)
@@ -213,40 +214,15 @@ class DecodeWorker:
                 delta, tell_router = dataclasses.replace(delta, kv_recomputed=True), False
             yield delta
 
-    async def _gen_init(
-        self, rid: str, prompt: list[int]
-    ) -> tuple[int, int, dict[str, int], dict[str, list[int]]] | None:
-        """Allocate pages for the prompt and the next token, as if the prompt were computed: a
-        sliding-window group takes only its last window's pages. Return (the prompt pages D's own
-        prefix hit covers, the tokens of that hit loaded back from D's host tier, the request's
-        pages per group that D holds or does not need, the pages the transfer must fill per
-        group: the rest of the prompt's). Waits for free pages, within a deadline; None once the
-        request is aborted meanwhile (it then takes none)."""
-
-        def allocate(
-            engine: LLMEngine,
-        ) -> tuple[int, int, dict[str, int], dict[str, list[int]]] | None:
-            kv, n = engine.kv, len(prompt)
-            prefix = kv.match_prefix(prompt)  # D's own hit: device or host tier
-            if not kv.allocate_slots(rid, n + 1, prefix, num_computed_tokens=n):
-                return None
-            # The pull writes the pages outside the model's stream: no offload of a page this
-            # allocation evicted may still be reading it (a no-op without a GPU host tier).
-            kv.wait_offloads()
-            n_hit = prefix.num_tokens // kv.page_size
-            n_prompt_pages = -(-n // kv.page_size)
-            skips, dst = {}, {}
-            for g, pages in kv.page_ids(rid).items():
-                first_held = next((i for i, p in enumerate(pages) if p != NULL_PAGE), len(pages))
-                skips[g] = min(max(n_hit, first_held), n_prompt_pages)
-                dst[g] = pages[skips[g] : n_prompt_pages]
-            return n_hit, prefix.host_tokens_taken(kv.page_ids(rid)), skips, dst
-
+    async def _gen_init(self, rid: str, prompt: list[int]) -> ReceivePlan | None:
+        """Allocate the request's pages for its receive (receive_plan.py), waiting for free
+        pages within a deadline; None once the request is aborted meanwhile (it then takes
+        none)."""
         deadline = time.monotonic() + self._gen_init_deadline_s
         while True:
             if rid in self._aborted:
                 return None
-            fut = self.loop.call(allocate)
+            fut = self.loop.call(lambda e: plan_receive(e.kv, rid, prompt))
             try:
                 got = await asyncio.wrap_future(fut)
             except asyncio.CancelledError:

@@ -1,6 +1,6 @@
 """What a Duet server's KV host tiers did during one benchmark run, from its /metrics.
 
-The workers' host-tier counters (cluster/prom_metrics.py: ``duet:kv_offloaded_pages_total``, ...,
+The workers' host-tier counters (cluster/kv_cache_metrics.py: ``duet:kv_offloaded_pages_total``, ...,
 labelled by worker, pool group and ``medium="host"``) are read before and after the run; the run's
 figures are the differences, summed over the workers, per pool group and in all. A server whose
 /metrics has no host series (no host tier, or not Duet) gives None: nothing is reported.

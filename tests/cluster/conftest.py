@@ -1,9 +1,13 @@
-"""Shared factories for cluster tests: per-request timing records with exact (binary) values."""
+"""Shared factories for cluster tests: per-request timing records with exact (binary) values, and
+the issues a cluster config is refused with."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
+from cluster.config import ConfigError, config_from_dict
 from cluster.messages import RequestTimings, Role
 
 
@@ -46,3 +50,10 @@ def decode_timings(request_id: str, worker_id: str = "d0", **overrides: Any) -> 
     )
     fields.update(overrides)
     return RequestTimings(request_id=request_id, role=Role.DECODE, worker_id=worker_id, **fields)
+
+
+def issues_of(data: dict) -> list[str]:
+    """The issues ``data`` (a cluster YAML as a dict) is refused with, field by field."""
+    with pytest.raises(ConfigError) as caught:
+        config_from_dict(data)
+    return caught.value.issues

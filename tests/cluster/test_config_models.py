@@ -8,13 +8,11 @@ from pydantic import BaseModel
 
 from cluster.config import (
     ClusterConfig,
-    ConfigError,
     DummyModelConfig,
-    KVCacheConfig,
-    TransferConfig,
     WorkerResources,
     config_from_dict,
 )
+from tests.cluster.conftest import issues_of
 
 TINY_DUMMY = {
     "hidden_size": 64,
@@ -25,12 +23,6 @@ TINY_DUMMY = {
     "vocab_size": 100,
     "max_position_embeddings": 256,
 }
-
-
-def issues_of(data: dict) -> list[str]:
-    with pytest.raises(ConfigError) as caught:
-        config_from_dict(data)
-    return caught.value.issues
 
 
 def all_sections(model: type[BaseModel], seen: set[type[BaseModel]]) -> set[type[BaseModel]]:
@@ -198,180 +190,6 @@ def test_model_name_from_source(source: str, name: str) -> None:
     assert config_from_dict({"model": {"source": source}}).model.model_name == name
     served = config_from_dict({"model": {"source": source, "served_model_name": "x"}})
     assert served.model.model_name == "x"
-
-
-def test_kvcache_sizing_rules() -> None:
-    assert KVCacheConfig(cpu_bytes="64MiB").cpu_bytes == 64 * 2**20  # type: ignore[arg-type]
-    assert KVCacheConfig(num_pages=10).num_pages == 10  # default budgets do not conflict
-    assert issues_of({"kvcache": {"num_pages": 10, "cpu_bytes": 1024}}) == [
-        "kvcache.cpu_bytes: not allowed together with num_pages (pick one sizing)"
-    ]
-    assert issues_of({"kvcache": {"page_size": 12, "gpu_memory_fraction": 1.5}}) == [
-        "kvcache.page_size: must be a power of two from 1 to 1024, got 12",
-        "kvcache.gpu_memory_fraction: must be <= 1, got 1.5",
-    ]
-    assert KVCacheConfig(page_size=16, max_tokens=33).max_pages == 4  # 3 pages + the null page
-    assert KVCacheConfig().max_pages is None
-
-
-def test_kvcache_pool_ratio() -> None:
-    ratio = {"full": 3.0, "swa_32": 1.0}
-    assert config_from_dict({"kvcache": {"pool_ratio": ratio}}).kvcache.pool_ratio == ratio
-    assert issues_of({"kvcache": {"pool_ratio": {"full": 0}}}) == [
-        "kvcache.pool_ratio: shares must be > 0, got <= 0 for ['full']"
-    ]
-    assert issues_of({"kvcache": {"pool_ratio": {}}}) == [
-        "kvcache.pool_ratio: must name at least one pool group, or be left out"
-    ]
-    assert issues_of({"kvcache": {"num_pages": 10, "pool_ratio": {"full": 1}}}) == [
-        "kvcache.pool_ratio: splits a memory budget; with num_pages every group gets num_pages "
-        "pages (pick one sizing)"
-    ]
-    assert issues_of({"kvcache": {"num_pages": 10, "max_tokens": 64}}) == [
-        "kvcache.max_tokens: caps a memory budget; with num_pages it would not apply"
-    ]
-
-
-def test_kvcache_host_tier_bytes() -> None:
-    """kvcache.host_tier_bytes: bytes or a unit; >= 0; needs prefix reuse (below one page per
-    group is refused at worker start-up: tests/worker_common/test_engine_setup.py); not with
-    tensor-parallel workers yet."""
-    assert KVCacheConfig().host_tier_bytes == 0
-    assert KVCacheConfig(host_tier_bytes="1GiB").host_tier_bytes == 2**30  # type: ignore[arg-type]
-    assert issues_of({"kvcache": {"host_tier_bytes": -1}}) == [
-        "kvcache.host_tier_bytes: must be a byte count (an integer, or a number with a unit like "
-        "'512MiB'), got -1"
-    ]
-    assert issues_of({"kvcache": {"host_tier_bytes": "1GiB", "reuse_policy": "none"}}) == [
-        "kvcache.host_tier_bytes: needs prefix reuse (with reuse_policy 'none' no page is ever "
-        "reusable, so nothing would go to the host tier): set reuse_policy, or 0"
-    ]
-    tp = {"tensor_parallel_size": 2}
-    assert issues_of({"kvcache": {"host_tier_bytes": "1GiB"}, "decode": tp, "prefill": tp}) == [
-        "kvcache.host_tier_bytes: not supported with tensor parallelism yet (ranks 1.. hold their "
-        "KV heads in processes the host tier does not copy): decode.tensor_parallel_size 2, "
-        "prefill.tensor_parallel_size 2; use 0"
-    ]
-    aggregated = {"prefill": {"replicas": 0, **tp}, "kvcache": {"host_tier_bytes": "1GiB"}}
-    assert config_from_dict(aggregated).kvcache.host_tier_bytes == 2**30  # no prefill workers
-
-
-def test_kvcache_swa_scratch_reuse() -> None:
-    assert KVCacheConfig().swa_scratch_reuse is False
-    assert KVCacheConfig(swa_scratch_reuse=True).swa_scratch_reuse is True
-    assert issues_of({"kvcache": {"swa_scratch_reuse": "sometimes"}})
-
-
-def test_one_request_must_fit_the_kv_cache() -> None:
-    data = {"model": {"max_model_len": 100}, "kvcache": {"max_tokens": 99}}
-    assert issues_of(data) == [
-        "kvcache.max_tokens: must be >= model.max_model_len (100) so one request fits, got 99",
-    ]
-    data = {"model": {"max_model_len": 100}, "kvcache": {"num_pages": 7}}
-    assert issues_of(data) == [
-        "kvcache.num_pages: must be >= 8 (model.max_model_len 100 in pages of 16, plus the null "
-        "page) so one request fits, got 7",
-    ]
-    assert config_from_dict({"model": {"max_model_len": 100}, "kvcache": {"num_pages": 8}})
-
-
-def test_chunks_hold_whole_pages() -> None:
-    assert issues_of({"kvcache": {"page_size": 32}, "transfer": {"staging_tokens": 1000}}) == [
-        "transfer.staging_tokens: must be a multiple of kvcache.page_size (32), got 1000"
-    ]
-
-
-def test_transfer_rules_and_ucx_environment() -> None:
-    transfer = TransferConfig(
-        ucx_tls=["tcp", "cuda_copy", "cuda_ipc"],  # type: ignore[arg-type]
-        ucx_net_devices="lo",
-        ucx_env={"UCX_RNDV_THRESH": "8192"},
-    )
-    assert transfer.ucx_environment == {
-        "UCX_RNDV_THRESH": "8192",
-        "UCX_TLS": "tcp,cuda_copy,cuda_ipc",
-        "UCX_NET_DEVICES": "lo",
-    }
-    assert TransferConfig().ucx_environment == {}
-    data = {
-        "transfer": {
-            "host": "10.0.0.1",
-            "interface": "eth0",
-            "lease_s": 5,
-            "ucx_tls": ["tcp", "CUDA"],
-            "ucx_env": {"UCX_TLS": "tcp", "OMP_NUM_THREADS": "1"},
-        }
-    }
-    assert issues_of(data) == [
-        "transfer.ucx_tls: transport names are lower-case words like 'tcp' or 'cuda_ipc', got ['CUDA']",
-        "transfer.ucx_env: keys must start with 'UCX_', got ['OMP_NUM_THREADS']",
-    ]
-    data = {"transfer": {"host": "10.0.0.1", "interface": "eth0", "lease_s": 5}}
-    assert issues_of(data) == [
-        "transfer.interface: not allowed together with host (pick one)",
-        "transfer.lease_s: must be >= connect_deadline_s and pull_deadline_s (30.0): a shorter "
-        "lease can expire while the decode worker is still within its deadline, got 5.0",
-    ]
-    assert config_from_dict({"transfer": {"interface": "eth0"}}).transfer.interface == "eth0"
-
-
-def test_transfer_settings_that_would_validate_and_then_fail() -> None:
-    # Each of these used to pass validation and then fail (or quietly degrade) at run time.
-    def issue(**transfer: object) -> list[str]:
-        return issues_of({"transfer": transfer})
-
-    assert "must include 'tcp'" in issue(ucx_tls=["sm"])[0]  # peer error handling drops sm
-    assert "first name only" in issue(ucx_tls=["tcp", "^sm"])[0]
-    # UCX only warns about a transport it does not know: a typo would quietly drop cuda_ipc.
-    assert issue(ucx_tls=["tcp", "cuda_ipcc"]) == [
-        "transfer.ucx_tls: not UCX transports: 'cuda_ipcc' (did you mean 'cuda_ipc'?); UCX would "
-        "only warn and run without them"
-    ]
-    assert "'tcpp' (did you mean 'tcp'?)" in issue(ucx_tls=["tcpp", "^shmm"])[0]
-    for fine in (["^sm"], ["all"], ["tcp", "cuda", "gdr_copy"], ["tcp", "some_new_transport"]):
-        assert config_from_dict({"transfer": {"ucx_tls": fine}}).transfer.ucx_tls == tuple(fine)
-    assert "an address they can dial" in issue(host="0.0.0.0")[0]  # advertised in tickets
-    got = config_from_dict({"transfer": {"ucx_env": {"UCX_MAX_RNDV_RAILS": 1, "UCX_X": True}}})
-    assert got.transfer.ucx_env == {"UCX_MAX_RNDV_RAILS": "1", "UCX_X": "y"}  # YAML scalars
-    tuned = config_from_dict(
-        {"transfer": {"staging_buffers": 2, "progress_mode": "thread-polling"}}
-    ).transfer
-    assert (tuned.staging_buffers, tuned.progress_mode) == (2, "thread-polling")
-    two = {"prefill": {"replicas": 2}, "transfer": {"port": 5555}}
-    assert "cannot all listen on port 5555" in issues_of(two)[0]  # the second failed to bind
-    two["ray"] = {"address": "auto"}  # a cluster of nodes: one per node may share the port
-    assert config_from_dict(two).transfer.port == 5555
-    ranks = {"prefill": {"tensor_parallel_size": 4}, "transfer": {"port": 65533}}
-    assert "would listen on 65536 (port + rank)" in issues_of(ranks)[0]  # rank 3
-    ranks["transfer"]["port"] = 65532
-    assert config_from_dict(ranks).transfer.port == 65532
-
-
-def test_transfer_secret_failure_policy_and_fault_injection() -> None:
-    t = config_from_dict(
-        {
-            "transfer": {
-                "secret": "s3cret",
-                "on_failure": "recompute",
-                "fault_injection": {"fraction": 0.1, "points": ["connect", "mid_data"], "seed": 4},
-            }
-        }
-    ).transfer
-    assert t.secret is not None and t.secret.get_secret_value() == "s3cret"
-    assert "s3cret" not in repr(t) and "s3cret" not in str(t.model_dump(mode="json"))
-    assert (t.on_failure, t.fault_injection.fraction, t.fault_injection.points) == (
-        "recompute",
-        0.1,
-        ("connect", "mid_data"),
-    )
-    assert config_from_dict({}).transfer.fault_injection.fraction == 0.0  # off by default
-    assert issues_of({"transfer": {"on_failure": "retry"}})[0].startswith("transfer.on_failure")
-    assert issues_of({"transfer": {"fault_injection": {"fraction": 2}}})[0].startswith(
-        "transfer.fault_injection.fraction"
-    )
-    assert issues_of({"transfer": {"fault_injection": {"points": ["nowhere"]}}})[0].startswith(
-        "transfer.fault_injection.points"
-    )
 
 
 def test_prefix_aware_routing_needs_reuse() -> None:

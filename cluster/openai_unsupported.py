@@ -1,0 +1,77 @@
+"""OpenAI request fields Duet does not implement: each is accepted only with a value that asks for
+nothing (so a client sending the default still works) and refused otherwise, naming it; a field
+that is no OpenAI field at all is refused too (cluster/openai_schemas.py: the bodies that ask)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+
+def _none_or(*no_ops: Any) -> Callable[[Any], bool]:
+    """A value that asks for nothing: None, or one of ``no_ops``."""
+    return lambda v: v is None or any(v == x and type(v) is type(x) for x in no_ops)
+
+
+def _none_or_a(kind: type) -> Callable[[Any], bool]:
+    """Any value of ``kind``: a field that asks nothing of generation whatever its value."""
+    return lambda v: v is None or isinstance(v, kind)
+
+
+# By field: does its value ask for nothing?
+_NOT_SUPPORTED_COMMON: dict[str, Callable[[Any], bool]] = {
+    "user": _none_or_a(str),  # the end user's id, for the provider's abuse monitoring
+    "service_tier": _none_or("auto", "default"),
+    "store": _none_or(False),
+    "metadata": _none_or({}),
+}
+NOT_SUPPORTED_COMPLETION = _NOT_SUPPORTED_COMMON | {
+    "best_of": _none_or(1),
+    "suffix": _none_or(""),
+}
+NOT_SUPPORTED_CHAT = _NOT_SUPPORTED_COMMON | {
+    "tools": _none_or([]),
+    "tool_choice": _none_or("none"),
+    "parallel_tool_calls": _none_or_a(bool),  # (about tools, which must be none)
+    "functions": _none_or([]),
+    "function_call": _none_or("none"),
+    "response_format": _none_or({"type": "text"}),
+    "modalities": _none_or(["text"]),
+    "audio": _none_or(),
+    "prediction": _none_or(),
+    "reasoning_effort": _none_or(),
+    "verbosity": _none_or(),
+    "web_search_options": _none_or(),
+    "prompt_cache_key": _none_or(),
+    "safety_identifier": _none_or(),
+}
+NOT_SUPPORTED_MESSAGE = {
+    "name": _none_or(),
+    "tool_calls": _none_or([]),
+    "tool_call_id": _none_or(),
+    "function_call": _none_or(),
+    "refusal": _none_or(),
+    "audio": _none_or(),
+}
+
+
+def _shown(value: Any, limit: int = 100) -> str:
+    """``value`` as an error message quotes it: cut at ``limit`` characters (a refused field of
+    megabytes is not sent back whole)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
+def refused_fields(
+    extra: dict[str, Any] | None, not_supported: dict[str, Callable[[Any], bool]], where: str = ""
+) -> list[tuple[str, str]]:
+    """(field, message) for every field of ``extra`` (what a body had beyond the fields Duet
+    implements) that must be refused: a known OpenAI field asking for something, or an unknown one."""
+    refused = []
+    for name, value in (extra or {}).items():
+        check = not_supported.get(name)
+        if check is None:
+            refused.append((where + name, f"{where + name}: unknown field"))
+        elif not check(value):
+            refused.append((where + name, f"{where + name}: not supported, got {_shown(value)}"))
+    return refused
