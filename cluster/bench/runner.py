@@ -50,9 +50,9 @@ def default_deadline(
     max_concurrency: int | None,
     request_timeout_s: float,
 ) -> float:
-    """A run deadline no run cut short that its requests' own timeouts would let finish: the last
-    scheduled arrival, plus a request timeout for each request that may have to wait for another
-    to end (a slot under --max-concurrency, a conversation's previous turn) before its own.
+    """A run deadline that cuts no request its own timeout would let finish: the last scheduled
+    arrival, plus a request timeout for each request that may have to wait for another to end (a
+    slot under --max-concurrency, a conversation's previous turn) before its own.
 
     A fixed default (once 600 s) failed long low-rate sweeps whose every request was on time."""
     depth = [0] * len(requests)  # requests before this one in its chain of `after`
