@@ -51,7 +51,7 @@ def choice_requests(req: GenerateRequest, n: int) -> list[GenerateRequest]:
         return [req]
     out = []
     for i in range(n):
-        sampling = req.sampling.for_choice(i, share_prompt_logprobs=True)
+        sampling = req.sampling.for_choice(i)
         out.append(dataclasses.replace(req, request_id=f"{req.request_id}-{i}", sampling=sampling))
     return out
 

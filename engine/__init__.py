@@ -10,6 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from engine.beam_search import BeamSearchParams
     from engine.engine_config import EngineConfig
     from engine.engine_core import LLMEngine
     from engine.llm import LLM
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
     from engine.sampling_params import SamplingParams
 
 _EXPORTS: dict[str, str] = {
+    "BeamSearchParams": "engine.beam_search",
     "LLM": "engine.llm",
     "LLMEngine": "engine.engine_core",
     "EngineConfig": "engine.engine_config",
@@ -24,7 +26,14 @@ _EXPORTS: dict[str, str] = {
     "SamplingParams": "engine.sampling_params",
 }
 
-__all__ = ["LLM", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "BeamSearchParams",
+    "EngineConfig",
+    "LLMEngine",
+    "RequestOutput",
+    "SamplingParams",
+]
 
 
 def __getattr__(name: str) -> Any:

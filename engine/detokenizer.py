@@ -28,10 +28,20 @@ class IncrementalDetokenizer:
     """
 
     def __init__(
-        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int] = (),
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        # vLLM's spaces_between_special_tokens=False (only where special tokens are kept): an
+        # added token right after another generated one is written as its bare content.
+        self._bare: dict[int, str] | None = None
+        if not (skip_special_tokens or spaces_between_special_tokens):
+            self._bare = tokenizer.added_token_texts
+        self._last_added = False  # (the prompt's last token never counts, as in vLLM)
         self._ids: list[int] = list(prompt_ids)
         self._num_prompt = len(self._ids)
         self.prefix_offset = self._context_start()
@@ -58,11 +68,17 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Feed one token; returns the newly completed text (possibly empty)."""
         self._ids.append(int(token_id))
+        bare = None
+        if self._bare is not None:
+            added = self._bare.get(int(token_id))
+            # (after an added token nothing is held back: the delta is this token's text alone)
+            bare = added if self._last_added else None
+            self._last_added = added is not None
         prefix_text = self._decode(self._ids[self.prefix_offset : self.read_offset])
         new_text = self._decode(self._ids[self.prefix_offset :])
         if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
             return ""
-        delta = new_text[len(prefix_text) :]
+        delta = new_text[len(prefix_text) :] if bare is None else bare
         self.prefix_offset, self.read_offset = self.read_offset, len(self._ids)
         self.text += delta
         return delta

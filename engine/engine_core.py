@@ -287,7 +287,10 @@ class LLMEngine:
         detok = None
         if self.tokenizer is not None and params.detokenize:
             detok = IncrementalDetokenizer(
-                self.tokenizer, prompt_token_ids, params.skip_special_tokens
+                self.tokenizer,
+                prompt_token_ids,
+                params.skip_special_tokens,
+                params.spaces_between_special_tokens,
             )
         return Request(
             request_id,
@@ -423,6 +426,12 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def reset_prefix_cache(self, host_tier: bool = False) -> bool:
+        """Forget every cached prefix page (``host_tier``: the host tier's too), so that no later
+        request reads KV computed before; False, changing nothing, while a request holds pages
+        (vLLM's rule; kvcache.KVCacheManager.reset_prefix_cache)."""
+        return self.kv.reset_prefix_cache(host_tier)
 
     # ---- the step ----
     def step(self) -> list[RequestOutput]:

@@ -4,25 +4,27 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
+from engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from engine.engine_core import LLMEngine
 from engine.hf_tokenizer_view import HFTokenizerView
 from engine.llm_arguments import engine_config_of
 from engine.loaders.generation_defaults import GenerationDefaults, load_generation_defaults
+from engine.logprobs import Logprob
+from engine.offline_prompts import EncodedPrompt, Prompt, encode_prompts
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams, last_prompt_tokens
+from engine.vllm_engine_view import VLLMEngineView
 
 if TYPE_CHECKING:
     from engine.loaders import LoadedModel
 
 log = logging.getLogger(__name__)
 
-# A prompt: text, token ids, or vLLM's TextPrompt / TokensPrompt dicts.
-Prompt = str | list[int] | Mapping[str, Any]
 Message = dict[str, Any]
 # vLLM's progress option: a bool, or a tqdm-like class to make the bar with.
 Progress = bool | Callable[..., tqdm]
@@ -92,6 +94,13 @@ class LLM:
     def tokenizer(self):  # noqa: ANN201 (engine.tokenizer.Tokenizer | None)
         return self.engine.tokenizer
 
+    @property
+    def llm_engine(self) -> VLLMEngineView:
+        """vLLM's ``llm.llm_engine`` for what scripts read through it: ``get_tokenizer()``,
+        ``tokenizer``, ``model_config.max_model_len`` and a few more
+        (engine/vllm_engine_view.py); anything else is refused, naming ``llm.engine``."""
+        return VLLMEngineView(self.engine)
+
     def get_tokenizer(self) -> HFTokenizerView | None:
         """The model's tokenizer as vLLM hands it out: called as transformers' tokenizers are
         (engine/hf_tokenizer_view.py); None for a model without one. ``LLM.tokenizer`` is the
@@ -99,6 +108,23 @@ class LLM:
         if self.tokenizer is None:
             return None
         return HFTokenizerView(self.tokenizer)
+
+    def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        """Forget every cached prefix page, so that no later prompt reads KV computed before
+        (vLLM's: after new weights, or to measure a cold cache); True once done. vLLM refuses
+        (False) while requests hold pages unless ``reset_running_requests`` preempts them; this
+        LLM's calls return only when their requests have finished, so none holds pages here and
+        the reset always happens. ``reset_connector``: also the host tier's pages (Duet's
+        counterpart of vLLM's KV offloading connector, whose cache vLLM clears only when asked)."""
+        for name, value in (
+            ("reset_running_requests", reset_running_requests),
+            ("reset_connector", reset_connector),
+        ):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be a bool, got {value!r}")
+        return self.engine.reset_prefix_cache(host_tier=reset_connector)
 
     def generate(
         self,
@@ -119,22 +145,67 @@ class LLM:
         Everything is validated before anything is queued, so a bad input raises ValueError and
         leaves the engine as it was.
         """
-        if (
-            isinstance(prompts, (str, Mapping))
-            or isinstance(prompts, list)
-            and prompts
-            and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]  # type: ignore[list-item]  # one prompt
-        if not isinstance(prompts, Sequence):
-            raise ValueError(
-                "prompts must be a string, a list of token ids, a prompt dict, or a list of those"
-            )
         _refuse_lora(lora_request)
         if priority is not None and any(priority):
             raise ValueError("priority: Duet serves requests in arrival order (give None or 0s)")
-        encoded = [self._encode(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
-        return self._run(encoded, sampling_params, use_tqdm)
+        return self._run(encode_prompts(prompts, self.tokenizer), sampling_params, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: BeamSearchParams,
+        lora_request: None = None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search (engine/beam_search.py): per prompt (as ``generate`` takes them) its
+        ``params.beam_width`` best sequences, best first. Each step runs every live beam as a
+        one-token request of this engine (the prefix cache serves the beams' shared prefixes);
+        ``concurrency_limit`` prompts are searched at once (None: all); ``use_tqdm``: a bar of
+        token steps."""
+        _refuse_lora(lora_request)
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        if not isinstance(use_tqdm, bool):
+            raise ValueError(f"use_tqdm must be a bool, got {use_tqdm!r}")
+        limit = concurrency_limit
+        if limit is not None and (
+            isinstance(limit, bool) or not isinstance(limit, int) or limit < 1
+        ):
+            raise ValueError(f"concurrency_limit must be None or an integer >= 1, got {limit!r}")
+        tokenizer = self.tokenizer
+        if tokenizer is None:  # (its EOS ends beams, and it writes their text)
+            raise ValueError("beam_search needs the model's tokenizer, and this model has none")
+        encoded = encode_prompts(prompts, self.tokenizer)
+        for _, tokens, what in encoded:
+            self.engine.check_prompt(tokens, what)
+        one_token = SamplingParams(
+            max_tokens=1,
+            logprobs=2 * params.beam_width,
+            temperature=params.temperature,
+            detokenize=False,  # (the candidates' ids and logprobs are all a step needs)
+        )
+
+        def step(beams: list[list[int]]) -> list[dict[int, Logprob]]:
+            outs = self._run([(None, b, "beam") for b in beams], one_token)
+            return [out.outputs[0].logprobs[0] for out in outs]  # type: ignore[index]
+
+        num_batches = -(-len(encoded) // (limit or max(len(encoded), 1)))
+        bar = tqdm(total=params.max_tokens * num_batches, desc="Beam search") if use_tqdm else None
+        try:
+            return beam_search(
+                [tokens for _, tokens, _ in encoded],
+                params,
+                step,
+                eos_token_id=tokenizer.eos_token_id,
+                max_model_len=self.engine.max_model_len,
+                decode=tokenizer.decode,
+                concurrency_limit=limit,
+                on_step=None if bar is None else lambda: bar.update(1),
+            )
+        finally:
+            if bar is not None:
+                bar.close()
 
     def chat(
         self,
@@ -167,7 +238,7 @@ class LLM:
         options = dict(chat_template_kwargs or {})
         if tools is not None:
             options["tools"] = tools
-        encoded: list[tuple[str | None, list[int], str]] = []
+        encoded: list[EncodedPrompt] = []
         for i, conv in enumerate(conversations):
             if not isinstance(conv, list) or not conv or not all(isinstance(m, dict) for m in conv):
                 raise ValueError(f"messages[{i}] must be a non-empty list of message dicts")
@@ -184,27 +255,6 @@ class LLM:
         return self._run(encoded, sampling_params, use_tqdm)
 
     # ---- internals ----
-    def _encode(self, prompt: object, what: str) -> tuple[str | None, list[int], str]:
-        if isinstance(prompt, Mapping):
-            prompt = _prompt_of(prompt, what)
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError(f"{what}: the prompt is empty")
-            if self.tokenizer is None:
-                raise ValueError(
-                    f"{what}: this model has no tokenizer; pass token ids instead of text"
-                )
-            ids = self.tokenizer.encode(prompt)
-            text: str | None = prompt
-        elif isinstance(prompt, list):
-            ids, text = prompt, None
-        else:
-            raise ValueError(
-                f"{what}: expected a string, a list of token ids or a prompt dict, "
-                f"got {type(prompt).__name__}"
-            )
-        return text, list(ids), what
-
     def _params(self, sampling_params: object, n: int) -> list[SamplingParams]:
         if sampling_params is None:
             return [self.get_default_sampling_params()] * n
@@ -228,7 +278,7 @@ class LLM:
 
     def _run(
         self,
-        encoded: list[tuple[str | None, list[int], str]],
+        encoded: list[EncodedPrompt],
         sampling_params: object,
         use_tqdm: Progress = False,
     ) -> list[RequestOutput]:
@@ -280,13 +330,16 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
-        decode = self._token_text
-        return [
-            results[rids[0]].with_token_texts(decode)
-            if len(rids) == 1
-            else RequestOutput.of_choices(pid, [results[rid] for rid in rids], decode)
-            for pid, rids in groups
-        ]
+        outputs = []
+        for (pid, rids), p in zip(groups, params, strict=True):
+            # (vLLM names the logprobs' tokens only for a request it detokenizes)
+            decode = self._token_text if p.detokenize else None
+            outputs.append(
+                results[rids[0]].with_token_texts(decode)
+                if len(rids) == 1
+                else RequestOutput.of_choices(pid, [results[rid] for rid in rids], decode)
+            )
+        return outputs
 
     def _token_text(self, token_id: int) -> str:
         """A logprobs entry's token as text (vLLM's decoded_token); "" without a tokenizer."""
@@ -297,31 +350,6 @@ class LLM:
 def _refuse_lora(lora_request: object) -> None:
     if lora_request is not None:
         raise ValueError("lora_request: Duet serves no LoRA adapters (give None)")
-
-
-def _prompt_of(prompt: Mapping[str, Any], what: str) -> str | list[int]:
-    """The text or token ids of vLLM's TextPrompt ({"prompt"}: a str) or TokensPrompt
-    ({"prompt_token_ids"}: a list of ints); any other key (images, cache salts, ...) is refused
-    by name, and so is a value of the other kind (text under prompt_token_ids would otherwise be
-    tokenized again, special tokens and all)."""
-    keys = set(prompt)
-    if keys == {"prompt"}:
-        if not isinstance(prompt["prompt"], str):
-            raise ValueError(f"{what}: 'prompt' must be a string (token ids: 'prompt_token_ids')")
-        return prompt["prompt"]
-    if keys == {"prompt_token_ids"}:
-        ids = prompt["prompt_token_ids"]
-        if not isinstance(ids, list):
-            raise ValueError(
-                f"{what}: 'prompt_token_ids' must be a list of token ids, got "
-                f"{type(ids).__name__} (text: 'prompt')"
-            )
-        return ids
-    other = sorted(keys - {"prompt", "prompt_token_ids"})
-    raise ValueError(
-        f"{what}: a prompt dict has one of 'prompt' or 'prompt_token_ids'"
-        + (f"; not supported: {other}" if other else f", got {sorted(keys)}")
-    )
 
 
 def _progress(use_tqdm: Progress, total: int) -> tqdm | None:

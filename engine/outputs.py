@@ -88,9 +88,10 @@ class RequestOutput:
             self.stop_reason,
         )
 
-    def with_token_texts(self, decode: Callable[[int], str]) -> RequestOutput:
-        """The same output with its logprobs' and prompt logprobs' tokens named by ``decode`` (as
-        vLLM's ``decoded_token``); itself when it has neither."""
+    def with_token_texts(self, decode: Callable[[int], str] | None) -> RequestOutput:
+        """The same output with its logprobs and prompt logprobs as vLLM's, their tokens named by
+        ``decode`` (vLLM's ``decoded_token``; None: left None, as for a request vLLM does not
+        detokenize); itself when it has neither."""
         if self.logprobs is None and self.prompt_token_logprobs is None:
             return self
         return dataclasses.replace(

@@ -84,6 +84,11 @@ class SamplingParams:
     (a stop token, a shown EOS), at the end of the text."""
     skip_special_tokens: bool = True
     """Leave special tokens (BOS, EOS, ...) out of the decoded text."""
+    spaces_between_special_tokens: bool = True
+    """vLLM's: False (with ``skip_special_tokens=False``) writes an added token that follows
+    another one as its bare content, without the space a tokenizer's decoder may put between
+    them (one without a decoder, or WordPiece's); byte-level BPE puts none, so it changes
+    nothing there. Its text comes token by token, as vLLM's fast detokenizer makes it."""
     detokenize: bool = True
     """False: no text is made, token ids only (vLLM's; the text fields stay ""); stop strings,
     which match text, are then refused."""
@@ -174,13 +179,13 @@ class SamplingParams:
 
     clone = copy  # (vLLM's name)
 
-    def for_choice(self, i: int, share_prompt_logprobs: bool = True) -> SamplingParams:
+    def for_choice(self, i: int) -> SamplingParams:
         """The params of completion ``i`` of several of one prompt (``n``, offline or over HTTP):
         one completion, seeded seed + i (vLLM's rule: the completions differ, and the same call
-        gives the same completions again). With ``share_prompt_logprobs`` only the first computes
-        the prompt's logprobs, for all of them (the others may read the prompt from the cache)."""
+        gives the same completions again). Only the first computes the prompt's logprobs, for all
+        of them (the others may read the prompt from the cache)."""
         seed = None if self.seed is None else self.seed + i
-        prompt_logprobs = None if i > 0 and share_prompt_logprobs else self.prompt_logprobs
+        prompt_logprobs = None if i > 0 else self.prompt_logprobs
         return dataclasses.replace(self, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
 
     def _validate(self) -> None:
@@ -247,6 +252,7 @@ class SamplingParams:
             "ignore_eos",
             "include_stop_str_in_output",
             "skip_special_tokens",
+            "spaces_between_special_tokens",
             "detokenize",
         ):
             if not isinstance(getattr(self, name), bool):

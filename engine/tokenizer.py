@@ -44,11 +44,15 @@ class Tokenizer:
             int(i) for i in extra_stop_token_ids
         ]
         self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(stops))
+        added_tokens = backend.get_added_tokens_decoder()
         self.special_token_ids: frozenset[int] = frozenset(
-            token_id
-            for token_id, added in backend.get_added_tokens_decoder().items()
-            if added.special
+            token_id for token_id, added in added_tokens.items() if added.special
         )
+        # Every added token's text, special or not (what spaces_between_special_tokens=False
+        # writes bare; vLLM's fast detokenizer takes the same set).
+        self.added_token_texts: dict[int, str] = {
+            token_id: added.content for token_id, added in added_tokens.items()
+        }
 
     def _id_of(self, role: str, token: str | None) -> int | None:
         if token is None:

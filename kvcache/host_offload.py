@@ -96,6 +96,11 @@ class HostOffload:
         """Block until every queued offload read its device page."""
         self.tier.wait_offloads()
 
+    def drop_cached(self) -> dict[str, list[int]]:
+        """Forget every group's cached host pages (no load-back may be in flight); group -> the
+        hashes dropped."""
+        return {g: pool.drop_cached() for g, pool in self.tier.pools.items()}
+
     # ---- queries ----
     def cached_hashes(self, group: str) -> list[int]:
         """Every block hash of ``group`` findable on the host now."""

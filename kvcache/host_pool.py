@@ -138,6 +138,22 @@ class HostPool:
         if self._pins[page] == 0:
             self._queue.append(page)
 
+    def drop_cached(self) -> list[int]:
+        """Forget every cached page (a prefix cache reset): each becomes free, and no lookup finds
+        it again. Only while no load-back is in flight (a pinned page is being read). Returns the
+        hashes dropped."""
+        if self.num_pinned:
+            raise RuntimeError(f"drop_cached with {self.num_pinned} host pages pinned")
+        dropped = list(self._index)
+        for page in self._index.values():
+            self._page_hash[page] = None
+            self._reused[page] = False
+            self._queue.remove(page)  # (free pages come before cached ones in the drop queue)
+            self._queue.appendleft(page)
+        self._index.clear()
+        self.num_cached = 0
+        return dropped
+
     # ---- invariants ----
     def check_integrity(self, pins: dict[int, int], name: str = "host pool") -> None:
         """Verify the accounting against ``pins`` (host page -> load-backs in flight reading it)."""

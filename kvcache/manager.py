@@ -463,6 +463,24 @@ class KVCacheManager:
         for g, pool in self._pools.items():
             pool.free(reversed(state.held(g)))
 
+    def reset_prefix_cache(self, host_tier: bool = False) -> bool:
+        """Forget every cached page (vLLM's ``reset_prefix_cache``: after new weights, or for a
+        cold-cache measurement), so that no later ``match_prefix`` finds anything computed
+        before; ``host_tier``: the host tier's pages too (vLLM resets its KV connector's cache,
+        where an offloaded copy lives, only when asked). All or nothing, as vLLM's: False,
+        changing nothing, while any request holds pages (its pages' hashes are what its own
+        commits build on); True once done. Removal events for every hash forgotten."""
+        if self._requests:
+            return False
+        for g, pool in self._pools.items():
+            for block_hash in pool.drop_cached():
+                self.events.record("removed", "device", g, block_hash)
+        if host_tier and self._host is not None:
+            for g, hashes in self._host.drop_cached().items():
+                for block_hash in hashes:
+                    self.events.record("removed", "host", g, block_hash)
+        return True
+
     # ---- queries ----
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests

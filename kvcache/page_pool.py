@@ -225,6 +225,22 @@ class PagePool:
         if note_peak:
             self.note_evictable_peak()
 
+    def drop_cached(self) -> list[int]:
+        """Forget every registered page (vLLM's prefix cache reset): each becomes plain free and
+        no lookup finds it again. Only while no page is held (a held page's hash is what its
+        request's later commits and hits rely on). Returns the hashes dropped."""
+        if self.num_used:
+            raise RuntimeError(f"drop_cached with {self.num_used} pages held")
+        dropped = list(self._index)
+        for page_id in self._index.values():
+            self._page_hash[page_id] = None
+            # (plain free pages are handed out first: move it to the head, as free() would put it)
+            self._free_queue.remove(page_id)
+            self._free_queue.appendleft(page_id)
+        self._index.clear()
+        self._num_evictable = 0
+        return dropped
+
     def note_evictable_peak(self) -> None:
         self.peak_evictable = max(self.peak_evictable, self._num_evictable)
 

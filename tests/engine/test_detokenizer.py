@@ -130,3 +130,52 @@ def test_a_prompt_ending_in_byte_tokens_leaves_the_generated_text_whole() -> Non
     detok = IncrementalDetokenizer(tok, prompt)
     text = detok.add_many(generated) + detok.finish()
     assert text == tok.decode(generated) == "ü and 😀!"
+
+
+def _spaced_tokenizer() -> Tokenizer:
+    """Words and two added special tokens, without a decoder: tokenizers then joins every token
+    with a space, special ones included (as WordPiece's decoder does)."""
+    import tokenizers
+
+    words = ["<s>", "<sep>", "hello", "world"]
+    backend = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="hello")
+    )
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    backend.add_special_tokens(["<s>", "<sep>"])
+    return Tokenizer(backend, bos_token="<s>")
+
+
+def _text(tok: Tokenizer, ids: list[int], skip: bool, spaces: bool) -> str:
+    detok = IncrementalDetokenizer(tok, [2], skip, spaces)  # prompt: "hello"
+    return detok.add_many(ids) + detok.finish()
+
+
+def test_spaces_between_special_tokens_as_vllm_writes_them() -> None:
+    """vLLM's fast detokenizer: with special tokens kept and spaces_between_special_tokens=False,
+    an added token right after another generated one comes without the decoder's space.
+    transformers' fast decode takes the flag and ignores it, so it is the oracle of True only."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = _spaced_tokenizer()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok.backend)
+    ids = [0, 1, 1, 3, 1]  # <s> <sep> <sep> world <sep>
+    assert _text(tok, ids, skip=False, spaces=True) == " " + hf.decode(ids)
+    assert _text(tok, ids, skip=False, spaces=True) == " <s> <sep> <sep> world <sep>"
+    assert _text(tok, ids, skip=False, spaces=False) == " <s><sep><sep> world <sep>"
+    for spaces in (True, False):  # skipped special tokens leave nothing to space
+        assert _text(tok, ids, skip=True, spaces=spaces) == " " + hf.decode(
+            ids, skip_special_tokens=True
+        )
+
+
+def test_spaces_between_special_tokens_change_nothing_for_byte_level_bpe(
+    default_model: LoadedModel, hf_gguf_tokenizer: object
+) -> None:
+    """Byte-level BPE puts no space between added tokens: both values give transformers' text."""
+    tok = _tok(default_model)
+    ids = [1, 2, 1, *tok.encode("The cat"), 2, 2, 0]  # <|im_start|> <|im_end|> ... <|endoftext|>
+    expected = hf_gguf_tokenizer.decode(ids, skip_special_tokens=False)  # type: ignore[attr-defined]
+    for spaces in (True, False):
+        detok = IncrementalDetokenizer(tok, (), False, spaces)
+        assert detok.add_many(ids) + detok.finish() == expected

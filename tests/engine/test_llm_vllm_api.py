@@ -4,12 +4,14 @@ vLLM's constructor names. (tiny random Llama-3 with its tokenizer and chat templ
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from engine.hf_tokenizer_view import HFTokenizerView
 from engine.llm import LLM
@@ -283,3 +285,61 @@ def test_detokenize_false_gives_the_same_tokens_and_no_text(tiny_llm: LLM) -> No
     with pytest.raises(SamplingParamsError, match="stop must be empty with detokenize=False"):
         SamplingParams(stop=["x"], detokenize=False)
     assert_no_leak(tiny_llm.engine.kv)
+
+
+def test_reset_prefix_cache_forgets_cached_prompts(tiny_llm: LLM) -> None:
+    """vLLM's reset_prefix_cache: a repeated prompt reads the cache before, nothing after, and
+    its tokens do not change."""
+    prompt = "hello world, hello there, hello again and again"
+    assert len(tiny_llm.tokenizer.encode(prompt)) > 8  # (two whole pages of 4 to reuse)
+    first = tiny_llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    again = tiny_llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert again.num_cached_tokens > 0
+    assert tiny_llm.reset_prefix_cache() is True
+    after = tiny_llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert after.num_cached_tokens == 0
+    assert first.token_ids == again.token_ids == after.token_ids
+    assert tiny_llm.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
+    with pytest.raises(ValueError, match="reset_connector must be a bool"):
+        tiny_llm.reset_prefix_cache(reset_connector="yes")  # type: ignore[arg-type]
+    assert_no_leak(tiny_llm.engine.kv)
+
+
+def test_detokenize_false_leaves_logprobs_tokens_unnamed(tiny_llm: LLM) -> None:
+    """vLLM names logprobs' tokens (decoded_token) only for a request it detokenizes."""
+    base = dict(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    named, bare = tiny_llm.generate(
+        ["hello", "hello"],
+        [SamplingParams(**base), SamplingParams(**base, detokenize=False)],
+        use_tqdm=False,
+    )
+    for out, want_names in ((named, True), (bare, False)):
+        entries = [lp for pos in out.outputs[0].logprobs for lp in pos.values()]
+        entries += [lp for pos in out.prompt_logprobs[1:] for lp in pos.values()]
+        assert entries
+        assert all((lp.decoded_token is not None) == want_names for lp in entries)
+    assert bare.outputs[0].logprobs == [
+        {t: dataclasses.replace(lp, decoded_token=None) for t, lp in pos.items()}
+        for pos in named.outputs[0].logprobs
+    ]
+    n2 = tiny_llm.generate("hello", SamplingParams(**base, n=2, detokenize=False), use_tqdm=False)
+    assert all(
+        lp.decoded_token is None for c in n2[0].outputs for pos in c.logprobs for lp in pos.values()
+    )
+
+
+def test_llm_engine_offers_what_vllm_scripts_read(tiny_llm: LLM) -> None:
+    engine = tiny_llm.llm_engine
+    tok = engine.get_tokenizer()
+    assert isinstance(tok, HFTokenizerView) and isinstance(engine.tokenizer, HFTokenizerView)
+    assert tok.encode("hello") == tiny_llm.get_tokenizer().encode("hello")
+    config = engine.model_config
+    assert engine.get_model_config() is config
+    assert config.max_model_len == tiny_llm.engine.max_model_len == 64
+    assert config.get_vocab_size() == tiny_llm.engine.model_config.vocab_size
+    assert config.get_hidden_size() == tiny_llm.engine.model_config.hidden_size
+    assert config.dtype == torch.float32 and config.model == tiny_llm.engine.model_name
+    with pytest.raises(AttributeError, match="Duet's own engine is llm.engine"):
+        engine.model_executor  # noqa: B018 (vLLM's workers: nothing like them here)
+    with pytest.raises(AttributeError, match="llm.engine.model_config"):
+        config.hf_config  # noqa: B018

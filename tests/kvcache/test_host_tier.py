@@ -235,3 +235,24 @@ def test_host_tokens_taken_are_those_loaded_back(make_manager: MakeManager) -> N
     assert match.host_tokens_taken(m.page_ids("e")) == match.num_host_tokens == 2
     assert host(m, "swa_2").loaded_back == 1
     m.free("e")
+
+
+@pytest.mark.parametrize("host_tier", [False, True])
+def test_reset_prefix_cache_forgets_the_host_tier_only_when_asked(
+    make_manager: MakeManager, host_tier: bool
+) -> None:
+    m = make_manager(num_pages=4, page_size=2, host_pages=3)
+    h = hash_full_pages(A, 2)
+    run(m, "a", A)
+    assert m.allocate_slots("b", 6)  # evicts all of A's pages to the host tier
+    assert m.match_prefix(A + [9]).page_ids == {"full": [0, 0, 0]}  # (all on the host)
+    m.free("b")
+    m.enable_events()
+    assert m.reset_prefix_cache(host_tier=host_tier)
+    on_host = [] if host_tier else [h[2], h[1], h[0]]
+    assert m.cached_blocks() == {"full": {"device": [], "host": on_host}}
+    assert m.drain_events() == (
+        [KVEvent("removed", "host", "full", [h[2], h[1], h[0]])] if host_tier else []
+    )
+    assert m.match_prefix(A + [9]).num_tokens == (0 if host_tier else 6)
+    assert (host(m).used, host(m).free) == (len(on_host), 3 - len(on_host))

@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 
 from kvcache.block_hash import hash_full_pages
+from kvcache.kv_events import KVEvent
 from kvcache.manager import KVCacheManager
 from kvcache.reuse_policy import ReusePolicy
 from tests.kvcache.conftest import MakeManager, group_spec
@@ -200,3 +201,25 @@ def test_an_unrecorded_run_must_free_its_requests(make_manager: MakeManager) -> 
     with pytest.raises(RuntimeError, match="warm"), m.unrecorded():
         run_prompt(m, "warm", [21, 22, 23])
     m.free("warm")
+
+
+def test_reset_prefix_cache_forgets_every_cached_page_only_when_none_is_held(
+    make_manager: MakeManager,
+) -> None:
+    m = make_manager(ReusePolicy.ALL_REUSABLE, num_pages=6, page_size=2)
+    m.enable_events()
+    run_prompt(m, "r1", PROMPT)  # pages [1, 2, 3]; 1 and 2 registered
+    h = hash_full_pages(PROMPT, 2)
+    m.drain_events()
+    assert not m.reset_prefix_cache()  # r1 holds its pages: nothing changes (vLLM's rule)
+    assert m.match_prefix(PROMPT).num_tokens == 4
+    assert m.drain_events() == []
+    m.free("r1")
+    assert m.reset_prefix_cache()
+    assert m.match_prefix(PROMPT).num_tokens == 0
+    assert m.cached_blocks() == {"full": {"device": []}}
+    assert m.drain_events() == [KVEvent("removed", "device", "full", h)]
+    s = m.stats().groups["full"]
+    assert (s.free, s.evictable, s.used) == (5, 0, 0)
+    assert m.allocate_slots("r2", 10)  # every page handed out again, no eviction counted
+    assert m.stats().groups["full"].evictions == 0
