@@ -119,8 +119,10 @@ class _SamplingFields(BaseModel):
     truncate_prompt_tokens: int | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
-    # vLLM's extensions: special tokens left out of the text; a matched stop string kept in it.
+    # vLLM's extensions: special tokens left out of the text (kept: spaced apart from each other
+    # or not, where the tokenizer spaces them); a matched stop string kept in it.
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -158,6 +160,7 @@ class _SamplingFields(BaseModel):
             min_tokens=self.min_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
             logprobs=self.top_logprobs_asked,
             prompt_logprobs=self.prompt_logprobs_asked,
             truncate_prompt_tokens=self.truncate_prompt_tokens,  # (validated there)

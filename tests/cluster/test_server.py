@@ -189,11 +189,13 @@ def test_vllm_text_options_reach_the_worker(http, backend) -> None:
     body = CHAT | {
         "max_tokens": 2,
         "skip_special_tokens": False,
+        "spaces_between_special_tokens": False,
         "include_stop_str_in_output": True,
     }
     assert http.post("/v1/chat/completions", json=body).status_code == 200
     s = backend.requests[-1].sampling
     assert (s.skip_special_tokens, s.include_stop_str_in_output) == (False, True)
+    assert s.spaces_between_special_tokens is False
     with_turn = backend.requests[-1].prompt_token_ids.tolist()
     body = CHAT | {"max_tokens": 2, "add_generation_prompt": False}
     assert http.post("/v1/chat/completions", json=body).status_code == 200
