@@ -19,11 +19,13 @@ from cluster.bench.errors import BenchError
 from cluster.bench.options import (
     DEFAULT_OUTPUT_LEN,
     DEFAULT_TARGET,
+    SAMPLING_FLAGS,
     WORKLOADS,
     build_sweep_options,
     build_workload,
     describe_workload,
     parse_endpoint,
+    parse_json_object,
     parse_rate,
     resolve_target,
 )
@@ -127,9 +129,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument(
         "--tokenizer",
         default="embedded",
-        metavar="embedded|none|TOKENIZER_JSON",
-        help="the target model's tokenizer: the embedded model's (default), none, or a "
-        "tokenizer.json file",
+        metavar="embedded|none|TOKENIZER_JSON|CHECKPOINT_DIR",
+        help="the target model's tokenizer: the embedded model's (default), none, a "
+        "tokenizer.json file, or a checkpoint directory holding one",
     )
     work.add_argument(
         "--vocab-size",
@@ -250,6 +252,29 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="ask for exactly max_tokens tokens (a vLLM extension; off for strict servers)",
     )
     send.add_argument("--temperature", type=float, default=0.0)
+    for flag, kind in SAMPLING_FLAGS.items():
+        send.add_argument(flag, type=kind, default=None, help="sent only when given")
+    send.add_argument(
+        "--extra-body",
+        type=parse_json_object,
+        default=None,
+        metavar="JSON",
+        help="a JSON object joined to every request's body (it wins over the sampling flags), "
+        'e.g. \'{"chat_template_kwargs": {"enable_thinking": false}}\'',
+    )
+    send.add_argument(
+        "--api-key",
+        default=None,
+        help="the server's bearer token (default: a config target's server.api_key, else "
+        "OPENAI_API_KEY)",
+    )
+    send.add_argument(
+        "--header",
+        nargs="+",
+        default=None,
+        metavar="KEY=VALUE",
+        help="more headers for every request (they win over --api-key's)",
+    )
     send.add_argument(
         "--server-metrics-wait",
         type=float,
@@ -278,6 +303,7 @@ def _header(args: argparse.Namespace) -> dict[str, Any]:
         "burstiness": args.burstiness,
         "max_concurrency": args.max_concurrency,
         "ramp_up_seconds": args.ramp_up_seconds,
+        "extra_body": None,
         "percentiles": [],
         "goodput_slos": None,
         "workload": None,
@@ -312,6 +338,7 @@ def run_bench(args: argparse.Namespace) -> int:
             raise BenchError(str(exc)) from None
         except (ValueError, OSError) as exc:
             raise BenchError(f"bad benchmark settings: {exc}") from None
+        results["extra_body"] = dict(options.extra_body) or None
         results["percentiles"] = list(options.percentiles)
         results["goodput_slos"] = options.slos.as_dict() if options.slos else None
         results["workload"] = describe_workload(args, requests)

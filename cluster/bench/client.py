@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal
 
@@ -36,10 +37,16 @@ def normalize_base_url(url: str) -> str:
     return url
 
 
+# The body fields the driver sets itself: an --extra-body naming one would change what is measured.
+DRIVER_FIELDS = ("model", "prompt", "messages", "max_tokens", "stream", "stream_options")
+
+
 @dataclass(frozen=True)
 class ClientSettings:
     """How requests are sent. ``ignore_eos`` asks the server (a vLLM extension that Duet accepts)
-    to generate exactly ``max_tokens`` tokens; turn it off for servers that reject unknown fields."""
+    to generate exactly ``max_tokens`` tokens; turn it off for servers that reject unknown fields.
+    ``headers`` go with every request to the server (its API key); ``extra_body`` joins every
+    request's body (sampling settings and the like; none of ``DRIVER_FIELDS``)."""
 
     base_url: str
     model: str
@@ -47,6 +54,13 @@ class ClientSettings:
     request_timeout_s: float = 300.0
     ignore_eos: bool = True
     temperature: float = 0.0
+    headers: Mapping[str, str] = field(default_factory=dict)
+    extra_body: Mapping[str, object] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        owned = sorted(set(self.extra_body) & set(DRIVER_FIELDS))
+        if owned:
+            raise ValueError(f"the extra body may not set {', '.join(owned)}: the driver does")
 
 
 def request_payload(settings: ClientSettings, request: BenchRequest) -> dict[str, Any]:
@@ -60,6 +74,7 @@ def request_payload(settings: ClientSettings, request: BenchRequest) -> dict[str
     }
     if settings.ignore_eos:
         body["ignore_eos"] = True
+    body.update(settings.extra_body)
     if settings.endpoint == "chat":
         if not isinstance(request.prompt, str):
             raise ValueError(
@@ -85,7 +100,10 @@ class StreamingClient:
         # No pool limit: a request waiting for a free connection would add client time to its TTFT.
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         self._http = httpx.AsyncClient(
-            base_url=self.settings.base_url, timeout=timeout, limits=limits
+            base_url=self.settings.base_url,
+            timeout=timeout,
+            limits=limits,
+            headers=dict(self.settings.headers),
         )
         return self
 
@@ -205,13 +223,17 @@ def _generated(choice: dict[str, Any], endpoint: Endpoint) -> tuple[str, int]:
     return text, len(ids) if isinstance(ids, list) else int(has_text)
 
 
-async def probe_models(base_url: str, timeout_s: float = 10.0) -> list[str]:
+async def probe_models(
+    base_url: str, timeout_s: float = 10.0, headers: Mapping[str, str] | None = None
+) -> list[str]:
     """The model ids the server lists at /v1/models, or [] if it lists none.
 
     Raises BenchError when nothing answers at ``base_url``: the first thing a user should hear.
     """
     try:
-        async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s) as http:
+        async with httpx.AsyncClient(
+            base_url=base_url, timeout=timeout_s, headers=dict(headers or {})
+        ) as http:
             response = await http.get("/v1/models")
     except httpx.ConnectError as exc:
         raise BenchError(
@@ -223,6 +245,13 @@ async def probe_models(base_url: str, timeout_s: float = 10.0) -> list[str]:
         ) from None
     except httpx.HTTPError as exc:
         raise BenchError(f"GET {base_url}/v1/models failed: {type(exc).__name__}: {exc}") from None
+    if response.status_code in (401, 403):
+        keyed = any(k.lower() == "authorization" for k in headers or {})
+        said = "the API key given" if keyed else "a request without an API key"
+        raise BenchError(
+            f"the server at {base_url} refused {said} (HTTP {response.status_code} on "
+            "GET /v1/models): give --api-key (or OPENAI_API_KEY)"
+        )
     if response.status_code != 200:
         return []
     try:

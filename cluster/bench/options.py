@@ -4,9 +4,12 @@ so a bad SLO, percentile or workload file fails before any request is sent)."""
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 from typing import Any
 
+from cluster.bench.client import DRIVER_FIELDS
 from cluster.bench.datasets import WorkloadError, load_jsonl, load_sharegpt
 from cluster.bench.metrics import parse_percentiles
 from cluster.bench.records import BenchRequest
@@ -60,6 +63,52 @@ def resolve_target(args: argparse.Namespace) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+# `vllm bench serve`'s sampling flags: each sent as its body field, only when given.
+SAMPLING_FLAGS: dict[str, type] = {
+    "--top-p": float,
+    "--top-k": int,
+    "--min-p": float,
+    "--frequency-penalty": float,
+    "--presence-penalty": float,
+    "--repetition-penalty": float,
+}
+
+
+def parse_json_object(text: str) -> dict[str, Any]:
+    """--extra-body for argparse: a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc.msg}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def _headers(items: list[str] | None) -> dict[str, str]:
+    headers = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--header {item!r}: expected KEY=VALUE")
+        headers[key.strip()] = value.strip()
+    return headers
+
+
+def _extra_body(args: argparse.Namespace) -> dict[str, Any]:
+    """The sampling flags given, then --extra-body (which wins, as in `vllm bench serve`)."""
+    body = {
+        flag[2:].replace("-", "_"): value
+        for flag in SAMPLING_FLAGS
+        if (value := getattr(args, flag[2:].replace("-", "_"))) is not None
+    }
+    body.update(args.extra_body or {})
+    owned = sorted(set(body) & set(DRIVER_FIELDS))
+    if owned:
+        raise ValueError(f"--extra-body may not set {', '.join(owned)}: the driver does")
+    return body
+
+
 def parse_rate(text: str) -> float:
     """A request rate for argparse: a positive number of requests/s, or "inf"."""
     try:
@@ -109,6 +158,10 @@ def build_sweep_options(args: argparse.Namespace) -> SweepOptions:
         num_warmups=args.num_warmups,
         server_metrics_wait_s=args.server_metrics_wait,
         show_progress=not args.disable_tqdm,
+        api_key=args.api_key,
+        env_api_key=os.environ.get("OPENAI_API_KEY") or None,
+        headers=_headers(args.header),
+        extra_body=_extra_body(args),
     )
 
 

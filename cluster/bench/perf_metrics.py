@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -80,14 +80,16 @@ def join_server_timings(records: Sequence[RequestRecord], timings: dict[str, Ser
 
 
 async def fetch_perf_metrics(
-    base_url: str, timeout_s: float = 10.0
+    base_url: str, timeout_s: float = 10.0, headers: Mapping[str, str] | None = None
 ) -> dict[str, ServerTimings] | None:
     """The server's /perf_metrics, or None when it has none (a peer that is not Duet) or fails.
 
     Missing server metrics never fail a benchmark: the client-side metrics stand on their own.
     """
     try:
-        async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s) as http:
+        async with httpx.AsyncClient(
+            base_url=base_url, timeout=timeout_s, headers=dict(headers or {})
+        ) as http:
             response = await http.get("/perf_metrics")
         if response.status_code != 200:
             return None
@@ -98,7 +100,11 @@ async def fetch_perf_metrics(
 
 
 async def collect_server_timings(
-    base_url: str, records: Sequence[RequestRecord], wait_s: float, poll_s: float = 0.25
+    base_url: str,
+    records: Sequence[RequestRecord],
+    wait_s: float,
+    poll_s: float = 0.25,
+    headers: Mapping[str, str] | None = None,
 ) -> int:
     """Poll /perf_metrics until every successful record has its timings or ``wait_s`` passed.
 
@@ -109,7 +115,7 @@ async def collect_server_timings(
     found: dict[str, ServerTimings] = {}
     deadline = time.monotonic() + wait_s
     while True:
-        timings = await fetch_perf_metrics(base_url)
+        timings = await fetch_perf_metrics(base_url, headers=headers)
         if timings is None:
             break
         found.update({k: v for k, v in timings.items() if k in wanted})

@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cluster.bench.client import ClientSettings, Endpoint, StreamingClient, probe_models
@@ -42,10 +42,22 @@ class SweepOptions:
     num_warmups: int = 1
     server_metrics_wait_s: float = 5.0  # how long to wait for late /perf_metrics entries
     show_progress: bool = True
+    api_key: str | None = None  # None: the target's own (a config's server.api_key), if any
+    env_api_key: str | None = None  # OPENAI_API_KEY: when neither --api-key nor the target says
+    headers: Mapping[str, str] = field(default_factory=dict)  # more headers, on every request
+    extra_body: Mapping[str, object] = field(default_factory=dict)  # joins every request's body
+
+    def headers_for(self, target_key: str | None) -> dict[str, str]:
+        """The headers of every request to a target whose own API key is ``target_key``: a
+        bearer token (--api-key, else the target's, else OPENAI_API_KEY's, as `vllm bench serve`
+        reads it), then the --header ones (which win)."""
+        key = next((k for k in (self.api_key, target_key, self.env_api_key) if k), None)
+        auth = {"Authorization": f"Bearer {key}"} if key else {}
+        return auth | dict(self.headers)
 
 
-async def _pick_model(url: str, wanted: str | None) -> str:
-    listed = await probe_models(url)  # raises BenchError when nothing answers
+async def _pick_model(url: str, wanted: str | None, headers: Mapping[str, str]) -> str:
+    listed = await probe_models(url, headers=headers)  # raises BenchError when nothing answers
     if wanted is not None:
         return wanted
     if not listed:
@@ -109,16 +121,19 @@ async def sweep_url(
     options: SweepOptions,
     per_rate: Sequence[Sequence[BenchRequest]] | None = None,
     stats_interval_s: float | None = None,
+    target_key: str | None = None,
 ) -> None:
     """Run every rate of the sweep against the server at ``url``, appending to ``entry["runs"]``.
     ``per_rate[i]``, when given, is the workload of the i-th rate (else ``requests`` at every rate).
     ``stats_interval_s``: how often the server hears from its workers, when known (a cluster the
     driver started): a run's KV host-tier figures are read one such interval after its end.
+    ``target_key``: the server's own API key, when known (a cluster the driver started).
 
     Raises BenchError when the server cannot be reached, warm-up fails, or every request of a run
     failed (the sweep stops there; that run's results are in ``entry`` already).
     """
-    model = await _pick_model(url, options.model)
+    headers = options.headers_for(target_key)
+    model = await _pick_model(url, options.model, headers)
     entry["model_id"] = model
     settings = ClientSettings(
         base_url=url,
@@ -127,6 +142,8 @@ async def sweep_url(
         request_timeout_s=options.request_timeout_s,
         ignore_eos=options.ignore_eos,
         temperature=options.temperature,
+        headers=headers,
+        extra_body=options.extra_body,
     )
     async with StreamingClient(settings) as client:
         if requests and options.num_warmups > 0:
@@ -135,7 +152,7 @@ async def sweep_url(
                 first, prompt=_unshared(first.prompt), output_len=min(first.output_len, 4)
             )
             await _warm_up(client, warm, options.num_warmups, url)
-            await fetch_perf_metrics(url)  # drain the warm-up's entries
+            await fetch_perf_metrics(url, headers=headers)  # drain the warm-up's entries
         tier_after = None  # the KV host tiers' counters after the last run
         for i, rate in enumerate(options.request_rates):
             arrivals = replace(options.arrivals, request_rate=rate)
@@ -151,7 +168,9 @@ async def sweep_url(
                 label,
             )
             ended = time.monotonic()
-            await collect_server_timings(url, outcome.records, options.server_metrics_wait_s)
+            await collect_server_timings(
+                url, outcome.records, options.server_metrics_wait_s, headers=headers
+            )
             tier_after = await fetch_kv_tier_totals(url)
             if tier_after is not None and stats_interval_s is not None:
                 # A host tier: read again once the workers' stats cover the run's end.
@@ -183,4 +202,14 @@ def run_sweeps(
         results["targets"].append(entry)
         with target as url:
             entry["url"] = url
-            asyncio.run(sweep_url(url, entry, requests, options, per_rate, target.stats_interval_s))
+            asyncio.run(
+                sweep_url(
+                    url,
+                    entry,
+                    requests,
+                    options,
+                    per_rate,
+                    target.stats_interval_s,
+                    target.api_key,
+                )
+            )

@@ -49,6 +49,11 @@ class Target(ABC):
         """How often the server hears from its workers (its /metrics lag), when known."""
         return None
 
+    @property
+    def api_key(self) -> str | None:
+        """The API key the server wants, when known (a cluster the driver starts)."""
+        return None
+
     def __enter__(self) -> str:
         return self.start()
 
@@ -108,6 +113,11 @@ class ConfigTarget(Target):
     def stats_interval_s(self) -> float | None:
         stats = getattr(self.config, "stats", None)
         return float(stats.interval_s) if stats is not None else None
+
+    @property
+    def api_key(self) -> str | None:
+        key = getattr(getattr(self.config, "server", None), "api_key", None)
+        return key.get_secret_value() if key is not None else None
 
     def start(self) -> str:
         try:

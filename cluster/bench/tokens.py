@@ -30,9 +30,12 @@ class HFTokenizerCodec:
 
     @classmethod
     def from_file(cls, path: str | Path) -> HFTokenizerCodec:
+        """From a tokenizer.json, or a checkpoint directory holding one (what `vllm bench serve
+        --tokenizer` is given most often)."""
         from tokenizers import Tokenizer
 
-        return cls(Tokenizer.from_file(str(path)))
+        path = Path(path)
+        return cls(Tokenizer.from_file(str(path / "tokenizer.json" if path.is_dir() else path)))
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)  # type: ignore[attr-defined]

@@ -14,6 +14,7 @@ It serves /v1/models, /v1/completions and /v1/chat/completions over real HTTP an
 - max_tokens == 18: Duet's shape: every chunk with its ``token_ids``, then one that only carries
   the finish reason (text "", no ids).
 - max_tokens == 19: half a second between the last token chunk and the usage chunk.
+With ``api_key`` every route but /metrics answers 401 without ``Authorization: Bearer KEY``.
 With ``duet=True`` it also serves /perf_metrics (drained on read; an entry shows ``perf_delay_s``
 after its request ended, as Duet's background reports do) with timings derived from the request: prefill_queue_time = 0.001 * prompt tokens, prefill_time = 0.002 * prompt tokens,
 transfer_time = 0.0005 * prompt tokens, transfer_bytes = 1000 * prompt tokens,
@@ -51,6 +52,8 @@ class EchoState:
     num_requests: int = 0
     next_id: int = 0
     prompts: list[Any] = field(default_factory=list)  # every request's prompt, in arrival order
+    bodies: list[dict[str, Any]] = field(default_factory=list)  # every request's whole body
+    api_key: str | None = None  # then every route but /metrics wants "Authorization: Bearer KEY"
 
 
 def _prompt_tokens(body: dict[str, Any]) -> int:
@@ -62,6 +65,15 @@ def _prompt_tokens(body: dict[str, Any]) -> int:
 
 def build_app(state: EchoState) -> FastAPI:
     app = FastAPI()
+
+    if state.api_key is not None:
+
+        @app.middleware("http")
+        async def authenticate(request: Request, call_next: Any) -> Any:
+            wanted = f"Bearer {state.api_key}"
+            if request.url.path != "/metrics" and request.headers.get("authorization") != wanted:
+                return JSONResponse({"error": {"message": "bad API key"}}, status_code=401)
+            return await call_next(request)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -80,6 +92,7 @@ def build_app(state: EchoState) -> FastAPI:
         body = await request.json()
         state.num_requests += 1
         state.prompts.append(body.get("prompt", body.get("messages")))
+        state.bodies.append(body)
         max_tokens = int(body["max_tokens"])
         if max_tokens == 13:
             return JSONResponse({"error": {"message": "injected failure"}}, status_code=500)
@@ -161,10 +174,15 @@ class EchoServer:
 
 @contextmanager
 def serve_echo(
-    duet: bool = True, per_token_s: float = 0.001, perf_delay_s: float = 0.0
+    duet: bool = True,
+    per_token_s: float = 0.001,
+    perf_delay_s: float = 0.0,
+    api_key: str | None = None,
 ) -> Iterator[EchoServer]:
     """Run an echo server on a free 127.0.0.1 port in a thread; stop it on exit."""
-    state = EchoState(duet=duet, per_token_s=per_token_s, perf_delay_s=perf_delay_s)
+    state = EchoState(
+        duet=duet, per_token_s=per_token_s, perf_delay_s=perf_delay_s, api_key=api_key
+    )
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))

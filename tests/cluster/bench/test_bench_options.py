@@ -165,3 +165,14 @@ def test_a_dataset_shorter_than_num_prompts_is_refused_not_run_short(tmp_path: P
     sharegpt = _sharegpt_args(_sharegpt(tmp_path, 2), "--tokenizer", "none")
     with pytest.raises(WorkloadError, match="has 2 usable prompts, fewer than --num-prompts 3"):
         build_workload(sharegpt)
+
+
+def test_tokenizer_is_a_file_or_a_checkpoint_directory(tmp_path: Path, word_codec: Any) -> None:
+    (tmp_path / "ckpt").mkdir()
+    word_codec._tok.save(str(tmp_path / "ckpt" / "tokenizer.json"))
+    for given in (tmp_path / "ckpt", tmp_path / "ckpt" / "tokenizer.json"):
+        args = parse_bench_args(
+            ["--tokenizer", str(given), "--num-prompts", "2", "--input-len", "3"]
+        )
+        requests = build_workload(args)
+        assert all(len(r.prompt) == 3 and max(r.prompt) <= 10 for r in requests)  # its vocabulary
