@@ -10,12 +10,10 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING
 
-import torch
-
 from engine.batch_builder import BatchBuilder
 from engine.detokenizer import IncrementalDetokenizer
+from engine.engine_build import engine_from_config, engine_from_loaded
 from engine.engine_config import EngineConfig
-from engine.kv_setup import build_kv_cache, log_footprint, memory_at_start
 from engine.logprobs import TokenLogprobs
 from engine.model_config import ModelConfig
 from engine.outputs import RequestOutput
@@ -29,9 +27,7 @@ from engine.scheduler_config import SchedulerConfig
 from engine.stats import IterationStats, RequestStats, StatsBuffer
 from engine.tokenizer import Tokenizer
 from engine.tp.context import TPContext
-from engine.tp.local_ranks import LocalRanks, Ranks, StartRanks, rank_device
-from engine.tp.messages import TPSetup
-from engine.tp.partition import TPPartition, tp_problems
+from engine.tp.local_ranks import Ranks, StartRanks
 from engine.warm_up import warm_up
 from kvcache.manager import KVCacheManager
 from kvcache.sizing import CudaMemory
@@ -100,77 +96,13 @@ class LLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig, start_ranks: StartRanks | None = None) -> LLMEngine:
-        """Load the model, size the KV cache and build the engine. Bad sources raise ValueError.
+        """Load the model, size the KV cache and build the engine (engine/engine_build.py). Bad
+        sources raise ValueError.
 
         With ``tensor_parallel_size`` > 1 this process is rank 0; ``start_ranks(config, size)``
         starts the others (default: local processes, engine/tp/local_ranks.py; the cluster's
         workers start Ray actors instead, worker_common/tp_ranks.py)."""
-        from engine.loaders import load_model  # deferred: pulls in gguf, safetensors, the model
-
-        try:
-            config = config.resolved()
-        except OSError as e:
-            raise ValueError(f"LLM.model={config.model!r}: {e}") from e
-        tp_size = config.tensor_parallel_size
-        at_start = memory_at_start(config, rank_device(config, 0) if tp_size > 1 else config.device)
-        if tp_size > 1:
-            return cls._from_config_tp(config, start_ranks or LocalRanks, at_start)
-        try:
-            loaded = load_model(
-                config.model,
-                config.load_format,
-                config.torch_dtype,
-                config.device,
-                config.dummy_config,
-                config.seed,
-            )
-        except (FileNotFoundError, TypeError) as e:
-            raise ValueError(
-                f"LLM.model={config.model!r} (load_format={config.load_format!r}): {e}"
-            ) from e
-        return cls.from_loaded(loaded, config, memory_at_start=at_start)
-
-    @classmethod
-    def _from_config_tp(
-        cls, config: EngineConfig, start_ranks: StartRanks, at_start: CudaMemory | None
-    ) -> LLMEngine:
-        """Rank 0 here, ranks 1.. started by ``start_ranks``."""
-        from engine.loaders import load_model
-        from engine.loaders.load import read_model_config
-
-        size = config.tensor_parallel_size
-        try:
-            model_config = read_model_config(config.model, config.load_format, config.dummy_config)
-        except (FileNotFoundError, TypeError) as e:
-            raise ValueError(
-                f"LLM.model={config.model!r} (load_format={config.load_format!r}): {e}"
-            ) from e
-        problems = tp_problems(model_config, size)
-        if problems:
-            raise ValueError("LLM.tensor_parallel_size: " + "; ".join(problems))
-        if torch.device(config.device).type == "cuda" and torch.cuda.device_count() < size:
-            raise ValueError(
-                f"LLM.tensor_parallel_size={size} needs {size} GPUs, this host has "
-                f"{torch.cuda.device_count()}"
-            )
-        ranks = start_ranks(config, size)
-        try:
-            tp = TPContext(TPPartition(model_config, 0, size), ranks.group)
-            loaded = load_model(
-                config.model,
-                config.load_format,
-                config.torch_dtype,
-                rank_device(config, 0),
-                config.dummy_config,
-                config.seed,
-                tp=tp,
-            )
-            engine = cls.from_loaded(loaded, config, tp, at_start)
-        except BaseException:
-            ranks.kill()
-            raise
-        engine.local_ranks = ranks
-        return engine
+        return engine_from_config(cls, config, start_ranks)
 
     def close(self) -> None:
         """End the offline API's tensor-parallel ranks (nothing to do without them)."""
@@ -193,48 +125,7 @@ class LLMEngine:
         model's device, whatever ``config.device`` says (a model loaded on a GPU next to a KV
         cache in host memory cannot run). ``memory_at_start``: the device before the model was
         loaded, so that gpu_memory_utilization counts what loading took outside torch."""
-        mc = loaded.config
-        first = next(loaded.model.parameters())
-        config = config.resolved(first.dtype)
-        model_device = first.device
-        if torch.device(config.device) != model_device:
-            config = dataclasses.replace(config, device=str(model_device))
-        max_model_len = (
-            config.max_model_len if config.max_model_len is not None else mc.max_position_embeddings
-        )
-        if max_model_len > mc.max_position_embeddings:
-            raise ValueError(
-                f"LLM.max_model_len={max_model_len} exceeds the model's max_position_embeddings={mc.max_position_embeddings}"
-            )
-        sched = SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            prefill_chunk_size=config.prefill_chunk_size,
-            max_model_len=max_model_len,
-            page_size=config.page_size,
-        )
-        shard = tp.partition.kv if tp is not None else None
-        kv = build_kv_cache(mc, config, max_model_len, shard, memory_at_start)
-        if tp is not None and tp.size > 1:
-            assert tp.group is not None
-            tp.group.broadcast_object(TPSetup({n: s.num_pages for n, s in kv.specs.items()}))
-        engine = cls(
-            loaded.model,
-            mc,
-            kv,
-            sched,
-            tokenizer=loaded.tokenizer,
-            seed=config.seed,
-            max_stats_len=config.max_stats_len,
-            max_request_stats_len=config.max_request_stats_len,
-            model_name=loaded.name,
-            cuda_graphs=config.cuda_graphs,
-            tp=tp,
-        )
-        if config.warm_up:
-            engine.warm_up()
-        log_footprint(config, kv.device, memory_at_start)
-        return engine
+        return engine_from_loaded(cls, loaded, config, tp, memory_at_start)
 
     def warm_up(self) -> None:
         """One request through prefill and a decode step, then forgotten (engine/warm_up.py)."""

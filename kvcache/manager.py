@@ -44,11 +44,11 @@ import sys
 import weakref
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 
 from kvcache.block_hash import hash_full_pages
+from kvcache.group_allocation import GroupPlan, extend_pages, plan_group, release_pages
 from kvcache.host_offload import HostOffload
 from kvcache.host_tier import HostTier, LoadItem
 from kvcache.kv_buffer import allocate_buffers, layer_views
@@ -57,22 +57,11 @@ from kvcache.page_pool import PagePool, PagesHeld
 from kvcache.prefix_match import PrefixMatch, check_prefix, find_cached_prefix
 from kvcache.request_pages import RequestPages
 from kvcache.reuse_policy import ReusePolicy
-from kvcache.sliding_window import first_needed_page, max_pages_held, release_point
+from kvcache.sliding_window import max_pages_held, release_point
 from kvcache.spec import NULL_PAGE, PoolGroupSpec
 from kvcache.stats import KVCacheStats, ReuseCounters
 
 NO_RELEASE = sys.maxsize  # ``next_release_at`` of a request no window will ever release from
-
-
-@dataclass
-class _GroupPlan:
-    """What one ``allocate_slots`` call does in one group, decided before anything changes."""
-
-    start: int  # first page index the group keeps (entries before it become the null page)
-    release: list[int]  # held pages that leave the window, in token order
-    recycle: list[int]  # of those, the ones rewritten in place as new pages (scratch reuse)
-    num_fresh: int  # new pages taken from the pool
-    num_load: int = 0  # new pages taken for the prefix's host-tier pages (loaded back)
 
 
 class KVCacheManager:
@@ -214,9 +203,12 @@ class KVCacheManager:
                     state.pages[g].extend(pool.allocate(grow))
                 self._finish_allocation(request_id)
             return True
-        plans: dict[str, _GroupPlan] = {}
+        plans: dict[str, GroupPlan] = {}
         for g, pool in self._pools.items():
-            plan = self._plan(g, pool, state, taken, computed, needed)
+            window, scratch = self.windows[g], self.swa_scratch_reuse
+            plan = plan_group(
+                g, pool, window, self.page_size, scratch, state, taken, computed, needed
+            )
             if plan is None:
                 return False
             plans[g] = plan
@@ -228,62 +220,18 @@ class KVCacheManager:
         # Every group gives back its released pages before any takes new ones: the pages held in
         # all groups at once (their peak on /metrics) never count a page this step released.
         for g, pool in self._pools.items():
-            self._release(state, g, pool, plans[g])
+            release_pages(state, g, pool, plans[g])
         for g, pool in self._pools.items():
-            self._extend(state, g, pool, plans[g], needed)
+            extend_pages(state, g, pool, plans[g], needed)
             pool.note_evictable_peak()  # (a page released and evicted in this step never counts)
         self._finish_allocation(request_id)
         return True
-
-    def _plan(
-        self,
-        g: str,
-        pool: PagePool,
-        state: RequestPages | None,
-        taken: PrefixMatch | None,
-        computed: int | None,
-        needed: int,
-    ) -> _GroupPlan | None:
-        window = self.windows[g]
-        hosted: dict[int, int] = {}
-        if state is not None:
-            pages, first = state.pages[g], state.first_live[g]
-        else:
-            pages = taken.page_ids.get(g, []) if taken is not None else []
-            hosted = taken.host_pages.get(g, {}) if taken is not None else {}
-            first = next(
-                (i for i, p in enumerate(pages) if p != NULL_PAGE or i in hosted), len(pages)
-            )
-        start = first
-        if window is not None and computed is not None:
-            start = max(first, first_needed_page(computed, window, self.page_size))
-        kept_from = min(start, len(pages))
-        fresh = max(needed, len(pages)) - max(len(pages), start)
-        num_load = 0
-        if state is None:  # prefix pages before the window are simply not taken
-            release: list[int] = []
-            recycle: list[int] = []
-            to_take = [p for p in pages[kept_from:] if p != NULL_PAGE]
-            room = pool.num_free - sum(1 for p in to_take if pool.ref_count(p) == 0)
-            num_load = sum(1 for i in hosted if i >= kept_from)
-            room -= num_load
-        else:
-            release = pages[first:kept_from]
-            recycle = []
-            if self.swa_scratch_reuse and window is not None and not state.prompt_done:
-                recycle = [
-                    p for p in release if pool.ref_count(p) == 1 and pool.page_hash(p) is None
-                ][:fresh]
-            room = pool.num_free + sum(1 for p in release if pool.ref_count(p) == 1)
-            room -= len(recycle)  # a recycled page never reaches the free queue
-        plan = _GroupPlan(start, release, recycle, fresh - len(recycle), num_load)
-        return plan if plan.num_fresh <= room else None
 
     def _take_prefix(
         self,
         state: RequestPages,
         prefix: PrefixMatch,
-        plans: dict[str, _GroupPlan],
+        plans: dict[str, GroupPlan],
         count_reuse: bool,
     ) -> None:
         """Take the prefix's pages: touch its device pages, then (host tier) load back its host
@@ -303,28 +251,6 @@ class KVCacheManager:
         state.block_hashes = list(prefix.block_hashes)
         if count_reuse:
             self._reuse.record(prefix.num_tokens, prefix.num_query_tokens, loaded * self.page_size)
-
-    def _release(self, state: RequestPages, g: str, pool: PagePool, plan: _GroupPlan) -> None:
-        pages = state.pages[g]
-        if plan.release:
-            recycled = set(plan.recycle)
-            # Oldest first: of a window's released pages, the oldest are evicted first.
-            pool.free((p for p in plan.release if p not in recycled), note_peak=False)
-            first = state.first_live[g]
-            pages[first : first + len(plan.release)] = [NULL_PAGE] * len(plan.release)
-        if plan.start > len(pages):  # positions no step will read: never given a page
-            pages.extend([NULL_PAGE] * (plan.start - len(pages)))
-        state.first_live[g] = max(state.first_live[g], plan.start)
-
-    def _extend(
-        self, state: RequestPages, g: str, pool: PagePool, plan: _GroupPlan, needed: int
-    ) -> None:
-        pages = state.pages[g]
-        if plan.recycle or plan.num_fresh:
-            pages.extend(plan.recycle)
-            pages.extend(pool.allocate(plan.num_fresh))
-        if len(pages) < needed:
-            raise RuntimeError(f"{g}: planned {len(pages)} pages for {needed}")
 
     def _finish_allocation(self, request_id: str) -> None:
         if self._host is not None:
