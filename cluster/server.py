@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import importlib.metadata
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -81,7 +82,15 @@ class ServingBackend(Protocol):
 
 # Open without the API key: liveness and Prometheus scrapes (as vLLM leaves them). Everything
 # else needs it: the API, and the stats endpoints, which drain what they return.
-_OPEN_PATHS = frozenset({"/health", "/metrics"})
+_OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+
+
+def _duet_version() -> str:
+    """The installed distribution's version (pyproject.toml's), as vLLM's /version says its own."""
+    try:
+        return importlib.metadata.version("duet")
+    except importlib.metadata.PackageNotFoundError:  # (run from a source tree, not installed)
+        return "unknown"
 
 
 class _ApiKeyMiddleware:
@@ -114,7 +123,7 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
         finally:
             await backend.stop()
 
-    app = FastAPI(title="Duet", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="Duet", version=_duet_version(), lifespan=lifespan)
     expected_auth = f"Bearer {api_key}".encode() if api_key else None
 
     if expected_auth is not None:
@@ -204,20 +213,28 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
         h = await backend.health()
         return JSONResponse(h, status_code=200 if h.get("healthy") else 503)
 
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": _duet_version()}
+
+    def _model_card() -> dict[str, Any]:
+        return {
+            "id": backend.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "duet",
+            "max_model_len": backend.max_model_len,
+        }
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": backend.model_name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "duet",
-                    "max_model_len": backend.max_model_len,
-                }
-            ],
-        }
+        return {"object": "list", "data": [_model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict[str, Any]:
+        """OpenAI's retrieve-a-model (the SDK's ``client.models.retrieve(name)``)."""
+        _check_model(model)
+        return _model_card()
 
     @app.post("/v1/completions")
     async def completions(body: oa.CompletionRequest, request: Request) -> Response:

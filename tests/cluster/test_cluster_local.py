@@ -357,6 +357,8 @@ def test_the_api_key_is_required_but_on_health_and_metrics(running) -> None:
     assert ok.status_code == 200 and ok.json()["data"][0]["id"] == running.frontend.model_name
     assert client.get("/health").status_code == 200
     assert client.get("/metrics").status_code == 200
+    assert client.get("/version").status_code == 200  # (no secret in it, open as vLLM's)
+    assert client.get(f"/v1/models/{running.frontend.model_name}").status_code == 401
     for drained in ("/perf_metrics", "/iteration_stats", "/transfer_stats"):  # (they were open)
         assert client.get(drained).status_code == 401, drained
 

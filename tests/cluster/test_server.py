@@ -367,3 +367,15 @@ def test_n_is_refused_outside_its_range(http) -> None:
     for n in (0, 129):
         r = http.post("/v1/chat/completions", json=CHAT | {"n": n})
         assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+
+
+def test_version_and_one_models_card(http) -> None:
+    """vLLM's /version, and OpenAI's retrieve-a-model (the SDK's client.models.retrieve)."""
+    import importlib.metadata
+
+    assert http.get("/version").json() == {"version": importlib.metadata.version("duet")}
+    card = http.get(f"/v1/models/{MODEL}")
+    assert card.status_code == 200 and card.json() == http.get("/v1/models").json()["data"][0]
+    other = http.get("/v1/models/org/other-model")
+    assert other.status_code == 404, other.text
+    assert other.json()["error"]["message"].startswith("model 'org/other-model' does not exist")
