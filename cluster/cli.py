@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="start a cluster from a config and serve the API")
     serve.add_argument("config", help="cluster YAML file")
+    _add_overrides(serve)
+    serve.add_argument("--host", default=None, help="= --set server.host=HOST")
+    serve.add_argument("--port", type=int, default=None, help="= --set server.port=PORT")
 
     # The bench driver owns its arguments: everything after `bench` goes to its own parser.
     commands.add_parser(
@@ -51,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     config_commands = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
     validate = config_commands.add_parser("validate", help="validate config files")
     validate.add_argument("configs", nargs="+", metavar="CONFIG", help="cluster YAML file(s)")
+    _add_overrides(validate)
     config_commands.add_parser("schema", help="print the JSON schema of the cluster config")
 
     run_default = commands.add_parser(
@@ -61,6 +65,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompt", action="append", dest="prompts", help="a prompt (repeatable); default: two"
     )
     return parser
+
+
+def _add_overrides(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        dest="overrides",
+        metavar="PATH=VALUE",
+        help="set a config field without editing the file, e.g. --set decode.replicas=2 "
+        "(repeatable; VALUE read as YAML; checked as the file is)",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -74,16 +90,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     # One line per HTTP request would bury the bench report and the server's own messages.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     if args.command == "serve":
-        return _serve(args.config)
+        shortcuts = [
+            f"server.{k}={v}" for k in ("host", "port") if (v := getattr(args, k)) is not None
+        ]
+        return _serve(args.config, [*args.overrides, *shortcuts])
     if args.command == "bench":
         return _bench(extra)
     if args.command == "config":
-        return _validate(args.configs) if args.config_command == "validate" else _schema()
+        if args.config_command == "validate":
+            return _validate(args.configs, args.overrides)
+        return _schema()
     return _run_default(args.prompts or list(DEFAULT_PROMPTS), args.max_tokens)
 
 
-def _serve(path: str) -> int:
-    config = _load_or_report(path)
+def _serve(path: str, overrides: list[str]) -> int:
+    config = _load_or_report(path, overrides)
     if config is None:
         return EXIT_USAGE
     serve_module = _import_optional("cluster.serve", "duet serve")
@@ -102,10 +123,10 @@ def _bench(bench_argv: list[str]) -> int:
     return int(bench_cli.run_bench(parser.parse_args(bench_argv)))
 
 
-def _validate(paths: list[str]) -> int:
+def _validate(paths: list[str], overrides: list[str]) -> int:
     status = EXIT_OK
     for path in paths:
-        config = _load_or_report(path)
+        config = _load_or_report(path, overrides)
         if config is None:
             status = EXIT_USAGE
             continue
@@ -140,9 +161,9 @@ def _run_default(prompts: list[str], max_tokens: int) -> int:
     return EXIT_OK
 
 
-def _load_or_report(path: str) -> ClusterConfig | None:
+def _load_or_report(path: str, overrides: Sequence[str] = ()) -> ClusterConfig | None:
     try:
-        return load_config(path)
+        return load_config(path, overrides)
     except ConfigError as e:
         print(e, file=sys.stderr)
         return None

@@ -10,7 +10,7 @@ import difflib
 import os
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import yaml
@@ -18,13 +18,15 @@ from pydantic import BaseModel, ValidationError
 
 from cluster.config.base import FieldErrors
 from cluster.config.cluster_config import ClusterConfig
+from cluster.config.overrides import OverrideError, apply_overrides
 from worker_common.config_error import ConfigError
 
 __all__ = ["ConfigError", "config_from_dict", "load_config"]
 
 
-def load_config(path: str | os.PathLike[str]) -> ClusterConfig:
-    """Read and validate a cluster YAML file; raise ConfigError listing every problem."""
+def load_config(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> ClusterConfig:
+    """Read and validate a cluster YAML file, with ``overrides`` (``--set PATH=VALUE``, see
+    cluster/config/overrides.py) set on it first; raise ConfigError listing every problem."""
     source = os.fspath(path)
     try:
         with open(source, encoding="utf-8") as f:
@@ -35,7 +37,16 @@ def load_config(path: str | os.PathLike[str]) -> ClusterConfig:
         data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as e:
         raise ConfigError(source, [_describe_yaml_error(e)]) from e
-    return config_from_dict({} if data is None else data, source)
+    data = {} if data is None else data
+    if overrides:
+        if not isinstance(data, Mapping):
+            return config_from_dict(data, source)  # (its error: the top level is no mapping)
+        try:
+            data = apply_overrides(data, overrides)
+        except OverrideError as e:
+            raise ConfigError(source, [str(e)]) from e
+        source = f"{source} with --set {' '.join(overrides)}"
+    return config_from_dict(data, source)
 
 
 def config_from_dict(data: Any, source: str = "<dict>") -> ClusterConfig:

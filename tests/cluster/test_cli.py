@@ -106,3 +106,34 @@ def test_missing_dependency_inside_an_optional_module_still_raises(
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ModuleNotFoundError, match="duet_no_such_dependency"):
         cli._import_optional("duet_cli_broken_module", "duet thing")
+
+
+def test_set_overrides_the_file_and_is_checked_as_the_file(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    path = str(CONFIGS / "local.yaml")
+    assert cli.main(["config", "validate", path, "--set", "decode.replicas=3"]) == 0
+    assert "1 prefill, 3 decode" in capsys.readouterr().out
+    assert cli.main(["config", "validate", path, "--set", "server.prot=1"]) == 2
+    err = capsys.readouterr().err
+    assert f"invalid config {path} with --set server.prot=1:" in err
+    assert "server.prot: unknown key (did you mean 'port'?)" in err
+
+
+def test_serve_takes_overrides_and_vllms_host_and_port(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import cluster.serve
+
+    served = []
+    monkeypatch.setattr(cluster.serve, "serve", served.append)  # (the config it would start)
+    argv = ["serve", str(CONFIGS / "local.yaml"), "--set", "decode.replicas=2", "--port", "0"]
+    assert cli.main(argv) == 0
+    assert cli.main(["serve", str(CONFIGS / "local.yaml"), "--host", "127.0.0.2"]) == 0
+    first, second = served
+    assert (first.decode.replicas, first.server.port, first.server.host) == (2, 0, "127.0.0.1")
+    assert (second.decode.replicas, second.server.port, second.server.host) == (
+        1,
+        8000,
+        "127.0.0.2",
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -109,3 +110,39 @@ def test_top_level_must_be_a_mapping(tmp_path: Path) -> None:
 
 def test_missing_file(tmp_path: Path) -> None:
     assert load_issues(tmp_path / "absent.yaml") == ["cannot read file: No such file or directory"]
+
+
+def test_overrides_set_fields_read_as_yaml_before_validation(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("decode: {replicas: 1}\nserver: {port: 8000}\n")
+    config = load_config(
+        path,
+        [
+            "server.port=8001",
+            "decode.scheduler.max_num_seqs=7",  # (a section the file leaves out)
+            "kvcache.cpu_bytes=64MiB",
+            "decode.replicas=2",
+            "decode.replicas=3",  # (a later one wins)
+        ],
+    )
+    assert (config.server.port, config.decode.scheduler.max_num_seqs) == (8001, 7)
+    assert (config.kvcache.cpu_bytes, config.decode.replicas) == (64 * 2**20, 3)
+    assert path.read_text() == "decode: {replicas: 1}\nserver: {port: 8000}\n"  # (untouched)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("server.port", "--set 'server.port': expected PATH=VALUE"),
+        ("server..port=1", "--set 'server..port=1': expected PATH=VALUE"),
+        ("server.port.x=1", "--set 'server.port.x=1': server.port is 8000, not a section"),
+        ("server.port=[1", "--set 'server.port=[1': the value is not YAML"),
+        ("server.port=-1", "server.port: must be >= 0, got -1"),
+        ("decode.replica=2", "decode.replica: unknown key (did you mean 'replicas'?)"),
+    ],
+)
+def test_a_bad_override_is_refused_naming_it(tmp_path: Path, override: str, message: str) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("server: {port: 8000}\n")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(path, [override])
