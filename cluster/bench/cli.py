@@ -243,6 +243,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "the requests' own timeouts allow)",
     )
     send.add_argument(
+        "--ready-check-timeout-sec",
+        type=float,
+        default=0.0,
+        help="wait up to this long for a server that does not answer yet (default: fail at once)",
+    )
+    send.add_argument(
         "--num-warmups", type=int, default=1, help="unmeasured requests before each target's sweep"
     )
     send.add_argument(

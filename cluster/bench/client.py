@@ -237,11 +237,14 @@ async def probe_models(
             response = await http.get("/v1/models")
     except httpx.ConnectError as exc:
         raise BenchError(
-            f"cannot reach the server at {base_url} ({exc}); is it running, and is the URL right?"
+            f"cannot reach the server at {base_url} ({exc}); is it running, and is the URL "
+            "right? (--ready-check-timeout-sec waits for one still starting)",
+            unreachable=True,
         ) from None
     except httpx.TimeoutException:
         raise BenchError(
-            f"the server at {base_url} did not answer GET /v1/models within {timeout_s} s"
+            f"the server at {base_url} did not answer GET /v1/models within {timeout_s} s",
+            unreachable=True,
         ) from None
     except httpx.HTTPError as exc:
         raise BenchError(f"GET {base_url}/v1/models failed: {type(exc).__name__}: {exc}") from None

@@ -129,6 +129,8 @@ def build_sweep_options(args: argparse.Namespace) -> SweepOptions:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if args.run_deadline is not None and not args.run_deadline > 0.0:
         raise ValueError(f"--run-deadline must be > 0 seconds, got {args.run_deadline}")
+    if not args.ready_check_timeout_sec >= 0.0:
+        raise ValueError("--ready-check-timeout-sec must be >= 0")
     if not args.request_timeout > 0.0:
         raise ValueError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
     if not (args.burstiness > 0.0 and args.ramp_up_seconds >= 0.0):
@@ -158,6 +160,7 @@ def build_sweep_options(args: argparse.Namespace) -> SweepOptions:
         num_warmups=args.num_warmups,
         server_metrics_wait_s=args.server_metrics_wait,
         show_progress=not args.disable_tqdm,
+        ready_timeout_s=args.ready_check_timeout_sec,
         api_key=args.api_key,
         env_api_key=os.environ.get("OPENAI_API_KEY") or None,
         headers=_headers(args.header),

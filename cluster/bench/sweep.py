@@ -44,6 +44,7 @@ class SweepOptions:
     show_progress: bool = True
     api_key: str | None = None  # None: the target's own (a config's server.api_key), if any
     env_api_key: str | None = None  # OPENAI_API_KEY: when neither --api-key nor the target says
+    ready_timeout_s: float = 0.0  # how long a server that does not answer yet is waited for
     headers: Mapping[str, str] = field(default_factory=dict)  # more headers, on every request
     extra_body: Mapping[str, object] = field(default_factory=dict)  # joins every request's body
 
@@ -56,8 +57,22 @@ class SweepOptions:
         return auth | dict(self.headers)
 
 
-async def _pick_model(url: str, wanted: str | None, headers: Mapping[str, str]) -> str:
-    listed = await probe_models(url, headers=headers)  # raises BenchError when nothing answers
+async def _pick_model(
+    url: str, wanted: str | None, headers: Mapping[str, str], ready_timeout_s: float
+) -> str:
+    # A server still starting (`vllm bench serve --ready-check-timeout-sec`): asked again each
+    # second until it answers or the time is up; then (or at once, by default) not answering
+    # is the benchmark's error.
+    deadline = time.monotonic() + ready_timeout_s
+    while True:
+        try:
+            listed = await probe_models(url, headers=headers)
+            break
+        except BenchError as exc:
+            if exc.unreachable and time.monotonic() + 1.0 < deadline:
+                await asyncio.sleep(1.0)
+                continue
+            raise
     if wanted is not None:
         return wanted
     if not listed:
@@ -133,7 +148,7 @@ async def sweep_url(
     failed (the sweep stops there; that run's results are in ``entry`` already).
     """
     headers = options.headers_for(target_key)
-    model = await _pick_model(url, options.model, headers)
+    model = await _pick_model(url, options.model, headers, options.ready_timeout_s)
     entry["model_id"] = model
     settings = ClientSettings(
         base_url=url,

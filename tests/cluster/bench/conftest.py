@@ -178,14 +178,15 @@ def serve_echo(
     per_token_s: float = 0.001,
     perf_delay_s: float = 0.0,
     api_key: str | None = None,
+    port: int = 0,
 ) -> Iterator[EchoServer]:
-    """Run an echo server on a free 127.0.0.1 port in a thread; stop it on exit."""
+    """Run an echo server on ``port`` of 127.0.0.1 (0: a free one) in a thread; stop it on exit."""
     state = EchoState(
         duet=duet, per_token_s=per_token_s, perf_delay_s=perf_delay_s, api_key=api_key
     )
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
+    sock.bind(("127.0.0.1", port))
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(build_app(state), log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

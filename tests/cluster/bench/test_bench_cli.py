@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -264,3 +266,29 @@ def test_fresh_prompts_per_rate_from_a_file_and_a_warm_up_no_rate_shares(
         code, results = bench([*argv, "600"], tmp_path / "three")
         assert code == 1 and "too few prompts for rate 3" in results["error"]
         assert len(server.state.prompts) == count  # nothing sent
+
+
+def test_a_server_still_starting_is_waited_for(
+    start_echo: Any, free_port: int, tmp_path: Path
+) -> None:
+    """`vllm bench serve --ready-check-timeout-sec`: a server that comes up after the driver
+    started is asked again until it answers (without the flag, one that does not answer fails
+    the benchmark at once: test_unreachable_server)."""
+    url = f"http://127.0.0.1:{free_port}"
+    up, done = threading.Event(), threading.Event()
+
+    def start_late() -> None:
+        time.sleep(1.5)  # (after the driver's first try)
+        with start_echo(port=free_port):
+            up.set()
+            done.wait(60)
+
+    thread = threading.Thread(target=start_late)
+    thread.start()
+    try:
+        code, results = bench([url, *SMALL, "--ready-check-timeout-sec", "60"], tmp_path)
+    finally:
+        done.set()
+        thread.join()
+    assert code == 0 and up.is_set(), results["error"]
+    assert results["targets"][0]["runs"][0]["completed"] == 6
