@@ -79,10 +79,14 @@ def completion_chunk(
     return _envelope(head, "text_completion", [choice])
 
 
+# A whole answer names no system fingerprint (null, as vLLM's): no configuration id is kept.
+_UNFINGERPRINTED = {"system_fingerprint": None}
+
+
 def completion_body(
     head: Head, choices: list[dict[str, Any]], use: dict[str, int]
 ) -> dict[str, Any]:
-    return _envelope(head, "text_completion", choices) | {"usage": use}
+    return _envelope(head, "text_completion", choices) | _UNFINGERPRINTED | {"usage": use}
 
 
 def chat_chunk(
@@ -104,12 +108,20 @@ def chat_choice(
     logprobs: dict[str, Any] | None = None,
     role: str = "assistant",
 ) -> dict[str, Any]:
-    message = {"role": role, "content": text}
+    # (what vLLM's message says besides: no refusal, no tool call, no reasoning apart, since Duet
+    # parses neither tools nor reasoning out of the text)
+    message = {
+        "role": role,
+        "content": text,
+        "refusal": None,
+        "tool_calls": [],
+        "reasoning_content": None,
+    }
     return _choice(index, {"message": message, "logprobs": logprobs}, end)
 
 
 def chat_body(head: Head, choices: list[dict[str, Any]], use: dict[str, int]) -> dict[str, Any]:
-    return _envelope(head, "chat.completion", choices) | {"usage": use}
+    return _envelope(head, "chat.completion", choices) | _UNFINGERPRINTED | {"usage": use}
 
 
 def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict[str, Any]:

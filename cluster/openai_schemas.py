@@ -87,7 +87,10 @@ class _SamplingFields(BaseModel):
     # None: as many as fit the model after the prompt (the chat API's default, and vLLM's).
     DEFAULT_MAX_TOKENS: ClassVar[int | None] = None
 
-    model: str
+    # None: the served model (vLLM's rule; the OpenAI client always names it)
+    model: str | None = None
+    # vLLM's: the answer's id is <cmpl|chatcmpl>-<request_id> (an X-Request-Id header wins)
+    request_id: str | None = None
     max_tokens: int | None = Field(
         default=None,
         description=(
@@ -223,6 +226,8 @@ class CompletionRequest(_SamplingFields):
     # The prompt before each choice's text, and with logprobs the prompt tokens' before its
     # tokens' (the first prompt token's null); with max_tokens 0, the prompt alone.
     echo: bool = False
+    # vLLM's: False encodes a text prompt without the tokenizer's special tokens (BOS).
+    add_special_tokens: bool = True
 
     @property
     def top_logprobs_asked(self) -> int | None:
@@ -261,6 +266,8 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    # The speaker's name: the template gets it (as vLLM hands it on); most templates ignore it.
+    name: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -272,6 +279,11 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the template's ``documents`` variable (retrieved passages, for templates that
+    # render them; chat_template_kwargs' own ``documents`` wins, as in vLLM).
+    documents: list[dict[str, Any]] | None = None
+    # vLLM's: True would add the tokenizer's special tokens on top of the template's (refused).
+    add_special_tokens: bool = False
     # vLLM's: the answer starts with the last message's content when that message has the
     # answer's role (a continued message: add_generation_prompt false).
     echo: bool = False
@@ -282,6 +294,14 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def top_logprobs_asked(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def template_variables(self) -> dict[str, Any] | None:
+        """What the chat template gets beyond the messages: ``documents``, then
+        chat_template_kwargs."""
+        if self.documents is None:
+            return self.chat_template_kwargs
+        return {"documents": self.documents} | (self.chat_template_kwargs or {})
 
     @property
     def response_role(self) -> str:
@@ -311,6 +331,8 @@ class ChatCompletionRequest(_SamplingFields):
         refused = refused_fields(self.model_extra, NOT_SUPPORTED_CHAT) + self._misused()
         if self.top_logprobs and not self.logprobs:  # (0 asks nothing: vLLM's rule)
             refused.append(("top_logprobs", "top_logprobs: only with logprobs: true"))
+        if self.add_special_tokens:
+            refused.append(ADD_SPECIAL_TOKENS_REFUSAL)
         return refused + conversation_refusals(
             self.messages, self.add_generation_prompt, self.continue_final_message
         )
@@ -335,6 +357,33 @@ def conversation_refusals(
     return refused
 
 
+# Chat and /tokenize: the template writes the special tokens a conversation has.
+ADD_SPECIAL_TOKENS_REFUSAL = (
+    "add_special_tokens",
+    "add_special_tokens: only false with messages (the chat template writes the special "
+    "tokens; none are added on top)",
+)
+
+# Content parts that are text under another name (the Responses API's, which vLLM reads as text).
+_TEXT_PARTS = frozenset({"input_text", "output_text"})
+
+
+def _as_text_part(part: Any) -> Any:
+    if isinstance(part, dict) and part.get("type") in _TEXT_PARTS:
+        return part | {"type": "text"}
+    return part
+
+
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """The messages as the chat template takes them (engine.chat_template reads the parts)."""
-    return [{"role": m.role, "content": m.content} for m in messages]
+    """The messages as the chat template takes them (engine.chat_template reads the text parts;
+    a message's name goes with it, as vLLM hands it on)."""
+    out = []
+    for m in messages:
+        content = m.content
+        if isinstance(content, list):
+            content = [_as_text_part(part) for part in content]
+        message: dict[str, Any] = {"role": m.role, "content": content}
+        if m.name is not None:
+            message["name"] = m.name
+        out.append(message)
+    return out

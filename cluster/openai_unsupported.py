@@ -24,10 +24,32 @@ _NOT_SUPPORTED_COMMON: dict[str, Callable[[Any], bool]] = {
     "service_tier": _none_or("auto", "default"),
     "store": _none_or(False),
     "metadata": _none_or({}),
+    # vLLM's extensions (clients written for vLLM send their defaults): beam search, priority
+    # scheduling, structured output, logits processors, prefix-cache salting, its own KV
+    # transfer, custom arguments
+    "use_beam_search": _none_or(False),
+    "length_penalty": _none_or(1.0, 1),  # (a beam search's only)
+    "bad_words": _none_or([]),
+    "priority": _none_or(0),
+    "response_format": _none_or({"type": "text"}),
+    "guided_json": _none_or(),
+    "guided_regex": _none_or(),
+    "guided_choice": _none_or(),
+    "guided_grammar": _none_or(),
+    "guided_decoding_backend": _none_or(),
+    "guided_whitespace_pattern": _none_or(),
+    "structured_outputs": _none_or(),
+    "structural_tag": _none_or(),
+    "logits_processors": _none_or([]),
+    "cache_salt": _none_or(),
+    "kv_transfer_params": _none_or(),
+    "vllm_xargs": _none_or({}),
+    "mm_processor_kwargs": _none_or({}),
 }
 NOT_SUPPORTED_COMPLETION = _NOT_SUPPORTED_COMMON | {
     "best_of": _none_or(1),
     "suffix": _none_or(""),
+    "prompt_embeds": _none_or(),
 }
 NOT_SUPPORTED_CHAT = _NOT_SUPPORTED_COMMON | {
     "tools": _none_or([]),
@@ -35,7 +57,6 @@ NOT_SUPPORTED_CHAT = _NOT_SUPPORTED_COMMON | {
     "parallel_tool_calls": _none_or_a(bool),  # (about tools, which must be none)
     "functions": _none_or([]),
     "function_call": _none_or("none"),
-    "response_format": _none_or({"type": "text"}),
     "modalities": _none_or(["text"]),
     "audio": _none_or(),
     "prediction": _none_or(),
@@ -44,14 +65,22 @@ NOT_SUPPORTED_CHAT = _NOT_SUPPORTED_COMMON | {
     "web_search_options": _none_or(),
     "prompt_cache_key": _none_or(),
     "safety_identifier": _none_or(),
+    # vLLM's: a request's own template (vLLM refuses it unless the server trusts requests'
+    # templates); with no reasoning parser, the reasoning stays in the content either way, so
+    # only vLLM's default (include it) is honoured
+    "chat_template": _none_or(),
+    "include_reasoning": _none_or(True),
 }
+# Of a message (what the OpenAI client's message objects carry back into a conversation).
 NOT_SUPPORTED_MESSAGE = {
-    "name": _none_or(),
     "tool_calls": _none_or([]),
     "tool_call_id": _none_or(),
     "function_call": _none_or(),
     "refusal": _none_or(),
     "audio": _none_or(),
+    "annotations": _none_or([]),
+    "reasoning_content": _none_or(),  # (vLLM's name of an answer's reasoning, then its new one)
+    "reasoning": _none_or(),
 }
 
 

@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 
 # Most choices one completions request makes (prompts of a batch x n): each is an engine request.
 MAX_CHOICES = 1024
+# Longest id a client may give its answer (it names the request on every worker and in the stats).
+MAX_REQUEST_ID_CHARS = 256
 
 
 class ServingBackend(Protocol):
@@ -150,7 +152,8 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
             )
 
     def _check_body(body: oa.CompletionRequest | oa.ChatCompletionRequest) -> None:
-        _check_model(body.model)
+        if body.model is not None:  # (left out: the served model, as in vLLM)
+            _check_model(body.model)
         refused = body.refused()
         if refused:
             raise BadRequest("; ".join(message for _, message in refused), refused[0][0])
@@ -165,19 +168,22 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
         check_token_ids(body.stop_token_ids or [], backend.vocab_size, "stop_token_ids")
         check_token_ids(list(body.logit_bias or {}), backend.vocab_size, "logit_bias")
         check_token_ids(body.allowed_token_ids or [], backend.vocab_size, "allowed_token_ids")
+        # (The messages say "This model's maximum context length is N tokens" as OpenAI's and
+        # vLLM's do: clients such as LiteLLM tell a context overflow from other 400s by it.)
         room = backend.max_model_len - len(ids)
         if room < 1:
             raise BadRequest(
-                f"prompt has {len(ids)} tokens; the maximum model length is "
-                f"{backend.max_model_len} (prompt plus at least one generated token)",
+                f"The prompt has {len(ids)} tokens. This model's maximum context length is "
+                f"{backend.max_model_len} tokens, the prompt and at least one generated token.",
                 "prompt",
             )
         asked = body.requested_max_tokens
         if asked is not None and asked > room:
             field = body.max_tokens_field
             raise BadRequest(
-                f"{field}: {asked} tokens after a prompt of {len(ids)} exceed the maximum model "
-                f"length of {backend.max_model_len} (at most {room} here)",
+                f"{field}: {asked} tokens do not fit after a prompt of {len(ids)} tokens. This "
+                f"model's maximum context length is {backend.max_model_len} tokens: at most "
+                f"{room} can be generated here.",
                 field,
             )
         if asked is None:  # the endpoint's default, else the model's, else what fits
@@ -205,8 +211,23 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
         return_tokens_as_token_ids, for clients that must not re-tokenize)."""
         return token_id_name if body.return_tokens_as_token_ids else backend.token_text
 
-    def _head(req: GenerateRequest) -> resp.Head:
-        return resp.Head(req.request_id, int(req.arrival_time), backend.model_name)
+    def _ids(
+        prefix: str, body: oa.CompletionRequest | oa.ChatCompletionRequest, request: Request
+    ) -> tuple[str, str]:
+        """(the answer's id, its requests' id): ``<prefix>-<the client's id>`` when it names one
+        (an X-Request-Id header, else the body's request_id: vLLM's rule), else a fresh one. A
+        client's id may come twice, so its requests' id gets a unique tail."""
+        header = request.headers.get("x-request-id")
+        given = header or body.request_id
+        if not given:
+            rid = resp.new_id(prefix)
+            return rid, rid
+        if len(given) > MAX_REQUEST_ID_CHARS:
+            field = "X-Request-Id" if header else "request_id"
+            raise BadRequest(
+                f"{field}: at most {MAX_REQUEST_ID_CHARS} characters, got {len(given)}", field
+            )
+        return f"{prefix}-{given}", resp.new_id(f"{prefix}-{given}")
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -248,13 +269,17 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
                 )
             encoded = [
                 body.truncated(
-                    backend.encode(p) if isinstance(p, str) else p, backend.max_model_len
+                    backend.encode(p, add_special_tokens=body.add_special_tokens)
+                    if isinstance(p, str)
+                    else p,
+                    backend.max_model_len,
                 )
                 for p in prompts
             ]
         except (ValueError, TypeError) as e:  # TypeError: text the tokenizer cannot take
             raise BadRequest(str(e), "prompt") from e
-        rid = resp.new_id("cmpl")  # (the response's; prompt k of a batch is <rid>-<k>)
+        # (the response's id; its requests': rid, or prompt k of a batch <rid>-<k>)
+        answer_id, rid = _ids("cmpl", body, request)
         firsts = []
         for k, ids in enumerate(encoded):
             try:
@@ -263,7 +288,7 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
                 if len(encoded) == 1 or e.param != "prompt":
                     raise
                 raise BadRequest(f"prompt[{k}]: {e}", "prompt") from e
-        head = resp.Head(rid, int(firsts[0].arrival_time), backend.model_name)
+        head = resp.Head(answer_id, int(firsts[0].arrival_time), backend.model_name)
         # (a prompt's choices share its first one's prompt logprobs, whole or streamed)
         reqs = [r for f in firsts for r in choice_requests(f, body.n)]
         texts = [""] * len(prompts)  # (what echo puts first)
@@ -303,13 +328,15 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
                 oa.template_messages(body.messages),
                 body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
-                template_kwargs=body.chat_template_kwargs,
+                template_kwargs=body.template_variables,
             )
         except (ValueError, TypeError) as e:  # TypeError: text the tokenizer cannot take
             raise BadRequest(str(e), "messages") from e
         ids = body.truncated(ids, backend.max_model_len)
-        req = _prepare(body, ids, resp.new_id("chatcmpl"))  # (the response's id, as OpenAI's)
-        head, reqs = _head(req), choice_requests(req, body.n)
+        answer_id, rid = _ids("chatcmpl", body, request)
+        req = _prepare(body, ids, rid)
+        head = resp.Head(answer_id, int(req.arrival_time), backend.model_name)
+        reqs = choice_requests(req, body.n)
         asked = req.sampling.logprobs is not None
         name = _namer(body)
         role = body.response_role

@@ -15,7 +15,12 @@ from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from cluster.http_errors import BadRequest, check_token_ids, validation_message
-from cluster.openai_schemas import ChatMessage, conversation_refusals, template_messages
+from cluster.openai_schemas import (
+    ADD_SPECIAL_TOKENS_REFUSAL,
+    ChatMessage,
+    conversation_refusals,
+    template_messages,
+)
 from cluster.openai_unsupported import refused_fields
 
 
@@ -49,13 +54,7 @@ class TokenizeChat(_Body):
             self.messages, self.add_generation_prompt, self.continue_final_message
         )
         if self.add_special_tokens:
-            refused.append(
-                (
-                    "add_special_tokens",
-                    "add_special_tokens: only false with messages (the chat template writes the "
-                    "special tokens; /v1/chat/completions adds none)",
-                )
-            )
+            refused.append(ADD_SPECIAL_TOKENS_REFUSAL)
         return refused
 
 

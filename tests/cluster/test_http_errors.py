@@ -53,7 +53,7 @@ def test_every_error_has_the_openai_shape(http, backend, monkeypatch) -> None:  
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "metadata": "y" * 10**5})
     assert r.status_code == 400 and len(r.content) < 1000, len(r.content)  # not echoed whole
 
-    def broken(text: str) -> list[int]:
+    def broken(text: str, add_special_tokens: bool = True) -> list[int]:
         raise RuntimeError("the tokenizer broke")
 
     monkeypatch.setattr(backend, "encode", broken)

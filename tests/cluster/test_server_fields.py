@@ -80,10 +80,10 @@ def test_chat_echo_starts_the_answer_with_the_message_it_continues(http) -> None
     plain = http.post("/v1/chat/completions", json=body).json()["choices"]
     echoed = http.post("/v1/chat/completions", json=body | {"echo": True}).json()["choices"]
     for p, e in zip(plain, echoed, strict=True):
-        assert e["message"] == {
-            "role": "assistant",
-            "content": "Bonjour, je" + p["message"]["content"],
-        }
+        assert (e["message"]["role"], e["message"]["content"]) == (
+            "assistant",
+            "Bonjour, je" + p["message"]["content"],
+        )
     chunks = events(
         http.post("/v1/chat/completions", json=body | {"echo": True, "stream": True}).text
     )
