@@ -39,6 +39,22 @@ class Choice:
     token_ids: list[int]
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per token, when the request asked
     prompt_logprobs: PromptLogprobs = None
+    cached_tokens: int = 0  # prompt tokens its worker read from a prefix cache
+
+
+def cached_prompt_tokens(cached: list[int], n: int) -> int:
+    """The usage's cached_tokens of an answer whose choices (``n`` per prompt, in order) each read
+    ``cached`` prompt tokens from a prefix cache: each prompt counted once, as prompt_tokens
+    counts it, by its choice that read the least (the others may have read what it computed)."""
+    return sum(min(cached[k : k + n]) for k in range(0, len(cached), n))
+
+
+def whole_usage(prompt_tokens: int, choices: list[Choice], n: int) -> dict[str, Any]:
+    """The usage of a whole answer: ``prompt_tokens`` (every prompt once), its ``choices``
+    (``n`` per prompt)."""
+    made = sum(len(c.token_ids) for c in choices)
+    cached = cached_prompt_tokens([c.cached_tokens for c in choices], n)
+    return resp.usage(prompt_tokens, made, cached)
 
 
 def choice_requests(req: GenerateRequest, n: int) -> list[GenerateRequest]:
@@ -178,6 +194,7 @@ class Answers:
         ids: list[int] = []
         logprobs: list[TokenLogprobs] = []
         prompt_logprobs = None
+        cached = 0
         end = resp.GOING_ON
         async for d in self._generate(req):
             if d.error:
@@ -186,9 +203,11 @@ class Answers:
             ids.extend(d.token_ids)
             logprobs.extend(d.logprobs)
             prompt_logprobs = prompt_logprobs or d.prompt_logprobs
+            if d.num_cached_tokens is not None:
+                cached = d.num_cached_tokens
             if d.finish_reason:
                 end = resp.Ending(d.finish_reason, d.stop_reason)
-        return Choice("".join(text), end, ids, tuple(logprobs), prompt_logprobs)
+        return Choice("".join(text), end, ids, tuple(logprobs), prompt_logprobs, cached)
 
     async def whole(
         self,
@@ -237,15 +256,17 @@ class Answers:
         """A streamed answer: a chunk per delta, naming its choice; an error event and then
         ``[DONE]`` whatever goes wrong. ``prompt_tokens``: the usage's, every prompt counted once.
         ``continuous_usage`` (vLLM's continuous_usage_stats): every chunk says its choice's usage
-        so far. ``n``: choices per prompt (``choice_requests``'), which share its logprobs."""
+        so far. ``n``: choices per prompt (``choice_requests``'), which share its logprobs and
+        count once in the usage."""
         n_out = 0
         made = [0] * len(reqs)  # each choice's tokens so far
+        cached = [0] * len(reqs)  # each choice's prompt tokens read from a prefix cache
         unfinished = {r.request_id for r in reqs}
 
         def usage_of(i: int) -> dict[str, Any]:
             # With include_usage, every chunk but the usage one says "usage": null (OpenAI's).
             if continuous_usage:
-                return {"usage": resp.usage(len(reqs[i].prompt_token_ids), made[i])}
+                return {"usage": resp.usage(len(reqs[i].prompt_token_ids), made[i], cached[i])}
             return {"usage": None} if include_usage else {}
 
         try:
@@ -260,6 +281,8 @@ class Answers:
                         break
                     n_out += len(d.token_ids)
                     made[i] += len(d.token_ids)
+                    if d.num_cached_tokens is not None:
+                        cached[i] = d.num_cached_tokens
                     if d.text or d.token_ids or d.finish_reason:
                         yield _sse(make_chunk(i, d) | usage_of(i))
                     if d.finish_reason:
@@ -270,7 +293,7 @@ class Answers:
             if include_usage:
                 chunk = make_chunk(0, TokenDelta(reqs[0].request_id, [], ""))
                 chunk["choices"] = []
-                chunk["usage"] = resp.usage(prompt_tokens, n_out)
+                chunk["usage"] = resp.usage(prompt_tokens, n_out, cached_prompt_tokens(cached, n))
                 yield _sse(chunk)
             yield "data: [DONE]\n\n"
         finally:

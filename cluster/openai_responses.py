@@ -12,11 +12,14 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """OpenAI's usage; ``cached_tokens``: of the prompt tokens, those read from a prefix cache
+    rather than computed (always said, as OpenAI's; vLLM's with --enable-prompt-tokens-details)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -84,7 +87,7 @@ _UNFINGERPRINTED = {"system_fingerprint": None}
 
 
 def completion_body(
-    head: Head, choices: list[dict[str, Any]], use: dict[str, int]
+    head: Head, choices: list[dict[str, Any]], use: dict[str, Any]
 ) -> dict[str, Any]:
     return _envelope(head, "text_completion", choices) | _UNFINGERPRINTED | {"usage": use}
 
@@ -120,7 +123,7 @@ def chat_choice(
     return _choice(index, {"message": message, "logprobs": logprobs}, end)
 
 
-def chat_body(head: Head, choices: list[dict[str, Any]], use: dict[str, int]) -> dict[str, Any]:
+def chat_body(head: Head, choices: list[dict[str, Any]], use: dict[str, Any]) -> dict[str, Any]:
     return _envelope(head, "chat.completion", choices) | _UNFINGERPRINTED | {"usage": use}
 
 

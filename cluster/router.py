@@ -152,6 +152,7 @@ class Router:
                 stop_reason=pre.stop_reason,
                 logprobs=() if pre.first_token_logprobs is None else (pre.first_token_logprobs,),
                 prompt_logprobs=pre.prompt_logprobs,
+                num_cached_tokens=pre.num_cached_tokens,
             )
             if handed_over:
                 return

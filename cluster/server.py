@@ -27,7 +27,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cluster import openai_responses as resp
 from cluster import openai_schemas as oa
-from cluster.answers import Answers, Choice, choice_requests
+from cluster.answers import Answers, Choice, choice_requests, whole_usage
 from cluster.completion_choices import CompletionChoices
 from cluster.http_errors import (
     BadRequest,
@@ -314,8 +314,8 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
             )
 
         def build(choices: list[Choice]) -> dict[str, Any]:
-            n_out = sum(len(c.token_ids) for c in choices)
-            return resp.completion_body(head, made.whole(choices), resp.usage(n_prompt, n_out))
+            use = whole_usage(n_prompt, choices, body.n)
+            return resp.completion_body(head, made.whole(choices), use)
 
         return await answers.whole(reqs, request, build)
 
@@ -360,13 +360,12 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
             ]
             return StreamingResponse(
                 answers.stream(
-                    reqs, make, body.include_usage, len(ids), first, body.continuous_usage
+                    reqs, make, body.include_usage, len(ids), first, body.continuous_usage, body.n
                 ),
                 media_type="text/event-stream",
             )
 
         def build(choices: list[Choice]) -> dict[str, Any]:
-            made = sum(len(c.token_ids) for c in choices)
             answer = resp.chat_body(
                 head,
                 [
@@ -379,7 +378,7 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
                     )
                     for i, c in enumerate(choices)
                 ],
-                resp.usage(len(ids), made),
+                whole_usage(len(ids), choices, body.n),
             )
             if body.prompt_logprobs is not None:  # (vLLM's: beside the choices)
                 answer["prompt_logprobs"] = prompt_logprobs(choices[0].prompt_logprobs, name)

@@ -209,7 +209,7 @@ class DecodeWorker:
             )
 
         tell_router = not ok  # (on the first delta: the router gives P's lease up)
-        async for delta in self._run(req, add):
+        async for delta in self._run(req, add, computes_prompt=not ok):
             if tell_router:
                 delta, tell_router = dataclasses.replace(delta, kv_recomputed=True), False
             yield delta
@@ -264,13 +264,16 @@ class DecodeWorker:
             self.keeper.note(rid, facts)
             return e.add_request(rid, prompt, req.sampling, arrival_time=req.arrival_time)
 
-        async for delta in self._run(req, add):
+        async for delta in self._run(req, add, computes_prompt=True):
             yield delta
 
     # ---- shared streaming loop ----
     async def _run(
-        self, req: GenerateRequest, add: Callable[[LLMEngine], Any]
+        self, req: GenerateRequest, add: Callable[[LLMEngine], Any], computes_prompt: bool
     ) -> AsyncIterator[TokenDelta]:
+        """Add the request (``add``) and stream its deltas. ``computes_prompt``: the prompt is
+        computed here, so the first delta says how much of it was read from the prefix cache (a
+        prompt received from P was P's to say, with the first token)."""
         rid = req.request_id
         stream = OutputStream(asyncio.get_running_loop())
         self.loop.subscribe(rid, stream.push)
@@ -289,12 +292,14 @@ class DecodeWorker:
             if done_at_add is not None:  # the first token already met a stop condition
                 finished = True
                 self.loop.unsubscribe(rid)
-                yield self._delta(done_at_add)
+                yield self._delta(done_at_add, False)  # (no prompt computed: nothing to say)
                 return
+            first = computes_prompt
             while not finished:
                 out = await stream.get(self._token_deadline_s)
                 finished = out.finished
-                yield self._delta(out)
+                yield self._delta(out, first)
+                first = False
         except asyncio.TimeoutError:
             yield TokenDelta(
                 rid,
@@ -317,7 +322,9 @@ class DecodeWorker:
                 self.loop.call(lambda e: self.keeper.retire(rid))
 
     @staticmethod
-    def _delta(out: RequestOutput) -> TokenDelta:
+    def _delta(out: RequestOutput, says_cached: bool) -> TokenDelta:
+        """``out`` as a delta; ``says_cached``: with the prompt's prefix cache hit (the request's
+        first delta from the worker that computed its prompt)."""
         return TokenDelta(
             request_id=out.request_id,
             token_ids=list(out.delta_token_ids),
@@ -334,6 +341,7 @@ class DecodeWorker:
             prompt_logprobs=out.prompt_token_logprobs
             if len(out.delta_token_ids) == len(out.token_ids)
             else None,
+            num_cached_tokens=out.num_cached_tokens if says_cached else None,
         )
 
     def _arrive(self, rid: str) -> bool:

@@ -162,6 +162,7 @@ class PrefillWorker:
             stop_reason=out.stop_reason if out.finished else None,
             first_token_logprobs=out.logprobs[0] if out.logprobs else None,
             prompt_logprobs=out.prompt_token_logprobs,
+            num_cached_tokens=out.num_cached_tokens,
         )
 
     async def _publish(self, rid: str, prompt_len: int) -> TransferTicket:

@@ -134,6 +134,8 @@ class PrefillResult:
     first_token_logprobs: TokenLogprobs | None = None
     # When it asks for prompt_logprobs: one per prompt token, the first None.
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
+    # Prompt tokens this worker found in its prefix cache (device and host tier together).
+    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -157,6 +159,12 @@ class TokenDelta:
     # On the first delta, when the request asks for prompt_logprobs: one per prompt token, the
     # first None (engine/prompt_logprobs.py).
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
+    # On the first delta from the worker that computed the prompt (the router's, made of P's
+    # PrefillResult; D's own when it prefilled the request, a recompute's too): the prompt tokens
+    # it found in its prefix cache (device and host tier together), OpenAI's usage
+    # prompt_tokens_details.cached_tokens. None: this delta does not say (the latest that did
+    # counts: a recompute's, after P's).
+    num_cached_tokens: int | None = None
 
 
 # ---- per-request stats (to the perf-metrics collector) -----------------------------------------

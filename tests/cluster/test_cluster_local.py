@@ -200,6 +200,10 @@ def test_chat_matches_transformers(client, running, model_name, hf_gguf_model, o
             usage = c.usage
     assert "".join(parts) == want
     assert usage is not None and usage.completion_tokens == r.usage.completion_tokens
+    # P computed the prompt for the whole answer: the stream's prompt is its full pages (16
+    # tokens, configs/local.yaml) read back, said with P's first token
+    page = 16
+    assert usage.prompt_tokens_details.cached_tokens == page * ((usage.prompt_tokens - 1) // page)
     # OpenAI's rule, on the wire: with include_usage every other chunk says "usage": null
     body = {"model": model_name, "prompt": "Hi", "max_tokens": 3, "stream": True}
     body["stream_options"] = {"include_usage": True}

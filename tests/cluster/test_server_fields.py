@@ -1,7 +1,7 @@
 """vLLM's and OpenAI's request fields at the HTTP edge over a real decode worker: logit_bias and
 allowed_token_ids reach the sampler, truncate_prompt_tokens cuts the prompt, and
-continuous_usage_stats puts usage in every chunk, chat's echo repeats the message the answer goes on
-with."""
+continuous_usage_stats puts usage in every chunk, usage says the prompt tokens read from the prefix
+cache, chat's echo repeats the message the answer goes on with."""
 
 from __future__ import annotations
 
@@ -59,7 +59,8 @@ def test_continuous_usage_stats_put_each_choices_usage_in_every_chunk(http, back
     for c in chunks[:-1]:
         (choice,) = c["choices"]
         seen[choice["index"]] += len(choice["token_ids"])
-        assert c["usage"] == {
+        counts = {k: v for k, v in c["usage"].items() if k != "prompt_tokens_details"}
+        assert counts == {
             "prompt_tokens": prompt,
             "completion_tokens": seen[choice["index"]],
             "total_tokens": prompt + seen[choice["index"]],
@@ -68,6 +69,50 @@ def test_continuous_usage_stats_put_each_choices_usage_in_every_chunk(http, back
     # without include_usage it asks nothing
     alone = body | {"stream_options": {"continuous_usage_stats": True}}
     assert all("usage" not in c for c in events(http.post("/v1/chat/completions", json=alone).text))
+
+
+def cached_tokens(usage: dict) -> int:
+    return usage["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_usage_says_how_many_prompt_tokens_the_prefix_cache_held(http, backend) -> None:  # noqa: F811
+    """OpenAI's prompt_tokens_details.cached_tokens: none for a prompt first seen, its full pages
+    (all but its last token's) for the same prompt again; whole and streamed (the usage chunk,
+    and with continuous_usage_stats each chunk of a token its choice's), completions and chat;
+    summed over a batch's prompts, and a prompt's n choices count it once."""
+    page = backend.worker.loop.engine.kv.page_size
+    a, b = list(range(1000, 1070)), list(range(2000, 2070))  # (no other test's prompts)
+    hit = page * ((len(a) - 1) // page)
+    assert hit == 64
+    body = {"model": MODEL, "max_tokens": 2, "ignore_eos": True}
+
+    def whole(prompt: list[int] | list[list[int]], **more: object) -> int:
+        r = http.post("/v1/completions", json=body | {"prompt": prompt} | more)
+        return cached_tokens(r.json()["usage"])
+
+    def streamed(prompt: list[int], **more: object) -> list[dict]:
+        options = {"include_usage": True, "continuous_usage_stats": True}
+        extra = {"prompt": prompt, "stream": True, "stream_options": options}
+        return events(http.post("/v1/completions", json=body | extra | more).text)
+
+    assert (whole(a), whole(a)) == (0, hit)
+    first = streamed(b, n=2)  # (one choice may read what the other computed: still none)
+    assert cached_tokens(first[-1]["usage"]) == 0
+    again = streamed(b, n=2)
+    assert cached_tokens(again[-1]["usage"]) == hit  # (once for the prompt, not per choice)
+    assert again[-1]["usage"]["prompt_tokens"] == len(b)
+    assert all(cached_tokens(c["usage"]) == hit for c in again[:-1])
+    assert whole([a, b], n=2) == 2 * hit
+    # chat: the whole answer first, then the stream's usage chunk (a system message of its own:
+    # the template's default one opens other tests' prompts, cached by then)
+    system = {"role": "system", "content": "Zebra quartz umbrella."}
+    user = {"role": "user", "content": " ".join(f"word{i}" for i in range(60))}
+    chat = {"model": MODEL, "messages": [system, user], "max_tokens": 2}
+    r = http.post("/v1/chat/completions", json=chat).json()["usage"]
+    assert cached_tokens(r) == 0 and r["prompt_tokens"] > 2 * page
+    stream = chat | {"stream": True, "stream_options": {"include_usage": True}}
+    last = events(http.post("/v1/chat/completions", json=stream).text)[-1]["usage"]
+    assert cached_tokens(last) == page * ((r["prompt_tokens"] - 1) // page)
 
 
 def test_chat_echo_starts_the_answer_with_the_message_it_continues(http) -> None:  # noqa: F811

@@ -93,6 +93,7 @@ def test_a_fill_stall_ends_at_the_pull_deadline_and_frees_the_pages(on_failure: 
             d async for d in worker.generate(GenerateRequest("ref", prompt, greedy(6), time.time()))
         ]
         want = [t for d in ref for t in d.token_ids]
+        assert ref[0].num_cached_tokens == 0  # (prefilled here: a prompt first seen)
         await wait_until_no_page_held(worker)
         req = GenerateRequest("x", prompt, greedy(6), time.time())
         pre = PrefillResult("x", want[0], "", None, ticket=stalled.ticket("x", len(prompt)))
@@ -112,6 +113,9 @@ def test_a_fill_stall_ends_at_the_pull_deadline_and_frees_the_pages(on_failure: 
         else:
             assert all(d.error is None for d in out) and out[-1].finish_reason == "length"
             assert [want[0]] + [t for d in out for t in d.token_ids] == want
+            # The prompt computed here says its own prefix hit ("ref"'s 5 full pages), after
+            # P's: the client's usage counts the latest.
+            assert [d.num_cached_tokens for d in out] == [5 * PAGE] + [None] * (len(out) - 1)
             assert totals.recomputed == 1 and totals.failed_requests == 0
         await wait_until_no_page_held(worker)
         (record,) = [r for r in await reports(worker, records) if r.request_id == "x"]

@@ -38,14 +38,17 @@ def test_a_hybrid_request_pulls_per_group_what_d_lacks() -> None:
     first, second = shared + [9, 8], shared + [11] * 9
 
     async def decoded(
-        rid: str, prompt: list[int], p_window_from: int
+        rid: str, prompt: list[int], p_window_from: int, p_cached: int
     ) -> tuple[list[int], dict[str, int]]:
         req = GenerateRequest(rid, prompt, greedy(6), time.time())
         pre = await prefill.prefill(req)
         assert pre.ticket is not None
         assert pre.ticket.first_page == {"full": 0, "swa_32": p_window_from}
+        assert pre.num_cached_tokens == p_cached  # P's prefix hit, for the client's usage
         out = [d async for d in worker.decode(req, pre)]
         assert out[-1].finish_reason == "length" and not out[-1].error
+        # D's own hit is no prefix hit of the prompt's computation: its deltas say none.
+        assert all(d.num_cached_tokens is None for d in out)
         pages = receiver.stats()["last_transfer"]["pages"]
         return [pre.first_token_id] + [t for d in out for t in d.token_ids], pages
 
@@ -55,12 +58,12 @@ def test_a_hybrid_request_pulls_per_group_what_d_lacks() -> None:
 
     async def main() -> None:
         # P's last chunk started at token 48 (chunks of 24): its window from page (48-31)//4 = 4.
-        tokens, pages = await decoded("a", first, 4)
+        tokens, pages = await decoded("a", first, 4, 0)
         # 17 prompt pages; the window group's from page 8 on, where D's first step reads.
         assert pages == {"full": 17, "swa_32": 9}
         # D kept the first prompt's pages: the shared 64 tokens (16 pages) hit in both groups.
         # (P's own hit: its only chunk starts at 64, its window from page (64-31)//4 = 8.)
-        tokens2, pages2 = await decoded("b", second, 8)
+        tokens2, pages2 = await decoded("b", second, 8, 64)
         assert pages2 == {"full": 3, "swa_32": 3}
         await wait_until_no_page_held(worker)
         assert tokens == await local("a-local", first)

@@ -68,6 +68,26 @@ def test_prefill_leases_committed_pages_until_cancelled() -> None:
         worker.close()
 
 
+def test_the_result_says_how_much_of_the_prompt_the_prefix_cache_held() -> None:
+    """P's prefix hit (OpenAI's cached_tokens, which the router puts on the first delta): none
+    for a prompt first seen, its full pages for the same prompt again."""
+    worker = make_worker()
+
+    async def main() -> None:
+        prompt = list(range(1, 11))  # 10 tokens: two full pages of 4 and a partial one
+        first = await worker.prefill(GenerateRequest("a", prompt, greedy(4), time.time()))
+        again = await worker.prefill(GenerateRequest("b", prompt, greedy(4), time.time()))
+        assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 8)
+        for rid in ("a", "b"):
+            await worker.cancel(rid)
+        await wait_until_no_page_held(worker)
+
+    try:
+        asyncio.run(main())
+    finally:
+        worker.close()
+
+
 def test_request_finished_at_its_first_token_publishes_nothing() -> None:
     worker = make_worker()
 
