@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import importlib.metadata
 import logging
 import time
@@ -23,16 +22,15 @@ from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cluster import openai_responses as resp
 from cluster import openai_schemas as oa
 from cluster.answers import Answers, Choice, choice_requests, whole_usage
+from cluster.api_key_auth import ApiKeyMiddleware
 from cluster.completion_choices import CompletionChoices
 from cluster.http_errors import (
     BadRequest,
     check_token_ids,
-    error_response,
     install_error_handlers,
 )
 from cluster.openai_logprobs import Name, chat_logprobs, prompt_logprobs, token_id_name
@@ -82,38 +80,12 @@ class ServingBackend(Protocol):
     async def transfer_stats(self) -> list[dict[str, Any]]: ...
 
 
-# Open without the API key: liveness and Prometheus scrapes (as vLLM leaves them). Everything
-# else needs it: the API, and the stats endpoints, which drain what they return.
-_OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
-
-
 def _duet_version() -> str:
     """The installed distribution's version (pyproject.toml's), as vLLM's /version says its own."""
     try:
         return importlib.metadata.version("duet")
     except importlib.metadata.PackageNotFoundError:  # (run from a source tree, not installed)
         return "unknown"
-
-
-class _ApiKeyMiddleware:
-    """Refuses requests without ``Authorization: Bearer <key>`` (compared in constant time), but
-    to ``_OPEN_PATHS``.
-
-    A plain ASGI middleware: Starlette's ``@app.middleware("http")`` would pass every chunk of a
-    token stream through a memory stream and a task switch of its own (about a third of the
-    front end's time per streamed token in a CPU profile)."""
-
-    def __init__(self, app: ASGIApp, expected: bytes) -> None:
-        self.app = app
-        self.expected = expected
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):  # constant time
-                await error_response("invalid or missing API key", 401)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
@@ -129,7 +101,7 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
     expected_auth = f"Bearer {api_key}".encode() if api_key else None
 
     if expected_auth is not None:
-        app.add_middleware(_ApiKeyMiddleware, expected=expected_auth)
+        app.add_middleware(ApiKeyMiddleware, expected=expected_auth)
 
     install_error_handlers(app)
 

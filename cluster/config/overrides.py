@@ -10,6 +10,7 @@ file (``server.prot: unknown key (did you mean 'port'?)``), naming the file and 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -36,7 +37,7 @@ def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
 def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """A copy of a config's ``data`` with every override set, in order (a later one wins); the
     sections an override names are made when the file leaves them out."""
-    out = _copy(data)
+    out = copy.deepcopy(dict(data))
     for text in overrides:
         keys, value = parse_override(text)
         node = out
@@ -52,11 +53,3 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
             node = child
         node[keys[-1]] = value
     return out
-
-
-def _copy(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {k: _copy(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_copy(v) for v in value]
-    return value
