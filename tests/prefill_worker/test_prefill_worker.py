@@ -18,8 +18,10 @@ from worker_common.messages import GenerateRequest, RequestTimings
 from worker_common.request_report import Sink
 
 
-def make_worker(report: Sink | None = None) -> PrefillWorker:
-    engine = tiny_engine(64)
+def make_worker(
+    report: Sink | None = None, num_pages: int = 64, host_pages: int = 0
+) -> PrefillWorker:
+    engine = tiny_engine(num_pages, host_pages)
     specs = list(engine.kv.specs.values())
     return PrefillWorker(
         "p0",
@@ -80,6 +82,37 @@ def test_the_result_says_how_much_of_the_prompt_the_prefix_cache_held() -> None:
         assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 8)
         for rid in ("a", "b"):
             await worker.cancel(rid)
+        await wait_until_no_page_held(worker)
+
+    try:
+        asyncio.run(main())
+    finally:
+        worker.close()
+
+
+def test_cached_tokens_count_what_came_back_from_the_host_tier() -> None:
+    """A prompt whose pages were pushed out of the device pool to the KV host tier: its prefill
+    loads them back, and the result counts them as cached (as vLLM counts a connector's hits)."""
+    worker = make_worker(num_pages=9, host_pages=32)  # 8 usable device pages of 4 tokens
+
+    async def main() -> None:
+        prompt = list(range(1, 11))  # two full pages and a partial one
+        await worker.prefill(GenerateRequest("a", prompt, greedy(4), time.time()))
+        await worker.cancel("a")
+        for i, start in enumerate((20, 40, 60)):  # 5 pages each: "a"'s pages leave the device
+            other = list(range(start, start + 18))
+            await worker.prefill(GenerateRequest(f"x{i}", other, greedy(4), time.time()))
+            await worker.cancel(f"x{i}")
+        await wait_until_no_page_held(worker)
+        hit = await asyncio.wrap_future(
+            worker.loop.call(lambda e: e.kv.match_prefix(prompt + [99]))
+        )
+        assert hit.num_tokens == 8 and len(hit.host_pages["full"]) == 2  # both from host
+        again = await worker.prefill(GenerateRequest("b", prompt, greedy(4), time.time()))
+        assert again.num_cached_tokens == 8
+        host = (await kv_stats(worker)).groups["full"].host
+        assert host is not None and host.loaded_back == 2
+        await worker.cancel("b")
         await wait_until_no_page_held(worker)
 
     try:
