@@ -21,6 +21,14 @@ rows each step), on this machine with these libraries, so ``HF seconds / floor``
 an engine can be ahead of HF here: a ratio target above it (issue 28's ">= 2x HF") needs matrix
 products faster than both libraries, not a faster engine.
 
+With the KV reads: each decode step's attention must also read every key and value of every
+request's context in every layer (SmolLM2 has no sliding window; its float32 KV is 46 KiB a token,
+about 240 MB a step here). The script times the same decode step again with, after each layer's
+products, one streaming read (a sum) of that layer's keys and values at the step's mean context,
+from a cache as large as the workload's: the weights and the KV then compete for the caches and
+the memory bus as they do in an engine. Prefill's reads (a prompt's own few MB) are left out, so
+"linear + KV" is still a floor.
+
 The script also prints the compute floor, which no library or step size can beat: the workload's
 floating-point operations in those products, at the highest rate any of its steps reached (the
 2048-row prefill steps, where both libraries run near this CPU's peak of two 256-bit FMA units
@@ -95,22 +103,33 @@ class Layers:
         self.lm_head = torch.randn((config.vocab_size, h)) * 0.02
         self.packed = [[pack_weight(w) for w in layer] for layer in self.dense]
         self.lm_head_packed = pack_weight(self.lm_head)
+        # keys and values of one token in one layer, in floats
+        self.kv_token_floats = 2 * config.num_kv_heads * d
+        self.kv: torch.Tensor | None = None
 
-    def step(self, rows: int, sampled: int, which: str) -> float:
+    def make_kv(self, tokens: int) -> None:
+        """Every layer's KV cache for ``tokens`` tokens in all (random: only the bytes matter)."""
+        self.kv = torch.rand(len(self.dense), tokens * self.kv_token_floats)
+
+    def step(self, rows: int, sampled: int, which: str, kv_tokens: int = 0) -> float:
         """Seconds of one step's products: ``rows`` token rows through every layer's products
         (each product's input a fresh activation of its width), ``sampled`` rows through the LM
-        head."""
+        head; with ``kv_tokens``, each layer also reads that many tokens' keys and values."""
         if which == "mkl":
             layers, head, linear = self.dense, self.lm_head, F.linear
         else:
             layers, head, linear = self.packed, self.lm_head_packed, linear_cpu
         inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in self.dense[0]}
         last = torch.randn(sampled, self.lm_head.shape[1])
+        assert not kv_tokens or self.kv is not None
+        kv = self.kv[:, : kv_tokens * self.kv_token_floats] if kv_tokens else None
 
         def run() -> None:
-            for dense, weights in zip(self.dense, layers, strict=True):
+            for i, (dense, weights) in enumerate(zip(self.dense, layers, strict=True)):
                 for w, packed in zip(dense, weights, strict=True):
                     linear(inputs[w.shape[1]], packed)
+                if kv is not None:
+                    kv[i].sum()
             linear(last, head)
 
         return time_step(run, 3 if rows > 256 else 7)
@@ -130,6 +149,27 @@ def linear_floor(
             total[which] += count * t
         total["best"] += count * min(times.values())
     return total
+
+
+def kv_floor(
+    layers: Layers,
+    steps: list[tuple[int, int]],
+    requests: int,
+    prompt: int,
+    per_step: dict[str, dict[str, float]],
+) -> tuple[float, dict[str, float | str]]:
+    """Seconds the decode steps' KV reads add to their products (the faster implementation's):
+    one decode step timed with each layer's reads at the decode steps' mean context, times their
+    number (the bytes grow linearly with the context); and that step's figures."""
+    decode = [s for s in steps if s == (requests, requests)]
+    if not decode:
+        return 0.0, {}
+    mean_context = prompt + (len(decode) + 1) / 2  # (contexts prompt + 1 .. prompt + len)
+    which = min(per_step[f"{requests} x {requests}"].items(), key=lambda kv: kv[1])[0]
+    alone = layers.step(requests, requests, which)
+    with_kv = layers.step(requests, requests, which, round(requests * mean_context))
+    step = {"impl": which, "mean_context": mean_context, "alone_s": alone, "with_kv_s": with_kv}
+    return len(decode) * max(0.0, with_kv - alone), step
 
 
 def main() -> None:
@@ -155,6 +195,7 @@ def main() -> None:
     prompts = torch.randint(100, vocab, (args.num_requests, args.prompt_tokens), generator=gen)
     steps = step_rows(args.num_requests, args.prompt_tokens, args.max_tokens, args.batched_tokens)
     layers = Layers(config)
+    layers.make_kv(args.num_requests * (args.prompt_tokens + args.max_tokens))
     hf_generate(hf, prompts[:2, :8].tolist(), 2, 0)  # (warm-up)
     rounds = []
     for i in range(args.repeats):
@@ -163,13 +204,23 @@ def main() -> None:
         hf_s = time.perf_counter() - start
         per_step: dict[str, dict[str, float]] = {}
         floor = linear_floor(layers, steps, per_step)
+        kv, kv_step = kv_floor(layers, steps, args.num_requests, args.prompt_tokens, per_step)
+        with_kv = floor["best"] + kv
         rounds.append(
-            {"hf_s": hf_s, **{f"floor_{k}_s": v for k, v in floor.items()}, "steps_s": per_step}
+            {
+                "hf_s": hf_s,
+                **{f"floor_{k}_s": v for k, v in floor.items()},
+                "kv_reads_s": kv,
+                "floor_with_kv_s": with_kv,
+                "decode_step_kv": kv_step,
+                "steps_s": per_step,
+            }
         )
         print(
             f"[{i}] HF generate {hf_s:.2f} s | linear products alone: MKL {floor['mkl']:.2f} s, "
             f"oneDNN packed {floor['onednn']:.2f} s, faster per step {floor['best']:.2f} s | "
-            f"most any engine can be ahead of HF: {hf_s / floor['best']:.2f}x"
+            f"most any engine can be ahead of HF: {hf_s / floor['best']:.2f}x | with the decode "
+            f"steps' KV reads (+{kv:.2f} s): {with_kv:.2f} s, {hf_s / with_kv:.2f}x"
         )
     layer_params = sum(w.numel() for layer in layers.dense for w in layer)
     weight_bytes = 4 * (layer_params + layers.lm_head.numel())
@@ -199,6 +250,8 @@ def main() -> None:
     )
     best = sorted(r["hf_s"] / r["floor_best_s"] for r in rounds)
     print(f"HF / linear floor over {len(rounds)} rounds: {', '.join(f'{b:.2f}' for b in best)}")
+    kv_best = sorted(r["hf_s"] / r["floor_with_kv_s"] for r in rounds)
+    print(f"HF / (linear + KV reads) floor: {', '.join(f'{b:.2f}' for b in kv_best)}")
     if args.out:
         args.out.write_text(
             json.dumps(
@@ -210,6 +263,7 @@ def main() -> None:
                     "workload": vars(args) | {"out": str(args.out)},
                     "steps": len(steps),
                     "weight_bytes": weight_bytes,
+                    "kv_bytes": layers.kv.numel() * 4 if layers.kv is not None else 0,
                     "flops": total_flops,
                     "best_step_flops_per_s": peak,
                     "compute_floor_s": compute_s,
