@@ -17,6 +17,7 @@ from typing import Any
 
 import ray
 import uvicorn
+from fastapi import FastAPI
 
 from cluster.builder import ClusterHandles, build_cluster
 from cluster.config import ClusterConfig, ConfigError
@@ -31,8 +32,17 @@ SOURCE = "model.generation_config (the checkpoint's generation_config.json)"
 
 def connect_ray(config: ClusterConfig) -> bool:
     """Connect to the configured Ray cluster, the one of the enclosing job (RAY_ADDRESS, set by
-    `ray job submit`), or start a local one bound to 127.0.0.1. True when this call started Ray."""
+    `ray job submit`), or start a local one bound to 127.0.0.1. True when this call started Ray.
+    In a process where Ray already runs (a script that started it), that Ray is used as it is:
+    the ``ray`` fields the config sets are named in a warning, since none of them applies."""
     if ray.is_initialized():
+        unused = sorted(config.ray.model_fields_set)
+        if unused:
+            log.warning(
+                "Ray is already running in this process: %s of the config do not apply (the "
+                "running Ray's address, namespace and runtime_env do)",
+                ", ".join(f"ray.{name}" for name in unused),
+            )
         return False
     address = config.ray.address or os.environ.get("RAY_ADDRESS")
     kwargs: dict[str, Any] = {"namespace": config.ray.namespace, "log_to_driver": True}
@@ -193,8 +203,7 @@ def start_cluster(
         raise
     try:
         frontend = make_frontend(config, handles, defaults)
-        api_key = config.server.api_key.get_secret_value() if config.server.api_key else None
-        app = create_app(frontend, api_key)
+        app = app_of(config, frontend)
         host = config.server.host
         server, thread, bound_port = start_server_thread(
             app, host, config.server.port if port is None else port
@@ -209,6 +218,12 @@ def start_cluster(
         raise
 
 
+def app_of(config: ClusterConfig, frontend: ClusterFrontend) -> FastAPI:
+    """The HTTP app over ``frontend`` with the ``server`` section's settings (its API key)."""
+    api_key = config.server.api_key.get_secret_value() if config.server.api_key else None
+    return create_app(frontend, api_key)
+
+
 def serve(config: ClusterConfig) -> None:
     """Run until interrupted (what `duet serve CONFIG` does)."""
     defaults = sampling_defaults(config)  # (a bad file is refused before anything starts)
@@ -218,8 +233,7 @@ def serve(config: ClusterConfig) -> None:
     handles = build_cluster(config)
     try:
         frontend = make_frontend(config, handles, defaults)
-        api_key = config.server.api_key.get_secret_value() if config.server.api_key else None
-        app = create_app(frontend, api_key)
+        app = app_of(config, frontend)
         # Bound here, so that the address printed is the one served (port 0: the port taken).
         sock = listening_socket(config.server.host, config.server.port)
         print(

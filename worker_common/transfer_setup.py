@@ -40,11 +40,13 @@ def interface_address(name: str) -> str:
     return socket.inet_ntoa(packed[20:24])
 
 
-def node_transceiver_config(spec: WorkerSpec) -> TransceiverConfig:
-    """The spec's TransceiverConfig with the listener address of this node."""
+def node_transceiver_config(spec: WorkerSpec, listens: bool = True) -> TransceiverConfig:
+    """The spec's TransceiverConfig, with the listener address of this node where the worker
+    ``listens`` (a prefill worker; a decode worker only dials the addresses in its tickets, so
+    its node need not have ``transfer.interface``)."""
     if spec.transceiver is None:
         raise ValueError(f"worker {spec.worker_id} has no transfer settings (aggregated mode)")
-    if spec.transfer_interface is None:
+    if spec.transfer_interface is None or not listens:
         return spec.transceiver
     return dataclasses.replace(spec.transceiver, host=interface_address(spec.transfer_interface))
 
@@ -88,7 +90,7 @@ def make_puller(
 ) -> KVReceiver | TPPuller:
     """Rank 0's KVReceiver (on ``loop`` as in make_publisher), wrapped in a TPPuller when either
     side is tensor-parallel."""
-    kv, tc = engine.kv, node_transceiver_config(spec)
+    kv, tc = engine.kv, node_transceiver_config(spec, listens=False)
     own = KVReceiver(kv.buffers, list(kv.specs.values()), _model_identity(engine), tc, loop)
     if engine_tp(engine) == 1 and spec.peer_tensor_parallel_size == 1:
         return own

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator
@@ -38,8 +39,10 @@ class RouterConfig(Section):
     local_prefill_fallback: bool = Field(
         True,
         description=(
-            "When no prefill worker is healthy, let the decode worker prefill locally "
-            "(disaggregated mode; in aggregated mode decode workers always prefill)."
+            "When no prefill worker can serve a request (none healthy, or every try of "
+            "prefill_retries failed or passed prefill.prefill_deadline_s), let the decode worker "
+            "prefill it locally; false: the request fails. Disaggregated mode; in aggregated "
+            "mode decode workers always prefill."
         ),
     )
     local_prefill_max_tokens: int = Field(
@@ -69,8 +72,8 @@ class ServerConfig(Section):
     api_key: SecretStr | None = Field(
         None,
         description=(
-            "Bearer token clients must send on every endpoint but /health and /metrics (the "
-            "stats endpoints drain what they return); None = no authentication."
+            "Bearer token clients must send on every endpoint but /health, /metrics and /version "
+            "(the stats endpoints drain what they return); None = no authentication."
         ),
     )
 
@@ -154,4 +157,6 @@ class RayConfig(Section):
 
     @property
     def starts_local(self) -> bool:
-        return self.address is None
+        """Whether `duet serve` will start a local, one-host Ray (no address here, no RAY_ADDRESS
+        in the environment): what connect_ray does with this section."""
+        return self.address is None and not os.environ.get("RAY_ADDRESS")

@@ -125,12 +125,24 @@ class TransferConfig(Section):
         30.0,
         gt=0,
         description=(
-            "How long a prefill worker pins a finished request's pages for the decode worker; "
-            "renewed while the pull progresses, released on ack or expiry."
+            "How long a prefill worker pins a finished request's pages for a decode worker to "
+            "pull them; then, still unpulled, they are released. A pull that has begun is never "
+            "cut by it: the pages go when the pull ends (the decode worker's final notice, its "
+            "failure, or ack_deadline_s after the data)."
         ),
     )
     connect_deadline_s: float = _deadline(10.0, "a connection to a peer (with its handshake)")
-    pull_deadline_s: float = _deadline(30.0, "the first chunk after sending a pull request")
+    pull_deadline_s: float = Field(
+        30.0,
+        gt=0,
+        description=(
+            "Seconds to wait for the first chunk after sending a pull request, or for the prefill "
+            "worker's grant of a direct read, before failing the request. A direct read's whole "
+            "window (grant and copy) is chunk_deadline_s + ack_deadline_s, counted from its "
+            "request, the time the prefill worker holds its pages for it: the grant is awaited "
+            "for the smaller of the two."
+        ),
+    )
     chunk_deadline_s: float = _deadline(10.0, "each following chunk (and for a direct read's copy)")
     done_deadline_s: float = _deadline(10.0, "TransferDone after the last chunk")
     ack_deadline_s: float = _deadline(10.0, "the decode worker's final notice after the data")
@@ -146,7 +158,11 @@ class TransferConfig(Section):
     interface: str | None = Field(
         None,
         min_length=1,
-        description='Network interface whose address the listener binds to (e.g. "eth0"); excludes host.',
+        description=(
+            "Network interface whose address each prefill worker's listener binds to (e.g. "
+            '"eth0"), looked up on the worker\'s own node; excludes host. Decode workers only '
+            "dial: they do not need it."
+        ),
     )
     progress_mode: Literal["auto", "loop", "thread", "thread-polling"] = Field(
         "auto",
@@ -210,11 +226,24 @@ class TransferConfig(Section):
                 raise ValueError(
                     "a leading ^ excludes the whole list: put it on the first name only"
                 )
-            if not value[0].startswith("^") and not {"tcp", "all"} & set(value):
+            excluded = value[0].startswith("^")
+            names = {value[0].removeprefix("^"), *value[1:]}
+            if excluded == bool({"tcp", "all"} & names):
                 raise ValueError(
-                    "must include 'tcp': the endpoints use peer error handling, under which UCX "
-                    "leaves out shared memory, and tcp carries the connection set-up"
+                    f"must {'not exclude' if excluded else 'include'} 'tcp': the endpoints use "
+                    "peer error handling, under which UCX leaves out shared memory, and tcp "
+                    "carries the connection set-up"
                 )
+        return value
+
+    @field_validator("secret")
+    @classmethod
+    def _not_empty(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and not value.get_secret_value():
+            raise ValueError(
+                f"must not be empty: leave it out to use {SECRET_ENV} or a secret `duet serve` "
+                "makes"
+            )
         return value
 
     @field_validator("host")

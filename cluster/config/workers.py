@@ -35,7 +35,10 @@ class WorkerResources(Section):
     )
     resources: dict[str, float] = Field(
         default_factory=dict,
-        description='Custom Ray resources per worker, e.g. {"prefill_node": 1}.',
+        description=(
+            'Custom Ray resources per rank, e.g. {"prefill_node": 1}: a worker of '
+            "tensor_parallel_size N reserves N times each (one bundle per rank)."
+        ),
     )
     label_selector: dict[str, str] = Field(
         default_factory=dict,

@@ -350,11 +350,14 @@ def test_openai_fields_that_ask_for_nothing_are_accepted(running, model_name) ->
 def test_the_api_key_is_required_but_on_health_and_metrics(running) -> None:
     from fastapi.testclient import TestClient
 
-    from cluster.server import create_app
+    from cluster.config import config_from_dict
+    from cluster.serve import app_of
 
-    # The running cluster's backend behind a second app with server.api_key set (no lifespan:
-    # the backend's background tasks belong to the first app).
-    client = TestClient(create_app(running.frontend, api_key="s3cret"))
+    # The running cluster's backend behind a second app made as `duet serve` makes its app, from
+    # a config with server.api_key set (no lifespan: the backend's background tasks belong to the
+    # first app).
+    keyed = config_from_dict({"server": {"api_key": "s3cret"}})
+    client = TestClient(app_of(keyed, running.frontend))
     assert client.get("/v1/models").status_code == 401
     assert client.get("/v1/models", headers={"Authorization": "Bearer s3cre"}).status_code == 401
     ok = client.get("/v1/models", headers={"Authorization": "Bearer s3cret"})

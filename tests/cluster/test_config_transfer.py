@@ -3,6 +3,8 @@ UCX settings, the secret, the failure policy and fault injection."""
 
 from __future__ import annotations
 
+import pytest
+
 from cluster.config import TransferConfig, config_from_dict
 from tests.cluster.conftest import issues_of
 
@@ -54,6 +56,8 @@ def test_transfer_settings_that_would_validate_and_then_fail() -> None:
 
     assert "must include 'tcp'" in issue(ucx_tls=["sm"])[0]  # peer error handling drops sm
     assert "first name only" in issue(ucx_tls=["tcp", "^sm"])[0]
+    assert "must not exclude 'tcp'" in issue(ucx_tls=["^tcp"])[0]  # (^ applies to the list)
+    assert "must not exclude 'tcp'" in issue(ucx_tls=["^sm", "tcp"])[0]
     # UCX only warns about a transport it does not know: a typo would quietly drop cuda_ipc.
     assert issue(ucx_tls=["tcp", "cuda_ipcc"]) == [
         "transfer.ucx_tls: not UCX transports: 'cuda_ipcc' (did you mean 'cuda_ipc'?); UCX would "
@@ -71,6 +75,9 @@ def test_transfer_settings_that_would_validate_and_then_fail() -> None:
     assert (tuned.staging_buffers, tuned.progress_mode) == (2, "thread-polling")
     two = {"prefill": {"replicas": 2}, "transfer": {"port": 5555}}
     assert "cannot all listen on port 5555" in issues_of(two)[0]  # the second failed to bind
+    with pytest.MonkeyPatch.context() as env:  # the Ray cluster of `ray job submit`'s job
+        env.setenv("RAY_ADDRESS", "127.0.0.1:6379")
+        assert config_from_dict(two).transfer.port == 5555
     two["ray"] = {"address": "auto"}  # a cluster of nodes: one per node may share the port
     assert config_from_dict(two).transfer.port == 5555
     ranks = {"prefill": {"tensor_parallel_size": 4}, "transfer": {"port": 65533}}
@@ -97,6 +104,8 @@ def test_transfer_secret_failure_policy_and_fault_injection() -> None:
         ("connect", "mid_data"),
     )
     assert config_from_dict({}).transfer.fault_injection.fraction == 0.0  # off by default
+    # (an empty secret used to pass here, win over DUET_TRANSFER_SECRET, and fail the build)
+    assert "must not be empty" in issues_of({"transfer": {"secret": ""}})[0]
     assert issues_of({"transfer": {"on_failure": "retry"}})[0].startswith("transfer.on_failure")
     assert issues_of({"transfer": {"fault_injection": {"fraction": 2}}})[0].startswith(
         "transfer.fault_injection.fraction"

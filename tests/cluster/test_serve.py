@@ -1,4 +1,5 @@
-"""cluster/serve.py: a local Ray started by `duet serve` stays on loopback; the background HTTP
+"""cluster/serve.py: a local Ray started by `duet serve` stays on loopback (and a Ray already
+running is used as it is, the config's ray fields named as not applying); the background HTTP
 server ends, and nothing of it runs on, when stopped."""
 
 from __future__ import annotations
@@ -22,12 +23,16 @@ REPO = Path(__file__).resolve().parents[2]
 
 # Runs as a user's `duet serve` would: no test conftest, so no loopback variable in the environment.
 SCRIPT = """
+import logging, sys
 import ray
+from cluster.config import config_from_dict
 from cluster.config.loader import load_config
 from cluster.serve import connect_ray
 
 assert connect_ray(load_config("configs/local.yaml"))
 try:
+    logging.basicConfig(stream=sys.stdout, format="LOG %(message)s")
+    assert not connect_ray(config_from_dict({"ray": {"namespace": "elsewhere"}}))
     print("NODES", sorted({n["NodeManagerAddress"] for n in ray.nodes()}))
 
     @ray.remote(num_cpus=0)
@@ -54,6 +59,8 @@ def test_a_local_ray_binds_to_loopback() -> None:
     ).stdout
     assert "NODES ['127.0.0.1']" in out, out
     assert "WORKER 127.0.0.1" in out, out
+    # a second cluster in the same process: the running Ray is used, and its ignored field named
+    assert "LOG Ray is already running in this process: ray.namespace of the config" in out, out
 
 
 def test_a_server_held_open_by_a_stream_is_forced_out_and_its_tasks_end() -> None:

@@ -50,6 +50,7 @@ SETTINGS: dict[str, Any] = {
     "kvcache.max_tokens": 600,
     "kvcache.reuse_policy": "per_request",
     "kvcache.host_tier_bytes": 1 << 20,
+    "kvcache.gpu_memory_fraction": 0.6,
     "router.policy": "kv_aware",
     "stats.max_stats_len": 17,
     "stats.perf_buffer_len": 19,
@@ -103,6 +104,7 @@ def test_every_worker_setting_reaches_its_spec() -> None:
         )
         assert e.num_pages is None  # (kvcache.num_pages: tests/cluster/test_config_models.py)
         assert e.host_tier_bytes == 1 << 20
+        assert e.gpu_memory_fraction == 0.6
         assert spec.publish_kv_events  # router.policy kv_aware indexes every worker's cache
         assert (e.max_stats_len, e.max_request_stats_len, spec.stats_interval_s) == (17, 19, 2.5)
         assert spec.deadlines == WorkerDeadlines(prefill_s=11.0, page_wait_s=12.0, token_s=13.0)
@@ -214,6 +216,7 @@ def test_the_router_gets_the_router_and_server_settings() -> None:
                 "router.policy": "round_robin",
                 "router.prefill_retries": 3,
                 "router.local_prefill_fallback": False,
+                "router.local_prefill_max_tokens": 24,
                 "server.request_timeout_s": 42.0,
                 "kvcache.page_size": 32,
             }
@@ -227,6 +230,7 @@ def test_the_router_gets_the_router_and_server_settings() -> None:
         False,
     )
     assert (r.call_timeout_s, r.choice.page_size) == (42.0, 32)
+    assert r.choice.local_prefill_max_tokens == 24 and r.choice.kv_index is not None
 
 
 def test_kvcache_num_pages_reaches_the_engine_instead_of_a_budget() -> None:

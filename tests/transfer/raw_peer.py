@@ -48,9 +48,11 @@ class RawPeer:
         self.received.append(data)
         return decode_message(data)
 
-    def handshake(self, secret: bytes, table: PageTable, ucx_address: bytes) -> Message:
+    def handshake(
+        self, secret: bytes, table: PageTable, ucx_address: bytes, path: str = "ucx"
+    ) -> Message:
         """Hello, Challenge, Join with our proof; returns P's answer (Welcome or Refused), and on
-        a Welcome says Ready("ucx")."""
+        a Welcome says Ready(``path``): the data path we claim to have opened."""
         nonce = b"n" * 32
         self.send(Hello("raw-peer", nonce))
         challenge = self.recv()
@@ -58,7 +60,7 @@ class RawPeer:
         self.send(Join(proof(secret, b"D", challenge.nonce, nonce), table, ucx_address))
         answer = self.recv()
         if isinstance(answer, Welcome):
-            self.send(Ready("ucx"))
+            self.send(Ready(path))
         return answer
 
     def closed_by_peer(self) -> bool:

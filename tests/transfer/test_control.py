@@ -1,7 +1,8 @@
 """The control channel after the handshake: a malformed message is rejected with the reason and
 counted, and the connection stays usable; a malformed answer from P fails that pull at once; a P
-that never sends the pages ends the pull at its deadline; a message too large for a frame is
-never sent."""
+that never sends the pages ends the pull at its deadline; a decode worker that never confirms a
+direct read gets no more than the read's window; a message too large for a frame is never
+sent."""
 
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ from collections.abc import Iterator
 import msgpack
 import pytest
 
-from tests.transfer.conftest import SECRET, Pair, checked_pair
+from tests.transfer.conftest import SECRET, Pair, checked_pair, wait_until
 from tests.transfer.raw_peer import RawPeer, RawServer
 from transfer.control import MAX_FRAME_BYTES, FrameTooLarge, frame
-from transfer.messages import PullRequest, Reject, TransferAck, Welcome
+from transfer.messages import PullRequest, ReadGrant, Reject, TransferAck, Welcome
 from transfer.version import PROTOCOL_VERSION
 
 pytestmark = pytest.mark.timeout(60)
@@ -146,3 +147,34 @@ def test_a_message_too_large_for_a_frame_is_not_sent() -> None:
         frame(big)
     small = dataclasses.replace(big, src_page_ids={"full": [1]}, dst_page_ids={"full": [2]})
     assert len(frame(small)) < MAX_FRAME_BYTES
+
+
+def test_a_direct_read_never_confirmed_gives_p_its_pages_back_after_the_window(
+    ucx_runtime,
+) -> None:
+    """A decode worker granted a direct read that never sends its final notice (it hung, or
+    lost its notice): P holds the pages for the read's window (chunk_deadline_s +
+    ack_deadline_s), then gives them back and counts the pull as served without a notice."""
+    with checked_pair("host_shm", chunk_deadline_s=0.3, ack_deadline_s=0.3) as pair:
+        ticket, src = pair.publish("silent", 8)
+        peer = RawPeer(pair.sender.host, pair.sender.port)
+        try:
+            answer = peer.handshake(
+                SECRET.encode(), pair.receiver.page_table, ucx_runtime.worker_address, "host_shm"
+            )
+            assert isinstance(answer, Welcome)
+            dst = {g: list(range(1, 1 + len(ids))) for g, ids in src.items()}
+            skip = {g: 0 for g in src}
+            nbytes = sum(pair.p.specs[0].page_bytes * len(ids) for ids in src.values())
+            read = PullRequest("silent", 1, ticket.lease_gen, src, dst, skip, 8, [], nbytes, [])
+            peer.send(read)  # (a direct read: no chunks, no credits)
+            grant = peer.recv()
+            assert isinstance(grant, ReadGrant) and grant.declared_prompt_len == 8
+            assert "silent" not in pair.p.released  # held for our read
+            wait_until(lambda: pair.p.released == ["silent"])  # no notice: the window ended it
+            served = pair.sender.drain_transfer_stats()[-1]
+            assert served.ok and served.request_id == "silent"
+            assert pair.sender.stats()["expired_leases"] == 0  # (not an expiry: a pull ended)
+        finally:
+            peer.close()
+        pair.pull_ok("after")

@@ -12,13 +12,11 @@ from cluster.config import config_from_dict
 from cluster.worker_specs import worker_spec
 from tests.tiny_engine import tiny_engine
 from worker_common.messages import Role
-from worker_common.transfer_setup import make_publisher, node_transceiver_config
+from worker_common.transfer_setup import make_publisher, make_puller, node_transceiver_config
 
 
-def spec_of(transfer: dict):  # noqa: ANN201
-    return worker_spec(
-        config_from_dict({"transfer": transfer}), Role.PREFILL, 0, None, transfer_secret="x"
-    )
+def spec_of(transfer: dict, role: Role = Role.PREFILL):  # noqa: ANN201
+    return worker_spec(config_from_dict({"transfer": transfer}), role, 0, None, transfer_secret="x")
 
 
 def test_an_interface_is_resolved_on_the_workers_node() -> None:
@@ -27,6 +25,17 @@ def test_an_interface_is_resolved_on_the_workers_node() -> None:
     assert node_transceiver_config(spec).host == "127.0.0.1"
     with pytest.raises(ValueError, match="transfer.interface 'nosuch0': no IPv4 address"):
         node_transceiver_config(dataclasses.replace(spec, transfer_interface="nosuch0"))
+
+
+def test_a_decode_worker_needs_no_interface_on_its_node() -> None:
+    """Only prefill workers listen: a decode node without the interface's name still starts (it
+    dials the addresses in its tickets)."""
+    spec = spec_of({"interface": "nosuch0"}, Role.DECODE)
+    puller = make_puller(tiny_engine(16), spec)
+    try:
+        assert puller.config.host == spec.transceiver.host  # (never looked up)
+    finally:
+        puller.close()
 
 
 def test_a_port_taken_on_this_node_names_its_field() -> None:
