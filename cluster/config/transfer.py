@@ -127,8 +127,9 @@ class TransferConfig(Section):
         description=(
             "How long a prefill worker pins a finished request's pages for a decode worker to "
             "pull them; then, still unpulled, they are released. A pull that has begun is never "
-            "cut by it: the pages go when the pull ends (the decode worker's final notice, its "
-            "failure, or ack_deadline_s after the data)."
+            "cut by it: the pages go when the pull ends (the decode worker's final notice or its "
+            "failure; with neither, ack_deadline_s after the data, and a direct read "
+            "chunk_deadline_s + ack_deadline_s after its grant)."
         ),
     )
     connect_deadline_s: float = _deadline(10.0, "a connection to a peer (with its handshake)")
@@ -136,11 +137,10 @@ class TransferConfig(Section):
         30.0,
         gt=0,
         description=(
-            "Seconds to wait for the first chunk after sending a pull request, or for the prefill "
-            "worker's grant of a direct read, before failing the request. A direct read's whole "
-            "window (grant and copy) is chunk_deadline_s + ack_deadline_s, counted from its "
-            "request, the time the prefill worker holds its pages for it: the grant is awaited "
-            "for the smaller of the two."
+            "Seconds to wait for the first chunk after sending a pull request before failing "
+            "the request. A direct read waits this long for the prefill worker's grant, but "
+            "never past the read's window (chunk_deadline_s + ack_deadline_s from its request, "
+            "within which the grant and the copy must both fall)."
         ),
     )
     chunk_deadline_s: float = _deadline(10.0, "each following chunk (and for a direct read's copy)")
