@@ -82,9 +82,11 @@ class DecodeWorker:
         self.worker_id = worker_id
         self.keeper = WorkerStatsKeeper(worker_id, Role.DECODE, stats_interval_s, report)
         self.kv_events = KVEventPublisher(worker_id, engine) if publish_kv_events else None
-        self.loop = EngineLoop(engine, name=f"{worker_id}-engine", on_tick=self._tick)
+        deadlines = deadlines or WorkerDeadlines()  # (a step past token_s: a stuck worker)
+        self.loop = EngineLoop(
+            engine, name=f"{worker_id}-engine", on_tick=self._tick, stall_limit_s=deadlines.token_s
+        )
         self.puller = puller
-        deadlines = deadlines or WorkerDeadlines()
         self._gen_init_deadline_s = deadlines.page_wait_s
         self._token_deadline_s = deadlines.token_s
         self._receiving: dict[str, asyncio.Task] = {}  # request id -> its pull, while in flight

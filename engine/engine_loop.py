@@ -6,6 +6,11 @@ releasing a request, allocating pages for an incoming transfer, reading page ids
 to the sink that ``subscribe`` registered for their request id, on the loop thread; sinks must only
 enqueue (for example ``loop.call_soon_threadsafe`` into an asyncio queue).
 
+A loop stuck in one step or call (a device that stopped answering, a collective a rank never
+joins) still answers from other threads: with ``stall_limit_s``, ``alive`` turns False while the
+current step or call has run longer than that, so the worker's stats report it unhealthy and the
+router sends it nothing new; it turns True again if the step ends.
+
 ``on_tick(engine)`` runs on the loop thread after every round of calls and every step, before that
 step's outputs are delivered (so whatever it takes from the engine's stats of a finished request is
 taken before the request's consumer hears it finished), and at least every ``idle_wait_s`` while
@@ -18,6 +23,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -40,8 +46,11 @@ class EngineLoop:
         name: str = "engine-loop",
         idle_wait_s: float = 0.05,
         on_tick: Callable[[LLMEngine], None] | None = None,
+        stall_limit_s: float | None = None,
     ) -> None:
         self.engine = engine
+        self._stall_limit_s = stall_limit_s
+        self._busy_since: float | None = None  # monotonic start of the current step or calls
         self._on_tick = on_tick
         self._calls: queue.SimpleQueue[
             tuple[Callable[[LLMEngine], Any], concurrent.futures.Future]
@@ -100,7 +109,15 @@ class EngineLoop:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and self.fatal_error is None
+        """The loop runs, no step failed, and none has run past ``stall_limit_s``."""
+        return self._thread.is_alive() and self.fatal_error is None and not self.stalled
+
+    @property
+    def stalled(self) -> bool:
+        """Whether the current step or call has run longer than ``stall_limit_s``."""
+        since = self._busy_since  # (one read: the loop thread clears it)
+        limit = self._stall_limit_s
+        return limit is not None and since is not None and time.monotonic() - since > limit
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stop.set()
@@ -111,6 +128,14 @@ class EngineLoop:
 
     # ---- the loop thread ----
     def _run(self) -> None:
+        try:
+            self._steps()
+        except Exception as e:  # outside a step (setting the device, a tick's own failure path)
+            log.exception("engine loop failed")
+            self.fatal_error = f"engine loop failed: {type(e).__name__}: {e}"
+            self._fail_all(self.fatal_error)
+
+    def _steps(self) -> None:
         engine = self.engine
         device = engine.kv.device
         if device.type == "cuda" and device.index is not None:
@@ -125,6 +150,7 @@ class EngineLoop:
             if not engine.has_unfinished():
                 self._tick()
                 continue
+            self._busy_since = time.monotonic()
             try:
                 outputs = engine.step()
             except Exception as e:  # a bug in a step: fail every live request, keep no one waiting
@@ -132,6 +158,8 @@ class EngineLoop:
                 self.fatal_error = f"engine step failed: {type(e).__name__}: {e}"
                 self._fail_all(self.fatal_error)
                 return
+            finally:
+                self._busy_since = None
             self._tick()
             self._deliver(outputs)
         self._fail_all("the engine loop stopped")
@@ -144,10 +172,13 @@ class EngineLoop:
         while True:
             fn, fut = item
             if fut.set_running_or_notify_cancel():
+                self._busy_since = time.monotonic()
                 try:
                     fut.set_result(fn(self.engine))
                 except BaseException as e:  # handed to the caller
                     fut.set_exception(e)
+                finally:
+                    self._busy_since = None
             try:
                 item = self._calls.get_nowait()
             except queue.Empty:

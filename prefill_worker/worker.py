@@ -77,9 +77,12 @@ class PrefillWorker:
         self.worker_id = worker_id
         self.keeper = WorkerStatsKeeper(worker_id, Role.PREFILL, stats_interval_s, report)
         self.kv_events = KVEventPublisher(worker_id, engine) if publish_kv_events else None
-        self.loop = EngineLoop(engine, name=f"{worker_id}-engine", on_tick=self._tick)
-        self.publisher = make_publisher(self._release)
         self._deadline_s = (deadlines or WorkerDeadlines()).prefill_s
+        # (a step longer than a prompt may take: every request in it is past its deadline)
+        self.loop = EngineLoop(
+            engine, name=f"{worker_id}-engine", on_tick=self._tick, stall_limit_s=self._deadline_s
+        )
+        self.publisher = make_publisher(self._release)
         self._pending: set[str] = set()  # admitted, no reply yet
         # Prefilled, their lease being made -> whether their client went away meanwhile.
         self._publishing: dict[str, bool] = {}

@@ -1,10 +1,12 @@
 """EngineLoop's tick: on the loop thread, after the step, before that step's outputs are delivered;
-a failing tick never stops the loop."""
+a failing tick never stops the loop; a loop stuck past its stall limit is not alive until it
+moves again."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 
 from engine.engine_core import LLMEngine
 from engine.engine_loop import EngineLoop
@@ -77,4 +79,30 @@ def test_after_a_failed_step_every_call_fails_with_the_reason() -> None:
             raise AssertionError("a call after the loop ended ran")
         assert not loop.alive
     finally:
+        loop.stop()
+
+
+def test_a_loop_stuck_past_its_stall_limit_is_not_alive_until_it_moves_again() -> None:
+    """A call (or step) that does not return, as on a device that stopped answering: the loop's
+    thread still runs, but ``alive`` (the worker's health in its stats) turns False once the
+    limit has passed, and True again when the call ends; the loop then serves as before."""
+    gate = threading.Event()
+    loop = EngineLoop(tiny_engine(32), stall_limit_s=0.2)
+    try:
+        assert loop.alive
+        stuck = loop.call(lambda e: gate.wait(30))
+        deadline = time.monotonic() + 10
+        while loop.alive:
+            assert time.monotonic() < deadline, "a stuck loop still reported alive"
+            time.sleep(0.02)
+        assert loop.stalled and not stuck.done()
+        gate.set()
+        assert stuck.result(10) is True
+        assert loop.alive and not loop.stalled
+        finished: concurrent.futures.Future[RequestOutput] = concurrent.futures.Future()
+        loop.subscribe("r", lambda out: out.finished and finished.set_result(out))
+        loop.call(lambda e: e.add_request("r", list(range(1, 9)), greedy(3)))
+        assert len(finished.result(30).token_ids) == 3
+    finally:
+        gate.set()
         loop.stop()
