@@ -257,39 +257,43 @@ class Scheduler:
         changed: list[Request] = []
         left_running = False
         j = 0
-        for req, n, sample in zip(out.requests, out.num_new_tokens, out.sample, strict=True):
-            token = sampled_token_ids[j] if sample else -1
-            j += sample
-            if req.status is not RequestStatus.RUNNING:
-                continue  # aborted after schedule(): its token is dropped
-            req.num_computed_tokens += n
-            computed = req.num_computed_tokens
-            prompt_done = computed >= len(req.prompt_token_ids)
-            # commit is idempotent; calling it only when a page filled up keeps decode steps cheap.
-            if computed // ps > req.committed_pages or prompt_done != req.committed_prompt:
-                self.kv.commit(req.request_id, req.all_token_ids, computed, prompt_done)
-                req.committed_pages = computed // ps
-                req.committed_prompt = prompt_done
-            if not sample:
-                continue
-            if req.request_id in self.inflight:
-                self.inflight.drop(req.request_id)  # prefill done: its pages are committed
-            req.append_output_token(token, now)
-            status = check_stop(req, token, max_len)
-            if status is not None:
-                self._finish(req, status, now)
-                left_running = True
-            elif req.prefill_only:
-                req.status = RequestStatus.PREFILLED  # keeps its pages until release()
-                self._released.append(req.request_id)
-                left_running = True
-            changed.append(req)
-        if j != len(sampled_token_ids):
-            raise ValueError(
-                f"update got {len(sampled_token_ids)} sampled tokens for {j} sampling requests"
-            )
-        if left_running:
-            self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+        # (in a finally: a request that finished here must leave ``running`` even when a later
+        # one raises, or the next step would schedule it over pages it has already freed)
+        try:
+            for req, n, sample in zip(out.requests, out.num_new_tokens, out.sample, strict=True):
+                token = sampled_token_ids[j] if sample else -1
+                j += sample
+                if req.status is not RequestStatus.RUNNING:
+                    continue  # aborted after schedule(): its token is dropped
+                req.num_computed_tokens += n
+                computed = req.num_computed_tokens
+                prompt_done = computed >= len(req.prompt_token_ids)
+                # commit is idempotent; calling it only when a page filled up keeps decode steps cheap.
+                if computed // ps > req.committed_pages or prompt_done != req.committed_prompt:
+                    self.kv.commit(req.request_id, req.all_token_ids, computed, prompt_done)
+                    req.committed_pages = computed // ps
+                    req.committed_prompt = prompt_done
+                if not sample:
+                    continue
+                if req.request_id in self.inflight:
+                    self.inflight.drop(req.request_id)  # prefill done: its pages are committed
+                req.append_output_token(token, now)
+                status = check_stop(req, token, max_len)
+                if status is not None:
+                    self._finish(req, status, now)
+                    left_running = True
+                elif req.prefill_only:
+                    req.status = RequestStatus.PREFILLED  # keeps its pages until release()
+                    self._released.append(req.request_id)
+                    left_running = True
+                changed.append(req)
+            if j != len(sampled_token_ids):
+                raise ValueError(
+                    f"update got {len(sampled_token_ids)} sampled tokens for {j} sampling requests"
+                )
+        finally:
+            if left_running:
+                self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
         return changed
 
     # ---- queries ----

@@ -221,3 +221,26 @@ def test_window_pages_are_released_as_decode_runs() -> None:
         run_step(sched)
     assert a.is_finished
     assert_no_leak(kv)
+
+
+def test_a_request_finished_in_an_update_that_raises_leaves_running() -> None:
+    """An update that fails after one request of the batch finished (here: one token too many
+    for the batch) must not leave the finished request in ``running``: the next step would run
+    it over the pages it has already given back."""
+    kv = tiny_kv(num_pages=33, page_size=4)
+    sched = tiny_scheduler(kv)
+    a = make_request("a", 6, max_tokens=1)
+    b = make_request("b", list(range(40, 46)), max_tokens=3)  # (not a: no shared prefix)
+    sched.add_request(a)
+    sched.add_request(b)
+    out = sched.schedule()
+    assert out.sample == [True, True]
+    with pytest.raises(ValueError, match="update got 3 sampled tokens for 2"):
+        sched.update(out, [7, 7, 7])
+    assert a.status is RequestStatus.FINISHED_LENGTH and sched.running == [b]
+    for _ in range(10):  # b finishes alone; every page comes back
+        if not sched.has_unfinished():
+            break
+        run_step(sched)
+    assert b.num_output_tokens == 3
+    assert_no_leak(kv)
