@@ -7,6 +7,7 @@ stream TokenDeltas to the router as they are produced.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator
 
 import ray
@@ -15,6 +16,7 @@ from decode_worker.worker import DecodeWorker
 from worker_common.actor_base import WorkerActorBase
 from worker_common.engine_setup import build_engine
 from worker_common.messages import GenerateRequest, PrefillResult, TokenDelta, WorkerSpec
+from worker_common.tp_ranks import take_worker_down
 from worker_common.transfer_setup import make_puller
 
 
@@ -34,6 +36,7 @@ class _DecodeWorkerActor(WorkerActorBase):
             spec.stats_interval_s,
             spec.publish_kv_events,
             on_failure=spec.on_transfer_failure,
+            on_fatal=functools.partial(take_worker_down, spec.worker_id),
         )
 
     async def decode(self, req: GenerateRequest, pre: PrefillResult) -> AsyncIterator[TokenDelta]:

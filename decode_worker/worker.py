@@ -64,7 +64,7 @@ class KVPuller(Protocol):
 class DecodeWorker:
     """Plain class behind the decode Ray actor. ``report`` receives the per-request stats (None:
     none are recorded); with ``publish_kv_events`` the worker's KV events are kept for the router
-    (``kv_events``)."""
+    (``kv_events``); ``on_fatal(reason)`` runs once the engine's loop has failed (EngineLoop)."""
 
     def __init__(
         self,
@@ -76,6 +76,7 @@ class DecodeWorker:
         stats_interval_s: float = 10.0,
         publish_kv_events: bool = False,
         on_failure: str = "fail",
+        on_fatal: Callable[[str], None] | None = None,
     ) -> None:
         if on_failure not in ("fail", "recompute"):
             raise ValueError(f"on_failure must be 'fail' or 'recompute', got {on_failure!r}")
@@ -84,7 +85,11 @@ class DecodeWorker:
         self.kv_events = KVEventPublisher(worker_id, engine) if publish_kv_events else None
         deadlines = deadlines or WorkerDeadlines()  # (a step past token_s: a stuck worker)
         self.loop = EngineLoop(
-            engine, name=f"{worker_id}-engine", on_tick=self._tick, stall_limit_s=deadlines.token_s
+            engine,
+            name=f"{worker_id}-engine",
+            on_tick=self._tick,
+            stall_limit_s=deadlines.token_s,
+            on_fatal=on_fatal,
         )
         self.puller = puller
         self._gen_init_deadline_s = deadlines.page_wait_s

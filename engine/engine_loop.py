@@ -9,7 +9,9 @@ enqueue (for example ``loop.call_soon_threadsafe`` into an asyncio queue).
 A loop stuck in one step or call (a device that stopped answering, a collective a rank never
 joins) still answers from other threads: with ``stall_limit_s``, ``alive`` turns False while the
 current step or call has run longer than that, so the worker's stats report it unhealthy and the
-router sends it nothing new; it turns True again if the step ends.
+router sends it nothing new; it turns True again if the step ends. A step that fails ends the
+loop: every stream and queued call fails with the reason, then ``on_fatal(reason)`` runs (a
+worker actor goes down there, and Ray restarts it with a fresh engine).
 
 ``on_tick(engine)`` runs on the loop thread after every round of calls and every step, before that
 step's outputs are delivered (so whatever it takes from the engine's stats of a finished request is
@@ -34,6 +36,8 @@ from engine.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# From a fatal error's last stream error to ``on_fatal`` (which may end the process).
+FATAL_GRACE_S = 1.0
 Sink = Callable[[RequestOutput], None]
 
 
@@ -47,9 +51,11 @@ class EngineLoop:
         idle_wait_s: float = 0.05,
         on_tick: Callable[[LLMEngine], None] | None = None,
         stall_limit_s: float | None = None,
+        on_fatal: Callable[[str], None] | None = None,
     ) -> None:
         self.engine = engine
         self._stall_limit_s = stall_limit_s
+        self._on_fatal = on_fatal
         self._busy_since: float | None = None  # monotonic start of the current step or calls
         self._on_tick = on_tick
         self._calls: queue.SimpleQueue[
@@ -120,10 +126,13 @@ class EngineLoop:
         return limit is not None and since is not None and time.monotonic() - since > limit
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        """End the loop (every live stream and later call fails), then, once its thread has
+        ended, give back every page a request still holds and close the engine."""
         self._stop.set()
         self._calls.put((lambda e: None, concurrent.futures.Future()))  # wake the thread
         self._thread.join(timeout_s)
         if not self._thread.is_alive():  # no step in flight: the other TP ranks may stop too
+            self._free_all()
             self.engine.close()
 
     # ---- the loop thread ----
@@ -134,6 +143,10 @@ class EngineLoop:
             log.exception("engine loop failed")
             self.fatal_error = f"engine loop failed: {type(e).__name__}: {e}"
             self._fail_all(self.fatal_error)
+        if self.fatal_error is not None and self._on_fatal is not None:
+            # (after every stream has its error: give their consumers a moment to send it)
+            time.sleep(FATAL_GRACE_S)
+            self._on_fatal(self.fatal_error)
 
     def _steps(self) -> None:
         engine = self.engine
@@ -204,6 +217,16 @@ class EngineLoop:
                 sink(out)
             except Exception:
                 log.exception("output sink of %s failed", out.request_id)
+
+    def _free_all(self) -> None:
+        """The engine's requests aborted and any other page holder (pages allocated for a KV
+        receive) freed: a stopped worker's pages do not outlive it (its KV accounting stays
+        exact, as the leak checks read it). Only once the loop thread has ended."""
+        engine = self.engine
+        for request_id in list(engine.scheduler.requests):
+            engine.abort_request(request_id)
+        for request_id in engine.kv.request_ids():
+            engine.kv.free(request_id)
 
     def _fail_all(self, reason: str) -> None:
         """The loop's end: no more calls, every live request and every queued call fails."""

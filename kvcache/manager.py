@@ -411,6 +411,10 @@ class KVCacheManager:
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
 
+    def request_ids(self) -> list[str]:
+        """Every request that holds pages now."""
+        return list(self._requests)
+
     def page_ids(self, request_id: str) -> dict[str, list[int]]:
         """Group name -> the request's page list, one entry per page of its context in token order
         (a copy; a window group shows the null page where its pages were released). KeyError if

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 
 import ray
 
@@ -10,6 +11,7 @@ from prefill_worker.worker import PrefillWorker
 from worker_common.actor_base import WorkerActorBase
 from worker_common.engine_setup import build_engine
 from worker_common.messages import GenerateRequest, PrefillResult, WorkerSpec
+from worker_common.tp_ranks import take_worker_down
 from worker_common.transfer_setup import make_publisher
 
 
@@ -26,6 +28,7 @@ class _PrefillWorkerActor(WorkerActorBase):
             spec.deadlines,
             spec.stats_interval_s,
             spec.publish_kv_events,
+            on_fatal=functools.partial(take_worker_down, spec.worker_id),
         )
 
     async def prefill(self, req: GenerateRequest) -> PrefillResult:

@@ -73,14 +73,21 @@ class PrefillWorker:
         deadlines: WorkerDeadlines | None = None,
         stats_interval_s: float = 10.0,
         publish_kv_events: bool = False,
+        on_fatal: Callable[[str], None] | None = None,
     ) -> None:
+        """``on_fatal(reason)``: once the engine's loop has failed (EngineLoop; an actor goes
+        down there)."""
         self.worker_id = worker_id
         self.keeper = WorkerStatsKeeper(worker_id, Role.PREFILL, stats_interval_s, report)
         self.kv_events = KVEventPublisher(worker_id, engine) if publish_kv_events else None
         self._deadline_s = (deadlines or WorkerDeadlines()).prefill_s
         # (a step longer than a prompt may take: every request in it is past its deadline)
         self.loop = EngineLoop(
-            engine, name=f"{worker_id}-engine", on_tick=self._tick, stall_limit_s=self._deadline_s
+            engine,
+            name=f"{worker_id}-engine",
+            on_tick=self._tick,
+            stall_limit_s=self._deadline_s,
+            on_fatal=on_fatal,
         )
         self.publisher = make_publisher(self._release)
         self._pending: set[str] = set()  # admitted, no reply yet

@@ -72,6 +72,17 @@ class WorkerActorBase:
         else:
             self._stats_released.set()
 
+    async def fail_next_step_for_test(self) -> None:
+        """Test hook: the engine's next step raises, as a bug or a device error in a step would."""
+
+        def arm(engine: Any) -> None:
+            def broken(*args: Any, **kwargs: Any) -> Any:
+                raise RuntimeError("a step failure injected by fail_next_step_for_test")
+
+            engine.runner.execute = broken
+
+        await asyncio.wrap_future(self.worker.loop.call(arm))
+
     async def tp_rank_actors_for_test(self) -> list[Any]:
         """Test hook: the Ray actors of ranks 1.. of a tensor-parallel worker ([] otherwise)."""
         ranks = self.worker.loop.engine.local_ranks

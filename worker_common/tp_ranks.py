@@ -165,10 +165,11 @@ TPRankActor = ray.remote(_TPRankActor)
 
 
 def take_worker_down(worker_id: str, problem: str) -> None:
-    """A rank lost (dead, hung, or a pull of its past its deadlines): rank 0's process exits, so
-    the router sees the worker gone and Ray restarts it with all its ranks afresh; no page a lost
-    rank may still write is ever handed to another request."""
-    log.error("%s: tensor-parallel rank lost (%s); the worker goes down", worker_id, problem)
+    """The worker cannot go on (a rank lost: dead, hung, or a pull of its past its deadlines; its
+    engine's step failed): rank 0's process exits, so the router sees the worker gone and Ray
+    restarts it (with all its ranks) afresh; no page a lost rank may still write is ever handed
+    to another request, and no page of a failed engine stays held."""
+    log.error("%s: %s; the worker goes down (Ray restarts it)", worker_id, problem)
     logging.shutdown()
     os._exit(1)
 
@@ -230,9 +231,9 @@ class RayRanks:
         while not self._closing.wait(WATCH_INTERVAL_S):
             try:
                 alive = ray.get([a.ping.remote() for a in self.actors], timeout=WATCH_TIMEOUT_S)
-                problem = None if all(alive) else "a rank's loop ended"
+                problem = None if all(alive) else "a tensor-parallel rank's loop ended"
             except Exception as e:  # RayActorError, a timeout: the rank is gone or hung
-                problem = f"{type(e).__name__}: {e}"
+                problem = f"a tensor-parallel rank lost: {type(e).__name__}: {e}"
             if problem is not None and not self._closing.is_set():
                 take_worker_down(worker_id, problem)
 

@@ -565,6 +565,33 @@ def test_decode_actor_restart_is_survived(running, client, model_name) -> None:
     wait_no_pages_held(running, timeout_s=180)
 
 
+def test_a_failed_engine_step_takes_the_worker_down_and_ray_restarts_it(
+    running, client, model_name
+) -> None:
+    """A step that raises (a bug, a device error) fails the requests in it with the reason, and
+    the worker goes down instead of staying up with a dead engine and its pages held: Ray
+    restarts it, and it serves again. (The prefill worker: the decode worker has used up its
+    restarts in this module. Its request is not lost: the decode worker prefills it instead.)"""
+    prefill = running.handles.prefill[0].handle
+    old_pid = ray.get(prefill.stats.remote()).pid
+    ray.get(prefill.fail_next_step_for_test.remote())
+    prompt = "The capital of France is"
+    r = client.completions.create(model=model_name, prompt=prompt, max_tokens=5, temperature=0)
+    assert r.choices[0].text  # (prefilled locally once the prefill worker failed it)
+    deadline = time.monotonic() + 180
+    while True:  # a new pid: the worker went down and Ray restarted it
+        try:
+            if ray.get(prefill.stats.remote(), timeout=5).pid != old_pid:
+                break
+        except Exception:
+            pass
+        assert time.monotonic() < deadline, "the prefill worker did not go down and come back"
+        time.sleep(0.5)
+    again = client.completions.create(model=model_name, prompt=prompt, max_tokens=5, temperature=0)
+    assert again.choices[0].text == r.choices[0].text
+    wait_no_pages_held(running, timeout_s=180)
+
+
 def test_request_during_decode_restart_is_served(running, client, model_name) -> None:
     decode = running.handles.decode[0].handle
     ray.kill(decode, no_restart=False)

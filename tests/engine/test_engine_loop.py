@@ -1,6 +1,6 @@
 """EngineLoop's tick: on the loop thread, after the step, before that step's outputs are delivered;
-a failing tick never stops the loop; a loop stuck past its stall limit is not alive until it
-moves again."""
+a failing tick never stops the loop; a failed step fails every call and stream, then tells the
+owner; a loop stuck past its stall limit is not alive until it moves again."""
 
 from __future__ import annotations
 
@@ -65,11 +65,14 @@ def test_after_a_failed_step_every_call_fails_with_the_reason() -> None:
 
     engine.runner.execute = broken  # type: ignore[method-assign]
     finished: concurrent.futures.Future[RequestOutput] = concurrent.futures.Future()
-    loop = EngineLoop(engine)
+    fatal: concurrent.futures.Future[str] = concurrent.futures.Future()
+    loop = EngineLoop(engine, on_fatal=fatal.set_result)
     try:
         loop.subscribe("r", lambda out: out.finished and finished.set_result(out))
         loop.call(lambda e: e.add_request("r", list(range(1, 9)), greedy(3))).result(30)
         assert "device error" in (finished.result(30).error or "")
+        # then the owner hears of it (a worker actor goes down there), after the streams did
+        assert fatal.result(30) == "engine step failed: RuntimeError: device error"
         later = loop.call(lambda e: e.kv.free("r"))  # e.g. a worker freeing the request's pages
         try:
             later.result(30)
@@ -106,3 +109,24 @@ def test_a_loop_stuck_past_its_stall_limit_is_not_alive_until_it_moves_again() -
     finally:
         gate.set()
         loop.stop()
+
+
+def test_stop_gives_back_every_page_requests_still_hold() -> None:
+    """A worker closed with requests in flight: one decoding, one prefilled and kept for its
+    lease (prefill-only), and pages allocated for a KV receive; after stop every page is back."""
+    engine = tiny_engine(32)
+    first: concurrent.futures.Future[RequestOutput] = concurrent.futures.Future()
+    loop = EngineLoop(engine)
+    try:
+        loop.subscribe("long", lambda out: first.done() or first.set_result(out))
+        loop.call(lambda e: e.add_request("long", list(range(1, 9)), greedy(200))).result(30)
+        loop.call(
+            lambda e: e.add_request("kept", list(range(20, 30)), greedy(4), prefill_only=True)
+        ).result(30)
+        loop.call(lambda e: e.kv.allocate_slots("receiving", 8)).result(30)
+        first.result(30)
+    finally:
+        loop.stop()
+    assert not engine.kv.request_ids() and not engine.scheduler.requests
+    engine.kv.check_integrity()
+    assert all(g.used == 0 for g in engine.kv.stats().groups.values())
