@@ -25,7 +25,11 @@ class ReceivePlan:
 
 def plan_receive(kv: KVCacheManager, rid: str, prompt: list[int]) -> ReceivePlan | None:
     """Allocate request ``rid``'s pages in ``kv`` (on the engine thread) and say what the pull
-    fills; None when the pages are not free now (nothing is taken)."""
+    fills; None when the pages are not free now (nothing is taken). A request that holds pages
+    here already (a second call for it while the first still receives or runs) is refused: its
+    pages would be shared by two pulls and freed under one of them."""
+    if kv.has_request(rid):
+        raise ValueError(f"request {rid!r} already holds pages on this decode worker")
     n = len(prompt)
     prefix = kv.match_prefix(prompt)  # D's own hit: device or host tier
     if not kv.allocate_slots(rid, n + 1, prefix, num_computed_tokens=n):

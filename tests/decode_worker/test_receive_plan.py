@@ -3,6 +3,8 @@ pages the pull fills, per pool group (D's own prefix hits: test_decode_kv_groups
 
 from __future__ import annotations
 
+import pytest
+
 from decode_worker.receive_plan import ReceivePlan, plan_receive
 from kvcache.manager import KVCacheManager
 from kvcache.reuse_policy import ReusePolicy
@@ -39,4 +41,18 @@ def test_no_plan_takes_nothing_when_the_pages_are_not_free() -> None:
     assert plan_receive(kv, "a", list(range(100, 130))) is None  # (16 pages of 11)
     assert not kv.has_request("a")
     assert [kv.num_free_pages(g) for g in ("full", "swa_4")] == [11, 11]  # (page 0: the null page)
+    kv.check_integrity()
+
+
+def test_a_request_that_holds_pages_here_already_is_refused() -> None:
+    """A second call for a request whose first still receives (a router retry after a lost
+    answer): refused, the first's pages untouched."""
+    kv = hybrid()
+    first = plan_receive(kv, "a", list(range(100, 109)))
+    assert first is not None
+    held = kv.page_ids("a")
+    with pytest.raises(ValueError, match="'a' already holds pages on this decode worker"):
+        plan_receive(kv, "a", list(range(100, 109)))
+    assert kv.page_ids("a") == held
+    kv.free("a")
     kv.check_integrity()
