@@ -132,7 +132,10 @@ class EngineLoop:
         self._calls.put((lambda e: None, concurrent.futures.Future()))  # wake the thread
         self._thread.join(timeout_s)
         if not self._thread.is_alive():  # no step in flight: the other TP ranks may stop too
-            self._free_all()
+            try:
+                self._free_all()
+            except Exception:  # (after a failed step the engine may be past freeing: close it)
+                log.exception("freeing the pages of a stopped engine failed")
             self.engine.close()
 
     # ---- the loop thread ----
