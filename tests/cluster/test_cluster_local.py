@@ -545,19 +545,25 @@ def test_a_stream_whose_decode_worker_dies_ends_with_an_error_event_then_done(
     wait_no_pages_held(running, timeout_s=180)
 
 
+def wait_restarted(actor: Any, old_pid: int, timeout_s: float = 180) -> None:
+    """Until the worker ``actor`` answers from a new process (Ray restarted it; it reloads the
+    model first)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if ray.get(actor.stats.remote(), timeout=5).pid != old_pid:
+                return
+        except Exception:  # (down, or still starting)
+            pass
+        assert time.monotonic() < deadline, "the worker did not come back in a new process"
+        time.sleep(0.5)
+
+
 def test_decode_actor_restart_is_survived(running, client, model_name) -> None:
     decode = running.handles.decode[0].handle
     old_pid = ray.get(decode.stats.remote()).pid
     ray.kill(decode, no_restart=False)
-    deadline = time.monotonic() + 180
-    while True:  # the restarted actor reloads the model; a new pid says it is back
-        try:
-            if ray.get(decode.stats.remote(), timeout=5).pid != old_pid:
-                break
-        except Exception:
-            pass
-        assert time.monotonic() < deadline, "the decode actor did not come back"
-        time.sleep(0.5)
+    wait_restarted(decode, old_pid)
     r = client.completions.create(
         model=model_name, prompt="The capital of France is", max_tokens=5, temperature=0
     )
@@ -578,15 +584,7 @@ def test_a_failed_engine_step_takes_the_worker_down_and_ray_restarts_it(
     prompt = "The capital of France is"
     r = client.completions.create(model=model_name, prompt=prompt, max_tokens=5, temperature=0)
     assert r.choices[0].text  # (prefilled locally once the prefill worker failed it)
-    deadline = time.monotonic() + 180
-    while True:  # a new pid: the worker went down and Ray restarted it
-        try:
-            if ray.get(prefill.stats.remote(), timeout=5).pid != old_pid:
-                break
-        except Exception:
-            pass
-        assert time.monotonic() < deadline, "the prefill worker did not go down and come back"
-        time.sleep(0.5)
+    wait_restarted(prefill, old_pid)
     again = client.completions.create(model=model_name, prompt=prompt, max_tokens=5, temperature=0)
     assert again.choices[0].text == r.choices[0].text
     wait_no_pages_held(running, timeout_s=180)
