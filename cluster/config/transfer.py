@@ -226,13 +226,14 @@ class TransferConfig(Section):
                 raise ValueError(
                     "a leading ^ excludes the whole list: put it on the first name only"
                 )
+            # (a leading ^ excludes every name of the list)
             excluded = value[0].startswith("^")
-            names = {value[0].removeprefix("^"), *value[1:]}
-            if excluded == bool({"tcp", "all"} & names):
+            named = bool({"tcp", "all"} & {value[0].removeprefix("^"), *value[1:]})
+            if named == excluded:  # tcp excluded, or not included
+                must = "not exclude" if excluded else "include"
                 raise ValueError(
-                    f"must {'not exclude' if excluded else 'include'} 'tcp': the endpoints use "
-                    "peer error handling, under which UCX leaves out shared memory, and tcp "
-                    "carries the connection set-up"
+                    f"must {must} 'tcp': the endpoints use peer error handling, under which UCX "
+                    "leaves out shared memory, and tcp carries the connection set-up"
                 )
         return value
 
