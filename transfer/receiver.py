@@ -24,7 +24,7 @@ import asyncio
 import concurrent.futures
 import logging
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -58,12 +58,18 @@ class KVReceiver:
         model: str,
         config: TransceiverConfig,
         loop: asyncio.AbstractEventLoop | None = None,
+        on_wedged: Callable[[str], None] | None = None,
     ) -> None:
         """``buffers``: the KV storage per pool group (KVCacheManager.buffers); ``specs``: the
         pool groups, in order; ``model``: identity for the compatibility hash; ``loop``: the
         caller's running loop for the process's transfer runtime to run on (a worker passes its
-        own, where it awaits ``pull``), or None for a loop thread of the runtime's own."""
+        own, where it awaits ``pull``), or None for a loop thread of the runtime's own.
+        ``on_wedged(problem)``: a pull's UCX receives outlived the abort of their link (a
+        transport that does not end what it was asked to), so they may still write its pages,
+        which can then never be freed: a worker takes its process down here
+        (tp_ranks.take_worker_down). Without it the pull logs and keeps waiting for them."""
         self.config = config
+        self.on_wedged = on_wedged
         self.page_table = PageTable.from_specs(model, specs)
         self.instance_id = uuid.uuid4().hex
         self.rows = pool_rows(buffers, {s.name: s.page_bytes for s in specs})
@@ -107,7 +113,7 @@ class KVReceiver:
                 session.cancel()
             else:
                 self.runtime.call_soon(session.cancel)
-            while not done.done():  # its end is bounded by its deadlines; the pages wait for it
+            while not done.done():  # bounded by its deadlines (or on_wedged); the pages wait
                 try:
                     await asyncio.shield(waiting)
                 except asyncio.CancelledError:

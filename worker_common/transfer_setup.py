@@ -89,12 +89,13 @@ def make_puller(
     engine: LLMEngine, spec: WorkerSpec, loop: asyncio.AbstractEventLoop | None = None
 ) -> KVReceiver | TPPuller:
     """Rank 0's KVReceiver (on ``loop`` as in make_publisher), wrapped in a TPPuller when either
-    side is tensor-parallel."""
+    side is tensor-parallel. Pages a transport may still write (a rank's pull past its bound,
+    UCX receives outliving their link's abort) can never be freed: the worker goes down."""
     kv, tc = engine.kv, node_transceiver_config(spec, listens=False)
-    own = KVReceiver(kv.buffers, list(kv.specs.values()), _model_identity(engine), tc, loop)
+    lost = functools.partial(take_worker_down, spec.worker_id)
+    own = KVReceiver(kv.buffers, list(kv.specs.values()), _model_identity(engine), tc, loop, lost)
     if engine_tp(engine) == 1 and spec.peer_tensor_parallel_size == 1:
         return own
-    lost = functools.partial(take_worker_down, spec.worker_id)
     return TPPuller(own, rank_actors(engine), tc, _model_identity(engine), lost)
 
 

@@ -1,11 +1,13 @@
 """The control channel after the handshake: a malformed message is rejected with the reason and
 counted, and the connection stays usable; a malformed answer from P fails that pull at once; a P
-that never sends the pages ends the pull at its deadline; a decode worker that never confirms a
+that never sends the pages ends the pull at its deadline (and receives that outlive their link's
+abort hold the pull and call on_wedged); a decode worker that never confirms a
 direct read gets no more than the read's window; a message too large for a frame is never
 sent."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import threading
 import time
@@ -17,6 +19,7 @@ import pytest
 from tests.transfer.conftest import SECRET, Pair, checked_pair, wait_until
 from tests.transfer.raw_peer import RawPeer, RawServer
 from transfer.control import MAX_FRAME_BYTES, FrameTooLarge, frame
+from transfer.link import Link
 from transfer.messages import PullRequest, ReadGrant, Reject, TransferAck, Welcome
 from transfer.version import PROTOCOL_VERSION
 
@@ -138,6 +141,58 @@ def test_a_fill_stall_ends_at_the_pull_deadline(ucx_pair: Pair, ucx_runtime) -> 
         stalled.set()
         rogue.close()
     pair.pull_ok("after")
+
+
+def test_receives_that_outlive_the_links_abort_keep_the_pull_and_call_on_wedged(
+    ucx_runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A P that never sends, over a transport whose receives do not end when their link is
+    aborted (each real UCX receive here is held after it ends, until the test lets it go): the
+    pull must not return while they wait (they could still write its pages), and the receiver's
+    on_wedged hears of it once a chunk deadline past the abort has gone (a worker's process
+    goes down there)."""
+    let_go = threading.Event()
+    real_recv = Link.recv_data
+
+    async def held_recv(self: Link, buf, tag: int) -> None:  # noqa: ANN001
+        try:
+            await real_recv(self, buf, tag)
+        finally:
+            while not let_go.is_set():
+                await asyncio.sleep(0.01)
+
+    monkeypatch.setattr(Link, "recv_data", held_recv)
+    wedged: list[str] = []
+    with checked_pair("ucx", pull_deadline_s=1.0, chunk_deadline_s=0.3) as pair:
+        pair.receiver.on_wedged = wedged.append
+        rogue = RawServer()
+
+        def serve() -> None:
+            rogue.accept(SECRET.encode(), pair.sender.page_table, ucx_runtime.worker_address)
+            assert isinstance(rogue.recv(), PullRequest)
+            let_go.wait(30)
+
+        threading.Thread(target=serve, daemon=True).start()
+        ticket, _ = pair.publish("wedged", 16)
+        forged = dataclasses.replace(ticket, port=rogue.port, instance_id="rogue")
+        dst = pair.d.allocate("wedged", 16)
+        pulled: list = []
+        puller = threading.Thread(
+            target=lambda: pulled.append(pair.receiver.pull_blocking(forged, dst, 0, 16))
+        )
+        puller.start()
+        try:
+            wait_until(lambda: bool(wedged))
+            assert "outlived the abort of their link" in wedged[0]
+            time.sleep(0.5)  # more than a chunk deadline: still held, so still not returned
+            assert puller.is_alive() and not pulled
+        finally:
+            let_go.set()
+            puller.join(10)
+            rogue.close()
+        assert pulled and not pulled[0].ok
+        pair.d.free("wedged")
+        assert pair.sender.cancel("wedged")
 
 
 def test_a_message_too_large_for_a_frame_is_not_sent() -> None:

@@ -11,7 +11,9 @@ import pytest
 from cluster.config import config_from_dict
 from cluster.worker_specs import worker_spec
 from tests.tiny_engine import tiny_engine
+from transfer import KVReceiver
 from worker_common.messages import Role
+from worker_common.tp_ranks import take_worker_down
 from worker_common.transfer_setup import make_publisher, make_puller, node_transceiver_config
 
 
@@ -34,6 +36,9 @@ def test_a_decode_worker_needs_no_interface_on_its_node() -> None:
     puller = make_puller(tiny_engine(16), spec)
     try:
         assert puller.config.host == spec.transceiver.host  # (never looked up)
+        # Pages UCX may still write after its link's abort: the worker goes down, not frees them.
+        assert isinstance(puller, KVReceiver)
+        assert puller.on_wedged is not None and puller.on_wedged.func is take_worker_down
     finally:
         puller.close()
 

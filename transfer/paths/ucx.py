@@ -256,24 +256,43 @@ class UcxPath(DataPath):
 
 async def _end_receives(pull: PullSession, receives: list[asyncio.Task]) -> None:
     """Wait for every posted receive: P answers each credited chunk, so on a live link they end
-    within a chunk deadline; otherwise abort the link, which ends them."""
+    within a chunk deadline; otherwise abort the link, which ends them within another. Receives
+    that outlive even that may still write our pages: the receiver's ``on_wedged`` hears of
+    it, and the pull does not return while they wait."""
     if not receives:
         return
     limit = pull.config.chunk_deadline_s
     _, waiting = await asyncio.wait(receives, timeout=limit)
-    if waiting:
-        assert pull.link is not None
-        pull.link.abort(f"receives of pull {pull.pull_id} did not end within {limit}s")
-        await asyncio.wait(waiting)
+    if not waiting:
+        return
+    assert pull.link is not None
+    pull.link.abort(f"receives of pull {pull.pull_id} did not end within {limit}s")
+    _, waiting = await asyncio.wait(waiting, timeout=limit)
+    while waiting:  # UCX did not end them: they may still write our pages, never to be freed
+        problem = (
+            f"{len(waiting)} UCX receives of pull {pull.pull_id} outlived the abort of their link"
+        )
+        if pull.r.on_wedged is not None:
+            pull.r.on_wedged(problem)  # (a worker's process ends here)
+        log.error("%s; its pages stay with the pull until they end", problem)
+        _, waiting = await asyncio.wait(waiting, timeout=limit)
 
 
 async def _end_sends(pull: ServeSession, sends: dict[int, asyncio.Task]) -> None:
     """Wait for every send of the pull (those not begun go empty); a send that does not end
-    within a chunk deadline means a stalled link: abort it, which ends them."""
+    within a chunk deadline means a stalled link: abort it, which ends them within another (or
+    the pull ends without them: a send never writes our pages)."""
     if not sends:
         return
     limit = pull.config.chunk_deadline_s
     _, waiting = await asyncio.wait(sends.values(), timeout=limit)
-    if waiting:
-        pull.link.abort(f"sends of pull {pull.request.pull_id} did not end within {limit}s")
-        await asyncio.wait(waiting)
+    if not waiting:
+        return
+    pull.link.abort(f"sends of pull {pull.request.pull_id} did not end within {limit}s")
+    _, waiting = await asyncio.wait(waiting, timeout=limit)
+    if waiting:  # a send only reads: its pages may go; its staging buffer stays until it ends
+        log.error(
+            "%d UCX sends of pull %d outlived the abort of their link; the pull ends without them",
+            len(waiting),
+            pull.request.pull_id,
+        )
