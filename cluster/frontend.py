@@ -54,6 +54,7 @@ class ClusterFrontend:
         self.max_model_len = model.max_model_len
         self.vocab_size = model.vocab_size
         self.sampling_defaults = sampling_defaults or GenerationDefaults()
+        self.request_timeout_s = router.call_timeout_s
         self.collector = collector
         self.metrics = ServingMetrics(model_name)
         self.poller = StatsPoller(router.prefill + router.decode, stats_interval_s, max_stats_len)

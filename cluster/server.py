@@ -21,12 +21,13 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from cluster import openai_responses as resp
 from cluster import openai_schemas as oa
 from cluster.answers import Answers, Choice, choice_requests, whole_usage
 from cluster.api_key_auth import ApiKeyMiddleware
+from cluster.bounded_stream import BoundedStreamingResponse
 from cluster.completion_choices import CompletionChoices
 from cluster.http_errors import (
     BadRequest,
@@ -56,6 +57,8 @@ class ServingBackend(Protocol):
     vocab_size: int
     sampling_defaults: GenerationDefaults  # what a request leaves out (the model's defaults)
     has_tokenizer: bool  # False: a model of random weights (token ids only, no stop strings)
+    # server.request_timeout_s: a streamed answer whose client stops reading ends then
+    request_timeout_s: float
 
     async def start(self) -> None: ...
     async def stop(self) -> None: ...
@@ -178,6 +181,13 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
 
     answers = Answers(backend.generate, backend.abort, _abort)
 
+    def _streamed(events: AsyncIterator[str], first: GenerateRequest) -> Response:
+        """Server-sent events, each send bounded by the request's deadline (bounded_stream.py)."""
+        deadline = first.arrival_time + backend.request_timeout_s
+        return BoundedStreamingResponse(
+            events, deadline, first.request_id, media_type="text/event-stream"
+        )
+
     def _namer(body: oa.CompletionRequest | oa.ChatCompletionRequest) -> Name:
         """How the answer's logprobs name tokens: their text, or ``token_id:<id>`` (vLLM's
         return_tokens_as_token_ids, for clients that must not re-tokenize)."""
@@ -272,7 +282,7 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
         made = CompletionChoices(body, head, encoded, texts, _namer(body))
         n_prompt = sum(len(ids) for ids in encoded)
         if body.stream:
-            return StreamingResponse(
+            return _streamed(
                 answers.stream(
                     reqs,
                     made.chunk,
@@ -282,7 +292,7 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
                     body.continuous_usage,
                     body.n,
                 ),
-                media_type="text/event-stream",
+                reqs[0],
             )
 
         def build(choices: list[Choice]) -> dict[str, Any]:
@@ -330,11 +340,11 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
                 for delta in opening
                 for i in range(len(reqs))
             ]
-            return StreamingResponse(
+            return _streamed(
                 answers.stream(
                     reqs, make, body.include_usage, len(ids), first, body.continuous_usage, body.n
                 ),
-                media_type="text/event-stream",
+                reqs[0],
             )
 
         def build(choices: list[Choice]) -> dict[str, Any]:

@@ -89,7 +89,8 @@ class ServerConfig(Section):
         gt=0,
         description=(
             "Longest a request may take from its arrival at the router; then it is aborted on "
-            "every worker and the client gets an error."
+            "every worker and the client gets an error (a streamed answer whose client has "
+            "stopped reading is cut off then)."
         ),
     )
 

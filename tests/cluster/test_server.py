@@ -38,6 +38,7 @@ class WorkerBackend:
         self.requests: list[GenerateRequest] = []
         self.sampling_defaults = GenerationDefaults()
         self.has_tokenizer = True
+        self.request_timeout_s = 600.0
 
     async def start(self) -> None: ...
     async def stop(self) -> None: ...
