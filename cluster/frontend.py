@@ -30,6 +30,7 @@ from worker_common.messages import GenerateRequest, ModelInfo, TokenDelta
 log = logging.getLogger(__name__)
 
 COLLECTOR_DRAIN_TIMEOUT_S = 10.0  # the collector is an aid: a scrape never hangs on it
+RESET_ANSWER_S = 30.0  # a worker's answer to /reset_prefix_cache (one engine call)
 
 
 class ClusterFrontend:
@@ -144,6 +145,21 @@ class ClusterFrontend:
 
     async def abort(self, request_id: str) -> None:
         await self.router.abort(request_id)
+
+    async def reset_prefix_cache(self, host_tier: bool) -> dict[str, bool | str]:
+        """Every worker forgets its cached prefixes, all asked at once: worker id -> True (done),
+        False (a request held pages there, so nothing changed), or why it did not answer."""
+        workers = self.router.prefill + self.router.decode
+
+        async def ask(w: WorkerSlot) -> bool | str:
+            try:
+                async with asyncio.timeout(RESET_ANSWER_S):
+                    return bool(await w.handle.reset_prefix_cache.remote(host_tier))
+            except Exception as e:  # (a dead or restarting worker, or one that did not answer)
+                return f"{type(e).__name__}: {e}"
+
+        answers = await asyncio.gather(*(ask(w) for w in workers))
+        return {w.worker_id: a for w, a in zip(workers, answers, strict=True)}
 
     # ---- observability ----
     async def health(self) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from cluster.completion_choices import CompletionChoices
 from cluster.http_errors import (
     BadRequest,
     check_token_ids,
+    error_response,
     install_error_handlers,
 )
 from cluster.openai_logprobs import Name, chat_logprobs, prompt_logprobs, token_id_name
@@ -76,6 +77,7 @@ class ServingBackend(Protocol):
     ) -> list[int]: ...
     def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]: ...
     async def abort(self, request_id: str) -> None: ...
+    async def reset_prefix_cache(self, host_tier: bool) -> dict[str, bool | str]: ...
     async def health(self) -> dict[str, Any]: ...
     async def metrics_text(self) -> bytes: ...
     async def perf_metrics(self) -> list[dict[str, Any]]: ...
@@ -369,6 +371,30 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
         return await answers.whole(reqs, request, build)
 
     add_tokenize_routes(app, backend, _check_model)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(
+        reset_running_requests: bool = False, reset_external: bool = False
+    ) -> JSONResponse:
+        """vLLM's: every worker forgets its cached prefixes (a cold-cache measurement, new
+        weights); ``reset_external``: the host tier's too. All or nothing on each worker: one
+        where a request holds pages keeps its cache (409 names it)."""
+        if reset_running_requests:
+            raise BadRequest(
+                "reset_running_requests is not supported: a worker resets only while no request "
+                "holds pages there (retry once they have finished)",
+                "reset_running_requests",
+            )
+        workers = await backend.reset_prefix_cache(reset_external)
+        busy = sorted(w for w, a in workers.items() if a is False)
+        lost = {w: a for w, a in workers.items() if isinstance(a, str)}
+        if busy:
+            message = f"requests hold pages on {', '.join(busy)}: their caches were kept"
+            return error_response(message, 409)
+        if lost:
+            failed = "; ".join(f"{w}: {why}" for w, why in sorted(lost.items()))
+            return error_response(f"not every worker reset its cache ({failed})", 503)
+        return JSONResponse({"reset": True, "workers": sorted(workers)})
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -65,6 +65,12 @@ class WorkerActorBase:
         await self._stats_released.wait()
         return batch
 
+    async def reset_prefix_cache(self, host_tier: bool) -> bool:
+        """Forget every cached prefix page (``host_tier``: the host tier's too); False, changing
+        nothing, while a request holds pages here (LLMEngine.reset_prefix_cache)."""
+        reset = self.worker.loop.call(lambda engine: engine.reset_prefix_cache(host_tier))
+        return bool(await asyncio.wrap_future(reset))
+
     async def hold_stats_for_test(self, hold: bool) -> None:
         """Test hook: while held, ``drain_stats`` drains and then does not answer."""
         if hold:

@@ -7,6 +7,7 @@ Second turns with a long follow-up are prefilled on the prefill worker that serv
 (``router.policy: kv_aware``), partly from its host tier; those with a short follow-up are prefilled
 by the decode worker itself (``router.local_prefill_max_tokens``), with no transfer. Every answer
 equals transformers'. A lost KV event batch makes the router rebuild that worker's index.
+/reset_prefix_cache reaches every worker, the host tiers only with reset_external.
 """
 
 from __future__ import annotations
@@ -209,3 +210,39 @@ def test_a_lost_event_batch_rebuilds_the_workers_index(running: Any, ours: Any) 
     snapshot = ray.get(d.handle.kv_snapshot.remote(), timeout=30)
     held = index.workers["decode-0"].groups
     assert {m: set(h) for m, h in snapshot.blocks["full"].items()} == held["full"]
+
+
+def test_reset_prefix_cache_reaches_every_worker_and_the_host_tier_when_asked(
+    running: Any, ours: Any
+) -> None:
+    """POST /reset_prefix_cache: every worker forgets its device pages' prefixes, the host tiers
+    keep theirs unless reset_external (vLLM's), the router's index follows, and a prompt asked
+    before is computed afresh."""
+    prompt = ours.encode_chat(conversation("tides"))
+    complete(running, prompt)
+    wait_no_pages_held(running)
+    workers = running.handles.prefill + running.handles.decode
+
+    def cached() -> dict[str, dict[str, int]]:
+        snaps = {w.worker_id: ray.get(w.handle.kv_snapshot.remote(), timeout=30) for w in workers}
+        return {w: {m: len(h) for m, h in s.blocks["full"].items()} for w, s in snaps.items()}
+
+    before = cached()
+    assert sum(c.get("device", 0) for c in before.values()) > 0
+    assert sum(c.get("host", 0) for c in before.values()) > 0
+    r = httpx.post(running.url + "/reset_prefix_cache", timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["workers"] == sorted(w.worker_id for w in workers)
+    after = cached()
+    assert all(c.get("device", 0) == 0 for c in after.values())
+    assert {w: c.get("host", 0) for w, c in after.items()} == {
+        w: c.get("host", 0) for w, c in before.items()
+    }
+    r = httpx.post(running.url + "/reset_prefix_cache?reset_external=true", timeout=60)
+    assert r.status_code == 200, r.text
+    assert all(sum(c.values()) == 0 for c in cached().values())
+    events_caught_up(running)
+    index = running.frontend.router.choice.kv_index
+    assert all(not any(index.workers[w.worker_id].groups["full"].values()) for w in workers)
+    rid, _ = complete(running, prompt)
+    assert perf_records(running, [rid])[rid]["cached_tokens"] == 0

@@ -5,6 +5,7 @@ for, what the worker is given, and the shape of what comes back (its errors: tes
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -76,6 +77,10 @@ class WorkerBackend:
 
     async def abort(self, request_id: str) -> None:
         await self.worker.abort(request_id)
+
+    async def reset_prefix_cache(self, host_tier: bool) -> dict[str, bool | str]:
+        reset = self.worker.loop.call(lambda engine: engine.reset_prefix_cache(host_tier))
+        return {self.worker.worker_id: bool(await asyncio.wrap_future(reset))}
 
     async def health(self) -> dict[str, Any]:
         return {"healthy": True}
