@@ -147,6 +147,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "jsonl, sharegpt: the file's next --num-prompts prompts), so that no rate hits the prefix "
         "cache of an earlier one; every target sees the same prompts at a rate",
     )
+    work.add_argument(
+        "--reset-prefix-cache",
+        action="store_true",
+        help="before every run, POST /reset_prefix_cache?reset_external=true (SGLang's "
+        "--flush-cache): each run starts with a cold prefix cache, host tier too (vLLM serves it "
+        "only with VLLM_SERVER_DEV_MODE=1)",
+    )
     load = parser.add_argument_group("arrivals")
     load.add_argument(
         "--request-rate",

@@ -165,6 +165,7 @@ def build_sweep_options(args: argparse.Namespace) -> SweepOptions:
         env_api_key=os.environ.get("OPENAI_API_KEY") or None,
         headers=_headers(args.header),
         extra_body=_extra_body(args),
+        reset_prefix_cache=args.reset_prefix_cache,
     )
 
 

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from cluster.bench.cache_reset import reset_prefix_cache
 from cluster.bench.client import ClientSettings, Endpoint, StreamingClient, probe_models
 from cluster.bench.errors import BenchError
 from cluster.bench.kv_tier_counters import fetch_kv_tier_totals, kv_tier_fields
@@ -47,6 +48,7 @@ class SweepOptions:
     ready_timeout_s: float = 0.0  # how long a server that does not answer yet is waited for
     headers: Mapping[str, str] = field(default_factory=dict)  # more headers, on every request
     extra_body: Mapping[str, object] = field(default_factory=dict)  # joins every request's body
+    reset_prefix_cache: bool = False  # a cold prefix cache before every run (cache_reset.py)
 
     def headers_for(self, target_key: str | None) -> dict[str, str]:
         """The headers of every request to a target whose own API key is ``target_key``: a
@@ -173,6 +175,8 @@ async def sweep_url(
             arrivals = replace(options.arrivals, request_rate=rate)
             label = f"{entry['label']} @ {rate:g} req/s"
             # The previous run's last read waited for the workers' stats: it is this run's start.
+            if options.reset_prefix_cache:
+                await reset_prefix_cache(url, headers)
             tier_before = tier_after if tier_after is not None else await fetch_kv_tier_totals(url)
             outcome = await run_requests(
                 client,
