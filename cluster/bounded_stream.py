@@ -5,15 +5,16 @@ The router's deadline covers the wait for the workers, not a client that stops r
 socket's buffers full, the server's send waits for the client forever, the answer's generator
 stays suspended at its ``yield``, and the router's state of the request (its decode worker's
 outstanding count, which the load-balancing policies read) with it, whatever the workers do. Here
-a send still blocked at the deadline ends the answer: its generator is closed, so the request's
-cleanup runs as for a client that went away (every unfinished choice aborted on its worker), and
-the connection is left to the HTTP server, which closes it.
+a send still blocked at the deadline (or ``SEND_GRACE_S`` after its start, if later) ends the
+answer: its generator is closed, so the request's cleanup runs as for a client that went away
+(every unfinished choice aborted on its worker). The socket is the HTTP server's: ASGI cannot
+abort it, so uvicorn logs that the answer was not completed and closes it, which waits for the
+client to read what is buffered (at most the transport's 64 KiB) or to go away.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from typing import Any
@@ -57,5 +58,8 @@ class BoundedStreamingResponse(StreamingResponse):
             )
             closing = getattr(self.body_iterator, "aclose", None)
             if closing is not None:  # (its cleanup: the unfinished choices are aborted)
-                with contextlib.suppress(Exception):
-                    await closing()
+                try:
+                    async with asyncio.timeout(SEND_GRACE_S):
+                        await closing()
+                except Exception:
+                    log.exception("request %s: closing its answer failed", self.request_id)

@@ -55,7 +55,6 @@ class ClusterFrontend:
         self.max_model_len = model.max_model_len
         self.vocab_size = model.vocab_size
         self.sampling_defaults = sampling_defaults or GenerationDefaults()
-        self.request_timeout_s = router.call_timeout_s
         self.collector = collector
         self.metrics = ServingMetrics(model_name)
         self.poller = StatsPoller(router.prefill + router.decode, stats_interval_s, max_stats_len)
@@ -92,6 +91,10 @@ class ClusterFrontend:
             self._perf_task = None
 
     # ---- request path ----
+    @property
+    def request_timeout_s(self) -> float:
+        return self.router.call_timeout_s
+
     @property
     def has_tokenizer(self) -> bool:
         return self.tokenizer is not None
@@ -155,7 +158,9 @@ class ClusterFrontend:
             try:
                 async with asyncio.timeout(RESET_ANSWER_S):
                     return bool(await w.handle.reset_prefix_cache.remote(host_tier))
-            except Exception as e:  # (a dead or restarting worker, or one that did not answer)
+            except TimeoutError:  # (it may still reset later: its engine was busy or stuck)
+                return f"no answer within {RESET_ANSWER_S:g}s"
+            except Exception as e:  # (a dead or restarting worker)
                 return f"{type(e).__name__}: {e}"
 
         answers = await asyncio.gather(*(ask(w) for w in workers))

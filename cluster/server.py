@@ -387,13 +387,13 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
             )
         workers = await backend.reset_prefix_cache(reset_external)
         busy = sorted(w for w, a in workers.items() if a is False)
-        lost = {w: a for w, a in workers.items() if isinstance(a, str)}
+        lost = "; ".join(f"{w}: {a}" for w, a in sorted(workers.items()) if isinstance(a, str))
+        unanswered = f" (no reset on {lost})" if lost else ""
         if busy:
             message = f"requests hold pages on {', '.join(busy)}: their caches were kept"
-            return error_response(message, 409)
+            return error_response(message + unanswered, 409)
         if lost:
-            failed = "; ".join(f"{w}: {why}" for w, why in sorted(lost.items()))
-            return error_response(f"not every worker reset its cache ({failed})", 503)
+            return error_response(f"not every worker reset its cache{unanswered}", 503)
         return JSONResponse({"reset": True, "workers": sorted(workers)})
 
     @app.get("/metrics")

@@ -66,6 +66,9 @@ class TransferCounters:
     refused_pulls: int = 0  # P: pulls of unknown, ended or forged tickets, or of the wrong history
     reconnects: int = 0
     injected_faults: int = 0
+    # UCX receives (D) or sends (P) that outlived their link's abort (paths/ucx.py): each holds a
+    # staging buffer until it ends, or, into D's pages, takes the worker down
+    wedged_messages: int = 0
 
 
 @dataclass

@@ -316,6 +316,8 @@ def _header(args: argparse.Namespace) -> dict[str, Any]:
         "burstiness": args.burstiness,
         "max_concurrency": args.max_concurrency,
         "ramp_up_seconds": args.ramp_up_seconds,
+        "fresh_prompts_per_rate": args.fresh_prompts_per_rate,
+        "reset_prefix_cache": args.reset_prefix_cache,  # every run started with a cold cache
         "extra_body": None,
         "percentiles": [],
         "goodput_slos": None,

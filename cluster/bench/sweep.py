@@ -174,9 +174,9 @@ async def sweep_url(
         for i, rate in enumerate(options.request_rates):
             arrivals = replace(options.arrivals, request_rate=rate)
             label = f"{entry['label']} @ {rate:g} req/s"
-            # The previous run's last read waited for the workers' stats: it is this run's start.
             if options.reset_prefix_cache:
                 await reset_prefix_cache(url, headers)
+            # The previous run's last read waited for the workers' stats: it is this run's start.
             tier_before = tier_after if tier_after is not None else await fetch_kv_tier_totals(url)
             outcome = await run_requests(
                 client,

@@ -90,7 +90,7 @@ class ServerConfig(Section):
         description=(
             "Longest a request may take from its arrival at the router; then it is aborted on "
             "every worker and the client gets an error (a streamed answer whose client has "
-            "stopped reading is cut off then)."
+            "stopped reading is cut off then, a blocked send given at least 5 s)."
         ),
     )
 

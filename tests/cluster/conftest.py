@@ -1,14 +1,23 @@
-"""Shared factories for cluster tests: per-request timing records with exact (binary) values, and
-the issues a cluster config is refused with."""
+"""Shared factories for cluster tests: per-request timing records with exact (binary) values, the
+issues a cluster config is refused with, and the HTTP edge over a real decode worker (``backend``:
+tests/cluster/worker_backend.py, ``http``: a test client of the app over it; one per module)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from fastapi.testclient import TestClient
 
 from cluster.config import ConfigError, config_from_dict
 from cluster.messages import RequestTimings, Role
+from cluster.server import create_app
+from decode_worker.worker import DecodeWorker
+from engine.engine_config import EngineConfig
+from engine.engine_core import LLMEngine
+from engine.loaders.load import LoadedModel
+from tests.cluster.worker_backend import WorkerBackend
 
 
 def prefill_timings(request_id: str, worker_id: str = "p0", **overrides: Any) -> RequestTimings:
@@ -57,3 +66,19 @@ def issues_of(data: dict) -> list[str]:
     with pytest.raises(ConfigError) as caught:
         config_from_dict(data)
     return caught.value.issues
+
+
+@pytest.fixture(scope="module")
+def backend(default_model: LoadedModel) -> Iterator[WorkerBackend]:
+    config = EngineConfig(num_pages=64, page_size=16, max_model_len=512, max_num_seqs=4)
+    worker = DecodeWorker("d0", LLMEngine.from_loaded(default_model, config), puller=None)
+    try:
+        yield WorkerBackend(worker)
+    finally:
+        worker.close()
+
+
+@pytest.fixture(scope="module")
+def http(backend: WorkerBackend) -> Iterator[TestClient]:
+    with TestClient(create_app(backend), raise_server_exceptions=False) as client:
+        yield client

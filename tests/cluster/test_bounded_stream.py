@@ -19,7 +19,7 @@ from decode_worker.worker import DecodeWorker
 from engine.engine_config import EngineConfig
 from engine.engine_core import LLMEngine
 from engine.loaders.load import LoadedModel
-from tests.cluster.test_server import MODEL, WorkerBackend
+from tests.cluster.worker_backend import MODEL, WorkerBackend
 from worker_common.messages import GenerateRequest, TokenDelta
 
 pytestmark = pytest.mark.timeout(120)

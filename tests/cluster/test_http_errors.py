@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.cluster.test_server import MODEL, backend, http  # noqa: F401 (fixtures)
+from tests.cluster.worker_backend import MODEL
 
 
 @pytest.mark.parametrize(
@@ -20,7 +20,7 @@ from tests.cluster.test_server import MODEL, backend, http  # noqa: F401 (fixtur
         ),
     ],
 )
-def test_a_lone_surrogate_is_a_bad_request(http, path: str, field: str, param: str) -> None:  # noqa: F811
+def test_a_lone_surrogate_is_a_bad_request(http, path: str, field: str, param: str) -> None:
     """Valid JSON (a JS client cutting a string inside an emoji sends it), but no text a
     tokenizer takes: 400 naming the field, not a bare 500."""
     raw = f'{{"model": "{MODEL}", "max_tokens": 2, {field}}}'.encode()
@@ -29,7 +29,7 @@ def test_a_lone_surrogate_is_a_bad_request(http, path: str, field: str, param: s
     assert r.json()["error"]["param"] == param
 
 
-def test_a_long_prompt_with_one_bad_element_is_one_short_error(http) -> None:  # noqa: F811
+def test_a_long_prompt_with_one_bad_element_is_one_short_error(http) -> None:
     """Each element of each prompt form was an error of its own: a 1 MB body was answered with
     about 40 MB, validated for seconds on the loop that streams every other request."""
     body = {"model": MODEL, "prompt": [1] * 100_000 + ["x"], "max_tokens": 1}
@@ -40,7 +40,7 @@ def test_a_long_prompt_with_one_bad_element_is_one_short_error(http) -> None:  #
     assert r.status_code == 400 and "and 45 more" in r.json()["error"]["message"], r.text
 
 
-def test_every_error_has_the_openai_shape(http, backend, monkeypatch) -> None:  # noqa: F811
+def test_every_error_has_the_openai_shape(http, backend, monkeypatch) -> None:
     """Unknown routes, wrong methods, bodies that are not JSON and our own failures answer
     {"error": {...}} as vLLM does (FastAPI's {"detail": ...} and a bare text 500 did not)."""
     for method, path, code in (("get", "/v1/nope", 404), ("get", "/v1/completions", 405)):

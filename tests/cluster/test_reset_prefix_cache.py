@@ -5,16 +5,19 @@ worker asked, the host tier with reset_external): test_cluster_kv_tiers.py."""
 
 from __future__ import annotations
 
-from tests.cluster.test_server import CHAT, backend, http  # noqa: F401 (fixtures)
+from fastapi.testclient import TestClient
+
+from engine.engine_core import LLMEngine
+from tests.cluster.worker_backend import CHAT
 
 
-def cached_tokens(client) -> int:  # noqa: ANN001
+def cached_tokens(client: TestClient) -> int:
     r = client.post("/v1/chat/completions", json=CHAT | {"max_tokens": 1, "temperature": 0})
     assert r.status_code == 200, r.text
     return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-def test_a_reset_forgets_what_the_cache_held(http) -> None:  # noqa: F811
+def test_a_reset_forgets_what_the_cache_held(http) -> None:
     cached_tokens(http)
     assert cached_tokens(http) > 0  # the same prompt again: read from the cache
     r = http.post("/reset_prefix_cache")
@@ -23,11 +26,11 @@ def test_a_reset_forgets_what_the_cache_held(http) -> None:  # noqa: F811
     assert cached_tokens(http) == 0
 
 
-def test_a_worker_where_pages_are_held_keeps_its_cache(http, backend) -> None:  # noqa: F811
+def test_a_worker_where_pages_are_held_keeps_its_cache(http, backend) -> None:
     cached_tokens(http)
     loop = backend.worker.loop
 
-    def hold(engine) -> None:  # noqa: ANN001
+    def hold(engine: LLMEngine) -> None:
         assert engine.kv.allocate_slots("holder", 16)
 
     loop.call(hold).result(timeout=30)
@@ -41,7 +44,7 @@ def test_a_worker_where_pages_are_held_keeps_its_cache(http, backend) -> None:  
     assert http.post("/reset_prefix_cache").status_code == 200
 
 
-def test_reset_running_requests_is_refused_not_ignored(http) -> None:  # noqa: F811
+def test_reset_running_requests_is_refused_not_ignored(http) -> None:
     r = http.post("/reset_prefix_cache", params={"reset_running_requests": "true"})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "reset_running_requests"

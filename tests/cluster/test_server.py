@@ -5,120 +5,13 @@ for, what the worker is given, and the shape of what comes back (its errors: tes
 
 from __future__ import annotations
 
-import asyncio
-import json
 import time
-from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
-from fastapi.testclient import TestClient
 
-from cluster.server import create_app
-from decode_worker.worker import DecodeWorker
-from engine.engine_config import EngineConfig
-from engine.engine_core import LLMEngine
 from engine.loaders.generation_defaults import GenerationDefaults
-from engine.loaders.load import LoadedModel
-from worker_common.messages import GenerateRequest, TokenDelta
-
-MODEL = "smollm2"
-
-
-class WorkerBackend:
-    """``ServingBackend`` over one DecodeWorker, as the router's aggregated path calls it; it
-    keeps every GenerateRequest the server made."""
-
-    def __init__(self, worker: DecodeWorker) -> None:
-        engine = worker.loop.engine
-        self.worker = worker
-        self.tokenizer = engine.tokenizer
-        self.model_name = MODEL
-        self.max_model_len = engine.max_model_len
-        self.vocab_size = engine.model_config.vocab_size
-        self.requests: list[GenerateRequest] = []
-        self.sampling_defaults = GenerationDefaults()
-        self.has_tokenizer = True
-        self.request_timeout_s = 600.0
-
-    async def start(self) -> None: ...
-    async def stop(self) -> None: ...
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens)
-
-    def token_pieces(self, token_ids: list[int]) -> list[str]:
-        return [self.tokenizer.id_to_token(t) or "" for t in token_ids]
-
-    def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
-
-    def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
-
-    def encode_chat(
-        self,
-        messages: list[dict[str, Any]],
-        add_generation_prompt: bool = True,
-        *,
-        continue_final_message: bool = False,
-        template_kwargs: dict[str, Any] | None = None,
-    ) -> list[int]:
-        return self.tokenizer.encode_chat(
-            messages,
-            add_generation_prompt,
-            continue_final_message=continue_final_message,
-            variables=template_kwargs,
-        )
-
-    def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
-        self.requests.append(request)
-        return self.worker.generate(request)
-
-    async def abort(self, request_id: str) -> None:
-        await self.worker.abort(request_id)
-
-    async def reset_prefix_cache(self, host_tier: bool) -> dict[str, bool | str]:
-        reset = self.worker.loop.call(lambda engine: engine.reset_prefix_cache(host_tier))
-        return {self.worker.worker_id: bool(await asyncio.wrap_future(reset))}
-
-    async def health(self) -> dict[str, Any]:
-        return {"healthy": True}
-
-    async def metrics_text(self) -> bytes:
-        return b""
-
-    async def perf_metrics(self) -> list[dict[str, Any]]:
-        return []
-
-    async def iteration_stats(self) -> list[dict[str, Any]]:
-        return []
-
-    async def transfer_stats(self) -> list[dict[str, Any]]:
-        return []
-
-
-@pytest.fixture(scope="module")
-def backend(default_model: LoadedModel) -> Iterator[WorkerBackend]:
-    config = EngineConfig(num_pages=64, page_size=16, max_model_len=512, max_num_seqs=4)
-    worker = DecodeWorker("d0", LLMEngine.from_loaded(default_model, config), puller=None)
-    try:
-        yield WorkerBackend(worker)
-    finally:
-        worker.close()
-
-
-@pytest.fixture(scope="module")
-def http(backend: WorkerBackend) -> Iterator[TestClient]:
-    with TestClient(create_app(backend), raise_server_exceptions=False) as client:
-        yield client
-
-
-def events(text: str) -> list[dict[str, Any]]:
-    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
-
-
-CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+from tests.cluster.worker_backend import CHAT, MODEL, events
 
 
 def test_chat_without_max_tokens_may_run_to_the_model_length(http, backend) -> None:

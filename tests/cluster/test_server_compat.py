@@ -11,11 +11,11 @@ from typing import Any
 import openai
 import pytest
 
-from tests.cluster.test_server import CHAT, MODEL, backend, events, http  # noqa: F401 (fixtures)
+from tests.cluster.worker_backend import CHAT, MODEL, events
 
 
 @pytest.fixture
-def client(http) -> openai.OpenAI:  # noqa: F811
+def client(http) -> openai.OpenAI:
     """The official client, talking to the app through the test client (an httpx.Client)."""
     return openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http)
 
@@ -52,7 +52,7 @@ def test_the_openai_client_reads_every_answer(client) -> None:
     assert text.system_fingerprint is None and text.usage.total_tokens > 2
 
 
-def test_a_body_without_a_model_asks_for_the_served_one(http) -> None:  # noqa: F811
+def test_a_body_without_a_model_asks_for_the_served_one(http) -> None:
     """vLLM's rule (its model field is optional); a named model must still be the served one."""
     r = http.post("/v1/chat/completions", json={"messages": CHAT["messages"], "max_tokens": 1})
     assert r.status_code == 200 and r.json()["model"] == MODEL, r.text
@@ -92,7 +92,7 @@ VLLM_DEFAULTS = {
 }
 
 
-def test_vllm_extensions_sent_with_their_defaults_are_accepted(http) -> None:  # noqa: F811
+def test_vllm_extensions_sent_with_their_defaults_are_accepted(http) -> None:
     chat = CHAT | {"max_tokens": 1, "include_reasoning": True, "chat_template": None}
     r = http.post("/v1/chat/completions", json=chat | VLLM_DEFAULTS)
     assert r.status_code == 200, r.text
@@ -116,13 +116,13 @@ def test_vllm_extensions_sent_with_their_defaults_are_accepted(http) -> None:  #
         ({"messages": [{"role": "user", "content": "Hi", "reasoning": "x"}]}, "messages[0]"),
     ],
 )
-def test_vllm_extensions_that_ask_for_something_are_refused(http, patch, param) -> None:  # noqa: F811
+def test_vllm_extensions_that_ask_for_something_are_refused(http, patch, param) -> None:
     r = http.post("/v1/chat/completions", json=CHAT | {"max_tokens": 1} | patch)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"].startswith(param), r.text
 
 
-def _template_calls(backend, monkeypatch) -> list[dict[str, Any]]:  # noqa: F811
+def _template_calls(backend, monkeypatch) -> list[dict[str, Any]]:
     """Every encode_chat call of the server, its arguments recorded."""
     calls: list[dict[str, Any]] = []
     encode_chat = backend.encode_chat
@@ -135,7 +135,7 @@ def _template_calls(backend, monkeypatch) -> list[dict[str, Any]]:  # noqa: F811
     return calls
 
 
-def test_names_and_documents_reach_the_chat_template(http, backend, monkeypatch) -> None:  # noqa: F811
+def test_names_and_documents_reach_the_chat_template(http, backend, monkeypatch) -> None:
     """As vLLM hands them on: a message's name with it, ``documents`` as the template's variable
     (chat_template_kwargs' own wins); a template that ignores them renders as without them."""
     calls = _template_calls(backend, monkeypatch)
@@ -153,7 +153,7 @@ def test_names_and_documents_reach_the_chat_template(http, backend, monkeypatch)
     assert calls[-1]["messages"] == named
 
 
-def test_responses_api_text_parts_are_text(http, backend) -> None:  # noqa: F811
+def test_responses_api_text_parts_are_text(http, backend) -> None:
     """vLLM reads input_text and output_text parts as text parts."""
     parts = [{"type": "input_text", "text": "Hello"}, {"type": "output_text", "text": "World"}]
     body = CHAT | {"max_tokens": 1, "messages": [{"role": "user", "content": parts}]}
@@ -162,7 +162,7 @@ def test_responses_api_text_parts_are_text(http, backend) -> None:  # noqa: F811
     assert backend.requests[-1].prompt_token_ids.tolist() == backend.encode_chat(joined)
 
 
-def test_add_special_tokens_of_a_completion_prompt(http, backend, monkeypatch) -> None:  # noqa: F811
+def test_add_special_tokens_of_a_completion_prompt(http, backend, monkeypatch) -> None:
     """vLLM's completions add_special_tokens (default true); chat accepts only its default, false."""
     seen: list[bool] = []
     encode = backend.encode
@@ -186,7 +186,7 @@ def test_add_special_tokens_of_a_completion_prompt(http, backend, monkeypatch) -
 @pytest.mark.parametrize(
     ("path", "prefix"), [("/v1/completions", "cmpl"), ("/v1/chat/completions", "chatcmpl")]
 )
-def test_a_clients_request_id_names_the_answer(http, backend, path: str, prefix: str) -> None:  # noqa: F811
+def test_a_clients_request_id_names_the_answer(http, backend, path: str, prefix: str) -> None:
     """vLLM's: the answer's id is <prefix>-<X-Request-Id header, else the body's request_id>,
     streamed too; the same id sent twice still makes requests of their own."""
     body = (CHAT if "chat" in path else {"model": MODEL, "prompt": "Hi"}) | {"max_tokens": 2}

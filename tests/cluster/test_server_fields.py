@@ -5,10 +5,10 @@ cache, chat's echo repeats the message the answer goes on with."""
 
 from __future__ import annotations
 
-from tests.cluster.test_server import CHAT, MODEL, backend, events, http  # noqa: F401 (fixtures)
+from tests.cluster.worker_backend import CHAT, MODEL, events
 
 
-def test_logit_bias_and_allowed_token_ids_reach_the_sampler(http, backend) -> None:  # noqa: F811
+def test_logit_bias_and_allowed_token_ids_reach_the_sampler(http, backend) -> None:
     """OpenAI's logit_bias: JSON keys are strings; +100 on a token makes it every greedy token,
     -100 on the greedy first token makes another first. vLLM's allowed_token_ids."""
     body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 3}
@@ -27,7 +27,7 @@ def test_logit_bias_and_allowed_token_ids_reach_the_sampler(http, backend) -> No
         assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids"
 
 
-def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(http, backend) -> None:  # noqa: F811
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(http, backend) -> None:
     """vLLM's truncate_prompt_tokens: the request runs on the prompt's last k tokens (echo shows
     their text); -1 keeps what the model takes; a prompt too long for the model fits after it."""
     text = "one two three four five six seven eight"
@@ -48,7 +48,7 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(http, backend) -> 
         assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
 
 
-def test_continuous_usage_stats_put_each_choices_usage_in_every_chunk(http, backend) -> None:  # noqa: F811
+def test_continuous_usage_stats_put_each_choices_usage_in_every_chunk(http, backend) -> None:
     """vLLM's continuous_usage_stats (with include_usage): every chunk says its choice's prompt
     and completion tokens so far; the last chunk the whole answer's."""
     options = {"include_usage": True, "continuous_usage_stats": True}
@@ -75,7 +75,7 @@ def cached_tokens(usage: dict) -> int:
     return usage["prompt_tokens_details"]["cached_tokens"]
 
 
-def test_usage_says_how_many_prompt_tokens_the_prefix_cache_held(http, backend) -> None:  # noqa: F811
+def test_usage_says_how_many_prompt_tokens_the_prefix_cache_held(http, backend) -> None:
     """OpenAI's prompt_tokens_details.cached_tokens: none for a prompt first seen, its full pages
     (all but its last token's) for the same prompt again; whole and streamed (the usage chunk,
     and with continuous_usage_stats each chunk of a token its choice's), completions and chat;
@@ -115,7 +115,7 @@ def test_usage_says_how_many_prompt_tokens_the_prefix_cache_held(http, backend) 
     assert cached_tokens(last) == page * ((r["prompt_tokens"] - 1) // page)
 
 
-def test_chat_echo_starts_the_answer_with_the_message_it_continues(http) -> None:  # noqa: F811
+def test_chat_echo_starts_the_answer_with_the_message_it_continues(http) -> None:
     """vLLM's chat echo: with no new turn opened (add_generation_prompt false) the answer has the
     last message's role and starts with its content, whole and streamed; a new assistant turn
     after a user's message echoes nothing."""

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from tests.cluster.test_server import CHAT, MODEL, backend, events, http  # noqa: F401 (fixtures)
+from tests.cluster.worker_backend import CHAT, MODEL, events
 
 PROMPT = {"model": MODEL, "prompt": "The capital of France is", "temperature": 0}
 
@@ -21,7 +21,7 @@ def streamed_logprobs(chunks: list[dict[str, Any]]) -> dict[str, list[Any]]:
     return joined
 
 
-def test_completions_logprobs_whole_and_streamed(http) -> None:  # noqa: F811
+def test_completions_logprobs_whole_and_streamed(http) -> None:
     body = PROMPT | {"max_tokens": 5, "ignore_eos": True, "logprobs": 2}
     choice = http.post("/v1/completions", json=body).json()["choices"][0]
     lp = choice["logprobs"]
@@ -39,7 +39,7 @@ def test_completions_logprobs_whole_and_streamed(http) -> None:  # noqa: F811
     assert plain["choices"][0]["logprobs"] is None
 
 
-def test_chat_logprobs_whole_and_streamed(http) -> None:  # noqa: F811
+def test_chat_logprobs_whole_and_streamed(http) -> None:
     body = CHAT | {"max_tokens": 4, "temperature": 0, "logprobs": True, "top_logprobs": 3}
     choice = http.post("/v1/chat/completions", json=body).json()["choices"][0]
     content = choice["logprobs"]["content"]
@@ -68,7 +68,7 @@ def test_chat_logprobs_whole_and_streamed(http) -> None:  # noqa: F811
     assert all(c["top_logprobs"] == [] for c in only.json()["choices"][0]["logprobs"]["content"])
 
 
-def test_return_tokens_as_token_ids_names_tokens_by_id(http, backend) -> None:  # noqa: F811
+def test_return_tokens_as_token_ids_names_tokens_by_id(http, backend) -> None:
     """vLLM's return_tokens_as_token_ids: "token_id:<id>" wherever logprobs name a token."""
     body = PROMPT | {"max_tokens": 2, "logprobs": 1, "echo": True}
     body |= {"return_tokens_as_token_ids": True}
@@ -84,7 +84,7 @@ def test_return_tokens_as_token_ids_names_tokens_by_id(http, backend) -> None:  
     assert all(c["token"].startswith("token_id:") for c in content["content"])
 
 
-def test_what_a_body_may_ask_of_logprobs(http) -> None:  # noqa: F811
+def test_what_a_body_may_ask_of_logprobs(http) -> None:
     for path, body, param in (
         ("/v1/chat/completions", CHAT | {"top_logprobs": 2}, "top_logprobs"),  # without logprobs
         ("/v1/chat/completions", CHAT | {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
@@ -97,7 +97,7 @@ def test_what_a_body_may_ask_of_logprobs(http) -> None:  # noqa: F811
         assert r.status_code == 400 and r.json()["error"]["param"].startswith(param), r.text
 
 
-def test_echo_puts_the_prompt_and_its_logprobs_first(http, backend) -> None:  # noqa: F811
+def test_echo_puts_the_prompt_and_its_logprobs_first(http, backend) -> None:
     """vLLM's echo: the prompt's text before the choice's, with logprobs the prompt tokens'
     entries before the choice's tokens' (the first null); streamed as whole; max_tokens 0 is the
     prompt alone; ``prompt_logprobs`` gives the same numbers in vLLM's per-token dicts."""
@@ -142,7 +142,7 @@ def test_echo_puts_the_prompt_and_its_logprobs_first(http, backend) -> None:  # 
     assert len(chat.json()["prompt_logprobs"]) == chat.json()["usage"]["prompt_tokens"]
 
 
-def test_a_batch_of_prompts_has_n_choices_each_in_order(http, backend) -> None:  # noqa: F811
+def test_a_batch_of_prompts_has_n_choices_each_in_order(http, backend) -> None:
     """OpenAI's batch: prompt k's choices are k * n .. k * n + n - 1; with echo each carries its
     own prompt (the first choice of a prompt scores it for the others); usage counts each prompt
     once; streamed as whole."""
@@ -193,7 +193,7 @@ def test_a_batch_of_prompts_has_n_choices_each_in_order(http, backend) -> None: 
     assert len(backend.requests) == before
 
 
-def test_a_prompts_choices_share_its_prompt_logprobs_whole_and_streamed(http, backend) -> None:  # noqa: F811
+def test_a_prompts_choices_share_its_prompt_logprobs_whole_and_streamed(http, backend) -> None:
     """echo with logprobs and n: only the first choice asks the worker for the prompt's logprobs
     (each other one would score the whole prompt again, reading nothing from the prefix cache);
     every choice still echoes them, streamed as whole."""

@@ -3,10 +3,10 @@ ids are the ones the generation endpoints run for the same prompt or messages.""
 
 from __future__ import annotations
 
-from tests.cluster.test_server import CHAT, MODEL, backend, http  # noqa: F401 (fixtures)
+from tests.cluster.worker_backend import CHAT, MODEL
 
 
-def test_tokenize_gives_the_ids_the_endpoints_run(http, backend) -> None:  # noqa: F811
+def test_tokenize_gives_the_ids_the_endpoints_run(http, backend) -> None:
     text = "The capital of France is"
     r = http.post("/tokenize", json={"model": MODEL, "prompt": text}).json()
     http.post("/v1/completions", json={"model": MODEL, "prompt": text, "max_tokens": 1})
@@ -26,13 +26,13 @@ def test_tokenize_gives_the_ids_the_endpoints_run(http, backend) -> None:  # noq
     assert opened[: len(ids)] == ids and len(opened) > len(ids)
 
 
-def test_detokenize_is_the_text_of_the_ids(http, backend) -> None:  # noqa: F811
+def test_detokenize_is_the_text_of_the_ids(http, backend) -> None:
     ids = backend.encode("Bonjour, le monde")
     r = http.post("/detokenize", json={"model": MODEL, "tokens": ids})
     assert r.json() == {"prompt": "Bonjour, le monde"}
 
 
-def test_what_tokenize_and_detokenize_refuse(http) -> None:  # noqa: F811
+def test_what_tokenize_and_detokenize_refuse(http) -> None:
     for path, body, code, param in (
         ("/tokenize", {"prompt": "x", "model": "other"}, 404, "model"),
         ("/tokenize", {"prompt": "x", "truncate": 3}, 400, "truncate"),  # (unknown field)

@@ -1,7 +1,7 @@
 """The control channel after the handshake: a malformed message is rejected with the reason and
 counted, and the connection stays usable; a malformed answer from P fails that pull at once; a P
 that never sends the pages ends the pull at its deadline (and receives that outlive their link's
-abort hold the pull and call on_wedged); a decode worker that never confirms a
+abort hold the pull and call on_wedged when they may write its pages); a decode worker that never confirms a
 direct read gets no more than the read's window; a message too large for a frame is never
 sent."""
 
@@ -15,12 +15,14 @@ from collections.abc import Iterator
 
 import msgpack
 import pytest
+import torch
 
 from tests.transfer.conftest import SECRET, Pair, checked_pair, wait_until
 from tests.transfer.raw_peer import RawPeer, RawServer
 from transfer.control import MAX_FRAME_BYTES, FrameTooLarge, frame
 from transfer.link import Link
 from transfer.messages import PullRequest, ReadGrant, Reject, TransferAck, Welcome
+from transfer.paths import staging
 from transfer.version import PROTOCOL_VERSION
 
 pytestmark = pytest.mark.timeout(60)
@@ -143,18 +145,22 @@ def test_a_fill_stall_ends_at_the_pull_deadline(ucx_pair: Pair, ucx_runtime) -> 
     pair.pull_ok("after")
 
 
-def test_receives_that_outlive_the_links_abort_keep_the_pull_and_call_on_wedged(
-    ucx_runtime, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("where", ["staged", "in_place"])
+def test_receives_that_outlive_the_links_abort(
+    where: str, ucx_runtime, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A P that never sends, over a transport whose receives do not end when their link is
-    aborted (each real UCX receive here is held after it ends, until the test lets it go): the
-    pull must not return while they wait (they could still write its pages), and the receiver's
-    on_wedged hears of it once a chunk deadline past the abort has gone (a worker's process
-    goes down there)."""
+    aborted (each real UCX receive here is held after it ends, until the test lets it go).
+    Received in place, they could still write the pull's pages: the pull does not return while
+    they wait, and the receiver's on_wedged hears of it once (a worker's process goes down
+    there). Staged, they hold only their buffers: the pull fails without them, on_wedged is not
+    called, and the buffers come back when they end. Both are counted."""
+    if where == "in_place":
+        monkeypatch.setattr(staging, "RUN_PAGE_BYTES", 0)
     let_go = threading.Event()
     real_recv = Link.recv_data
 
-    async def held_recv(self: Link, buf, tag: int) -> None:  # noqa: ANN001
+    async def held_recv(self: Link, buf: torch.Tensor, tag: int) -> None:
         try:
             await real_recv(self, buf, tag)
         finally:
@@ -181,16 +187,24 @@ def test_receives_that_outlive_the_links_abort_keep_the_pull_and_call_on_wedged(
             target=lambda: pulled.append(pair.receiver.pull_blocking(forged, dst, 0, 16))
         )
         puller.start()
+        staged = pair.receiver.staging
         try:
-            wait_until(lambda: bool(wedged))
-            assert "outlived the abort of their link" in wedged[0]
-            time.sleep(0.5)  # more than a chunk deadline: still held, so still not returned
-            assert puller.is_alive() and not pulled
+            if where == "in_place":
+                wait_until(lambda: bool(wedged))
+                assert "outlived the abort of their link, some into its pages" in wedged[0]
+                time.sleep(1.0)  # past more chunk deadlines: still waiting, heard of once
+                assert puller.is_alive() and not pulled and len(wedged) == 1
+            else:
+                puller.join(10)
+                assert pulled and not pulled[0].ok and not wedged
+                assert staged._free.qsize() < staged._made  # the held receives keep theirs
+            assert pair.receiver.stats()["wedged_messages"] > 0
         finally:
             let_go.set()
             puller.join(10)
             rogue.close()
         assert pulled and not pulled[0].ok
+        wait_until(lambda: staged._free.qsize() == staged._made)
         pair.d.free("wedged")
         assert pair.sender.cancel("wedged")
 

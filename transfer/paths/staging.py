@@ -7,8 +7,10 @@ a plan that does not fit them or its buffers, so chunk ``i`` means the same page
 gathers a chunk's pages into a buffer (duet_kernels.gather_pages), UCX moves the buffer, D scatters it
 into its pages (duet_kernels.scatter_pages). A chunk that is one stretch of a host pool on a side
 skips that side's copy (``in_place``): UCX reads P's pages or writes D's itself. That is safe
-because D waits for every receive it posted before its pull returns (paths/ucx.py), so no UCX
-write into D's pages outlives the pull, and P's lease holds its pages until every send ended.
+because D waits for every receive into its pages before its pull returns (paths/ucx.py), so no
+UCX write into D's pages outlives the pull, and P's lease holds its pages until every send ended
+(or, on a link whose abort did not end them, until a chunk deadline after it: a late read of P's
+pages goes to a pull that has already failed).
 
 The copies block until the bytes are in place (on CUDA they wait for their side stream, which
 orders itself after the model's): host copies run on the transceiver's loop itself, device ones

@@ -18,7 +18,9 @@ waits on another, whatever the number of concurrent pulls on either side.
 One rule ends every pull cleanly: P answers each chunk D credited with exactly one message, with
 its bytes, or empty once the pull has failed on either side (D's negative notice, P's own
 refusal or failure), and D waits for each receive it posted before its pull returns. Only a
-broken or stalled link breaks the rule: then the link is aborted, which ends every request on it.
+broken or stalled link breaks the rule: then the link is aborted, which ends the requests on it
+(ucxx cancels them; one UCX cannot end within another chunk deadline is counted, and if it may
+still write D's pages, the pull waits for it and the receiver's ``on_wedged`` hears of it).
 (UCX does not say how long a received message was, so an empty answer that lands before P's
 refusal is scattered like data: a failed pull may leave anything in its own pages, which its
 caller frees. A pull succeeds only after TransferDone, which P sends only when every chunk went
@@ -60,6 +62,7 @@ class UcxPath(DataPath):
         pull.chunks = len(chunks)
         pending = collections.deque(chunks)
         receives: list[asyncio.Task] = []
+        writing: set[asyncio.Task] = set()  # receives that may write our pages now (_receive)
 
         def post(buf: torch.Tensor | None = None) -> list[int]:
             """Post receives for pending chunks, in order: straight into our pool where the
@@ -73,7 +76,7 @@ class UcxPath(DataPath):
                         break
                 chunk = pending.popleft()
                 into = (target, None) if target is not None else (buf, buf)
-                receives.append(asyncio.ensure_future(self._receive(pull, chunk, *into)))
+                receives.append(asyncio.ensure_future(self._receive(pull, chunk, *into, writing)))
                 posted.append(chunk.index)
                 if target is None:
                     buf = None
@@ -143,24 +146,35 @@ class UcxPath(DataPath):
         finally:
             if feeder is not None:
                 feeder.cancel()
-            await _end_receives(pull, receives)
+            await _end_receives(pull, receives, writing)
 
     async def _receive(
-        self, pull: PullSession, chunk: Chunk, into: torch.Tensor, staged: torch.Tensor | None
+        self,
+        pull: PullSession,
+        chunk: Chunk,
+        into: torch.Tensor,
+        staged: torch.Tensor | None,
+        writing: set[asyncio.Task],
     ) -> None:
         """Receive a chunk ``into`` our pool's pages themselves, or into the ``staged`` buffer
-        and scatter it from there."""
-        r = pull.r
+        and scatter it from there. In ``writing`` while it may write our pages: the receive in
+        place, a staged chunk's scatter."""
+        r, me = pull.r, asyncio.current_task()
+        assert me is not None
         try:
             assert pull.link is not None
+            if staged is None:
+                writing.add(me)
             await pull.link.recv_data(into[: chunk.nbytes], data_tag(pull.pull_id, chunk.index))
             # (A failed pull's late chunks may be empty: never scattered.)
             if staged is not None and not pull.failing:
+                writing.add(me)
                 await r.runtime.copy(staged.device, scatter, chunk, staged, r.rows)
             pull.events.put_nowait(("chunk", chunk.index))
         except Exception as e:  # ucxx's errors (a closed endpoint) are not all ConnectionErrors
             pull.events.put_nowait(("recv_failed", f"{type(e).__name__}: {e}"))
         finally:
+            writing.discard(me)
             if staged is not None:
                 r.staging.release(staged)
 
@@ -254,28 +268,36 @@ class UcxPath(DataPath):
             pull.events.put_nowait(("send_failed", f"{type(e).__name__}: {e}"))
 
 
-async def _end_receives(pull: PullSession, receives: list[asyncio.Task]) -> None:
+async def _end_receives(
+    pull: PullSession, receives: list[asyncio.Task], writing: set[asyncio.Task]
+) -> None:
     """Wait for every posted receive: P answers each credited chunk, so on a live link they end
-    within a chunk deadline; otherwise abort the link, which ends them within another. Receives
-    that outlive even that may still write our pages: the receiver's ``on_wedged`` hears of
-    it, and the pull does not return while they wait."""
+    within a chunk deadline; otherwise abort the link, which ends them within another. Those that
+    outlive even that: a staged one only holds its buffer (the pull is failing: it scatters
+    nothing), so the pull ends without it; one that may write our pages (``writing``) keeps the
+    pull from returning, and the receiver's ``on_wedged`` hears of it, once."""
     if not receives:
         return
     limit = pull.config.chunk_deadline_s
     _, waiting = await asyncio.wait(receives, timeout=limit)
     if not waiting:
         return
+    pull.failing = True  # from here no staged chunk is scattered
     assert pull.link is not None
     pull.link.abort(f"receives of pull {pull.pull_id} did not end within {limit}s")
     _, waiting = await asyncio.wait(waiting, timeout=limit)
-    while waiting:  # UCX did not end them: they may still write our pages, never to be freed
-        problem = (
-            f"{len(waiting)} UCX receives of pull {pull.pull_id} outlived the abort of their link"
-        )
-        if pull.r.on_wedged is not None:
-            pull.r.on_wedged(problem)  # (a worker's process ends here)
-        log.error("%s; its pages stay with the pull until they end", problem)
-        _, waiting = await asyncio.wait(waiting, timeout=limit)
+    if not waiting:
+        return
+    pull.r.book.bump("wedged_messages", len(waiting))
+    problem = f"{len(waiting)} UCX receives of pull {pull.pull_id} outlived the abort of their link"
+    if not waiting & writing:
+        log.error("%s; their staging buffers stay taken until they end", problem)
+        return
+    if pull.r.on_wedged is not None:
+        pull.r.on_wedged(f"{problem}, some into its pages")  # (a worker's process ends here)
+    log.error("%s, some into its pages: the pull keeps them until they end", problem)
+    while waiting & writing:
+        _, waiting = await asyncio.wait(waiting & writing, timeout=limit)
 
 
 async def _end_sends(pull: ServeSession, sends: dict[int, asyncio.Task]) -> None:
@@ -291,8 +313,10 @@ async def _end_sends(pull: ServeSession, sends: dict[int, asyncio.Task]) -> None
     pull.link.abort(f"sends of pull {pull.request.pull_id} did not end within {limit}s")
     _, waiting = await asyncio.wait(waiting, timeout=limit)
     if waiting:  # a send only reads: its pages may go; its staging buffer stays until it ends
+        pull.sender.book.bump("wedged_messages", len(waiting))
         log.error(
-            "%d UCX sends of pull %d outlived the abort of their link; the pull ends without them",
+            "%d UCX sends of pull %d outlived the abort of their link; the pull ends without "
+            "them (their staging buffers stay taken until they end)",
             len(waiting),
             pull.request.pull_id,
         )

@@ -17,13 +17,13 @@ from cluster.bench.records import BenchRequest
 from cluster.bench.sweep import SweepOptions, sweep_url
 from cluster.serve import start_server_thread, stop_server_thread
 from cluster.server import create_app
-from tests.cluster.test_server import MODEL, WorkerBackend, backend  # noqa: F401 (fixtures)
+from tests.cluster.worker_backend import MODEL, WorkerBackend
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8] * 5, [9, 10, 11, 12, 13, 14, 15, 16] * 5]  # 40 tokens each
 
 
 @pytest.fixture
-def duet_url(backend: WorkerBackend) -> Iterator[str]:  # noqa: F811
+def duet_url(backend: WorkerBackend) -> Iterator[str]:
     server, thread, port = start_server_thread(create_app(backend), "127.0.0.1", 0)
     try:
         yield f"http://127.0.0.1:{port}"
@@ -31,7 +31,7 @@ def duet_url(backend: WorkerBackend) -> Iterator[str]:  # noqa: F811
         stop_server_thread(server, thread)
 
 
-def hits_over_two_runs(url: str, backend: WorkerBackend, reset: bool) -> int:  # noqa: F811
+def hits_over_two_runs(url: str, backend: WorkerBackend, reset: bool) -> int:
     """Prompt tokens the worker read from its prefix cache during two runs of the same prompts."""
     requests = [BenchRequest(p, len(p), 2) for p in PROMPTS]
     options = SweepOptions(
@@ -49,7 +49,7 @@ def hits_over_two_runs(url: str, backend: WorkerBackend, reset: bool) -> int:  #
     return backend.worker.stats().kv.reuse_hit_tokens - before
 
 
-def test_every_run_starts_with_a_cold_prefix_cache(duet_url: str, backend) -> None:  # noqa: F811
+def test_every_run_starts_with_a_cold_prefix_cache(duet_url: str, backend) -> None:
     assert hits_over_two_runs(duet_url, backend, reset=False) > 0  # the second run reads them
     assert hits_over_two_runs(duet_url, backend, reset=True) == 0
 
