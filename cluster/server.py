@@ -28,11 +28,11 @@ from cluster import openai_schemas as oa
 from cluster.answers import Answers, Choice, choice_requests, whole_usage
 from cluster.api_key_auth import ApiKeyMiddleware
 from cluster.bounded_stream import BoundedStreamingResponse
+from cluster.cache_api import add_cache_routes
 from cluster.completion_choices import CompletionChoices
 from cluster.http_errors import (
     BadRequest,
     check_token_ids,
-    error_response,
     install_error_handlers,
 )
 from cluster.openai_logprobs import Name, chat_logprobs, prompt_logprobs, token_id_name
@@ -371,30 +371,7 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
         return await answers.whole(reqs, request, build)
 
     add_tokenize_routes(app, backend, _check_model)
-
-    @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache(
-        reset_running_requests: bool = False, reset_external: bool = False
-    ) -> JSONResponse:
-        """vLLM's: every worker forgets its cached prefixes (a cold-cache measurement, new
-        weights); ``reset_external``: the host tier's too. All or nothing on each worker: one
-        where a request holds pages keeps its cache (409 names it)."""
-        if reset_running_requests:
-            raise BadRequest(
-                "reset_running_requests is not supported: a worker resets only while no request "
-                "holds pages there (retry once they have finished)",
-                "reset_running_requests",
-            )
-        workers = await backend.reset_prefix_cache(reset_external)
-        busy = sorted(w for w, a in workers.items() if a is False)
-        lost = "; ".join(f"{w}: {a}" for w, a in sorted(workers.items()) if isinstance(a, str))
-        unanswered = f" (no reset on {lost})" if lost else ""
-        if busy:
-            message = f"requests hold pages on {', '.join(busy)}: their caches were kept"
-            return error_response(message + unanswered, 409)
-        if lost:
-            return error_response(f"not every worker reset its cache{unanswered}", 503)
-        return JSONResponse({"reset": True, "workers": sorted(workers)})
+    add_cache_routes(app, backend)
 
     @app.get("/metrics")
     async def metrics() -> Response:
