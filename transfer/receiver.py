@@ -190,9 +190,13 @@ class KVReceiver:
         return session, done
 
     # ---- for the sessions (loop thread) ----
-    def cut(self, segments: list[Segment]) -> list[Chunk]:
-        """Our chunk plan for a pull's segments, cut (paths/staging.py)."""
-        return cut_chunks(segments, plan(segments, self.chunk_bytes, self.staging.device))
+    def cut(self, segments: list[Segment], peer: PageTable) -> list[Chunk]:
+        """Our chunk plan for a pull's segments, cut (paths/staging.py): no chunk larger than
+        our staging buffers or the ``peer``'s. Its buffers hold as many tokens as ours
+        (``staging_tokens`` is the cluster's) of its own pools, which are smaller than ours
+        where a prefill rank of a larger tensor-parallel size serves a head slice of our pages."""
+        limit = min(self.chunk_bytes, chunk_bytes_for(peer, self.config.staging_tokens))
+        return cut_chunks(segments, plan(segments, limit, self.staging.device))
 
     async def link_for(self, ticket: TransferTicket) -> Link:
         """The link to the ticket's prefill worker, (re)connected if needed, within one

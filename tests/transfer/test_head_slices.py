@@ -51,3 +51,33 @@ def test_a_decode_rank_gets_its_two_heads_of_four(path: str) -> None:
         sender.close()
     p.assert_clean()
     d.assert_clean()
+
+
+@pytest.mark.parametrize("path", CPU_PATHS)
+def test_a_decode_side_of_all_heads_pulls_a_prefill_ranks_half(path: str) -> None:
+    """Decode tp 1 (4 KV heads a page) from prefill rank 1 of tp 2 (heads [2, 4)): the slice's
+    pages are half of D's, so D's chunks must fit P's staging buffers, not its own (a prompt of
+    several chunks over UCX was refused as a plan that does not fit)."""
+    (whole,) = specs(heads=4)
+    p = KVSide([dataclasses.replace(whole, num_kv_heads=2, head_start=2)], seed=3)
+    d = KVSide([whole], seed=4)
+    p.scramble_free_queue()
+    d.scramble_free_queue()
+    cfg = config(path)
+    sender = KVSender(p.kv.buffers, p.specs, MODEL, cfg, p.release)
+    receiver = KVReceiver(d.kv.buffers, d.specs, MODEL, cfg)
+    try:
+        src = p.allocate("r", 40)  # 10 pages: several staging buffers of 8 tokens either side
+        ticket = sender.publish("r", src, 40, heads=(2, 2))
+        dst = d.allocate("r", 40)
+        result = receiver.pull_blocking(ticket, dst, 0, 40, heads=(2, 2))
+        assert result.ok, result.error
+        got = d.kv.buffers["full"][dst["full"]][:, 2:4]
+        assert got.equal(p.kv.buffers["full"][src["full"]])
+        d.free("r")
+        wait_until(lambda: "r" in p.released)
+    finally:
+        receiver.close()
+        sender.close()
+    p.assert_clean()
+    d.assert_clean()

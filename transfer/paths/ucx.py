@@ -58,7 +58,7 @@ class UcxPath(DataPath):
     async def fetch(self, pull: PullSession) -> int:
         r, cfg, link, t = pull.r, pull.config, pull.link, pull.ticket
         assert link is not None
-        chunks = r.cut(pull.map())
+        chunks = r.cut(pull.map(), link.peer_table)
         pull.chunks = len(chunks)
         pending = collections.deque(chunks)
         receives: list[asyncio.Task] = []
