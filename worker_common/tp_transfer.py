@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorDiedError, RayActorError
 
 from kvcache.head_shard import head_shards
 from transfer import KVReceiver, KVSender, TransceiverConfig
@@ -197,12 +197,16 @@ class TPPublisher:
         error = answer.exception()
         if self._closed:
             return
-        if isinstance(error, RayActorError):
-            # The rank is lost (the rank watch takes the worker down): none of its open leases
-            # will end by a notice, so its parts fail now and the pages are freed.
+        if isinstance(error, ActorDiedError):
+            # The rank is dead (the rank watch takes the worker down): none of its open leases
+            # will end by a notice, and nothing of it reads the pages, so its parts fail now and
+            # the pages are freed.
             self._fail_parts_of(rank, f"the rank was lost: {type(error).__name__}: {error}")
             return
-        if error is not None:  # (not the rank's loss: its leases still end, ask again soon)
+        if error is not None:
+            # Not known dead (ActorUnavailableError: this call was lost on the way, the rank may
+            # well be serving its leases still): they still end by a notice, so ask again soon;
+            # a rank that is gone is the rank watch's to find.
             log.warning("prefill rank %d did not say which leases ended: %s", rank, error)
             retry = threading.Timer(RELEASED_RETRY_S, self._ask_released, (rank,))
             retry.daemon = True
@@ -288,9 +292,10 @@ class TPPublisher:
 class TPPuller:
     """The decode side (worker's KVPuller): rank 0's KVReceiver plus ranks 1..'s.
 
-    A rank's pull that outlasts its transfer deadlines (pull_bound_s) calls ``on_rank_lost``:
-    the rank may still write the request's pages, so they cannot be freed, and the worker goes
-    down as for a rank the watch finds lost (tp_ranks.take_worker_down)."""
+    A rank's pull that outlasts its transfer deadlines (pull_bound_s), or whose call Ray lost
+    while the rank is not known dead (ActorUnavailableError), calls ``on_rank_lost``: the rank
+    may still write the request's pages, so they cannot be freed, and the worker goes down as
+    for a rank the watch finds lost (tp_ranks.take_worker_down)."""
 
     def __init__(
         self,
@@ -357,6 +362,13 @@ class TPPuller:
                 return await ref
         except TimeoutError:
             self.on_rank_lost(f"decode rank {rank}'s pull did not end within {bound_s:g}s")
+            raise
+        except ActorDiedError:  # (dead: nothing of its pull writes the pages any more)
+            raise
+        except RayActorError as e:
+            # The call was lost, not (known to be) the rank (ActorUnavailableError: "may or may
+            # not have been executed"): its pull may still write the pages.
+            self.on_rank_lost(f"decode rank {rank}'s pull call was lost: {type(e).__name__}: {e}")
             raise
 
     def stats(self) -> dict[str, Any]:

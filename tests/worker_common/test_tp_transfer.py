@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import ray
 import torch
+from ray.exceptions import ActorUnavailableError
 
 from prefill_worker.worker import PrefillWorker
 from tests.cluster.cluster_fixtures import local_ray
@@ -356,4 +357,82 @@ def test_a_lost_rank_fails_its_open_parts_and_the_pages_are_freed() -> None:
         (send,) = pub.drain_transfer_stats()
         assert not send.ok and "the rank was lost" in send.error, send
     finally:
+        pub.close()
+
+
+class _CallLostRank(_PoolRank):
+    """A rank alive and well whose calls Ray reports lost on the way, once each
+    (ActorUnavailableError: "the task may or may not have been executed"): ``released`` while
+    it holds a lease, and ``pull`` (after its pull has started: it may still write)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__(seed)
+        self.lost_calls: set[str] = set()
+
+    def _lose(self, call: str) -> None:
+        self.lost_calls.add(call)
+        raise ActorUnavailableError(f"{call}: the call was lost on the way (test)", None)
+
+    def released(self, wait_s: float) -> Any:
+        held = self._sender is not None and self._sender.stats()["leases"]
+        if held and "released" not in self.lost_calls:
+            self._lose("released")
+        return super().released(wait_s)
+
+    def pull(self, *args: Any) -> Any:
+        if "pull" not in self.lost_calls:
+            self._lose("pull")
+        return super().pull(*args)
+
+
+CallLostRank = ray.remote(_CallLostRank)
+
+
+def test_a_lost_released_call_is_not_a_lost_rank() -> None:
+    """Prefill tp 2 to decode tp 1: rank 0's part is pulled, rank 1's lease waits; Ray loses a
+    ``released`` call to rank 1 while that lease is open. The rank is alive and its lease may
+    still be read: the pages stay held until it ends (its expiry, which rank 1 then reports),
+    and rank 1 is asked again, so a later request's pages come back too."""
+    p_side, d_side = KVSide(specs(num_pages=PAGES), 17), KVSide(specs(num_pages=PAGES), 18)
+    rank = CallLostRank.options(num_cpus=0, max_concurrency=100).remote(19)
+    pub = publisher(p_side, rank, decode_tp=1, lease_s=6.0)  # (past one released wait of 5 s)
+    receiver = KVReceiver(d_side.kv.buffers, d_side.specs, MODEL, config())
+    try:
+        for rid in ("r", "s"):
+            src, dst = p_side.allocate(rid, TOKENS), d_side.allocate(rid, TOKENS)
+            ticket = asyncio.run(pub.publish(rid, src, TOKENS))
+            assert receiver.pull_blocking(ticket.parts[0].ticket, dst, 0, TOKENS, (0, 1)).ok
+            wait_until(lambda rid=rid: rid in p_side.released, timeout_s=30)
+            expired = ray.get(rank.transfer_counters.remote(), timeout=30).expired_leases
+            assert expired == ("r", "s").index(rid) + 1  # freed only once rank 1's lease ended
+            (send,) = pub.drain_transfer_stats()
+            assert "its lease ended unserved" in send.error and "lost" not in send.error
+            d_side.free(rid)
+        assert ray.get(rank.__ray_call__.remote(lambda a: a.lost_calls)) == {"released"}
+    finally:
+        receiver.close()
+        pub.close()
+
+
+def test_a_lost_pull_call_takes_the_decode_worker_down() -> None:
+    """Ray loses rank 1's pull call (the rank alive, its pull perhaps still writing the pages):
+    the pull fails only with the rank reported lost (the worker goes down), never as a plain
+    failure after which the worker would free pages the rank may still write."""
+    p_side, d_side = KVSide(specs(num_pages=PAGES), 20), KVSide(specs(num_pages=PAGES), 21)
+    pub = publisher(p_side, rank_actor(22), lease_s=2.0)
+    lost: list[str] = []
+    rank = CallLostRank.options(num_cpus=0, max_concurrency=100).remote(23)
+    pull = puller(d_side, rank, lost)
+    try:
+        src, dst = p_side.allocate("r", TOKENS), d_side.allocate("r", TOKENS)
+
+        async def transfer() -> Any:
+            ticket = await pub.publish("r", src, TOKENS)
+            return await pull.pull(ticket, dst, 0, TOKENS)
+
+        result = asyncio.run(transfer())
+        assert not result.ok
+        assert len(lost) == 1 and "decode rank 1's pull call was lost" in lost[0], lost
+    finally:
+        pull.close()
         pub.close()
