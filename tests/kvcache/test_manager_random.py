@@ -3,11 +3,13 @@ over mixed pool groups (full attention, sliding windows, both), with and without
 and without a host tier beneath the groups (both tiers checked: a hit on a host page finds the
 prompt's tokens there, and the page loaded back holds them).
 
-Besides ``check_integrity``, the test plays the model: each computed token writes ``token + 1`` into its
-KV slot (layer 0's keys of each group). Then a prefix hit must find exactly the prompt's tokens in the
-matched pages, and every live request must still read its own tokens back wherever its group holds
-them, which must include everything its window reads: no page is reused while held, a hash never
-points at other content, and a window never loses a page it still needs.
+Besides ``check_integrity``, the test plays the model: each computed token writes a value of its whole
+prefix (``kv_value``: the KV of position i depends on tokens 0..i, as a model's does) into its KV slot
+(layer 0's keys of each group). Then a prefix hit must find exactly the prompt's prefixes in the
+matched pages, and every live request must still read its own back wherever its group holds them,
+which must include everything its window reads: no page is reused while held, a hash never points
+at other content (not even the same tokens after another context), and a window never loses a page
+it still needs.
 """
 
 from __future__ import annotations
@@ -44,6 +46,12 @@ LAYOUTS: dict[str, list[tuple[str, int | None, int]]] = {
 }
 
 
+def kv_value(tokens: list[int], i: int) -> int:
+    """What the "model" writes at position ``i``: a function of tokens 0..i (not of token i
+    alone), exact in float32."""
+    return hash(tuple(tokens[: i + 1])) % (1 << 23) + 1
+
+
 def make_specs(layout: str) -> list[PoolGroupSpec]:
     return [
         PoolGroupSpec(name, (i,), pages, PAGE_SIZE, 1, 1, torch.float32, sliding_window=window)
@@ -75,7 +83,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.history: list[list[int]] = [[1, 1, 2, 2]]  # sequences admitted so far (to extend)
         self.next_id = 0
 
-    # ---- the "model": KV content of a slot is token + 1 ----
+    # ---- the "model": KV content of a slot is kv_value of its prefix ----
     def _cache(self, g: str) -> torch.Tensor:
         return self.m.layer_cache(self.m.specs[g].layer_ids[0])[0]
 
@@ -93,7 +101,7 @@ class ManagerMachine(RuleBasedStateMachine):
             k = self._cache(g)
             for i in range(start, end):
                 if pages[i // PAGE_SIZE] != NULL_PAGE:
-                    k[pages[i // PAGE_SIZE], i % PAGE_SIZE, 0, 0] = self.tokens[rid][i] + 1
+                    k[pages[i // PAGE_SIZE], i % PAGE_SIZE, 0, 0] = kv_value(self.tokens[rid], i)
 
     def _snapshot(self) -> tuple:
         tier = self.m.host_tier
@@ -117,7 +125,7 @@ class ManagerMachine(RuleBasedStateMachine):
                 else:
                     assert page != NULL_PAGE, (g, i, ids)
                     value = int(k[page, i % PAGE_SIZE, 0, 0])
-                assert value == tokens[i] + 1, (g, i, hosted)
+                assert value == kv_value(tokens, i), (g, i, hosted)
 
     def _new(self, tokens: list[int]) -> tuple[str, object]:
         rid = f"r{self.next_id}"
@@ -246,7 +254,7 @@ class ManagerMachine(RuleBasedStateMachine):
                 window = self.m.windows[g]
                 assert len(pages) >= -(-computed // PAGE_SIZE)
                 values = self._held_values(rid, g, 0, computed)
-                assert values == {i: tokens[i] + 1 for i in values}, (rid, g)
+                assert values == {i: kv_value(tokens, i) for i in values}, (rid, g)
                 if window is not None:  # it holds everything its last step read, and no more
                     first = first_needed_page(self.read_from[rid], window, PAGE_SIZE)
                     assert pages[:first] == [NULL_PAGE] * first and NULL_PAGE not in pages[first:]
