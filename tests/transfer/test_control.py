@@ -1,9 +1,9 @@
 """The control channel after the handshake: a malformed message is rejected with the reason and
 counted, and the connection stays usable; a malformed answer from P fails that pull at once; a P
 that never sends the pages ends the pull at its deadline (and receives that outlive their link's
-abort hold the pull and call on_wedged when they may write its pages); a decode worker that never confirms a
-direct read gets no more than the read's window; a message too large for a frame is never
-sent."""
+abort hold the pull and call on_wedged when they may write its pages); a decode worker that never
+confirms a direct read gets no more than the read's window, and one whose grant's send failed
+after it was written still gets the whole window; a message too large for a frame is never sent."""
 
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ from tests.transfer.conftest import SECRET, Pair, checked_pair, wait_until
 from tests.transfer.raw_peer import RawPeer, RawServer
 from transfer.control import MAX_FRAME_BYTES, FrameTooLarge, frame
 from transfer.link import Link
-from transfer.messages import PullRequest, ReadGrant, Reject, TransferAck, Welcome
+from transfer.messages import Message, PullRequest, ReadGrant, Reject, TransferAck, Welcome
 from transfer.paths import staging
+from transfer.serve import ServeSession
 from transfer.version import PROTOCOL_VERSION
 
 pytestmark = pytest.mark.timeout(60)
@@ -247,3 +248,38 @@ def test_a_direct_read_never_confirmed_gives_p_its_pages_back_after_the_window(
         finally:
             peer.close()
         pair.pull_ok("after")
+
+
+def test_a_grant_whose_send_fails_still_holds_the_pages_for_the_read(
+    ucx_runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """P's send of a direct read's grant fails after its bytes were written (a send that timed
+    out with the grant in the socket's buffer): D may get it and read, so P holds the pages for
+    the read's window before it gives them back, not from the failure on."""
+    real_send = ServeSession.send
+
+    async def grant_fails(self: ServeSession, msg: Message) -> None:
+        await real_send(self, msg)
+        if isinstance(msg, ReadGrant):
+            raise TimeoutError("the grant's send stalled (test)")
+
+    monkeypatch.setattr(ServeSession, "send", grant_fails)
+    with checked_pair("host_shm", chunk_deadline_s=0.5, ack_deadline_s=0.5) as pair:
+        ticket, src = pair.publish("stalled", 8)
+        peer = RawPeer(pair.sender.host, pair.sender.port)
+        try:
+            answer = peer.handshake(
+                SECRET.encode(), pair.receiver.page_table, ucx_runtime.worker_address, "host_shm"
+            )
+            assert isinstance(answer, Welcome)
+            dst = {g: list(range(1, 1 + len(ids))) for g, ids in src.items()}
+            skip = {g: 0 for g in src}
+            nbytes = sum(pair.p.specs[0].page_bytes * len(ids) for ids in src.values())
+            read = PullRequest("stalled", 1, ticket.lease_gen, src, dst, skip, 8, [], nbytes, [])
+            peer.send(read)
+            assert isinstance(peer.recv(), ReadGrant)
+            time.sleep(0.2)  # (well inside the read's window of 1 s)
+            assert "stalled" not in pair.p.released  # held for a read that may be under way
+            wait_until(lambda: "stalled" in pair.p.released)
+        finally:
+            peer.close()

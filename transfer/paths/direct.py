@@ -113,7 +113,13 @@ class DirectPath(DataPath):
         req, cfg = pull.request, pull.config
         loop = asyncio.get_running_loop()
         deadline = loop.time() + cfg.chunk_deadline_s + cfg.ack_deadline_s
-        await pull.send(ReadGrant(req.request_id, req.pull_id, pull.lease.declared_prompt_len))
+        try:
+            await pull.send(ReadGrant(req.request_id, req.pull_id, pull.lease.declared_prompt_len))
+        except Exception:
+            # A send that timed out may still deliver the grant (it is in the socket's buffer):
+            # D may read until its read deadline, never later than ours; the pages stay till then.
+            await asyncio.sleep(max(0.0, deadline - loop.time()))
+            raise
         if not await pull.wait_for_notice(deadline - loop.time()) and pull.link.closed:
             # D may still be copying, unaware yet that the link is gone: the pages stay until
             # its read deadline has passed.
