@@ -37,7 +37,6 @@ class Lease:
     declared_prompt_len: int
     expires_at: float  # clock() time
     state: LeaseState = LeaseState.PUBLISHED
-    cancel_requested: bool = False
     # (first, count): the KV heads of each page this lease's one reader may pull (a decode rank of
     # another tensor-parallel size, transfer/tp_mapper.py); None: whole pages.
     heads: tuple[int, int] | None = None
@@ -132,10 +131,7 @@ class LeaseTable:
         """Give the pages back now, unless a pull holds them (then that pull ends the lease: False)."""
 
         def may_end(lease: Lease) -> bool:  # under the lock: no pull can begin in between
-            if lease.state is LeaseState.SERVING:
-                lease.cancel_requested = True
-                return False
-            return True
+            return lease.state is not LeaseState.SERVING
 
         return self._end(request_id, "cancelled", may_end)
 
