@@ -230,6 +230,7 @@ class ClusterFrontend:
             transfer_failed_requests_total=s.transfer.failed_requests,
             refused_peers_total=s.transfer.refused_peers,
             injected_faults_total=s.transfer.injected_faults,
+            wedged_messages_total=s.transfer.wedged_messages,
             kv=s.kv,
             kv_interval=s.kv_interval,
             pid=s.pid,

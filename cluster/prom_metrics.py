@@ -50,6 +50,7 @@ class _WorkerTotals:
     transfer_failed_requests: int = 0
     refused_peers: int = 0
     injected_faults: int = 0
+    wedged_messages: int = 0
 
 
 class ServingMetrics:
@@ -177,6 +178,13 @@ class ServingMetrics:
             worker,
             registry=reg,
         )
+        self.wedged_messages = Counter(
+            PREFIX + "kv_transfer_wedged_messages_total",
+            "UCX messages that did not end when their link was aborted: each holds a staging "
+            "buffer until it ends (one into a decode worker's pages takes the worker down).",
+            worker,
+            registry=reg,
+        )
         self._worker_totals: dict[tuple[str, str], _WorkerTotals] = {}
         self._totals_lock = threading.Lock()  # stats pollers may run on several threads
 
@@ -218,6 +226,7 @@ class ServingMetrics:
         transfer_failed_requests_total: int = 0,
         refused_peers_total: int = 0,
         injected_faults_total: int = 0,
+        wedged_messages_total: int = 0,
         kv: KVCacheStats | None = None,
         kv_interval: KVCacheStats | None = None,
         pid: int | None = None,
@@ -244,6 +253,7 @@ class ServingMetrics:
             "transfer_failed_requests": transfer_failed_requests_total,
             "refused_peers": refused_peers_total,
             "injected_faults": injected_faults_total,
+            "wedged_messages": wedged_messages_total,
         }
         with self._totals_lock:
             seen = self._worker_totals.setdefault((labels[1], worker_id), _WorkerTotals())

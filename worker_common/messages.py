@@ -232,6 +232,7 @@ class TransferTotals:
     expired_leases: int = 0  # P: leases that ran out before D acknowledged
     refused_peers: int = 0  # peers refused in the handshake (no secret, another model, ...)
     injected_faults: int = 0  # pulls failed on purpose (transfer.fault_injection)
+    wedged_messages: int = 0  # UCX messages that outlived their link's abort (paths/ucx.py)
     recomputed: int = 0  # D: failed pulls whose request D prefilled itself (on_failure: recompute)
     failed_requests: int = 0  # D: failed pulls whose request ended with an error
 

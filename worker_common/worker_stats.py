@@ -42,6 +42,7 @@ def transfer_totals(
         expired_leases=int(counters.get("expired_leases", 0)),
         refused_peers=int(counters.get("refused_peers", 0)),
         injected_faults=int(counters.get("injected_faults", 0)),
+        wedged_messages=int(counters.get("wedged_messages", 0)),
         recomputed=recomputed,
         failed_requests=failed_requests,
     )

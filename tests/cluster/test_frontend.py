@@ -126,7 +126,7 @@ def test_the_peak_kv_usage_is_the_peak_of_every_group_together() -> None:
     kv = KVCacheStats({"full": group(10, 10), "swa_4": group(2, 6)}, peak_used=13)
     transfer = types.SimpleNamespace(
         failures=0, expired_leases=0, recomputed=0, failed_requests=0, refused_peers=0,
-        injected_faults=0,
+        injected_faults=0, wedged_messages=0,
     )  # fmt: skip
     stats = types.SimpleNamespace(
         role="decode", num_waiting=0, num_running=1, kv=kv, kv_interval=kv, transfer=transfer, pid=1

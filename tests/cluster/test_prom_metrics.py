@@ -151,7 +151,8 @@ def test_worker_gauges_and_running_totals() -> None:
     # A restarted worker reports small totals again: they count from zero.
     metrics.set_worker_stats("d0", "decode", 0, 0, 0.0, transfer_failures_total=1)
     assert value(metrics, "duet:kv_transfer_failures_total", **d0) == 6
-    # What became of failed pulls, refused peers and injected faults: running totals alike.
+    # What became of failed pulls, refused peers, injected faults and wedged UCX messages:
+    # running totals alike.
     for total in (3, 4):
         metrics.set_worker_stats(
             "d0",
@@ -163,11 +164,13 @@ def test_worker_gauges_and_running_totals() -> None:
             transfer_failed_requests_total=total - 1,
             refused_peers_total=total + 1,
             injected_faults_total=total + 2,
+            wedged_messages_total=total - 2,
         )
     assert value(metrics, "duet:kv_transfer_recomputed_total", **d0) == 4
     assert value(metrics, "duet:kv_transfer_failed_requests_total", **d0) == 3
     assert value(metrics, "duet:kv_transfer_refused_peers_total", **d0) == 5
     assert value(metrics, "duet:kv_transfer_injected_faults_total", **d0) == 6
+    assert value(metrics, "duet:kv_transfer_wedged_messages_total", **d0) == 2
 
     metrics.remove_worker("p0", "prefill")
     names = {
@@ -182,6 +185,7 @@ def test_worker_gauges_and_running_totals() -> None:
         "duet:kv_transfer_failed_requests_total",
         "duet:kv_transfer_refused_peers_total",
         "duet:kv_transfer_injected_faults_total",
+        "duet:kv_transfer_wedged_messages_total",
     }
 
 
