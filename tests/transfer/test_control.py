@@ -23,6 +23,7 @@ from transfer.control import MAX_FRAME_BYTES, FrameTooLarge, frame
 from transfer.link import Link
 from transfer.messages import Message, PullRequest, ReadGrant, Reject, TransferAck, Welcome
 from transfer.paths import staging
+from transfer.runtime import UcxRuntime
 from transfer.serve import ServeSession
 from transfer.version import PROTOCOL_VERSION
 
@@ -219,6 +220,21 @@ def test_a_message_too_large_for_a_frame_is_not_sent() -> None:
     assert len(frame(small)) < MAX_FRAME_BYTES
 
 
+def ask_direct_read(pair: Pair, peer: RawPeer, ucx_runtime: UcxRuntime, rid: str) -> object:
+    """Publish 8 tokens of ``rid`` on P, ask for them as a direct read from ``peer`` (a decode
+    side that says only what the test makes it say); P's answer."""
+    ticket, src = pair.publish(rid, 8)
+    answer = peer.handshake(
+        SECRET.encode(), pair.receiver.page_table, ucx_runtime.worker_address, "host_shm"
+    )
+    assert isinstance(answer, Welcome)
+    dst = {g: list(range(1, 1 + len(ids))) for g, ids in src.items()}
+    skip = {g: 0 for g in src}
+    nbytes = sum(pair.p.specs[0].page_bytes * len(ids) for ids in src.values())
+    peer.send(PullRequest(rid, 1, ticket.lease_gen, src, dst, skip, 8, [], nbytes, []))
+    return peer.recv()  # (a direct read: no chunks, no credits)
+
+
 def test_a_direct_read_never_confirmed_gives_p_its_pages_back_after_the_window(
     ucx_runtime,
 ) -> None:
@@ -226,19 +242,9 @@ def test_a_direct_read_never_confirmed_gives_p_its_pages_back_after_the_window(
     lost its notice): P holds the pages for the read's window (chunk_deadline_s +
     ack_deadline_s), then gives them back and counts the pull as served without a notice."""
     with checked_pair("host_shm", chunk_deadline_s=0.3, ack_deadline_s=0.3) as pair:
-        ticket, src = pair.publish("silent", 8)
         peer = RawPeer(pair.sender.host, pair.sender.port)
         try:
-            answer = peer.handshake(
-                SECRET.encode(), pair.receiver.page_table, ucx_runtime.worker_address, "host_shm"
-            )
-            assert isinstance(answer, Welcome)
-            dst = {g: list(range(1, 1 + len(ids))) for g, ids in src.items()}
-            skip = {g: 0 for g in src}
-            nbytes = sum(pair.p.specs[0].page_bytes * len(ids) for ids in src.values())
-            read = PullRequest("silent", 1, ticket.lease_gen, src, dst, skip, 8, [], nbytes, [])
-            peer.send(read)  # (a direct read: no chunks, no credits)
-            grant = peer.recv()
+            grant = ask_direct_read(pair, peer, ucx_runtime, "silent")
             assert isinstance(grant, ReadGrant) and grant.declared_prompt_len == 8
             assert "silent" not in pair.p.released  # held for our read
             wait_until(lambda: pair.p.released == ["silent"])  # no notice: the window ended it
@@ -265,19 +271,9 @@ def test_a_grant_whose_send_fails_still_holds_the_pages_for_the_read(
 
     monkeypatch.setattr(ServeSession, "send", grant_fails)
     with checked_pair("host_shm", chunk_deadline_s=0.5, ack_deadline_s=0.5) as pair:
-        ticket, src = pair.publish("stalled", 8)
         peer = RawPeer(pair.sender.host, pair.sender.port)
         try:
-            answer = peer.handshake(
-                SECRET.encode(), pair.receiver.page_table, ucx_runtime.worker_address, "host_shm"
-            )
-            assert isinstance(answer, Welcome)
-            dst = {g: list(range(1, 1 + len(ids))) for g, ids in src.items()}
-            skip = {g: 0 for g in src}
-            nbytes = sum(pair.p.specs[0].page_bytes * len(ids) for ids in src.values())
-            read = PullRequest("stalled", 1, ticket.lease_gen, src, dst, skip, 8, [], nbytes, [])
-            peer.send(read)
-            assert isinstance(peer.recv(), ReadGrant)
+            assert isinstance(ask_direct_read(pair, peer, ucx_runtime, "stalled"), ReadGrant)
             time.sleep(0.2)  # (well inside the read's window of 1 s)
             assert "stalled" not in pair.p.released  # held for a read that may be under way
             wait_until(lambda: "stalled" in pair.p.released)

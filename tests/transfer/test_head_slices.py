@@ -4,25 +4,43 @@ byte for byte; a slice the decode rank does not hold fails the pull and leaks no
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 
 import pytest
 
+from kvcache.spec import PoolGroupSpec
 from tests.transfer.conftest import CPU_PATHS, MODEL, KVSide, config, specs, wait_until
 from transfer import KVReceiver, KVSender
 
 
-@pytest.mark.parametrize("path", CPU_PATHS)
-def test_a_decode_rank_gets_its_two_heads_of_four(path: str) -> None:
-    (whole,) = specs(heads=4)
-    p = KVSide([whole], seed=1)
-    d = KVSide([dataclasses.replace(whole, num_kv_heads=2, head_start=2)], seed=2)
+@contextlib.contextmanager
+def sides(
+    path: str, p_spec: PoolGroupSpec, d_spec: PoolGroupSpec
+) -> Iterator[tuple[KVSide, KVSide, KVSender, KVReceiver]]:
+    """P of ``p_spec`` and D of ``d_spec`` (scattered free pages), a sender and a receiver on
+    ``path``; closed afterwards, and then every page must be back on both sides."""
+    p, d = KVSide([p_spec], seed=1), KVSide([d_spec], seed=2)
     p.scramble_free_queue()
     d.scramble_free_queue()
     cfg = config(path)
     sender = KVSender(p.kv.buffers, p.specs, MODEL, cfg, p.release)
     receiver = KVReceiver(d.kv.buffers, d.specs, MODEL, cfg)
     try:
+        yield p, d, sender, receiver
+    finally:
+        receiver.close()
+        sender.close()
+    p.assert_clean()
+    d.assert_clean()
+
+
+@pytest.mark.parametrize("path", CPU_PATHS)
+def test_a_decode_rank_gets_its_two_heads_of_four(path: str) -> None:
+    (whole,) = specs(heads=4)
+    half = dataclasses.replace(whole, num_kv_heads=2, head_start=2)
+    with sides(path, whole, half) as (p, d, sender, receiver):
         for rid, tokens in (("r1", 13), ("r2", 40)):  # 40 tokens: several chunks over UCX
             src = p.allocate(rid, tokens)
             ticket = sender.publish(rid, src, tokens, heads=(2, 2))
@@ -46,11 +64,6 @@ def test_a_decode_rank_gets_its_two_heads_of_four(path: str) -> None:
         with pytest.raises(ValueError, match=r"holds KV heads \[0, 4\), not all of \[3, 5\)"):
             sender.publish("none", src, 8, heads=(3, 2))  # P's pools hold 4 heads: no lease
         p.free("none")
-    finally:
-        receiver.close()
-        sender.close()
-    p.assert_clean()
-    d.assert_clean()
 
 
 @pytest.mark.parametrize("path", CPU_PATHS)
@@ -59,14 +72,8 @@ def test_a_decode_side_of_all_heads_pulls_a_prefill_ranks_half(path: str) -> Non
     pages are half of D's, so D's chunks must fit P's staging buffers, not its own (a prompt of
     several chunks over UCX was refused as a plan that does not fit)."""
     (whole,) = specs(heads=4)
-    p = KVSide([dataclasses.replace(whole, num_kv_heads=2, head_start=2)], seed=3)
-    d = KVSide([whole], seed=4)
-    p.scramble_free_queue()
-    d.scramble_free_queue()
-    cfg = config(path)
-    sender = KVSender(p.kv.buffers, p.specs, MODEL, cfg, p.release)
-    receiver = KVReceiver(d.kv.buffers, d.specs, MODEL, cfg)
-    try:
+    half = dataclasses.replace(whole, num_kv_heads=2, head_start=2)
+    with sides(path, half, whole) as (p, d, sender, receiver):
         src = p.allocate("r", 40)  # 10 pages: several staging buffers of 8 tokens either side
         ticket = sender.publish("r", src, 40, heads=(2, 2))
         dst = d.allocate("r", 40)
@@ -76,8 +83,3 @@ def test_a_decode_side_of_all_heads_pulls_a_prefill_ranks_half(path: str) -> Non
         assert got.equal(p.kv.buffers["full"][src["full"]])
         d.free("r")
         wait_until(lambda: "r" in p.released)
-    finally:
-        receiver.close()
-        sender.close()
-    p.assert_clean()
-    d.assert_clean()
