@@ -19,8 +19,9 @@ from typing import Any
 from engine.engine_core import LLMEngine
 from transfer import KVReceiver, KVSender, TransceiverConfig
 from worker_common.messages import WorkerSpec
+from worker_common.tp_pull import TPPuller
 from worker_common.tp_ranks import take_worker_down
-from worker_common.tp_transfer import TPPublisher, TPPuller, plan_reads
+from worker_common.tp_transfer import TPPublisher, plan_reads
 
 
 def interface_address(name: str) -> str:

@@ -27,8 +27,9 @@ from tests.tiny_engine import greedy, tiny_engine
 from tests.transfer.conftest import MODEL, KVSide, config, specs
 from transfer import KVReceiver, KVSender
 from worker_common.messages import GenerateRequest
+from worker_common.tp_pull import TPPuller
 from worker_common.tp_ranks import _TPRankActor
-from worker_common.tp_transfer import TPPublisher, TPPuller, plan_reads
+from worker_common.tp_transfer import TPPublisher, plan_reads
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
