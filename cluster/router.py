@@ -33,7 +33,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
 
 from cluster.kv_index import KVIndex
 from cluster.messages import RequestClosed
@@ -219,6 +219,18 @@ class Router:
                 async with asyncio.timeout(max(self._left_s(req), 0.0)):  # (not wait_for: it
                     pre = await call  # may lose a cancel)
                 return pre, w, attempt + 1, attempt
+            except RayActorError as e:  # (before RayTaskError: a task's may be one too)
+                w.healthy = False  # until its stats answer again
+                if isinstance(e, RayTaskError):
+                    reported = attempt  # (it answered, so it reports)
+                if not isinstance(e, ActorDiedError):
+                    # Unavailable, not dead: the call may still run there and lease the KV,
+                    # which nobody would pull. Cancelled there, as for a deadline, so the pages
+                    # come back when it gets through, not at the lease's expiry.
+                    w.handle.cancel.remote(req.request_id)
+                log.warning(
+                    "prefill worker %s unavailable for %s: %s", w.worker_id, req.request_id, e
+                )
             except RayTaskError as e:
                 if isinstance(e.cause, ValueError):
                     raise e.cause from None  # the request itself is bad: no retry
@@ -231,11 +243,6 @@ class Router:
                 # its request reached the engine would go unreported.
                 w.handle.cancel.remote(req.request_id)
                 return None, None, attempt + 1, attempt  # (aborted there, it reports)
-            except RayActorError as e:
-                w.healthy = False  # until its stats answer again
-                log.warning(
-                    "prefill worker %s unavailable for %s: %s", w.worker_id, req.request_id, e
-                )
             except asyncio.CancelledError:
                 w.handle.cancel.remote(req.request_id)
                 self._closed(req.request_id, attempt, "abort")

@@ -423,6 +423,32 @@ def test_router_prefill_retries(local_ray: None, retries: int) -> None:
     assert (broken[0].failures, lone.num_prefill_retries) == (2, 0)
 
 
+@ray.remote(num_cpus=0)
+class UnreachablePrefill(_KeepsCancels):
+    """A prefill worker alive but out of the router's reach: its call fails as an unavailable
+    actor's does, and it may still prefill the request and lease its KV."""
+
+    async def prefill(self, req: GenerateRequest) -> None:
+        raise ActorUnavailableError("the connection to the actor was lost", None)
+
+
+def test_a_prefill_worker_unavailable_is_told_to_cancel_and_another_prefills(
+    local_ray: None,
+) -> None:
+    """Unavailable is not dead: the call may still run there and lease pages nobody would pull.
+    The router cancels the request there (the pages come back then, not at the lease's expiry),
+    marks the worker down until its stats answer, and another worker prefills it."""
+    unreachable, handing = UnreachablePrefill.remote(), HandingPrefill.remote()
+    workers = [WorkerSlot("p-0", unreachable), WorkerSlot("p-1", handing)]
+    router = Router(workers, [WorkerSlot("d-0", None)], prefill_retries=1, call_timeout_s=60)
+    req = GenerateRequest("unreachable-1", [1, 2, 3], SamplingParams(), time.time())
+    pre, worker, attempts, _ = asyncio.run(router._prefill(req))
+    assert pre is not None and worker is workers[1] and attempts == 2
+    assert not workers[0].healthy and workers[1].healthy
+    wait_cancelled(unreachable, "unreachable-1")
+    assert ray.get(handing.cancelled_ids.remote(), timeout=30) == []
+
+
 def test_a_request_out_of_time_blames_no_prefill_worker(local_ray: None) -> None:
     workers = [WorkerSlot(f"p-{i}", handle=FailingPrefill.remote()) for i in range(2)]
     router = Router(workers, [WorkerSlot("d-0", None)], prefill_retries=1, call_timeout_s=1.0)
