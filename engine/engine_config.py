@@ -58,8 +58,8 @@ class EngineConfig:
     """Pages of each KV pool group, the null page included (as PoolGroupSpec.num_pages); None
     sizes the groups from ``kv_cache_memory_bytes``."""
     kv_cache_memory_bytes: int | None = None
-    """KV budget in bytes when ``num_pages`` is None; None: 1 GiB on CPU, 90% of the free memory
-    left after weights and an activation estimate on CUDA."""
+    """KV budget in bytes (not allowed with ``num_pages``); None: 1 GiB on CPU, 90% of the free
+    memory left after weights and an activation estimate on CUDA."""
     gpu_memory_fraction: float = 0.9
     """On CUDA, without a byte budget: the share of the free memory (after weights and the
     activation estimate) that the KV pool takes."""
@@ -70,7 +70,8 @@ class EngineConfig:
     activation estimate). More than other processes left free is refused before the weights
     load, as in vLLM. None: ``gpu_memory_fraction``."""
     kv_max_tokens: int | None = None
-    """Cap on the tokens the KV pool holds (None: what max_num_seqs sequences of max_model_len use)."""
+    """Cap on the tokens the KV pool holds (None: what max_num_seqs sequences of max_model_len
+    use). Not allowed with ``num_pages``."""
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     prefill_chunk_size: int = 512
@@ -151,6 +152,14 @@ class EngineConfig:
             )
         if self.kv_max_tokens is not None:
             _positive_int(owner, "kv_max_tokens", self.kv_max_tokens)
+        if self.num_pages is not None:
+            for sizing in ("kv_cache_memory_bytes", "kv_max_tokens"):
+                if getattr(self, sizing) is not None:
+                    raise ValueError(
+                        f"{owner}.{sizing} sizes the KV pools from a budget; with num_pages every "
+                        "pool group gets num_pages pages, so it would not apply (give one or the "
+                        "other)"
+                    )
         if self.max_model_len is not None:
             _positive_int(owner, "max_model_len", self.max_model_len)
         if self.pool_ratio is not None:

@@ -76,6 +76,11 @@ def engine_config_of(model: str, kwargs: dict[str, Any]) -> EngineConfig:
             )
     if {"gpu_memory_utilization", "gpu_memory_fraction"} <= set(kwargs):
         raise ValueError("give gpu_memory_utilization or gpu_memory_fraction, not both")
+    if {"num_pages", "gpu_memory_fraction"} <= set(kwargs):  # (its default is a number)
+        raise ValueError(
+            "gpu_memory_fraction sizes the KV pools from the free memory; with num_pages every "
+            "pool group gets num_pages pages, so it would not apply (give one or the other)"
+        )
     if "device" not in kwargs:
         kwargs["device"] = "cuda" if torch.cuda.is_available() else "cpu"
     if torch.device(kwargs["device"]).type != "cuda" and "gpu_memory_utilization" in kwargs:

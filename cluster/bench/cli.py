@@ -78,8 +78,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--input-len",
         "--random-input-len",
         type=int,
-        default=64,
-        help="random prompt tokens (after the prefix)",
+        default=None,
+        help="random, shared-prefix, multi-turn: random prompt tokens (after the prefix; 64)",
     )
     work.add_argument(
         "--output-len",
@@ -93,8 +93,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--range-ratio",
         "--random-range-ratio",
         type=float,
-        default=0.0,
-        help="lengths uniform in len*(1-r)..len*(1+r)",
+        default=None,
+        help="random, shared-prefix, multi-turn: lengths uniform in len*(1-r)..len*(1+r) (0)",
     )
     work.add_argument(
         "--random-prefix-len",

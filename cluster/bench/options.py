@@ -203,6 +203,9 @@ _WORKLOAD_FLAGS: dict[str, tuple[tuple[str, ...], Any]] = {
     "num_turns": (("multi-turn",), 2),
     "turn_len": (("multi-turn",), 32),
     "random_prefix_len": (("random",), 0),
+    "input_len": (SYNTHETIC, 64),
+    "range_ratio": (SYNTHETIC, 0.0),
+    "vocab_size": (SYNTHETIC, None),  # (a file's prompts are its own)
 }
 
 
@@ -341,7 +344,7 @@ def describe_workload(args: argparse.Namespace, requests: list[BenchRequest]) ->
         "output_len": (
             sharegpt_fixed_output_len(args) if args.workload == "sharegpt" else output_len(args)
         ),
-        "range_ratio": args.range_ratio,
+        "range_ratio": args.range_ratio if args.workload in SYNTHETIC else None,
         "prefix_len": {"shared-prefix": args.prefix_len, "random": args.random_prefix_len}.get(
             args.workload
         ),

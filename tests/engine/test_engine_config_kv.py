@@ -87,6 +87,10 @@ def test_pool_ratio_naming_a_missing_group_lists_the_models_groups() -> None:
     assert e.value.setting == "pool_ratio"
     with pytest.raises(ValueError, match="pool_ratio splits a memory budget"):
         EngineConfig(num_pages=10, pool_ratio={"full": 1})
+    # Every budget is refused beside num_pages, never ignored.
+    for sizing in ({"kv_cache_memory_bytes": 1 << 24}, {"kv_max_tokens": 32}):
+        with pytest.raises(ValueError, match=f"{next(iter(sizing))} sizes the KV pools"):
+            EngineConfig(num_pages=10, **sizing)
     with pytest.raises(ValueError, match=r"pool_ratio shares must be > 0, got <= 0 for \['full'\]"):
         EngineConfig(pool_ratio={"full": 0})
 

@@ -269,6 +269,8 @@ def test_vllms_other_constructor_arguments(tiny_hf_checkpoints: dict[str, Path])
             LLM(path, **{name: value})
     with pytest.raises(ValueError, match="gpu_memory_utilization or gpu_memory_fraction"):
         LLM(path, gpu_memory_utilization=0.5, gpu_memory_fraction=0.5)
+    with pytest.raises(ValueError, match="gpu_memory_fraction sizes the KV pools"):
+        LLM(path, num_pages=64, gpu_memory_fraction=0.5)
     with pytest.raises(ValueError, match="give block_size or page_size, not both"):
         LLM(path, block_size=8, page_size=8)
 

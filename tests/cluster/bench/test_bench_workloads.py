@@ -136,3 +136,13 @@ def test_a_flag_of_another_workload_is_refused_not_ignored() -> None:
     requests = build_workload(args)  # (its own flags at their defaults)
     assert (args.prefix_len, args.num_prefix_groups) == (32, 4)
     assert all(len(r.prompt) == 36 for r in requests)
+    # A file's prompts are its own: the synthetic prompts' shape is refused with them.
+    file = ["--workload", "jsonl", "--dataset-path", "prompts.jsonl", "--num-prompts", "4"]
+    for extra in (["--input-len", "9"], ["--range-ratio", "0.5"], ["--vocab-size", "7"]):
+        flag = extra[0]
+        with pytest.raises(WorkloadError, match=f"{flag} is read by --workload random / "):
+            build_workload(parse_bench_args([*file, "--tokenizer", "none", *extra]))
+    args = parse_bench_args(["--tokenizer", "none", "--vocab-size", "100"])
+    requests = build_workload(args)  # (random: 64 tokens each, none drawn longer or shorter)
+    assert (args.input_len, args.range_ratio) == (64, 0.0)
+    assert all(len(r.prompt) == 64 for r in requests)
