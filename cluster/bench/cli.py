@@ -30,7 +30,7 @@ from cluster.bench.options import (
     resolve_target,
 )
 from cluster.bench.report import comparison_rows, render_report
-from cluster.bench.results_file import write_results
+from cluster.bench.results_file import DEFAULT_OUTPUT_DIR, write_results
 from cluster.bench.slo import SloSpecError
 from cluster.bench.sweep import run_sweeps
 from cluster.bench.target import build_targets
@@ -203,7 +203,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "its sibling NAME_aggregated.yaml)",
     )
     out.add_argument(
-        "--output-dir", default="bench_results", help="where results.json and the plots go"
+        "--output-dir",
+        default=None,
+        help=f"where results.json and the plots go (default: {DEFAULT_OUTPUT_DIR}; the plots go "
+        "beside --result-file when only it is given)",
     )
     out.add_argument(
         "--result-file", default=None, help="JSON results path (default: OUTPUT_DIR/results.json)"
@@ -331,9 +334,9 @@ def _header(args: argparse.Namespace) -> dict[str, Any]:
 def run_bench(args: argparse.Namespace) -> int:
     """Run `duet bench` with parsed arguments; returns the exit code (see the module docstring)."""
     results = _header(args)
-    result_path = (
-        Path(args.result_file) if args.result_file else Path(args.output_dir) / "results.json"
-    )
+    out_dir = Path(args.output_dir or DEFAULT_OUTPUT_DIR)
+    result_path = Path(args.result_file) if args.result_file else out_dir / "results.json"
+    plot_dir = out_dir if args.output_dir or not args.result_file else result_path.parent
     vllm_files: VllmResultFiles | None = None
     saved_paths: list[Path] = []
     try:
@@ -372,7 +375,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if not args.no_plots and any(t["runs"] for t in results["targets"]):
         from cluster.bench.plots import write_plots
 
-        plots = write_plots(results, result_path.parent)
+        plots = write_plots(results, plot_dir)
         print("plots: " + ", ".join(str(p) for p in plots))
     print(f"results: {result_path}")
     if vllm_files is not None:

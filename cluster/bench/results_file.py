@@ -9,6 +9,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+DEFAULT_OUTPUT_DIR = "bench_results"  # (--output-dir's: results.json, the plots, saved runs)
+
 
 def to_jsonable(value: Any) -> Any:
     """``value`` with every non-finite float replaced by "inf", "-inf" or "nan".

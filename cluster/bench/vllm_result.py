@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.bench.metrics import percentile_label
-from cluster.bench.results_file import write_results
+from cluster.bench.results_file import DEFAULT_OUTPUT_DIR, write_results
 
 # The metrics vLLM keeps statistics of by default, and those it can be asked for here.
 VLLM_PERCENTILE_METRICS = ("ttft", "tpot", "itl")
@@ -80,7 +80,7 @@ class VllmResultFiles:
             return None
         metrics = args.percentile_metrics or ",".join(VLLM_PERCENTILE_METRICS)
         return cls(
-            result_dir=Path(args.result_dir if args.result_dir is not None else args.output_dir),
+            result_dir=Path(args.result_dir or args.output_dir or DEFAULT_OUTPUT_DIR),
             result_filename=args.result_filename,
             label=args.label,
             backend="openai-chat" if args.endpoint == "chat" else "openai",

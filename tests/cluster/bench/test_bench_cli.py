@@ -167,6 +167,21 @@ def test_results_of_the_first_target_survive_a_failing_second(
     assert not (tmp_path / "latency_cdf.png").exists()
 
 
+def test_plots_go_to_output_dir_and_beside_a_result_file_given_alone(
+    duet_server: Any, tmp_path: Path
+) -> None:
+    """--output-dir says where the plots go, also with --result-file (it named results.json's
+    path and the plots went beside it, --output-dir unread)."""
+    both = [duet_server.url, *SMALL, "--result-file", str(tmp_path / "r" / "x.json")]
+    assert run_bench(parse_bench_args([*both, "--output-dir", str(tmp_path / "plots")])) == 0
+    assert (tmp_path / "r" / "x.json").exists() and not (tmp_path / "plots" / "results.json").exists()
+    assert (tmp_path / "plots" / "latency_cdf.png").exists()
+    assert not (tmp_path / "r" / "latency_cdf.png").exists()
+    alone = [duet_server.url, *SMALL, "--result-file", str(tmp_path / "s" / "y.json")]
+    assert run_bench(parse_bench_args(alone)) == 0
+    assert (tmp_path / "s" / "latency_cdf.png").exists()
+
+
 def test_sweep_stops_when_every_request_fails(duet_server: Any, tmp_path: Path) -> None:
     path = tmp_path / "failing.jsonl"
     path.write_text(
