@@ -20,8 +20,9 @@ def token_id_name(token_id: int) -> str:
 
 
 def _finite(logprob: float) -> float:
-    """JSON has no -inf: a token the model rules out is -9999.0 (OpenAI's and vLLM's value)."""
-    return max(logprob, -9999.0)
+    """JSON has no -inf: a token the model rules out is -9999.0 (OpenAI's and vLLM's value); so
+    is a NaN (not ``max``, which keeps a NaN it is given first), which no JSON parser takes."""
+    return logprob if logprob >= -9999.0 else -9999.0
 
 
 def completion_logprobs(

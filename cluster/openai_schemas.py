@@ -211,6 +211,9 @@ class _SamplingFields(BaseModel):
             misused.append(("stream_options", "stream_options: only with stream: true"))
         if self.prompt_logprobs is not None and self.stream:  # (vLLM's rule)
             misused.append(("prompt_logprobs", "prompt_logprobs: not with stream: true"))
+        best_of = (self.model_extra or {}).get("best_of")
+        if type(best_of) is int and best_of < self.n:  # (OpenAI's and vLLM's rule)
+            misused.append(("best_of", f"best_of: must be >= n ({self.n}), got {best_of}"))
         return misused
 
     def refused(self) -> list[tuple[str, str]]:

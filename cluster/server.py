@@ -306,10 +306,11 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: oa.ChatCompletionRequest, request: Request) -> Response:
         _check_body(body)
+        messages = oa.template_messages(body.messages)
         try:
             # (the template takes content parts as it is written to: engine.chat_template)
             ids = backend.encode_chat(
-                oa.template_messages(body.messages),
+                messages,
                 body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
                 template_kwargs=body.template_variables,
@@ -324,9 +325,9 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
         asked = req.sampling.logprobs is not None
         name = _namer(body)
         role = body.response_role
-        last = body.messages[-1]
+        last = messages[-1]  # (its content parts as the template read them)
         # (vLLM's echo: the content of the message the answer goes on with comes first)
-        echoed = content_text(last.content) if body.echo and last.role == role else ""
+        echoed = content_text(last["content"]) if body.echo and last["role"] == role else ""
         if body.stream:
 
             def make(i: int, d: TokenDelta) -> dict[str, Any]:

@@ -49,6 +49,8 @@ def test_null_fields_take_their_defaults(http, backend) -> None:
 def test_fields_that_ask_for_nothing_are_accepted(http) -> None:
     no_ops = {
         "user": "u-1",
+        "safety_identifier": "u-1",  # (OpenAI's newer name of ``user``)
+        "prompt_cache_key": "k-1",  # (the prefix cache finds shared prefixes by itself)
         "service_tier": "auto",
         "parallel_tool_calls": True,
         "min_tokens": 0,
@@ -73,6 +75,7 @@ def test_fields_that_ask_for_nothing_are_accepted(http) -> None:
         ({"logit_bias": {"49152": 3}}, "logit_bias"),  # (the vocabulary is [0, 49152))
         ({"service_tier": "flex"}, "service_tier"),
         ({"user": 7}, "user"),
+        ({"prompt_cache_key": 7}, "prompt_cache_key"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),  # without a stream
         ({"stream": True, "stream_options": {"include_obfuscation": True}}, "stream_options"),
         ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages"),
@@ -82,6 +85,15 @@ def test_what_duet_cannot_honour_is_refused_by_name(http, patch, param) -> None:
     r = http.post("/v1/chat/completions", json=CHAT | {"max_tokens": 2} | patch)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"].startswith(param), r.text
+
+
+def test_best_of_below_n_is_refused(http) -> None:
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "n": 2}
+    assert http.post("/v1/completions", json=body | {"best_of": 2}).status_code == 400  # (>1)
+    r = http.post("/v1/completions", json=body | {"best_of": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "best_of", r.text
+    assert "best_of: must be >= n (2), got 1" in r.json()["error"]["message"]
+    assert http.post("/v1/completions", json=body | {"n": 1, "best_of": 1}).status_code == 200
 
 
 def test_vllm_text_options_reach_the_worker(http, backend) -> None:

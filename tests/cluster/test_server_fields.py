@@ -149,3 +149,9 @@ def test_chat_echo_starts_the_answer_with_the_message_it_continues(http) -> None
     user |= {"max_tokens": 2, "add_generation_prompt": False, "continue_final_message": True}
     message = http.post("/v1/chat/completions", json=user).json()["choices"][0]["message"]
     assert message["role"] == "user" and message["content"].startswith("Once upon")
+    # Content parts under the Responses API's names are text to the echo as to the template.
+    parts = [{"type": "output_text", "text": "Bonjour,"}, {"type": "text", "text": "je"}]
+    conv[-1] = {"role": "assistant", "content": parts}
+    r = http.post("/v1/chat/completions", json=body | {"echo": True, "messages": conv})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"].startswith("Bonjour,\nje")

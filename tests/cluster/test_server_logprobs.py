@@ -219,3 +219,17 @@ def test_a_prompts_choices_share_its_prompt_logprobs_whole_and_streamed(http, ba
     # the prompt's entries are its first choice's: the same numbers in every choice
     for answer in ([c["logprobs"]["token_logprobs"] for c in whole], streamed):
         assert all(lp[:n_prompt] == answer[0][:n_prompt] for lp in answer)
+
+
+def test_a_logprob_json_cannot_carry_is_minus_9999() -> None:
+    """-inf (a token ruled out) and NaN are no JSON numbers: both are sent as -9999.0."""
+    from cluster.openai_logprobs import chat_logprobs, completion_logprobs
+    from engine.logprobs import TokenLogprobs
+
+    entries = [TokenLogprobs(5, float("-inf"), 9, ((6, float("nan")),))]
+    done = completion_logprobs([5], entries, str)
+    assert done["token_logprobs"] == [-9999.0] and done["top_logprobs"] == [
+        {"6": -9999.0, "5": -9999.0}
+    ]
+    content = chat_logprobs(entries, str)["content"][0]
+    assert content["logprob"] == content["top_logprobs"][0]["logprob"] == -9999.0
