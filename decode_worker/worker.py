@@ -380,7 +380,9 @@ class DecodeWorker:
         if request_id in self._receiving or request_id in self._awaiting_pages:
             self._aborted.add(request_id)  # (its call frees its pages when it sees this)
             return
-        await asyncio.wrap_future(self.loop.call(lambda e: e.abort_request(request_id)))
+        # (with its stream ended: an aborted request makes no output, and a call still
+        # streaming it would wait out decode.token_deadline_s)
+        await asyncio.wrap_future(self.loop.abort(request_id, "aborted by the router"))
 
     def stats(self) -> WorkerStats:
         totals = transfer_totals(

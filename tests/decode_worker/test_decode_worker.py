@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -188,6 +189,34 @@ def test_an_abort_while_waiting_for_pages_ends_the_request_without_a_pull() -> N
         asyncio.run(main())
     finally:
         worker.close()
+
+
+def test_an_abort_of_a_running_request_ends_its_stream_and_frees_its_pages() -> None:
+    """The router's abort of a request decoding here (its client left; another worker took it)
+    ends the call's stream now, not at decode.token_deadline_s (the engine frees an aborted
+    request and makes no output of it, so the stream used to wait for one)."""
+    records: list[RequestTimings] = []
+    worker = DecodeWorker("d0", tiny_engine(64), None, records.extend)
+
+    async def main() -> None:
+        stream = worker.generate(GenerateRequest("a", list(range(1, 11)), greedy(200), time.time()))
+        first = await stream.__anext__()
+        assert first.error is None and first.finish_reason is None
+        await worker.abort("a")
+        rest = await asyncio.wait_for(_drain(stream), 60)  # (the token deadline is 300 s)
+        assert rest and rest[-1].error == "aborted by the router"
+        await wait_until_no_page_held(worker)
+        ((rid, finish),) = [(r.request_id, r.finish_reason) for r in await reports(worker, records)]
+        assert (rid, finish) == ("a", "abort")
+
+    try:
+        asyncio.run(main())
+    finally:
+        worker.close()
+
+
+async def _drain(stream: AsyncIterator[TokenDelta]) -> list[TokenDelta]:
+    return [d async for d in stream]
 
 
 def test_a_client_gone_while_its_add_waits_behind_a_step_is_still_reported() -> None:
