@@ -216,7 +216,8 @@ class Answers:
         build: Callable[[list[Choice]], dict[str, Any]],
     ) -> Response:
         """A non-streamed answer: collect every choice, then ``build(choices)``."""
-        collect = asyncio.ensure_future(asyncio.gather(*(self._collect(r) for r in reqs)))
+        tasks = [asyncio.ensure_future(self._collect(r)) for r in reqs]
+        collect = asyncio.gather(*tasks)
         gone = asyncio.ensure_future(_until_disconnect(request))
         try:
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -238,7 +239,12 @@ class Answers:
             choices = collect.result()
         except Exception as e:  # our own fault: the request was validated before
             log.warning("request %s failed: %s", reqs[0].request_id, e)
-            for r in reqs:  # (the other choices of it may still run)
+            # The other choices still run (gather leaves them): closed first, so that each runs
+            # its own cleanup (the router's abort) and none is retried or decoded for nobody.
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for r in reqs:
                 self._abort_later(r.request_id)
             return error_response(str(e) or type(e).__name__, 500)
         return JSONResponse(build(choices))

@@ -1,5 +1,6 @@
-"""A streamed answer's choices (cluster/answers.py) over scripted deltas: a prompt's choices share
-the prompt logprobs its first choice computes, whichever choice's first delta comes first."""
+"""An answer's choices (cluster/answers.py) over scripted deltas: a prompt's choices share the
+prompt logprobs its first choice computes, whichever choice's first delta comes first; a choice that
+fails closes the others, streamed or whole."""
 
 from __future__ import annotations
 
@@ -92,3 +93,37 @@ def test_a_choice_left_waiting_is_closed_when_the_answer_fails() -> None:
     events, closed_by_then = asyncio.run(run())
     assert "the worker died" in events[0] and events[1:] == ["data: [DONE]\n\n"]
     assert closed_by_then == ["r-0", "r-1", "r-2"]
+
+
+def test_a_whole_answer_that_fails_closes_its_other_choices_before_it_aborts() -> None:
+    """Choice 1 fails while choices 0 and 2 are still running: the answer is a 500, and by the
+    time the router's abort is asked for, every other choice was closed (gather left them
+    running, and the abort then made the router retry their prefills elsewhere)."""
+    from starlette.requests import Request
+
+    closed: list[str] = []
+    aborts: list[tuple[str, list[str]]] = []
+
+    async def run() -> int:
+        async def choice(req: GenerateRequest) -> AsyncIterator[TokenDelta]:
+            try:
+                if req.request_id == "r-1":
+                    await asyncio.sleep(0.05)
+                    raise RuntimeError("the worker died")
+                await asyncio.sleep(10)
+                yield TokenDelta(req.request_id, [2], "b", "length")
+            finally:
+                closed.append(req.request_id)
+
+        async def receive() -> dict[str, Any]:
+            await asyncio.sleep(30)  # (the client stays)
+            return {"type": "http.disconnect"}
+
+        request = Request({"type": "http", "method": "POST", "headers": []}, receive)
+        answers = Answers(choice, lambda rid: None, lambda rid: aborts.append((rid, sorted(closed))))
+        response = await answers.whole(_requests(3), request, lambda choices: {})
+        return response.status_code
+
+    assert asyncio.run(run()) == 500
+    assert sorted(closed) == ["r-0", "r-1", "r-2"]
+    assert aborts == [(f"r-{i}", ["r-0", "r-1", "r-2"]) for i in range(3)]
