@@ -326,6 +326,8 @@ class Router:
                     d.healthy = False
                     if started or self._left_s(req) <= DECODE_RETRY_PAUSE_S:
                         finished = True
+                        if not isinstance(e, ActorDiedError):  # unavailable: it may decode on
+                            d.handle.abort.remote(rid)  # (for nobody, its pages held till done)
                         # A decode worker that died reports nothing: the prefill's report is the
                         # last the collector gets (it waited for D's until its pending bound).
                         self._closed(rid, last_reported, "error")

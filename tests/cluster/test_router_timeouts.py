@@ -325,6 +325,35 @@ def test_a_decode_worker_replaced_as_unavailable_is_told_to_abort(local_ray: Non
     assert ray.get(answering.aborts.remote(), timeout=30) == []
 
 
+@ray.remote(num_cpus=0)
+class _LostMidStream(_KeepsAborts):
+    """A decode worker that streams a token and then goes out of the router's reach, maybe
+    still decoding the request."""
+
+    async def decode(self, req: GenerateRequest, pre: PrefillResult) -> AsyncIterator[TokenDelta]:
+        yield TokenDelta(req.request_id, [6], "y", None, 3, 2)
+        raise ActorUnavailableError("the connection to the actor was lost", None)
+
+
+def test_a_decode_worker_lost_mid_stream_is_told_to_abort(local_ray: None) -> None:
+    """Streaming started, so no other worker may take it over (the client has tokens): the
+    request ends with an error, and the worker, which may still decode it for nobody with its
+    pages held, is told to abort it."""
+    lost = _LostMidStream.remote()
+    router = Router(
+        [WorkerSlot("p-0", HandingPrefill.remote())], [WorkerSlot("d-0", lost)], call_timeout_s=60
+    )
+    req = GenerateRequest("lost-1", [1, 2, 3], SamplingParams(), time.time())
+    deltas = asyncio.run(collect(router, req))
+    assert [d.token_ids for d in deltas[:2]] == [[5], [6]] and "d-0 failed" in (
+        deltas[-1].error or ""
+    )
+    deadline = time.monotonic() + 30
+    while ray.get(lost.aborts.remote(), timeout=30) != [("lost-1",)]:
+        assert time.monotonic() < deadline, "the lost decode worker was not told to abort"
+        time.sleep(0.05)
+
+
 # ---- a real decode worker (the embedded model, aggregated mode) behind the router ----
 
 
