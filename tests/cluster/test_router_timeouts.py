@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import ray
-from ray.exceptions import ActorUnavailableError
 
 from cluster.builder import ClusterHandles
 from cluster.config import ClusterConfig, config_from_dict
@@ -22,6 +21,14 @@ from cluster.worker_specs import worker_spec
 from decode_worker.actor import DecodeWorkerActor
 from engine.sampling_params import SamplingParams
 from tests.cluster.cluster_fixtures import local_ray as start_local_ray
+from tests.cluster.router_doubles import (
+    HandingPrefill,
+    KeepsCancels,
+    closing,
+    collect,
+    one_to_one,
+    wait_cancelled,
+)
 from worker_common.messages import GenerateRequest, PrefillResult, Role, TokenDelta
 
 
@@ -31,43 +38,8 @@ def local_ray() -> Iterator[None]:
         yield
 
 
-class _KeepsCancels:
-    """A prefill worker's cancel, kept: which requests the router cancelled there."""
-
-    def __init__(self) -> None:
-        self.cancelled: list[str] = []
-
-    async def cancel(self, request_id: str) -> None:
-        self.cancelled.append(request_id)
-
-    async def cancelled_ids(self) -> list[str]:
-        return list(self.cancelled)
-
-
-def wait_cancelled(worker: object, request_id: str) -> None:
-    """Until the router's cancel of ``request_id`` (and only it) reached ``worker``."""
-    deadline = time.monotonic() + 30
-    while ray.get(worker.cancelled_ids.remote(), timeout=30) != [request_id]:  # type: ignore[attr-defined]
-        assert time.monotonic() < deadline, f"{request_id} was not cancelled on its worker"
-        time.sleep(0.05)
-
-
-def closing(router: Router) -> list[RequestClosed]:
-    """The requests ``router`` closes with the collector, as they are closed."""
-    closed: list[RequestClosed] = []
-    router.close_request = closed.append
-    return closed
-
-
-def one_to_one(prefill: object, decode: object = None, call_timeout_s: float = 60) -> Router:
-    """A router over one prefill and one decode worker."""
-    return Router(
-        [WorkerSlot("p-0", prefill)], [WorkerSlot("d-0", decode)], call_timeout_s=call_timeout_s
-    )
-
-
 @ray.remote(num_cpus=0)
-class StuckPrefill(_KeepsCancels):
+class StuckPrefill(KeepsCancels):
     """A prefill worker whose prefill never answers within the router's timeout."""
 
     async def prefill(self, req: GenerateRequest) -> None:
@@ -150,14 +122,6 @@ def test_a_client_gone_during_its_prefill_is_closed_with_the_collector(local_ray
     asyncio.run(leave_early())
     assert closed == [RequestClosed("gone-1", last_attempt=0)]
     wait_cancelled(worker, "gone-1")
-
-
-@ray.remote(num_cpus=0)
-class HandingPrefill(_KeepsCancels):
-    """A prefill worker that prefills at once and hands the request off (a lease to pull)."""
-
-    async def prefill(self, req: GenerateRequest) -> PrefillResult:
-        return PrefillResult(req.request_id, 5, "x", None, ticket=None)
 
 
 @ray.remote(num_cpus=0)
@@ -245,115 +209,6 @@ def test_a_client_gone_at_its_first_token_frees_the_lease_and_is_closed(local_ra
     wait_cancelled(worker, "first-1")  # P's lease ends
 
 
-@ray.remote(num_cpus=0)
-class _Dead:
-    """A decode worker, killed before any call."""
-
-    async def decode(self, req: GenerateRequest, pre: PrefillResult) -> AsyncIterator[TokenDelta]:
-        raise AssertionError("a dead decode worker ran a request")
-        yield  # (a streaming call, as the decode worker's)
-
-    async def abort(self, *args: object) -> None:
-        pass
-
-
-def test_a_request_whose_decode_workers_died_is_closed_with_the_prefill_report(
-    local_ray: None,
-) -> None:
-    """Every decode worker is dead: the request ends with an error at server.request_timeout_s,
-    P's lease ends at once, and the collector is told that P's handed-off report is the last (no
-    decode worker will ever report it; the record waited for one until its pending bound)."""
-    worker = HandingPrefill.remote()
-    ray.get(worker.cancelled_ids.remote(), timeout=60)  # started: it answers within the deadline
-    dead = _Dead.remote()
-    ray.kill(dead, no_restart=True)
-    router = one_to_one(worker, dead, call_timeout_s=2)
-    closed = closing(router)
-    req = GenerateRequest("orphan-1", [1, 2, 3], SamplingParams(), time.time())
-    deltas = asyncio.run(collect(router, req))
-    assert deltas[0].token_ids == [5] and deltas[-1].error.startswith("decode worker d-0 failed")
-    assert closed == [RequestClosed("orphan-1", last_attempt=0, reason="error")]
-    wait_cancelled(worker, "orphan-1")
-
-
-class _KeepsAborts:
-    """A decode worker's abort, kept: the calls it was sent."""
-
-    def __init__(self) -> None:
-        self.aborted: list[tuple[object, ...]] = []
-
-    async def abort(self, *args: object) -> None:
-        self.aborted.append(args)
-
-    async def aborts(self) -> list[tuple[object, ...]]:
-        return list(self.aborted)
-
-
-@ray.remote(num_cpus=0)
-class _Unreachable(_KeepsAborts):
-    """A decode worker alive but out of the router's reach: its call fails as an unavailable
-    actor's does, and it may still have the request."""
-
-    async def decode(self, req: GenerateRequest, pre: PrefillResult) -> AsyncIterator[TokenDelta]:
-        raise ActorUnavailableError("the connection to the actor was lost", None)
-        yield  # (a streaming call, as the decode worker's)
-
-
-@ray.remote(num_cpus=0)
-class _Answering(_KeepsAborts):
-    async def decode(self, req: GenerateRequest, pre: PrefillResult) -> AsyncIterator[TokenDelta]:
-        yield TokenDelta(req.request_id, [6], "y", "length", 3, 2)
-
-
-def test_a_decode_worker_replaced_as_unavailable_is_told_to_abort(local_ray: None) -> None:
-    """An unavailable decode worker may only be unreachable and still run the request: the
-    router tells it to abort (no report: the one that serves it reports) before another takes
-    the request, which the client gets whole."""
-    unreachable, answering = _Unreachable.remote(), _Answering.remote()
-    router = Router(
-        [WorkerSlot("p-0", HandingPrefill.remote())],
-        [WorkerSlot("d-0", unreachable), WorkerSlot("d-1", answering)],
-        call_timeout_s=60,
-    )
-    req = GenerateRequest("moved-1", [1, 2, 3], SamplingParams(), time.time())
-    deltas = asyncio.run(collect(router, req))
-    assert [d.token_ids for d in deltas] == [[5], [6]] and deltas[-1].error is None
-    deadline = time.monotonic() + 30
-    while ray.get(unreachable.aborts.remote(), timeout=30) != [("moved-1",)]:
-        assert time.monotonic() < deadline, "the replaced decode worker was not told to abort"
-        time.sleep(0.05)
-    assert ray.get(answering.aborts.remote(), timeout=30) == []
-
-
-@ray.remote(num_cpus=0)
-class _LostMidStream(_KeepsAborts):
-    """A decode worker that streams a token and then goes out of the router's reach, maybe
-    still decoding the request."""
-
-    async def decode(self, req: GenerateRequest, pre: PrefillResult) -> AsyncIterator[TokenDelta]:
-        yield TokenDelta(req.request_id, [6], "y", None, 3, 2)
-        raise ActorUnavailableError("the connection to the actor was lost", None)
-
-
-def test_a_decode_worker_lost_mid_stream_is_told_to_abort(local_ray: None) -> None:
-    """Streaming started, so no other worker may take it over (the client has tokens): the
-    request ends with an error, and the worker, which may still decode it for nobody with its
-    pages held, is told to abort it."""
-    lost = _LostMidStream.remote()
-    router = Router(
-        [WorkerSlot("p-0", HandingPrefill.remote())], [WorkerSlot("d-0", lost)], call_timeout_s=60
-    )
-    req = GenerateRequest("lost-1", [1, 2, 3], SamplingParams(), time.time())
-    deltas = asyncio.run(collect(router, req))
-    assert [d.token_ids for d in deltas[:2]] == [[5], [6]] and "d-0 failed" in (
-        deltas[-1].error or ""
-    )
-    deadline = time.monotonic() + 30
-    while ray.get(lost.aborts.remote(), timeout=30) != [("lost-1",)]:
-        assert time.monotonic() < deadline, "the lost decode worker was not told to abort"
-        time.sleep(0.05)
-
-
 # ---- a real decode worker (the embedded model, aggregated mode) behind the router ----
 
 
@@ -380,10 +235,6 @@ def decode_worker(local_ray: None) -> Iterator[WorkerSlot]:
 
 def router_of(config: ClusterConfig, prefill: list[WorkerSlot], decode: WorkerSlot) -> Router:
     return ClusterHandles(config, None, prefill, [decode]).router()
-
-
-async def collect(router: Router, req: GenerateRequest) -> list[TokenDelta]:
-    return [d async for d in router.generate(req)]
 
 
 def held_pages(slot: WorkerSlot) -> int:
@@ -450,32 +301,6 @@ def test_router_prefill_retries(local_ray: None, retries: int) -> None:
     req = GenerateRequest(f"lone-{retries}", [1, 2, 3], SamplingParams(), time.time())
     assert asyncio.run(lone._prefill(req)) == (None, None, 1, 0)
     assert (broken[0].failures, lone.num_prefill_retries) == (2, 0)
-
-
-@ray.remote(num_cpus=0)
-class UnreachablePrefill(_KeepsCancels):
-    """A prefill worker alive but out of the router's reach: its call fails as an unavailable
-    actor's does, and it may still prefill the request and lease its KV."""
-
-    async def prefill(self, req: GenerateRequest) -> None:
-        raise ActorUnavailableError("the connection to the actor was lost", None)
-
-
-def test_a_prefill_worker_unavailable_is_told_to_cancel_and_another_prefills(
-    local_ray: None,
-) -> None:
-    """Unavailable is not dead: the call may still run there and lease pages nobody would pull.
-    The router cancels the request there (the pages come back then, not at the lease's expiry),
-    marks the worker down until its stats answer, and another worker prefills it."""
-    unreachable, handing = UnreachablePrefill.remote(), HandingPrefill.remote()
-    workers = [WorkerSlot("p-0", unreachable), WorkerSlot("p-1", handing)]
-    router = Router(workers, [WorkerSlot("d-0", None)], prefill_retries=1, call_timeout_s=60)
-    req = GenerateRequest("unreachable-1", [1, 2, 3], SamplingParams(), time.time())
-    pre, worker, attempts, _ = asyncio.run(router._prefill(req))
-    assert pre is not None and worker is workers[1] and attempts == 2
-    assert not workers[0].healthy and workers[1].healthy
-    wait_cancelled(unreachable, "unreachable-1")
-    assert ray.get(handing.cancelled_ids.remote(), timeout=30) == []
 
 
 def test_a_request_out_of_time_blames_no_prefill_worker(local_ray: None) -> None:

@@ -1,0 +1,153 @@
+"""The router and workers it cannot reach (cluster/router.py): one Ray reports dead, or
+unavailable (alive maybe, and maybe still running the request), before or after its answer
+started. A worker that may still run a request is told to stop it; a request goes to another
+worker only before its client had any of it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import ray
+from ray.exceptions import ActorUnavailableError
+
+from cluster.messages import RequestClosed
+from cluster.router import Router
+from cluster.worker_choice import WorkerSlot
+from engine.sampling_params import SamplingParams
+from tests.cluster.cluster_fixtures import local_ray as start_local_ray
+from tests.cluster.router_doubles import (
+    HandingPrefill,
+    KeepsAborts,
+    KeepsCancels,
+    closing,
+    collect,
+    one_to_one,
+    wait_aborted,
+    wait_cancelled,
+)
+from worker_common.messages import GenerateRequest, PrefillResult, TokenDelta
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[None]:
+    with start_local_ray("duet-test-router-unreachable"):
+        yield
+
+
+@ray.remote(num_cpus=0)
+class _Dead:
+    """A decode worker, killed before any call."""
+
+    async def decode(self, req: GenerateRequest, pre: PrefillResult) -> AsyncIterator[TokenDelta]:
+        raise AssertionError("a dead decode worker ran a request")
+        yield  # (a streaming call, as the decode worker's)
+
+    async def abort(self, *args: object) -> None:
+        pass
+
+
+def test_a_request_whose_decode_workers_died_is_closed_with_the_prefill_report(
+    local_ray: None,
+) -> None:
+    """Every decode worker is dead: the request ends with an error at server.request_timeout_s,
+    P's lease ends at once, and the collector is told that P's handed-off report is the last (no
+    decode worker will ever report it; the record waited for one until its pending bound)."""
+    worker = HandingPrefill.remote()
+    ray.get(worker.cancelled_ids.remote(), timeout=60)  # started: it answers within the deadline
+    dead = _Dead.remote()
+    ray.kill(dead, no_restart=True)
+    router = one_to_one(worker, dead, call_timeout_s=2)
+    closed = closing(router)
+    req = GenerateRequest("orphan-1", [1, 2, 3], SamplingParams(), time.time())
+    deltas = asyncio.run(collect(router, req))
+    assert deltas[0].token_ids == [5] and deltas[-1].error.startswith("decode worker d-0 failed")
+    assert closed == [RequestClosed("orphan-1", last_attempt=0, reason="error")]
+    wait_cancelled(worker, "orphan-1")
+
+
+@ray.remote(num_cpus=0)
+class _Unreachable(KeepsAborts):
+    """A decode worker alive but out of the router's reach: its call fails as an unavailable
+    actor's does, and it may still have the request."""
+
+    async def decode(self, req: GenerateRequest, pre: PrefillResult) -> AsyncIterator[TokenDelta]:
+        raise ActorUnavailableError("the connection to the actor was lost", None)
+        yield  # (a streaming call, as the decode worker's)
+
+
+@ray.remote(num_cpus=0)
+class _Answering(KeepsAborts):
+    async def decode(self, req: GenerateRequest, pre: PrefillResult) -> AsyncIterator[TokenDelta]:
+        yield TokenDelta(req.request_id, [6], "y", "length", 3, 2)
+
+
+def test_a_decode_worker_replaced_as_unavailable_is_told_to_abort(local_ray: None) -> None:
+    """An unavailable decode worker may only be unreachable and still run the request: the
+    router tells it to abort (no report: the one that serves it reports) before another takes
+    the request, which the client gets whole."""
+    unreachable, answering = _Unreachable.remote(), _Answering.remote()
+    router = Router(
+        [WorkerSlot("p-0", HandingPrefill.remote())],
+        [WorkerSlot("d-0", unreachable), WorkerSlot("d-1", answering)],
+        call_timeout_s=60,
+    )
+    req = GenerateRequest("moved-1", [1, 2, 3], SamplingParams(), time.time())
+    deltas = asyncio.run(collect(router, req))
+    assert [d.token_ids for d in deltas] == [[5], [6]] and deltas[-1].error is None
+    wait_aborted(unreachable, "moved-1")
+    assert ray.get(answering.aborts.remote(), timeout=30) == []
+
+
+@ray.remote(num_cpus=0)
+class _LostMidStream(KeepsAborts):
+    """A decode worker that streams a token and then goes out of the router's reach, maybe
+    still decoding the request."""
+
+    async def decode(self, req: GenerateRequest, pre: PrefillResult) -> AsyncIterator[TokenDelta]:
+        yield TokenDelta(req.request_id, [6], "y", None, 3, 2)
+        raise ActorUnavailableError("the connection to the actor was lost", None)
+
+
+def test_a_decode_worker_lost_mid_stream_is_told_to_abort(local_ray: None) -> None:
+    """Streaming started, so no other worker may take it over (the client has tokens): the
+    request ends with an error, and the worker, which may still decode it for nobody with its
+    pages held, is told to abort it."""
+    lost = _LostMidStream.remote()
+    router = Router(
+        [WorkerSlot("p-0", HandingPrefill.remote())], [WorkerSlot("d-0", lost)], call_timeout_s=60
+    )
+    req = GenerateRequest("lost-1", [1, 2, 3], SamplingParams(), time.time())
+    deltas = asyncio.run(collect(router, req))
+    assert [d.token_ids for d in deltas[:2]] == [[5], [6]] and "d-0 failed" in (
+        deltas[-1].error or ""
+    )
+    wait_aborted(lost, "lost-1")
+
+
+@ray.remote(num_cpus=0)
+class _UnreachablePrefill(KeepsCancels):
+    """A prefill worker alive but out of the router's reach: its call fails as an unavailable
+    actor's does, and it may still prefill the request and lease its KV."""
+
+    async def prefill(self, req: GenerateRequest) -> None:
+        raise ActorUnavailableError("the connection to the actor was lost", None)
+
+
+def test_a_prefill_worker_unavailable_is_told_to_cancel_and_another_prefills(
+    local_ray: None,
+) -> None:
+    """Unavailable is not dead: the call may still run there and lease pages nobody would pull.
+    The router cancels the request there (the pages come back then, not at the lease's expiry),
+    marks the worker down until its stats answer, and another worker prefills it."""
+    unreachable, handing = _UnreachablePrefill.remote(), HandingPrefill.remote()
+    workers = [WorkerSlot("p-0", unreachable), WorkerSlot("p-1", handing)]
+    router = Router(workers, [WorkerSlot("d-0", None)], prefill_retries=1, call_timeout_s=60)
+    req = GenerateRequest("unreachable-1", [1, 2, 3], SamplingParams(), time.time())
+    pre, worker, attempts, _ = asyncio.run(router._prefill(req))
+    assert pre is not None and worker is workers[1] and attempts == 2
+    assert not workers[0].healthy and workers[1].healthy
+    wait_cancelled(unreachable, "unreachable-1")
+    assert ray.get(handing.cancelled_ids.remote(), timeout=30) == []
