@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level",
         default="INFO",
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="logging level (default: INFO)",
+        help="logging level, of the HTTP server's lines too (default: INFO)",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

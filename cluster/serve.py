@@ -218,6 +218,13 @@ def start_cluster(
         raise
 
 
+def serving_config(app: Any) -> uvicorn.Config:
+    """uvicorn's settings for `duet serve`: its loggers (one line per request on
+    ``uvicorn.access``) at the level ``duet --log-level`` gave the root logger, not at uvicorn's
+    own INFO."""
+    return uvicorn.Config(app, log_level=logging.getLogger().getEffectiveLevel())
+
+
 def app_of(config: ClusterConfig, frontend: ClusterFrontend) -> FastAPI:
     """The HTTP app over ``frontend`` with the ``server`` section's settings (its API key)."""
     api_key = config.server.api_key.get_secret_value() if config.server.api_key else None
@@ -241,7 +248,7 @@ def serve(config: ClusterConfig) -> None:
             f"{sock.getsockname()[1]}",
             flush=True,
         )
-        uvicorn.Server(uvicorn.Config(app, log_level="info")).run(sockets=[sock])
+        uvicorn.Server(serving_config(app)).run(sockets=[sock])
     finally:
         handles.shutdown()
         if owns_ray:

@@ -162,3 +162,28 @@ def test_duet_serves_on_the_socket_it_announces() -> None:
         thread.join(10)
         sock.close()
     assert not thread.is_alive()
+
+
+def test_duet_serves_with_its_log_level() -> None:
+    """`duet --log-level WARNING serve` leaves out uvicorn's line per request (its access logger
+    has a handler of its own, and uvicorn set it to INFO whatever duet was told)."""
+    import logging
+
+    from cluster.serve import serving_config
+
+    root = logging.getLogger()
+    saved = root.level, {n: logging.getLogger(n).level for n in ("uvicorn.access", "uvicorn.error")}
+    try:
+        for level in (logging.WARNING, logging.DEBUG):
+            root.setLevel(level)
+            serving_config(FastAPI())
+            assert logging.getLogger("uvicorn.access").isEnabledFor(logging.INFO) == (
+                level <= logging.INFO
+            )
+            assert logging.getLogger("uvicorn.error").isEnabledFor(logging.DEBUG) == (
+                level <= logging.DEBUG
+            )
+    finally:
+        root.setLevel(saved[0])
+        for name, lvl in saved[1].items():
+            logging.getLogger(name).setLevel(lvl)
