@@ -120,7 +120,9 @@ def test_a_whole_answer_that_fails_closes_its_other_choices_before_it_aborts() -
             return {"type": "http.disconnect"}
 
         request = Request({"type": "http", "method": "POST", "headers": []}, receive)
-        answers = Answers(choice, lambda rid: None, lambda rid: aborts.append((rid, sorted(closed))))
+        answers = Answers(
+            choice, lambda rid: None, lambda rid: aborts.append((rid, sorted(closed)))
+        )
         response = await answers.whole(_requests(3), request, lambda choices: {})
         return response.status_code
 

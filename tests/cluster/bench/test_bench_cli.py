@@ -174,7 +174,9 @@ def test_plots_go_to_output_dir_and_beside_a_result_file_given_alone(
     path and the plots went beside it, --output-dir unread)."""
     both = [duet_server.url, *SMALL, "--result-file", str(tmp_path / "r" / "x.json")]
     assert run_bench(parse_bench_args([*both, "--output-dir", str(tmp_path / "plots")])) == 0
-    assert (tmp_path / "r" / "x.json").exists() and not (tmp_path / "plots" / "results.json").exists()
+    assert (tmp_path / "r" / "x.json").exists() and not (
+        tmp_path / "plots" / "results.json"
+    ).exists()
     assert (tmp_path / "plots" / "latency_cdf.png").exists()
     assert not (tmp_path / "r" / "latency_cdf.png").exists()
     alone = [duet_server.url, *SMALL, "--result-file", str(tmp_path / "s" / "y.json")]
