@@ -97,7 +97,9 @@ class EngineConfig:
     """ModelConfig (or its field dict) for load_format="dummy" without a preset name."""
     cuda_graphs: bool = True
     """On CUDA, replay decode steps of up to max_num_seqs requests from CUDA graphs captured at
-    start-up (engine/cuda_graphs.py); False runs every step eagerly. Ignored on CPU, which has none."""
+    start-up (engine/cuda_graphs.py); False runs every step eagerly. Ignored on CPU, which has
+    none, and with tensor_parallel_size > 1, whose all-reduces are not captured yet (those steps
+    run eagerly; the engine logs it)."""
     warm_up: bool = True
     """Run one greedy request through the model when the engine is built (prefill and a decode
     step, then forgotten: no stats, no pages kept, nothing registered for reuse), so that the

@@ -7,6 +7,7 @@ stats. Single-threaded; only the stats buffers may be drained from another threa
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import TYPE_CHECKING
 
@@ -34,6 +35,8 @@ from kvcache.sizing import CudaMemory
 
 if TYPE_CHECKING:
     from engine.loaders import LoadedModel
+
+log = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -77,10 +80,15 @@ class LLMEngine:
             slice_rows(model_config.vocab_size, scheduler_config.max_num_seqs),
         )
         # Graph capture of the all-reduces is not done yet: tensor-parallel steps run eagerly.
-        if cuda_graphs and kv.device.type == "cuda" and (tp is None or tp.size == 1):
-            self.runner.capture_cuda_graphs(
-                scheduler_config.max_num_seqs, scheduler_config.max_pages_per_seq
-            )
+        if cuda_graphs and kv.device.type == "cuda":
+            if tp is None or tp.size == 1:
+                self.runner.capture_cuda_graphs(
+                    scheduler_config.max_num_seqs, scheduler_config.max_pages_per_seq
+                )
+            elif tp.partition.rank == 0:
+                log.info(
+                    "no CUDA graphs with tensor_parallel_size %d: decode steps run eagerly", tp.size
+                )
         stop_ids = set(model_config.eos_token_ids) | set(
             tokenizer.stop_token_ids if tokenizer else ()
         )
