@@ -77,7 +77,8 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` and ``chat`` sample with when given no params: SamplingParams'
         defaults, but where the checkpoint's generation_config.json sets temperature, top_p,
-        top_k or max_new_tokens (as vLLM's LLM)."""
+        top_k, min_p, a penalty (repetition, presence, frequency) or max_new_tokens (as vLLM's
+        LLM)."""
         return self._defaults.as_sampling_params()
 
     def close(self) -> None:

@@ -114,8 +114,9 @@ class ModelConfig(Section):
     generation_config: Literal["auto", "none"] = Field(
         "auto",
         description=(
-            "auto: the sampling fields a request leaves out (temperature, top_p, top_k, and a "
-            "chat request's max_tokens) take what the checkpoint's generation_config.json sets, "
+            "auto: the sampling fields a request leaves out (temperature, top_p, top_k, min_p, "
+            "the repetition, presence and frequency penalties, and a chat request's max_tokens) "
+            "take what the checkpoint's generation_config.json sets, "
             "as vLLM's --generation-config auto (only HF checkpoint directories have one); "
             "none: Duet's defaults (temperature 1, top_p 1, top_k off, a chat request's "
             "max_tokens what fits the model)."
