@@ -54,7 +54,14 @@ class FaultInjectionConfig(Section):
     tests, and for rehearsing failures (with ``on_failure``). Off by default."""
 
     fraction: float = Field(
-        0.0, ge=0.0, le=1.0, description="Fraction of pulls that fail (0 = off, 1 = every pull)."
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "Fraction of pulls that fail (0 = off, 1 = every pull). With tensor parallelism each "
+            "decode rank's part of a request is a pull of its own, drawn apart: a request of N "
+            "parts fails with about 1 - (1 - fraction)^N, and each failed part is counted."
+        ),
     )
     points: tuple[Literal["connect", "before_data", "mid_data", "before_ack"], ...] = Field(
         FAULT_POINTS,
