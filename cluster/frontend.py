@@ -121,6 +121,12 @@ class ClusterFrontend:
             return token_id_name(token_id)
         return self.tokenizer.token_text(token_id)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's own bytes, as chat logprobs give them (engine.tokenizer.Tokenizer's)."""
+        if self.tokenizer is None:
+            return token_id_name(token_id).encode()
+        return self.tokenizer.token_bytes(token_id)
+
     def decode(self, token_ids: list[int]) -> str:
         """A prompt of token ids as text (``echo``); "" for a model without a tokenizer, whose
         answers have no text either."""

@@ -81,12 +81,18 @@ def prompt_logprobs(entries: Sequence[TokenLogprobs | None] | None, name: Name) 
     ]
 
 
-def chat_logprobs(entries: Sequence[TokenLogprobs], name: Name) -> dict[str, Any]:
-    """The chat endpoint's ``logprobs`` of ``entries``."""
+def chat_logprobs(
+    entries: Sequence[TokenLogprobs], name: Name, token_bytes: Callable[[int], bytes]
+) -> dict[str, Any]:
+    """The chat endpoint's ``logprobs`` of ``entries``; each token's ``bytes`` its own (a token
+    holding part of a character is named U+FFFD, whose bytes would not join into it)."""
 
     def one(token: int, logprob: float) -> dict[str, Any]:
-        text = name(token)
-        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+        return {
+            "token": name(token),
+            "logprob": _finite(logprob),
+            "bytes": list(token_bytes(token)),
+        }
 
     return {
         "content": [

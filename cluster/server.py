@@ -65,6 +65,7 @@ class ServingBackend(Protocol):
     async def stop(self) -> None: ...
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def token_text(self, token_id: int) -> str: ...
+    def token_bytes(self, token_id: int) -> bytes: ...
     def token_pieces(self, token_ids: list[int]) -> list[str]: ...
     def decode(self, token_ids: list[int]) -> str: ...
     def encode_chat(
@@ -331,7 +332,7 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
         if body.stream:
 
             def make(i: int, d: TokenDelta) -> dict[str, Any]:
-                logprobs = chat_logprobs(d.logprobs, name) if asked else None
+                logprobs = chat_logprobs(d.logprobs, name, backend.token_bytes) if asked else None
                 delta = {"content": d.text} if d.text else {}
                 end = resp.Ending(d.finish_reason, d.stop_reason)
                 return resp.chat_chunk(head, i, delta, end, d.token_ids, logprobs)
@@ -358,7 +359,7 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
                         i,
                         echoed + c.text,
                         c.end,
-                        chat_logprobs(c.logprobs, name) if asked else None,
+                        chat_logprobs(c.logprobs, name, backend.token_bytes) if asked else None,
                         role,
                     )
                     for i, c in enumerate(choices)

@@ -6,6 +6,8 @@ from GGUF metadata); the engine only uses this class.
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -84,6 +86,23 @@ class Tokenizer:
         spaces = len(text) - len(text.lstrip(" "))
         return " " * max(marks - spaces, 0) + text
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's own bytes (OpenAI's logprobs ``bytes``, which let a client join the
+        characters that tokens split): its text's UTF-8, but for a token holding part of a
+        character, whose lone text is U+FFFD, the bytes its piece stands for (a byte-level BPE
+        piece in GPT-2's alphabet, or a SentencePiece byte fallback such as "<0xE2>")."""
+        text = self.token_text(token_id)
+        piece = self.backend.id_to_token(token_id) or ""
+        if "\ufffd" not in text or "\ufffd" in piece:  # (whole characters, or U+FFFD itself)
+            return text.encode("utf-8")
+        byte = _BYTE_FALLBACK.fullmatch(piece)
+        if byte is not None:
+            return bytes([int(byte.group(1), 16)])
+        table = _byte_level_alphabet()
+        if piece and all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        return text.encode("utf-8")
+
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
@@ -134,3 +153,17 @@ class Tokenizer:
             self.apply_chat_template(messages, add_generation_prompt, **options),
             add_special_tokens=False,
         )
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """Character -> byte of byte-level BPE pieces (GPT-2's): the printable bytes stand for
+    themselves, every other byte for the next unused character from U+0100 on."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    table = {chr(b): b for b in kept}
+    others = [b for b in range(256) if b not in set(kept)]
+    table.update({chr(256 + n): b for n, b in enumerate(others)})
+    return table

@@ -231,5 +231,19 @@ def test_a_logprob_json_cannot_carry_is_minus_9999() -> None:
     assert done["token_logprobs"] == [-9999.0] and done["top_logprobs"] == [
         {"6": -9999.0, "5": -9999.0}
     ]
-    content = chat_logprobs(entries, str)["content"][0]
+    content = chat_logprobs(entries, str, lambda t: str(t).encode())["content"][0]
     assert content["logprob"] == content["top_logprobs"][0]["logprob"] == -9999.0
+
+
+def test_chat_logprobs_bytes_join_into_characters_tokens_split(backend) -> None:
+    """A token holding part of a character is named U+FFFD; its ``bytes`` are its own, so that
+    the answer's bytes join into the text (OpenAI's purpose for them)."""
+    from cluster.openai_logprobs import chat_logprobs
+    from engine.logprobs import TokenLogprobs
+
+    ids = backend.encode("😀 ok", add_special_tokens=False)
+    entries = [TokenLogprobs(t, -1.0, 1, ((t, -1.0),)) for t in ids]
+    content = chat_logprobs(entries, backend.token_text, backend.token_bytes)["content"]
+    assert "\ufffd" in content[0]["token"]
+    assert bytes(b for c in content for b in c["bytes"]) == "😀 ok".encode()
+    assert [c["top_logprobs"][0]["bytes"] for c in content] == [c["bytes"] for c in content]

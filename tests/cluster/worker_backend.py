@@ -45,6 +45,9 @@ class WorkerBackend:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.tokenizer.token_bytes(token_id)
+
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 

@@ -230,7 +230,10 @@ def test_a_lone_tokens_text_keeps_the_space_sentencepiece_strips() -> None:
     from tokenizers import decoders, models, normalizers, pre_tokenizers
 
     backend = tokenizers.Tokenizer(
-        models.WordLevel({"<unk>": 0, "▁Hello": 1, "▁world": 2, "!": 3}, unk_token="<unk>")
+        models.WordLevel(
+            {"<unk>": 0, "▁Hello": 1, "▁world": 2, "!": 3, "<0xC3>": 4, "<0xA9>": 5},
+            unk_token="<unk>",
+        )
     )
     backend.normalizer = normalizers.Sequence(
         [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
@@ -248,3 +251,21 @@ def test_a_lone_tokens_text_keeps_the_space_sentencepiece_strips() -> None:
     ids = tok.encode("Hello world")
     assert tok.decode([ids[1]]) == "world"  # (what a lone decode gives)
     assert [tok.token_text(i) for i in ids] == [" Hello", " world"]
+    # Byte fallback: "é" as two byte tokens, each U+FFFD alone; their bytes are its own.
+    assert tok.decode([4, 5]) == "é" and tok.token_text(4) == "\ufffd"
+    assert tok.token_bytes(4) + tok.token_bytes(5) == "é".encode()
+    assert tok.token_bytes(2) == b" world"
+
+
+def test_a_tokens_bytes_are_its_own_where_it_holds_part_of_a_character(
+    default_model: LoadedModel,
+) -> None:
+    """OpenAI's logprobs ``bytes`` let a client join characters split across tokens: a token
+    holding part of one is U+FFFD as text, but its bytes are the ones it stands for (they were
+    U+FFFD's three), so every text's tokens' bytes join back into the text."""
+    tok = _gguf_tokenizer(default_model)
+    for text in ("😀 ok", "日本語のテキスト", "naïve café", " Hello"):
+        ids = tok.encode(text, add_special_tokens=False)
+        assert b"".join(tok.token_bytes(i) for i in ids) == text.encode("utf-8")
+    split = [i for i in tok.encode("😀", add_special_tokens=False)]
+    assert len(split) > 1 and "\ufffd" in tok.token_text(split[0])  # (the case in point)
