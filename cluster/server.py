@@ -104,6 +104,7 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
             await backend.stop()
 
     app = FastAPI(title="Duet", version=_duet_version(), lifespan=lifespan)
+    started = int(time.time())
     expected_auth = f"Bearer {api_key}".encode() if api_key else None
 
     if expected_auth is not None:
@@ -227,7 +228,7 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
         return {
             "id": backend.model_name,
             "object": "model",
-            "created": 0,
+            "created": started,  # (the server's start, as the model's serving began)
             "owned_by": "duet",
             "max_model_len": backend.max_model_len,
         }
@@ -247,11 +248,15 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
         _check_body(body)
         try:
             prompts = body.prompts()
-            if len(prompts) * body.n > MAX_CHOICES:
-                raise ValueError(
-                    f"{len(prompts)} prompts x n={body.n} make {len(prompts) * body.n} choices; "
-                    f"at most {MAX_CHOICES} per request"
-                )
+        except (ValueError, TypeError) as e:
+            raise BadRequest(str(e), "prompt") from e
+        if len(prompts) * body.n > MAX_CHOICES:
+            raise BadRequest(
+                f"{len(prompts)} prompts x n={body.n} make {len(prompts) * body.n} choices; "
+                f"at most {MAX_CHOICES} per request",
+                "n",
+            )
+        try:
             encoded = [
                 body.truncated(
                     backend.encode(p, add_special_tokens=body.add_special_tokens)

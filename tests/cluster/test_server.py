@@ -287,6 +287,7 @@ def test_version_and_one_models_card(http) -> None:
     assert http.get("/version").json() == {"version": importlib.metadata.version("duet")}
     card = http.get(f"/v1/models/{MODEL}")
     assert card.status_code == 200 and card.json() == http.get("/v1/models").json()["data"][0]
+    assert 0 < card.json()["created"] <= time.time()  # (the server's start, not 0)
     other = http.get("/v1/models/org/other-model")
     assert other.status_code == 404, other.text
     assert other.json()["error"]["message"].startswith("model 'org/other-model' does not exist")

@@ -190,6 +190,7 @@ def test_a_batch_of_prompts_has_n_choices_each_in_order(http, backend) -> None:
     assert too_long.json()["error"]["message"].startswith("prompt[1]: ")
     too_many = http.post("/v1/completions", json=body | {"prompt": [[5]] * 9, "n": 128})
     assert too_many.status_code == 400 and "at most 1024" in too_many.json()["error"]["message"]
+    assert too_many.json()["error"]["param"] == "n"
     assert len(backend.requests) == before
 
 
