@@ -37,7 +37,7 @@ from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
 
 from cluster.kv_index import KVIndex
 from cluster.messages import RequestClosed
-from cluster.worker_choice import WorkerChoice, WorkerSlot
+from cluster.worker_choice import NoLiveDecodeWorker, WorkerChoice, WorkerSlot, note_unavailable
 from worker_common.messages import GenerateRequest, PrefillResult, TokenDelta
 
 log = logging.getLogger(__name__)
@@ -100,14 +100,19 @@ class Router:
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta]:
         hashes = self.choice.block_hashes(req)
-        local = self.choice.local_prefill_worker(req, hashes)
+        try:
+            self.choice.live_decode()  # (first: a prefill for no decode worker is lost work)
+            local = self.choice.local_prefill_worker(req, hashes)
+            prefer = None if self.prefill else self.choice.pick_aggregated(req, hashes)
+        except NoLiveDecodeWorker as e:
+            yield _error_delta(req, str(e))  # (no worker saw it: nothing to close)
+            return
         if local is not None:
             self.num_local_prefills += 1
             async for delta in self._stream_decode(req, None, None, prefer=local):
                 yield delta
             return
-        if not self.prefill:  # aggregated
-            prefer = self.choice.pick_aggregated(req, hashes)
+        if prefer is not None:  # aggregated
             # Its prompt is queued there until its first token (kv_aware weighs it, as for P).
             queued = self.choice.tokens_to_compute(prefer, req, hashes)
             prefer.queued_prefill_tokens += queued
@@ -220,7 +225,7 @@ class Router:
                     pre = await call  # may lose a cancel)
                 return pre, w, attempt + 1, attempt
             except RayActorError as e:  # (before RayTaskError: a task's may be one too)
-                w.healthy = False  # until its stats answer again
+                note_unavailable(w, e)  # (until its stats answer again, or for good)
                 if isinstance(e, RayTaskError):
                     reported = attempt  # (it answered, so it reports)
                 if not isinstance(e, ActorDiedError):
@@ -277,11 +282,17 @@ class Router:
         gen: Any = None
         try:
             while not finished:
-                d, prefer = (
-                    (prefer, None)
-                    if prefer is not None
-                    else (self.choice.pick_decode(hashes), None)
-                )
+                try:
+                    d, prefer = (
+                        (prefer, None)
+                        if prefer is not None
+                        else (self.choice.pick_decode(hashes), None)
+                    )
+                except NoLiveDecodeWorker as e:  # (the last ones died meanwhile)
+                    finished = True
+                    self._closed(rid, last_reported, "error")
+                    yield _error_delta(req, str(e))
+                    return
                 if replaced is not None and replaced is not d:
                     # Unavailable may mean unreachable, not dead: it may have the request and run
                     # it to the end, its pages held for nobody. Told before another takes it (a
@@ -323,7 +334,7 @@ class Router:
                     yield _timeout_delta(req, self.call_timeout_s)
                     return
                 except RayActorError as e:
-                    d.healthy = False
+                    note_unavailable(d, e)
                     if started or self._left_s(req) <= DECODE_RETRY_PAUSE_S:
                         finished = True
                         if not isinstance(e, ActorDiedError):  # unavailable: it may decode on

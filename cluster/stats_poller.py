@@ -25,7 +25,7 @@ from typing import Any
 from ray.exceptions import RayActorError, RayTaskError
 
 from cluster.background_tasks import BackgroundTasks
-from cluster.worker_choice import WorkerSlot
+from cluster.worker_choice import WorkerSlot, note_unavailable
 from engine.stats import StatsBuffer
 from worker_common.messages import StatsBatch
 
@@ -72,7 +72,7 @@ class StatsPoller:
                 await asyncio.sleep(self.interval_s)
                 continue
             except RayActorError as e:
-                w.healthy = False  # dead or restarting; healthy again once it answers
+                note_unavailable(w, e)  # restarting (healthy again once it answers), or dead
                 log.warning("stats of %s unavailable: %s", w.worker_id, e)
             except RayTaskError as e:
                 log.warning("stats of %s failed: %s", w.worker_id, e)

@@ -14,6 +14,8 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
+from ray.exceptions import ActorDiedError, RayTaskError
+
 from cluster.kv_index import KVIndex
 from kvcache.block_hash import hash_full_pages
 from worker_common.messages import GenerateRequest, WorkerStats
@@ -33,10 +35,27 @@ class WorkerSlot:
     outstanding: int = 0
     free_pages: int = 0
     healthy: bool = True
+    # Ray reported it dead for good (ActorDiedError: its restarts are spent; one it restarts
+    # fails its calls with ActorUnavailableError): never picked again, nothing waits for it.
+    dead: bool = False
     failures: int = 0
     last_stats: WorkerStats | None = None  # the last stats poll's answer
     queued_prefill_tokens: int = 0  # prompt tokens sent here to compute, not answered yet
     num_prefills: int = 0  # prefills sent here (kv_aware spreads equal costs by it)
+
+
+class NoLiveDecodeWorker(RuntimeError):
+    """Every decode worker is dead for good: no request can be served."""
+
+
+def note_unavailable(w: WorkerSlot, error: Exception) -> None:
+    """A call to ``w`` failed as Ray's RayActorError: unhealthy until its stats answer again,
+    dead for good on ActorDiedError (Ray restarts a worker with restarts left, and its calls
+    fail meanwhile with ActorUnavailableError)."""
+    w.healthy = False
+    # (an ActorDiedError the worker's own call raised, one of its ranks', is a task's error)
+    if isinstance(error, ActorDiedError) and not isinstance(error, RayTaskError):
+        w.dead = True
 
 
 class WorkerChoice:
@@ -96,7 +115,7 @@ class WorkerChoice:
         self, req: GenerateRequest, exclude: set[str], hashes: list[int] | None = None
     ) -> WorkerSlot | None:
         """The healthy prefill worker not in ``exclude`` that the policy names; None when none."""
-        live = [w for w in self.prefill if w.healthy and w.worker_id not in exclude]
+        live = [w for w in self.prefill if w.healthy and not w.dead and w.worker_id not in exclude]
         return self._pick(live, req, hashes) if live else None
 
     def _pick(
@@ -124,19 +143,26 @@ class WorkerChoice:
                 return preferred
         return min(live, key=lambda w: w.outstanding)
 
-    def _live_decode(self) -> list[WorkerSlot]:
-        """The healthy decode workers, or all of them when none is (one may be back by now)."""
-        return [w for w in self.decode if w.healthy] or self.decode
+    def live_decode(self) -> list[WorkerSlot]:
+        """The healthy decode workers, or all those not dead for good when none is (one may be
+        back by now). NoLiveDecodeWorker when every one is dead for good."""
+        alive = [w for w in self.decode if not w.dead]
+        if not alive:
+            raise NoLiveDecodeWorker(
+                f"every decode worker is dead (Ray restarts none of "
+                f"{', '.join(w.worker_id for w in self.decode)} again)"
+            )
+        return [w for w in alive if w.healthy] or alive
 
     def pick_aggregated(self, req: GenerateRequest, hashes: list[int] | None) -> WorkerSlot:
         """Aggregated mode: the decode worker that prefills ``req`` too, as the policy says."""
-        return self._pick(self._live_decode(), req, hashes)
+        return self._pick(self.live_decode(), req, hashes)
 
     def pick_decode(self, hashes: list[int] | None = None) -> WorkerSlot:
         """The decode worker to take a prefilled request: the fewest running requests, then the
         most of its prompt cached, then the most free pages."""
         return min(
-            self._live_decode(),
+            self.live_decode(),
             key=lambda w: (w.outstanding, -sum(self.cached_tokens(w, hashes)), -w.free_pages),
         )
 

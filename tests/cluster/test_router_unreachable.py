@@ -6,6 +6,7 @@ worker only before its client had any of it."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import AsyncIterator, Iterator
 
@@ -52,20 +53,26 @@ class _Dead:
 def test_a_request_whose_decode_workers_died_is_closed_with_the_prefill_report(
     local_ray: None,
 ) -> None:
-    """Every decode worker is dead: the request ends with an error at server.request_timeout_s,
-    P's lease ends at once, and the collector is told that P's handed-off report is the last (no
-    decode worker will ever report it; the record waited for one until its pending bound)."""
+    """Every decode worker is dead for good (Ray's ActorDiedError: no restart left): the request
+    ends with an error at once, not by retrying the dead worker until server.request_timeout_s
+    (60 s here); P's lease ends, and the collector is told that P's handed-off report is the
+    last (no decode worker will ever report it). Later requests fail before any prefill."""
     worker = HandingPrefill.remote()
     ray.get(worker.cancelled_ids.remote(), timeout=60)  # started: it answers within the deadline
     dead = _Dead.remote()
     ray.kill(dead, no_restart=True)
-    router = one_to_one(worker, dead, call_timeout_s=2)
+    router = one_to_one(worker, dead, call_timeout_s=60)
     closed = closing(router)
     req = GenerateRequest("orphan-1", [1, 2, 3], SamplingParams(), time.time())
     deltas = asyncio.run(collect(router, req))
-    assert deltas[0].token_ids == [5] and deltas[-1].error.startswith("decode worker d-0 failed")
+    assert deltas[0].token_ids == [5]
+    assert deltas[-1].error.startswith("every decode worker is dead"), deltas[-1].error
+    assert router.choice.decode[0].dead
     assert closed == [RequestClosed("orphan-1", last_attempt=0, reason="error")]
     wait_cancelled(worker, "orphan-1")
+    later = GenerateRequest("orphan-2", [1, 2, 3], SamplingParams(), time.time())
+    (only,) = asyncio.run(collect(router, later))  # (no first token: nothing was prefilled)
+    assert only.error.startswith("every decode worker is dead") and len(closed) == 1
 
 
 @ray.remote(num_cpus=0)
@@ -151,3 +158,25 @@ def test_a_prefill_worker_unavailable_is_told_to_cancel_and_another_prefills(
     assert not workers[0].healthy and workers[1].healthy
     wait_cancelled(unreachable, "unreachable-1")
     assert ray.get(handing.cancelled_ids.remote(), timeout=30) == []
+
+
+@ray.remote(num_cpus=0, max_restarts=1, max_task_retries=0)
+class _CrashesOnce(KeepsAborts):
+    """A decode worker whose process dies at its first request; Ray restarts it (a worker's
+    max_restarts), and the new one serves."""
+
+    async def decode(self, req: GenerateRequest, pre: PrefillResult) -> AsyncIterator[TokenDelta]:
+        if not ray.get_runtime_context().was_current_actor_reconstructed:
+            os._exit(1)
+        yield TokenDelta(req.request_id, [6], "y", "length", 3, 2)
+
+
+def test_a_decode_worker_ray_restarts_is_waited_for_not_given_up(local_ray: None) -> None:
+    """Restarting is not dead: its call fails as unavailable, and the request waits for it (the
+    retry goes to the restarted worker), which serves it whole."""
+    crashing = _CrashesOnce.remote()
+    router = one_to_one(HandingPrefill.remote(), crashing, call_timeout_s=60)
+    req = GenerateRequest("restarted-1", [1, 2, 3], SamplingParams(), time.time())
+    deltas = asyncio.run(collect(router, req))
+    assert [d.token_ids for d in deltas] == [[5], [6]] and deltas[-1].error is None
+    assert not router.choice.decode[0].dead

@@ -78,3 +78,41 @@ def test_a_stuck_worker_is_marked_unhealthy_and_its_answer_still_taken(monkeypat
         assert poller.polls["d-0"] >= 1 and slot.healthy and slot.free_pages == 7
 
     asyncio.run(scenario())
+
+
+class _FailingWorker:
+    """``handle.drain_stats.remote()``: every call fails with ``error``, as Ray's would."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+        self.drain_stats = self
+
+    def remote(self) -> Any:
+        async def fail() -> StatsBatch:
+            raise self.error
+
+        return fail()
+
+
+def test_a_worker_ray_reports_dead_for_good_is_marked_dead_one_restarting_is_not() -> None:
+    """ActorDiedError: Ray restarts it no more (the router never picks it again); a worker
+    Ray is restarting fails its calls with ActorUnavailableError: unhealthy, not dead."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+    async def scenario() -> tuple[WorkerSlot, WorkerSlot]:
+        died = WorkerSlot("d-0", _FailingWorker(ActorDiedError()))
+        restarting = WorkerSlot("d-1", _FailingWorker(ActorUnavailableError("restarting", None)))
+        poller = StatsPoller([died, restarting], interval_s=0.01, max_stats_len=-1)
+        poller.start()
+        try:
+            for _ in range(300):  # bounded: 3 s
+                if not (died.healthy or restarting.healthy):
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            await poller.stop()
+        return died, restarting
+
+    died, restarting = asyncio.run(scenario())
+    assert (died.healthy, died.dead) == (False, True)
+    assert (restarting.healthy, restarting.dead) == (False, False)
