@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
+import pytest
 import ray
 
 from cluster.kv_index import KVIndex
@@ -16,8 +17,15 @@ from cluster.worker_choice import WorkerSlot
 from engine.sampling_params import SamplingParams
 from kvcache.kv_events import KVEvent
 from kvcache.spec import FULL_GROUP
-from tests.cluster.test_router_timeouts import HandingPrefill, collect, local_ray  # noqa: F401
+from tests.cluster.cluster_fixtures import local_ray as start_local_ray
+from tests.cluster.router_doubles import HandingPrefill, collect
 from worker_common.messages import GenerateRequest, PrefillResult, TokenDelta
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[None]:
+    with start_local_ray("duet-test-router-decode-choice"):
+        yield
 
 
 @ray.remote(num_cpus=0)
