@@ -11,7 +11,8 @@ records it drained are in that answer. One that has not answered within ANSWER_S
 unhealthy (alive but stuck, the router would otherwise keep sending it requests on stale stats);
 the same call is awaited again next interval, and its answer makes it healthy again. A worker that
 died loses nothing already collected from it; its task marks it unhealthy and asks again next
-interval (Ray may restart it).
+interval while Ray restarts it (ActorUnavailableError), and stops once Ray reports it dead for
+good (ActorDiedError: the worker is marked dead, cluster/worker_choice.py).
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ class StatsPoller:
                 continue
             except RayActorError as e:
                 note_unavailable(w, e)  # restarting (healthy again once it answers), or dead
+                if w.dead:  # (it will never answer: no warning every interval for good)
+                    log.warning("stats of %s: dead for good, no longer asked: %s", w.worker_id, e)
+                    return
                 log.warning("stats of %s unavailable: %s", w.worker_id, e)
             except RayTaskError as e:
                 log.warning("stats of %s failed: %s", w.worker_id, e)

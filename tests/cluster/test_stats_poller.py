@@ -86,8 +86,11 @@ class _FailingWorker:
     def __init__(self, error: Exception) -> None:
         self.error = error
         self.drain_stats = self
+        self.calls = 0
 
     def remote(self) -> Any:
+        self.calls += 1
+
         async def fail() -> StatsBatch:
             raise self.error
 
@@ -95,8 +98,9 @@ class _FailingWorker:
 
 
 def test_a_worker_ray_reports_dead_for_good_is_marked_dead_one_restarting_is_not() -> None:
-    """ActorDiedError: Ray restarts it no more (the router never picks it again); a worker
-    Ray is restarting fails its calls with ActorUnavailableError: unhealthy, not dead."""
+    """ActorDiedError: Ray restarts it no more (the router never picks it again, the poller
+    stops asking); a worker Ray is restarting fails its calls with ActorUnavailableError:
+    unhealthy, not dead."""
     from ray.exceptions import ActorDiedError, ActorUnavailableError
 
     async def scenario() -> tuple[WorkerSlot, WorkerSlot]:
@@ -109,6 +113,7 @@ def test_a_worker_ray_reports_dead_for_good_is_marked_dead_one_restarting_is_not
                 if not (died.healthy or restarting.healthy):
                     break
                 await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)  # (20 more intervals)
         finally:
             await poller.stop()
         return died, restarting
@@ -116,3 +121,5 @@ def test_a_worker_ray_reports_dead_for_good_is_marked_dead_one_restarting_is_not
     died, restarting = asyncio.run(scenario())
     assert (died.healthy, died.dead) == (False, True)
     assert (restarting.healthy, restarting.dead) == (False, False)
+    # A dead one is asked no more; one restarting is asked every interval until it answers.
+    assert died.handle.calls == 1 and restarting.handle.calls > 5
