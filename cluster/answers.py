@@ -263,7 +263,8 @@ class Answers:
         ``[DONE]`` whatever goes wrong. ``prompt_tokens``: the usage's, every prompt counted once.
         ``continuous_usage`` (vLLM's continuous_usage_stats): every chunk says its choice's usage
         so far. ``n``: choices per prompt (``choice_requests``'), which share its logprobs and
-        count once in the usage."""
+        count once in the usage. ``first_chunks``: each choice's opening chunks (a chat's role,
+        its echo), sent with that choice's first output."""
         n_out = 0
         made = [0] * len(reqs)  # each choice's tokens so far
         cached = [0] * len(reqs)  # each choice's prompt tokens read from a prefix cache
@@ -275,9 +276,12 @@ class Answers:
                 return {"usage": resp.usage(len(reqs[i].prompt_token_ids), made[i], cached[i])}
             return {"usage": None} if include_usage else {}
 
+        # Each choice's opening chunks go with its first output, as vLLM's: sent before it, they
+        # read as the first token to a client timing its first chunk (vLLM's bench: TTFT ~0).
+        opening: dict[int, list[dict[str, Any]]] = {}
+        for chunk in first_chunks or []:
+            opening.setdefault(chunk["choices"][0]["index"], []).append(chunk)
         try:
-            for chunk in first_chunks or []:
-                yield _sse(chunk | usage_of(chunk["choices"][0]["index"]))
             try:
                 streams = sharing_prompt_logprobs(reqs, [self._generate(r) for r in reqs], n)
                 async for i, d in merged(streams):
@@ -285,6 +289,8 @@ class Answers:
                         unfinished.discard(reqs[i].request_id)  # (it ended on our side)
                         yield _sse(resp.error_body(d.error, "internal_error", 500))
                         break
+                    for chunk in opening.pop(i, []):
+                        yield _sse(chunk | usage_of(i))
                     n_out += len(d.token_ids)
                     made[i] += len(d.token_ids)
                     if d.num_cached_tokens is not None:

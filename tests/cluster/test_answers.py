@@ -129,3 +129,27 @@ def test_a_whole_answer_that_fails_closes_its_other_choices_before_it_aborts() -
     assert asyncio.run(run()) == 500
     assert sorted(closed) == ["r-0", "r-1", "r-2"]
     assert aborts == [(f"r-{i}", ["r-0", "r-1", "r-2"]) for i in range(3)]
+
+
+def test_a_choices_opening_chunk_goes_with_its_first_output() -> None:
+    """The chat's role chunk is sent with the choice's first token, not before it is computed:
+    a client that times its first chunk (vLLM's bench) would read the prefill as no time."""
+    produced: list[str] = []
+
+    async def run() -> list[tuple[str, list[str]]]:
+        async def generate(req: GenerateRequest) -> AsyncIterator[TokenDelta]:
+            await asyncio.sleep(0.05)  # (the prefill)
+            produced.append(req.request_id)
+            yield TokenDelta(req.request_id, [1], "a", "length")
+
+        answers = Answers(generate, lambda rid: None, lambda rid: None)
+        opening = [{"choices": [{"index": i, "role": "assistant"}]} for i in range(2)]
+        seen = []
+        async for e in answers.stream(_requests(2), _chunk, False, 2, opening, n=2):
+            seen.append((e, list(produced)))
+        return seen
+
+    seen = asyncio.run(run())
+    roles = [(json.loads(e[6:])["choices"][0]["index"], made) for e, made in seen if '"role"' in e]
+    assert sorted(i for i, _ in roles) == [0, 1]
+    assert all(f"r-{i}" in made for i, made in roles)  # (its first output was computed by then)

@@ -25,6 +25,16 @@ def test_seeded_and_non_decreasing() -> None:
     assert all(x <= y for x, y in zip(a, a[1:], strict=False))
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_the_last_send_falls_at_n_over_r_as_in_vllm(seed: int) -> None:
+    """The rate offered is the rate named: the gaps are rescaled so that N requests go out by
+    N / R (as drawn, 16 requests at seed 0 took 1.36 N / R); not with a ramp-up (as vLLM)."""
+    offsets = arrival_offsets(16, rate=4.0, burstiness=0.5, seed=seed)
+    assert offsets[-1] == pytest.approx(16 / 4.0)
+    ramped = arrival_offsets(16, rate=4.0, ramp_up_s=2.0, seed=seed)
+    assert ramped[-1] != pytest.approx(2.0 + (16 - 4.0) / 4.0)  # (the drawn sum, warped)
+
+
 @pytest.mark.parametrize("burstiness", [1.0, 0.25, 4.0])
 def test_gap_mean_is_one_over_rate_and_variance_follows_burstiness(burstiness: float) -> None:
     rate, n = 8.0, 40_000
