@@ -137,7 +137,8 @@ def plot_comparison(doc: dict[str, Any], path: Path) -> Path:
     width = 0.38
     for ax, (key, title) in zip(axes, metrics, strict=True):
         for k, (entry, runs) in enumerate(zip((first, second), by_rate, strict=True)):
-            ys = [runs[r][key] if runs[r][key] is not None else 0.0 for r in rates]
+            # (a run without the figure has no bar, not a 0 that reads as the best)
+            ys = [runs[r][key] if runs[r][key] is not None else math.nan for r in rates]
             ax.bar(
                 [i + (k - 0.5) * width for i in range(len(rates))], ys, width, label=entry["label"]
             )

@@ -98,7 +98,10 @@ class RequestRecord:
 
     @property
     def tpot(self) -> float | None:
-        """Time per output token after the first, in seconds (see ``metrics.tpot``)."""
+        """Time per output token after the first, in seconds (see ``metrics.tpot``): from the first
+        token to the end of ``e2el`` (the last chunk with a choice, a finish-only one included), as
+        `vllm bench serve`'s (latency - ttft) / (tokens - 1)."""
         if not self.success or not self.chunk_times:
             return None
-        return tpot(self.chunk_times[0], self.chunk_times[-1], self.output_tokens)
+        last = max(self.last_choice_at, self.chunk_times[-1])
+        return tpot(self.chunk_times[0], last, self.output_tokens)

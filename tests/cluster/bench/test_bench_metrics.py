@@ -73,6 +73,15 @@ def test_record_latencies_from_a_trace() -> None:
     assert record.tpot == pytest.approx((11.1 - 10.5) / 3)
 
 
+def test_tpot_ends_where_e2el_does_at_a_finish_only_chunk() -> None:
+    """A last chunk with a finish reason and no token: E2EL ends there, and so does TPOT, as
+    vLLM's (latency - ttft) / (n - 1) (it ended at the last token)."""
+    record = trace(0, start=10.0, chunks=[10.5, 10.6, 10.8, 11.1], end=11.4)
+    record.last_choice_at = 11.3
+    assert record.e2el == pytest.approx(1.3)
+    assert record.tpot == pytest.approx((11.3 - 10.5) / 3)
+
+
 def test_tpot_uses_server_token_count_when_chunks_carry_several_tokens() -> None:
     record = trace(0, start=0.0, chunks=[1.0, 2.0], end=2.0, output_tokens=5)
     assert record.tpot == pytest.approx(0.25)  # (2.0 - 1.0) / (5 - 1)

@@ -7,6 +7,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from cluster.bench.plots import rate_positions, write_plots
 from cluster.bench.report import comparison_rows, fmt, format_table, render_report
 from cluster.bench.results_file import to_jsonable, write_results
@@ -151,3 +153,26 @@ def test_write_plots(tmp_path: Path) -> None:
         "latency_cdf.png",
         "latency_vs_rate.png",
     ]
+
+
+def test_a_comparison_bar_without_its_figure_is_left_out_not_drawn_as_zero(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run with no TPOT (every request one token) has no bar: a 0 ms bar read as the best."""
+    import matplotlib.axes
+
+    from cluster.bench.plots import plot_comparison
+
+    heights: list[float] = []
+    real_bar = matplotlib.axes.Axes.bar
+
+    def bar(self: matplotlib.axes.Axes, x: Any, height: Any, *args: Any, **kwargs: Any) -> Any:
+        heights.extend(height)  # (what each bar was asked to be)
+        return real_bar(self, x, height, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "bar", bar)
+    d = doc()
+    d["targets"][1]["runs"][0]["median_tpot_ms"] = None
+    plot_comparison(d, tmp_path / "cmp.png")
+    assert (tmp_path / "cmp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert 0.0 not in heights and sum(math.isnan(h) for h in heights) == 1
