@@ -112,14 +112,15 @@ class ServingMetrics:
         )
         self.kv_usage = Gauge(
             PREFIX + "kv_cache_usage_perc",
-            "Fraction of a worker's KV cache pages in use (1 = full).",
+            "Fraction of a worker's KV cache pages in use (1 = full): of its fullest pool group "
+            "(full attention, each sliding window), as a request needs pages in every group.",
             worker,
             registry=reg,
         )
         self.kv_peak_usage = Gauge(
             PREFIX + "kv_cache_peak_usage_perc",
-            "Most of a worker's KV cache pages (every pool group together) in use at once "
-            "during its last complete stats interval (stats.interval_s), as a fraction of them.",
+            "Most of kv_cache_usage_perc during a worker's last complete stats interval "
+            "(stats.interval_s): the fullest pool group's peak share of its pages.",
             worker,
             registry=reg,
         )

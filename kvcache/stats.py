@@ -108,15 +108,16 @@ class KVCacheStats:
 
     @property
     def usage(self) -> float:
-        """Device pages held now over all pages, every group (1 = full)."""
-        total = self.total
-        return sum(g.used for g in self.groups.values()) / total if total else 0.0
+        """The fullest group's share of its device pages held now (1 = full). Each group is a
+        pool of its own and a request needs pages in every one, so the fullest decides what fits
+        (all groups' pages together read 0.1 with a window group full and nothing admitted)."""
+        return max((g.usage for g in self.groups.values()), default=0.0)
 
     @property
     def peak_usage(self) -> float:
-        """``peak_used`` over all device pages, every group (1 = full)."""
-        total = self.total
-        return self.peak_used / total if total else 0.0
+        """The most of ``usage`` during the interval: the fullest group's own peak share (the
+        peak of a maximum is the maximum of the peaks)."""
+        return max((g.peak_used / g.total for g in self.groups.values() if g.total), default=0.0)
 
     @property
     def host_drops(self) -> int:

@@ -206,7 +206,10 @@ def test_the_peak_of_all_groups_together_is_not_the_sum_of_their_peaks(
     s = m.stats()
     assert (s.groups["full"].peak_used, s.groups["swa_4"].peak_used) == (10, 6)  # each its own
     assert s.peak_used == 13  # full 10 + window 3, at 19
-    assert s.peak_usage == 13 / 22 and s.usage == 12 / 22  # (11 usable pages per group)
+    # Usage is the fullest group's (each a pool of its own; 11 usable pages each): full 10 of
+    # 11 now (the window 2), and its peak the fullest group's own.
+    assert s.peak_usage == 10 / 11 and s.usage == 10 / 11  # (together: 12 of 22)
+    assert not m.allocate_slots("b", 8, num_computed_tokens=0)  # (4 full pages: it is full)
     m.free("a")
     assert m.stats().peak_used == 13
     m.reset_peak()
