@@ -211,6 +211,9 @@ class ClusterFrontend:
     async def metrics_text(self) -> bytes:
         for w in self.router.prefill + self.router.decode:
             self._export_worker(w)
+        self.metrics.set_router_totals(
+            self.router.num_prefill_retries, self.router.num_local_fallbacks
+        )
         with self._perf_lock:
             return self.metrics.render()
 

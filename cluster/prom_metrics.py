@@ -146,8 +146,30 @@ class ServingMetrics:
             registry=reg,
         )
         self.transfer_failures = Counter(
-            PREFIX + "kv_transfer_failures_total", "Failed KV transfers.", worker, registry=reg
+            PREFIX + "kv_transfer_failures_total",
+            "Failed KV transfers, as each side saw them (a failed pull counts on the prefill and "
+            "on the decode worker; sum one role).",
+            worker,
+            registry=reg,
         )
+        # The router's own: what the per-request latencies do not show (they count from the
+        # arrival of the prefill attempt that served the request; /perf_metrics names the
+        # failed attempts before it).
+        self.prefill_retries = Counter(
+            PREFIX + "router_prefill_retries_total",
+            "Prefills the router tried again on another prefill worker after one failed "
+            "(router.prefill_retries).",
+            model,
+            registry=reg,
+        )
+        self.local_fallbacks = Counter(
+            PREFIX + "router_local_prefill_fallbacks_total",
+            "Requests a decode worker prefilled itself because no prefill worker could "
+            "(router.local_prefill_fallback).",
+            model,
+            registry=reg,
+        )
+        self._router_seen = (0, 0)  # (prefill retries, local fallbacks) exported so far
         self.expired_leases = Counter(
             PREFIX + "kv_transfer_expired_leases_total",
             "KV leases that expired before the decode worker acknowledged.",
@@ -271,6 +293,14 @@ class ServingMetrics:
             self.kv.restarted(labels)
         if kv is not None:
             self.kv.set(labels, kv, kv_interval)
+
+    def set_router_totals(self, prefill_retries: int, local_fallbacks: int) -> None:
+        """The router's running totals (``Router.num_prefill_retries``, ``num_local_fallbacks``:
+        this process's, so they only grow)."""
+        with self._totals_lock:
+            seen, self._router_seen = self._router_seen, (prefill_retries, local_fallbacks)
+        self.prefill_retries.labels(self.model_name).inc(max(prefill_retries - seen[0], 0))
+        self.local_fallbacks.labels(self.model_name).inc(max(local_fallbacks - seen[1], 0))
 
     def remove_worker(self, worker_id: str, role: Role | str) -> None:
         """Forget a worker that left the cluster, so its gauges stop being exported."""

@@ -128,7 +128,8 @@ class StatsConfig(Section):
         description=(
             "Per-request stats (/perf_metrics): each worker's engine buffer, the collector's "
             "buffer per worker and the server's buffer between reads: -1 all, 0 none (nothing "
-            "recorded or sent), N the newest N."
+            "recorded or sent; /metrics then has no per-request series either: latencies, "
+            "tokens, finished requests), N the newest N."
         ),
     )
     max_pending_joins: int = Field(

@@ -112,10 +112,11 @@ def test_the_collector_drain_loop_ends_when_cancelled_as_a_drain_is_answered() -
     assert asyncio.run(cancel_at_every_phase()) == [True] * 8
 
 
-def test_the_peak_kv_usage_is_the_peak_of_every_group_together() -> None:
-    """kv_cache_peak_usage_perc: the most pages held in all groups at once over all their pages;
-    it was the sum of each group's own peak (10 + 6 of 22 pages here), which the groups reach at
-    different moments."""
+def test_kv_usage_is_the_fullest_groups_and_its_peak_that_groups_own_peak() -> None:
+    """kv_cache_usage_perc and its peak read the fullest pool group (each group is a pool of its
+    own, and a request needs pages in every one): the window group's 9 of 11 at its peak, though
+    all groups together never held more than 13 of 22 (first the sum of each group's own peak,
+    then the pages of all groups together, both read as room left while the window was full)."""
 
     def group(used: int, peak_used: int) -> PoolGroupStats:
         return PoolGroupStats(
@@ -123,7 +124,7 @@ def test_the_peak_kv_usage_is_the_peak_of_every_group_together() -> None:
             peak_evictable=0, free_low_water=11 - peak_used,
         )  # fmt: skip
 
-    kv = KVCacheStats({"full": group(10, 10), "swa_4": group(2, 6)}, peak_used=13)
+    kv = KVCacheStats({"full": group(5, 6), "swa_4": group(2, 9)}, peak_used=13)
     transfer = types.SimpleNamespace(
         failures=0, expired_leases=0, recomputed=0, failed_requests=0, refused_peers=0,
         injected_faults=0, wedged_messages=0,
@@ -136,5 +137,5 @@ def test_the_peak_kv_usage_is_the_peak_of_every_group_together() -> None:
     ClusterFrontend._export_worker(server, worker)  # type: ignore[arg-type]
     labels = {"model_name": "m", "role": "decode", "worker": "d0"}
     registry = server.metrics.registry
-    assert registry.get_sample_value("duet:kv_cache_peak_usage_perc", labels) == 13 / 22
-    assert registry.get_sample_value("duet:kv_cache_usage_perc", labels) == 12 / 22
+    assert registry.get_sample_value("duet:kv_cache_peak_usage_perc", labels) == 9 / 11
+    assert registry.get_sample_value("duet:kv_cache_usage_perc", labels) == 5 / 11

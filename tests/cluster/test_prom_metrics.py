@@ -116,6 +116,16 @@ def test_a_restarted_worker_counts_from_zero_by_its_process_id() -> None:
     assert value(metrics, "duet:kv_transfer_failures_total", **d0) == 13
 
 
+def test_the_routers_retries_and_fallbacks_are_counted() -> None:
+    """The latencies count from the attempt that served a request: how many prefills were tried
+    again and how many requests D prefilled itself show here."""
+    metrics = ServingMetrics(MODEL)
+    metrics.set_router_totals(2, 0)
+    metrics.set_router_totals(5, 1)
+    assert value(metrics, "duet:router_prefill_retries_total") == 5
+    assert value(metrics, "duet:router_local_prefill_fallbacks_total") == 1
+
+
 def test_a_hidden_worker_exports_no_gauges_until_it_reports_again() -> None:
     """A worker that is down (or restarting) shows no last values as current ones; its counters
     keep their totals and count on from there when it is back."""
