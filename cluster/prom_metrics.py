@@ -70,7 +70,11 @@ class ServingMetrics:
             return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=reg)
 
         self.ttft = histogram(
-            "time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS, model
+            "time_to_first_token_seconds",
+            "Time to first token, from the request's arrival at the worker whose prefill served "
+            "it (failed attempts before it: duet:router_prefill_retries_total).",
+            LATENCY_BUCKETS,
+            model,
         )
         self.tpot = histogram(
             "request_time_per_output_token_seconds",
@@ -81,12 +85,17 @@ class ServingMetrics:
         )
         self.itl = histogram(
             "inter_token_latency_seconds",
-            "Gap between consecutive output tokens.",
+            "Gap between consecutive output tokens sampled by one worker (the gap from the "
+            "prefill worker's first token to the decode worker's next, the KV transfer in it, "
+            "counts in the time per output token, not here).",
             TOKEN_LATENCY_BUCKETS,
             model,
         )
         self.e2e = histogram(
-            "e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS, model
+            "e2e_request_latency_seconds",
+            "End-to-end request latency, from the arrival at the worker whose prefill served it.",
+            LATENCY_BUCKETS,
+            model,
         )
         self.prefill_time = histogram(
             "request_prefill_time_seconds", "Time spent running the prompt.", LATENCY_BUCKETS, model
