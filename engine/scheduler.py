@@ -160,7 +160,10 @@ class Scheduler:
         if self.loading:
             self._land_loads()
         while self.ready and self.num_running < cfg.max_num_seqs:
-            self.running.append(self.ready.popleft())
+            joined = self.ready.popleft()
+            # Scheduled now, not when it was added: its wait for a place is its queue time.
+            joined.metrics.first_scheduled_time = time.time()
+            self.running.append(joined)
         running = self.running  # _reserve_running pops from this same list
         i = 0
         while i < len(running) and budget > 0:

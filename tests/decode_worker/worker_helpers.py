@@ -24,8 +24,10 @@ async def held_pages(worker: DecodeWorker) -> int:
 
 
 async def reports(worker: DecodeWorker, records: list[RequestTimings]) -> list[RequestTimings]:
-    """What the worker reported so far: its reports are made on the engine thread, in call order."""
-    await asyncio.wrap_future(worker.loop.call(lambda e: None))
+    """What the worker reported so far. Its reports are made on the engine thread at the tick
+    after a round of calls, and calls sent back to back share a round: the tick is run here,
+    in this call, so that a report of an earlier call is in by its end."""
+    await asyncio.wrap_future(worker.loop.call(worker.keeper.tick))
     return records
 
 

@@ -4,6 +4,8 @@ never arrived (recomputed here from the prompt and the first token)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from engine.request import RequestStatus
@@ -75,6 +77,7 @@ def test_prefilled_requests_beyond_max_num_seqs_wait_for_a_place_with_their_page
             make_request(rid, list(range(500 + 10 * i, 505 + 10 * i)), max_tokens=max_tokens)
         )
         sched.add_prefilled_request(reqs[-1], first_token_id=42)
+    added = time.time()
     assert sched.running == reqs[:2] and list(sched.ready) == reqs[2:]
     assert (sched.num_running, sched.num_waiting) == (2, 3)
     assert sched.abort("d4") is reqs[4] and not kv.has_request("d4")
@@ -86,6 +89,10 @@ def test_prefilled_requests_beyond_max_num_seqs_wait_for_a_place_with_their_page
         assert len(out.requests) <= 2
     assert batches == [["d0", "d1"], ["d1", "d2"], ["d3", "new"]]
     assert all(r.finish_reason == "length" for r in reqs[:4])
+    # Those that waited for a place were scheduled when they joined (the wait is their queue
+    # time), not when they were added.
+    joined = [r.metrics.first_scheduled_time for r in reqs[:4]]
+    assert joined[0] <= added and joined[1] <= added < joined[2] <= joined[3]
     assert_no_leak(kv)
 
 
