@@ -140,10 +140,24 @@ class PerfRecord:
 
     @property
     def token_gaps_s(self) -> tuple[float, ...]:
-        """Inter-token latencies as reported by the workers that emitted the tokens."""
+        """Inter-token latencies: each worker's own gaps and, when P sampled the first token and
+        D the next ones, the gap between them (the KV transfer is in it; D's first sampled token
+        came ``sum(D's gaps)`` before its last). So the gaps add up to TPOT x (outputs - 1)."""
         prefill_gaps = self.prefill.token_gaps_s if self.prefill is not None else ()
         decode_gaps = self.decode.token_gaps_s if self.decode is not None else ()
-        return prefill_gaps + decode_gaps
+        handoff: tuple[float, ...] = ()
+        p, d = self.prefill, self.decode
+        if (
+            p is not None
+            and d is not None
+            and self._prefiller is p
+            and d.output_tokens > 0
+            and p.first_token_time is not None
+            and d.last_token_time is not None
+        ):
+            first_on_d = d.last_token_time - sum(decode_gaps)
+            handoff = (max(first_on_d - p.first_token_time, 0.0),)  # (two hosts' clocks)
+        return prefill_gaps + handoff + decode_gaps
 
     @property
     def finish_reason(self) -> str | None:

@@ -85,9 +85,8 @@ class ServingMetrics:
         )
         self.itl = histogram(
             "inter_token_latency_seconds",
-            "Gap between consecutive output tokens sampled by one worker (the gap from the "
-            "prefill worker's first token to the decode worker's next, the KV transfer in it, "
-            "counts in the time per output token, not here).",
+            "Gap between consecutive output tokens (the gap from the prefill worker's first "
+            "token to the decode worker's next has the KV transfer in it).",
             TOKEN_LATENCY_BUCKETS,
             model,
         )

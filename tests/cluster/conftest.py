@@ -42,7 +42,8 @@ def prefill_timings(request_id: str, worker_id: str = "p0", **overrides: Any) ->
 
 
 def decode_timings(request_id: str, worker_id: str = "d0", **overrides: Any) -> RequestTimings:
-    """A decode worker's report: arrives at 100.75, receives KV 101-101.5, decodes 4 tokens by 103."""
+    """A decode worker's report: arrives at 100.75, receives KV 101-101.5, samples 4 tokens at
+    101.75, 102, 102.5 and 103 (3 gaps: the one from P's first token is no gap of its own)."""
     fields: dict[str, Any] = dict(
         arrival_time=100.75,
         queue_start=101.5,
@@ -54,7 +55,7 @@ def decode_timings(request_id: str, worker_id: str = "d0", **overrides: Any) -> 
         last_token_time=103.0,
         finish_time=103.0,
         output_tokens=4,
-        token_gaps_s=(1.0, 0.25, 0.5, 0.5),
+        token_gaps_s=(0.25, 0.5, 0.5),
         finish_reason="length",
     )
     fields.update(overrides)

@@ -22,7 +22,9 @@ def test_disaggregated_latencies() -> None:
     assert record.prompt_tokens == 32
     assert record.output_tokens == 5  # the first token from P, four from D
     assert record.tpot_s == (103.0 - 100.75) / 4
+    # D's own gaps, after the one from P's first token (100.75) to D's first (101.75)
     assert record.token_gaps_s == (1.0, 0.25, 0.5, 0.5)
+    assert sum(record.token_gaps_s) == record.tpot_s * (record.output_tokens - 1)
     assert record.queue_time_s(Role.PREFILL) == 0.25
     assert record.queue_time_s(Role.DECODE) == 0.125
     assert record.finish_reason == "length"
@@ -97,7 +99,7 @@ def test_to_dict_is_json_and_what_the_bench_driver_reads() -> None:
     record = PerfRecord("r1", prefill=prefill_timings("r1"), decode=decode_timings("r1"))
     entry = json.loads(json.dumps(record.to_dict()))
     assert entry["prefill"]["role"] == "prefill" and entry["decode"]["token_gaps_s"] == [
-        1.0, 0.25, 0.5, 0.5,
+        0.25, 0.5, 0.5,
     ]  # fmt: skip
     assert (entry["ttft"], entry["e2e"], entry["output_tokens"]) == (0.75, 3.0, 5)
     timings = parse_perf_metrics([entry])["r1"]

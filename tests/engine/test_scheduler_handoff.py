@@ -60,6 +60,9 @@ def test_prefilled_request_starts_with_a_decode_step() -> None:
     assert len(req.page_ids["full"]) == 2  # 7 tokens of context
     run_step(sched)
     assert req.output_token_ids == [42, 7, 7] and req.finish_reason == "length"
+    # Gaps between the tokens sampled here only: 2 tokens, 1 gap (the one from P's first token
+    # is the collector's to add: cluster.messages.PerfRecord.token_gaps_s).
+    assert len(req.token_gaps) == 1
     assert_no_leak(kv)
 
 
