@@ -39,7 +39,9 @@ class PerfRecord:
     After failed prefill attempts (the router tried another prefill worker, or had the decode
     worker prefill it), ``prefill`` is the report of the attempt that served the request (or of
     the last one, when none did) and ``failed_prefill_attempts`` counts those before it; their
-    own reports are left out, and times run from the serving attempt's arrival."""
+    own reports are left out. TTFT and end-to-end latency run from the request's arrival at the
+    router (``RequestTimings.router_arrival_time``; failed attempts and the router's wait are in
+    them, as a client sees them), or, for reports that lack it, from the first worker's."""
 
     request_id: str
     prefill: RequestTimings | None
@@ -79,14 +81,25 @@ class PerfRecord:
         return self._prefiller.first_token_time
 
     @property
+    def request_arrival_time(self) -> float | None:
+        """The request reached the router (the first worker, in a report without it)."""
+        first = self._first
+        return (
+            first.router_arrival_time
+            if first.router_arrival_time is not None
+            else first.arrival_time
+        )
+
+    @property
     def ttft_s(self) -> float | None:
-        """Time to first token, from arrival at the first worker."""
-        return _span(self.arrival_time, self.first_token_time)
+        """Time to first token, from the request's arrival at the router."""
+        return _span(self.request_arrival_time, self.first_token_time)
 
     @property
     def e2e_s(self) -> float | None:
-        """End-to-end latency, from arrival at the first worker to the finishing worker's release."""
-        return _span(self.arrival_time, self._last.finish_time)
+        """End-to-end latency, from the request's arrival at the router to the finishing worker's
+        release."""
+        return _span(self.request_arrival_time, self._last.finish_time)
 
     @property
     def prefill_time_s(self) -> float | None:

@@ -71,8 +71,8 @@ class ServingMetrics:
 
         self.ttft = histogram(
             "time_to_first_token_seconds",
-            "Time to first token, from the request's arrival at the worker whose prefill served "
-            "it (failed attempts before it: duet:router_prefill_retries_total).",
+            "Time to first token, from the request's arrival at the server (failed prefill "
+            "attempts included: duet:router_prefill_retries_total counts them).",
             LATENCY_BUCKETS,
             model,
         )
@@ -92,7 +92,7 @@ class ServingMetrics:
         )
         self.e2e = histogram(
             "e2e_request_latency_seconds",
-            "End-to-end request latency, from the arrival at the worker whose prefill served it.",
+            "End-to-end request latency, from the request's arrival at the server.",
             LATENCY_BUCKETS,
             model,
         )
@@ -160,9 +160,8 @@ class ServingMetrics:
             worker,
             registry=reg,
         )
-        # The router's own: what the per-request latencies do not show (they count from the
-        # arrival of the prefill attempt that served the request; /perf_metrics names the
-        # failed attempts before it).
+        # The router's own: why a request's latencies include failed attempts (/perf_metrics
+        # names them per request).
         self.prefill_retries = Counter(
             PREFIX + "router_prefill_retries_total",
             "Prefills the router tried again on another prefill worker after one failed "

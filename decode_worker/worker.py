@@ -128,7 +128,9 @@ class DecodeWorker:
         except (asyncio.CancelledError, Exception) as e:  # the client left, or no pages came
             self._aborted.discard(rid)
             finish = "abort" if isinstance(e, asyncio.CancelledError) else "error"
-            self._ended_early(rid, len(prompt), WorkerFacts(received, None, attempt), finish)
+            self._ended_early(
+                rid, len(prompt), WorkerFacts(received, None, attempt, req.arrival_time), finish
+            )
             raise
         finally:
             self._awaiting_pages.discard(rid)
@@ -138,7 +140,12 @@ class DecodeWorker:
                 if init is not None:  # (it got them as the abort came)
                     await asyncio.shield(asyncio.wrap_future(self._free_pages(rid)))
             finally:
-                self._ended_early(rid, len(prompt), WorkerFacts(received, None, attempt), "abort")
+                self._ended_early(
+                    rid,
+                    len(prompt),
+                    WorkerFacts(received, None, attempt, req.arrival_time),
+                    "abort",
+                )
             return
         transfer_start = time.time()
         pull = asyncio.ensure_future(
@@ -152,7 +159,9 @@ class DecodeWorker:
             self._aborted.discard(rid)
             pull.add_done_callback(lambda _: self._free_pages(rid))
             gone = TransferFacts(transfer_start, time.time(), 0, None)
-            self._ended_early(rid, len(prompt), WorkerFacts(received, gone, attempt), "abort")
+            self._ended_early(
+                rid, len(prompt), WorkerFacts(received, gone, attempt, req.arrival_time), "abort"
+            )
             raise
         except Exception as e:  # the pull could not run at all (the receiver closed, say)
             result, error = None, f"{type(e).__name__}: {e}"
@@ -170,6 +179,7 @@ class DecodeWorker:
                 result.stats.path if result is not None else None,
             ),
             attempt,
+            req.arrival_time,
         )
         if not ok and not aborted:  # (a pull its client's abort cut short did not fail)
             self.num_transfer_failures += 1
@@ -263,7 +273,7 @@ class DecodeWorker:
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta]:
         """Prefill locally and stream every token (aggregated mode / no healthy prefill worker)."""
         rid, prompt = req.request_id, req.prompt_token_ids.tolist()
-        facts = WorkerFacts(time.time(), None, req.prefill_attempt)
+        facts = WorkerFacts(time.time(), None, req.prefill_attempt, req.arrival_time)
         if not self._arrive(rid):
             return
 

@@ -118,7 +118,7 @@ class PrefillWorker:
         received = time.time()
         rid = req.request_id
         prompt = req.prompt_token_ids.tolist()
-        facts = WorkerFacts(received, prefill_attempt=req.prefill_attempt)
+        facts = WorkerFacts(received, None, req.prefill_attempt, req.arrival_time)
 
         def add(e: LLMEngine) -> None:
             self.keeper.note(rid, facts)  # its report names the router's attempt

@@ -189,6 +189,7 @@ class RequestTimings:
     role: Role
     worker_id: str
     arrival_time: float | None = None  # the request reached this worker
+    router_arrival_time: float | None = None  # it reached the router (GenerateRequest's)
     queue_start: float | None = None  # entered the worker's scheduler queue
     queue_end: float | None = None  # first scheduled
     prefill_start: float | None = None  # first prefill chunk started

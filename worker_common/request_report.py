@@ -42,6 +42,7 @@ class WorkerFacts:
     received: float  # the request reached this worker
     transfer: TransferFacts | None = None  # D: the KV came from a prefill worker
     prefill_attempt: int = 0  # the router's (GenerateRequest.prefill_attempt)
+    router_arrival: float | None = None  # the request reached the router (its arrival_time)
 
 
 class RequestReporter:
@@ -88,6 +89,7 @@ class RequestReporter:
                     role=self.role,
                     worker_id=self.worker_id,
                     arrival_time=facts.received,
+                    router_arrival_time=facts.router_arrival,
                     transfer_start=transfer.start if transfer else None,
                     transfer_end=transfer.end if transfer else None,
                     transfer_bytes=transfer.bytes if transfer else 0,
@@ -127,7 +129,11 @@ class RequestReporter:
             role=self.role,
             worker_id=self.worker_id,
             arrival_time=facts.received if facts is not None else m.arrival_time,
-            queue_start=m.arrival_time if local_prompt else (transfer.end if transfer else None),
+            router_arrival_time=facts.router_arrival if facts is not None else None,
+            # (from this worker's arrival: D's engine holds the router's, for the request's TTFT)
+            queue_start=(facts.received if facts is not None else m.arrival_time)
+            if local_prompt
+            else (transfer.end if transfer else None),
             queue_end=m.first_scheduled_time,
             prefill_start=m.first_scheduled_time if local_prompt else None,
             prefill_end=m.first_token_time if local_prompt else None,

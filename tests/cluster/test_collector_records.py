@@ -30,6 +30,20 @@ def test_disaggregated_latencies() -> None:
     assert record.finish_reason == "length"
 
 
+def test_latencies_run_from_the_routers_arrival_failed_attempts_included() -> None:
+    """A request that reached the router at 70 and whose first prefill attempt failed: its TTFT
+    and end-to-end latency count from 70, as its client waited, not from the arrival of the
+    attempt that served it (100: a healthy 0.75 s TTFT while the client waited 30.75 s)."""
+    record = PerfRecord(
+        "r9",
+        prefill=prefill_timings("r9", router_arrival_time=70.0, prefill_attempt=1),
+        decode=decode_timings("r9", router_arrival_time=70.0, prefill_attempt=1),
+        failed_prefill_attempts=1,
+    )
+    assert (record.ttft_s, record.e2e_s) == (30.75, 33.0)
+    assert record.queue_time_s(Role.PREFILL) == 0.25  # (the worker's own queue)
+
+
 def test_aggregated_latencies_come_from_the_decode_worker() -> None:
     decode = decode_timings(
         "r2",

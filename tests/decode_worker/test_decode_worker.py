@@ -199,15 +199,19 @@ def test_an_abort_of_a_running_request_ends_its_stream_and_frees_its_pages() -> 
     worker = DecodeWorker("d0", tiny_engine(64), None, records.extend)
 
     async def main() -> None:
-        stream = worker.generate(GenerateRequest("a", list(range(1, 11)), greedy(200), time.time()))
+        req = GenerateRequest("a", list(range(1, 11)), greedy(200), time.time())
+        stream = worker.generate(req)
         first = await stream.__anext__()
         assert first.error is None and first.finish_reason is None
         await worker.abort("a")
         rest = await asyncio.wait_for(_drain(stream), 60)  # (the token deadline is 300 s)
         assert rest and rest[-1].error == "aborted by the router"
         await wait_until_no_page_held(worker)
-        ((rid, finish),) = [(r.request_id, r.finish_reason) for r in await reports(worker, records)]
-        assert (rid, finish) == ("a", "abort")
+        ((rid, finish, arrived),) = [
+            (r.request_id, r.finish_reason, r.router_arrival_time)
+            for r in await reports(worker, records)
+        ]
+        assert (rid, finish, arrived) == ("a", "abort", req.arrival_time)
 
     try:
         asyncio.run(main())

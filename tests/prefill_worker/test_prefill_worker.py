@@ -177,7 +177,7 @@ def test_a_prefill_call_cancelled_while_its_add_waits_is_still_reported() -> Non
     async def main() -> None:
         gate = threading.Event()
         worker.loop.call(lambda e: gate.wait(30))  # the engine thread busy: the add queues
-        req = GenerateRequest("q", list(range(1, 11)), greedy(4), time.time())
+        req = GenerateRequest("q", list(range(1, 11)), greedy(4), time.time() - 5)
         call = asyncio.ensure_future(worker.prefill(req))
         await asyncio.sleep(0.2)
         call.cancel()
@@ -189,6 +189,9 @@ def test_a_prefill_call_cancelled_while_its_add_waits_is_still_reported() -> Non
             assert time.monotonic() < deadline, "the request was never reported"
             await asyncio.sleep(0.02)
         assert [r.finish_reason for r in records if r.request_id == "q"] == ["abort"]
+        # (its latencies count from the router's arrival, 5 s before this worker's)
+        ((arrived, here),) = [(r.router_arrival_time, r.arrival_time) for r in records]
+        assert arrived == req.arrival_time and here > arrived + 4
         await wait_until_no_page_held(worker)
 
     try:
