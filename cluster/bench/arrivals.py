@@ -63,6 +63,6 @@ def arrival_offsets(
     if ramp_up_s == 0.0:
         # As vLLM's: the sums rescaled so that the last send falls at N / R. As drawn, a run of N
         # requests offers a rate off by about 1/sqrt(N) (a fixed seed: the same way at every
-        # rate; 36% under at N = 16, seed 0), and its throughputs with it.
+        # rate; 0.74x at N = 16, seed 0), and its throughputs with it.
         expected *= num_requests / expected[-1] if num_requests else 1.0
     return [warp_ramp_up(float(s), rate, ramp_up_s) for s in expected]
