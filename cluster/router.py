@@ -298,6 +298,13 @@ class Router:
                     # it to the end, its pages held for nobody. Told before another takes it (a
                     # dead one's call fails, which is all we wait for).
                     self._after([replaced.handle.abort.remote(rid)], lambda: None)
+                elif replaced is not None:
+                    # Picked again (no other is live): its old call is aborted first, answered
+                    # before the new call goes (or the abort could meet the new one); the new
+                    # call waits there until the old one has let the request's pages go.
+                    with contextlib.suppress(Exception):
+                        async with asyncio.timeout(min(ABORT_ORDER_WAIT_S, self._left_s(req))):
+                            await replaced.handle.abort.remote(rid)
                 replaced = None
                 d.outstanding += 1
                 try:

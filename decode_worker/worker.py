@@ -16,13 +16,14 @@ aggregated mode, and the fallback when no prefill worker is healthy).
 from __future__ import annotations
 
 import asyncio
-import collections
+import contextlib
 import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
+from decode_worker.call_slots import CallSlot, CallSlots
 from decode_worker.receive_plan import ReceivePlan, plan_receive
 from engine.engine_core import LLMEngine
 from engine.engine_loop import EngineLoop
@@ -40,6 +41,7 @@ from worker_common.messages import (
     WorkerDeadlines,
     WorkerStats,
 )
+from worker_common.recent_ids import RecentIds
 from worker_common.request_report import Sink, TransferFacts, WorkerFacts
 from worker_common.worker_stats import WorkerStatsKeeper, transfer_totals
 
@@ -95,12 +97,11 @@ class DecodeWorker:
         self._gen_init_deadline_s = deadlines.page_wait_s
         self._token_deadline_s = deadlines.token_s
         self._receiving: dict[str, asyncio.Task] = {}  # request id -> its pull, while in flight
-        self._awaiting_pages: set[str] = set()  # requests in gen-init
-        self._aborted: set[str] = set()  # aborted while awaiting pages or receiving
+        self._calls = CallSlots(deadlines.page_wait_s)  # (an earlier call's pages: pages too)
         # Requests whose caller gave up on them before their call ran here (``abort`` with
         # ``prompt_tokens``), newest last, bounded: a late call for one of them ends at once.
-        self._gone: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self._arrived: collections.OrderedDict[str, None] = collections.OrderedDict()  # (same)
+        self._gone = RecentIds()
+        self._arrived = RecentIds()  # (the calls that started here)
         self.on_failure = on_failure
         self.num_transfer_failures = 0  # failed pulls (and pulls that could not run)
         self.num_transfer_recomputed = 0  # ... whose request was prefilled here instead
@@ -118,24 +119,27 @@ class DecodeWorker:
             raise RuntimeError(
                 f"decode worker {self.worker_id} has no transceiver (aggregated mode)"
             )
+        if not self._arrive(req.request_id):
+            return
+        async with self._calls.hold(req.request_id) as slot:
+            async for delta in self._decode(req, pre, slot):
+                yield delta
+
+    async def _decode(
+        self, req: GenerateRequest, pre: PrefillResult, slot: CallSlot
+    ) -> AsyncIterator[TokenDelta]:
+        assert self.puller is not None
         rid, prompt = req.request_id, req.prompt_token_ids.tolist()
         received, attempt = time.time(), req.prefill_attempt
-        if not self._arrive(rid):
-            return
-        self._awaiting_pages.add(rid)
         try:
-            init = await self._gen_init(rid, prompt)
+            init = await self._gen_init(rid, prompt, slot)
         except (asyncio.CancelledError, Exception) as e:  # the client left, or no pages came
-            self._aborted.discard(rid)
             finish = "abort" if isinstance(e, asyncio.CancelledError) else "error"
             self._ended_early(
                 rid, len(prompt), WorkerFacts(received, None, attempt, req.arrival_time), finish
             )
             raise
-        finally:
-            self._awaiting_pages.discard(rid)
-        if init is None or rid in self._aborted:  # aborted while it awaited pages: no pull
-            self._aborted.discard(rid)
+        if init is None or slot.aborted:  # aborted while it awaited pages: no pull
             try:
                 if init is not None:  # (it got them as the abort came)
                     await asyncio.shield(asyncio.wrap_future(self._free_pages(rid)))
@@ -155,9 +159,10 @@ class DecodeWorker:
         try:
             result = await asyncio.shield(pull)
         except asyncio.CancelledError:
-            # The client went away mid-receive: the pages stay held until the pull ends either way.
-            self._aborted.discard(rid)
-            pull.add_done_callback(lambda _: self._free_pages(rid))
+            # The client went away mid-receive: the pages stay held until the pull ends either
+            # way, and so does the id's slot (a later call for it would meet them).
+            slot.keep()
+            pull.add_done_callback(lambda _: (self._free_pages(rid), slot.release()))
             gone = TransferFacts(transfer_start, time.time(), 0, None)
             self._ended_early(
                 rid, len(prompt), WorkerFacts(received, gone, attempt, req.arrival_time), "abort"
@@ -169,7 +174,6 @@ class DecodeWorker:
             self._receiving.pop(rid, None)
         transfer_end = time.time()
         ok = result is not None and result.ok
-        aborted = rid in self._aborted
         facts = WorkerFacts(
             received,
             TransferFacts(
@@ -181,10 +185,9 @@ class DecodeWorker:
             attempt,
             req.arrival_time,
         )
-        if not ok and not aborted:  # (a pull its client's abort cut short did not fail)
+        if not ok and not slot.aborted:  # (a pull its client's abort cut short did not fail)
             self.num_transfer_failures += 1
-        if aborted or not ok:
-            self._aborted.discard(rid)
+        if slot.aborted or not ok:
             try:
                 # Shielded: a cancel (the client left) while the free waits behind an engine step
                 # must not cancel the queued free itself, or the pages stay held for good.
@@ -192,7 +195,7 @@ class DecodeWorker:
             except asyncio.CancelledError:
                 self._ended_early(rid, len(prompt), facts, "abort")
                 raise
-        if aborted:
+        if slot.aborted:  # (also an abort that came while the failed pull's pages were freed)
             self._ended_early(rid, len(prompt), facts, "abort")
             return
         if not ok:
@@ -226,28 +229,35 @@ class DecodeWorker:
             )
 
         tell_router = not ok  # (on the first delta: the router gives P's lease up)
-        async for delta in self._run(req, add, computes_prompt=not ok):
+        async for delta in self._run(req, add, slot, computes_prompt=not ok):
             if tell_router:
                 delta, tell_router = dataclasses.replace(delta, kv_recomputed=True), False
             yield delta
 
-    async def _gen_init(self, rid: str, prompt: list[int]) -> ReceivePlan | None:
+    async def _gen_init(self, rid: str, prompt: list[int], slot: CallSlot) -> ReceivePlan | None:
         """Allocate the request's pages for its receive (receive_plan.py), waiting for free
         pages within a deadline; None once the request is aborted meanwhile (it then takes
         none)."""
         deadline = time.monotonic() + self._gen_init_deadline_s
+        aio = asyncio.get_running_loop()
         while True:
-            if rid in self._aborted:
+            if slot.aborted:
                 return None
             fut = self.loop.call(lambda e: plan_receive(e.kv, rid, prompt))
             try:
                 got = await asyncio.wrap_future(fut)
             except asyncio.CancelledError:
                 # The client went away while the allocation was queued or running: pages it got
-                # must not stay held under an id nobody will free.
-                fut.add_done_callback(
-                    lambda f: None if f.cancelled() or f.exception() else self._free_pages(rid)
-                )
+                # must not stay held under an id nobody will free (nor be met by a later call).
+                slot.keep()
+
+                def freed(f: Any) -> None:  # (on the engine thread)
+                    if not (f.cancelled() or f.exception()):
+                        self._free_pages(rid)
+                    with contextlib.suppress(RuntimeError):  # (the worker's loop closed)
+                        aio.call_soon_threadsafe(slot.release)
+
+                fut.add_done_callback(freed)
                 raise
             if got is not None:
                 return got
@@ -281,12 +291,17 @@ class DecodeWorker:
             self.keeper.note(rid, facts)
             return e.add_request(rid, prompt, req.sampling, arrival_time=req.arrival_time)
 
-        async for delta in self._run(req, add, computes_prompt=True):
-            yield delta
+        async with self._calls.hold(rid) as slot:
+            async for delta in self._run(req, add, slot, computes_prompt=True):
+                yield delta
 
     # ---- shared streaming loop ----
     async def _run(
-        self, req: GenerateRequest, add: Callable[[LLMEngine], Any], computes_prompt: bool
+        self,
+        req: GenerateRequest,
+        add: Callable[[LLMEngine], Any],
+        slot: CallSlot,
+        computes_prompt: bool,
     ) -> AsyncIterator[TokenDelta]:
         """Add the request (``add``) and stream its deltas. ``computes_prompt``: the prompt is
         computed here, so the first delta says how much of it was read from the prefix cache (a
@@ -305,7 +320,9 @@ class DecodeWorker:
         try:
             # Shielded: a cancel while the add waits behind an engine step must not drop the add,
             # or nothing would report the request; added, it is aborted below and reported so.
-            done_at_add = await asyncio.shield(asyncio.wrap_future(self.loop.call(add_and_check)))
+            added = self.loop.call(add_and_check)
+            slot.in_engine = True  # (an abort from now on is queued behind the add)
+            done_at_add = await asyncio.shield(asyncio.wrap_future(added))
             if done_at_add is not None:  # the first token already met a stop condition
                 finished = True
                 self.loop.unsubscribe(rid)
@@ -365,7 +382,7 @@ class DecodeWorker:
         """Note a request's call starting here; False when its caller already gave up on it."""
         if rid in self._gone:
             return False
-        _remember(self._arrived, rid)
+        self._arrived.add(rid)
         return True
 
     async def abort(
@@ -383,12 +400,13 @@ class DecodeWorker:
         reported as aborted now, since nothing else will report it, and a call for it that still
         comes ends at once."""
         if prompt_tokens is not None and request_id not in self._arrived:
-            _remember(self._gone, request_id)
+            self._gone.add(request_id)
             gone = WorkerFacts(time.time(), None, prefill_attempt)
             self._ended_early(request_id, prompt_tokens, gone, "abort", last=local)
             return
-        if request_id in self._receiving or request_id in self._awaiting_pages:
-            self._aborted.add(request_id)  # (its call frees its pages when it sees this)
+        slot = self._calls.get(request_id)
+        if slot is not None and not slot.in_engine:
+            slot.aborted = True  # (its call frees its pages when it sees this)
             return
         # (with its stream ended: an aborted request makes no output, and a call still
         # streaming it would wait out decode.token_deadline_s)
@@ -412,12 +430,3 @@ class DecodeWorker:
                 self.puller.close()
         finally:
             self.loop.stop()
-
-
-_REMEMBERED = 10_000  # request ids kept per set: far more than a worker has in flight
-
-
-def _remember(ids: collections.OrderedDict[str, None], rid: str) -> None:
-    ids[rid] = None
-    if len(ids) > _REMEMBERED:
-        ids.popitem(last=False)

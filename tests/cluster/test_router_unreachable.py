@@ -109,6 +109,39 @@ def test_a_decode_worker_replaced_as_unavailable_is_told_to_abort(local_ray: Non
 
 
 @ray.remote(num_cpus=0)
+class _UnreachableOnce(KeepsAborts):
+    """The only decode worker: its first call fails as unavailable (it may run on there); the
+    next one serves, noting the aborts it had been sent by then."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[list[tuple[object, ...]]] = []
+
+    async def decode(self, req: GenerateRequest, pre: PrefillResult) -> AsyncIterator[TokenDelta]:
+        self.calls.append(list(self.aborted))
+        if len(self.calls) == 1:
+            raise ActorUnavailableError("the connection to the actor was lost", None)
+        yield TokenDelta(req.request_id, [6], "y", "length", 3, 2)
+
+    async def aborts_seen_by_each_call(self) -> list[list[tuple[object, ...]]]:
+        return self.calls
+
+
+def test_a_decode_worker_picked_again_has_its_old_call_aborted_first(local_ray: None) -> None:
+    """No other decode worker is live, so the retry goes to the one found unavailable: its old
+    call (which may run on) is aborted, and the abort answered, before the new call of the same
+    request id goes there (an abort after it would stop the new call; no abort at all left two
+    calls of one id on one worker, the second taking the first's pages)."""
+    worker = _UnreachableOnce.remote()
+    router = one_to_one(HandingPrefill.remote(), worker, call_timeout_s=60)
+    req = GenerateRequest("again-1", [1, 2, 3], SamplingParams(), time.time())
+    deltas = asyncio.run(collect(router, req))
+    assert [d.token_ids for d in deltas] == [[5], [6]] and deltas[-1].error is None
+    seen = ray.get(worker.aborts_seen_by_each_call.remote(), timeout=30)
+    assert seen == [[], [("again-1",)]]
+
+
+@ray.remote(num_cpus=0)
 class _LostMidStream(KeepsAborts):
     """A decode worker that streams a token and then goes out of the router's reach, maybe
     still decoding the request."""
