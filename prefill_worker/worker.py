@@ -30,6 +30,7 @@ from worker_common.messages import (
     WorkerDeadlines,
     WorkerStats,
 )
+from worker_common.recent_ids import RecentIds
 from worker_common.request_report import Sink, WorkerFacts
 from worker_common.worker_stats import WorkerStatsKeeper, transfer_totals
 
@@ -94,6 +95,10 @@ class PrefillWorker:
         # Prefilled, their lease being made -> whether their client went away meanwhile.
         self._publishing: dict[str, bool] = {}
         self._gone: set[str] = set()  # pending, their client gone (``cancel``)
+        self._arrived = RecentIds()  # (the calls that started here)
+        # Cancelled before their call started here (the cancel overtook it): a call that still
+        # comes is aborted at its add, as one the cancel found pending would be.
+        self._cancelled_early = RecentIds()
 
     def _tick(self, engine: LLMEngine) -> None:
         self.keeper.tick(engine)
@@ -126,10 +131,16 @@ class PrefillWorker:
 
         self.loop.subscribe(rid, stream.push)
         self._pending.add(rid)
+        self._arrived.add(rid)
         try:
             # Shielded: a cancel while the add waits behind an engine step must not drop the add,
             # or nothing would report the request; added, it is aborted below and reported so.
-            await asyncio.shield(asyncio.wrap_future(self.loop.call(add)))
+            added = self.loop.call(add)
+            if rid in self._cancelled_early:  # (reported as aborted, by the engine)
+                self._cancelled_early.discard(rid)
+                self._gone.add(rid)
+                self.loop.abort(rid, "the client went away", keep_prefilled=True)
+            await asyncio.shield(asyncio.wrap_future(added))
             out = await stream.get(self._deadline_s)
             self.loop.unsubscribe(rid)  # a prefill-only request yields exactly one output
         except ValueError:
@@ -205,6 +216,8 @@ class PrefillWorker:
                 self.loop.abort(request_id, "the client went away", keep_prefilled=True)
             )
         else:
+            if request_id not in self._arrived:  # (no lease to give up: it was never made)
+                self._cancelled_early.add(request_id)
             await _settled(self.publisher.cancel(request_id))
 
     def stats(self) -> WorkerStats:

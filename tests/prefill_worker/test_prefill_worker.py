@@ -167,6 +167,37 @@ def test_a_cancel_during_the_prefill_ends_its_call_at_once() -> None:
         worker.close()
 
 
+def test_a_cancel_that_overtakes_its_prefill_call_leases_nothing() -> None:
+    """Ray does not order an async actor's calls: the router's cancel (its client left, its time
+    ran out) can run before the prefill call it is about. That call still comes, and ends as one
+    the cancel found pending would: aborted and reported, no lease made (the pages used to stay
+    leased for nobody until the lease expired, 30 s by default)."""
+    records: list[RequestTimings] = []
+    worker = make_worker(records.extend)
+
+    async def main() -> None:
+        await worker.cancel("o")
+        req = GenerateRequest("o", list(range(1, 11)), greedy(4), time.time())
+        with pytest.raises(PrefillError, match="the client went away"):
+            await asyncio.wait_for(worker.prefill(req), 30)
+        assert worker.publisher.leases.get("o") is None
+        await wait_until_no_page_held(worker)
+        deadline = time.monotonic() + 10
+        while not records:
+            assert time.monotonic() < deadline, "the request was never reported"
+            await asyncio.sleep(0.02)
+        assert [(r.request_id, r.finish_reason) for r in records] == [("o", "abort")]
+        again = await worker.prefill(req)  # a later call of that id is served (one is kept)
+        assert again.ticket is not None
+        await worker.cancel("o")
+        await wait_until_no_page_held(worker)
+
+    try:
+        asyncio.run(main())
+    finally:
+        worker.close()
+
+
 def test_a_prefill_call_cancelled_while_its_add_waits_is_still_reported() -> None:
     """The call is cancelled (as Ray cancels an async actor call) while its add waits behind an
     engine step: the add is made and then aborted, so the request is reported (a dropped add left
