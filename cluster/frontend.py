@@ -230,9 +230,9 @@ class ClusterFrontend:
             s.num_waiting,
             s.num_running,
             s.kv.usage,
-            # (the peak of all groups' pages together: the sum of each group's own peak
-            # overstates it, the groups peaking at different moments)
+            # (the fullest group's own peak share, as the usage gauge is the fullest group's)
             peak_kv_usage=s.kv_interval.peak_usage if s.kv_interval is not None else None,
+            transfers_ok_total=s.transfer.transfers_ok,
             transfer_failures_total=s.transfer.failures,
             expired_leases_total=s.transfer.expired_leases,
             transfer_recomputed_total=s.transfer.recomputed,

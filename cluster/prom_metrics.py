@@ -44,6 +44,7 @@ TOKEN_LATENCY_BUCKETS = (
 @dataclass
 class _WorkerTotals:
     pid: int | None = None  # the process the totals below came from
+    transfers_ok: int = 0
     transfer_failures: int = 0
     expired_leases: int = 0
     transfer_recomputed: int = 0
@@ -153,6 +154,14 @@ class ServingMetrics:
             model,
             registry=reg,
         )
+        self.transfers_ok = Counter(
+            PREFIX + "kv_transfers_ok_total",
+            "KV transfers that moved a request's pages, as each side saw them (a pull counts on "
+            "the prefill and on the decode worker; sum one role). With the failures: the "
+            "failure rate.",
+            worker,
+            registry=reg,
+        )
         self.transfer_failures = Counter(
             PREFIX + "kv_transfer_failures_total",
             "Failed KV transfers, as each side saw them (a failed pull counts on the prefill and "
@@ -250,6 +259,7 @@ class ServingMetrics:
         num_running: int,
         kv_usage: float,
         transfer_failures_total: int = 0,
+        transfers_ok_total: int = 0,
         expired_leases_total: int = 0,
         peak_kv_usage: float | None = None,
         transfer_recomputed_total: int = 0,
@@ -277,6 +287,7 @@ class ServingMetrics:
         if peak_kv_usage is not None:
             self.kv_peak_usage.labels(*labels).set(peak_kv_usage)
         totals = {  # _WorkerTotals field and counter attribute -> the worker's running total
+            "transfers_ok": transfers_ok_total,
             "transfer_failures": transfer_failures_total,
             "expired_leases": expired_leases_total,
             "transfer_recomputed": transfer_recomputed_total,

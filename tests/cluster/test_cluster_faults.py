@@ -111,9 +111,12 @@ def _decode_paths(url: str, timeout_s: float = 60.0) -> set[str]:
     return paths
 
 
-def _metric(url: str, name: str, want: float, timeout_s: float = 30.0) -> float:
-    """The counter's value on /metrics once it reached ``want`` (it lags the workers by up to a
-    stats interval), or its last value after ``timeout_s``."""
+def _metric(
+    url: str, name: str, want: float, timeout_s: float = 30.0, role: str | None = None
+) -> float:
+    """The counter's value on /metrics (summed over the workers, or those of ``role``) once it
+    reached ``want`` (it lags the workers by up to a stats interval), or its last value after
+    ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while True:
         text = httpx.get(url + "/metrics", timeout=30).text
@@ -121,7 +124,7 @@ def _metric(url: str, name: str, want: float, timeout_s: float = 30.0) -> float:
             s.value
             for f in text_string_to_metric_families(text)
             for s in f.samples
-            if s.name == name
+            if s.name == name and role in (None, s.labels.get("role"))
         )
         if value == want or time.monotonic() > deadline:
             return value
@@ -152,6 +155,8 @@ def test_injected_faults_end_as_the_failure_policy_says(cluster: Any, oracle: di
         assert (decode.failed_requests, decode.recomputed) == (injected, 0)
         assert _metric(cluster.url, "duet:kv_transfer_failed_requests_total", injected) == injected
     assert _metric(cluster.url, "duet:kv_transfer_injected_faults_total", injected) == injected
+    ok = decode.transfers_ok
+    assert ok > 100 and _metric(cluster.url, "duet:kv_transfers_ok_total", ok, role="decode") == ok
     assert _decode_paths(cluster.url) == {cluster.path}
 
 

@@ -145,11 +145,13 @@ def test_worker_gauges_and_running_totals() -> None:
     metrics = ServingMetrics(MODEL)
     metrics.set_worker_stats("p0", "prefill", num_waiting=3, num_running=2, kv_usage=0.25)
     metrics.set_worker_stats(
-        "d0", "decode", 1, 7, 0.5, transfer_failures_total=2, expired_leases_total=1
-    )
+        "d0", "decode", 1, 7, 0.5, transfer_failures_total=2, expired_leases_total=1,
+        transfers_ok_total=40,
+    )  # fmt: skip
     metrics.set_worker_stats(
-        "d0", "decode", 0, 6, 0.75, transfer_failures_total=5, expired_leases_total=1
-    )
+        "d0", "decode", 0, 6, 0.75, transfer_failures_total=5, expired_leases_total=1,
+        transfers_ok_total=45,
+    )  # fmt: skip
     p0, d0 = {"role": "prefill", "worker": "p0"}, {"role": "decode", "worker": "d0"}
     assert value(metrics, "duet:num_requests_waiting", **p0) == 3
     assert value(metrics, "duet:num_requests_running", **p0) == 2
@@ -158,6 +160,7 @@ def test_worker_gauges_and_running_totals() -> None:
     assert value(metrics, "duet:kv_cache_usage_perc", **d0) == 0.75
     assert value(metrics, "duet:kv_transfer_failures_total", **d0) == 5
     assert value(metrics, "duet:kv_transfer_expired_leases_total", **d0) == 1
+    assert value(metrics, "duet:kv_transfers_ok_total", **d0) == 45
     # A restarted worker reports small totals again: they count from zero.
     metrics.set_worker_stats("d0", "decode", 0, 0, 0.0, transfer_failures_total=1)
     assert value(metrics, "duet:kv_transfer_failures_total", **d0) == 6
@@ -189,6 +192,7 @@ def test_worker_gauges_and_running_totals() -> None:
         if ("worker", "p0") in labels and not name.endswith("_created")
     }
     assert names == {  # counters stay (history); gauges go
+        "duet:kv_transfers_ok_total",
         "duet:kv_transfer_failures_total",
         "duet:kv_transfer_expired_leases_total",
         "duet:kv_transfer_recomputed_total",
