@@ -51,7 +51,12 @@ class KVCacheConfig(Section):
         ),
     )
     max_tokens: int | None = Field(
-        None, gt=0, description="Cap on cached tokens per worker, whatever the budget allows."
+        None,
+        gt=0,
+        description=(
+            "Cap on cached tokens per worker, whatever the budget allows (each pool group of a "
+            "hybrid model holds at most this many tokens' pages)."
+        ),
     )
     reuse_policy: Literal["none", "all_reusable", "per_request"] = Field(
         "all_reusable",

@@ -23,6 +23,7 @@ def test_the_expected_configs_are_there() -> None:
         "gpu_1p1d.yaml",
         "gpu_1p1d_aggregated.yaml",
         "gpu_2p2d.yaml",
+        "gpu_2p2d_aggregated.yaml",
         "gpu_tp.yaml",
         "local.yaml",
         "local_aggregated.yaml",
@@ -48,11 +49,11 @@ def test_local_configs_run_the_embedded_model_on_cpu_on_loopback(name: str) -> N
     assert config.num_workers == 2  # the same hardware for the disaggregated and aggregated runs
 
 
-@pytest.mark.parametrize("name", ["local", "gpu_1p1d"])
-def test_aggregated_twin_differs_only_in_the_pools(name: str) -> None:
+@pytest.mark.parametrize(("name", "pairs"), [("local", 1), ("gpu_1p1d", 1), ("gpu_2p2d", 2)])
+def test_aggregated_twin_differs_only_in_the_pools(name: str, pairs: int) -> None:
     local, aggregated = load(f"{name}.yaml"), load(f"{name}_aggregated.yaml")
-    assert (local.prefill.replicas, local.decode.replicas) == (1, 1)
-    assert (aggregated.prefill.replicas, aggregated.decode.replicas) == (0, 2)
+    assert (local.prefill.replicas, local.decode.replicas) == (pairs, pairs)
+    assert (aggregated.prefill.replicas, aggregated.decode.replicas) == (0, 2 * pairs)
     assert not local.aggregated and aggregated.aggregated
     assert aggregated.decode.resources == local.decode.resources
     assert aggregated.decode.scheduler == local.decode.scheduler
