@@ -34,7 +34,10 @@ def apply_top_k_top_p(
     if top_p is not None:
         probs = sorted_logits.softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above
-        drop = mass_before >= top_p[:, None]
+        # A row of top_p 1 keeps every token: its float32 cumsum reaches 1.0 before a long
+        # tail (tens of thousands of tokens of a 128k vocabulary) whenever it shares the
+        # batch with a row of top_p < 1.
+        drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
         drop[:, 0] = False  # the most likely token always stays
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

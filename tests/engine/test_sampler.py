@@ -37,6 +37,15 @@ def test_top_k_and_top_p_masks_are_exact() -> None:
     assert apply_top_k_top_p(logits, None, None) is logits
 
 
+def test_a_top_p_of_one_keeps_every_token_beside_a_row_that_cuts() -> None:
+    """top_p 1 (the default) is no nucleus, also in a batch with a row of top_p < 1 (a 128k
+    vocabulary's float32 cumsum reaches 1.0 early, and half the row's tail was dropped)."""
+    logits = torch.randn(2, 131072, generator=torch.Generator().manual_seed(0)) * 4
+    out = apply_top_k_top_p(logits.clone(), None, torch.tensor([1.0, 0.5]))
+    assert torch.equal(out[0], logits[0])
+    assert 0 < int(torch.isinf(out[1]).sum()) < 131072
+
+
 def test_top_k_keeps_the_tokens_tied_with_the_kth_as_transformers_does() -> None:
     from transformers.generation.logits_process import TopKLogitsWarper
 
