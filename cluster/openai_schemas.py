@@ -108,7 +108,9 @@ class _SamplingFields(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    seed: int | None = None
+    # A 64-bit signed integer, as vLLM's (choice i of n is seeded seed + i: the engine takes
+    # seeds below 2**64, so the choices' seeds stay in range).
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     # Token id (a JSON object's keys are strings: "50256") -> a bias in [-100, 100] on its logit.

@@ -186,7 +186,10 @@ class SamplingParams:
         of them (the others may read the prompt from the cache)."""
         seed = None if self.seed is None else self.seed + i
         prompt_logprobs = None if i > 0 else self.prompt_logprobs
-        return dataclasses.replace(self, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
+        params = dataclasses.replace(self, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
+        # (seed + i may be -1, which a new object reads as "no seed": this choice is seeded)
+        object.__setattr__(params, "seed", seed)
+        return params
 
     def _validate(self) -> None:
         t = self.temperature

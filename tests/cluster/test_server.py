@@ -258,6 +258,11 @@ def test_n_choices_are_sampled_each_with_its_own_seed(http, backend) -> None:
     assert [c["token_ids"] for c in choices] == [c["token_ids"] for c in alone]
     assert len({tuple(c["token_ids"]) for c in choices}) > 1  # (the choices do differ)
 
+    # A seed is a 64-bit signed integer (vLLM's): beyond it a 400, not a 500 when a choice's
+    # seed + i left the engine's range.
+    r = http.post("/v1/completions", json=body | {"n": 2, "seed": 2**64 - 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
+
     chat = CHAT | {"max_tokens": 5, "ignore_eos": True, "temperature": 1.0, "seed": 7, "n": 2}
     whole = http.post("/v1/chat/completions", json=chat).json()["choices"]
     chunks = events(http.post("/v1/chat/completions", json=chat | {"stream": True}).text)

@@ -94,6 +94,14 @@ def test_boundaries_are_accepted() -> None:
     assert SamplingParams(top_p=1e-6).top_p == 1e-6
 
 
+def test_each_choice_of_a_seeded_request_is_seeded_also_past_minus_one() -> None:
+    """Choice i takes seed + i; -1 among them is that seed, not "no seed" (a user's -1 is): the
+    choice came out different at every call."""
+    params = SamplingParams(n=3, seed=-2, temperature=1.0)
+    assert [params.for_choice(i).seed for i in range(3)] == [-2, -1, 0]
+    assert SamplingParams(n=2, seed=-1).for_choice(1).seed is None  # (no seed at all)
+
+
 def test_vllm_s_off_values() -> None:
     """As vLLM: top_k 0 keeps all tokens (stored as -1), max_tokens None runs to the model's
     max length."""
