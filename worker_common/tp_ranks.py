@@ -110,9 +110,11 @@ class _TPRankActor:
 
     def _on_released(self, sub: str) -> None:
         # The sender records a served pull before it ends the lease: the record is there now.
-        records = self._sender.drain_transfer_stats()
+        # Drained under the lock: leases end on the transceiver's loop and in cancel calls on
+        # Ray's threads, and a record drained by one and stored after the other looked for it
+        # would be lost (its pull counted as failed).
         with self._lock:
-            for record in records:
+            for record in self._sender.drain_transfer_stats():
                 self._records[record.request_id] = record
             while len(self._records) > RECORDS_KEPT:  # (a record whose lease never ended)
                 self._records.pop(next(iter(self._records)))
