@@ -7,6 +7,7 @@ stream TokenDeltas to the router as they are produced.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 from collections.abc import AsyncIterator
 
@@ -40,12 +41,15 @@ class _DecodeWorkerActor(WorkerActorBase):
         )
 
     async def decode(self, req: GenerateRequest, pre: PrefillResult) -> AsyncIterator[TokenDelta]:
-        async for delta in self.worker.decode(req, pre):
-            yield delta
+        # (closed with this call's stream, not later by the loop: worker.py says why)
+        async with contextlib.aclosing(self.worker.decode(req, pre)) as deltas:
+            async for delta in deltas:
+                yield delta
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta]:
-        async for delta in self.worker.generate(req):
-            yield delta
+        async with contextlib.aclosing(self.worker.generate(req)) as deltas:
+            async for delta in deltas:
+                yield delta
 
     async def abort(
         self,

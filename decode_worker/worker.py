@@ -121,8 +121,13 @@ class DecodeWorker:
             )
         if not self._arrive(req.request_id):
             return
-        async with self._calls.hold(req.request_id) as slot:
-            async for delta in self._decode(req, pre, slot):
+        # The inner stream closed where this one is, inner first (aclosing): left to the loop's
+        # finalizer, it would free the request after the slot went to a later call of the id.
+        async with (
+            self._calls.hold(req.request_id) as slot,
+            contextlib.aclosing(self._decode(req, pre, slot)) as deltas,
+        ):
+            async for delta in deltas:
                 yield delta
 
     async def _decode(
@@ -229,10 +234,11 @@ class DecodeWorker:
             )
 
         tell_router = not ok  # (on the first delta: the router gives P's lease up)
-        async for delta in self._run(req, add, slot, computes_prompt=not ok):
-            if tell_router:
-                delta, tell_router = dataclasses.replace(delta, kv_recomputed=True), False
-            yield delta
+        async with contextlib.aclosing(self._run(req, add, slot, computes_prompt=not ok)) as deltas:
+            async for delta in deltas:
+                if tell_router:
+                    delta, tell_router = dataclasses.replace(delta, kv_recomputed=True), False
+                yield delta
 
     async def _gen_init(self, rid: str, prompt: list[int], slot: CallSlot) -> ReceivePlan | None:
         """Allocate the request's pages for its receive (receive_plan.py), waiting for free
@@ -291,8 +297,11 @@ class DecodeWorker:
             self.keeper.note(rid, facts)
             return e.add_request(rid, prompt, req.sampling, arrival_time=req.arrival_time)
 
-        async with self._calls.hold(rid) as slot:
-            async for delta in self._run(req, add, slot, computes_prompt=True):
+        async with (
+            self._calls.hold(rid) as slot,
+            contextlib.aclosing(self._run(req, add, slot, computes_prompt=True)) as deltas,
+        ):
+            async for delta in deltas:
                 yield delta
 
     # ---- shared streaming loop ----
@@ -308,10 +317,12 @@ class DecodeWorker:
         prompt received from P was P's to say, with the first token)."""
         rid = req.request_id
         stream = OutputStream(asyncio.get_running_loop())
-        self.loop.subscribe(rid, stream.push)
         finished = False
 
         def add_and_check(e: LLMEngine) -> RequestOutput | None:
+            # Subscribed here, on the engine thread, at the add: outputs of a step in flight
+            # before it belong to an earlier request of the id (whose call just ended).
+            self.loop.subscribe(rid, stream.push)
             # Decided on the engine thread, at the add: read later from here, ``is_finished``
             # could already be true from steps run meanwhile, whose tokens went to the stream.
             request = add(e)
@@ -346,11 +357,16 @@ class DecodeWorker:
             )
         finally:
             if not finished:
-                self.loop.unsubscribe(rid)
                 # abort_request frees a request the scheduler knows; kv.free covers received pages
-                # whose request never reached the scheduler (a no-op otherwise).
+                # whose request never reached the scheduler (a no-op otherwise). Unsubscribed
+                # there too: after the add, which subscribes, also when that is still queued.
                 self.loop.call(
-                    lambda e: (e.abort_request(rid), e.kv.free(rid), self.keeper.retire(rid))
+                    lambda e: (
+                        self.loop.unsubscribe(rid),
+                        e.abort_request(rid),
+                        e.kv.free(rid),
+                        self.keeper.retire(rid),
+                    )
                 )
             else:
                 self.loop.call(lambda e: self.keeper.retire(rid))

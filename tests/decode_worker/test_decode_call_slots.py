@@ -18,7 +18,8 @@ from tests.decode_worker.worker_helpers import (
     reports,
     wait_until_no_page_held,
 )
-from tests.tiny_engine import greedy
+from decode_worker.worker import DecodeWorker
+from tests.tiny_engine import greedy, tiny_engine
 from worker_common.messages import GenerateRequest, RequestTimings
 
 
@@ -83,4 +84,28 @@ def test_an_abort_between_a_failed_pull_and_the_local_prefill_stops_the_request(
     finally:
         step_ends.set()
         stalled.close()
+        worker.close()
+
+
+def test_a_stream_closed_mid_way_frees_its_request_before_the_next_call_of_its_id() -> None:
+    """The client's stream closed while the request decodes (Ray closes the call's generator):
+    the request's cleanup runs before the call lets the id go, so a next call of the id starts
+    clean (the inner stream was left to the loop's finalizer: the next call's add met the old
+    request, and the old one's late cleanup then aborted the new one)."""
+    worker = DecodeWorker("d0", tiny_engine(64), None)
+    prompt = list(range(1, 11))
+
+    async def main() -> None:
+        ref = [d async for d in worker.generate(GenerateRequest("ref", prompt, greedy(6), 0.0))]
+        stream = worker.generate(GenerateRequest("a", prompt, greedy(100), time.time()))
+        assert (await stream.__anext__()).token_ids
+        await stream.aclose()
+        again = [d async for d in worker.generate(GenerateRequest("a", prompt, greedy(6), 0.0))]
+        assert [t for d in again for t in d.token_ids] == [t for d in ref for t in d.token_ids]
+        assert again[-1].error is None and again[-1].finish_reason == "length"
+        await wait_until_no_page_held(worker)
+
+    try:
+        asyncio.run(main())
+    finally:
         worker.close()
