@@ -12,13 +12,13 @@ import time
 
 import pytest
 
+from decode_worker.worker import DecodeWorker
 from tests.decode_worker.worker_helpers import (
     facing_a_stall,
     pull_under_way,
     reports,
     wait_until_no_page_held,
 )
-from decode_worker.worker import DecodeWorker
 from tests.tiny_engine import greedy, tiny_engine
 from worker_common.messages import GenerateRequest, RequestTimings
 
