@@ -20,6 +20,7 @@ from engine.stats import StatsBuffer
 from kvcache.stats import KVCacheStats, PoolGroupStats
 from tests.cluster.cluster_fixtures import local_ray
 from tests.cluster.conftest import decode_timings, prefill_timings
+from worker_common.messages import TransferTotals
 
 
 @ray.remote(num_cpus=0)
@@ -125,10 +126,7 @@ def test_kv_usage_is_the_fullest_groups_and_its_peak_that_groups_own_peak() -> N
         )  # fmt: skip
 
     kv = KVCacheStats({"full": group(5, 6), "swa_4": group(2, 9)}, peak_used=13)
-    transfer = types.SimpleNamespace(
-        failures=0, expired_leases=0, recomputed=0, failed_requests=0, refused_peers=0,
-        injected_faults=0, wedged_messages=0,
-    )  # fmt: skip
+    transfer = TransferTotals()
     stats = types.SimpleNamespace(
         role="decode", num_waiting=0, num_running=1, kv=kv, kv_interval=kv, transfer=transfer, pid=1
     )
