@@ -138,6 +138,7 @@ def engine_from_loaded(
         max_stats_len=config.max_stats_len,
         max_request_stats_len=config.max_request_stats_len,
         model_name=loaded.name,
+        model_fingerprint=loaded.fingerprint,
         cuda_graphs=config.cuda_graphs,
         tp=tp,
     )

@@ -54,6 +54,7 @@ class LLMEngine:
         max_stats_len: int = 1000,
         max_request_stats_len: int | None = None,
         model_name: str = "",
+        model_fingerprint: str = "",
         cuda_graphs: bool = False,
         tp: TPContext | None = None,
     ) -> None:
@@ -61,6 +62,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.kv = kv
         self.model_name = model_name
+        self.model_fingerprint = model_fingerprint  # (which weights: engine/loaders/fingerprint.py)
         self.scheduler = Scheduler(scheduler_config, kv)
         self.builder = BatchBuilder(
             scheduler_config.page_size,

@@ -22,10 +22,10 @@ PAGE = 4
 PAGE_BYTES = 2 * 2 * PAGE * 2 * 16 * 4  # layers, key/value, tokens, kv heads, head dim, float32
 
 
-def tiny_engine(num_pages: int, host_pages: int = 0) -> LLMEngine:
+def tiny_engine(num_pages: int, host_pages: int = 0, seed: int = 0) -> LLMEngine:
     """An engine of ``num_pages`` pages (the null page included); its max_model_len is what they
     hold, up to 256 (an engine refuses to start when one longest request cannot fit). With
-    ``host_pages``, a KV host tier of that many pages beneath them."""
+    ``host_pages``, a KV host tier of that many pages beneath them; ``seed`` draws its weights."""
     cfg = EngineConfig(
         load_format="dummy",
         dummy_config=TINY,
@@ -33,6 +33,7 @@ def tiny_engine(num_pages: int, host_pages: int = 0) -> LLMEngine:
         page_size=PAGE,
         max_model_len=min(256, (num_pages - 1) * PAGE),
         host_tier_bytes=host_pages * PAGE_BYTES,
+        seed=seed,
     )
     return LLMEngine.from_config(cfg)
 

@@ -53,9 +53,11 @@ def node_transceiver_config(spec: WorkerSpec, listens: bool = True) -> Transceiv
 
 
 def _model_identity(engine: LLMEngine) -> str:
-    # Part of the compatibility hash: peers must run the same model (name and shape).
+    # Part of the compatibility hash: peers must run the same model (name, shape and weights:
+    # KV of other weights of the same shape would decode to garbage, and be cached).
     mc = engine.model_config
-    return f"{engine.model_name}:{mc.num_layers}x{mc.num_kv_heads}x{mc.head_dim}:v{mc.vocab_size}"
+    shape = f"{mc.num_layers}x{mc.num_kv_heads}x{mc.head_dim}:v{mc.vocab_size}"
+    return f"{engine.model_name}:{shape}:{engine.model_fingerprint}"
 
 
 def make_publisher(

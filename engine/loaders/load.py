@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from engine.loaders.dummy import DUMMY_PRESETS, init_dummy_weights
+from engine.loaders.fingerprint import checkpoint_fingerprint, dummy_fingerprint
 from engine.loaders.hf import config_from_hf_dir, iter_safetensors_weights
 from engine.loaders.hf_tokenizer import tokenizer_from_hf_dir
 from engine.loaders.source import (
@@ -33,6 +34,8 @@ class LoadedModel:
     """None when the source has no tokenizer (dummy configs): callers pass token ids."""
     name: str
     """What to call the model (e.g. in /v1/models): the checkpoint's file or directory name."""
+    fingerprint: str = ""
+    """Which weights these are (engine/loaders/fingerprint.py); "" when unknown."""
 
 
 def load_model(
@@ -98,7 +101,7 @@ def _load_gguf(
     reader, config, tokenizer = _open_gguf(path)
     model = model_class(config).build(config, dtype, device, _check_tp(config, tp))
     model.load_weights(iter_gguf_weights(reader, config))
-    return LoadedModel(config, model, tokenizer, name)
+    return LoadedModel(config, model, tokenizer, name, checkpoint_fingerprint(path))
 
 
 def _load_hf(
@@ -107,7 +110,8 @@ def _load_hf(
     config = config_from_hf_dir(path)
     model = model_class(config).build(config, dtype, device, _check_tp(config, tp))
     model.load_weights(iter_safetensors_weights(path, tp.partition if tp else None))
-    return LoadedModel(config, model, tokenizer_from_hf_dir(path, config), name)
+    tokenizer = tokenizer_from_hf_dir(path, config)
+    return LoadedModel(config, model, tokenizer, name, checkpoint_fingerprint(path))
 
 
 def _check_tp(config: ModelConfig, tp: TPContext | None) -> TPContext | None:
@@ -192,4 +196,4 @@ def _load_dummy(
     config, name, tokenizer = _dummy_shape(source, dummy_config, with_tokenizer=True)
     model = model_class(config).build(config, dtype, device, _check_tp(config, tp))
     init_dummy_weights(model, seed)
-    return LoadedModel(config, model, tokenizer, name)
+    return LoadedModel(config, model, tokenizer, name, dummy_fingerprint(config, seed))

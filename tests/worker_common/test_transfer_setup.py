@@ -51,3 +51,17 @@ def test_a_port_taken_on_this_node_names_its_field() -> None:
             make_publisher(tiny_engine(16), spec_of({"port": port}), lambda rid: None)
     finally:
         taken.close()
+
+
+def test_peers_of_other_weights_of_the_same_shape_are_incompatible() -> None:
+    """The compatibility hash names the weights (engine/loaders/fingerprint.py), not only the
+    model's name and shape: a decode worker would decode another model's KV, and cache it."""
+    spec = spec_of({}, Role.DECODE)
+    hashes = []
+    for seed in (0, 0, 1):
+        puller = make_puller(tiny_engine(16, seed=seed), spec)
+        try:
+            hashes.append(puller.page_table.compat_hash)
+        finally:
+            puller.close()
+    assert hashes[0] == hashes[1] != hashes[2]
