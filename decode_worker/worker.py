@@ -24,11 +24,10 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from decode_worker.call_slots import CallSlot, CallSlots
+from decode_worker.engine_stream import stream_request
 from decode_worker.receive_plan import ReceivePlan, plan_receive
 from engine.engine_core import LLMEngine
 from engine.engine_loop import EngineLoop
-from engine.output_stream import OutputStream
-from engine.outputs import RequestOutput
 from transfer.messages import TransferTicket
 from transfer.stats import TransferResult, TransferStats
 from worker_common.kv_events import KVEventPublisher
@@ -234,7 +233,9 @@ class DecodeWorker:
             )
 
         tell_router = not ok  # (on the first delta: the router gives P's lease up)
-        async with contextlib.aclosing(self._run(req, add, slot, computes_prompt=not ok)) as deltas:
+        async with contextlib.aclosing(
+            self._stream(req, add, slot, computes_prompt=not ok)
+        ) as deltas:
             async for delta in deltas:
                 if tell_router:
                     delta, tell_router = dataclasses.replace(delta, kv_recomputed=True), False
@@ -299,99 +300,20 @@ class DecodeWorker:
 
         async with (
             self._calls.hold(rid) as slot,
-            contextlib.aclosing(self._run(req, add, slot, computes_prompt=True)) as deltas,
+            contextlib.aclosing(self._stream(req, add, slot, computes_prompt=True)) as deltas,
         ):
             async for delta in deltas:
                 yield delta
 
-    # ---- shared streaming loop ----
-    async def _run(
+    def _stream(
         self,
         req: GenerateRequest,
         add: Callable[[LLMEngine], Any],
         slot: CallSlot,
         computes_prompt: bool,
     ) -> AsyncIterator[TokenDelta]:
-        """Add the request (``add``) and stream its deltas. ``computes_prompt``: the prompt is
-        computed here, so the first delta says how much of it was read from the prefix cache (a
-        prompt received from P was P's to say, with the first token)."""
-        rid = req.request_id
-        stream = OutputStream(asyncio.get_running_loop())
-        finished = False
-
-        def add_and_check(e: LLMEngine) -> RequestOutput | None:
-            # Subscribed here, on the engine thread, at the add: outputs of a step in flight
-            # before it belong to an earlier request of the id (whose call just ended).
-            self.loop.subscribe(rid, stream.push)
-            # Decided on the engine thread, at the add: read later from here, ``is_finished``
-            # could already be true from steps run meanwhile, whose tokens went to the stream.
-            request = add(e)
-            return RequestOutput.from_request(request) if request.is_finished else None
-
-        try:
-            # Shielded: a cancel while the add waits behind an engine step must not drop the add,
-            # or nothing would report the request; added, it is aborted below and reported so.
-            added = self.loop.call(add_and_check)
-            slot.in_engine = True  # (an abort from now on is queued behind the add)
-            done_at_add = await asyncio.shield(asyncio.wrap_future(added))
-            if done_at_add is not None:  # the first token already met a stop condition
-                finished = True
-                self.loop.unsubscribe(rid)
-                yield self._delta(done_at_add, False)  # (no prompt computed: nothing to say)
-                return
-            first = computes_prompt
-            while not finished:
-                out = await stream.get(self._token_deadline_s)
-                finished = out.finished
-                yield self._delta(out, first)
-                first = False
-        except asyncio.TimeoutError:
-            yield TokenDelta(
-                rid,
-                [],
-                "",
-                "abort",
-                len(req.prompt_token_ids),
-                0,
-                error=f"no token within {self._token_deadline_s}s (decode.token_deadline_s)",
-            )
-        finally:
-            if not finished:
-                # abort_request frees a request the scheduler knows; kv.free covers received pages
-                # whose request never reached the scheduler (a no-op otherwise). Unsubscribed
-                # there too: after the add, which subscribes, also when that is still queued.
-                self.loop.call(
-                    lambda e: (
-                        self.loop.unsubscribe(rid),
-                        e.abort_request(rid),
-                        e.kv.free(rid),
-                        self.keeper.retire(rid),
-                    )
-                )
-            else:
-                self.loop.call(lambda e: self.keeper.retire(rid))
-
-    @staticmethod
-    def _delta(out: RequestOutput, says_cached: bool) -> TokenDelta:
-        """``out`` as a delta; ``says_cached``: with the prompt's prefix cache hit (the request's
-        first delta from the worker that computed its prompt)."""
-        return TokenDelta(
-            request_id=out.request_id,
-            token_ids=list(out.delta_token_ids),
-            text=out.delta_text,
-            finish_reason=out.finish_reason if out.finished else None,
-            num_prompt_tokens=len(out.prompt_token_ids),
-            num_output_tokens=len(out.token_ids),
-            error=out.error,
-            stop_reason=out.stop_reason if out.finished else None,
-            logprobs=out.logprobs[len(out.token_ids) - len(out.delta_token_ids) :]
-            if out.logprobs
-            else (),
-            # (with the first tokens: the prompt was computed here, as this call's first output)
-            prompt_logprobs=out.prompt_token_logprobs
-            if len(out.delta_token_ids) == len(out.token_ids)
-            else None,
-            num_cached_tokens=out.num_cached_tokens if says_cached else None,
+        return stream_request(
+            self.loop, self.keeper, req, add, slot, computes_prompt, self._token_deadline_s
         )
 
     def _arrive(self, rid: str) -> bool:
