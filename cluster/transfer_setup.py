@@ -11,7 +11,7 @@ import os
 import secrets
 
 from cluster.config import ClusterConfig
-from cluster.config.transfer import SECRET_ENV
+from cluster.config.transfer import SECRET_ENV, secret_problem
 from transfer import FaultInjection, TransceiverConfig
 
 
@@ -22,6 +22,8 @@ def cluster_secret(config: ClusterConfig, make: bool = False) -> str:
     if config.transfer.secret is not None:
         return config.transfer.secret.get_secret_value()
     if os.environ.get(SECRET_ENV):
+        if problem := secret_problem(os.environ[SECRET_ENV]):
+            raise ValueError(f"{SECRET_ENV} {problem}")
         return os.environ[SECRET_ENV]
     if make:
         return secrets.token_urlsafe(32)

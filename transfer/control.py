@@ -6,7 +6,10 @@ is a plain asyncio TCP server on that host; the KV bytes go over the data path o
 
 Frames: a 4-byte big-endian length, then one msgpack message (messages.py). A frame that does not
 decode is counted, answered with Reject and skipped: the connection stays usable. A length above
-MAX_FRAME_BYTES leaves no way to find the next frame, so it closes the connection.
+MAX_FRAME_BYTES leaves no way to find the next frame, so it closes the connection. Until the peer
+has proven the cluster secret the limit is HANDSHAKE_FRAME_BYTES (``max_frame_bytes``): a peer
+without it could otherwise make each side read and decode 16 MiB frames on the worker's event
+loop (seconds of decoding, a GiB of memory), connection after connection.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ from transfer.stats import TransferCounters
 log = logging.getLogger(__name__)
 
 MAX_FRAME_BYTES = 16 << 20
+# The handshake's messages hold instance ids, nonces, proofs, a page table (a few pool groups) and
+# a UCX address (a few KiB with every transport): far below this.
+HANDSHAKE_FRAME_BYTES = 256 << 10
 _HEADER = struct.Struct("!I")
 
 
@@ -58,6 +64,7 @@ class ControlChannel:
         self.name = name
         self.counters = counters  # rejected_messages counts the peer's malformed messages
         self.closed_reason: str | None = None
+        self.max_frame_bytes = HANDSHAKE_FRAME_BYTES  # (MAX_FRAME_BYTES once the peer is proven)
 
     @property
     def closed(self) -> bool:
@@ -136,8 +143,8 @@ class ControlChannel:
     async def _read_frame(self) -> bytes:
         try:
             (size,) = _HEADER.unpack(await self.reader.readexactly(_HEADER.size))
-            if size > MAX_FRAME_BYTES:
-                self.close(f"peer sent a {size}-byte frame (limit {MAX_FRAME_BYTES})")
+            if size > self.max_frame_bytes:
+                self.close(f"peer sent a {size}-byte frame (limit {self.max_frame_bytes})")
                 raise ChannelClosed(self.closed_reason)
             return await self.reader.readexactly(size)
         except (asyncio.IncompleteReadError, ConnectionError, OSError) as e:

@@ -9,7 +9,11 @@
     D -> P  Ready(the data path D chose: it opened P's pools, or "ucx")
 
 Both proofs are over both fresh nonces with the role in front, so neither can be replayed or
-reflected. A peer without the cluster secret learns nothing but the other side's instance id; each
+reflected. P proves itself to whoever says Hello, so a peer without the secret can test guesses
+of it offline against P's proof: the cluster config refuses secrets under 32 characters, and a
+Hello nonce must be NONCE_BYTES long (a peer's choice of an empty one would make P prove over its
+own nonce alone). Until the peer has proven the secret, its frames are capped at
+HANDSHAKE_FRAME_BYTES (control.py). A peer without the cluster secret learns nothing but the other side's instance id; each
 refusal is counted (``refused_peers``) and ends the connection, and serving goes on. The channel
 itself is not encrypted: the secret keeps out peers that do not have it, not an eavesdropper.
 """
@@ -24,7 +28,7 @@ import secrets
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from transfer.control import ControlChannel
+from transfer.control import MAX_FRAME_BYTES, ControlChannel
 from transfer.link import Link
 from transfer.mapper import MapperError, match_pools
 from transfer.messages import Challenge, Hello, Join, Message, Ready, Refused, Welcome
@@ -76,9 +80,12 @@ async def connect(
             nonce = secrets.token_bytes(NONCE_BYTES)
             await channel.send(Hello(instance_id, nonce), timeout)
             challenge = _expect(await channel.receive(timeout), Challenge)
-            if not _proven(secret, b"P", nonce, challenge.nonce, challenge.proof):
+            if len(challenge.nonce) != NONCE_BYTES or not _proven(
+                secret, b"P", nonce, challenge.nonce, challenge.proof
+            ):
                 counters.refused_peers += 1
                 raise PeerRefused(f"{name}: the peer did not prove the cluster secret")
+            channel.max_frame_bytes = MAX_FRAME_BYTES
             mine = proof(secret, b"D", challenge.nonce, nonce)
             await channel.send(Join(mine, own, runtime.worker_address), timeout)
             welcome = _expect(await channel.receive(timeout), Welcome)
@@ -121,6 +128,8 @@ async def accept(
     try:
         async with asyncio.timeout(timeout):
             hello = _expect(await channel.receive(timeout), Hello)
+            if len(hello.nonce) != NONCE_BYTES:  # (a chosen short one eases guessing offline)
+                raise PeerRefused(f"a Hello nonce of {len(hello.nonce)} bytes, not {NONCE_BYTES}")
             nonce = secrets.token_bytes(NONCE_BYTES)
             mine = proof(secret, b"P", hello.nonce, nonce)
             await channel.send(Challenge(instance_id, nonce, mine), timeout)
@@ -128,6 +137,7 @@ async def accept(
             if not _proven(secret, b"D", nonce, hello.nonce, join.proof):
                 await _refuse(channel, "authentication failed: the cluster secret differs", timeout)
                 raise PeerRefused("the peer did not prove the cluster secret")
+            channel.max_frame_bytes = MAX_FRAME_BYTES
             problem = check_compatible(own, join.page_table) or ucx_address_problem(
                 join.ucx_address
             )

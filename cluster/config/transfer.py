@@ -13,6 +13,21 @@ from cluster.config.base import Section, check_fields
 
 FAULT_POINTS = ("connect", "before_data", "mid_data", "before_ack")
 SECRET_ENV = "DUET_TRANSFER_SECRET"
+# A prefill worker proves the secret (an HMAC over a nonce) to whoever connects before that peer
+# proves anything, so a peer without it can test guesses offline: a secret must be long and random.
+MIN_SECRET_CHARS = 32
+
+
+def secret_problem(secret: str) -> str | None:
+    """Why ``secret`` cannot be the cluster's transfer secret, or None."""
+    if len(secret) < MIN_SECRET_CHARS:
+        return (
+            f"must be at least {MIN_SECRET_CHARS} characters of random text (a peer can test "
+            "guesses of it offline), e.g. python -c 'import secrets; "
+            "print(secrets.token_urlsafe(32))'"
+        )
+    return None
+
 
 _UCX_TRANSPORT = re.compile(r"\^?[a-z][a-z0-9_]*")
 # UCX's transport names and aliases (UCX 1.21: ucp_context.c and its uct components). UCX only warns
@@ -252,6 +267,8 @@ class TransferConfig(Section):
                 f"must not be empty: leave it out to use {SECRET_ENV} or a secret `duet serve` "
                 "makes"
             )
+        if value is not None and (problem := secret_problem(value.get_secret_value())):
+            raise ValueError(problem)
         return value
 
     @field_validator("host")

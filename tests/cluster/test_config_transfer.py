@@ -90,13 +90,13 @@ def test_transfer_secret_failure_policy_and_fault_injection() -> None:
     t = config_from_dict(
         {
             "transfer": {
-                "secret": "s3cret",
+                "secret": "s3cret-" + "x" * 26,
                 "on_failure": "recompute",
                 "fault_injection": {"fraction": 0.1, "points": ["connect", "mid_data"], "seed": 4},
             }
         }
     ).transfer
-    assert t.secret is not None and t.secret.get_secret_value() == "s3cret"
+    assert t.secret is not None and t.secret.get_secret_value() == "s3cret-" + "x" * 26
     assert "s3cret" not in repr(t) and "s3cret" not in str(t.model_dump(mode="json"))
     assert (t.on_failure, t.fault_injection.fraction, t.fault_injection.points) == (
         "recompute",
@@ -106,6 +106,8 @@ def test_transfer_secret_failure_policy_and_fault_injection() -> None:
     assert config_from_dict({}).transfer.fault_injection.fraction == 0.0  # off by default
     # (an empty secret used to pass here, win over DUET_TRANSFER_SECRET, and fail the build)
     assert "must not be empty" in issues_of({"transfer": {"secret": ""}})[0]
+    # P proves the secret to whoever connects: a short one could be guessed offline
+    assert "at least 32 characters" in issues_of({"transfer": {"secret": "hunter2"}})[0]
     assert issues_of({"transfer": {"on_failure": "retry"}})[0].startswith("transfer.on_failure")
     assert issues_of({"transfer": {"fault_injection": {"fraction": 2}}})[0].startswith(
         "transfer.fault_injection.fraction"

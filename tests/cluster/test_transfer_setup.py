@@ -63,9 +63,13 @@ def test_the_secret_comes_from_the_config_the_environment_or_duet_serve(monkeypa
     made = cluster_secret(plain, make=True)
     assert len(made) >= 32 and made != cluster_secret(plain, make=True)  # fresh per cluster
     assert transceiver_config(plain, secret=made).secret == made  # as `duet serve` hands it over
-    monkeypatch.setenv("DUET_TRANSFER_SECRET", "from-env")
-    assert cluster_secret(plain) == "from-env" == transceiver_config(plain).secret
-    assert cluster_secret(config_from_dict({"transfer": {"secret": "from-yaml"}})) == "from-yaml"
+    from_env, from_yaml = "from-env-" + "e" * 23, "from-yaml-" + "y" * 22
+    monkeypatch.setenv("DUET_TRANSFER_SECRET", from_env)
+    assert cluster_secret(plain) == from_env == transceiver_config(plain).secret
+    assert cluster_secret(config_from_dict({"transfer": {"secret": from_yaml}})) == from_yaml
+    monkeypatch.setenv("DUET_TRANSFER_SECRET", "hunter2")  # (guessable offline: refused)
+    with pytest.raises(ValueError, match="DUET_TRANSFER_SECRET must be at least 32 characters"):
+        cluster_secret(plain)
 
 
 @pytest.mark.parametrize("max_stats_len", [-1, 0, 5])

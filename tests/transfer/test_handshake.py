@@ -151,6 +151,34 @@ def test_garbage_instead_of_a_handshake_is_refused_and_counted(pair: Pair, garba
     pair.pull_ok("after")
 
 
+def test_a_large_frame_before_the_secret_is_proven_is_not_read(pair: Pair, caplog) -> None:
+    """Until a peer proves the secret its frames are capped (HANDSHAKE_FRAME_BYTES): a peer
+    without it made P read and decode 16 MiB frames on the worker's loop (seconds, a GiB)."""
+    import struct
+
+    peer = RawPeer(pair.sender.host, pair.sender.port)
+    try:
+        peer.sock.sendall(struct.pack("!I", 1 << 20))  # a 1 MiB Hello announced, never sent
+        assert peer.closed_by_peer() and peer.received == []
+    finally:
+        peer.close()
+    assert "1048576-byte frame (limit 262144)" in caplog.text
+    assert pair.sender.stats()["refused_peers"] == 1
+    pair.pull_ok("after")
+
+
+def test_a_hello_with_a_short_nonce_gets_no_proof(pair: Pair) -> None:
+    """P's proof covers D's nonce: a peer choosing an empty one would get a proof over P's nonce
+    alone to guess the secret against offline. Refused before the Challenge."""
+    peer = RawPeer(pair.sender.host, pair.sender.port)
+    try:
+        peer.send(Hello("short", b""))
+        assert peer.closed_by_peer() and peer.received == []
+    finally:
+        peer.close()
+    assert pair.sender.stats()["refused_peers"] == 1
+
+
 def test_a_receiver_needs_the_secret() -> None:
     with pytest.raises(ValueError, match="cluster's secret"):
         config(secret="")
