@@ -240,6 +240,8 @@ class ClusterFrontend:
             refused_peers_total=s.transfer.refused_peers,
             injected_faults_total=s.transfer.injected_faults,
             wedged_messages_total=s.transfer.wedged_messages,
+            refused_pulls_total=s.transfer.refused_pulls,
+            rejected_messages_total=s.transfer.rejected_messages,
             kv=s.kv,
             kv_interval=s.kv_interval,
             pid=s.pid,

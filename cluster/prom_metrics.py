@@ -52,6 +52,8 @@ class _WorkerTotals:
     refused_peers: int = 0
     injected_faults: int = 0
     wedged_messages: int = 0
+    refused_pulls: int = 0
+    rejected_messages: int = 0
 
 
 class ServingMetrics:
@@ -224,6 +226,20 @@ class ServingMetrics:
             worker,
             registry=reg,
         )
+        # What a peer that should not be trusted tried (with the refused peers above).
+        self.refused_pulls = Counter(
+            PREFIX + "kv_transfer_refused_pulls_total",
+            "KV pulls a prefill worker refused: a forged, stale or replayed ticket, or a plan "
+            "that does not fit its lease.",
+            worker,
+            registry=reg,
+        )
+        self.rejected_messages = Counter(
+            PREFIX + "kv_transfer_rejected_messages_total",
+            "Transfer control messages that did not decode (answered with Reject, skipped).",
+            worker,
+            registry=reg,
+        )
         self._worker_totals: dict[tuple[str, str], _WorkerTotals] = {}
         self._totals_lock = threading.Lock()  # stats pollers may run on several threads
 
@@ -267,6 +283,8 @@ class ServingMetrics:
         refused_peers_total: int = 0,
         injected_faults_total: int = 0,
         wedged_messages_total: int = 0,
+        refused_pulls_total: int = 0,
+        rejected_messages_total: int = 0,
         kv: KVCacheStats | None = None,
         kv_interval: KVCacheStats | None = None,
         pid: int | None = None,
@@ -295,6 +313,8 @@ class ServingMetrics:
             "refused_peers": refused_peers_total,
             "injected_faults": injected_faults_total,
             "wedged_messages": wedged_messages_total,
+            "refused_pulls": refused_pulls_total,
+            "rejected_messages": rejected_messages_total,
         }
         with self._totals_lock:
             seen = self._worker_totals.setdefault((labels[1], worker_id), _WorkerTotals())

@@ -234,6 +234,8 @@ class TransferTotals:
     refused_peers: int = 0  # peers refused in the handshake (no secret, another model, ...)
     injected_faults: int = 0  # pulls failed on purpose (transfer.fault_injection)
     wedged_messages: int = 0  # UCX messages that outlived their link's abort (paths/ucx.py)
+    refused_pulls: int = 0  # P: pulls refused (a forged, stale or replayed ticket; a bad plan)
+    rejected_messages: int = 0  # control messages that did not decode (a peer's bug or probe)
     recomputed: int = 0  # D: failed pulls whose request D prefilled itself (on_failure: recompute)
     failed_requests: int = 0  # D: failed pulls whose request ended with an error
 

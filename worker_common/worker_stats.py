@@ -43,6 +43,8 @@ def transfer_totals(
         refused_peers=int(counters.get("refused_peers", 0)),
         injected_faults=int(counters.get("injected_faults", 0)),
         wedged_messages=int(counters.get("wedged_messages", 0)),
+        refused_pulls=int(counters.get("refused_pulls", 0)),
+        rejected_messages=int(counters.get("rejected_messages", 0)),
         recomputed=recomputed,
         failed_requests=failed_requests,
     )

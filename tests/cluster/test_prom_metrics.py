@@ -178,12 +178,16 @@ def test_worker_gauges_and_running_totals() -> None:
             refused_peers_total=total + 1,
             injected_faults_total=total + 2,
             wedged_messages_total=total - 2,
+            refused_pulls_total=total + 3,
+            rejected_messages_total=total + 4,
         )
     assert value(metrics, "duet:kv_transfer_recomputed_total", **d0) == 4
     assert value(metrics, "duet:kv_transfer_failed_requests_total", **d0) == 3
     assert value(metrics, "duet:kv_transfer_refused_peers_total", **d0) == 5
     assert value(metrics, "duet:kv_transfer_injected_faults_total", **d0) == 6
     assert value(metrics, "duet:kv_transfer_wedged_messages_total", **d0) == 2
+    assert value(metrics, "duet:kv_transfer_refused_pulls_total", **d0) == 7
+    assert value(metrics, "duet:kv_transfer_rejected_messages_total", **d0) == 8
 
     metrics.remove_worker("p0", "prefill")
     names = {
@@ -200,6 +204,8 @@ def test_worker_gauges_and_running_totals() -> None:
         "duet:kv_transfer_refused_peers_total",
         "duet:kv_transfer_injected_faults_total",
         "duet:kv_transfer_wedged_messages_total",
+        "duet:kv_transfer_refused_pulls_total",
+        "duet:kv_transfer_rejected_messages_total",
     }
 
 
