@@ -19,7 +19,7 @@ import ray
 import uvicorn
 from fastapi import FastAPI
 
-from cluster.builder import ClusterHandles, build_cluster
+from cluster.builder import ClusterBuildError, ClusterHandles, build_cluster
 from cluster.config import ClusterConfig, ConfigError
 from cluster.frontend import ClusterFrontend
 from cluster.server import create_app
@@ -129,13 +129,16 @@ START_TIMEOUT_S = 30.0
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host``:``port`` (0: any free port) for uvicorn to serve on, with the
-    options uvicorn's own binding sets (address reuse, inheritable)."""
+    """A TCP socket bound to ``host``:``port`` (0: any free port) and listening, for uvicorn to
+    serve on, with the options uvicorn's own binding sets (address reuse, inheritable). Listening
+    at once holds the port: with address reuse, a socket bound but not listening lets another
+    process bind the same port (during the minutes the models load)."""
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(address)
+        sock.listen(2048)  # (uvicorn's backlog)
     except OSError:
         sock.close()
         raise
@@ -231,25 +234,52 @@ def app_of(config: ClusterConfig, frontend: ClusterFrontend) -> FastAPI:
     return create_app(frontend, api_key)
 
 
-def serve(config: ClusterConfig) -> None:
-    """Run until interrupted (what `duet serve CONFIG` does)."""
-    defaults = sampling_defaults(config)  # (a bad file is refused before anything starts)
-    owns_ray = connect_ray(config)
-    # A fresh transfer secret unless the config or DUET_TRANSFER_SECRET gives one: the workers'
-    # transceivers authenticate each other with it (transfer/handshake.py).
-    handles = build_cluster(config)
+def serve(config: ClusterConfig) -> int:
+    """Run until interrupted (what `duet serve CONFIG` does): 0 once stopped, 2 for a setting to
+    fix (the config, a port taken; before any model loads where it can be known then), 1 when a
+    worker did not start. The error is printed in one message, not as a traceback."""
     try:
+        defaults = sampling_defaults(config)  # (a bad file is refused before anything starts)
+        # Bound first: a port taken is found before any model loads, and the address printed
+        # is the one served (port 0: the port taken).
+        sock = server_socket(config)
+    except ConfigError as e:
+        print(f"duet serve: {e}", file=sys.stderr)
+        return 2
+    owns_ray = connect_ray(config)
+    handles = None
+    try:
+        # A fresh transfer secret unless the config or DUET_TRANSFER_SECRET gives one: the
+        # workers' transceivers authenticate each other with it (transfer/handshake.py).
+        handles = build_cluster(config)
         frontend = make_frontend(config, handles, defaults)
         app = app_of(config, frontend)
-        # Bound here, so that the address printed is the one served (port 0: the port taken).
-        sock = listening_socket(config.server.host, config.server.port)
         print(
             f"Duet serving {frontend.model_name} on http://{config.server.host}:"
             f"{sock.getsockname()[1]}",
             flush=True,
         )
         uvicorn.Server(serving_config(app)).run(sockets=[sock])
+    except (ConfigError, ClusterBuildError) as e:
+        print(f"duet serve: {e}", file=sys.stderr)
+        return 2 if isinstance(e, ConfigError) else 1
     finally:
-        handles.shutdown()
+        sock.close()  # (uvicorn closed it already when it served)
+        if handles is not None:
+            handles.shutdown()
         if owns_ray:
             ray.shutdown()
+    return 0
+
+
+def server_socket(config: ClusterConfig) -> socket.socket:
+    """The HTTP server's listening socket, or a ConfigError naming ``server.host`` /
+    ``server.port`` when it cannot be bound here."""
+    host, port = config.server.host, config.server.port
+    try:
+        return listening_socket(host, port)
+    except OSError as e:
+        raise ConfigError(
+            "(server section)",
+            [f"server.port / server.host: cannot listen on {host}:{port}: {e.strerror}"],
+        ) from None

@@ -187,3 +187,25 @@ def test_duet_serves_with_its_log_level() -> None:
         root.setLevel(saved[0])
         for name, lvl in saved[1].items():
             logging.getLogger(name).setLevel(lvl)
+
+
+def test_a_port_taken_is_one_message_before_any_model_loads(capsys) -> None:
+    """`duet serve` with its port taken: exit 2 and one line naming server.port, before Ray is
+    started or a worker loads a model (it was an OSError traceback after the whole cluster had
+    loaded)."""
+    import ray
+
+    from cluster.cli import main
+    from cluster.serve import listening_socket
+
+    taken = listening_socket("127.0.0.1", 0)
+    port = taken.getsockname()[1]
+    try:
+        code = main(["serve", str(REPO / "configs" / "local.yaml"), "--port", str(port)])
+    finally:
+        taken.close()
+    assert code == 2 and not ray.is_initialized()
+    err = capsys.readouterr().err
+    assert (
+        "server.port / server.host: cannot listen on 127.0.0.1:" in err and "Traceback" not in err
+    )
