@@ -7,6 +7,7 @@ created is killed, so nothing is left behind.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -33,6 +34,9 @@ from worker_common.engine_setup import NOSET_VISIBLE_DEVICES
 from worker_common.messages import Role
 
 log = logging.getLogger(__name__)
+
+
+CLOSE_WAIT_S = 10.0  # for every worker's close at a shutdown, together
 
 
 class ClusterBuildError(RuntimeError):
@@ -71,15 +75,29 @@ class ClusterHandles:
         return router
 
     def shutdown(self) -> None:
-        for w in self.prefill + self.decode:
-            try:
-                ray.get(w.handle.close.remote(), timeout=10)
-            except Exception:
-                pass
-            ray.kill(w.handle, no_restart=True)
-        ray.kill(self.collector, no_restart=True)
+        """Every worker asked to close (its pages and transceiver given back) at once, waited
+        for up to CLOSE_WAIT_S in all (one by one, each worker still loading cost its own wait),
+        then every actor killed and every placement group removed, each on its own: one that
+        fails (Ray's head gone, say) leaves none of the others behind."""
+        workers = [w.handle for w in self.prefill + self.decode]
+        closing = []
+        for handle in workers:
+            with contextlib.suppress(Exception):
+                closing.append(handle.close.remote())
+        if closing:
+            with contextlib.suppress(Exception):
+                ray.wait(closing, num_returns=len(closing), timeout=CLOSE_WAIT_S)
+        for handle in [*workers, self.collector]:
+            if handle is not None:
+                try:
+                    ray.kill(handle, no_restart=True)
+                except Exception as e:
+                    log.warning("could not kill %s: %s", handle, e)
         for pg in self.placement_groups:
-            remove_placement_group(pg)
+            try:
+                remove_placement_group(pg)
+            except Exception as e:
+                log.warning("could not remove placement group %s: %s", pg.id, e)
 
 
 def _actor_options(config: ClusterConfig, role: str, index: int) -> dict[str, Any]:

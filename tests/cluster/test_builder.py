@@ -99,3 +99,36 @@ def test_a_label_selector_no_node_meets_is_refused_before_any_actor_starts(
         "on 1)"
     ]
     preflight(config_from_dict(config({"zone": "a", "ray.io/node-id": "!x"})))
+
+
+@ray.remote(num_cpus=0)
+class _Worker:
+    def close(self) -> None:
+        pass
+
+    def ping(self) -> str:
+        return "ok"
+
+
+def test_a_shutdown_that_meets_a_failure_leaves_nothing_else_behind(labelled_ray: None) -> None:
+    """One actor Ray cannot kill (here: not an actor at all) does not leave the ones after it,
+    the collector or the placement groups running (the first failure ended the shutdown)."""
+    from cluster.worker_choice import WorkerSlot
+
+    config = config_from_dict({})
+    alive, collector = _Worker.remote(), _Worker.remote()
+    ray.get([alive.ping.remote(), collector.ping.remote()], timeout=60)
+    pg = ray.util.placement_group([{"slot": 1}])
+    ray.get(pg.ready(), timeout=60)
+    handles = ClusterHandles(
+        config,
+        collector,
+        prefill=[WorkerSlot("p-0", object())],  # (ray.kill refuses it)
+        decode=[WorkerSlot("d-0", alive)],
+        placement_groups=[pg],
+    )
+    handles.shutdown()
+    for actor in (alive, collector):
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(actor.ping.remote(), timeout=60)
+    assert ray.util.placement_group_table(pg)["state"] == "REMOVED"
