@@ -117,9 +117,14 @@ class RunningCluster:
     _owns_ray: bool
 
     def stop(self) -> None:
-        """Stop serving, then the workers, then Ray where this process started it."""
-        stop_server_thread(self._server, self._thread)
-        self.handles.shutdown()
+        """Stop serving, then the workers, then Ray where this process started it. A server thread
+        that will not end still has the workers stopped (a later cluster in this process would
+        find them holding the CPUs); only Ray stays up then (see stop_server_thread), and the
+        RuntimeError is raised after."""
+        try:
+            stop_server_thread(self._server, self._thread)
+        finally:
+            self.handles.shutdown()
         if self._owns_ray:
             ray.shutdown()
 
