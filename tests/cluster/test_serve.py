@@ -209,3 +209,24 @@ def test_a_port_taken_is_one_message_before_any_model_loads(capsys) -> None:
     assert (
         "server.port / server.host: cannot listen on 127.0.0.1:" in err and "Traceback" not in err
     )
+
+
+def test_a_server_thread_that_will_not_end_still_has_the_workers_stopped(monkeypatch) -> None:
+    """RunningCluster.stop: the workers stop even when the HTTP server's thread does not (they
+    stayed, holding the CPUs a later cluster of the process waited for); the error follows."""
+    import cluster.serve as serve_module
+
+    stopped: list[str] = []
+
+    class Handles:  # (the one call stop makes on the cluster's handles)
+        def shutdown(self) -> None:
+            stopped.append("workers")
+
+    def stuck(server: object, thread: object) -> None:
+        raise RuntimeError("the HTTP server thread did not end")
+
+    monkeypatch.setattr(serve_module, "stop_server_thread", stuck)
+    running = serve_module.RunningCluster("http://127.0.0.1:1", Handles(), None, None, None, False)
+    with pytest.raises(RuntimeError, match="did not end"):
+        running.stop()
+    assert stopped == ["workers"]
