@@ -3,7 +3,7 @@
 Expected contract of the cluster package (imported lazily, so `duet bench URL` needs neither):
 
     cluster.config.load_config(path) -> ClusterConfig      (raises cluster.config.ConfigError)
-    cluster.serve.start_cluster(config, worker_log_level=...) -> handle
+    cluster.serve.start_cluster(config, port=0, worker_log_level=...) -> handle
                                                            starts local Ray, the workers and the server
         handle.url: str     the HTTP server's root, e.g. "http://127.0.0.1:8000"
         handle.stop()       shuts the server, its actors and the Ray it started down
@@ -129,8 +129,12 @@ class ConfigTarget(Target):
             ) from None
         try:
             # The workers' INFO lines would land in the middle of the progress bars and the
-            # report; their warnings and errors still show.
-            self._handle = serve_module.start_cluster(self.config, worker_log_level="WARNING")
+            # report; their warnings and errors still show. On a free port, not server.port: the
+            # driver reads the URL back, and a `duet serve` of the same config (port 8000) may
+            # be running beside it.
+            self._handle = serve_module.start_cluster(
+                self.config, port=0, worker_log_level="WARNING"
+            )
         except Exception as exc:
             raise BenchError(
                 f"starting the {self.label} cluster from {self.config_path} failed: {exc}"

@@ -16,18 +16,22 @@ CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 pytestmark = pytest.mark.slow
 
 
-def _copy_config(name: str, out_dir: Path) -> None:
-    """The repo's config on port 0: the server binds any free port and the bench reads the one it
-    bound. (A port picked here and bound later could be taken meanwhile: Ray's own connections
-    draw their local ports from the same range.)"""
+def _copy_config(name: str, out_dir: Path, port: int) -> None:
+    """The repo's config with ``server.port`` set to ``port``."""
     data = yaml.safe_load((CONFIGS / name).read_text(encoding="utf-8"))
-    data["server"]["port"] = 0
+    data["server"]["port"] = port
     (out_dir / name).write_text(yaml.safe_dump(data), encoding="utf-8")
 
 
 def test_bench_local_cluster_against_aggregated(tmp_path: Path) -> None:
+    """Also with the configs' server.port taken (a `duet serve` of the config beside it): the
+    clusters the driver starts serve on free ports and it reads them back (they failed to
+    start on the taken port, after loading)."""
+    from cluster.serve import listening_socket
+
+    taken = listening_socket("127.0.0.1", 0)
     for name in ("local.yaml", "local_aggregated.yaml"):
-        _copy_config(name, tmp_path)
+        _copy_config(name, tmp_path, taken.getsockname()[1])
     argv = [
         str(tmp_path / "local.yaml"),
         "--compare",
@@ -46,7 +50,10 @@ def test_bench_local_cluster_against_aggregated(tmp_path: Path) -> None:
         str(tmp_path / "out"),
         "--disable-tqdm",
     ]
-    code = run_bench(parse_bench_args(argv))
+    try:
+        code = run_bench(parse_bench_args(argv))
+    finally:
+        taken.close()
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert code == 0, results["error"]
     disagg, agg = results["targets"]
