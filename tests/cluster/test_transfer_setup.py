@@ -15,7 +15,7 @@ from transfer import FaultInjection, TransceiverConfig
 
 def test_every_transfer_setting_reaches_the_transceiver() -> None:
     dotted = {
-        "transfer.secret": "s3cret",
+        "transfer.secret": "s3cret-" + "x" * 26,
         "transfer.staging_tokens": 64,
         "transfer.staging_buffers": 2,
         "transfer.direct_copy": False,
