@@ -75,6 +75,3 @@ class CallSlots:
     def _drop(self, rid: str, slot: CallSlot) -> None:
         if self._slots.get(rid) is slot:
             del self._slots[rid]
-
-    def __len__(self) -> int:
-        return len(self._slots)

@@ -134,26 +134,20 @@ class DecodeWorker:
     ) -> AsyncIterator[TokenDelta]:
         assert self.puller is not None
         rid, prompt = req.request_id, req.prompt_token_ids.tolist()
-        received, attempt = time.time(), req.prefill_attempt
+        # (what it reports if it ends before a pull; a pull's facts are added to it)
+        no_pull = WorkerFacts(time.time(), None, req.prefill_attempt, req.arrival_time)
         try:
             init = await self._gen_init(rid, prompt, slot)
         except (asyncio.CancelledError, Exception) as e:  # the client left, or no pages came
             finish = "abort" if isinstance(e, asyncio.CancelledError) else "error"
-            self._ended_early(
-                rid, len(prompt), WorkerFacts(received, None, attempt, req.arrival_time), finish
-            )
+            self._ended_early(rid, len(prompt), no_pull, finish)
             raise
         if init is None or slot.aborted:  # aborted while it awaited pages: no pull
             try:
                 if init is not None:  # (it got them as the abort came)
                     await asyncio.shield(asyncio.wrap_future(self._free_pages(rid)))
             finally:
-                self._ended_early(
-                    rid,
-                    len(prompt),
-                    WorkerFacts(received, None, attempt, req.arrival_time),
-                    "abort",
-                )
+                self._ended_early(rid, len(prompt), no_pull, "abort")
             return
         transfer_start = time.time()
         pull = asyncio.ensure_future(
@@ -169,7 +163,7 @@ class DecodeWorker:
             pull.add_done_callback(lambda _: (self._free_pages(rid), slot.release()))
             gone = TransferFacts(transfer_start, time.time(), 0, None)
             self._ended_early(
-                rid, len(prompt), WorkerFacts(received, gone, attempt, req.arrival_time), "abort"
+                rid, len(prompt), dataclasses.replace(no_pull, transfer=gone), "abort"
             )
             raise
         except Exception as e:  # the pull could not run at all (the receiver closed, say)
@@ -178,16 +172,14 @@ class DecodeWorker:
             self._receiving.pop(rid, None)
         transfer_end = time.time()
         ok = result is not None and result.ok
-        facts = WorkerFacts(
-            received,
-            TransferFacts(
+        facts = dataclasses.replace(
+            no_pull,
+            transfer=TransferFacts(
                 transfer_start,
                 transfer_end,
                 int(result.bytes) if ok else 0,
                 result.stats.path if result is not None else None,
             ),
-            attempt,
-            req.arrival_time,
         )
         if not ok and not slot.aborted:  # (a pull its client's abort cut short did not fail)
             self.num_transfer_failures += 1

@@ -15,6 +15,7 @@ import pytest
 from decode_worker.worker import DecodeWorker
 from tests.decode_worker.worker_helpers import (
     facing_a_stall,
+    pull_failed_behind_a_step,
     pull_under_way,
     reports,
     wait_until_no_page_held,
@@ -64,11 +65,7 @@ def test_an_abort_between_a_failed_pull_and_the_local_prefill_stops_the_request(
 
     async def main() -> None:
         task = await pull_under_way(worker, stalled, list(range(1, 23)))
-        worker.loop.call(lambda e: step_ends.wait(30))  # a long step when the pull fails
-        deadline = time.monotonic() + 10
-        while worker.stats().num_in_flight:  # the pull failed: its pages' free is queued
-            assert time.monotonic() < deadline and not task.done()
-            await asyncio.sleep(0.02)
+        await pull_failed_behind_a_step(worker, task, step_ends)
         abort = asyncio.ensure_future(worker.abort("x"))  # (no ray.cancel: the call runs on)
         await asyncio.sleep(0.2)
         step_ends.set()

@@ -14,6 +14,7 @@ from tests.decode_worker.worker_helpers import (
     STALL_PULL_DEADLINE_S,
     deadlines_of,
     facing_a_stall,
+    pull_failed_behind_a_step,
     pull_under_way,
     reports,
     wait_until_no_page_held,
@@ -195,11 +196,7 @@ def test_a_client_that_leaves_while_a_failed_pulls_pages_are_freed_leaves_none_h
 
     async def main() -> None:
         task = await pull_under_way(worker, stalled, prompt)
-        worker.loop.call(lambda e: step_ends.wait(30))  # a long step when the pull fails
-        deadline = time.monotonic() + 10
-        while worker.stats().num_in_flight:  # the pull ended: its pages' free is queued
-            assert time.monotonic() < deadline and not task.done()
-            await asyncio.sleep(0.02)
+        await pull_failed_behind_a_step(worker, task, step_ends)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -5,6 +5,7 @@ deadlines."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 from decode_worker.worker import DecodeWorker
@@ -144,3 +145,16 @@ async def pull_under_way(
         assert time.monotonic() < deadline and not task.done()
         await asyncio.sleep(0.02)
     return task
+
+
+async def pull_failed_behind_a_step(
+    worker: DecodeWorker, task: asyncio.Task[None], step_ends: threading.Event
+) -> None:
+    """With a pull under way (``task``, from ``pull_under_way`` facing a stall): a long engine
+    step queued (it ends when ``step_ends`` is set), and back once the pull has failed, so that
+    the free of its pages waits behind that step."""
+    worker.loop.call(lambda e: step_ends.wait(30))
+    deadline = time.monotonic() + 10
+    while worker.stats().num_in_flight:
+        assert time.monotonic() < deadline and not task.done()
+        await asyncio.sleep(0.02)
