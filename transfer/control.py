@@ -19,6 +19,7 @@ import logging
 import struct
 from collections.abc import Callable
 
+from transfer.frame_seal import MAC_BYTES, ForgedFrame, FrameSeal
 from transfer.messages import Message, Reject, TransferProtocolError, decode_message, encode_message
 from transfer.stats import TransferCounters
 
@@ -40,12 +41,19 @@ class FrameTooLarge(ValueError):
     transfer on it), so it is not sent."""
 
 
-def frame(msg: Message) -> bytes:
+def frame(msg: Message, seal: FrameSeal | None = None) -> bytes:
+    """The frame of ``msg``: its length, its bytes, and with ``seal`` their MAC."""
     data = encode_message(msg)
     if len(data) > MAX_FRAME_BYTES:
         raise FrameTooLarge(
             f"{type(msg).__name__} of {len(data)} bytes exceeds the {MAX_FRAME_BYTES}-byte frame limit"
         )
+    return frame_bytes(data, seal)
+
+
+def frame_bytes(data: bytes, seal: FrameSeal | None = None) -> bytes:
+    if seal is not None:
+        data = seal.seal(data)
     return _HEADER.pack(len(data)) + data
 
 
@@ -65,6 +73,8 @@ class ControlChannel:
         self.counters = counters  # rejected_messages counts the peer's malformed messages
         self.closed_reason: str | None = None
         self.max_frame_bytes = HANDSHAKE_FRAME_BYTES  # (MAX_FRAME_BYTES once the peer is proven)
+        self.seal_sends: FrameSeal | None = None  # (set by the handshake)
+        self.open_receives: FrameSeal | None = None
 
     @property
     def closed(self) -> bool:
@@ -82,7 +92,7 @@ class ControlChannel:
         if self.closed or self.writer.is_closing():
             self.close(self.closed_reason or "connection lost")
             raise ChannelClosed(f"{self.name}: {self.closed_reason}")
-        self.writer.write(frame(msg))
+        self.writer.write(frame(msg, self.seal_sends))
         transport = self.writer.transport
         return transport.get_write_buffer_size() <= transport.get_write_buffer_limits()[1]
 
@@ -102,7 +112,7 @@ class ControlChannel:
         """The next message, malformed or not (the handshake: a malformed one ends it). Raises
         ChannelClosed, TimeoutError or TransferProtocolError."""
         async with asyncio.timeout(timeout):  # (not wait_for: it may lose a cancel)
-            data = await self._read_frame()
+            data = self._open(await self._read_frame())
         try:
             return decode_message(data)
         except TransferProtocolError:
@@ -117,7 +127,7 @@ class ControlChannel:
         fail at once)."""
         try:
             while True:
-                data = await self._read_frame()
+                data = self._open(await self._read_frame())
                 try:
                     msg = decode_message(data)
                 except TransferProtocolError as e:
@@ -140,10 +150,21 @@ class ControlChannel:
         except (ChannelClosed, FrameTooLarge):  # (a Reject naming a huge request id)
             pass
 
+    def _open(self, data: bytes) -> bytes:
+        if self.open_receives is None:
+            return data
+        try:
+            return self.open_receives.open(data)
+        except ForgedFrame as e:
+            self.counters.rejected_messages += 1
+            log.warning("%s: %s; closing the connection", self.name, e)
+            self.close(str(e))
+            raise ChannelClosed(f"{self.name}: {e}") from None
+
     async def _read_frame(self) -> bytes:
         try:
             (size,) = _HEADER.unpack(await self.reader.readexactly(_HEADER.size))
-            if size > self.max_frame_bytes:
+            if size > self.max_frame_bytes + (MAC_BYTES if self.open_receives else 0):
                 self.close(f"peer sent a {size}-byte frame (limit {self.max_frame_bytes})")
                 raise ChannelClosed(self.closed_reason)
             return await self.reader.readexactly(size)

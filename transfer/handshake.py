@@ -8,6 +8,10 @@
     P -> D  Welcome(P's page table, UCX address, pool export) or Refused(reason)
     D -> P  Ready(the data path D chose: it opened P's pools, or "ucx")
 
+From Join on, every frame carries a MAC under a key of the link (frame_seal.py): D seals once P
+has proven the secret, P opens Join with it and seals once D has proven it. A Join that fails to
+open ends the connection with nothing said: the peer has not shown it holds the secret.
+
 Both proofs are over both fresh nonces with the role in front, so neither can be replayed or
 reflected. P proves itself to whoever says Hello, so a peer without the secret can test guesses
 of it offline against P's proof: the cluster config refuses secrets under 32 characters, and a
@@ -15,7 +19,8 @@ Hello nonce must be NONCE_BYTES long (a peer's choice of an empty one would make
 own nonce alone). Until the peer has proven the secret, its frames are capped at
 HANDSHAKE_FRAME_BYTES (control.py). A peer without the cluster secret learns nothing but the other side's instance id; each
 refusal is counted (``refused_peers``) and ends the connection, and serving goes on. The channel
-itself is not encrypted: the secret keeps out peers that do not have it, not an eavesdropper.
+itself is not encrypted: the secret keeps out peers that do not have it, and the MACs keep a man
+in the middle from changing what the two say, but an eavesdropper still reads it.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from transfer.control import MAX_FRAME_BYTES, ControlChannel
+from transfer.frame_seal import FrameSeal, link_key
 from transfer.link import Link
 from transfer.mapper import MapperError, match_pools
 from transfer.messages import Challenge, Hello, Join, Message, Ready, Refused, Welcome
@@ -86,6 +92,9 @@ async def connect(
                 counters.refused_peers += 1
                 raise PeerRefused(f"{name}: the peer did not prove the cluster secret")
             channel.max_frame_bytes = MAX_FRAME_BYTES
+            channel.seal_sends = channel.open_receives = FrameSeal(
+                link_key(secret, b"control", nonce, challenge.nonce), sends=b"D", receives=b"P"
+            )
             mine = proof(secret, b"D", challenge.nonce, nonce)
             await channel.send(Join(mine, own, runtime.worker_address), timeout)
             welcome = _expect(await channel.receive(timeout), Welcome)
@@ -103,9 +112,11 @@ async def connect(
             if endpoint is not None:
                 endpoint.abort()
             raise
+    tags = link_key(secret, b"tags", nonce, challenge.nonce)
     return Link(
-        channel, endpoint, challenge.instance_id, welcome.page_table, path, name, runtime.messages
-    )
+        channel, endpoint, challenge.instance_id, welcome.page_table, path, name, tags,
+        runtime.messages,
+    )  # fmt: skip
 
 
 async def accept(
@@ -133,11 +144,13 @@ async def accept(
             nonce = secrets.token_bytes(NONCE_BYTES)
             mine = proof(secret, b"P", hello.nonce, nonce)
             await channel.send(Challenge(instance_id, nonce, mine), timeout)
+            seal = FrameSeal(link_key(secret, b"control", hello.nonce, nonce), b"P", b"D")
+            channel.open_receives = seal
             join = _expect(await channel.receive(timeout), Join)
             if not _proven(secret, b"D", nonce, hello.nonce, join.proof):
-                await _refuse(channel, "authentication failed: the cluster secret differs", timeout)
                 raise PeerRefused("the peer did not prove the cluster secret")
             channel.max_frame_bytes = MAX_FRAME_BYTES
+            channel.seal_sends = seal
             problem = check_compatible(own, join.page_table) or ucx_address_problem(
                 join.ucx_address
             )
@@ -161,7 +174,10 @@ async def accept(
         if endpoint is not None:
             endpoint.abort()
         return None
-    return Link(channel, endpoint, hello.instance_id, join.page_table, path, name, runtime.messages)
+    tags = link_key(secret, b"tags", hello.nonce, nonce)
+    return Link(
+        channel, endpoint, hello.instance_id, join.page_table, path, name, tags, runtime.messages
+    )
 
 
 def _expect(msg: Message, kind: type[T]) -> T:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from transfer.control import ChannelClosed, ControlChannel, FrameTooLarge
+from transfer.frame_seal import data_tag
 from transfer.messages import Message
 from transfer.page_table import PageTable
 
@@ -35,6 +36,7 @@ class Link:
         peer_table: PageTable,
         path: DataPath,
         name: str,
+        tag_key: bytes,
         messages: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
     ) -> None:
         self.channel = channel
@@ -44,6 +46,7 @@ class Link:
         self.path = path
         self.name = f"{name} ({path.name})"
         self.closed_reason: str | None = None
+        self._tag_key = tag_key  # keys the UCX tags of this link's data (frame_seal.data_tag)
         self._messages = messages  # around each data message (UcxRuntime.messages)
         self._listeners: list[Callable[[str], None]] = []
         self._reader: asyncio.Task | None = None
@@ -96,6 +99,9 @@ class Link:
                 log.info("%s not sent: %s", name, e)
 
         asyncio.ensure_future(drain())
+
+    def data_tag(self, pull_id: int, chunk_index: int) -> int:
+        return data_tag(self._tag_key, pull_id, chunk_index)
 
     async def send_data(self, buf: torch.Tensor, tag: int) -> None:
         with self._messages():

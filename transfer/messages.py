@@ -8,7 +8,7 @@ anything that is not msgpack at all; nothing else ever escapes it.
 Conversation (D = decode worker, which pulls; P = prefill worker, which serves):
 
   Handshake, once per link (handshake.py); nothing about either worker before both proved the
-  cluster secret:
+  cluster secret, and every frame from Join on carries a MAC (frame_seal.py):
     D -> P  Hello        D's instance id and a fresh nonce
     P -> D  Challenge    P's instance id, its nonce, and its proof over both nonces
     D -> P  Join         D's proof, then its page table and UCX worker address
@@ -19,7 +19,7 @@ Conversation (D = decode worker, which pulls; P = prefill worker, which serves):
                          over UCX also D's chunk plan and the chunks D posted receives for
     P -> D  PullError    P refuses (after answering each credited chunk with an empty message)
     UCX path (paths/ucx.py):
-      P -> D  data chunks   tag = data_tag(pull_id, chunk), only chunks D credited
+      P -> D  data chunks   tag = frame_seal.data_tag(link key, pull_id, chunk), only chunks D credited
       D -> P  ChunkReady    more credits, as D's staging buffers free up
       P -> D  TransferDone  every chunk sent with its bytes, and the declared prompt length
     Direct paths (paths/direct.py):
@@ -42,7 +42,6 @@ import msgpack
 from transfer.page_table import PageTable
 from transfer.version import PROTOCOL_VERSION
 
-_MASK64 = (1 << 64) - 1
 _INT64_MAX = (1 << 63) - 1
 
 
@@ -218,13 +217,6 @@ MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in typing.get_args(M
 _HINTS: dict[type, dict[str, Any]] = {
     cls: typing.get_type_hints(cls) for cls in MESSAGE_TYPES.values()
 }
-
-
-def data_tag(pull_id: int, chunk_index: int) -> int:
-    """The 64-bit UCX tag of one data chunk: distinct for every chunk of a pull, and scoped to the
-    pull by D's random ``pull_id`` so concurrent pulls never match each other's chunks."""
-    x = (pull_id ^ (chunk_index * 0x9E3779B97F4A7C15)) & _MASK64
-    return (x * 0xBF58476D1CE4E5B9) & _MASK64
 
 
 def encode_message(msg: Message) -> bytes:

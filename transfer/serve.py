@@ -23,7 +23,7 @@ from transfer.faults import P_POINTS, injected
 from transfer.leases import Lease
 from transfer.link import Link
 from transfer.mapper import MapperError, Segment, map_pages, source_bytes, total_bytes
-from transfer.messages import Message, PullError, PullRequest, TransferAck, data_tag
+from transfer.messages import Message, PullError, PullRequest, TransferAck
 from transfer.paths.base import ServeFailed
 from transfer.paths.staging import Chunk
 from transfer.stats import TransferStats
@@ -206,6 +206,6 @@ async def answer_credits(link: Link, req: PullRequest, timeout: float) -> None:
     try:
         async with asyncio.timeout(timeout):
             for i in req.credits:
-                await link.send_data(_EMPTY, data_tag(req.pull_id, i))
+                await link.send_data(_EMPTY, link.data_tag(req.pull_id, i))
     except Exception as e:  # ucxx's errors are not all ConnectionErrors
         link.abort(f"answering the credits of a refused pull failed: {e!r}")

@@ -11,7 +11,8 @@ from __future__ import annotations
 # the declared-history check at admission, and direct reads that hold P's lease (ReadGrant).
 # 8: D sends its chunk plan (PullRequest.chunk_sizes) instead of one chunk size.
 # 9: tickets list per group only the pages it holds (a window group: its window), from first_page.
-PROTOCOL_VERSION = 9
+# 10: every control frame from the Join on carries a MAC, and UCX data tags are keyed per link.
+PROTOCOL_VERSION = 10
 
 # The page-major layout of kvcache/spec.py: one page of a pool group is one contiguous run of bytes,
 # and so is each run of consecutive heads within it (heads outermost).

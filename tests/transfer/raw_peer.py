@@ -7,7 +7,8 @@ from __future__ import annotations
 import socket
 import struct
 
-from transfer.control import frame
+from transfer.control import frame, frame_bytes
+from transfer.frame_seal import FrameSeal, link_key
 from transfer.handshake import proof
 from transfer.messages import (
     Challenge,
@@ -35,30 +36,38 @@ class RawPeer:
 
     def __init__(self, host: str, port: int) -> None:
         self.sock = socket.create_connection((host, port), timeout=10)
-        self.received: list[bytes] = []  # every frame the sender sent us
+        self.received: list[bytes] = []  # every frame the sender sent us (without its MAC)
+        self.seal: FrameSeal | None = None  # (from the Challenge on)
 
     def send(self, msg: Message) -> None:
-        self.sock.sendall(frame(msg))
+        self.sock.sendall(frame(msg, self.seal))
 
     def send_raw(self, payload: bytes) -> None:
-        self.sock.sendall(struct.pack("!I", len(payload)) + payload)
+        self.sock.sendall(frame_bytes(payload, self.seal))
 
     def recv(self) -> Message:
         data = read_frame(self.sock)
+        if self.seal is not None:
+            data = self.seal.open(data)
         self.received.append(data)
         return decode_message(data)
 
     def handshake(
         self, secret: bytes, table: PageTable, ucx_address: bytes, path: str = "ucx"
-    ) -> Message:
-        """Hello, Challenge, Join with our proof; returns P's answer (Welcome or Refused), and on
-        a Welcome says Ready(``path``): the data path we claim to have opened."""
+    ) -> Message | None:
+        """Hello, Challenge, Join with our proof, sealed with ``secret``; returns P's answer
+        (Welcome or Refused, None when P closed the connection instead), and on a Welcome says
+        Ready(``path``): the data path we claim to have opened."""
         nonce = b"n" * 32
         self.send(Hello("raw-peer", nonce))
         challenge = self.recv()
         assert isinstance(challenge, Challenge)
+        self.seal = FrameSeal(link_key(secret, b"control", nonce, challenge.nonce), b"D", b"P")
         self.send(Join(proof(secret, b"D", challenge.nonce, nonce), table, ucx_address))
-        answer = self.recv()
+        try:
+            answer = self.recv()
+        except ConnectionError:
+            return None
         if isinstance(answer, Welcome):
             self.send(Ready(path))
         return answer
@@ -81,6 +90,7 @@ class RawServer:
         self.server = socket.create_server(("127.0.0.1", 0))
         self.port = self.server.getsockname()[1]
         self.conn: socket.socket | None = None
+        self.seal: FrameSeal | None = None
 
     def accept(self, secret: bytes, table: PageTable, ucx_address: bytes) -> Message:
         conn, _ = self.server.accept()
@@ -90,6 +100,7 @@ class RawServer:
         assert isinstance(hello, Hello)
         nonce = b"p" * 32
         self.send(Challenge("rogue", nonce, proof(secret, b"P", hello.nonce, nonce)))
+        self.seal = FrameSeal(link_key(secret, b"control", hello.nonce, nonce), b"P", b"D")
         join = self.recv()
         if not isinstance(join, Join):
             return join
@@ -98,15 +109,16 @@ class RawServer:
 
     def send(self, msg: Message) -> None:
         assert self.conn is not None
-        self.conn.sendall(frame(msg))
+        self.conn.sendall(frame(msg, self.seal))
 
     def send_raw(self, payload: bytes) -> None:
         assert self.conn is not None
-        self.conn.sendall(struct.pack("!I", len(payload)) + payload)
+        self.conn.sendall(frame_bytes(payload, self.seal))
 
     def recv(self) -> Message:
         assert self.conn is not None
-        return decode_message(read_frame(self.conn))
+        data = read_frame(self.conn)
+        return decode_message(self.seal.open(data) if self.seal is not None else data)
 
     def close(self) -> None:
         if self.conn is not None:

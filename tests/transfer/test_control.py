@@ -61,6 +61,37 @@ def test_malformed_messages_to_p_are_rejected_and_the_connection_stays_usable(
     pair.pull_ok("after")
 
 
+@pytest.mark.parametrize("how", ["no MAC", "altered", "replayed"])
+def test_a_frame_that_fails_authentication_closes_the_connection(
+    pair: Pair, ucx_runtime, how: str
+) -> None:
+    """After the handshake every frame carries a MAC (frame_seal.py): one injected without it,
+    changed in transit or played again is counted and ends the connection (nothing after it could
+    be trusted); P holds nothing for it and serving goes on."""
+    peer = RawPeer(pair.sender.host, pair.sender.port)
+    try:
+        answer = peer.handshake(
+            SECRET.encode(), pair.receiver.page_table, ucx_runtime.worker_address
+        )
+        assert isinstance(answer, Welcome) and peer.seal is not None
+        ack = TransferAck("nobody", 1, 1, False, "test")
+        if how == "no MAC":
+            peer.sock.sendall(frame(ack))
+        else:
+            sealed = frame(ack, peer.seal)
+            peer.sock.sendall(sealed)  # (well formed: dropped, the connection stays)
+            if how == "altered":
+                peer.sock.sendall(sealed[:-1] + bytes([sealed[-1] ^ 1]))
+            else:
+                peer.sock.sendall(sealed)
+        assert peer.closed_by_peer()
+    finally:
+        peer.close()
+    wait_until(lambda: pair.sender.stats()["peers"] == 0)
+    assert pair.sender.stats()["rejected_messages"] == 1
+    pair.pull_ok("after")
+
+
 @pytest.fixture
 def ucx_pair() -> Iterator[Pair]:
     """A pair on the UCX path with a short pull deadline (the rogue prefill workers below offer

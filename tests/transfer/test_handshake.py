@@ -11,6 +11,8 @@ import pytest
 from tests.transfer.conftest import MODEL, SECRET, KVSide, Pair, checked_pair, config, specs
 from tests.transfer.raw_peer import RawPeer
 from transfer import KVReceiver, KVSender
+from transfer.control import frame, frame_bytes
+from transfer.frame_seal import MAC_BYTES, FrameSeal, link_key
 from transfer.handshake import proof
 from transfer.messages import Challenge, Hello, Join, Refused, Welcome
 
@@ -21,16 +23,16 @@ pytestmark = pytest.mark.timeout(60)
 def test_a_peer_without_the_secret_gets_no_page_table_and_no_pages(
     pair: Pair, ucx_runtime, secret: bytes
 ) -> None:
-    """Right compatibility hash, no secret: P refuses the Join, sends nothing about itself, and
-    no pull can follow; the refusal is counted and a real decode worker still pulls."""
+    """Right compatibility hash, no secret: P closes the connection on the Join (its MAC and proof
+    fail), sends nothing about itself, and no pull can follow; the refusal is counted and a real
+    decode worker still pulls."""
     ticket, _ = pair.publish("secret", 8)
     peer = RawPeer(pair.sender.host, pair.sender.port)
     try:
         answer = peer.handshake(secret, pair.receiver.page_table, ucx_runtime.worker_address)
-        assert isinstance(answer, Refused) and "authentication failed" in answer.reason
-        assert peer.closed_by_peer()
+        assert answer is None and peer.closed_by_peer()
         # Nothing P sent names its model, pools, UCX address or pool files.
-        assert [type(m).__name__ for m in map(_decode, peer.received)] == ["Challenge", "Refused"]
+        assert [type(m).__name__ for m in map(_decode, peer.received)] == ["Challenge"]
         assert not any(MODEL.encode() in data for data in peer.received)
     finally:
         peer.close()
@@ -57,22 +59,51 @@ def test_the_right_secret_is_welcomed(pair: Pair, ucx_runtime) -> None:
         peer.close()
 
 
-def test_a_replayed_proof_is_refused(pair: Pair, ucx_runtime) -> None:
-    """A proof seen on one connection does not open another: P's nonce is fresh each time."""
+def test_a_replayed_join_is_refused(pair: Pair, ucx_runtime) -> None:
+    """A Join seen on one connection (its proof and its MAC) does not open another: P's nonce is
+    fresh each time."""
     first = RawPeer(pair.sender.host, pair.sender.port)
     first.send(Hello("eavesdropped", b"n" * 32))
     challenge = first.recv()
     assert isinstance(challenge, Challenge)
+    seal = FrameSeal(link_key(SECRET.encode(), b"control", b"n" * 32, challenge.nonce), b"D", b"P")
     stolen = proof(SECRET.encode(), b"D", challenge.nonce, b"n" * 32)
+    sealed_join = frame(Join(stolen, pair.receiver.page_table, ucx_runtime.worker_address), seal)
     first.close()
     second = RawPeer(pair.sender.host, pair.sender.port)
     try:
         second.send(Hello("replay", b"n" * 32))
         assert isinstance(second.recv(), Challenge)
-        second.send(Join(stolen, pair.receiver.page_table, ucx_runtime.worker_address))
-        assert isinstance(second.recv(), Refused)
+        second.sock.sendall(sealed_join)
+        assert second.closed_by_peer()
     finally:
         second.close()
+    assert pair.sender.stats()["refused_peers"] == 2  # (the first never finished either)
+
+
+def test_a_join_changed_in_transit_is_refused(pair: Pair, ucx_runtime) -> None:
+    """Someone between D and P lets the proofs through and swaps D's UCX address in the Join for
+    their own (P would send them the prompt's KV): the Join's MAC no longer checks, P sends
+    nothing more and closes the connection."""
+    peer = RawPeer(pair.sender.host, pair.sender.port)
+    try:
+        peer.send(Hello("d", b"n" * 32))
+        challenge = peer.recv()
+        assert isinstance(challenge, Challenge)
+        secret = SECRET.encode()
+        seal = FrameSeal(link_key(secret, b"control", b"n" * 32, challenge.nonce), b"D", b"P")
+        mine = proof(secret, b"D", challenge.nonce, b"n" * 32)
+        honest = frame(Join(mine, pair.receiver.page_table, ucx_runtime.worker_address), seal)
+        theirs = bytearray(ucx_runtime.worker_address)
+        theirs[-1] ^= 1
+        swapped = frame(Join(mine, pair.receiver.page_table, bytes(theirs)))
+        mac = honest[-MAC_BYTES:]
+        peer.sock.sendall(frame_bytes(swapped[4:] + mac))
+        assert peer.closed_by_peer() and len(peer.received) == 1
+    finally:
+        peer.close()
+    assert pair.sender.stats()["refused_peers"] == 1 and pair.sender.stats()["peers"] == 0
+    pair.pull_ok("after")
     pair.pull_ok("after")
 
 

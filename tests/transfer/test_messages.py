@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.transfer.conftest import MODEL, specs
+from transfer.frame_seal import data_tag
 from transfer.messages import (
     MESSAGE_TYPES,
     Challenge,
@@ -25,7 +26,6 @@ from transfer.messages import (
     TransferDone,
     TransferProtocolError,
     Welcome,
-    data_tag,
     decode_message,
     encode_message,
 )
@@ -130,9 +130,10 @@ def test_a_bad_page_table_in_join_is_rejected() -> None:
         decode_message(envelope("Join", body))
 
 
-def test_data_tags_differ_per_chunk_and_per_pull() -> None:
-    tags = {data_tag(p, c) for p in (1, 2, 2**63 - 1) for c in range(1000)}
-    assert len(tags) == 3000 and all(0 <= t < 2**64 for t in tags)
+def test_data_tags_differ_per_chunk_per_pull_and_per_link_key() -> None:
+    keys = (b"k" * 32, b"l" * 32)
+    tags = {data_tag(k, p, c) for k in keys for p in (1, 2, 2**63 - 1) for c in range(1000)}
+    assert len(tags) == 6000 and all(0 <= t < 2**64 for t in tags)
 
 
 @settings(max_examples=300, deadline=None)

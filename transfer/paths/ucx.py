@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from transfer.mapper import total_bytes
-from transfer.messages import ChunkReady, PullRequest, TransferAck, TransferDone, data_tag
+from transfer.messages import ChunkReady, PullRequest, TransferAck, TransferDone
 from transfer.paths.base import DataPath, PullFailed, ServeFailed
 from transfer.paths.staging import Chunk, gather, in_place, scatter
 
@@ -165,7 +165,9 @@ class UcxPath(DataPath):
             assert pull.link is not None
             if staged is None:
                 writing.add(me)
-            await pull.link.recv_data(into[: chunk.nbytes], data_tag(pull.pull_id, chunk.index))
+            await pull.link.recv_data(
+                into[: chunk.nbytes], pull.link.data_tag(pull.pull_id, chunk.index)
+            )
             # (A failed pull's late chunks may be empty: never scattered.)
             if staged is not None and not pull.failing:
                 writing.add(me)
@@ -242,7 +244,7 @@ class UcxPath(DataPath):
     async def _send(
         self, pull: ServeSession, chunk: Chunk, gate: asyncio.Semaphore, start: Callable[[], None]
     ) -> None:
-        s, tag = pull.sender, data_tag(pull.request.pull_id, chunk.index)
+        s, tag = pull.sender, pull.link.data_tag(pull.request.pull_id, chunk.index)
         try:
             source = None if pull.failing else in_place(chunk, s.rows, source=True)
             if pull.failing:
