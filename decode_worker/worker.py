@@ -199,9 +199,13 @@ class DecodeWorker:
             if self.on_failure != "recompute":
                 self.num_transfer_failed_requests += 1
                 self._ended_early(rid, len(prompt), facts, "error")
-                yield TokenDelta(
-                    rid, [], "", "abort", len(prompt), 1, error=f"KV transfer failed: {why}"
+                # The reason names workers' addresses and links: the operator's log has it, the
+                # client (who may be anyone the API serves) gets what happened, not the topology.
+                log.warning(
+                    "KV transfer of %s failed (%s): the request ends with an error", rid, why
                 )
+                error = f"KV transfer failed (the decode worker's log has why, under {rid})"
+                yield TokenDelta(rid, [], "", "abort", len(prompt), 1, error=error)
                 return
             log.warning("KV transfer of %s failed (%s): prefilling it here", rid, why)
             self.num_transfer_recomputed += 1

@@ -24,7 +24,7 @@ from transfer import KVReceiver, TransceiverConfig
 from worker_common.messages import GenerateRequest, PrefillResult, RequestTimings
 
 
-def test_a_failed_transfer_frees_the_pages_and_counts_once() -> None:
+def test_a_failed_transfer_frees_the_pages_and_counts_once(caplog) -> None:
     # Two ways a transfer fails: the pull fails (P ended the lease first), or it cannot run (the
     # receiver closed while requests still came). Either ends in an error delta with D's pages
     # back, and the Prometheus counter gets one per failed pull (it got two before).
@@ -65,12 +65,30 @@ def test_a_failed_transfer_frees_the_pages_and_counts_once() -> None:
             in exported
         )
 
+        # A prefill worker that cannot be reached: the client is not told its address.
+        import dataclasses
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            closed_port = s.getsockname()[1]
+        req = GenerateRequest("unreachable", list(range(1, 11)), greedy(4), time.time())
+        pre = await prefill.prefill(req)
+        pre = dataclasses.replace(pre, ticket=dataclasses.replace(pre.ticket, port=closed_port))
+        (failed,) = [d async for d in worker.decode(req, pre)]
+        assert (
+            failed.error.startswith("KV transfer failed") and str(closed_port) not in failed.error
+        )
+        assert f"cannot connect to 127.0.0.1:{closed_port}" in caplog.text
+        await prefill.cancel("unreachable")
+        await wait_until_no_page_held(worker)
+
         async def close_receiver(_rid: str) -> None:
             receiver.close()
 
         (failed,) = await decode("closed", close_receiver)  # the pull cannot even start
-        assert "KVReceiver is closed" in failed.error
-        assert worker.stats().transfer.failures == 2  # (what the export counts, once each)
+        assert "KV transfer failed" in failed.error and "KVReceiver is closed" in caplog.text
+        assert worker.stats().transfer.failures == 3  # (what the export counts, once each)
 
     try:
         asyncio.run(main())
@@ -81,7 +99,9 @@ def test_a_failed_transfer_frees_the_pages_and_counts_once() -> None:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("on_failure", ["fail", "recompute"])
-def test_a_fill_stall_ends_at_the_pull_deadline_and_frees_the_pages(on_failure: str) -> None:
+def test_a_fill_stall_ends_at_the_pull_deadline_and_frees_the_pages(
+    on_failure: str, caplog
+) -> None:
     """Pages that never land: the pull ends at its deadline with a clear error, every page the
     request held on D is free again, and with ``recompute`` the request completes all the same,
     with the tokens a local prefill gives."""
@@ -106,10 +126,9 @@ def test_a_fill_stall_ends_at_the_pull_deadline_and_frees_the_pages(on_failure: 
         if on_failure == "fail":
             (failed,) = out
             assert failed.finish_reason == "abort"
-            assert (
-                "KV transfer failed: timed out after 1.0s waiting for the first chunk"
-                in failed.error
-            )
+            # The client hears that the transfer failed; the worker's log says why.
+            assert failed.error.startswith("KV transfer failed") and "127.0.0.1" not in failed.error
+            assert "timed out after 1.0s waiting for the first chunk" in caplog.text
             assert totals.failed_requests == 1 and totals.recomputed == 0
         else:
             assert all(d.error is None for d in out) and out[-1].finish_reason == "length"
