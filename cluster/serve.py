@@ -20,7 +20,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from cluster.builder import ClusterBuildError, ClusterHandles, build_cluster
-from cluster.config import ClusterConfig, ConfigError
+from cluster.config import ClusterConfig, ConfigError, ServerConfig
 from cluster.frontend import ClusterFrontend
 from cluster.server import create_app
 from engine.loaders import load_tokenizer
@@ -226,11 +226,16 @@ def start_cluster(
         raise
 
 
-def serving_config(app: Any) -> uvicorn.Config:
+def serving_config(app: Any, server: ServerConfig) -> uvicorn.Config:
     """uvicorn's settings for `duet serve`: its loggers (one line per request on
     ``uvicorn.access``) at the level ``duet --log-level`` gave the root logger, not at uvicorn's
-    own INFO."""
-    return uvicorn.Config(app, log_level=logging.getLogger().getEffectiveLevel())
+    own INFO; open requests cut ``server.shutdown_grace_s`` after a SIGTERM (uvicorn waits for
+    them without end by default, and a stream may run for request_timeout_s)."""
+    return uvicorn.Config(
+        app,
+        log_level=logging.getLogger().getEffectiveLevel(),
+        timeout_graceful_shutdown=server.shutdown_grace_s,
+    )
 
 
 def app_of(config: ClusterConfig, frontend: ClusterFrontend) -> FastAPI:
@@ -264,7 +269,7 @@ def serve(config: ClusterConfig) -> int:
             f"{sock.getsockname()[1]}",
             flush=True,
         )
-        uvicorn.Server(serving_config(app)).run(sockets=[sock])
+        uvicorn.Server(serving_config(app, config.server)).run(sockets=[sock])
     except (ConfigError, ClusterBuildError) as e:
         print(f"duet serve: {e}", file=sys.stderr)
         return 2 if isinstance(e, ConfigError) else 1

@@ -93,6 +93,17 @@ class ServerConfig(Section):
             "stopped reading is cut off then, a blocked send given at least 5 s)."
         ),
     )
+    shutdown_grace_s: float = Field(
+        30.0,
+        gt=0,
+        description=(
+            "On SIGTERM or Ctrl-C, how long `duet serve` lets open requests finish: new "
+            "connections are refused at once, and streams still open after this are cut before "
+            "the workers stop (a second Ctrl-C cuts them at once). Below your supervisor's kill "
+            "timeout (Kubernetes: terminationGracePeriodSeconds, 30 s by default) so that the "
+            "workers are stopped, not killed."
+        ),
+    )
 
 
 class StatsConfig(Section):

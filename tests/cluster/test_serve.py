@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -164,11 +165,62 @@ def test_duet_serves_on_the_socket_it_announces() -> None:
     assert not thread.is_alive()
 
 
+def test_a_sigterm_cuts_open_streams_after_the_grace_period() -> None:
+    """`duet serve`'s uvicorn on SIGTERM (its handler sets should_exit): new connections are
+    refused, an open stream gets ``server.shutdown_grace_s`` and is then cut, and the server
+    returns by itself (uvicorn's default waited for every stream to end, request_timeout_s
+    of them; a supervisor then killed the process with its workers unstopped)."""
+    import threading
+
+    import uvicorn
+
+    from cluster.config import config_from_dict
+    from cluster.serve import listening_socket, serving_config
+
+    app = FastAPI()
+
+    @app.get("/forever")
+    async def forever() -> StreamingResponse:
+        async def chunks():  # noqa: ANN202
+            for i in range(10_000):  # bounded: 100 s at most
+                yield f"{i}\n"
+                await asyncio.sleep(0.01)
+
+        return StreamingResponse(chunks())
+
+    config = config_from_dict({"server": {"shutdown_grace_s": 0.5}})
+    sock = listening_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(serving_config(app, config.server))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    seen: list[str] = []
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.05)
+        with httpx.stream("GET", f"http://127.0.0.1:{port}/forever", timeout=30) as stream:
+            lines = stream.iter_lines()
+            seen.append(next(lines))
+            server.handle_exit(signal.SIGTERM, None)
+            with contextlib.suppress(httpx.HTTPError):
+                seen.extend(lines)
+        thread.join(30)
+        assert not thread.is_alive() and not server.force_exit
+        assert 1 <= len(seen) < 10_000  # cut, not finished
+    finally:
+        server.force_exit = True
+        thread.join(10)
+        sock.close()
+
+
 def test_duet_serves_with_its_log_level() -> None:
     """`duet --log-level WARNING serve` leaves out uvicorn's line per request (its access logger
     has a handler of its own, and uvicorn set it to INFO whatever duet was told)."""
     import logging
 
+    from cluster.config.serving import ServerConfig
     from cluster.serve import serving_config
 
     root = logging.getLogger()
@@ -176,7 +228,7 @@ def test_duet_serves_with_its_log_level() -> None:
     try:
         for level in (logging.WARNING, logging.DEBUG):
             root.setLevel(level)
-            serving_config(FastAPI())
+            serving_config(FastAPI(), ServerConfig())
             assert logging.getLogger("uvicorn.access").isEnabledFor(logging.INFO) == (
                 level <= logging.INFO
             )
