@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -214,7 +215,20 @@ def _wait_ready(handles: ClusterHandles, timeout_s: float) -> None:
 
 
 def _root_cause(e: BaseException) -> str:
+    """What made a worker fail to start, in a line: the exception its constructor raised, not
+    Ray's wrapper of it (a colored call site and the whole traceback)."""
     cause = getattr(e, "cause", None)
     if cause is not None:
         return f"{type(cause).__name__}: {cause}"
+    if isinstance(e, RayActorError) and e.actor_init_failed:
+        # Ray keeps the constructor's exception only as text (ActorDiedError.cause is unset):
+        # its traceback (indented lines) ends with the exception's lines, flush left. The full
+        # text stays chained (``from``).
+        lines = [line for line in _ANSI.sub("", str(e)).splitlines() if line.strip()]
+        last = max((i for i, line in enumerate(lines) if line[0].isspace()), default=-1)
+        error = " ".join(lines[last + 1 :]) or lines[-1].strip()
+        return f"{error} (raised in its constructor; its log has the traceback)"
     return f"{type(e).__name__}: {e}"
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # (Ray colors the call site in its messages)

@@ -132,3 +132,25 @@ def test_a_shutdown_that_meets_a_failure_leaves_nothing_else_behind(labelled_ray
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(actor.ping.remote(), timeout=60)
     assert ray.util.placement_group_table(pg)["state"] == "REMOVED"
+
+
+@ray.remote(num_cpus=0)
+class _Unbuildable:
+    def __init__(self) -> None:
+        raise ValueError("kv_cache: 10 GiB asked,\n2 GiB free")
+
+    def ready(self) -> bool:
+        return True
+
+
+def test_a_worker_whose_constructor_raises_is_named_with_its_error(labelled_ray: None) -> None:
+    """`duet serve` prints a worker's failure to start in one line: the exception its constructor
+    raised, not Ray's wrapper (a colored call site, pid, actor id and the whole traceback)."""
+    from cluster.builder import _root_cause
+
+    actor = _Unbuildable.remote()
+    with pytest.raises(ray.exceptions.RayActorError) as caught:
+        ray.get(actor.ready.remote(), timeout=60)
+    line = _root_cause(caught.value)
+    assert line.startswith("ValueError: ") and "2 GiB free" in line
+    assert "\x1b" not in line and "Traceback" not in line and "actor_id" not in line
