@@ -44,9 +44,13 @@ class _CollectorActor:
         return self._collector.stats()
 
 
-PerfMetricsCollectorActor = ray.remote(num_cpus=0, max_concurrency=COLLECTOR_MAX_CONCURRENCY)(
-    _CollectorActor
-)
+# A collector that crashed comes back empty (the records it held are lost, the next ones are
+# joined as ever); without restarts /perf_metrics stayed empty until the cluster restarted.
+COLLECTOR_MAX_RESTARTS = 3
+
+PerfMetricsCollectorActor = ray.remote(
+    num_cpus=0, max_concurrency=COLLECTOR_MAX_CONCURRENCY, max_restarts=COLLECTOR_MAX_RESTARTS
+)(_CollectorActor)
 
 
 def start_collector_actor(

@@ -3,6 +3,7 @@ reader drains, and each request comes out exactly once."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -84,3 +85,37 @@ def test_the_collector_of_a_config_keeps_stats_max_pending_joins_partial_joins(
     assert [r.request_id for r in drained] == [f"d{i}" for i in range(3, 8)]
     assert ray.get(collector.stats.remote()).dropped == {"d0": 3}
     ray.kill(collector)
+
+
+def test_a_crashed_collector_comes_back_and_joins_again(local_ray: None) -> None:
+    """A collector process that dies (killed here, as the OOM killer would) is restarted by Ray:
+    the workers' reports after it are joined and drained as before (it stayed dead)."""
+    collector = start_collector_actor(
+        expected_roles_for(aggregated=False), -1, 1000, name="crashy", namespace=NAMESPACE
+    )
+    ray.get(collector.ingest.remote([prefill_timings("before")]), timeout=60)
+    ray.kill(collector, no_restart=False)
+    for _ in range(600):  # bounded: 60 s
+        try:
+            ray.get(collector.stats.remote(), timeout=5)
+            break
+        except ray.exceptions.RayActorError:
+            time.sleep(0.1)
+    batches = [[t("a1")] for t in (prefill_timings, decode_timings)]
+    batches += [[t("a2")] for t in (prefill_timings, decode_timings)]
+    ray.get(report_each.remote("crashy", batches), timeout=60)
+    drained = [r.request_id for r in ray.get(collector.drain.remote(), timeout=60)]
+    assert "a2" in drained and "before" not in drained
+
+
+@ray.remote(num_cpus=0)
+def report_each(actor_name: str, batches: list[list[RequestTimings]]) -> None:
+    """As a worker reports (actor_base: one call a batch, its answer not awaited, so a failed one
+    is a lost batch): a process whose handle has not yet heard of the restart loses its first
+    call to ActorUnavailableError."""
+    collector = ray.get_actor(actor_name, namespace=NAMESPACE)
+    for batch in batches:
+        try:
+            ray.get(collector.ingest.remote(batch), timeout=30)
+        except ray.exceptions.ActorUnavailableError:
+            pass
