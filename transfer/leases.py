@@ -127,11 +127,12 @@ class LeaseTable:
             lambda lease: lease.gen == gen and lease.state is LeaseState.PUBLISHED,
         )
 
-    def cancel(self, request_id: str) -> bool:
-        """Give the pages back now, unless a pull holds them (then that pull ends the lease: False)."""
+    def cancel(self, request_id: str, gen: int | None = None) -> bool:
+        """Give the pages back now, unless a pull holds them (then that pull ends the lease: False);
+        with ``gen``, only if the request's lease is still that one."""
 
         def may_end(lease: Lease) -> bool:  # under the lock: no pull can begin in between
-            return lease.state is not LeaseState.SERVING
+            return lease.state is not LeaseState.SERVING and gen in (None, lease.gen)
 
         return self._end(request_id, "cancelled", may_end)
 

@@ -176,10 +176,11 @@ class KVSender:
             lease_expires_at=time.time() + self.config.lease_s,
         )
 
-    def cancel(self, request_id: str) -> bool:
+    def cancel(self, request_id: str, lease_gen: int | None = None) -> bool:
         """The request is abandoned: free its pages now, unless a pull holds them (False; the
-        pull's end releases them)."""
-        return self.leases.cancel(request_id)
+        pull's end releases them). With ``lease_gen``, only that lease of the request (the
+        ticket's ``lease_gen``), never a later publish of it."""
+        return self.leases.cancel(request_id, lease_gen)
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -141,8 +141,8 @@ class _TPRankActor:
         side = self._sender if self._sender is not None else self._receiver
         return counters_of(side.stats()) if side is not None else TransferCounters()
 
-    def cancel(self, sub: str) -> bool:
-        return self._sender.cancel(sub)
+    def cancel(self, sub: str, lease_gen: int | None = None) -> bool:
+        return self._sender.cancel(sub, lease_gen)
 
     def start_receiver(self, config: TransceiverConfig, model: str) -> None:
         from transfer import KVReceiver

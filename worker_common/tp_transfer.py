@@ -10,8 +10,9 @@ ended. The ticket the router carries is rank 0's, with one TicketPart per pair.
 
 Rank 0 reaches the other ranks only by awaiting their answers on the worker's loop (a publish or
 cancel within ``CALL_TIMEOUT_S``; a pull within its transfer deadlines), never by blocking it; a
-rank that does not answer fails the call, and the rank watch takes the worker down
-(worker_common/tp_ranks.py). The parts' transfer records are joined into one per request and the
+rank that does not answer fails the call (a rank that is lost, not merely slow, the rank watch
+takes the worker down: worker_common/tp_ranks.py), and a lease it publishes after its failed
+publish is ended when it answers. The parts' transfer records are joined into one per request and the
 counters cover every rank (worker_common/tp_transfer_stats.py).
 
 Rank 0 learns which of another rank's leases ended from one ``released`` call open per rank at
@@ -29,7 +30,9 @@ cancel (a failed or recomputed request) or its expiry.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
+import functools
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -97,8 +100,8 @@ def parent_id(sub: str) -> str:
 class TPPublisher:
     """The prefill side (worker's KVPublisher): rank 0's KVSender plus ranks 1..'s. ``publish``
     and ``cancel`` are coroutines: they await the other ranks' answers on the worker's loop (each
-    within ``call_timeout_s``; a rank that does not answer fails the call, and the rank watch
-    takes the worker down), never block it."""
+    within ``call_timeout_s``; a rank that does not answer fails the call, and a lost one the
+    rank watch takes the worker down), never block it."""
 
     def __init__(
         self,
@@ -142,8 +145,8 @@ class TPPublisher:
             self._records[request_id] = []
         parts: dict[int, TicketPart] = {}
         published: list[tuple[int, str]] = []
+        remote: list[tuple[int, Read, int, str, Any]] = []
         try:
-            remote: list[tuple[int, Read, int, str, Any]] = []
             for i, (read, (rank, sub)) in enumerate(zip(self.reads, subs, strict=True)):
                 heads = (read.head_start, read.head_count)
                 if rank == 0:
@@ -171,10 +174,32 @@ class TPPublisher:
                 self._open.pop(request_id, None)
                 self._subs.pop(request_id, None)
                 self._records.pop(request_id, None)
+            # A rank that did not answer (timed out, or this publish was cancelled) may still
+            # publish: its lease is ended when it does, or it would hold the request id (a retry
+            # of the request here was refused as already published) until it expired.
+            for _, _, rank, sub, ref in remote:
+                if (rank, sub) not in published:
+                    ref.future().add_done_callback(functools.partial(self._end_late, rank, sub))
             await self._cancel_subs(published)
             raise
         ordered = [parts[i] for i in range(len(self.reads))]
         return dataclasses.replace(ordered[0].ticket, request_id=request_id, parts=tuple(ordered))
+
+    def _end_late(self, rank: int, sub: str, answer: concurrent.futures.Future) -> None:
+        """Rank ``rank`` published ``sub`` after its publish had failed: end that lease (its
+        generation alone: never a later publish of the request). On Ray's callback thread."""
+        if answer.cancelled() or answer.exception() is not None:
+            return  # (not published: nothing to end)
+        ticket = answer.result()
+        ended = self.rank_actors[rank - 1].cancel.remote(sub, ticket.lease_gen)
+        ended.future().add_done_callback(
+            lambda f: (
+                f.exception() is None
+                or log.warning(
+                    "ending a late lease of %s on rank %d failed: %s", sub, rank, f.exception()
+                )
+            )
+        )
 
     async def _call(self, ref: Any) -> Any:
         """Another rank's answer; TimeoutError when it gives none in ``call_timeout_s``."""

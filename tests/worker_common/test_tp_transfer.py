@@ -50,10 +50,17 @@ class _PoolRank(_TPRankActor):
         self._ready.set()
         self.publish_delay_s = publish_delay_s
         self.pull_delay_s = pull_delay_s
+        self.published = 0
 
     def publish(self, *args: Any) -> Any:
         time.sleep(self.publish_delay_s)
-        return super().publish(*args)
+        ticket = super().publish(*args)
+        self.published += 1
+        return ticket
+
+    def leases_held(self) -> tuple[int, int]:
+        """(publishes answered, leases held now)."""
+        return self.published, len(self._sender.leases)
 
     def pull(self, *args: Any) -> Any:
         time.sleep(self.pull_delay_s)  # (a rank whose transfer loop is stuck)
@@ -239,18 +246,26 @@ def test_a_decode_rank_whose_pull_outlasts_its_deadlines_is_lost() -> None:
 
 
 def test_a_rank_that_does_not_answer_in_time_fails_the_publish() -> None:
-    """Rank 1 answers after 3 s, past the 0.5 s call timeout: the publish raises, rank 0's lease
-    is given up, and the pages are the worker's to free (the release callback is not called)."""
+    """Rank 1 answers after 1 s, past the 0.5 s call timeout: the publish raises, rank 0's lease
+    is given up, and the pages are the worker's to free (the release callback is not called).
+    Rank 1's lease, published late, is ended then: it held the request id until it expired, so
+    the request published again there (a retry) was refused as already published."""
     p_side = KVSide(specs(num_pages=PAGES), 7)
-    pub = publisher(p_side, rank_actor(8, publish_delay_s=3.0), decode_tp=1, call_timeout_s=0.5)
+    rank = rank_actor(8, publish_delay_s=1.0)
+    pub = publisher(p_side, rank, decode_tp=1, call_timeout_s=0.5, lease_s=60.0)
     try:
         src = p_side.allocate("r3", TOKENS)
         with pytest.raises(TimeoutError, match="did not answer within 0.5s"):
             asyncio.run(pub.publish("r3", src, TOKENS))
         assert len(pub.own.leases) == 0
-        time.sleep(0.2)
+        # (published late, then ended: not held until lease_s)
+        wait_until(lambda: ray.get(rank.leases_held.remote(), timeout=30) == (1, 0))
         assert p_side.released == []
         p_side.free("r3")
+        # The request again, on rank 1 alone (its lease of the first publish is gone).
+        again = ray.get(rank.publish.remote("r3|d0", src, TOKENS, (1, 1)), timeout=30)
+        assert ray.get(rank.cancel.remote("r3|d0", again.lease_gen - 1), timeout=30) is False
+        assert ray.get(rank.cancel.remote("r3|d0", again.lease_gen), timeout=30) is True
     finally:
         pub.close()
 
@@ -286,7 +301,7 @@ def test_a_prefill_cancelled_while_its_ranks_publish_frees_its_pages() -> None:
     """The client goes away while rank 1 has not answered the publish yet: the prefill ends
     cancelled, rank 0's lease is given up and the worker frees the pages (none held after)."""
     engine = tiny_engine(64)
-    cfg = config()
+    cfg = config(lease_s=60.0)  # (rank 1's lease must not end by expiring)
     rank = rank_actor(12, publish_delay_s=2.0)
 
     def make_publisher(release: Any) -> TPPublisher:
@@ -315,6 +330,8 @@ def test_a_prefill_cancelled_while_its_ranks_publish_frees_its_pages() -> None:
             await task
         assert len(worker.publisher.own.leases) == 0
         await wait_until_no_page_held(worker)
+        # Rank 1's lease, published after the cancel, is ended too (not held until lease_s).
+        wait_until(lambda: ray.get(rank.leases_held.remote(), timeout=30) == (1, 0))
 
     try:
         asyncio.run(main())
