@@ -164,10 +164,14 @@ class UcxRuntime:
                 enable_python_future=mode.startswith("thread"),
             )
 
+        from ucxx._lib_async.application_context import ProgressTasks
+
         if progress_mode == "loop":
             ctx, self.progress = LoopProgress.take_over(make, self.loop)
-            return ctx
-        return make(progress_mode)
+        else:
+            ctx = make(progress_mode)
+        self._progress_entry = ProgressTasks[self.loop]  # (see create_endpoint)
+        return ctx
 
     def messages(self) -> contextlib.AbstractContextManager[None]:
         """Around each data message's send or receive: progressed on the loop, UCX is polled
@@ -214,7 +218,13 @@ class UcxRuntime:
     async def create_endpoint(self, address: bytes) -> Any:
         """A UCX endpoint to the worker at ``address`` (peer error handling on)."""
         from ucxx._lib.libucxx import UCXAddress
+        from ucxx._lib_async.application_context import ProgressTasks
 
+        # ucxx keeps one process-wide table of each loop's progress, and clears all of it when
+        # any context goes (its finalizer): a runtime released as this one started left this
+        # loop without an entry, and ucxx then started a polling task of its own here, one core
+        # spinning for good. Ours is put back first.
+        ProgressTasks.setdefault(self.loop, self._progress_entry)
         return await self.ctx.create_endpoint_from_worker_address(
             UCXAddress.create_from_buffer(address), endpoint_error_handling=True
         )
@@ -223,7 +233,7 @@ class UcxRuntime:
         self._stop_context()
 
     def _stop_context(self) -> None:
-        from ucxx._lib_async.application_context import clear_progress_tasks
+        from ucxx._lib_async.application_context import ProgressTasks
 
         if self.progress is not None:
             self.progress.stop()
@@ -231,7 +241,8 @@ class UcxRuntime:
         # Else the progress thread lives as long as the loop object (ucxx keeps a reference to
         # it from a patched loop.close).
         self.ctx.worker.stop_progress_thread()
-        clear_progress_tasks()
+        if ProgressTasks.get(self.loop) is self._progress_entry:  # (only ours: not the table)
+            del ProgressTasks[self.loop]
         self.ctx = None
         gc.collect()
 

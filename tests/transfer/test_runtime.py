@@ -214,3 +214,49 @@ def test_a_worker_loop_runs_the_transfers_with_no_thread_of_their_own(mode: str)
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines()[-1] == "ok", done.stdout[-2000:]
+
+
+def test_a_runtime_started_as_another_stops_keeps_its_own_progress() -> None:
+    """In a fresh process: the last user of a runtime releases it while a new runtime starts.
+    ucxx's progress table is process-wide, and the old runtime's teardown cleared all of it:
+    the new runtime's first endpoint then had ucxx start a polling task of its own on the new
+    loop, one core spinning for good beside the runtime's own progress."""
+    script = textwrap.dedent(
+        f"""
+        import threading
+        from ucxx._lib_async.application_context import ProgressTasks
+        from transfer.runtime import UcxRuntime
+
+        first = UcxRuntime.acquire({UCX_ENV!r})
+        entered, go_on = threading.Event(), threading.Event()
+        real_stop = UcxRuntime._stop_context
+
+        def held_stop(self):
+            entered.set()
+            assert go_on.wait(30)
+            real_stop(self)
+
+        UcxRuntime._stop_context = held_stop
+        releasing = threading.Thread(target=first.release)
+        releasing.start()
+        assert entered.wait(30)
+        UcxRuntime._stop_context = real_stop
+        second = UcxRuntime.acquire({UCX_ENV!r})
+        assert second is not first
+        go_on.set()
+        releasing.join(60)
+        assert not releasing.is_alive()
+        endpoint = second.run(second.create_endpoint(second.worker_address), 30)
+        entry = ProgressTasks.get(second.loop)
+        assert entry is second.progress, entry
+        endpoint.abort()
+        second.release()
+        print("ok")
+        """
+    )
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=100
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines()[-1] == "ok", done.stdout[-2000:]
