@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import threading
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -82,6 +83,10 @@ class KVReceiver:
         self._ever_linked: set[Address] = set()
         self._running: set[concurrent.futures.Future] = set()
         self.closed = False
+        # Held while a pull is accepted and while close starts: a pull accepted on another
+        # thread as close began was not among those close waited for (and after the last
+        # release it was left on a stopped loop, its caller waiting for ever).
+        self._accepting = threading.Lock()
         device = next(iter(buffers.values())).device
         gpu = device.index if device.type == "cuda" else None
         if device.type == "cuda" and gpu is None:
@@ -146,11 +151,12 @@ class KVReceiver:
     def close(self) -> None:
         """Fail the pulls in flight (their pages are safe once this returns) and drop every
         link. Later calls do nothing."""
-        if self.closed:
-            return
-        self.closed = True
+        with self._accepting:
+            if self.closed:
+                return
+            self.closed = True
         try:
-            self.runtime.run(self._stop(), timeout=self.config.chunk_deadline_s * 3 + 5.0)
+            self.runtime.run(self._stop(), timeout=self.config.chunk_deadline_s * 4 + 5.0)
         finally:
             self.runtime.release()
 
@@ -164,7 +170,11 @@ class KVReceiver:
             f if isinstance(f, asyncio.Future) else asyncio.wrap_future(f) for f in self._running
         ]
         if running:
-            await asyncio.wait(running, timeout=self.config.chunk_deadline_s * 3)
+            _, late = await asyncio.wait(running, timeout=self.config.chunk_deadline_s * 3)
+            for f in late:  # (one still connecting, say: its connect deadline may be longer)
+                f.cancel()
+            if late:
+                await asyncio.wait(late, timeout=self.config.chunk_deadline_s)
 
     def _submit(
         self,
@@ -176,16 +186,17 @@ class KVReceiver:
     ) -> tuple[PullSession, concurrent.futures.Future[TransferResult] | asyncio.Task]:
         """The pull as a task on the runtime's loop: started right here when the caller runs on
         that loop (a worker whose loop the runtime adopted), else handed over to it."""
-        if self.closed:
-            raise RuntimeError("KVReceiver is closed")
         skips = {g: int(skip) for g in ticket.page_ids} if isinstance(skip, int) else dict(skip)
-        session = PullSession(self, ticket, dst, skips, int(expected), heads)
         done: concurrent.futures.Future[TransferResult] | asyncio.Task
-        if self.runtime.on_loop():
-            done = asyncio.ensure_future(session.run())
-        else:
-            done = self.runtime.submit(session.run())
-        self._running.add(done)
+        with self._accepting:
+            if self.closed:
+                raise RuntimeError("KVReceiver is closed")
+            session = PullSession(self, ticket, dst, skips, int(expected), heads)
+            if self.runtime.on_loop():
+                done = asyncio.ensure_future(session.run())
+            else:
+                done = self.runtime.submit(session.run())
+            self._running.add(done)
         done.add_done_callback(self._running.discard)
         return session, done
 

@@ -18,6 +18,7 @@ import asyncio
 import concurrent.futures
 import logging
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -85,6 +86,7 @@ class KVSender:
         self.sessions: dict[tuple[Link, int], ServeSession] = {}
         self._tasks: set[asyncio.Task] = set()
         self._closed = False
+        self._accepting = threading.Lock()  # publish's check and lease against close
         self.offered, self._export = paths.offer(self.rows) if config.direct_copy else ("", b"")
         device = next(iter(buffers.values())).device
         gpu = device.index if device.type == "cuda" else None
@@ -158,11 +160,12 @@ class KVSender:
                 )
         if declared_prompt_len < 0:
             raise ValueError(f"publish {request_id!r}: declared_prompt_len must be >= 0")
-        if self._closed:
-            raise RuntimeError("KVSender is closed")
-        lease = self.leases.publish(
-            request_id, pages, declared_prompt_len, self.config.lease_s, heads
-        )
+        with self._accepting:  # (a lease made as close began would never be released)
+            if self._closed:
+                raise RuntimeError("KVSender is closed")
+            lease = self.leases.publish(
+                request_id, pages, declared_prompt_len, self.config.lease_s, heads
+            )
         return TransferTicket(
             request_id=request_id,
             host=self.host,
@@ -196,9 +199,10 @@ class KVSender:
     def close(self) -> None:
         """Stop serving: close every link (ending its pulls), stop listening, release every
         lease. Later calls do nothing."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._accepting:
+            if self._closed:
+                return
+            self._closed = True
         try:
             self.runtime.run(self._stop(), timeout=self.config.chunk_deadline_s * 2 + 5.0)
         finally:

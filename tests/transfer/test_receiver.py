@@ -222,6 +222,71 @@ def test_a_pull_into_a_closed_receiver_raises() -> None:
         assert made.sender.cancel("c")
 
 
+def test_close_waits_for_a_pull_being_accepted_on_another_thread() -> None:
+    """A pull accepted on one thread as close() begins on another: close sees it (it waits
+    for it to be accepted, then ends it) and the pull's caller gets its result. Before, close
+    could miss it and return while it ran (its pages not safe), or, as the runtime's last user,
+    leave it on a stopped loop and its caller waiting for ever."""
+    with checked_pair() as made:
+        ticket, _ = made.publish("c", 8)
+        dst = made.d.allocate("c", 8)
+        entered, go_on = threading.Event(), threading.Event()
+
+        class HeldSet(set):  # accepting the pull stops just before it is counted as running
+            def add(self, item: object) -> None:
+                entered.set()
+                go_on.wait(30)
+                super().add(item)
+
+        made.receiver._running = HeldSet()
+        results: list[object] = []
+        puller = threading.Thread(
+            target=lambda: results.append(made.receiver.pull_blocking(ticket, dst, 0, 8))
+        )
+        puller.start()
+        assert entered.wait(30)
+        closer = threading.Thread(target=made.receiver.close)
+        closer.start()
+        closer.join(2.0)
+        assert closer.is_alive()  # waiting for the pull being accepted
+        go_on.set()
+        closer.join(60)
+        puller.join(60)
+        assert not closer.is_alive() and not puller.is_alive() and len(results) == 1
+        assert made.receiver.stats()["pulls_in_flight"] == 0
+        made.d.free("c")
+        made.sender.cancel("c")
+
+
+def test_a_lease_published_as_the_sender_closes_is_released() -> None:
+    """The sender's side of the same race: a publish on one thread as close() begins on another.
+    Its lease is released by the close (the pages come back: checked_pair checks), or the
+    publish is refused; before, a lease made after close released every lease stayed for good."""
+    with checked_pair() as made:
+        entered, go_on = threading.Event(), threading.Event()
+        real_publish = made.sender.leases.publish
+
+        def held_publish(*args: object, **kwargs: object):  # noqa: ANN202
+            entered.set()
+            go_on.wait(30)
+            return real_publish(*args, **kwargs)
+
+        made.sender.leases.publish = held_publish  # type: ignore[method-assign]
+        published: list[object] = []
+        publisher = threading.Thread(target=lambda: published.append(made.publish("c", 8)))
+        publisher.start()
+        assert entered.wait(30)
+        closer = threading.Thread(target=made.sender.close)
+        closer.start()
+        closer.join(2.0)
+        assert closer.is_alive()  # waiting for the publish under way
+        go_on.set()
+        closer.join(60)
+        publisher.join(60)
+        assert not closer.is_alive() and not publisher.is_alive() and len(published) == 1
+        assert made.p.released == ["c"]
+
+
 @pytest.mark.parametrize("path", ["ucx", "host_shm"])
 def test_prefill_worker_restart_on_the_same_port(path: str) -> None:
     """A ticket of the old instance fails as stale (its pages are gone); the new instance's
