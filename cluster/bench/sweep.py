@@ -112,13 +112,19 @@ def _run_entry(
     }
 
 
-def update_goodput(entry: dict[str, Any]) -> None:
+def update_goodput(entry: dict[str, Any], chained: bool = False) -> None:
     """Set ``goodput``/``goodput_is_lower_bound`` of a target entry from its runs' SLO attainment.
 
-    Not under a concurrency cap: a request due while the cap is reached waits for a slot outside
-    its latencies, so every rate may pass while the server receives far less than it says; each
-    run's ``request_goodput`` (requests within the SLOs per second, achieved) stays."""
-    if any(run.get("max_concurrency") is not None for run in entry["runs"]):
+    Only where the server got the rate each run names: not under a concurrency cap (a request
+    due while the cap is reached waits for a slot outside its latencies, so every rate may pass
+    while the server receives far less than it says), not with a ramp-up (its sends are neither
+    at the rate nor rescaled to it), and not when requests are ``chained`` (a conversation's
+    later turn waits for the one before). Each run's ``request_goodput`` (requests within the
+    SLOs per second, achieved) stays."""
+    runs = entry["runs"]
+    if chained or any(
+        run.get("max_concurrency") is not None or run.get("ramp_up_seconds") for run in runs
+    ):
         return
     points = [
         (run["request_rate"], run["slo_attainment"])
@@ -199,7 +205,7 @@ async def sweep_url(
             summary = summarize_run(outcome.records, duration, options.percentiles, options.slos)
             summary.update(kv_tier_fields(tier_before, tier_after))
             entry["runs"].append(_run_entry(rate, options, summary, outcome))
-            update_goodput(entry)
+            update_goodput(entry, chained=any(r.after is not None for r in requests))
             if outcome.records and summary["completed"] == 0:
                 first = next(r.error for r in outcome.records if r.error)
                 raise BenchError(
