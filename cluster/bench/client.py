@@ -176,7 +176,10 @@ class StreamingClient:
             if isinstance(usage, dict):  # (a count that is not a number is not taken)
                 if isinstance(completion := usage.get("completion_tokens"), int):
                     usage_tokens = completion
-                if isinstance(prompt := usage.get("prompt_tokens"), int):
+                # The workload's own count where it has one, as vLLM counts input tokens (the
+                # server's includes a chat template's); the server's only where it has none.
+                prompt = usage.get("prompt_tokens")
+                if isinstance(prompt, int) and record.prompt_len is None:
                     record.prompt_len = prompt
             if event.get("choices"):
                 record.last_choice_at = arrival

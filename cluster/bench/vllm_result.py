@@ -120,13 +120,13 @@ class VllmResultFiles:
         doc.update({key: run.get(key) for key in _RUN_FIELDS})
         # vLLM's per-request latencies: 0.0 where a request failed, as its client leaves them.
         doc["latencies"] = [e if e is not None else 0.0 for e in run["e2els"]]
+        # A statistic over no values (TPOT when every request had one token) is 0.0, as vLLM
+        # writes it (np.mean(x or 0)); Duet's own JSON says null.
         for metric in self.percentile_metrics:
-            for stat in ("mean", "median", "std"):
-                key = f"{stat}_{metric}_ms"
-                doc[key] = run[key]
-            for p in header["percentiles"]:
-                key = f"p{percentile_label(p)}_{metric}_ms"
-                doc[key] = run[key]
+            keys = [f"{stat}_{metric}_ms" for stat in ("mean", "median", "std")]
+            keys += [f"p{percentile_label(p)}_{metric}_ms" for p in header["percentiles"]]
+            for key in keys:
+                doc[key] = run[key] if run[key] is not None else 0.0
         return doc
 
     def _path(self, doc: dict[str, Any]) -> Path:

@@ -57,6 +57,18 @@ def test_chat_stream_counts_usage_prompt_tokens(duet_server: Any) -> None:
     assert record.prompt_len == 5  # from usage.prompt_tokens
 
 
+def test_a_prompt_of_known_length_is_counted_as_the_workload_says(duet_server: Any) -> None:
+    """Input tokens are the workload's count, as `vllm bench serve` counts them: a chat server's
+    usage.prompt_tokens includes its template's tokens (here the server says 5)."""
+    record = send(
+        duet_server.url,
+        BenchRequest(prompt="w1 w2 w3 w4 w5", prompt_len=4, output_len=2),
+        "chat",
+    )
+    assert record.success, record.error
+    assert record.prompt_len == 4
+
+
 def test_http_error_is_recorded(duet_server: Any) -> None:
     record = send(duet_server.url, BenchRequest(prompt=[1], prompt_len=1, output_len=13))
     assert not record.success

@@ -81,3 +81,25 @@ def test_its_flags_without_save_result_are_refused(duet_server: Any, tmp_path: P
     assert run_bench(parse_bench_args(argv)) == 1
     error = json.loads((tmp_path / "results.json").read_text())["error"]
     assert "--percentile-metrics 'ttft,goodput': expected some of ttft,tpot,itl,e2el" in error
+
+
+def test_a_statistic_over_no_values_is_written_as_vllm_writes_it(
+    duet_server: Any, tmp_path: Path
+) -> None:
+    """Every request has one output token, so no TPOT: results.json says null, the vLLM-layout
+    file 0.0 (vLLM's np.mean(x or 0)), which scripts made for vLLM's files compute with."""
+    port = duet_server.url.rsplit(":", 1)[1]
+    small = [
+        a if a != "4" or i != SMALL.index("--output-len") + 1 else "1" for i, a in enumerate(SMALL)
+    ]
+    argv = [
+        "--host", "127.0.0.1", "--port", port, *small, "--request-rate", "inf",
+        "--output-dir", str(tmp_path / "out"), "--save-result", "--result-dir", str(tmp_path / "v"),
+        "--percentile-metrics", "tpot",
+    ]  # fmt: skip
+    assert run_bench(parse_bench_args(argv)) == 0
+    [run] = json.loads((tmp_path / "out" / "results.json").read_text())["targets"][0]["runs"]
+    [path] = (tmp_path / "v").iterdir()
+    doc = json.loads(path.read_text())
+    assert run["mean_tpot_ms"] is None and run["p99_tpot_ms"] is None
+    assert (doc["mean_tpot_ms"], doc["median_tpot_ms"], doc["p99_tpot_ms"]) == (0.0, 0.0, 0.0)
