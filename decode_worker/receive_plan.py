@@ -23,13 +23,23 @@ class ReceivePlan:
     dst_page_ids: dict[str, list[int]]
 
 
-def plan_receive(kv: KVCacheManager, rid: str, prompt: list[int]) -> ReceivePlan | None:
+def plan_receive(
+    kv: KVCacheManager, rid: str, prompt: list[int], queued: int = 0
+) -> ReceivePlan | None:
     """Allocate request ``rid``'s pages in ``kv`` (on the engine thread) and say what the pull
     fills; None when the pages are not free now (nothing is taken). A request that holds pages
     here already (a second call for it while the first still receives or runs) is refused: its
-    pages would be shared by two pulls and freed under one of them."""
+    pages would be shared by two pulls and freed under one of them.
+
+    ``queued``: requests already waiting in the engine for pages (preempted ones, or ones being
+    prefilled here after a failed transfer). A receive waits behind them (None), first come
+    first served as vLLM's one waiting queue serves them: receives took the pages each
+    finished request freed before the scheduler's next admission, and under a steady stream of
+    transfers a preempted request waited until its token deadline."""
     if kv.has_request(rid):
         raise ValueError(f"request {rid!r} already holds pages on this decode worker")
+    if queued:
+        return None
     n = len(prompt)
     prefix = kv.match_prefix(prompt)  # D's own hit: device or host tier
     if not kv.allocate_slots(rid, n + 1, prefix, num_computed_tokens=n):

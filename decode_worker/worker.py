@@ -246,7 +246,9 @@ class DecodeWorker:
         while True:
             if slot.aborted:
                 return None
-            fut = self.loop.call(lambda e: plan_receive(e.kv, rid, prompt))
+            fut = self.loop.call(
+                lambda e: plan_receive(e.kv, rid, prompt, len(e.scheduler.waiting))
+            )
             try:
                 got = await asyncio.wrap_future(fut)
             except asyncio.CancelledError:

@@ -56,3 +56,38 @@ def test_a_request_that_holds_pages_here_already_is_refused() -> None:
     assert kv.page_ids("a") == held
     kv.free("a")
     kv.check_integrity()
+
+
+def test_a_preempted_request_is_admitted_before_new_receives_take_its_pages() -> None:
+    """Transfers arrive faster than the worker serves them (two a step, 16 pages). A request
+    preempted for pages gets them back within a few steps: receives wait while a request waits
+    in the engine. Before, each receive (between two steps) took the pages a finished request
+    freed, and the preempted one waited 400 steps and more (in serving: until its deadline)."""
+    from engine.request import Request, RequestStatus
+    from engine.sampling_params import SamplingParams
+    from engine.scheduler import Scheduler
+    from engine.scheduler_config import SchedulerConfig
+
+    kv = KVCacheManager([group_spec("full", (0,), num_pages=17, page_size=4)], "none", "cpu")
+    limits = dict(max_num_seqs=8, max_num_batched_tokens=64, prefill_chunk_size=64)
+    scheduler = Scheduler(SchedulerConfig(page_size=4, max_model_len=64, **limits), kv)
+    greedy = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=6)
+    arrived: list[Request] = []
+    preempted: Request | None = None
+    for step in range(400):
+        for _ in range(2):
+            arrived.append(Request(f"d{step}.{len(arrived)}", list(range(10, 17)), greedy))
+        while arrived:  # the worker's receives between two steps, in arrival order
+            r = arrived[0]
+            if plan_receive(kv, r.request_id, r.prompt_token_ids, len(scheduler.waiting)) is None:
+                break
+            scheduler.add_prefilled_request(arrived.pop(0), 7)
+        out = scheduler.schedule()
+        scheduler.update(out, [7 for r, sampled in zip(out.requests, out.sample) if sampled])
+        if out.preempted and preempted is None:
+            preempted, since = out.preempted[0], step
+        if preempted is not None and preempted.status is not RequestStatus.PREEMPTED:
+            break
+    assert preempted is not None, "the load preempted nobody: the test proves nothing"
+    assert preempted.status is not RequestStatus.PREEMPTED and step - since <= 10
+    kv.check_integrity()
