@@ -1,16 +1,19 @@
 """FrameSeal: the MAC on every control frame after the handshake's proofs, and the link's data tags.
 
-The proofs (handshake.py) show that each side holds the cluster secret, but they cover the nonces
-alone: someone in the middle of the TCP connection could pass them through and then rewrite what
-follows (D's UCX address in Join, so that P sends the prompt's KV there; P's pool export; a later
-pull or notice). So both sides derive keys for the link from the secret and both nonces, and each
-frame after the proofs carries a MAC over its direction, its place in that direction's sequence and
-its bytes: a frame forged, altered, replayed, reordered, dropped or reflected fails to open, and the
-channel closes. It authenticates, it does not encrypt: an eavesdropper still reads the frames.
+The proofs (handshake.py) show that each side holds the cluster secret, but they cover the
+handshake's transcript alone: someone in the middle of the TCP connection could pass them through
+and then rewrite what follows (D's UCX address in the Join, so that P sends the prompt's KV there;
+P's pool export; a later pull or notice). So both sides derive keys for the link from the secret
+and the transcript, and each frame after the proofs carries a MAC over its direction, its place in
+that direction's sequence and its bytes: a frame forged, altered, replayed, reordered or reflected
+fails to open, and the channel closes (a frame dropped is found when a later one arrives; a
+stream cut short only by the deadlines). It authenticates, it does not encrypt: an eavesdropper
+still reads the frames (handshake.py says what else it does not do).
 
 UCX itself authenticates nothing: a process that reaches D's UCX worker could send a message on a
-tag D is receiving on and write into D's pages. Tags are therefore keyed too (``data_tag``): without
-the secret, a tag is a 64-bit guess, even for one who reads the pull ids off the control channel.
+tag D is receiving on and write into D's pages. Tags are therefore keyed too (``data_tag``):
+without the secret, a tag is a 64-bit guess, even for one who reads the pull ids off the control
+channel (one who sees the data path's own traffic sees the tags, used once each).
 """
 
 from __future__ import annotations
@@ -28,9 +31,10 @@ class ForgedFrame(ConnectionError):
     """A frame whose MAC does not check: the connection can no longer be trusted."""
 
 
-def link_key(secret: bytes, purpose: bytes, nonce_d: bytes, nonce_p: bytes) -> bytes:
-    """A key for one link and one ``purpose``, from the secret and both fresh nonces."""
-    return hmac.digest(secret, b"duet link " + purpose + b"\0" + nonce_d + nonce_p, "sha256")
+def link_key(secret: bytes, purpose: bytes, transcript: bytes) -> bytes:
+    """A key for one link and one ``purpose``, from the secret and the handshake's transcript
+    (both instance ids and both fresh nonces: handshake.transcript)."""
+    return hmac.digest(secret, b"duet link " + purpose + b"\0" + transcript, "sha256")
 
 
 class FrameSeal:

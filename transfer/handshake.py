@@ -1,26 +1,35 @@
 """The handshake that makes a Link: authentication first, then page tables, addresses and pools.
 
     D -> P  Hello(D's instance, nonce_d)
-    P -> D  Challenge(P's instance, nonce_p, HMAC(secret, "P" + nonce_d + nonce_p))
+    P -> D  Challenge(P's instance, nonce_p, proof "P" over the transcript)
             D checks P's proof before it says anything about itself
-    D -> P  Join(HMAC(secret, "D" + nonce_p + nonce_d), D's page table, D's UCX address)
-            P checks D's proof, then the compatibility hash and the address
+    D -> P  Join(proof "D" over the transcript, D's page table, D's UCX address)
+            P checks the Join's MAC and D's proof, then the compatibility hash and the address
     P -> D  Welcome(P's page table, UCX address, pool export) or Refused(reason)
     D -> P  Ready(the data path D chose: it opened P's pools, or "ucx")
 
-From Join on, every frame carries a MAC under a key of the link (frame_seal.py): D seals once P
-has proven the secret, P opens Join with it and seals once D has proven it. A Join that fails to
-open ends the connection with nothing said: the peer has not shown it holds the secret.
+The transcript is both instance ids and both fresh nonces (``transcript``); a proof is an HMAC of
+the secret over it with the role in front, so neither can be replayed, reflected, or spliced onto
+a connection to another member of the cluster under a changed instance id. From the Join on,
+every frame carries a MAC under a key of the link derived from the same transcript
+(frame_seal.py): D seals once P has proven the secret, P opens the Join with it and seals once
+D's proof checks. A Join that fails ends the connection with nothing more said.
 
-Both proofs are over both fresh nonces with the role in front, so neither can be replayed or
-reflected. P proves itself to whoever says Hello, so a peer without the secret can test guesses
-of it offline against P's proof: the cluster config refuses secrets under 32 characters, and a
-Hello nonce must be NONCE_BYTES long (a peer's choice of an empty one would make P prove over its
-own nonce alone). Until the peer has proven the secret, its frames are capped at
-HANDSHAKE_FRAME_BYTES (control.py). A peer without the cluster secret learns nothing but the other side's instance id; each
-refusal is counted (``refused_peers``) and ends the connection, and serving goes on. The channel
-itself is not encrypted: the secret keeps out peers that do not have it, and the MACs keep a man
-in the middle from changing what the two say, but an eavesdropper still reads it.
+P proves itself to whoever says Hello, so a peer without the secret can test guesses of it
+offline against P's proof: the cluster config refuses secrets under 32 characters, and a Hello
+nonce must be NONCE_BYTES long (a peer's choice of an empty one would make P prove over its own
+nonce alone). Until the peer has proven the secret, its frames are capped at
+HANDSHAKE_FRAME_BYTES (control.py). A peer without the cluster secret gets nothing but the
+Challenge; each refusal is counted (``refused_peers``) and ends the connection, and serving goes
+on.
+
+What this does not do: encrypt (an eavesdropper on the network reads every frame: page tables,
+UCX addresses, pool exports, request ids); protect the KV bytes on the data path (UCX payloads
+carry no MAC: someone on the data network's path who sees a tag can change the bytes); tell
+cluster members apart (every holder of the secret can derive any link's keys from the nonces it
+overhears); or keep a link up against someone in the middle (one forged frame closes the link
+and fails its pulls; the peer reconnects for the next). Between hosts on an untrusted network,
+run the cluster inside a VPN or an encrypted overlay.
 """
 
 from __future__ import annotations
@@ -55,12 +64,22 @@ class PeerRefused(ConnectionError):
     handshake."""
 
 
-def proof(secret: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
-    return hmac.new(secret, role + first + second, hashlib.sha256).digest()
+def transcript(d_instance: str, nonce_d: bytes, p_instance: str, nonce_p: bytes) -> bytes:
+    """What both proofs and the link's keys cover: each side's instance id and nonce, each
+    length-prefixed (so no two transcripts read alike). With the instance ids in, a man in the
+    middle cannot splice D's connection to one prefill worker onto another member of the cluster
+    and rename it (D would file that worker's link, and send its pulls, under the first's id)."""
+    parts = (d_instance.encode(), nonce_d, p_instance.encode(), nonce_p)
+    return b"".join(len(part).to_bytes(4, "big") + part for part in parts)
 
 
-def _proven(secret: bytes, role: bytes, first: bytes, second: bytes, given: bytes) -> bool:
-    return hmac.compare_digest(proof(secret, role, first, second), given)
+def proof(secret: bytes, role: bytes, said: bytes) -> bytes:
+    """``role``'s proof of the secret over the handshake's ``transcript``."""
+    return hmac.new(secret, b"duet proof " + role + b"\0" + said, hashlib.sha256).digest()
+
+
+def _proven(secret: bytes, role: bytes, said: bytes, given: bytes) -> bool:
+    return hmac.compare_digest(proof(secret, role, said), given)
 
 
 async def connect(
@@ -86,16 +105,17 @@ async def connect(
             nonce = secrets.token_bytes(NONCE_BYTES)
             await channel.send(Hello(instance_id, nonce), timeout)
             challenge = _expect(await channel.receive(timeout), Challenge)
+            said = transcript(instance_id, nonce, challenge.instance_id, challenge.nonce)
             if len(challenge.nonce) != NONCE_BYTES or not _proven(
-                secret, b"P", nonce, challenge.nonce, challenge.proof
+                secret, b"P", said, challenge.proof
             ):
                 counters.refused_peers += 1
                 raise PeerRefused(f"{name}: the peer did not prove the cluster secret")
             channel.max_frame_bytes = MAX_FRAME_BYTES
             channel.seal_sends = channel.open_receives = FrameSeal(
-                link_key(secret, b"control", nonce, challenge.nonce), sends=b"D", receives=b"P"
+                link_key(secret, b"control", said), sends=b"D", receives=b"P"
             )
-            mine = proof(secret, b"D", challenge.nonce, nonce)
+            mine = proof(secret, b"D", said)
             await channel.send(Join(mine, own, runtime.worker_address), timeout)
             welcome = _expect(await channel.receive(timeout), Welcome)
             problem = check_compatible(own, welcome.page_table) or ucx_address_problem(
@@ -112,7 +132,7 @@ async def connect(
             if endpoint is not None:
                 endpoint.abort()
             raise
-    tags = link_key(secret, b"tags", nonce, challenge.nonce)
+    tags = link_key(secret, b"tags", said)
     return Link(
         channel, endpoint, challenge.instance_id, welcome.page_table, path, name, tags,
         runtime.messages,
@@ -142,12 +162,13 @@ async def accept(
             if len(hello.nonce) != NONCE_BYTES:  # (a chosen short one eases guessing offline)
                 raise PeerRefused(f"a Hello nonce of {len(hello.nonce)} bytes, not {NONCE_BYTES}")
             nonce = secrets.token_bytes(NONCE_BYTES)
-            mine = proof(secret, b"P", hello.nonce, nonce)
+            said = transcript(hello.instance_id, hello.nonce, instance_id, nonce)
+            mine = proof(secret, b"P", said)
             await channel.send(Challenge(instance_id, nonce, mine), timeout)
-            seal = FrameSeal(link_key(secret, b"control", hello.nonce, nonce), b"P", b"D")
+            seal = FrameSeal(link_key(secret, b"control", said), b"P", b"D")
             channel.open_receives = seal
             join = _expect(await channel.receive(timeout), Join)
-            if not _proven(secret, b"D", nonce, hello.nonce, join.proof):
+            if not _proven(secret, b"D", said, join.proof):
                 raise PeerRefused("the peer did not prove the cluster secret")
             channel.max_frame_bytes = MAX_FRAME_BYTES
             channel.seal_sends = seal
@@ -174,7 +195,7 @@ async def accept(
         if endpoint is not None:
             endpoint.abort()
         return None
-    tags = link_key(secret, b"tags", hello.nonce, nonce)
+    tags = link_key(secret, b"tags", said)
     return Link(
         channel, endpoint, hello.instance_id, join.page_table, path, name, tags, runtime.messages
     )

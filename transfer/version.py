@@ -12,7 +12,8 @@ from __future__ import annotations
 # 8: D sends its chunk plan (PullRequest.chunk_sizes) instead of one chunk size.
 # 9: tickets list per group only the pages it holds (a window group: its window), from first_page.
 # 10: every control frame from the Join on carries a MAC, and UCX data tags are keyed per link.
-PROTOCOL_VERSION = 10
+# 11: the proofs and the link's keys cover both instance ids with both nonces.
+PROTOCOL_VERSION = 11
 
 # The page-major layout of kvcache/spec.py: one page of a pool group is one contiguous run of bytes,
 # and so is each run of consecutive heads within it (heads outermost).

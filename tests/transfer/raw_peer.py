@@ -9,7 +9,7 @@ import struct
 
 from transfer.control import frame, frame_bytes
 from transfer.frame_seal import FrameSeal, link_key
-from transfer.handshake import proof
+from transfer.handshake import proof, transcript
 from transfer.messages import (
     Challenge,
     Hello,
@@ -23,10 +23,14 @@ from transfer.messages import (
 from transfer.page_table import PageTable
 
 
+class PeerClosed(ConnectionError):
+    """The other side closed the connection (not: a frame that failed to open, ForgedFrame)."""
+
+
 def read_frame(sock: socket.socket) -> bytes:
     header = sock.recv(4, socket.MSG_WAITALL)
     if len(header) < 4:
-        raise ConnectionError("the peer closed the connection")
+        raise PeerClosed("the peer closed the connection")
     (size,) = struct.unpack("!I", header)
     return sock.recv(size, socket.MSG_WAITALL)
 
@@ -36,7 +40,7 @@ class RawPeer:
 
     def __init__(self, host: str, port: int) -> None:
         self.sock = socket.create_connection((host, port), timeout=10)
-        self.received: list[bytes] = []  # every frame the sender sent us (without its MAC)
+        self.received: list[bytes] = []  # every frame the sender sent us, as it came
         self.seal: FrameSeal | None = None  # (from the Challenge on)
 
     def send(self, msg: Message) -> None:
@@ -47,9 +51,9 @@ class RawPeer:
 
     def recv(self) -> Message:
         data = read_frame(self.sock)
-        if self.seal is not None:
-            data = self.seal.open(data)
         self.received.append(data)
+        if self.seal is not None:
+            data = self.seal.open(data)  # (ForgedFrame if it fails: never taken as a close)
         return decode_message(data)
 
     def handshake(
@@ -62,19 +66,24 @@ class RawPeer:
         self.send(Hello("raw-peer", nonce))
         challenge = self.recv()
         assert isinstance(challenge, Challenge)
-        self.seal = FrameSeal(link_key(secret, b"control", nonce, challenge.nonce), b"D", b"P")
-        self.send(Join(proof(secret, b"D", challenge.nonce, nonce), table, ucx_address))
+        said = transcript("raw-peer", nonce, challenge.instance_id, challenge.nonce)
+        self.seal = FrameSeal(link_key(secret, b"control", said), b"D", b"P")
+        self.send(Join(proof(secret, b"D", said), table, ucx_address))
         try:
             answer = self.recv()
-        except ConnectionError:
+        except PeerClosed:
             return None
         if isinstance(answer, Welcome):
             self.send(Ready(path))
         return answer
 
     def closed_by_peer(self) -> bool:
+        """True once the other side closed the connection with nothing more sent; False when a
+        byte comes, or nothing within the socket's timeout."""
         try:
             return self.sock.recv(1) == b""
+        except TimeoutError:
+            return False
         except (ConnectionError, OSError):
             return True
 
@@ -92,15 +101,20 @@ class RawServer:
         self.conn: socket.socket | None = None
         self.seal: FrameSeal | None = None
 
-    def accept(self, secret: bytes, table: PageTable, ucx_address: bytes) -> Message:
+    def accept(
+        self, secret: bytes, table: PageTable, ucx_address: bytes, claim: str = "rogue"
+    ) -> Message:
+        """``claim``: the instance id our Challenge names; our proof is over "rogue" (another
+        id claimed: what someone in the middle renaming this worker would send)."""
         conn, _ = self.server.accept()
         conn.settimeout(30)
         self.conn = conn
         hello = self.recv()
         assert isinstance(hello, Hello)
         nonce = b"p" * 32
-        self.send(Challenge("rogue", nonce, proof(secret, b"P", hello.nonce, nonce)))
-        self.seal = FrameSeal(link_key(secret, b"control", hello.nonce, nonce), b"P", b"D")
+        said = transcript(hello.instance_id, hello.nonce, "rogue", nonce)
+        self.send(Challenge(claim, nonce, proof(secret, b"P", said)))
+        self.seal = FrameSeal(link_key(secret, b"control", said), b"P", b"D")
         join = self.recv()
         if not isinstance(join, Join):
             return join
@@ -126,4 +140,4 @@ class RawServer:
         self.server.close()
 
 
-__all__ = ["RawPeer", "RawServer", "Refused", "read_frame"]
+__all__ = ["PeerClosed", "RawPeer", "RawServer", "Refused", "read_frame"]

@@ -4,6 +4,7 @@ a UCX address UCX would crash on, and garbage in place of a handshake."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -13,7 +14,7 @@ from tests.transfer.raw_peer import RawPeer
 from transfer import KVReceiver, KVSender
 from transfer.control import frame, frame_bytes
 from transfer.frame_seal import MAC_BYTES, FrameSeal, link_key
-from transfer.handshake import proof
+from transfer.handshake import proof, transcript
 from transfer.messages import Challenge, Hello, Join, Refused, Welcome
 
 pytestmark = pytest.mark.timeout(60)
@@ -31,7 +32,8 @@ def test_a_peer_without_the_secret_gets_no_page_table_and_no_pages(
     try:
         answer = peer.handshake(secret, pair.receiver.page_table, ucx_runtime.worker_address)
         assert answer is None and peer.closed_by_peer()
-        # Nothing P sent names its model, pools, UCX address or pool files.
+        # P sent the Challenge and nothing else: nothing that names its model, pools, UCX
+        # address or pool files.
         assert [type(m).__name__ for m in map(_decode, peer.received)] == ["Challenge"]
         assert not any(MODEL.encode() in data for data in peer.received)
     finally:
@@ -66,13 +68,14 @@ def test_a_replayed_join_is_refused(pair: Pair, ucx_runtime) -> None:
     first.send(Hello("eavesdropped", b"n" * 32))
     challenge = first.recv()
     assert isinstance(challenge, Challenge)
-    seal = FrameSeal(link_key(SECRET.encode(), b"control", b"n" * 32, challenge.nonce), b"D", b"P")
-    stolen = proof(SECRET.encode(), b"D", challenge.nonce, b"n" * 32)
+    said = transcript("eavesdropped", b"n" * 32, challenge.instance_id, challenge.nonce)
+    seal = FrameSeal(link_key(SECRET.encode(), b"control", said), b"D", b"P")
+    stolen = proof(SECRET.encode(), b"D", said)
     sealed_join = frame(Join(stolen, pair.receiver.page_table, ucx_runtime.worker_address), seal)
     first.close()
     second = RawPeer(pair.sender.host, pair.sender.port)
     try:
-        second.send(Hello("replay", b"n" * 32))
+        second.send(Hello("eavesdropped", b"n" * 32))
         assert isinstance(second.recv(), Challenge)
         second.sock.sendall(sealed_join)
         assert second.closed_by_peer()
@@ -91,15 +94,16 @@ def test_a_join_changed_in_transit_is_refused(pair: Pair, ucx_runtime) -> None:
         challenge = peer.recv()
         assert isinstance(challenge, Challenge)
         secret = SECRET.encode()
-        seal = FrameSeal(link_key(secret, b"control", b"n" * 32, challenge.nonce), b"D", b"P")
-        mine = proof(secret, b"D", challenge.nonce, b"n" * 32)
+        said = transcript("d", b"n" * 32, challenge.instance_id, challenge.nonce)
+        seal = FrameSeal(link_key(secret, b"control", said), b"D", b"P")
+        mine = proof(secret, b"D", said)
         honest = frame(Join(mine, pair.receiver.page_table, ucx_runtime.worker_address), seal)
         theirs = bytearray(ucx_runtime.worker_address)
         theirs[-1] ^= 1
         swapped = frame(Join(mine, pair.receiver.page_table, bytes(theirs)))
         mac = honest[-MAC_BYTES:]
         peer.sock.sendall(frame_bytes(swapped[4:] + mac))
-        assert peer.closed_by_peer() and len(peer.received) == 1
+        assert peer.closed_by_peer()  # (nothing sent first: a Welcome would be a byte here)
     finally:
         peer.close()
     assert pair.sender.stats()["refused_peers"] == 1 and pair.sender.stats()["peers"] == 0
@@ -126,6 +130,38 @@ def test_a_prefill_worker_with_another_secret_is_refused_by_d(path: str) -> None
             rogue.close()
         other.assert_clean()
         made.pull_ok("after")
+
+
+def test_a_prefill_worker_renamed_in_transit_is_refused_by_d(ucx_runtime) -> None:
+    """Someone in the middle splices D's connection to one prefill worker onto another member of
+    the cluster (it holds the secret and proves it) and renames it in the Challenge to the one D
+    asked for: the proof covers the instance id it was made for, so D refuses the link (else D
+    filed that worker under the other's id and sent it the other's pulls)."""
+    import threading
+
+    from tests.transfer.raw_peer import RawServer
+
+    with checked_pair("ucx", pull_deadline_s=2.0) as pair:
+        other = RawServer()
+
+        def serve() -> None:
+            with contextlib.suppress(ConnectionError):  # (D closes on the Challenge)
+                other.accept(
+                    SECRET.encode(), pair.sender.page_table, ucx_runtime.worker_address, "p1"
+                )
+
+        threading.Thread(target=serve, daemon=True).start()
+        try:
+            ticket, _ = pair.publish("spliced", 8)
+            renamed = dataclasses.replace(ticket, port=other.port, instance_id="p1")
+            dst = pair.d.allocate("spliced", 8)
+            result = pair.receiver.pull_blocking(renamed, dst, 0, 8)
+            assert not result.ok and "did not prove the cluster secret" in result.error
+            assert pair.receiver.stats()["refused_peers"] == 1
+            pair.d.free("spliced")
+            assert pair.sender.cancel("spliced")
+        finally:
+            other.close()
 
 
 def test_a_peer_with_another_compat_hash_is_refused_in_the_handshake(pair: Pair) -> None:
