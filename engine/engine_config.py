@@ -137,6 +137,12 @@ class EngineConfig:
             ) from e
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size"):
             _positive_int(owner, name, getattr(self, name))
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"{owner}.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs}), as vLLM requires: the requests past it in "
+                "the running list would get no token in a step"
+            )
         if self.num_pages is not None:
             _positive_int(owner, "num_pages", self.num_pages, minimum=2)
         if self.kv_cache_memory_bytes is not None:

@@ -102,26 +102,52 @@ class WorkerResources(Section):
 class SchedulerLimits(Section):
     """Per-step limits of a worker's scheduler (vLLM's names)."""
 
-    max_num_seqs: int = Field(64, gt=0, description="Most requests in one step.")
+    max_num_seqs: int = Field(
+        64,
+        gt=0,
+        description=(
+            "Most requests computing at once (running, or loading from the host tier); "
+            "prefilled requests beyond it wait, their pages held, for a place."
+        ),
+    )
     max_num_batched_tokens: int = Field(
-        2048, gt=0, description="Most tokens (prompt chunks + decode tokens) in one step."
+        2048,
+        gt=0,
+        description=(
+            "Most tokens (prompt chunks + decode tokens) in one step; at least max_num_seqs, "
+            "so that every running request can decode each step (vLLM refuses less too)."
+        ),
     )
     prefill_chunk_size: int = Field(
-        512, gt=0, description="Most prompt tokens of one request in one step (chunked prefill)."
+        512,
+        gt=0,
+        description=(
+            "Most prompt tokens of one request in one step (chunked prefill). vLLM lets a lone "
+            "prefill take the whole max_num_batched_tokens: set the two equal for that."
+        ),
     )
 
     @model_validator(mode="after")
     def _chunk_fits_step(self) -> SchedulerLimits:
-        if self.prefill_chunk_size > self.max_num_batched_tokens:
-            check_fields(
-                [
-                    (
-                        "prefill_chunk_size",
-                        f"must be <= max_num_batched_tokens ({self.max_num_batched_tokens}), "
-                        f"got {self.prefill_chunk_size}",
-                    )
-                ]
+        budget = self.max_num_batched_tokens
+        problems = []
+        if self.prefill_chunk_size > budget:
+            problems.append(
+                (
+                    "prefill_chunk_size",
+                    f"must be <= max_num_batched_tokens ({budget}), got {self.prefill_chunk_size}",
+                )
             )
+        if budget < self.max_num_seqs:
+            problems.append(
+                (
+                    "max_num_batched_tokens",
+                    f"must be >= max_num_seqs ({self.max_num_seqs}), got {budget}: the "
+                    "requests past it in the running list would get no token in a step",
+                )
+            )
+        if problems:
+            check_fields(problems)
         return self
 
 

@@ -86,6 +86,17 @@ def test_prefill_chunk_must_fit_a_step() -> None:
     ]
 
 
+def test_a_step_must_hold_a_token_for_every_running_request() -> None:
+    """A budget under max_num_seqs left the requests past it in the running list without a
+    token, step after step, their pages held (vLLM refuses it too)."""
+    data = {"prefill": {"scheduler": {"max_num_seqs": 256, "max_num_batched_tokens": 128,
+                                      "prefill_chunk_size": 128}}}  # fmt: skip
+    assert issues_of(data) == [
+        "prefill.scheduler.max_num_batched_tokens: must be >= max_num_seqs (256), got 128: the "
+        "requests past it in the running list would get no token in a step"
+    ]
+
+
 def test_worker_resources() -> None:
     resources = WorkerResources(
         num_cpus=2, num_gpus=1, resources={"decode_node": 1}, label_selector={"zone": "a"}

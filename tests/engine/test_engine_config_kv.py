@@ -113,3 +113,10 @@ def test_scratch_reuse_reaches_the_manager() -> None:
     assert build_kv_cache(GEMMA, cfg, 256).swa_scratch_reuse
     with pytest.raises(ValueError, match="swa_scratch_reuse must be a bool"):
         EngineConfig(swa_scratch_reuse="yes")  # type: ignore[arg-type]
+
+
+def test_a_step_budget_under_max_num_seqs_is_refused() -> None:
+    """As vLLM refuses it: the running requests past the budget would get no token in a step."""
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(32\) must be >= max_num_seqs"):
+        EngineConfig(max_num_batched_tokens=32, prefill_chunk_size=32)  # (max_num_seqs 256)
+    EngineConfig(max_num_batched_tokens=32, prefill_chunk_size=32, max_num_seqs=32)

@@ -31,7 +31,12 @@ def test_greedy_equals_transformers(name: str, tiny_hf_checkpoints: dict[str, Pa
 
     directory = tiny_hf_checkpoints[name]
     llm = LLM(
-        str(directory), page_size=4, num_pages=128, prefill_chunk_size=16, max_num_batched_tokens=48
+        str(directory),
+        page_size=4,
+        num_pages=128,
+        prefill_chunk_size=16,
+        max_num_batched_tokens=48,
+        max_num_seqs=8,
     )
     hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     eos = sorted(llm.engine.eos_token_ids)

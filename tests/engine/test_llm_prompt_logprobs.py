@@ -36,6 +36,7 @@ def llm(tiny_hf_checkpoints: dict[str, Path]) -> LLM:
         num_pages=128,
         prefill_chunk_size=8,
         max_num_batched_tokens=16,
+        max_num_seqs=8,
     )
 
 
@@ -107,6 +108,7 @@ def test_a_request_preempted_while_scoring_its_prompt_keeps_its_entries(
         num_pages=9,
         prefill_chunk_size=8,
         max_num_batched_tokens=16,
+        max_num_seqs=8,
         max_model_len=32,
     )
     prompts = [PROMPTS[0], [0, *range(100, 121)]]

@@ -35,6 +35,7 @@ def test_greedy_equals_transformers(name: str, tp: int, tp_checkpoints: dict[str
         max_model_len=64,
         prefill_chunk_size=16,
         max_num_batched_tokens=32,
+        max_num_seqs=8,
     ) as llm:
         spec = llm.engine.kv.specs["full"]
         heads = hf.config.num_key_value_heads
