@@ -14,6 +14,30 @@ from engine.logprobs import TokenLogprobs, as_vllm
 Name = Callable[[int], str]  # token id -> its text
 
 
+# Most prompt logprob entries (tokens x (k + 1)) one completions answer may carry: each choice
+# repeats its prompt's, so a 3 KB request (4 prompts x n=128, echo, logprobs 20, ~400 tokens)
+# built a 376 MB answer in 46 s. 2M entries is ~100 MB of JSON; an eval's echo of thousands of
+# prompt tokens with logprobs 1 to 5 stays far below it.
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 21
+
+
+def prompt_logprobs_volume_problem(
+    prompt_lens: Sequence[int], n: int, echo_k: int | None, prompt_k: int | None
+) -> str:
+    """ "" or why the answer's prompt logprobs would be too large: every choice carries its
+    prompt's (``echo_k``: echo with logprobs; ``prompt_k``: prompt_logprobs), each token with
+    its k most likely."""
+    per_token = sum(k + 1 for k in (echo_k, prompt_k) if k is not None)
+    entries = sum(prompt_lens) * n * per_token
+    if entries <= MAX_PROMPT_LOGPROB_ENTRIES:
+        return ""
+    return (
+        f"the answer would carry {entries} prompt logprob entries ({sum(prompt_lens)} prompt "
+        f"tokens x n={n} x {per_token} per token); at most {MAX_PROMPT_LOGPROB_ENTRIES}: ask "
+        "fewer choices, fewer logprobs or shorter prompts"
+    )
+
+
 def token_id_name(token_id: int) -> str:
     """A token named by its id (vLLM's return_tokens_as_token_ids form)."""
     return f"token_id:{token_id}"

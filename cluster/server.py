@@ -35,7 +35,13 @@ from cluster.http_errors import (
     check_token_ids,
     install_error_handlers,
 )
-from cluster.openai_logprobs import Name, chat_logprobs, prompt_logprobs, token_id_name
+from cluster.openai_logprobs import (
+    Name,
+    chat_logprobs,
+    prompt_logprobs,
+    prompt_logprobs_volume_problem,
+    token_id_name,
+)
 from cluster.tokenize_api import add_tokenize_routes
 from engine.chat_template import content_text
 from engine.loaders.generation_defaults import GenerationDefaults
@@ -268,6 +274,12 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
             ]
         except (ValueError, TypeError) as e:  # TypeError: text the tokenizer cannot take
             raise BadRequest(str(e), "prompt") from e
+        echo_k = body.logprobs if body.echo else None
+        too_much = prompt_logprobs_volume_problem(
+            [len(ids) for ids in encoded], body.n, echo_k, body.prompt_logprobs
+        )
+        if too_much:
+            raise BadRequest(too_much, "n")
         # (the response's id; its requests': rid, or prompt k of a batch <rid>-<k>)
         answer_id, rid = _ids("cmpl", body, request)
         firsts = []

@@ -248,3 +248,19 @@ def test_chat_logprobs_bytes_join_into_characters_tokens_split(backend) -> None:
     assert "\ufffd" in content[0]["token"]
     assert bytes(b for c in content for b in c["bytes"]) == "😀 ok".encode()
     assert [c["top_logprobs"][0]["bytes"] for c in content] == [c["bytes"] for c in content]
+
+
+def test_an_answer_of_too_many_prompt_logprobs_is_refused(http) -> None:
+    """Each choice repeats its prompt's logprobs: a small request asked for hundreds of MB (4
+    prompts x n=128 x 400 tokens x 21 entries). Refused before anything runs; an eval's echo of
+    its prompts with a few logprobs is served."""
+    prompts = [list(range(1, 401))] * 4
+    big = {"model": MODEL, "prompt": prompts, "n": 128, "echo": True, "logprobs": 20,
+           "max_tokens": 1, "temperature": 1.0}  # fmt: skip
+    r = http.post("/v1/completions", json=big)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    assert "prompt logprob entries (1600 prompt tokens x n=128 x 21 per token)" in r.text
+    asked = big | {"n": 1, "logprobs": 1, "max_tokens": 1, "temperature": 0}
+    r = http.post("/v1/completions", json=asked)
+    assert r.status_code == 200
+    assert all(len(c["logprobs"]["tokens"]) == 401 for c in r.json()["choices"])
