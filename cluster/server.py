@@ -35,6 +35,7 @@ from cluster.http_errors import (
     check_token_ids,
     install_error_handlers,
 )
+from cluster.off_loop import off_loop
 from cluster.openai_logprobs import (
     Name,
     chat_logprobs,
@@ -262,8 +263,9 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
                 f"at most {MAX_CHOICES} per request",
                 "n",
             )
-        try:
-            encoded = [
+
+        def encode_all() -> list[list[int]]:
+            return [
                 body.truncated(
                     backend.encode(p, add_special_tokens=body.add_special_tokens)
                     if isinstance(p, str)
@@ -272,6 +274,9 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
                 )
                 for p in prompts
             ]
+
+        try:
+            encoded = await off_loop(encode_all)
         except (ValueError, TypeError) as e:  # TypeError: text the tokenizer cannot take
             raise BadRequest(str(e), "prompt") from e
         echo_k = body.logprobs if body.echo else None
@@ -327,7 +332,8 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
         messages = oa.template_messages(body.messages)
         try:
             # (the template takes content parts as it is written to: engine.chat_template)
-            ids = backend.encode_chat(
+            ids = await off_loop(
+                backend.encode_chat,
                 messages,
                 body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,

@@ -15,6 +15,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from cluster.http_errors import BadRequest, check_token_ids, validation_message
+from cluster.off_loop import off_loop
 from cluster.openai_schemas import (
     ADD_SPECIAL_TOKENS_REFUSAL,
     ChatMessage,
@@ -93,7 +94,8 @@ def add_tokenize_routes(app: FastAPI, backend: Any, check_model: Callable[[str],
         _tokenizer_needed()
         try:
             if isinstance(body, TokenizeChat):
-                ids = backend.encode_chat(
+                ids = await off_loop(
+                    backend.encode_chat,
                     template_messages(body.messages),
                     body.add_generation_prompt,
                     continue_final_message=body.continue_final_message,
@@ -101,7 +103,9 @@ def add_tokenize_routes(app: FastAPI, backend: Any, check_model: Callable[[str],
                 )
             else:
                 assert isinstance(body, TokenizePrompt)
-                ids = backend.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+                ids = await off_loop(
+                    backend.encode, body.prompt, add_special_tokens=body.add_special_tokens
+                )
         except (ValueError, TypeError) as e:
             raise BadRequest(str(e), "messages" if chat else "prompt") from e
         assert isinstance(body, TokenizePrompt | TokenizeChat)
@@ -120,4 +124,4 @@ def add_tokenize_routes(app: FastAPI, backend: Any, check_model: Callable[[str],
             check_model(body.model)
         _tokenizer_needed()
         check_token_ids(body.tokens, backend.vocab_size, "tokens")
-        return {"prompt": backend.decode(body.tokens)}
+        return {"prompt": await off_loop(backend.decode, body.tokens)}

@@ -71,7 +71,10 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; ``add_special_tokens`` adds what the tokenizer's post-processor adds (BOS for Llama 3)."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # (encode_batch of one: the same ids, but the tokenizers library lets go of the GIL
+        # while it works, which its encode does not: a server's other threads, its event loop
+        # among them, run meanwhile; cluster/off_loop.py)
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

@@ -62,3 +62,31 @@ def test_what_tokenize_and_detokenize_refuse(http) -> None:
         assert r.status_code == code and r.json()["error"]["param"] == param, (body, r.text)
     r = http.post("/tokenize", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400
+
+
+def test_the_server_answers_others_while_a_long_prompt_is_encoded(http) -> None:
+    """Encoding runs off the event loop, and the tokenizer lets go of the GIL meanwhile: /health
+    is answered while a long /tokenize is still being encoded. (On the loop, a 10 MB prompt held
+    every client for about 10 s.)"""
+    import threading
+
+    order: list[str] = []
+    started = threading.Event()
+    text = "The capital of France is Paris. " * 40_000  # (1.3 MB: about a second to encode)
+
+    def tokenize() -> None:
+        started.set()
+        r = http.post("/tokenize", json={"prompt": text})
+        assert r.status_code == 200
+        order.append("tokenize")
+
+    worker = threading.Thread(target=tokenize)
+    worker.start()
+    assert started.wait(10)
+    for _ in range(100):  # bounded: until the tokenize is under way, then once more
+        assert http.get("/health").status_code == 200
+        if "tokenize" in order:
+            break
+        order.append("health")
+    worker.join(60)
+    assert order[-1] == "tokenize" and order.count("health") >= 2, order[:3]
