@@ -192,14 +192,14 @@ class TPPublisher:
             return  # (not published: nothing to end)
         ticket = answer.result()
         ended = self.rank_actors[rank - 1].cancel.remote(sub, ticket.lease_gen)
-        ended.future().add_done_callback(
-            lambda f: (
-                f.exception() is None
-                or log.warning(
+
+        def heard(f: concurrent.futures.Future) -> None:
+            if f.exception() is not None:  # (a lost rank: the rank watch's to find)
+                log.warning(
                     "ending a late lease of %s on rank %d failed: %s", sub, rank, f.exception()
                 )
-            )
-        )
+
+        ended.future().add_done_callback(heard)
 
     async def _call(self, ref: Any) -> Any:
         """Another rank's answer; TimeoutError when it gives none in ``call_timeout_s``."""
