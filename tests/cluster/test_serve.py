@@ -83,14 +83,7 @@ def test_a_server_held_open_by_a_stream_is_forced_out_and_its_tasks_end() -> Non
 
     app = FastAPI(lifespan=lifespan)
 
-    @app.get("/forever")
-    async def forever() -> StreamingResponse:
-        async def chunks():  # noqa: ANN202
-            for i in range(10_000):  # bounded: 100 s at most
-                yield f"{i}\n"
-                await asyncio.sleep(0.01)
-
-        return StreamingResponse(chunks())
+    add_forever_route(app)
 
     server, thread, port = start_server_thread(app, "127.0.0.1", 0)
     with httpx.stream("GET", f"http://127.0.0.1:{port}/forever", timeout=30) as stream:
@@ -179,14 +172,7 @@ def test_a_sigterm_cuts_open_streams_after_the_grace_period() -> None:
 
     app = FastAPI()
 
-    @app.get("/forever")
-    async def forever() -> StreamingResponse:
-        async def chunks():  # noqa: ANN202
-            for i in range(10_000):  # bounded: 100 s at most
-                yield f"{i}\n"
-                await asyncio.sleep(0.01)
-
-        return StreamingResponse(chunks())
+    add_forever_route(app)
 
     config = config_from_dict({"server": {"shutdown_grace_s": 0.5}})
     sock = listening_socket("127.0.0.1", 0)
@@ -282,3 +268,16 @@ def test_a_server_thread_that_will_not_end_still_has_the_workers_stopped(monkeyp
     with pytest.raises(RuntimeError, match="did not end"):
         running.stop()
     assert stopped == ["workers"]
+
+
+def add_forever_route(app: FastAPI) -> None:
+    """GET /forever: a stream of a line every 10 ms that a client would have to wait out (100 s)."""
+
+    @app.get("/forever")
+    async def forever() -> StreamingResponse:
+        async def chunks():  # noqa: ANN202
+            for i in range(10_000):  # bounded: 100 s at most
+                yield f"{i}\n"
+                await asyncio.sleep(0.01)
+
+        return StreamingResponse(chunks())

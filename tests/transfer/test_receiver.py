@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -222,6 +223,36 @@ def test_a_pull_into_a_closed_receiver_raises() -> None:
         assert made.sender.cancel("c")
 
 
+class Hold:
+    """Stops a thread at one step (``at``, called there) until ``go_on`` is set."""
+
+    def __init__(self) -> None:
+        self.entered, self.go_on = threading.Event(), threading.Event()
+
+    def at(self) -> None:
+        self.entered.set()
+        self.go_on.wait(30)
+
+
+def close_while_held(hold: Hold, work: Callable[[], object], close: Callable[[], None]) -> list:
+    """Run ``work`` on a thread until it reaches ``hold``, then ``close`` on another: the close
+    must wait for the held work (it is still alive 2 s on), and both end once it goes on.
+    Returns what ``work`` returned, in a list."""
+    results: list[object] = []
+    worker = threading.Thread(target=lambda: results.append(work()))
+    worker.start()
+    assert hold.entered.wait(30)
+    closer = threading.Thread(target=close)
+    closer.start()
+    closer.join(2.0)
+    assert closer.is_alive()  # waiting for the work under way
+    hold.go_on.set()
+    closer.join(60)
+    worker.join(60)
+    assert not closer.is_alive() and not worker.is_alive() and len(results) == 1
+    return results
+
+
 def test_close_waits_for_a_pull_being_accepted_on_another_thread() -> None:
     """A pull accepted on one thread as close() begins on another: close sees it (it waits
     for it to be accepted, then ends it) and the pull's caller gets its result. Before, close
@@ -230,29 +261,16 @@ def test_close_waits_for_a_pull_being_accepted_on_another_thread() -> None:
     with checked_pair() as made:
         ticket, _ = made.publish("c", 8)
         dst = made.d.allocate("c", 8)
-        entered, go_on = threading.Event(), threading.Event()
+        hold = Hold()
 
         class HeldSet(set):  # accepting the pull stops just before it is counted as running
             def add(self, item: object) -> None:
-                entered.set()
-                go_on.wait(30)
+                hold.at()
                 super().add(item)
 
         made.receiver._running = HeldSet()
-        results: list[object] = []
-        puller = threading.Thread(
-            target=lambda: results.append(made.receiver.pull_blocking(ticket, dst, 0, 8))
-        )
-        puller.start()
-        assert entered.wait(30)
-        closer = threading.Thread(target=made.receiver.close)
-        closer.start()
-        closer.join(2.0)
-        assert closer.is_alive()  # waiting for the pull being accepted
-        go_on.set()
-        closer.join(60)
-        puller.join(60)
-        assert not closer.is_alive() and not puller.is_alive() and len(results) == 1
+        pull = lambda: made.receiver.pull_blocking(ticket, dst, 0, 8)  # noqa: E731
+        close_while_held(hold, pull, made.receiver.close)
         assert made.receiver.stats()["pulls_in_flight"] == 0
         made.d.free("c")
         made.sender.cancel("c")
@@ -263,27 +281,15 @@ def test_a_lease_published_as_the_sender_closes_is_released() -> None:
     Its lease is released by the close (the pages come back: checked_pair checks), or the
     publish is refused; before, a lease made after close released every lease stayed for good."""
     with checked_pair() as made:
-        entered, go_on = threading.Event(), threading.Event()
+        hold = Hold()
         real_publish = made.sender.leases.publish
 
         def held_publish(*args: object, **kwargs: object):  # noqa: ANN202
-            entered.set()
-            go_on.wait(30)
+            hold.at()
             return real_publish(*args, **kwargs)
 
         made.sender.leases.publish = held_publish  # type: ignore[method-assign]
-        published: list[object] = []
-        publisher = threading.Thread(target=lambda: published.append(made.publish("c", 8)))
-        publisher.start()
-        assert entered.wait(30)
-        closer = threading.Thread(target=made.sender.close)
-        closer.start()
-        closer.join(2.0)
-        assert closer.is_alive()  # waiting for the publish under way
-        go_on.set()
-        closer.join(60)
-        publisher.join(60)
-        assert not closer.is_alive() and not publisher.is_alive() and len(published) == 1
+        close_while_held(hold, lambda: made.publish("c", 8), made.sender.close)
         assert made.p.released == ["c"]
 
 
