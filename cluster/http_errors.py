@@ -30,6 +30,17 @@ def error_response(message: str, code: int, param: str | None = None) -> JSONRes
     return JSONResponse(resp.error_body(message, kind, code, param), status_code=code)
 
 
+SHOWN_CHARS = 100  # of a client's value quoted back in an error message
+
+
+def shown(value: str) -> str:
+    """``value`` quoted for an error message, cut to its first ``SHOWN_CHARS`` characters (a
+    megabyte of model name is not echoed back)."""
+    if len(value) <= SHOWN_CHARS:
+        return repr(value)
+    return f"{value[:SHOWN_CHARS]!r}... ({len(value)} characters)"
+
+
 MAX_ERRORS_SHOWN = 5  # of a body's validation errors, in its error message
 
 
@@ -80,6 +91,11 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(str(exc.detail), exc.status_code)
 
-    @app.exception_handler(Exception)  # (Starlette raises it on after answering: it is logged)
+    # Starlette raises it on after answering, and uvicorn logs it with its traceback. The
+    # client is told the kind of failure, not its text: an exception's message may carry
+    # paths, addresses or another request's data.
+    @app.exception_handler(Exception)
     async def _on_failure(_: Request, exc: Exception) -> JSONResponse:
-        return error_response(f"internal error: {type(exc).__name__}: {exc}", 500)
+        return error_response(
+            f"internal error ({type(exc).__name__}); the server's log has its details", 500
+        )

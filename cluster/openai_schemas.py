@@ -78,6 +78,10 @@ Prompt = Annotated[
 ]
 
 
+MAX_STOP_STRINGS = 64
+MAX_STOP_TOKEN_IDS = 1024
+
+
 class _SamplingFields(BaseModel):
     """The fields both endpoints implement. Anything else a body has is refused, naming it, unless
     it is an OpenAI field with a value that asks for nothing (``refused_fields``). A field sent as
@@ -111,8 +115,11 @@ class _SamplingFields(BaseModel):
     # A 64-bit signed integer, as vLLM's (choice i of n is seeded seed + i: the engine takes
     # seeds below 2**64, so the choices' seeds stay in range).
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    # Bounded: each is checked against every generated token in the worker's step, which every
+    # running request waits for (200k stop strings cost about 60 ms a token here). OpenAI takes
+    # 4 stop strings, TGI 4 by default; vLLM has no bound.
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     # Token id (a JSON object's keys are strings: "50256") -> a bias in [-100, 100] on its logit.
     logit_bias: dict[int, float] | None = None
     # vLLM's extension: logprobs name tokens "token_id:<id>", not by their text.

@@ -239,9 +239,11 @@ def serving_config(app: Any, server: ServerConfig) -> uvicorn.Config:
 
 
 def app_of(config: ClusterConfig, frontend: ClusterFrontend) -> FastAPI:
-    """The HTTP app over ``frontend`` with the ``server`` section's settings (its API key)."""
+    """The HTTP app over ``frontend`` with the ``server`` section's settings (its API key and
+    body limit)."""
     api_key = config.server.api_key.get_secret_value() if config.server.api_key else None
-    return create_app(frontend, api_key)
+    max_body = int(config.server.max_request_body_mb * (1 << 20))
+    return create_app(frontend, api_key, max_body)
 
 
 def serve(config: ClusterConfig) -> int:

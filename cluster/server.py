@@ -27,6 +27,7 @@ from cluster import openai_responses as resp
 from cluster import openai_schemas as oa
 from cluster.answers import Answers, Choice, choice_requests, whole_usage
 from cluster.api_key_auth import ApiKeyMiddleware
+from cluster.body_limit import BodyLimitMiddleware
 from cluster.bounded_stream import BoundedStreamingResponse
 from cluster.cache_api import add_cache_routes
 from cluster.completion_choices import CompletionChoices
@@ -34,6 +35,7 @@ from cluster.http_errors import (
     BadRequest,
     check_token_ids,
     install_error_handlers,
+    shown,
 )
 from cluster.off_loop import off_loop
 from cluster.openai_logprobs import (
@@ -101,7 +103,12 @@ def _duet_version() -> str:
         return "unknown"
 
 
-def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
+def create_app(
+    backend: ServingBackend, api_key: str | None = None, max_body_bytes: int | None = None
+) -> FastAPI:
+    """The OpenAI-compatible app over ``backend``: ``api_key`` None = no authentication;
+    ``max_body_bytes`` None = bodies of any size (cluster/body_limit.py)."""
+
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await backend.start()  # the background stats collection
@@ -112,10 +119,12 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
 
     app = FastAPI(title="Duet", version=_duet_version(), lifespan=lifespan)
     started = int(time.time())
-    expected_auth = f"Bearer {api_key}".encode() if api_key else None
-
-    if expected_auth is not None:
-        app.add_middleware(ApiKeyMiddleware, expected=expected_auth)
+    if max_body_bytes is not None:
+        app.add_middleware(BodyLimitMiddleware, limit=max_body_bytes)
+    if (
+        api_key
+    ):  # (added last, so outermost: a client without the key is refused before its body is read)
+        app.add_middleware(ApiKeyMiddleware, key=api_key)
 
     install_error_handlers(app)
 
@@ -132,7 +141,7 @@ def create_app(backend: ServingBackend, api_key: str | None = None) -> FastAPI:
     def _check_model(model: str) -> None:
         if model != backend.model_name:
             raise BadRequest(
-                f"model {model!r} does not exist; this server serves {backend.model_name!r}",
+                f"model {shown(model)} does not exist; this server serves {backend.model_name!r}",
                 "model",
                 404,
             )

@@ -93,6 +93,16 @@ class ServerConfig(Section):
             "stopped reading is cut off then, a blocked send given at least 5 s)."
         ),
     )
+    max_request_body_mb: float = Field(
+        32.0,
+        gt=0,
+        description=(
+            "Largest request body the server reads, in MiB; a larger one gets a 413 before it is "
+            "parsed (a body is held and parsed whole: without a bound one client's gigabyte of "
+            "JSON takes the server's memory). 32 MiB holds a batch of 32 prompts of 128k "
+            "tokens as text, or about 5M prompt token ids."
+        ),
+    )
     shutdown_grace_s: float = Field(
         30.0,
         gt=0,

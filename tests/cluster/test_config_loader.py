@@ -53,8 +53,8 @@ def test_every_bad_field_is_listed_in_one_error(tmp_path: Path) -> None:
         "model.dtype: must be one of 'float32', 'bfloat16', 'float16', 'half', 'float', 'auto', got 'fp8'",
         "prefill.replicas: must be >= 0, got -1",
         "server.port: must be an integer, got 'eighty'",
-        "server.prot: unknown key (did you mean 'port'?); allowed: api_key, host, port, "
-        "request_timeout_s, shutdown_grace_s",
+        "server.prot: unknown key (did you mean 'port'?); allowed: api_key, host, "
+        "max_request_body_mb, port, request_timeout_s, shutdown_grace_s",
     ]
     assert str(caught.value) == f"invalid config {path}:\n" + "\n".join(
         f"  {issue}" for issue in caught.value.issues

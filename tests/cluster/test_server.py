@@ -182,6 +182,28 @@ def test_stop_strings_without_a_tokenizer_are_refused(http, backend) -> None:
         backend.has_tokenizer = True
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_stop_lists_are_bounded(http, path: str) -> None:
+    """Every stop string and stop token id is checked against each generated token in the step
+    every running request waits for: a request may name 64 and 1024, not more."""
+    from cluster.openai_schemas import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+
+    body = {"model": MODEL, "max_tokens": 1}
+    body |= (
+        {"prompt": "Hi"}
+        if "chat" not in path
+        else {"messages": [{"role": "user", "content": "Hi"}]}
+    )
+    for field, most, item in (
+        ("stop", MAX_STOP_STRINGS, "zq"),
+        ("stop_token_ids", MAX_STOP_TOKEN_IDS, 7),
+    ):
+        assert http.post(path, json=body | {field: [item] * most}).status_code == 200, field
+        r = http.post(path, json=body | {field: [item] * (most + 1)})
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith(field), r.text
+    assert http.post(path, json=body | {"stop": "one string"}).status_code == 200
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_the_stop_reason_names_what_stopped_the_answer(http, path: str, stream: bool) -> None:
