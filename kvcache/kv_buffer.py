@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import math
 import os
 
@@ -38,17 +39,31 @@ def shared_zeros(shape: tuple[int, ...], dtype: torch.dtype, name: str) -> torch
     if nbytes == 0 or not hasattr(os, "memfd_create"):
         return torch.zeros(shape, dtype=dtype)
     try:
-        fd = os.memfd_create(f"duet-kv-{name}", os.MFD_CLOEXEC)
+        fd = os.memfd_create(f"duet-kv-{name}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     except OSError:
         return torch.zeros(shape, dtype=dtype)
     try:
         os.ftruncate(fd, nbytes)
+        seal_size(fd)
         storage = torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)  # maps it; keeps a dup
     except (OSError, RuntimeError):
         return torch.zeros(shape, dtype=dtype)
     finally:
         os.close(fd)
     return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+
+
+def seal_size(fd: int) -> None:
+    """Fix the memfd's size for good and make it its owner's alone. A process that maps the file
+    (a decode worker's host_shm path) reads its pages at will, and would die of SIGBUS on a read
+    past an end that moved; it checks the seals before it maps (transfer/paths/host_shm.py).
+    (A memfd is made mode 0777; /proc/<pid>/fd asks for ptrace rights to P anyway, 0600 says
+    so on the file too.)"""
+    os.fchmod(fd, 0o600)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SIZE_SEALS)
+
+
+SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 def layer_view(buffer: torch.Tensor, local_layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,7 +2,7 @@
 
 Host pools live in memfd files from the start (kvcache/kv_buffer.py). P exports each pool as its
 file descriptor number with the file's device and inode; D opens it through /proc/<P's pid>/fd
-(the same user and PID namespace), checks it is that very file, and maps it read-only: D can read
+(the same user and PID namespace), checks it is that very file, its size sealed, and maps it read-only: D can read
 P's pages, never write them. The copy runs on D's transfer loop, where the pull is awaited
 (paths/direct.py: the lease, the grant and the deadline).
 
@@ -28,6 +28,7 @@ fell from 1.85 to 1.05 ms.
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -39,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvcache.kv_buffer import SIZE_SEALS
 from transfer.mapper import Segment
 from transfer.paths.base import PoolsUnavailable
 from transfer.paths.direct import DirectPath, SegmentIds, copy_segments
@@ -151,6 +153,10 @@ def open_pools(export: Any) -> tuple[dict[str, torch.Tensor], Populator]:
                 size,
             ):
                 raise PoolsUnavailable(f"pool {name!r}: {path} is not the file the peer exported")
+            if fcntl.fcntl(own_fd, fcntl.F_GET_SEALS) & SIZE_SEALS != SIZE_SEALS:
+                # (a file that may shrink under the mapping kills this process on a read past
+                # its new end)
+                raise PoolsUnavailable(f"pool {name!r}: its file's size is not sealed")
             mapped = mmap.mmap(own_fd, size, prot=mmap.PROT_READ)
             spans += [(mapped, start, end) for start, end in written_extents(own_fd, size)]
         finally:

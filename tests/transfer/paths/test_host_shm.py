@@ -114,6 +114,27 @@ def test_an_export_naming_another_file_is_refused() -> None:
         open_pools([pid, ns + 1, pools])
 
 
+def test_a_pool_file_whose_size_may_change_is_refused() -> None:
+    """D reads P's mapping at will: a file P could shrink would kill D (SIGBUS) on a read past
+    its new end, so only a file whose size is sealed is mapped; P's pools are sealed, and their
+    owner's alone."""
+    rows, _ = _rows()
+    fd = int(export_pools(rows)[2][0][1])
+    assert os.fstat(fd).st_mode & 0o777 == 0o600
+    with pytest.raises(PermissionError):
+        os.ftruncate(fd, 4096)
+    nbytes = 16 * 4096
+    fd = os.memfd_create("unsealed", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)
+        storage = torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)
+    finally:
+        os.close(fd)
+    unsealed = {"full": torch.empty(0, dtype=torch.uint8).set_(storage, 0, (16, 4096))}
+    with pytest.raises(PoolsUnavailable, match="size is not sealed"):
+        open_pools(export_pools(unsealed))
+
+
 def test_pools_outside_shared_memory_are_not_offered() -> None:
     kind, export = paths.offer({"full": torch.zeros(4, 16, dtype=torch.uint8)})
     assert (kind, export) == ("", b"")
