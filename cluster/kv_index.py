@@ -9,7 +9,7 @@ the device when there, else on the host.
 Hybrid models: the run is walked in the full-attention group ("full"), or in the first group the
 worker reported when it has none. A sliding-window group's pages before the window are released
 as requests run, so its run says little about a hit; the router's figure is an estimate either
-way (the worker's own match decides), and disaggregated serving refuses hybrid models for now.
+way (the worker's own match decides).
 """
 
 from __future__ import annotations

@@ -114,6 +114,15 @@ class KVCacheStats:
         return max((g.usage for g in self.groups.values()), default=0.0)
 
     @property
+    def free(self) -> int:
+        """Free pages (evictable ones too) of the fullest group: the room a worker has for new
+        requests, which need pages in every group (a sum over groups read 28 on a worker with
+        28 pages free in its full-attention group and none in its window group, above another's
+        10 + 9, and the router sent the request where it waited for pages)."""
+        groups = [g for g in self.groups.values() if g.total]
+        return min(groups, key=lambda g: (g.free / g.total, g.free)).free if groups else 0
+
+    @property
     def peak_usage(self) -> float:
         """The most of ``usage`` during the interval: the fullest group's own peak share (the
         peak of a maximum is the maximum of the peaks)."""
