@@ -14,7 +14,14 @@ from typing import Any
 
 from cluster import openai_responses as resp
 from cluster.answers import Choice
-from cluster.openai_logprobs import Name, completion_logprobs, computed, prompt_logprobs
+from cluster.openai_logprobs import (
+    CONTEXT,
+    ContextNames,
+    Name,
+    completion_logprobs,
+    computed,
+    prompt_logprobs,
+)
 from cluster.openai_schemas import CompletionRequest
 from engine.logprobs import TokenLogprobs
 from worker_common.messages import TokenDelta
@@ -24,7 +31,8 @@ PromptEntries = Sequence[TokenLogprobs | None]
 
 class CompletionChoices:
     """The choices of one completions answer to ``body``, over the prompts ``prompt_ids`` whose
-    texts are ``prompt_texts`` (used with echo); ``name`` names the logprobs' tokens."""
+    texts are ``prompt_texts`` (used with echo); ``names`` names the logprobs' tokens, and
+    ``name`` their top tokens in vLLM's ``prompt_logprobs``."""
 
     def __init__(
         self,
@@ -32,15 +40,17 @@ class CompletionChoices:
         head: resp.Head,
         prompt_ids: list[list[int]],
         prompt_texts: list[str],
-        name: Name,
+        names: ContextNames,
     ) -> None:
         self.body = body
         self.head = head
         self.prompt_ids = prompt_ids
         self.prompt_texts = prompt_texts
-        self.name = name
+        self.names = names
+        self.name: Name = names.name
         self._echoed: set[int] = set()  # choices whose stream sent the prompt
         self._offsets: dict[int, int] = {}  # each streamed choice's characters so far
+        self._last: dict[int, list[int]] = {}  # each streamed choice's last tokens (CONTEXT)
 
     def _parts(
         self,
@@ -51,8 +61,10 @@ class CompletionChoices:
         prompt_entries: PromptEntries | None,
         echo: bool,
         offset: int = 0,
+        before: Sequence[int] = (),
     ) -> tuple[str, list[int], dict[str, Any] | None]:
-        """(text, token ids, logprobs) of a choice or chunk; ``echo``: the prompt goes first."""
+        """(text, token ids, logprobs) of a choice or chunk, after the tokens ``before`` (a
+        stream's earlier chunks'); ``echo``: the prompt goes first."""
         k = self.body.logprobs
         if self.body.prompt_only:  # (the one token made is left out)
             text, token_ids, entries = "", [], ()
@@ -70,7 +82,9 @@ class CompletionChoices:
                 ]
                 scored = self.prompt_ids[prompt] + scored
                 lps = [*trimmed, *lps]
-        logprobs = None if k is None else completion_logprobs(scored, lps, self.name, offset)
+        logprobs = (
+            None if k is None else completion_logprobs(scored, lps, self.names, offset, before)
+        )
         return text, token_ids, logprobs
 
     def whole(self, choices: list[Choice]) -> list[dict[str, Any]]:
@@ -95,10 +109,13 @@ class CompletionChoices:
         if echo:
             self._echoed.add(index)
         offset = self._offsets.get(index, 0)
+        before = [] if echo else self._last.get(index, [])  # (an echo scores the prompt too)
         text, token_ids, logprobs = self._parts(
-            index, d.text, d.token_ids, d.logprobs, d.prompt_logprobs, echo, offset
+            index, d.text, d.token_ids, d.logprobs, d.prompt_logprobs, echo, offset, before
         )
         if logprobs is not None:
             self._offsets[index] = offset + sum(len(t) for t in logprobs["tokens"])
+            scored = self.prompt_ids[index // self.body.n] if echo else before
+            self._last[index] = [*scored, *token_ids][-CONTEXT:]
         end = resp.Ending(d.finish_reason, d.stop_reason)
         return resp.completion_chunk(self.head, index, text, end, token_ids, logprobs)

@@ -12,6 +12,10 @@ from typing import Any
 from engine.logprobs import TokenLogprobs, as_vllm
 
 Name = Callable[[int], str]  # token id -> its text
+Decode = Callable[[list[int]], str]  # token ids -> their text
+
+INCOMPLETE = "\ufffd"  # what a token holding part of a character decodes to alone, at its end
+CONTEXT = 4  # tokens before one that completes a character: a UTF-8 character has <= 4 bytes
 
 
 # Most prompt logprob entries (tokens x (k + 1)) one completions answer may carry: each choice
@@ -49,17 +53,54 @@ def _finite(logprob: float) -> float:
     return logprob if logprob >= -9999.0 else -9999.0
 
 
+def _whole_characters(text: str) -> str:
+    """``text`` without the incomplete character its last token left at its end."""
+    return text[:-1] if text.endswith(INCOMPLETE) else text
+
+
+def text_added(before: list[int], token_id: int, decode: Decode) -> str:
+    """The whole characters ``token_id`` adds to the text of the tokens ``before`` it (the last
+    ``CONTEXT`` or fewer): "" for a token that starts or continues a character, the character
+    for the one that completes it. (A ``before`` that starts inside a character decodes to the
+    same replacement characters with the token as without it: they cancel.)"""
+    head = _whole_characters(decode(before))
+    text = _whole_characters(decode([*before, token_id]))
+    return text[len(head) :] if text.startswith(head) else ""
+
+
+class ContextNames:
+    """Tokens named as the completions endpoint's logprobs name them: by their own text, but a
+    token holding part of a character (whose own text ends in U+FFFD) by the whole characters it
+    adds after the tokens before it, so that the tokens join into the answer's text and
+    ``text_offset`` counts its characters (vLLM corrects such tokens too; each was "\ufffd",
+    and an answer of 3 emoji had offsets up to 7). ``decode`` None: names alone."""
+
+    def __init__(self, name: Name, decode: Decode | None) -> None:
+        self.name = name
+        self.decode = decode
+
+    def __call__(self, token_id: int, before: Sequence[int]) -> str:
+        own = self.name(token_id)
+        if self.decode is None or not own.endswith(INCOMPLETE):
+            return own
+        return text_added(list(before[-CONTEXT:]), token_id, self.decode)
+
+
 def completion_logprobs(
     token_ids: Sequence[int],
     entries: Sequence[TokenLogprobs | None],
-    name: Name,
+    name: Name | ContextNames,
     offset: int = 0,
+    before: Sequence[int] = (),
 ) -> dict[str, Any]:
     """The completions endpoint's ``logprobs`` of ``token_ids``, each with its entry (None: a
     token without one, an echoed prompt's first: its logprob and top tokens are null); the first
-    token's text starts at character ``offset`` of the answer (a stream's earlier chunks hold the
-    rest)."""
-    tokens = [name(t) for t in token_ids]
+    token's text starts at character ``offset`` of the answer, after the tokens ``before`` (a
+    stream's earlier chunks hold the rest)."""
+    names = name if isinstance(name, ContextNames) else ContextNames(name, None)
+    seq = [*before[-CONTEXT:], *token_ids]
+    start = len(seq) - len(token_ids)
+    tokens = [names(t, seq[: start + i]) for i, t in enumerate(token_ids)]
     offsets = []
     for token in tokens:
         offsets.append(offset)
@@ -67,12 +108,14 @@ def completion_logprobs(
     return {
         "tokens": tokens,
         "token_logprobs": [None if e is None else _finite(e.logprob) for e in entries],
-        # the top tokens of each position, and the sampled one (as vLLM's)
+        # the top tokens of each position (named after the same tokens), and the sampled one
+        # (as vLLM's)
         "top_logprobs": [
             None
             if e is None
-            else {name(t): _finite(lp) for t, lp in e.top} | {token: _finite(e.logprob)}
-            for e, token in zip(entries, tokens, strict=True)
+            else {names(t, seq[: start + i]): _finite(lp) for t, lp in e.top}
+            | {token: _finite(e.logprob)}
+            for i, (e, token) in enumerate(zip(entries, tokens, strict=True))
         ],
         "text_offset": offsets,
     }

@@ -39,6 +39,7 @@ from cluster.http_errors import (
 )
 from cluster.off_loop import off_loop
 from cluster.openai_logprobs import (
+    ContextNames,
     Name,
     chat_logprobs,
     prompt_logprobs,
@@ -313,7 +314,10 @@ def create_app(
                 # (a prompt cut by truncate_prompt_tokens: the text of what is left)
                 cut = not isinstance(p, str) or body.truncate_prompt_tokens is not None
                 texts[k] = backend.decode(ids) if cut else p
-        made = CompletionChoices(body, head, encoded, texts, _namer(body))
+        names = ContextNames(
+            _namer(body), None if body.return_tokens_as_token_ids else backend.decode
+        )
+        made = CompletionChoices(body, head, encoded, texts, names)
         n_prompt = sum(len(ids) for ids in encoded)
         if body.stream:
             return _streamed(

@@ -264,3 +264,29 @@ def test_an_answer_of_too_many_prompt_logprobs_is_refused(http) -> None:
     r = http.post("/v1/completions", json=asked)
     assert r.status_code == 200
     assert all(len(c["logprobs"]["tokens"]) == 401 for c in r.json()["choices"])
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_tokens_that_split_a_character_join_into_the_text(http, echo: bool) -> None:
+    """A token holding part of a character is named by what it adds in its context (vLLM
+    corrects them too): "" until the character is whole, then the character. Named alone, each
+    was "\ufffd": the tokens did not join into the text, and the offsets of an answer of 3 emoji
+    ran to 7. Whole and streamed (a character split across chunks), with echo the prompt's
+    tokens too."""
+    prompt = "😀" * 12
+    body = {"model": MODEL, "prompt": prompt, "temperature": 0, "max_tokens": 9, "logprobs": 1}
+    body |= {"echo": echo}
+    choice = http.post("/v1/completions", json=body).json()["choices"][0]
+    lp = choice["logprobs"]
+    text = choice["text"]
+    assert text == (prompt if echo else "") + "😀😀😀", text  # (the model repeats its prompt)
+    assert "".join(lp["tokens"]) == text and "" in lp["tokens"]
+    assert not any("\ufffd" in t for t in lp["tokens"])
+    assert lp["text_offset"] == [
+        sum(len(t) for t in lp["tokens"][:i]) for i in range(len(lp["tokens"]))
+    ]
+    assert all(token in top for token, top in zip(lp["tokens"], lp["top_logprobs"]) if top)
+    chunks = events(http.post("/v1/completions", json=body | {"stream": True}).text)
+    assert streamed_logprobs(chunks) == {
+        k: lp[k] for k in ("tokens", "token_logprobs", "text_offset")
+    }
