@@ -13,7 +13,14 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
-_DIGEST_BYTES = 8  # 64-bit hashes: plenty against accidental collisions, and msgpack-friendly
+# 256-bit hashes. A hit is trusted on its hash alone (the tokens are not compared), so a
+# collision serves one prompt another's KV. 64 bits were plenty against accidents but not
+# against a client: a colliding pair of pages costs about 2**32 hashes (minutes on one core),
+# and a victim whose prompt shares the attacker's prefix and then holds one of the pair (a
+# document the attacker wrote) would read the other's KV (vLLM moved to SHA-256 for the same
+# reason, CVE-2025-25183). Hashes are Python ints everywhere they travel (Ray, the router's
+# index), of any size.
+_DIGEST_BYTES = 32
 _NO_PARENT = b"\x00"
 _HAS_PARENT = b"\x01"
 
@@ -32,7 +39,7 @@ def hash_block(
         extra_key: optional bytes that must also match for a hit (e.g. a model or adapter id).
 
     Returns:
-        An unsigned 64-bit integer, identical in every process for identical arguments.
+        An unsigned 256-bit integer, identical in every process for identical arguments.
     """
     h = hashlib.blake2b(digest_size=_DIGEST_BYTES)
     if parent_hash is None:

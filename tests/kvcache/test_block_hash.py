@@ -8,10 +8,14 @@ import pytest
 from kvcache.block_hash import hash_block, hash_full_pages
 
 
-def test_hash_is_64_bit_and_deterministic() -> None:
-    h = hash_block(None, [1, 2, 3])
-    assert 0 <= h < 2**64
-    assert h == hash_block(None, [1, 2, 3])
+def test_hash_is_256_bit_and_deterministic() -> None:
+    """256 bits: a hit is trusted on its hash, and 64 bits let a client make a colliding pair of
+    pages in about 2**32 hashes (block_hash.py)."""
+    hashes = [hash_block(None, [1, 2, i]) for i in range(16)]
+    assert all(0 <= h < 2**256 for h in hashes)
+    assert max(hashes).bit_length() > 248  # (all 16 under 2**248: odds 2**-128)
+    assert hashes[3] == hash_block(None, [1, 2, 3])
+    assert hash_block(hashes[0], [4]) != hash_block(hashes[0] % 2**64, [4])  # the whole parent
 
 
 def test_hash_depends_on_parent_tokens_and_extra_key() -> None:
