@@ -109,9 +109,12 @@ def _actor_options(config: ClusterConfig, role: str, index: int) -> dict[str, An
         "max_task_retries": 0,  # the router decides about retries, never Ray
         "max_concurrency": 1000,
     }
-    if pool.resources.num_gpus > 0 and config.transfer.direct_copy and not config.aggregated:
+    direct = config.transfer.direct_copy and not config.aggregated
+    if pool.resources.num_gpus > 0 and (direct or pool.tensor_parallel_size > 1):
         # Every GPU of the node visible to the worker (it picks its own by Ray's GPU id), so the
-        # decode worker can open the prefill worker's pools through CUDA IPC (transfer/paths/).
+        # decode worker can open the prefill worker's pools through CUDA IPC (transfer/paths/),
+        # and a tensor-parallel worker's ranks (which see them all too: worker_common/tp_ranks.py)
+        # reach each other's GPUs directly for NCCL.
         options["runtime_env"] = {"env_vars": {NOSET_VISIBLE_DEVICES: "1"}}
     return options
 

@@ -69,12 +69,7 @@ def _engine_from_config_tp(
     problems = tp_problems(model_config, size)
     if problems:
         raise ValueError("LLM.tensor_parallel_size: " + "; ".join(problems))
-    if torch.device(config.device).type == "cuda" and torch.cuda.device_count() < size:
-        raise ValueError(
-            f"LLM.tensor_parallel_size={size} needs {size} GPUs, this host has "
-            f"{torch.cuda.device_count()}"
-        )
-    ranks = start_ranks(config, size)
+    ranks = start_ranks(config, size)  # (LocalRanks checks this host has the GPUs)
     try:
         tp = TPContext(TPPartition(model_config, 0, size), ranks.group)
         loaded = load_model(

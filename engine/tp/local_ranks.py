@@ -40,15 +40,30 @@ StartRanks = Callable[[EngineConfig, int], Ranks]
 
 
 def rank_device(config: EngineConfig, rank: int) -> str:
-    """Rank r's device: the r-th GPU of this host on CUDA, the CPU otherwise."""
+    """Rank r's device: on CUDA the r-th GPU counted from rank 0's, ``config.device`` ("cuda":
+    the current one, which a cluster worker set to the GPU Ray gave it), the CPU otherwise.
+    (Rank 0 was always "cuda:0": a cluster worker's rank 0 loaded its weights on GPU 0 of the
+    node, whatever GPU Ray had given it.)"""
     device = torch.device(config.device)
-    return f"cuda:{rank}" if device.type == "cuda" else str(device)
+    if device.type != "cuda":
+        return str(device)
+    base = device.index if device.index is not None else torch.cuda.current_device()
+    return f"cuda:{base + rank}"
 
 
 class LocalRanks:
     """Spawns ranks 1..size-1 and joins rank 0 (this process) to their group."""
 
     def __init__(self, config: EngineConfig, size: int) -> None:
+        """Ranks on this host: on CUDA, the ``size`` GPUs from rank 0's (a cluster worker's
+        ranks are Ray actors instead, each on the GPU Ray gives it: worker_common/tp_ranks.py)."""
+        if torch.device(config.device).type == "cuda":
+            last = rank_device(config, size - 1)
+            if int(last.split(":")[1]) >= torch.cuda.device_count():
+                raise ValueError(
+                    f"LLM.tensor_parallel_size={size} needs GPUs {rank_device(config, 0)} to "
+                    f"{last}; this host has {torch.cuda.device_count()}"
+                )
         store = open_store()
         self.processes: list[subprocess.Popen[bytes]] = []
         try:

@@ -237,3 +237,22 @@ def test_kvcache_num_pages_reaches_the_engine_instead_of_a_budget() -> None:
     config = config_from_dict({"kvcache": {"num_pages": 90}})
     e = worker_spec(config, Role.DECODE, 0, None, transfer_secret="x").engine
     assert (e.num_pages, e.kv_cache_memory_bytes, e.kv_max_tokens) == (90, None, None)
+
+
+@pytest.mark.parametrize("aggregated", [True, False])
+def test_a_tensor_parallel_gpu_worker_sees_every_gpu_of_its_node(aggregated: bool) -> None:
+    """Its ranks pick their GPUs by Ray's ids among all of the node's: with Ray's narrowing (an
+    aggregated cluster, or direct_copy off), rank 0 saw one GPU and refused to start ("needs 2
+    GPUs, this host has 1")."""
+    settings = {
+        "decode.resources.num_gpus": 1.0,
+        "decode.tensor_parallel_size": 2,
+        "transfer.direct_copy": False,
+    }
+    if aggregated:
+        settings["prefill.replicas"] = 0
+    config = config_from_dict(nested(settings))
+    d = _actor_options(config, "decode", 0)
+    assert d["runtime_env"] == {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
+    config = config_from_dict(nested({**settings, "decode.tensor_parallel_size": 1}))
+    assert "runtime_env" not in _actor_options(config, "decode", 0)
