@@ -26,7 +26,7 @@ def engine_config_for(config: ClusterConfig, role: Role) -> EngineConfig:
         config.model.dummy_config.as_hf_dict() if config.model.dummy_config is not None else None
     )
     engine = EngineConfig(
-        model=config.model.source,
+        model=config.model.worker_source,
         load_format=config.model.load_format,
         dtype=config.model.dtype,
         device="cuda" if on_gpu else "cpu",

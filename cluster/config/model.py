@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from pathlib import PurePath
 from typing import Any, Literal
 
@@ -79,8 +81,10 @@ class ModelConfig(Section):
         min_length=1,
         description=(
             f'"{DEFAULT_SOURCE}" for the embedded {EMBEDDED_MODEL_NAME} GGUF, or a path (relative '
-            "to the working directory) to a .gguf file or an HF checkpoint directory "
-            "(config.json + safetensors + tokenizer.json). With load_format dummy, only a label."
+            "to the working directory of `duet serve`, made absolute there for every worker) to "
+            "a .gguf file or an HF checkpoint directory (config.json + safetensors + "
+            "tokenizer.json), at the same place on every node. With load_format dummy, only a "
+            "label."
         ),
     )
     load_format: Literal["auto", "gguf", "hf", "dummy"] = Field(
@@ -156,6 +160,15 @@ class ModelConfig(Section):
     def is_embedded(self) -> bool:
         """True when the workers load the embedded SmolLM2 GGUF."""
         return self.source == DEFAULT_SOURCE and self.load_format != "dummy"
+
+    @property
+    def worker_source(self) -> str:
+        """``source`` as the workers get it: a path made absolute here, in the server's working
+        directory. (A worker resolves a relative one in its own: Ray's unpacked working_dir, or
+        wherever `ray start` ran on a joined node, and found no model there.)"""
+        if self.is_embedded or self.load_format == "dummy":
+            return self.source
+        return os.path.abspath(self.source)
 
     @property
     def model_name(self) -> str:

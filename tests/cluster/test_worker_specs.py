@@ -256,3 +256,18 @@ def test_a_tensor_parallel_gpu_worker_sees_every_gpu_of_its_node(aggregated: boo
     assert d["runtime_env"] == {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
     config = config_from_dict(nested({**settings, "decode.tensor_parallel_size": 1}))
     assert "runtime_env" not in _actor_options(config, "decode", 0)
+
+
+def test_a_relative_model_path_reaches_the_workers_absolute(tmp_path, monkeypatch) -> None:
+    """model.source is relative to the working directory of `duet serve`: a worker, whose own is
+    Ray's (an unpacked working_dir, or where `ray start` ran), looked for it there and failed
+    after every check of the server had passed."""
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "m.gguf").write_bytes(b"")
+    monkeypatch.chdir(tmp_path)
+    config = config_from_dict(nested({"model.source": "models/m.gguf"}))
+    spec = worker_spec(config, Role.DECODE, 0, None, transfer_secret="s3cret" * 6)
+    assert spec.engine.model == str(tmp_path / "models" / "m.gguf")
+    assert config.model.model_name == "m"  # (the served name is the file's, as before)
+    default = worker_spec(config_from_dict({}), Role.DECODE, 0, None, transfer_secret="s3cret" * 6)
+    assert default.engine.model == "default"
