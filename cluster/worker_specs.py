@@ -10,9 +10,18 @@ import logging
 import struct
 
 from cluster.config import ClusterConfig, ConfigError
+from cluster.config.kv_cache import KVCacheConfig
 from cluster.transfer_setup import transceiver_config
 from engine.engine_config import EngineConfig
 from worker_common.messages import Role, WorkerDeadlines, WorkerSpec
+
+
+def shared_gpu_utilization(num_gpus: float, kv: KVCacheConfig) -> float | None:
+    """A worker sharing its GPU (0 < num_gpus < 1) takes at most its share of the whole memory
+    (times gpu_memory_fraction), sized as vLLM's gpu_memory_utilization: from free memory, the
+    workers sizing at once each saw it all and together took more than there was. None: a
+    GPU of its own (or none), sized from its free memory."""
+    return kv.gpu_memory_fraction * num_gpus if 0 < num_gpus < 1 else None
 
 
 def engine_config_for(config: ClusterConfig, role: Role) -> EngineConfig:
@@ -34,6 +43,7 @@ def engine_config_for(config: ClusterConfig, role: Role) -> EngineConfig:
         num_pages=kv.num_pages,
         kv_cache_memory_bytes=None if (on_gpu or kv.num_pages is not None) else int(kv.cpu_bytes),
         gpu_memory_fraction=kv.gpu_memory_fraction,
+        gpu_memory_utilization=shared_gpu_utilization(pool.resources.num_gpus, kv),
         kv_max_tokens=kv.max_tokens,
         max_num_seqs=pool.scheduler.max_num_seqs,
         max_num_batched_tokens=pool.scheduler.max_num_batched_tokens,

@@ -47,7 +47,10 @@ class KVCacheConfig(Section):
         le=1,
         description=(
             "Fraction of the GPU's free memory (after weights and the activation peak) "
-            "given to the KV cache."
+            "given to the KV cache. A worker sharing its GPU (resources.num_gpus below 1) takes "
+            "at most num_gpus x this of the GPU's whole memory instead, weights, activations and "
+            "KV cache together (vLLM's gpu_memory_utilization): workers starting side by side "
+            "each measured the same free memory and took this fraction of it, and ran out."
         ),
     )
     max_tokens: int | None = Field(

@@ -30,7 +30,9 @@ class WorkerResources(Section):
         description=(
             "GPUs per rank: 0 on CPU, 1 for a rank of its own; a fraction below 1 shares a GPU "
             "with other workers (not with the worker's own ranks: tensor_parallel_size above 1 "
-            "needs 0 or 1). A worker of tensor_parallel_size N uses N GPUs of one node."
+            "needs 0 or 1), and the worker then takes at most that share of the GPU's memory "
+            "times kvcache.gpu_memory_fraction. A worker of tensor_parallel_size N uses N GPUs of "
+            "one node."
         ),
     )
     resources: dict[str, float] = Field(

@@ -10,7 +10,7 @@ import pytest
 from cluster.builder import ClusterHandles, _actor_options
 from cluster.config import config_from_dict
 from cluster.worker_choice import WorkerSlot
-from cluster.worker_specs import worker_spec
+from cluster.worker_specs import engine_config_for, worker_spec
 from engine.engine_core import LLMEngine
 from worker_common.messages import Role, WorkerDeadlines
 
@@ -271,3 +271,17 @@ def test_a_relative_model_path_reaches_the_workers_absolute(tmp_path, monkeypatc
     assert config.model.model_name == "m"  # (the served name is the file's, as before)
     default = worker_spec(config_from_dict({}), Role.DECODE, 0, None, transfer_secret="s3cret" * 6)
     assert default.engine.model == "default"
+
+
+def test_a_worker_sharing_its_gpu_takes_its_share_of_the_whole_memory() -> None:
+    """Workers sharing a GPU (resources.num_gpus 0.5) each measured the same free memory at
+    start and took kvcache.gpu_memory_fraction of it: the second ran out of memory. Sharing, a
+    worker is sized as vLLM's gpu_memory_utilization, its share of the whole memory."""
+    shared = {"prefill.resources.num_gpus": 0.5, "decode.resources.num_gpus": 0.5}
+    config = config_from_dict(nested({**shared, "kvcache.gpu_memory_fraction": 0.8}))
+    for role in (Role.PREFILL, Role.DECODE):
+        engine = engine_config_for(config, role)
+        assert engine.device == "cuda" and engine.gpu_memory_utilization == 0.4
+    own = config_from_dict(nested({"decode.resources.num_gpus": 1.0}))
+    assert engine_config_for(own, Role.DECODE).gpu_memory_utilization is None  # (its free memory)
+    assert engine_config_for(config_from_dict({}), Role.DECODE).gpu_memory_utilization is None
