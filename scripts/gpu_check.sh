@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU work of one device call: `. .gpu/setup.sh` first (see README of the GPU machines), then this.
 # Works on one GPU or more: steps that need two GPUs say so and are skipped on one. Results go under
-# $OUT (or ./out). STEPS picks what runs (default: tests decode warmup transfer cluster bench goodput tp):
+# $OUT (or ./out). STEPS picks what runs (default: tests decode warmup transfer shared cluster bench goodput tp):
 #   tests     every GPU test (marker gpu): duet_kernels/, transfer/ (cuda_ipc between two processes: on
 #             two GPUs when there are two, else both on GPU 0), engine/ (CUDA graphs, hybrid KV),
 #             kvcache/ (the pinned host tier)
@@ -13,6 +13,7 @@
 #   transfer  scripts/bench_transfer.py --device cuda, 1 MiB .. 1 GiB: the ucx and cuda_ipc paths
 #             next to raw ucxx and a torch peer copy of the same bytes, in the same run
 #   cpu       scripts/bench_transfer.py on the CPU (ucx and host_shm) on this host's cores
+#   shared    configs/gpu_1p1d.yaml with both workers on one GPU (num_gpus 0.5 each), one request
 #   cluster   scripts/gpu_cluster_check.py: 1P1D vs aggregated tokens, transfer path and figures (2 GPUs)
 #   bench     duet bench of configs/gpu_1p1d.yaml against its aggregated twin (2 GPUs)
 #   goodput   the ISL 4096 / OSL 256 rate sweep of configs/gpu_1p1d.yaml against its aggregated
@@ -25,7 +26,7 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0   # keep Ray on loopback
 GPUS=$(python -c "import torch; print(torch.cuda.device_count())")
 echo "$GPUS GPU(s)"
-for step in ${STEPS:-tests decode warmup transfer cluster bench goodput tp}; do
+for step in ${STEPS:-tests decode warmup transfer shared cluster bench goodput tp}; do
   echo "== $step"
   case $step in
     tests)
@@ -59,6 +60,23 @@ for step in ${STEPS:-tests decode warmup transfer cluster bench goodput tp}; do
         continue
       fi
       python scripts/gpu_tp_check.py 2>&1 | tee "$OUT/gpu_tp.log" | tail -40 ;;
+    shared)
+      # configs/gpu_1p1d.yaml on one GPU, both workers on it (resources.num_gpus 0.5: each takes
+      # half of the GPU's memory times gpu_memory_fraction), one request through the cluster.
+      python -m cluster.cli serve configs/gpu_1p1d.yaml --port 8011 \
+        --set prefill.resources.num_gpus=0.5 --set decode.resources.num_gpus=0.5 \
+        > "$OUT/shared_serve.log" 2>&1 &
+      serve=$!
+      for _ in $(seq 300); do
+        curl -sf 127.0.0.1:8011/health > /dev/null && break
+        kill -0 $serve 2> /dev/null || break
+        sleep 1
+      done
+      curl -s 127.0.0.1:8011/v1/completions -H 'content-type: application/json' \
+        -d '{"prompt": [128000, 791, 6864, 315, 9822, 374], "max_tokens": 8, "temperature": 0}' \
+        | tee "$OUT/shared_answer.json"; echo
+      kill -INT $serve 2> /dev/null; wait $serve
+      grep -E "KV cache|Error|error" "$OUT/shared_serve.log" | tail -8 ;;
     cluster|bench|goodput)
       if [ "$GPUS" -lt 2 ]; then
         echo "skipped: configs/gpu_1p1d.yaml puts prefill and decode on two GPUs, this machine has $GPUS"
