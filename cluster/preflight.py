@@ -11,11 +11,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from cluster import label_selector
 from cluster.config import ClusterConfig, ConfigError
 from cluster.config.workers import DecodePoolConfig, PrefillPoolConfig
+from engine.kv_setup import kv_pool_templates
 from engine.model_config import ModelConfig
 from engine.tp.partition import tp_problems
+from kvcache.sizing import cap_pages_by_tokens, pages_per_request
 
 SOURCE = "cluster config (checked against the model and the Ray nodes)"
 
@@ -35,6 +39,44 @@ def tensor_parallel_issues(config: ClusterConfig, model: ModelConfig) -> list[st
         for name, pool in pools_in_use(config)
         for problem in tp_problems(model, pool.tensor_parallel_size)
     ]
+
+
+def kv_fit_issues(config: ClusterConfig, model: ModelConfig) -> list[str]:
+    """kvcache.num_pages and kvcache.max_tokens against one request of max_model_len tokens in
+    every pool group of the model, at the pools' largest prefill chunk. A sliding-window group
+    holds only about (window + chunk) / page_size of a request's pages: checked against
+    max_model_len alone (in the config), they were refused for Mistral-style models the engine
+    sizes fine."""
+    kv = config.kvcache
+    if kv.num_pages is None and kv.max_tokens is None:
+        return []
+    max_model_len = config.model.max_model_len or model.max_position_embeddings
+    templates = kv_pool_templates(model, kv.page_size, torch.float32)
+    need = max(
+        (
+            pages_per_request(templates, max_model_len, pool.scheduler.prefill_chunk_size)
+            for _, pool in pools_in_use(config)
+        ),
+        key=lambda n: max(n.values()),
+    )
+    most = max(need.values())
+    where = (
+        f"one request of {max_model_len} tokens (model.max_model_len) holds up to {most} pages "
+        f"of {kv.page_size} tokens in a group ({', '.join(f'{g} {n}' for g, n in need.items())})"
+    )
+    issues = []
+    if kv.num_pages is not None and kv.num_pages - 1 < most:
+        issues.append(
+            f"kvcache.num_pages: must be >= {most + 1}: {where}, plus the null page; "
+            f"got {kv.num_pages}"
+        )
+    capped = kv.max_tokens is not None
+    if capped and cap_pages_by_tokens(most + 1, kv.max_tokens, kv.page_size) <= most:
+        issues.append(
+            f"kvcache.max_tokens: must be >= {(most - 1) * kv.page_size + 1}: {where}; "
+            f"got {kv.max_tokens}"
+        )
+    return issues
 
 
 @dataclass(frozen=True)
@@ -131,7 +173,7 @@ def preflight(config: ClusterConfig, model: ModelConfig | None = None) -> None:
             if dummy is None:
                 raise
             raise ConfigError(SOURCE, [f"model.dummy_config: {e}"]) from None
-    issues = tensor_parallel_issues(config, model)
+    issues = tensor_parallel_issues(config, model) + kv_fit_issues(config, model)
     if not issues and any(
         pool.tensor_parallel_size > 1 or pool.resources.label_selector
         for _, pool in pools_in_use(config)

@@ -72,26 +72,8 @@ class ClusterConfig(Section):
                     f"{self.transfer.staging_tokens}",
                 )
             )
-        max_model_len = self.model.max_model_len
-        if max_model_len is not None:
-            if self.kvcache.max_tokens is not None and self.kvcache.max_tokens < max_model_len:
-                issues.append(
-                    (
-                        "kvcache.max_tokens",
-                        f"must be >= model.max_model_len ({max_model_len}) so one request fits, "
-                        f"got {self.kvcache.max_tokens}",
-                    )
-                )
-            num_pages = self.kvcache.num_pages
-            if num_pages is not None and (num_pages - 1) * page_size < max_model_len:
-                needed = -(-max_model_len // page_size) + 1
-                issues.append(
-                    (
-                        "kvcache.num_pages",
-                        f"must be >= {needed} (model.max_model_len {max_model_len} in pages of "
-                        f"{page_size}, plus the null page) so one request fits, got {num_pages}",
-                    )
-                )
+        # (Whether one request fits kvcache.num_pages or max_tokens depends on the model's
+        # sliding windows: cluster/preflight.py checks it with the model.)
         if self.kvcache.host_tier_bytes:
             pools = [("decode", self.decode)] + (
                 [] if self.aggregated else [("prefill", self.prefill)]

@@ -8,8 +8,15 @@ import ray
 
 from cluster.builder import build_cluster
 from cluster.config import ConfigError, config_from_dict
-from cluster.preflight import RayNode, placement_issues, preflight, tensor_parallel_issues
+from cluster.preflight import (
+    RayNode,
+    kv_fit_issues,
+    placement_issues,
+    preflight,
+    tensor_parallel_issues,
+)
 from engine.loaders import read_model_config
+from engine.model_config import ModelConfig
 
 EIGHT_HEADS = {  # 8 query heads, 4 KV heads
     "hidden_size": 64,
@@ -163,3 +170,40 @@ def test_an_incomplete_rope_scaling_names_the_field_and_the_missing_key() -> Non
         "model.dummy_config: rope type 'llama3' needs 'factor' in rope_scaling (or "
         "rope_parameters); got ['rope_type']"
     ]
+
+
+def test_one_request_must_fit_kvcache_num_pages_and_max_tokens() -> None:
+    """A full-attention model: one request of max_model_len tokens in whole pages, plus the null
+    page."""
+    base = dummy(1, 1) | {"model": {**dummy(1, 1)["model"], "max_model_len": 100}}
+    hf = config_from_dict(base).model.dummy_config.as_hf_dict()
+    model = read_model_config("x", "dummy", hf)
+
+    def fit(kv: dict) -> list[str]:
+        return kv_fit_issues(config_from_dict(base | {"kvcache": kv}), model)
+
+    assert fit({"num_pages": 7}) == [
+        "kvcache.num_pages: must be >= 8: one request of 100 tokens (model.max_model_len) holds "
+        "up to 7 pages of 16 tokens in a group (full 7), plus the null page; "
+        "got 7"
+    ]
+    assert fit({"max_tokens": 96}) == [
+        "kvcache.max_tokens: must be >= 97: one request of 100 tokens (model.max_model_len) "
+        "holds up to 7 pages of 16 tokens in a group (full 7); got 96"
+    ]
+    assert fit({"num_pages": 8}) == fit({"max_tokens": 97}) == fit({}) == []
+
+
+def test_a_sliding_window_model_needs_pages_for_its_window_only() -> None:
+    """Every layer windowed (Mistral's shape): a request holds about (window + chunk) / page_size
+    pages; checked against max_model_len, a page count the engine sizes fine was refused."""
+    data = dummy(1, 1)
+    hf = config_from_dict(data).model.dummy_config.as_hf_dict()
+    model = ModelConfig.from_hf_config({**hf, "model_type": "mistral", "sliding_window": 32})
+    data["model"]["max_model_len"] = 256  # 16 pages of a full-attention group
+    for pool in ("prefill", "decode"):
+        data[pool]["scheduler"] = {"prefill_chunk_size": 16, "max_num_batched_tokens": 256}
+    for kv in ({"num_pages": 6}, {"max_tokens": 64}):
+        assert kv_fit_issues(config_from_dict(data | {"kvcache": kv}), model) == [], kv
+    tight = config_from_dict(data | {"kvcache": {"num_pages": 3}})
+    assert kv_fit_issues(tight, model)[0].startswith("kvcache.num_pages: must be >= ")
