@@ -6,6 +6,7 @@ its sockets close, so rank 0's next collective raises instead of waiting."""
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from typing import Protocol
 
 import torch
 
+from engine.cpu_share import configure_cpu_threads, usable_cores
 from engine.engine_config import EngineConfig
 from engine.tp.comm import TPGroup, open_store
 
@@ -64,12 +66,21 @@ class LocalRanks:
                     f"LLM.tensor_parallel_size={size} needs GPUs {rank_device(config, 0)} to "
                     f"{last}; this host has {torch.cuda.device_count()}"
                 )
+        env = None
+        self._threads_before = torch.get_num_threads()  # (rank 0's, given back at the end)
+        if torch.device(config.device).type == "cpu":
+            # The host's cores split between the ranks, as a cluster worker's ranks split its
+            # CPUs: each rank with torch's default of every core ran 3 ranks x 2 threads on 2
+            # cores 5x slower than 1 thread each (vLLM binds each rank's threads to its cores).
+            threads = max(1, usable_cores() // size)
+            configure_cpu_threads(threads)
+            env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         store = open_store()
         self.processes: list[subprocess.Popen[bytes]] = []
         try:
             for rank in range(1, size):
                 p = subprocess.Popen(
-                    [sys.executable, "-m", "engine.tp.rank_main"], stdin=subprocess.PIPE
+                    [sys.executable, "-m", "engine.tp.rank_main"], stdin=subprocess.PIPE, env=env
                 )
                 self.processes.append(p)
                 assert p.stdin is not None
@@ -97,6 +108,7 @@ class LocalRanks:
             self.kill()
 
     def kill(self) -> None:
+        torch.set_num_threads(self._threads_before)
         for p in self.processes:
             if p.poll() is None:
                 p.kill()

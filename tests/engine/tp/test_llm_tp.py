@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.cpu_share import usable_cores
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from tests.engine.conftest_engine import assert_no_leak, hf_greedy
@@ -27,6 +28,7 @@ def test_greedy_equals_transformers(name: str, tp: int, tp_checkpoints: dict[str
 
     directory = tp_checkpoints[name]
     hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    threads_before = torch.get_num_threads()
     with LLM(
         str(directory),
         tensor_parallel_size=tp,
@@ -48,6 +50,13 @@ def test_greedy_equals_transformers(name: str, tp: int, tp_checkpoints: dict[str
             assert out.token_ids == hf_greedy(hf, prompt, MAX_TOKENS, eos), prompt
         assert_no_leak(llm.engine.kv)
         procs = llm.engine.local_ranks.processes
+        # The cores split between the ranks (each with every core ran 5x slower on 2 cores).
+        share = max(1, usable_cores() // tp)
+        assert torch.get_num_threads() == share
+        for p in procs:
+            with open(f"/proc/{p.pid}/environ", "rb") as f:
+                assert f"OMP_NUM_THREADS={share}".encode() in f.read().split(b"\0")
+    assert torch.get_num_threads() == threads_before  # (the caller's, back)
     assert all(p.returncode == 0 for p in procs)
 
 
