@@ -296,7 +296,7 @@ class LLM:
         groups: list[tuple[str, list[str]]] = []  # (a prompt's id, its completions' request ids)
         requests = []
         for (text, tokens), p in zip(prompts, params, strict=True):
-            pid = f"llm-{next(self._ids)}"
+            pid = str(next(self._ids))  # (vLLM's: "0", "1", ...; scripts sort by int(id))
             rids = [pid] if p.n == 1 else [f"{pid}-{i}" for i in range(p.n)]
             for i, rid in enumerate(rids):
                 choice = p if p.n == 1 else p.for_choice(i)  # (one output, one prompt_logprobs)

@@ -4,6 +4,7 @@ its other arguments that ask nothing of Duet, and the device it would pick."""
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Callable
 from typing import Any
 
@@ -44,7 +45,15 @@ _VLLM_NO_OPS: dict[str, tuple[Any, ...]] = {
     "cpu_offload_gb": (0,),
     "enable_chunked_prefill": (None, True),
     "disable_log_stats": (True,),
+    # (lm-evaluation-harness's vLLM backend passes these at their defaults)
+    "enable_lora": (False, None),
+    "tokenizer_revision": (None,),
+    "pipeline_parallel_size": (1,),
+    "task": ("auto", "generate"),
+    "compilation_config": (None,),
 }
+# Sizes of LoRA adapters: inert with enable_lora off (as in vLLM), the only way Duet runs.
+_LORA_SIZES = ("max_lora_rank", "max_loras", "max_cpu_loras")
 
 
 def engine_config_of(model: str, kwargs: dict[str, Any]) -> EngineConfig:
@@ -67,6 +76,12 @@ def engine_config_of(model: str, kwargs: dict[str, Any]) -> EngineConfig:
                     f"{name}={given!r} is not supported by Duet (it takes {name} only as "
                     f"{' or '.join(repr(a) for a in allowed)})"
                 )
+    for name in _LORA_SIZES:
+        given = kwargs.pop(name, None)
+        if given is not None and (isinstance(given, bool) or not isinstance(given, int)):
+            raise ValueError(f"{name} must be an integer, got {given!r}")
+    if "seed" in kwargs and kwargs["seed"] is None:  # vLLM's: a seed from entropy
+        kwargs["seed"] = secrets.randbelow(2**63)
     if "tokenizer" in kwargs:  # vLLM's: another tokenizer than the checkpoint's
         given = kwargs.pop("tokenizer")
         if given is not None and given != model:

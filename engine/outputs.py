@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -10,10 +11,11 @@ from engine.logprobs import Logprob, TokenLogprobs, as_vllm
 from engine.request import FinishReason, Request, RequestMetrics
 
 
-@dataclass(frozen=True)
+@dataclass
 class CompletionOutput:
     """One completion of a prompt, shaped as vLLM's (``RequestOutput.outputs[i]``); ``logprobs``
-    and ``cumulative_logprob`` only when the request asked for them (None otherwise, as vLLM's)."""
+    and ``cumulative_logprob`` only when the request asked for them (None otherwise, as vLLM's).
+    Mutable as vLLM's: post-processing code edits its text in place."""
 
     index: int
     text: str
@@ -66,10 +68,12 @@ class RequestOutput:
         """Prompt tokens found in the prefix cache (vLLM's ``RequestOutput.num_cached_tokens``)."""
         return self.metrics.num_cached_tokens
 
-    @property
+    @functools.cached_property
     def outputs(self) -> list[CompletionOutput]:
         """The prompt's completions as vLLM's ``RequestOutput.outputs`` holds them: code written
-        for vLLM reads ``out.outputs[0].text`` here too."""
+        for vLLM reads ``out.outputs[0].text`` here too. One list per output, made when first
+        read: a rerank in place (``out.outputs.sort(...)``) stays (a fresh list at every read
+        dropped it, and ``out.outputs[0]`` was not the best one)."""
         return list(self.choices) if self.choices else [self.completion(0)]
 
     def completion(

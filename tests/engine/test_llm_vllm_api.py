@@ -37,6 +37,25 @@ def test_outputs_holds_the_completion_as_in_vllm(tiny_llm: LLM) -> None:
     assert completion.logprobs is None and completion.cumulative_logprob is None
 
 
+def test_outputs_edited_in_place_stay_edited(tiny_llm: LLM) -> None:
+    """vLLM's outputs are a plain list of mutable completions: a best-of-n rerank sorts them in
+    place, post-processing edits their text. A fresh list at every read dropped the sort."""
+    params = SamplingParams(temperature=1.0, max_tokens=3, n=4, seed=1, logprobs=0)
+    out = tiny_llm.generate("hello", params, use_tqdm=False)[0]
+    out.outputs.sort(key=lambda c: c.cumulative_logprob, reverse=True)
+    again = tiny_llm.generate(["a", "b"], GREEDY, use_tqdm=False)  # (vLLM's ids: "0", "1", ...)
+    assert int(again[1].request_id) == int(again[0].request_id) + 1 == int(out.request_id) + 2
+    ranked = [c.cumulative_logprob for c in out.outputs]
+    assert ranked == sorted(ranked, reverse=True) and len(ranked) == 4
+    out.outputs[0].text = "edited"
+    assert out.outputs[0].text == "edited"
+    del out.outputs[1:]
+    assert len(out.outputs) == 1
+    single = tiny_llm.generate("hello", GREEDY, use_tqdm=False)[0]
+    single.outputs[0].text = single.outputs[0].text.strip() + "!"
+    assert single.outputs[0].text.endswith("!")
+
+
 def test_prompt_dicts_are_the_same_prompts(tiny_llm: LLM) -> None:
     ids = tiny_llm.tokenizer.encode("hello world")
     plain = tiny_llm.generate(["hello world", ids], GREEDY, use_tqdm=False)
@@ -245,6 +264,14 @@ def test_vllms_other_constructor_arguments(tiny_hf_checkpoints: dict[str, Path])
         cpu_offload_gb=0,
         enable_chunked_prefill=True,
         disable_log_stats=True,
+        # lm-evaluation-harness's vLLM backend passes these (LoRA's sizes inert without it)
+        enable_lora=False,
+        max_lora_rank=16,
+        tokenizer_revision=None,
+        pipeline_parallel_size=1,
+        task="generate",
+        compilation_config=None,
+        seed=None,  # (vLLM's: a seed from entropy)
     )
     assert llm.engine.scheduler.config.page_size == 8
     out = llm.generate([1, 2, 3], GREEDY, False, None, priority=[0])[0]  # vLLM's positions
@@ -263,6 +290,10 @@ def test_vllms_other_constructor_arguments(tiny_hf_checkpoints: dict[str, Path])
         "cpu_offload_gb": (4, "takes cpu_offload_gb only as 0"),
         "revision": ("main", "takes revision only as None"),
         "enable_chunked_prefill": (False, "takes enable_chunked_prefill only as None or True"),
+        "enable_lora": (True, "takes enable_lora only as False or None"),
+        "pipeline_parallel_size": (2, "takes pipeline_parallel_size only as 1"),
+        "max_lora_rank": ("16", "max_lora_rank must be an integer"),
+        "seed": ("1", "seed must be an integer"),
     }
     for name, (value, message) in refused.items():
         with pytest.raises(ValueError, match=message):
