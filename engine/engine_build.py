@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.engine_config import EngineConfig
+from engine.gpu_sizing_lock import gpu_sizing_turn
 from engine.kv_setup import build_kv_cache, log_footprint, memory_at_start
 from engine.scheduler_config import SchedulerConfig
 from engine.tp.context import TPContext
@@ -25,16 +26,24 @@ if TYPE_CHECKING:
 def engine_from_config(
     cls: type[LLMEngine], config: EngineConfig, start_ranks: StartRanks | None
 ) -> LLMEngine:
-    """LLMEngine.from_config: load the model, then ``engine_from_loaded``."""
-    from engine.loaders import load_model  # deferred: pulls in gguf, safetensors, the model
-
+    """LLMEngine.from_config: load the model, then ``engine_from_loaded`` (on a GPU shared
+    under gpu_memory_utilization, in this GPU's sizing turn: engine/gpu_sizing_lock.py)."""
     try:
         config = config.resolved()
     except OSError as e:
         raise ValueError(f"LLM.model={config.model!r}: {e}") from e
-    tp_size = config.tensor_parallel_size
-    at_start = memory_at_start(config, rank_device(config, 0) if tp_size > 1 else config.device)
-    if tp_size > 1:
+    device = rank_device(config, 0) if config.tensor_parallel_size > 1 else config.device
+    with gpu_sizing_turn(device, config.gpu_memory_utilization):
+        return _engine_from_config(cls, config, start_ranks, device)
+
+
+def _engine_from_config(
+    cls: type[LLMEngine], config: EngineConfig, start_ranks: StartRanks | None, device: str
+) -> LLMEngine:
+    from engine.loaders import load_model  # deferred: pulls in gguf, safetensors, the model
+
+    at_start = memory_at_start(config, device)
+    if config.tensor_parallel_size > 1:
         return _engine_from_config_tp(cls, config, start_ranks or LocalRanks, at_start)
     try:
         loaded = load_model(

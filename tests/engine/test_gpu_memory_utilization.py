@@ -83,3 +83,43 @@ def test_a_share_other_processes_took_is_refused() -> None:
         assert hog.stdin is not None
         hog.stdin.close()
         hog.wait(timeout=60)
+
+
+ENGINE_IN_A_PROCESS = """
+import sys, torch
+from engine.llm import LLM
+llm = LLM("llama-3-8b", generation_config="none", load_format="dummy", dtype="bfloat16",
+          device="cuda", gpu_memory_utilization=0.4, enforce_eager=True)
+print("pages", llm.engine.kv.stats().total, flush=True)
+sys.stdin.read()  # (holds the engine until the test is done with both)
+"""
+
+
+def test_two_engines_starting_at_once_on_one_gpu_each_get_their_share() -> None:
+    """Two cluster workers with resources.num_gpus 0.5 start side by side on one GPU. Each
+    charged itself the other's allocations as they happened (the free pool cannot tell whose)
+    and one found no room in its share; they now size in turns (engine/gpu_sizing_lock.py)."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    engines = [
+        subprocess.Popen(
+            [sys.executable, "-c", ENGINE_IN_A_PROCESS],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    try:
+        lines = [e.stdout.readline() for e in engines]  # type: ignore[union-attr]
+        assert all(line.startswith("pages ") for line in lines), [
+            e.stderr.read() if e.poll() is not None else ""
+            for e in engines  # type: ignore[union-attr]
+        ]
+        pages = [int(line.split()[1]) for line in lines]
+        assert min(pages) > 0.9 * max(pages), pages  # (the same share each)
+    finally:
+        for e in engines:
+            e.stdin.close()  # type: ignore[union-attr]
+            e.wait(60)
