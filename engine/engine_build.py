@@ -4,6 +4,7 @@ the other ranks started and given their page counts), size the KV cache, warm up
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -95,6 +96,12 @@ def _engine_from_config_tp(
         ranks.kill()
         raise
     engine.local_ranks = ranks
+    if isinstance(ranks, LocalRanks):
+        # The offline API's ranks stopped when the engine goes or the interpreter exits, as
+        # vLLM's workers are: a script that never called LLM.close() left each rank to find rank
+        # 0 gone and log a crash. (LocalRanks.close is idempotent; the finalizer holds the
+        # ranks, not the engine. A worker's Ray ranks end with its actor.)
+        weakref.finalize(engine, ranks.close)
     return engine
 
 

@@ -22,6 +22,11 @@ from kvcache.kv_buffer import allocate_buffers, layer_views
 logger = logging.getLogger(__name__)
 
 
+class RankZeroGone(Exception):
+    """Rank 0's connection closed between steps: its process ended (a script that exits without
+    ``LLM.close()`` ends its ranks at exit too: engine/engine_build.py)."""
+
+
 class TPFollower:
     def __init__(
         self,
@@ -66,8 +71,12 @@ class TPFollower:
         self.kv_caches = [views[layer] for layer in range(model_config.num_layers)]
 
     def step(self) -> bool:
-        """Run the next step rank 0 sends; False when rank 0 said stop."""
-        message = self.group.broadcast_object()
+        """Run the next step rank 0 sends; False when rank 0 said stop. RankZeroGone when its
+        connection closed while this rank waited for the next step (rank 0's process ended)."""
+        try:
+            message = self.group.broadcast_object()
+        except Exception as e:
+            raise RankZeroGone(f"rank 0 went away while rank {self.group.rank} waited: {e}") from e
         if message is None:
             return False
         if not isinstance(message, TPStep):

@@ -9,11 +9,14 @@ import sys
 
 
 def main() -> int:
-    from engine.tp.follower import TPFollower
+    from engine.tp.follower import RankZeroGone, TPFollower
 
     config, rank, size, port, device = pickle.loads(sys.stdin.buffer.read())
     try:
         TPFollower(config, rank, size, port, device).run()
+    except RankZeroGone as e:  # (one line: rank 0's own exit, or its error, says why)
+        logging.getLogger(__name__).warning("tensor-parallel rank %d stopped: %s", rank, e)
+        return 1
     except BaseException:
         logging.getLogger(__name__).exception("tensor-parallel rank %d failed", rank)
         return 1
