@@ -175,6 +175,19 @@ async def _until_disconnect(request: Request) -> None:
         pass
 
 
+class AnswerFailed(Exception):
+    """A request ended with an error delta: its text is written for the client (the router's
+    and the workers' reasons; their exceptions' own text stays in the logs)."""
+
+
+def told(e: Exception) -> str:
+    """What a client is told of a failed answer: an AnswerFailed's reason; of any other failure
+    (ours) its kind only, as the app's 500s (cluster/http_errors.py)."""
+    if isinstance(e, AnswerFailed):
+        return str(e)
+    return f"internal error ({type(e).__name__}); the server's log has its details"
+
+
 class Answers:
     """Answers over ``generate`` (the backend's), aborting through ``abort_later`` (in a task of
     its own: the caller may be being cancelled) and ``abort`` (awaited)."""
@@ -198,7 +211,7 @@ class Answers:
         end = resp.GOING_ON
         async for d in self._generate(req):
             if d.error:
-                raise RuntimeError(d.error)
+                raise AnswerFailed(d.error)
             text.append(d.text)
             ids.extend(d.token_ids)
             logprobs.extend(d.logprobs)
@@ -246,7 +259,7 @@ class Answers:
             await asyncio.gather(*tasks, return_exceptions=True)
             for r in reqs:
                 self._abort_later(r.request_id)
-            return error_response(str(e) or type(e).__name__, 500)
+            return error_response(told(e), 500)
         return JSONResponse(build(choices))
 
     async def stream(
@@ -301,7 +314,7 @@ class Answers:
                         unfinished.discard(reqs[i].request_id)
             except Exception as e:  # whatever failed, the client gets an error event and [DONE]
                 log.warning("stream %s failed: %s", reqs[0].request_id, e)
-                yield _sse(resp.error_body(str(e) or type(e).__name__, "internal_error", 500))
+                yield _sse(resp.error_body(told(e), "internal_error", 500))
             if include_usage:
                 chunk = make_chunk(0, TokenDelta(reqs[0].request_id, [], ""))
                 chunk["choices"] = []

@@ -55,6 +55,18 @@ def _error_delta(req: GenerateRequest, error: str) -> TokenDelta:
     return TokenDelta(req.request_id, [], "", "abort", len(req.prompt_token_ids), 0, error=error)
 
 
+def _worker_failed(req: GenerateRequest, worker_id: str, e: Exception) -> TokenDelta:
+    """The last delta of a request whose decode worker failed: the reason in the log, the client
+    told its kind and where to look. (Ray's error text carries the node's address, pids, actor
+    ids, the remote traceback: not for clients.)"""
+    log.warning("request %s: decode worker %s failed: %s", req.request_id, worker_id, e)
+    return _error_delta(
+        req,
+        f"decode worker {worker_id} failed ({type(e).__name__}); the server's log has why, "
+        f"under request {req.request_id}",
+    )
+
+
 def _timeout_delta(req: GenerateRequest, call_timeout_s: float) -> TokenDelta:
     return _error_delta(
         req, f"the request took longer than server.request_timeout_s ({call_timeout_s:g}s)"
@@ -349,10 +361,7 @@ class Router:
                         # A decode worker that died reports nothing: the prefill's report is the
                         # last the collector gets (it waited for D's until its pending bound).
                         self._closed(rid, last_reported, "error")
-                        yield _error_delta(
-                            req,
-                            f"decode worker {d.worker_id} failed: {type(e).__name__}: {e}",
-                        )
+                        yield _worker_failed(req, d.worker_id, e)
                     else:
                         log.warning(
                             "decode worker %s unavailable for %s, trying again: %s",
@@ -364,10 +373,7 @@ class Router:
                         await asyncio.sleep(DECODE_RETRY_PAUSE_S)
                 except RayTaskError as e:
                     finished = True
-                    yield _error_delta(
-                        req,
-                        f"decode worker {d.worker_id} failed: {type(e).__name__}: {e}",
-                    )
+                    yield _worker_failed(req, d.worker_id, e)
                 finally:
                     d.outstanding -= 1
         finally:

@@ -145,7 +145,7 @@ class EngineLoop:
         except Exception as e:  # outside a step (setting the device, a tick's own failure path)
             log.exception("engine loop failed")
             self.fatal_error = f"engine loop failed: {type(e).__name__}: {e}"
-            self._fail_all(self.fatal_error)
+            self._fail_all(_told(self.fatal_error, e))
         if self.fatal_error is not None and self._on_fatal is not None:
             # (after every stream has its error: give their consumers a moment to send it)
             time.sleep(FATAL_GRACE_S)
@@ -172,7 +172,7 @@ class EngineLoop:
             except Exception as e:  # a bug in a step: fail every live request, keep no one waiting
                 log.exception("engine step failed")
                 self.fatal_error = f"engine step failed: {type(e).__name__}: {e}"
-                self._fail_all(self.fatal_error)
+                self._fail_all(_told(self.fatal_error, e))
                 return
             finally:
                 self._busy_since = None
@@ -268,3 +268,10 @@ def _error_output(request_id: str, reason: str) -> RequestOutput:
         metrics=RequestMetrics(arrival_time=0.0),
         error=reason,
     )
+
+
+def _told(fatal_error: str, e: Exception) -> str:
+    """What the requests a failed loop ends are told (and reach a client with): the failure's
+    kind; its text, which may carry paths or another request's data, is in the log above."""
+    where = fatal_error.split(":", 1)[0]  # "engine step failed" / "engine loop failed"
+    return f"{where} ({type(e).__name__}); the worker's log has why"

@@ -9,6 +9,8 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import pytest
+
 from cluster.answers import Answers, choice_requests
 from engine.logprobs import TokenLogprobs
 from engine.sampling_params import SamplingParams
@@ -91,8 +93,42 @@ def test_a_choice_left_waiting_is_closed_when_the_answer_fails() -> None:
         return events, sorted(closed)
 
     events, closed_by_then = asyncio.run(run())
-    assert "the worker died" in events[0] and events[1:] == ["data: [DONE]\n\n"]
+    # (an exception of ours: the client is told its kind, not its text)
+    assert "internal error (RuntimeError)" in events[0] and "the worker died" not in events[0]
+    assert events[1:] == ["data: [DONE]\n\n"]
     assert closed_by_then == ["r-0", "r-1", "r-2"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_failed_answer_tells_the_reason_written_for_the_client_and_no_other(stream: bool) -> None:
+    """An error delta's reason (the router's, a worker's) is written for clients and reaches
+    them; an exception's text (Ray's: addresses, pids, a remote traceback) does not."""
+    from starlette.requests import Request
+
+    async def answer(failure: BaseException | str) -> str:
+        async def choice(req: GenerateRequest) -> AsyncIterator[TokenDelta]:
+            if isinstance(failure, str):
+                yield TokenDelta(req.request_id, [], "", "abort", 3, 0, error=failure)
+                return
+            raise failure
+            yield  # (a generator)
+
+        async def receive() -> dict[str, Any]:
+            await asyncio.sleep(30)
+            return {"type": "http.disconnect"}
+
+        answers = Answers(choice, lambda rid: None, lambda rid: None)
+        if stream:
+            return "".join([e async for e in answers.stream(_requests(1), _chunk, False, 2)])
+        request = Request({"type": "http", "method": "POST", "headers": []}, receive)
+        response = await answers.whole(_requests(1), request, lambda choices: {})
+        assert response.status_code == 500
+        return bytes(response.body).decode()
+
+    told = asyncio.run(answer("no prefill worker could serve the request"))
+    assert "no prefill worker could serve the request" in told
+    leaked = asyncio.run(answer(RuntimeError("ray::Decode.decode() (pid=23019, ip=192.0.2.2)")))
+    assert "192.0.2.2" not in leaked and "internal error (RuntimeError)" in leaked
 
 
 def test_a_whole_answer_that_fails_closes_its_other_choices_before_it_aborts() -> None:
