@@ -221,9 +221,9 @@ class ClusterFrontend:
         s = w.last_stats
         if s is None:
             return
-        if not w.healthy:  # down, or restarting: its last gauges are no current values
-            self.metrics.hide_worker(w.worker_id, s.role)
-            return
+        # Its counters always take its last stats (the failures just before a worker went down
+        # are the ones an operator looks for: skipped while it was down, they were lost when its
+        # restarted process reset the totals); its gauges are hidden while it is down.
         self.metrics.set_worker_stats(
             w.worker_id,
             s.role,
@@ -246,6 +246,8 @@ class ClusterFrontend:
             kv_interval=s.kv_interval,
             pid=s.pid,
         )
+        if not w.healthy:  # down, or restarting: its last gauges are no current values
+            self.metrics.hide_worker(w.worker_id, s.role)
 
     async def perf_metrics(self) -> list[dict[str, Any]]:
         await self._drain_collector()

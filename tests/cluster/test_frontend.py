@@ -137,3 +137,43 @@ def test_kv_usage_is_the_fullest_groups_and_its_peak_that_groups_own_peak() -> N
     registry = server.metrics.registry
     assert registry.get_sample_value("duet:kv_cache_peak_usage_perc", labels) == 9 / 11
     assert registry.get_sample_value("duet:kv_cache_usage_perc", labels) == 5 / 11
+
+
+def test_a_worker_s_last_failures_are_counted_though_it_went_down_before_the_scrape() -> None:
+    """The failures just before a worker goes down: polled, then the router marks it unhealthy,
+    then a scrape, then its restarted process (another pid) reports from zero. The scrape while
+    it was down skipped its counters and the restart reset the totals: those failures were never
+    exported. Counters now take every poll; only the gauges hide while it is down."""
+    from cluster.router import Router
+    from cluster.worker_choice import WorkerSlot
+    from worker_common.messages import ModelInfo, Role, StatsBatch, WorkerStats
+
+    def batch(pid: int, failed: int) -> StatsBatch:
+        totals = TransferTotals(failures=failed, failed_requests=failed)
+        stats = WorkerStats("d-0", Role.DECODE, pid, True, 0, 0, 0, 10, KVCacheStats(), None,
+                            totals, 1)  # fmt: skip
+        return StatsBatch(stats, [], [])
+
+    d0 = WorkerSlot("d-0", None)
+    server = ClusterFrontend(
+        Router([WorkerSlot("p-0", None)], [d0]), None, "m", ModelInfo(512, 128), None
+    )
+    labels = {"model_name": "m", "role": "decode", "worker": "d-0"}
+
+    def scrape() -> tuple[float | None, float | None]:
+        asyncio.run(server.metrics_text())
+        registry = server.metrics.registry
+        return (
+            registry.get_sample_value("duet:kv_transfer_failed_requests_total", labels),
+            registry.get_sample_value("duet:num_requests_running", labels),
+        )
+
+    server.poller.take(d0, batch(pid=100, failed=2))
+    assert scrape() == (2.0, 0.0)
+    server.poller.take(d0, batch(pid=100, failed=5))  # 3 more, then it goes down
+    d0.healthy = False
+    assert scrape() == (5.0, None)  # (its gauges hidden: no current values)
+    d0.healthy = True
+    server.poller.take(d0, batch(pid=200, failed=0))  # the restarted process
+    server.poller.take(d0, batch(pid=200, failed=1))
+    assert scrape() == (6.0, 0.0)
