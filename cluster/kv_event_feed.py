@@ -14,7 +14,7 @@ import asyncio
 import logging
 from typing import Any, Protocol
 
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
 
 from cluster.background_tasks import BackgroundTasks
 from cluster.kv_index import KVIndex
@@ -112,6 +112,13 @@ class KVEventFeed:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the feed must outlive any one failed call
+                if isinstance(e, ActorDiedError) and not isinstance(e, RayTaskError):
+                    # Dead for good (Ray's restarts spent; a restarting worker's calls fail as
+                    # unavailable): as the stats poller, stop asking (it was asked twice a second,
+                    # a warning each time, for the cluster's life).
+                    log.warning("KV events of %s: the worker is dead: %s", feed.worker_id, e)
+                    self.index.forget(feed.worker_id)
+                    return
                 if isinstance(e, (RayActorError, RayTaskError, TimeoutError)):
                     log.warning("KV events of %s unavailable: %s", feed.worker_id, e)
                 else:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from cluster import kv_event_feed
 from cluster.kv_event_feed import KVEventFeed, WorkerFeed
 from cluster.kv_index import KVIndex
@@ -153,3 +155,45 @@ def test_a_silent_worker_is_forgotten_not_waited_for(monkeypatch) -> None:
         assert not index.workers["p-0"].groups
 
     asyncio.run(scenario())
+
+
+class FailingSource:
+    """A worker whose every call fails as Ray's ``error`` says: dead for good (restarts spent),
+    or unavailable (restarting)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+        self.calls = 0
+
+    async def poll(self, epoch: str | None, after_seq: int, wait_s: float) -> None:
+        self.calls += 1
+        raise self.error
+
+    snapshot = poll  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize("dead", [True, False])
+def test_a_dead_worker_is_asked_no_more(monkeypatch, dead: bool) -> None:
+    """Its feed ends, as the stats poller stops polling such a worker (it was asked twice a
+    second, a warning each time, for the cluster's life); a worker that is only unavailable
+    (restarting) is asked again."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+    monkeypatch.setattr(kv_event_feed, "RETRY_S", 0.01)
+    error = ActorDiedError() if dead else ActorUnavailableError("restarting", None)
+
+    async def scenario() -> int:
+        index = KVIndex(["d-0"])
+        index.rebuild("d-0", {"full": {"device": [11]}})
+        source = FailingSource(error)
+        feed = KVEventFeed({"d-0": source}, index)
+        feed.start()
+        try:
+            await asyncio.sleep(0.3)  # (30 retries' time)
+        finally:
+            await feed.stop()
+        assert not index.workers["d-0"].groups  # forgotten either way
+        return source.calls
+
+    calls = asyncio.run(scenario())
+    assert calls == 1 if dead else calls > 1, calls
