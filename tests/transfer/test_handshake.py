@@ -150,7 +150,8 @@ def test_a_prefill_worker_renamed_in_transit_is_refused_by_d(ucx_runtime) -> Non
                     SECRET.encode(), pair.sender.page_table, ucx_runtime.worker_address, "p1"
                 )
 
-        threading.Thread(target=serve, daemon=True).start()
+        server = threading.Thread(target=serve, daemon=True)
+        server.start()
         try:
             ticket, _ = pair.publish("spliced", 8)
             renamed = dataclasses.replace(ticket, port=other.port, instance_id="p1")
@@ -161,6 +162,9 @@ def test_a_prefill_worker_renamed_in_transit_is_refused_by_d(ucx_runtime) -> Non
             pair.d.free("spliced")
             assert pair.sender.cancel("spliced")
         finally:
+            # (D's close ends the serving thread: closed under its read, the socket raised
+            # EBADF in it)
+            server.join(10)
             other.close()
 
 
