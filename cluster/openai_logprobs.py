@@ -79,11 +79,13 @@ class ContextNames:
         self.name = name
         self.decode = decode
 
-    def __call__(self, token_id: int, before: Sequence[int]) -> str:
+    def __call__(self, token_id: int, seq: Sequence[int], at: int) -> str:
+        """``token_id`` at position ``at`` of ``seq``, after ``seq[:at]`` (only the last
+        ``CONTEXT`` of them are read, and only for a token holding part of a character)."""
         own = self.name(token_id)
         if self.decode is None or not own.endswith(INCOMPLETE):
             return own
-        return text_added(list(before[-CONTEXT:]), token_id, self.decode)
+        return text_added(list(seq[max(0, at - CONTEXT) : at]), token_id, self.decode)
 
 
 def completion_logprobs(
@@ -100,7 +102,7 @@ def completion_logprobs(
     names = name if isinstance(name, ContextNames) else ContextNames(name, None)
     seq = [*before[-CONTEXT:], *token_ids]
     start = len(seq) - len(token_ids)
-    tokens = [names(t, seq[: start + i]) for i, t in enumerate(token_ids)]
+    tokens = [names(t, seq, start + i) for i, t in enumerate(token_ids)]
     offsets = []
     for token in tokens:
         offsets.append(offset)
@@ -113,7 +115,7 @@ def completion_logprobs(
         "top_logprobs": [
             None
             if e is None
-            else {names(t, seq[: start + i]): _finite(lp) for t, lp in e.top}
+            else {names(t, seq, start + i): _finite(lp) for t, lp in e.top}
             | {token: _finite(e.logprob)}
             for i, (e, token) in enumerate(zip(entries, tokens, strict=True))
         ],
