@@ -96,7 +96,7 @@ class StatsPoller:
             self.polls[w.worker_id] += 1
         w.last_stats = batch.stats
         w.healthy = batch.stats.healthy
-        w.free_pages = batch.stats.free_pages
+        w.free_pages = batch.stats.kv.free  # (of its fullest group: KVCacheStats.free)
 
     def drain_iterations(self) -> list[dict[str, Any]]:
         """Every iteration record collected since the last drain, per worker in order, as JSON

@@ -252,7 +252,6 @@ class WorkerStats:
     num_waiting: int
     num_running: int
     num_in_flight: int  # P: prefills admitted and not answered; D: KV receives in flight
-    free_pages: int  # of its fullest KV group (KVCacheStats.free)
     kv: KVCacheStats
     kv_interval: KVCacheStats | None
     transfer: TransferTotals

@@ -89,7 +89,6 @@ class WorkerStatsKeeper:
     def stats(self, loop: EngineLoop, num_in_flight: int, transfer: TransferTotals) -> WorkerStats:
         # Read from the actor's thread while the engine steps: each number is a plain read.
         engine = loop.engine
-        kv = engine.kv.stats()
         return WorkerStats(
             worker_id=self.worker_id,
             role=self.role,
@@ -98,8 +97,7 @@ class WorkerStatsKeeper:
             num_waiting=engine.scheduler.num_waiting,
             num_running=engine.scheduler.num_running,
             num_in_flight=num_in_flight,
-            free_pages=kv.free,
-            kv=kv,
+            kv=engine.kv.stats(),
             kv_interval=self.interval.last,
             transfer=transfer,
             num_iterations=engine.num_iterations,

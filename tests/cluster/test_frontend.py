@@ -150,7 +150,7 @@ def test_a_worker_s_last_failures_are_counted_though_it_went_down_before_the_scr
 
     def batch(pid: int, failed: int) -> StatsBatch:
         totals = TransferTotals(failures=failed, failed_requests=failed)
-        stats = WorkerStats("d-0", Role.DECODE, pid, True, 0, 0, 0, 10, KVCacheStats(), None,
+        stats = WorkerStats("d-0", Role.DECODE, pid, True, 0, 0, 0, KVCacheStats(), None,
                             totals, 1)  # fmt: skip
         return StatsBatch(stats, [], [])
 
