@@ -144,8 +144,7 @@ class EngineLoop:
             self._steps()
         except Exception as e:  # outside a step (setting the device, a tick's own failure path)
             log.exception("engine loop failed")
-            self.fatal_error = f"engine loop failed: {type(e).__name__}: {e}"
-            self._fail_all(_told(self.fatal_error, e))
+            self._fail("engine loop failed", e)
         if self.fatal_error is not None and self._on_fatal is not None:
             # (after every stream has its error: give their consumers a moment to send it)
             time.sleep(FATAL_GRACE_S)
@@ -171,8 +170,7 @@ class EngineLoop:
                 outputs = engine.step()
             except Exception as e:  # a bug in a step: fail every live request, keep no one waiting
                 log.exception("engine step failed")
-                self.fatal_error = f"engine step failed: {type(e).__name__}: {e}"
-                self._fail_all(_told(self.fatal_error, e))
+                self._fail("engine step failed", e)
                 return
             finally:
                 self._busy_since = None
@@ -231,6 +229,13 @@ class EngineLoop:
         for request_id in engine.kv.request_ids():
             engine.kv.free(request_id)
 
+    def _fail(self, what: str, e: Exception) -> None:
+        """The loop ends on ``e``: ``fatal_error`` (its owner's, the log's) has its text; the
+        requests and calls it fails (and through them clients) are told its kind only, as its
+        text may carry paths or another request's data."""
+        self.fatal_error = f"{what}: {type(e).__name__}: {e}"
+        self._fail_all(f"{what} ({type(e).__name__}); the worker's log has why")
+
     def _fail_all(self, reason: str) -> None:
         """The loop's end: no more calls, every live request and every queued call fails."""
         with self._closed_lock:
@@ -268,10 +273,3 @@ def _error_output(request_id: str, reason: str) -> RequestOutput:
         metrics=RequestMetrics(arrival_time=0.0),
         error=reason,
     )
-
-
-def _told(fatal_error: str, e: Exception) -> str:
-    """What the requests a failed loop ends are told (and reach a client with): the failure's
-    kind; its text, which may carry paths or another request's data, is in the log above."""
-    where = fatal_error.split(":", 1)[0]  # "engine step failed" / "engine loop failed"
-    return f"{where} ({type(e).__name__}); the worker's log has why"
