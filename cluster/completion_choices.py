@@ -17,7 +17,6 @@ from cluster.answers import Choice
 from cluster.openai_logprobs import (
     CONTEXT,
     ContextNames,
-    Name,
     completion_logprobs,
     computed,
     prompt_logprobs,
@@ -31,8 +30,7 @@ PromptEntries = Sequence[TokenLogprobs | None]
 
 class CompletionChoices:
     """The choices of one completions answer to ``body``, over the prompts ``prompt_ids`` whose
-    texts are ``prompt_texts`` (used with echo); ``names`` names the logprobs' tokens, and
-    ``name`` their top tokens in vLLM's ``prompt_logprobs``."""
+    texts are ``prompt_texts`` (used with echo); ``names`` names the logprobs' tokens."""
 
     def __init__(
         self,
@@ -47,7 +45,6 @@ class CompletionChoices:
         self.prompt_ids = prompt_ids
         self.prompt_texts = prompt_texts
         self.names = names
-        self.name: Name = names.name
         self._echoed: set[int] = set()  # choices whose stream sent the prompt
         self._offsets: dict[int, int] = {}  # each streamed choice's characters so far
         self._last: dict[int, list[int]] = {}  # each streamed choice's last tokens (CONTEXT)
@@ -98,7 +95,7 @@ class CompletionChoices:
             )
             choice = resp.completion_choice(index, text, c.end, token_ids, logprobs)
             asked = self.body.prompt_logprobs_asked is not None
-            choice["prompt_logprobs"] = prompt_logprobs(scored, self.name) if asked else None
+            choice["prompt_logprobs"] = prompt_logprobs(scored, self.names.name) if asked else None
             out.append(choice)
         return out
 

@@ -91,7 +91,7 @@ class ContextNames:
 def completion_logprobs(
     token_ids: Sequence[int],
     entries: Sequence[TokenLogprobs | None],
-    name: Name | ContextNames,
+    names: ContextNames,
     offset: int = 0,
     before: Sequence[int] = (),
 ) -> dict[str, Any]:
@@ -99,7 +99,6 @@ def completion_logprobs(
     token without one, an echoed prompt's first: its logprob and top tokens are null); the first
     token's text starts at character ``offset`` of the answer, after the tokens ``before`` (a
     stream's earlier chunks hold the rest)."""
-    names = name if isinstance(name, ContextNames) else ContextNames(name, None)
     seq = [*before[-CONTEXT:], *token_ids]
     start = len(seq) - len(token_ids)
     tokens = [names(t, seq, start + i) for i, t in enumerate(token_ids)]

@@ -59,16 +59,16 @@ class LocalRanks:
     def __init__(self, config: EngineConfig, size: int) -> None:
         """Ranks on this host: on CUDA, the ``size`` GPUs from rank 0's (a cluster worker's
         ranks are Ray actors instead, each on the GPU Ray gives it: worker_common/tp_ranks.py)."""
-        if torch.device(config.device).type == "cuda":
-            last = rank_device(config, size - 1)
-            if int(last.split(":")[1]) >= torch.cuda.device_count():
-                raise ValueError(
-                    f"LLM.tensor_parallel_size={size} needs GPUs {rank_device(config, 0)} to "
-                    f"{last}; this host has {torch.cuda.device_count()}"
-                )
+        kind = torch.device(config.device).type
+        last = torch.device(rank_device(config, size - 1))
+        if kind == "cuda" and last.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"LLM.tensor_parallel_size={size} needs GPUs {rank_device(config, 0)} to "
+                f"{last}; this host has {torch.cuda.device_count()}"
+            )
         env = None
         self._threads_before = torch.get_num_threads()  # (rank 0's, given back at the end)
-        if torch.device(config.device).type == "cpu":
+        if kind == "cpu":
             # The host's cores split between the ranks, as a cluster worker's ranks split its
             # CPUs: each rank with torch's default of every core ran 3 ranks x 2 threads on 2
             # cores 5x slower than 1 thread each (vLLM binds each rank's threads to its cores).

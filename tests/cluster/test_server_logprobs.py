@@ -224,11 +224,11 @@ def test_a_prompts_choices_share_its_prompt_logprobs_whole_and_streamed(http, ba
 
 def test_a_logprob_json_cannot_carry_is_minus_9999() -> None:
     """-inf (a token ruled out) and NaN are no JSON numbers: both are sent as -9999.0."""
-    from cluster.openai_logprobs import chat_logprobs, completion_logprobs
+    from cluster.openai_logprobs import ContextNames, chat_logprobs, completion_logprobs
     from engine.logprobs import TokenLogprobs
 
     entries = [TokenLogprobs(5, float("-inf"), 9, ((6, float("nan")),))]
-    done = completion_logprobs([5], entries, str)
+    done = completion_logprobs([5], entries, ContextNames(str, None))
     assert done["token_logprobs"] == [-9999.0] and done["top_logprobs"] == [
         {"6": -9999.0, "5": -9999.0}
     ]

@@ -75,7 +75,11 @@ def test_a_stuck_worker_is_marked_unhealthy_and_its_answer_still_taken(monkeypat
                 await asyncio.sleep(0.01)
         finally:
             await poller.stop()
-        assert poller.polls["d-0"] >= 1 and slot.healthy and slot.free_pages == batch.stats.kv.free == 7
+        assert (
+            poller.polls["d-0"] >= 1
+            and slot.healthy
+            and slot.free_pages == batch.stats.kv.free == 7
+        )
 
     asyncio.run(scenario())
 
