@@ -37,7 +37,6 @@ from cluster.http_errors import (
     install_error_handlers,
     shown,
 )
-from cluster.off_loop import off_loop
 from cluster.openai_logprobs import (
     ContextNames,
     Name,
@@ -122,9 +121,8 @@ def create_app(
     started = int(time.time())
     if max_body_bytes is not None:
         app.add_middleware(BodyLimitMiddleware, limit=max_body_bytes)
-    if (
-        api_key
-    ):  # (added last, so outermost: a client without the key is refused before its body is read)
+    # (the key added last, so outermost: a client without it is refused before its body is read)
+    if api_key:
         app.add_middleware(ApiKeyMiddleware, key=api_key)
 
     install_error_handlers(app)
@@ -286,7 +284,9 @@ def create_app(
             ]
 
         try:
-            encoded = await off_loop(encode_all)
+            # Tokenizer work runs on a thread, here and in every handler: on the event loop, a
+            # 10 MB prompt held every other client (their streams, /health) for about 10 s.
+            encoded = await asyncio.to_thread(encode_all)
         except (ValueError, TypeError) as e:  # TypeError: text the tokenizer cannot take
             raise BadRequest(str(e), "prompt") from e
         echo_k = body.logprobs if body.echo else None
@@ -345,7 +345,7 @@ def create_app(
         messages = oa.template_messages(body.messages)
         try:
             # (the template takes content parts as it is written to: engine.chat_template)
-            ids = await off_loop(
+            ids = await asyncio.to_thread(
                 backend.encode_chat,
                 messages,
                 body.add_generation_prompt,

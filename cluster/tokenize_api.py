@@ -8,6 +8,7 @@ takes ``tokens``. A field not listed here is refused by name, as on the other en
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +16,6 @@ from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from cluster.http_errors import BadRequest, check_token_ids, validation_message
-from cluster.off_loop import off_loop
 from cluster.openai_schemas import (
     ADD_SPECIAL_TOKENS_REFUSAL,
     ChatMessage,
@@ -94,7 +94,7 @@ def add_tokenize_routes(app: FastAPI, backend: Any, check_model: Callable[[str],
         _tokenizer_needed()
         try:
             if isinstance(body, TokenizeChat):
-                ids = await off_loop(
+                ids = await asyncio.to_thread(
                     backend.encode_chat,
                     template_messages(body.messages),
                     body.add_generation_prompt,
@@ -103,7 +103,7 @@ def add_tokenize_routes(app: FastAPI, backend: Any, check_model: Callable[[str],
                 )
             else:
                 assert isinstance(body, TokenizePrompt)
-                ids = await off_loop(
+                ids = await asyncio.to_thread(
                     backend.encode, body.prompt, add_special_tokens=body.add_special_tokens
                 )
         except (ValueError, TypeError) as e:
@@ -124,4 +124,4 @@ def add_tokenize_routes(app: FastAPI, backend: Any, check_model: Callable[[str],
             check_model(body.model)
         _tokenizer_needed()
         check_token_ids(body.tokens, backend.vocab_size, "tokens")
-        return {"prompt": await off_loop(backend.decode, body.tokens)}
+        return {"prompt": await asyncio.to_thread(backend.decode, body.tokens)}

@@ -73,7 +73,7 @@ class Tokenizer:
         """Token ids of ``text``; ``add_special_tokens`` adds what the tokenizer's post-processor adds (BOS for Llama 3)."""
         # (encode_batch of one: the same ids, but the tokenizers library lets go of the GIL
         # while it works, which its encode does not: a server's other threads, its event loop
-        # among them, run meanwhile; cluster/off_loop.py)
+        # among them, run meanwhile: the HTTP handlers encode on a thread, asyncio.to_thread)
         return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
