@@ -31,9 +31,9 @@ from cluster.body_limit import BodyLimitMiddleware
 from cluster.bounded_stream import BoundedStreamingResponse
 from cluster.cache_api import add_cache_routes
 from cluster.completion_choices import CompletionChoices
+from cluster.generate_request import Admitting, prepare_request
 from cluster.http_errors import (
     BadRequest,
-    check_token_ids,
     install_error_handlers,
     shown,
 )
@@ -47,8 +47,6 @@ from cluster.openai_logprobs import (
 )
 from cluster.tokenize_api import add_tokenize_routes
 from engine.chat_template import content_text
-from engine.loaders.generation_defaults import GenerationDefaults
-from engine.sampling_params import SamplingParams
 from worker_common.messages import GenerateRequest, TokenDelta
 
 log = logging.getLogger(__name__)
@@ -59,14 +57,10 @@ MAX_CHOICES = 1024
 MAX_REQUEST_ID_CHARS = 256
 
 
-class ServingBackend(Protocol):
-    """What the server needs from the cluster (cluster.frontend.ClusterFrontend implements it)."""
+class ServingBackend(Admitting, Protocol):
+    """What the server needs from the cluster (cluster.frontend.ClusterFrontend implements it):
+    the model's limits the requests are checked against (Admitting), and:"""
 
-    model_name: str
-    max_model_len: int
-    vocab_size: int
-    sampling_defaults: GenerationDefaults  # what a request leaves out (the model's defaults)
-    has_tokenizer: bool  # False: a model of random weights (token ids only, no stop strings)
     # server.request_timeout_s: a streamed answer whose client stops reading ends then
     request_timeout_s: float
 
@@ -151,52 +145,6 @@ def create_app(
         refused = body.refused()
         if refused:
             raise BadRequest("; ".join(message for _, message in refused), refused[0][0])
-
-    def _prepare(
-        body: oa.CompletionRequest | oa.ChatCompletionRequest, ids: list[int], request_id: str
-    ) -> GenerateRequest:
-        """The request for the router, its id ``request_id``."""
-        if not ids:
-            raise BadRequest("prompt must not be empty", "prompt")
-        check_token_ids(ids, backend.vocab_size, "prompt")
-        check_token_ids(body.stop_token_ids or [], backend.vocab_size, "stop_token_ids")
-        check_token_ids(list(body.logit_bias or {}), backend.vocab_size, "logit_bias")
-        check_token_ids(body.allowed_token_ids or [], backend.vocab_size, "allowed_token_ids")
-        # (The messages say "This model's maximum context length is N tokens" as OpenAI's and
-        # vLLM's do: clients such as LiteLLM tell a context overflow from other 400s by it.)
-        room = backend.max_model_len - len(ids)
-        if room < 1:
-            raise BadRequest(
-                f"The prompt has {len(ids)} tokens. This model's maximum context length is "
-                f"{backend.max_model_len} tokens, the prompt and at least one generated token.",
-                "prompt",
-            )
-        asked = body.requested_max_tokens
-        if asked is not None and asked > room:
-            field = body.max_tokens_field
-            raise BadRequest(
-                f"{field}: {asked} tokens do not fit after a prompt of {len(ids)} tokens. This "
-                f"model's maximum context length is {backend.max_model_len} tokens: at most "
-                f"{room} can be generated here.",
-                field,
-            )
-        if asked is None:  # the endpoint's default, else the model's, else what fits
-            default = body.DEFAULT_MAX_TOKENS or backend.sampling_defaults.max_tokens
-            asked = room if default is None else min(default, room)
-        try:
-            sampling: SamplingParams = body.sampling(asked, backend.sampling_defaults)
-        except ValueError as e:
-            field = getattr(e, "field", None)
-            if field == "max_tokens":  # (the body's own name for it)
-                field = body.max_tokens_field
-            raise BadRequest(str(e), field) from e
-        if sampling.stop and not backend.has_tokenizer:  # (no text is made: they never match)
-            raise BadRequest(
-                f"stop strings need the model's tokenizer; {backend.model_name!r} has none "
-                "(random weights): use stop_token_ids",
-                "stop",
-            )
-        return GenerateRequest(request_id, ids, sampling, time.time())
 
     answers = Answers(backend.generate, backend.abort, _abort)
 
@@ -300,7 +248,9 @@ def create_app(
         firsts = []
         for k, ids in enumerate(encoded):
             try:
-                firsts.append(_prepare(body, ids, rid if len(encoded) == 1 else f"{rid}-{k}"))
+                firsts.append(
+                    prepare_request(backend, body, ids, rid if len(encoded) == 1 else f"{rid}-{k}")
+                )
             except BadRequest as e:  # (which prompt of a batch)
                 if len(encoded) == 1 or e.param != "prompt":
                     raise
@@ -356,7 +306,7 @@ def create_app(
             raise BadRequest(str(e), "messages") from e
         ids = body.truncated(ids, backend.max_model_len)
         answer_id, rid = _ids("chatcmpl", body, request)
-        req = _prepare(body, ids, rid)
+        req = prepare_request(backend, body, ids, rid)
         head = resp.Head(answer_id, int(req.arrival_time), backend.model_name)
         reqs = choice_requests(req, body.n)
         asked = req.sampling.logprobs is not None
