@@ -6,8 +6,10 @@ its own points, where the real transport fails and its ordinary failure handling
 
 - ``connect`` (D): the pull fails where connecting to P fails; P's lease later expires.
 - ``before_data`` (P): P refuses the admitted pull before its first byte and releases the lease.
-- ``mid_data`` (D): about half of the pages land, then D fails the pull (over UCX the chunks already
-  asked for still arrive and are dropped: UCX cancels one receive only by closing its endpoint).
+- ``mid_data`` (D): about half of the pages land (over UCX, the first half of the chunks: all of
+  a one-chunk pull), then D fails the pull, also a pull with nothing to move (over UCX the chunks
+  already asked for still arrive and are dropped: UCX cancels one receive only by closing its
+  endpoint).
 - ``before_ack`` (D): every page landed and was checked; D fails the pull instead of acking it.
 """
 

@@ -286,7 +286,12 @@ class KVReceiver:
     def _on_message(self, link: Link, msg: Message) -> None:
         if isinstance(msg, PullError | TransferDone | ReadGrant):
             session = self.sessions.get(msg.pull_id)
-            if session is not None and session.link is link:
+            # (Its request too: P answers a pull id in use with the refused request's name.)
+            if (
+                session is not None
+                and session.link is link
+                and session.ticket.request_id == msg.request_id
+            ):
                 session.deliver(msg)
             else:
                 log.info(

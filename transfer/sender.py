@@ -290,11 +290,16 @@ class KVSender:
 
     def _start_serving(self, link: Link, req: PullRequest) -> None:
         key = (link, req.pull_id)
-        answer = admit(self, link, req) if key not in self.sessions else None
+        if key in self.sessions:
+            # The credits belong to the other pull's receives, left alone; D knows the refusal
+            # is not that pull's by its request id.
+            self.book.bump("refused_pulls")
+            err = PullError(req.request_id, req.pull_id, "mismatch", "pull id in use")
+            self._spawn(self._refuse(link, req, err, False))
+            return
+        answer = admit(self, link, req)
         if not isinstance(answer, ServeSession):
-            # (A pull id in use: the credits belong to the other pull's receives, left alone.)
-            err = answer or PullError(req.request_id, req.pull_id, "mismatch", "pull id in use")
-            self._spawn(self._refuse(link, req, err, answer is not None))
+            self._spawn(self._refuse(link, req, answer, True))
             return
         self.sessions[key] = answer
         task = self._spawn(answer.run())

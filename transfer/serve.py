@@ -202,10 +202,13 @@ def admit(sender: KVSender, link: Link, req: PullRequest) -> ServeSession | Pull
 
 async def answer_credits(link: Link, req: PullRequest, timeout: float) -> None:
     """Complete the receives D posted for ``req.credits`` with empty messages (nothing is
-    written), so a refused pull costs D neither its buffers nor the link."""
+    written), so a refused pull costs D neither its buffers nor the link. Only credits that name
+    a chunk of D's plan, once each: D posts no receive for others (an out-of-range credit is a
+    malformed request, refused; one past the tag's range would fail the send and close the link)."""
+    credits = sorted({i for i in req.credits if 0 <= i < len(req.chunk_sizes)})
     try:
         async with asyncio.timeout(timeout):
-            for i in req.credits:
+            for i in credits:
                 await link.send_data(_EMPTY, link.data_tag(req.pull_id, i))
     except Exception as e:  # ucxx's errors are not all ConnectionErrors
         link.abort(f"answering the credits of a refused pull failed: {e!r}")

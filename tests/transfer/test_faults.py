@@ -67,3 +67,20 @@ def test_each_point_fails_the_pull_and_every_page_comes_back(
         if point == "connect":
             assert pair.sender.stats()["expired_leases"] == 1
         pair.pull_ok(after)
+
+
+@pytest.mark.parametrize("path", ["ucx", "host_shm"])
+def test_mid_data_fails_a_pull_with_nothing_to_move(path: str) -> None:
+    """A pull whose pages D holds already (every page skipped) fails at mid_data too when chosen,
+    on every path: the choice of pulls is the fraction's, whatever they move."""
+    faults = FaultInjection(fraction=0.5, points=("mid_data",), seed=3)
+    with checked_pair(path, fault_injection=faults) as pair:
+        chosen, clean, _ = _ids(FaultInjector(faults), "mid_data")
+        for rid, ok in [(chosen, False), (clean, True)]:
+            ticket, _ = pair.publish(rid, 8)
+            pair.d.allocate(rid, 8)
+            result = pair.receiver.pull_blocking(ticket, {"full": []}, 2, 8)
+            assert result.ok is ok
+            pair.d.free(rid)
+            wait_until(lambda rid=rid: rid in pair.p.released, timeout=5.0)
+        assert pair.receiver.stats()["injected_faults"] == 1

@@ -113,6 +113,8 @@ class UcxPath(DataPath):
             if pending:  # (more chunks than free buffers: credit the rest as buffers free up)
                 feeder = asyncio.ensure_future(feed())
             arrived, done = 0, None
+            if not chunks:  # (D holds every page: the pull fails where the data would be)
+                pull.inject("mid_data")
             while arrived < len(chunks) or done is None:
                 if arrived == 0:
                     timeout, what = cfg.pull_deadline_s, "the first chunk or P's answer"
