@@ -284,7 +284,17 @@ class KVSender:
                     msg.request_id,
                 )
         elif isinstance(msg, Reject):
-            log.warning("%s rejected a message of ours: %s", link.name, msg.reason)
+            # D's malformed message (its reader names the request it could make out) fails that
+            # request's pulls on this link at once; D's Reject of one of ours is only logged.
+            hit = [
+                s
+                for s in self.sessions.values()
+                if s.link is link and s.request.request_id == msg.request_id
+            ]
+            for session in hit:
+                session.deliver(msg)
+            if not hit:
+                log.warning("%s: %s", link.name, msg.reason)
         elif not isinstance(msg, Ready):
             log.warning("%s: unexpected %s dropped", link.name, type(msg).__name__)
 

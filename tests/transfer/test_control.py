@@ -406,3 +406,26 @@ def test_a_refusal_naming_another_request_does_not_end_a_pull(ucx_pair: Pair, uc
     finally:
         rogue.close()
     pair.pull_ok("after")
+
+
+def test_a_malformed_message_naming_a_pull_being_served_fails_it_at_once(ucx_runtime) -> None:
+    """D's ChunkReady whose credits are not a list: P rejects it and fails the pull it names at
+    once (its pages back), rather than at the chunk deadline."""
+    with checked_pair("ucx", chunk_deadline_s=30.0) as pair:
+        peer = RawPeer(pair.sender.host, pair.sender.port)
+        try:
+            answer = peer.handshake(
+                SECRET.encode(), pair.receiver.page_table, ucx_runtime.worker_address
+            )
+            assert isinstance(answer, Welcome)
+            peer.send(_pull_request(pair, "served", 3, []))
+            wait_until(lambda: pair.sender.stats()["pulls_in_flight"] == 1)
+            body = {"request_id": "served", "pull_id": 3, "chunks": "all of them"}
+            peer.send_raw(
+                msgpack.packb({"v": PROTOCOL_VERSION, "type": "ChunkReady", "body": body})
+            )
+            wait_until(lambda: "served" in pair.p.released, timeout=5.0)
+            assert pair.sender.stats()["rejected_messages"] == 1
+        finally:
+            peer.close()
+        pair.pull_ok("after")

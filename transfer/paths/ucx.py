@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from transfer.mapper import total_bytes
-from transfer.messages import ChunkReady, PullRequest, TransferAck, TransferDone
+from transfer.messages import ChunkReady, PullRequest, Reject, TransferAck, TransferDone
 from transfer.paths.base import DataPath, PullFailed, ServeFailed
 from transfer.paths.staging import Chunk, gather, in_place, scatter
 
@@ -235,6 +235,8 @@ class UcxPath(DataPath):
                     pull.ack = value  # (an ok one may come before our sends' completions)
                     if not value.ok:
                         raise ServeFailed(f"the decode side gave up: {value.error}")
+                elif isinstance(value, Reject):
+                    raise ServeFailed(value.reason)
             pull.sender.book.bump("chunks", len(chunks))
             if pull.ack is None:
                 await pull.wait_for_notice(cfg.ack_deadline_s)
