@@ -26,8 +26,9 @@ def flush_text(request: Request) -> int:
 
 def _match_stop_string(request: Request, new_chars: int) -> bool:
     """Find a stop string that the newest characters completed; truncate the text there. Of
-    several, the one that completes first wins (ties: the first listed), as in vLLM: the text is
-    then what feeding the characters one at a time would have stopped at."""
+    several, the one that completes first wins (ties: the first listed): the text is then what
+    feeding the characters one at a time would have stopped at. (vLLM takes the first listed
+    that matches, which can cut at a stop string that completed after another.)"""
     text = request.output_text
     params = request.sampling_params
     best: tuple[int, int, str] | None = None  # (end, start, stop string)
