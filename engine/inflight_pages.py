@@ -49,8 +49,10 @@ class InFlightPages:
         if not self._owner:
             return False
         start = prefix.num_tokens
-        if start + self.page_size > len(request.all_token_ids):
-            return False  # no full page left to share
+        if start + self.page_size >= len(request.all_token_ids):
+            # No full page left to share: a prefix hit leaves at least the last token to
+            # compute, so a page ending at the last token is never one.
+            return False
         parent = prefix.block_hashes[-1] if prefix.block_hashes else None
         owner = self._owner.get(
             hash_block(parent, request.all_token_ids[start : start + self.page_size])

@@ -53,3 +53,12 @@ def test_a_page_already_claimed_stays_with_its_first_owner() -> None:
     assert len(pages) == 1  # b's own third page
     pages.drop("b")
     assert len(pages) == 0
+
+
+def test_a_page_ending_at_the_last_token_is_never_waited_for() -> None:
+    """A prompt whose last token ends the in-flight page cannot hit that page (a hit leaves the
+    last token to compute): waiting for it would hold the request back for nothing."""
+    pages = InFlightPages(page_size=4)
+    pages.add(make_request("leader", SHARED + [1, 2, 3, 4]), PrefixMatch())
+    assert not pages.first_uncached_page_in_flight(make_request("exact", SHARED[:4]), PrefixMatch())
+    assert pages.first_uncached_page_in_flight(make_request("longer", SHARED[:5]), PrefixMatch())
