@@ -15,7 +15,7 @@ from engine.model_config import (
     SLIDING_ATTENTION,
     ModelConfig,
     _as_id_tuple,
-    _rope_from_hf,
+    rope_from_params,
 )
 
 # transformers' Gemma3TextConfig defaults
@@ -48,7 +48,6 @@ _READ = set(_DEFAULTS) | {
     "rope_local_base_freq",
     "layer_types",
     "sliding_window_pattern",
-    "_sliding_window_pattern",
     "final_logit_softcapping",
     "attn_logit_softcapping",
     "use_bidirectional_attention",
@@ -66,6 +65,7 @@ _INERT = {
     "use_cache",
     "_name_or_path",
     "hidden_act",  # transformers' Gemma 3 reads hidden_activation
+    "_sliding_window_pattern",  # (it reads sliding_window_pattern only)
     "output_attentions",
     "output_hidden_states",
     "return_dict",
@@ -99,7 +99,9 @@ def gemma3_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     num_layers = int(get["num_hidden_layers"])
     window = get["sliding_window"]
     full, local = _rope_params(hf)
-    rope_theta, rope_scaling = _rope_from_hf({"rope_parameters": full, "rope_theta": _GLOBAL_THETA})
+    rope_theta, rope_scaling = rope_from_params(
+        full, int(get["max_position_embeddings"]), "gemma3_text"
+    )
     local_type = local.get("rope_type", local.get("type", "default"))
     if local_type != "default":
         raise ValueError(
@@ -119,7 +121,7 @@ def gemma3_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         rms_norm_eps=float(get["rms_norm_eps"]),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        rope_local_theta=float(local.get("rope_theta", _LOCAL_THETA)),
+        rope_local_theta=float(local["rope_theta"]),
         max_position_embeddings=int(get["max_position_embeddings"]),
         tie_word_embeddings=bool(get["tie_word_embeddings"]),
         attention_bias=bool(get["attention_bias"]),
@@ -135,34 +137,36 @@ def gemma3_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
 
 
 def _rope_params(hf: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(full-attention, sliding-attention) RoPE parameters, in transformers 5's spelling."""
+    """(full-attention, sliding-attention) RoPE parameters, as transformers' Gemma3TextConfig
+    reads them: ``rope_parameters`` (else default RoPE for both), ``rope_scaling`` merged into the
+    full-attention entry, the thetas each entry lacks from ``rope_theta`` and
+    ``rope_local_base_freq`` (else 1e6 and 1e4)."""
     params = hf.get("rope_parameters")
-    if params is not None:
-        if not isinstance(params, dict) or not set(params) <= {FULL_ATTENTION, SLIDING_ATTENTION}:
-            raise ValueError(
-                "gemma3_text rope_parameters must map 'full_attention' and 'sliding_attention' to "
-                f"their parameters, got {params!r}"
-            )
-        full = dict(params.get(FULL_ATTENTION) or {})
-        local = dict(params.get(SLIDING_ATTENTION) or {})
-    else:
-        full = dict(hf.get("rope_scaling") or {})
-        local = {"rope_type": "default"}
-        if hf.get("rope_local_base_freq") is not None:
-            local["rope_theta"] = hf["rope_local_base_freq"]
-    if hf.get("rope_theta") is not None:
-        full.setdefault("rope_theta", hf["rope_theta"])
+    if params is not None and (
+        not isinstance(params, dict) or not set(params) <= {FULL_ATTENTION, SLIDING_ATTENTION}
+    ):
+        raise ValueError(
+            "gemma3_text rope_parameters must map 'full_attention' and 'sliding_attention' to "
+            f"their parameters, got {params!r}"
+        )
+    params = params or {}
+    full = dict(params.get(FULL_ATTENTION) or {"rope_type": "default"})
+    local = dict(params.get(SLIDING_ATTENTION) or {"rope_type": "default"})
+    if hf.get("rope_scaling") is not None:
+        full.update(hf["rope_scaling"])
+    for entry, key, default in [
+        (full, "rope_theta", _GLOBAL_THETA),
+        (local, "rope_local_base_freq", _LOCAL_THETA),
+    ]:
+        if entry.get("rope_theta") is None:
+            entry["rope_theta"] = default if hf.get(key) is None else hf[key]
     return full, local
 
 
 def _layer_types(hf: dict[str, Any], num_layers: int) -> tuple[str, ...]:
     if hf.get("layer_types"):
         return tuple(hf["layer_types"])
-    pattern = int(
-        hf.get("sliding_window_pattern")
-        or hf.get("_sliding_window_pattern")
-        or _SLIDING_WINDOW_PATTERN
-    )
+    pattern = int(hf.get("sliding_window_pattern") or _SLIDING_WINDOW_PATTERN)
     return tuple(
         SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(num_layers)
     )

@@ -27,6 +27,24 @@ SLIDING_ATTENTION = "sliding_attention"
 _DEFAULT_ROPE_THETA = 10000.0
 _DEFAULT_RMS_NORM_EPS = 1e-6
 
+# transformers' defaults for keys a config.json leaves out, where the four model types differ (a
+# key present as null falls back as transformers' does: the KV heads to the query heads).
+_TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"max_position_embeddings": 2048},
+    "mistral": {
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 4096 * 32,
+        "sliding_window": 4096,
+    },
+    "qwen2": {"num_key_value_heads": 32, "max_position_embeddings": 32768, "sliding_window": 4096},
+    "qwen3": {
+        "num_key_value_heads": 32,
+        "head_dim": 128,
+        "max_position_embeddings": 32768,
+        "sliding_window": 4096,
+    },
+}
+
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -224,6 +242,7 @@ class ModelConfig:
             raise ValueError(
                 f"model_type {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}"
             )
+        hf = {**_TYPE_DEFAULTS[model_type], **hf}
         if hf.get("mlp_bias"):
             raise ValueError(f"model_type {model_type!r} with mlp_bias=True is not supported")
         if hf.get("hidden_act", "silu") != "silu":
@@ -250,7 +269,7 @@ class ModelConfig:
             rms_norm_eps=float(hf.get("rms_norm_eps", _DEFAULT_RMS_NORM_EPS)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            max_position_embeddings=int(hf["max_position_embeddings"]),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=qkv_bias,
             attention_out_bias=out_bias,
@@ -270,22 +289,38 @@ def _as_id_tuple(value: int | list[int] | tuple[int, ...] | None) -> tuple[int, 
 
 
 def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
-    # transformers 5 writes one "rope_parameters" dict; older configs have rope_theta + rope_scaling.
-    params = dict(hf.get("rope_parameters") or {})
-    legacy = hf.get("rope_scaling") or {}
-    merged = {**legacy, **params}
-    theta = float(merged.get("rope_theta", hf.get("rope_theta", _DEFAULT_ROPE_THETA)))
-    rope_type = merged.get("rope_type", merged.get("type", "default"))
+    """RoPE of a config with one set of parameters for every layer, as transformers 5 reads it
+    (PreTrainedConfig.convert_rope_params_to_dict): a ``rope_scaling`` dict, when set, replaces
+    ``rope_parameters`` whole (its theta included); ``rope_theta`` from the dict, else the
+    top-level key; a top-level ``original_max_position_embeddings`` overrides the dict's."""
+    rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    if rope.get("rope_theta") is None:
+        top = hf.get("rope_theta")
+        rope["rope_theta"] = _DEFAULT_ROPE_THETA if top is None else top
+    if hf.get("original_max_position_embeddings") is not None:
+        rope["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
+    return rope_from_params(rope, hf.get("max_position_embeddings"), hf.get("model_type"))
+
+
+def rope_from_params(
+    rope: dict[str, Any], max_position_embeddings: int | None, model_type: str | None
+) -> tuple[float, RopeScaling | None]:
+    """(theta, scaling) of one standardised RoPE parameter dict (``rope_theta`` set); llama3's
+    original length defaults to ``max_position_embeddings``, as transformers sets it."""
+    theta = float(rope["rope_theta"])
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type == "default":
         return theta, None
+    if rope_type == "llama3":
+        rope.setdefault("original_max_position_embeddings", max_position_embeddings)
 
     def param(name: str) -> Any:
-        if name not in merged:
+        if rope.get(name) is None:
             raise ValueError(
                 f"rope type {rope_type!r} needs {name!r} in rope_scaling (or rope_parameters); "
-                f"got {sorted(merged)}"
+                f"got {sorted(rope)}"
             )
-        return merged[name]
+        return rope[name]
 
     if rope_type == "linear":
         return theta, RopeScaling("linear", float(param("factor")))
@@ -298,7 +333,7 @@ def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
             original_max_position_embeddings=int(param("original_max_position_embeddings")),
         )
     raise ValueError(
-        f"rope type {rope_type!r} of model_type {hf.get('model_type')!r} is not supported; expected 'default', 'linear' or 'llama3'"
+        f"rope type {rope_type!r} of model_type {model_type!r} is not supported; expected 'default', 'linear' or 'llama3'"
     )
 
 
