@@ -118,7 +118,7 @@ def summarize_run(
 ) -> dict[str, Any]:
     """The metrics of one run, keyed like `vllm bench serve` where the names overlap.
 
-    Throughputs divide by ``duration_s`` (the run's wall time, first send to last completion) and
+    Throughputs divide by ``duration_s`` (the run's wall time, its start to the last completion, as vLLM's) and
     count successful requests only; a prompt whose length nobody knows counts as 0 input tokens.
     TTFT, TPOT and E2EL statistics are over successful requests; ITL over every gap of every
     successful request, pooled. Per-request lists (seconds) are kept for plots and re-analysis:

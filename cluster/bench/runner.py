@@ -31,8 +31,8 @@ class ArrivalSettings:
 
 @dataclass
 class RunOutcome:
-    """The records of one run in workload order, its wall time (first send to last end), and the
-    deadline it ran under."""
+    """The records of one run in workload order, its wall time (its start to the last end, as
+    vLLM's), and the deadline it ran under."""
 
     records: list[RequestRecord]
     duration_s: float
@@ -115,11 +115,6 @@ async def run_requests(
     )
     start = time.perf_counter()
     ended = [asyncio.Event() for _ in requests]
-    sent: list[float] = []  # when each request that went out was sent
-
-    async def send(index: int, request: BenchRequest) -> RequestRecord:
-        sent.append(time.perf_counter())
-        return await client.send(index, request)
 
     async def one(index: int, request: BenchRequest) -> RequestRecord:
         try:
@@ -129,10 +124,10 @@ async def run_requests(
             if request.after is not None:
                 await ended[request.after].wait()
             if limit is None:
-                record = await send(index, request)
+                record = await client.send(index, request)
             else:
                 async with limit:
-                    record = await send(index, request)
+                    record = await client.send(index, request)
             progress.update(1)
             return record
         finally:
@@ -153,10 +148,9 @@ async def run_requests(
         _unfinished(i, requests[i], deadline_s, start) if task.cancelled() else task.result()
         for i, task in enumerate(tasks)
     ]
-    # From the first send, not the run's start: the first arrival gap (a whole ramp-up's slow
-    # start) is no time the server had work.
-    first = min(sent, default=start)
-    duration = max((r.end for r in records), default=first) - first
+    # From the run's start, as `vllm bench serve` measures it (the first arrival gap included):
+    # the same server gives the same throughput in both tools.
+    duration = max((r.end for r in records), default=start) - start
     return RunOutcome(
         records=records, duration_s=duration, deadline_hit=bool(pending), deadline_s=deadline_s
     )
