@@ -49,8 +49,8 @@ def arrival_offsets(
         raise ValueError(f"request rate must be positive (or inf), got {rate}")
     if not burstiness > 0.0:
         raise ValueError(f"burstiness must be positive, got {burstiness}")
-    if ramp_up_s < 0.0:
-        raise ValueError(f"ramp-up must be >= 0 seconds, got {ramp_up_s}")
+    if not 0.0 <= ramp_up_s < math.inf:  # (an endless ramp-up would send nothing, for ever)
+        raise ValueError(f"ramp-up must be a finite number of seconds >= 0, got {ramp_up_s}")
     if math.isinf(rate):
         return [0.0] * num_requests
     rng = np.random.default_rng(seed)

@@ -60,7 +60,9 @@ def resolve_target(args: argparse.Namespace) -> str:
     port = args.port if args.port is not None else 8000
     if not 0 < port < 65536:
         raise ValueError(f"--port must be within 1..65535, got {port}")
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    if ":" in host and not host.startswith("["):  # an IPv6 address, bracketed in a URL
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
 
 
 # `vllm bench serve`'s sampling flags: each sent as its body field, only when given.

@@ -3,8 +3,8 @@ and reproducible.
 
 Prompts are token ids drawn uniformly from ``vocab`` (the normal token ids of the model, see
 ``tokens.py``), so their length is exact. With ``codec`` the ids are decoded to text instead (for the
-chat endpoint); ``prompt_len`` is then the length of that text re-encoded, which can differ slightly
-from the length that was drawn, because tokenization does not round-trip for arbitrary id sequences.
+chat endpoint): a text of random tokens seldom encodes back to as many, so it is re-encoded and cut
+or topped up until it does (as vLLM's random dataset does); ``prompt_len`` is that text's length.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from cluster.bench.tokens import TokenCodec
 
 
 def length_bounds(mean: int, range_ratio: float) -> tuple[int, int]:
-    """Inclusive bounds of lengths around ``mean``: [mean (1 - r), mean (1 + r)], at least 1.
+    """Inclusive bounds of lengths around ``mean``: [floor(mean (1 - r)), ceil(mean (1 + r))], at
+    least 1 (vLLM's random dataset's).
 
     ``range_ratio`` r is within [0, 1); 0 gives every request exactly ``mean`` tokens.
     """
@@ -27,8 +28,8 @@ def length_bounds(mean: int, range_ratio: float) -> tuple[int, int]:
         raise ValueError(f"length must be >= 1, got {mean}")
     if not 0.0 <= range_ratio < 1.0:
         raise ValueError(f"range ratio must be within [0, 1), got {range_ratio}")
-    low = max(1, math.ceil(mean * (1.0 - range_ratio)))
-    high = max(low, math.floor(mean * (1.0 + range_ratio)))
+    low = max(1, math.floor(mean * (1.0 - range_ratio)))
+    high = max(low, math.ceil(mean * (1.0 + range_ratio)))
     return low, high
 
 
@@ -41,17 +42,40 @@ def _draw_ids(rng: np.random.Generator, vocab: np.ndarray, n: int) -> list[int]:
     return [int(x) for x in vocab[rng.integers(0, len(vocab), size=n)]]
 
 
+# Re-encodings of a prompt's text to fit its length (vLLM's gen_prompt_decode_to_target_len).
+FIT_TRIES = 10
+
+
 def _request(
     ids: list[int],
     output_len: int,
     codec: TokenCodec | None,
     group: int | None,
     after: int | None = None,
+    draw: tuple[np.random.Generator, np.ndarray] | None = None,
 ) -> BenchRequest:
     if codec is None:
         return BenchRequest(ids, len(ids), output_len, group, after)
+    assert draw is not None, "a workload of texts draws its top-ups"
+    text, prompt_len = _text_of_length(ids, codec, *draw)
+    return BenchRequest(text, prompt_len, output_len, group, after)
+
+
+def _text_of_length(
+    ids: list[int], codec: TokenCodec, rng: np.random.Generator, pool: np.ndarray
+) -> tuple[str, int]:
+    """A text that encodes to ``len(ids)`` tokens, and its length: the ids decoded, re-encoded,
+    then cut or topped up with random ids and decoded again, up to FIT_TRIES times (a text of
+    random tokens seldom encodes back to as many); the length it has after the last try."""
+    target = len(ids)
+    for _ in range(FIT_TRIES):
+        text = codec.decode(ids)
+        ids = codec.encode(text)
+        if len(ids) == target:
+            return text, target
+        ids = ids[:target] if len(ids) > target else ids + _draw_ids(rng, pool, target - len(ids))
     text = codec.decode(ids)
-    return BenchRequest(text, len(codec.encode(text)), output_len, group, after)
+    return text, len(codec.encode(text))
 
 
 def _check_vocab(vocab: Sequence[int]) -> np.ndarray:
@@ -82,7 +106,7 @@ def random_workload(
     # (drawn after the lengths: without a prefix the prompts are those of earlier versions)
     prefix = _draw_ids(rng, ids_pool, prefix_len)
     return [
-        _request(prefix + _draw_ids(rng, ids_pool, n_in), n_out, codec, None)
+        _request(prefix + _draw_ids(rng, ids_pool, n_in), n_out, codec, None, None, (rng, ids_pool))
         for n_in, n_out in zip(in_lens, out_lens, strict=True)
     ]
 
@@ -119,6 +143,8 @@ def shared_prefix_workload(
             out_lens[i],
             codec,
             i % num_groups,
+            None,
+            (rng, ids_pool),
         )
         for i in range(num_prompts)
     ]
@@ -165,5 +191,7 @@ def multi_turn_workload(
                 new = _draw_ids(rng, ids_pool, _lengths(rng, turn_len, range_ratio, 1)[0])
                 history[c] = history[c] + answer + new
             after = len(requests) - num_conversations if turn else None
-            requests.append(_request(list(history[c]), out_lens[c], codec, c, after))
+            requests.append(
+                _request(list(history[c]), out_lens[c], codec, c, after, (rng, ids_pool))
+            )
     return requests

@@ -65,6 +65,7 @@ def test_ramp_up_schedule_with_regular_gaps() -> None:
         ({"rate": 0.0}, "rate"),
         ({"rate": 1.0, "burstiness": 0.0}, "burstiness"),
         ({"rate": 1.0, "ramp_up_s": -1.0}, "ramp-up"),
+        ({"rate": 1.0, "ramp_up_s": math.inf}, "ramp-up"),  # (it would send nothing, for ever)
     ],
 )
 def test_invalid_settings(kwargs: dict[str, float], message: str) -> None:

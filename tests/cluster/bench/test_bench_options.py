@@ -64,6 +64,7 @@ def test_vllm_bench_serve_flag_names_set_the_same_settings() -> None:
         (["--port", "8001"], "http://127.0.0.1:8001"),
         (["--host", "10.1.2.3"], "http://10.1.2.3:8000"),
         (["--host", "::1", "--port", "9"], "http://[::1]:9"),
+        (["--host", "[::1]", "--port", "9"], "http://[::1]:9"),  # (already bracketed)
         (["--base-url", "https://api.example:8443"], "https://api.example:8443"),
     ],
 )

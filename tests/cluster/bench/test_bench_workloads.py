@@ -21,7 +21,9 @@ VOCAB = list(range(100, 150))
 def test_length_bounds() -> None:
     assert length_bounds(10, 0.0) == (10, 10)
     assert length_bounds(10, 0.5) == (5, 15)
-    assert length_bounds(1, 0.9) == (1, 1)
+    assert length_bounds(10, 0.25) == (7, 13)  # (floor and ceil, as vLLM's)
+    assert length_bounds(128, 0.3) == (89, 167)
+    assert length_bounds(1, 0.9) == (1, 2)
     with pytest.raises(ValueError, match=r"\[0, 1\)"):
         length_bounds(10, 1.0)
     with pytest.raises(ValueError, match=">= 1"):
@@ -112,6 +114,17 @@ def test_embedded_model_tokenizer() -> None:
     assert len(ids) == 49152 - 17
     assert ids[0] == 17 and ids[-1] == 49151
     assert codec.decode(codec.encode("Hello world")) == "Hello world"
+    # Random ids decoded to text seldom encode back to as many: each text is fitted to its length
+    # (vLLM's random dataset does the same), for every workload's texts.
+    for requests in [
+        random_workload(20, 64, 2, ids, seed=0, codec=codec),
+        random_workload(10, 256, 2, ids, seed=1, codec=codec),
+        shared_prefix_workload(6, 2, 32, 16, 2, ids, seed=0, codec=codec),
+    ]:
+        for r in requests:
+            assert len(codec.encode(r.prompt)) == r.prompt_len
+        assert {r.prompt_len for r in requests} <= {64, 256, 48}
+        assert len({r.prompt_len for r in requests}) == 1
 
 
 def test_a_flag_of_another_workload_is_refused_not_ignored() -> None:
