@@ -75,9 +75,12 @@ class ContextNames:
     ``text_offset`` counts its characters (vLLM corrects such tokens too; each was "\ufffd",
     and an answer of 3 emoji had offsets up to 7). ``decode`` None: names alone."""
 
-    def __init__(self, name: Name, decode: Decode | None) -> None:
+    def __init__(
+        self, name: Name, decode: Decode | None, token_bytes: Callable[[int], bytes] | None = None
+    ) -> None:
         self.name = name
         self.decode = decode
+        self.token_bytes = token_bytes
 
     def __call__(self, token_id: int, seq: Sequence[int], at: int) -> str:
         """``token_id`` at position ``at`` of ``seq``, after ``seq[:at]`` (only the last
@@ -86,6 +89,15 @@ class ContextNames:
         if self.decode is None or not own.endswith(INCOMPLETE):
             return own
         return text_added(list(seq[max(0, at - CONTEXT) : at]), token_id, self.decode)
+
+    def alternative(self, token_id: int, seq: Sequence[int], at: int) -> str:
+        """A top token other than the one taken, at position ``at``: named as that one would be,
+        but one that adds no whole character there by its bytes, as OpenAI names them
+        (``bytes:\\xe4\\xbd``): such tokens would all be "" and collide in ``top_logprobs``."""
+        named = self(token_id, seq, at)
+        if named or self.token_bytes is None:
+            return named
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in self.token_bytes(token_id))
 
 
 def completion_logprobs(
@@ -114,9 +126,12 @@ def completion_logprobs(
         "top_logprobs": [
             None
             if e is None
-            else {names(t, seq, start + i): _finite(lp) for t, lp in e.top}
+            else {
+                token if t == taken else names.alternative(t, seq, start + i): _finite(lp)
+                for t, lp in e.top
+            }
             | {token: _finite(e.logprob)}
-            for i, (e, token) in enumerate(zip(entries, tokens, strict=True))
+            for i, (e, token, taken) in enumerate(zip(entries, tokens, token_ids, strict=True))
         ],
         "text_offset": offsets,
     }

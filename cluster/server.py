@@ -264,8 +264,11 @@ def create_app(
                 # (a prompt cut by truncate_prompt_tokens: the text of what is left)
                 cut = not isinstance(p, str) or body.truncate_prompt_tokens is not None
                 texts[k] = backend.decode(ids) if cut else p
+        by_text = not body.return_tokens_as_token_ids
         names = ContextNames(
-            _namer(body), None if body.return_tokens_as_token_ids else backend.decode
+            _namer(body),
+            backend.decode if by_text else None,
+            backend.token_bytes if by_text else None,
         )
         made = CompletionChoices(body, head, encoded, texts, names)
         n_prompt = sum(len(ids) for ids in encoded)

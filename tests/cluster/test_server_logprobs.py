@@ -3,6 +3,7 @@ completions endpoint's shape and the chat endpoint's, whole and streamed, and wh
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -290,3 +291,15 @@ def test_tokens_that_split_a_character_join_into_the_text(http, echo: bool) -> N
     assert streamed_logprobs(chunks) == {
         k: lp[k] for k in ("tokens", "token_logprobs", "text_offset")
     }
+
+
+def test_top_tokens_holding_part_of_a_character_are_named_by_their_bytes(http) -> None:
+    """Top tokens other than the one taken that add no whole character where they stand are
+    named as OpenAI names them, ``bytes:\\xNN...``: named "" by their context, several collided in
+    one ``top_logprobs`` key and the entry kept the last one's logprob, not the likeliest's."""
+    body = {"model": MODEL, "prompt": "😀" * 12, "temperature": 0, "max_tokens": 6, "logprobs": 5}
+    lp = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    assert all(len(top) >= 5 for top in lp["top_logprobs"])  # none lost to a shared name
+    by_bytes = [n for top in lp["top_logprobs"] for n in top if n.startswith("bytes:")]
+    assert by_bytes and all(re.fullmatch(r"bytes:(\\x[0-9a-f]{2})+", n) for n in by_bytes)
+    assert all(token in top for token, top in zip(lp["tokens"], lp["top_logprobs"], strict=True))
