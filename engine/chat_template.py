@@ -114,8 +114,7 @@ def _content_parts(content: Any) -> str | list[dict[str, str]]:
     alike)."""
     if content is None or isinstance(content, str):
         return content or ""
-    content_text(content)  # (refuses what is not a text part)
-    return [{"type": "text", "text": part["text"]} for part in content]
+    return [{"type": "text", "text": text} for text in _part_texts(content)]
 
 
 def content_text(content: Any) -> str:
@@ -123,19 +122,33 @@ def content_text(content: Any) -> str:
     as its text parts on lines of their own (as vLLM joins them); other parts are refused."""
     if content is None or isinstance(content, str):
         return content or ""
+    return "\n".join(_part_texts(content))
+
+
+# Content parts that are text: the key holding it. An assistant message's "refusal" part (OpenAI's
+# ChatCompletionAssistantMessageParam; a client sends a refusal back as the model gave it) is its
+# text, as vLLM reads it.
+_TEXT_PARTS = {"text": "text", "refusal": "refusal"}
+
+
+def _part_texts(content: Any) -> list[str]:
+    """The texts of OpenAI's list of content parts; parts that are not text are refused."""
     if not isinstance(content, list):
         raise ChatTemplateError(
             f"a message's content must be a string or a list of parts, got {type(content).__name__}"
         )
-    parts = []
+    texts = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text":
+        if kind not in _TEXT_PARTS:
             raise ChatTemplateError(f"only text content parts are supported, got {kind!r}")
-        if not isinstance(part.get("text"), str):
-            raise ChatTemplateError("a text content part needs its text (a string)")
-        parts.append(part["text"])
-    return "\n".join(parts)
+        text = part.get(_TEXT_PARTS[kind])
+        if not isinstance(text, str):
+            raise ChatTemplateError(
+                f"a {kind} content part needs its {_TEXT_PARTS[kind]} (a string)"
+            )
+        texts.append(text)
+    return texts
 
 
 # Names the template gets from the call itself: template variables may not replace them.
@@ -208,16 +221,17 @@ def _knows_developer(source: str) -> bool:
 
 def _developer_as_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """OpenAI's ``developer`` role (newer clients send it for ``system``) as ``system``, for a
-    template that does not name it (vLLM's rule: most templates would drop it, keep a default
-    system prompt beside it, or refuse the conversation); the system messages then merge into
-    one at the start, as templates that want it first need."""
+    template that does not name it (most templates would drop it, keep a default system prompt
+    beside it, or refuse the conversation), each where it stands: a system message later in the
+    conversation stays there, as one sent as ``system`` does. The system messages that open the
+    conversation merge into one (a developer message beside the system prompt), as templates that
+    read one system message first need."""
     converted = [m | {"role": "system"} if m["role"] == "developer" else m for m in messages]
-    systems = [i for i, m in enumerate(converted) if m["role"] == "system"]
-    if systems == [0] or not systems:
+    lead = next((i for i, m in enumerate(converted) if m["role"] != "system"), len(converted))
+    if lead <= 1:
         return converted
-    text = "\n\n".join(t for t in (content_text(converted[i].get("content")) for i in systems) if t)
-    rest = [m for m in converted if m["role"] != "system"]
-    return [{"role": "system", "content": text}, *rest]
+    texts = (content_text(m.get("content")) for m in converted[:lead])
+    return [{"role": "system", "content": "\n\n".join(t for t in texts if t)}, *converted[lead:]]
 
 
 def _cut_after_final_message(text: str, messages: list[dict[str, Any]]) -> str:

@@ -162,15 +162,19 @@ def test_the_developer_role_is_a_system_message_for_templates_that_do_not_name_i
 ) -> None:
     """Newer OpenAI clients send ``developer`` for ``system``. As vLLM, a template that never names
     the role gets it as ``system`` (SmolLM2's would keep its default system prompt and add a
-    ``developer`` turn the model never saw); the system messages merge first."""
+    ``developer`` turn the model never saw), where it stands, as a system message there would
+    be; the system messages that open the conversation merge into one."""
     tok = _gguf_tokenizer(default_model)
     user = {"role": "user", "content": "Hi"}
     developer = [{"role": "developer", "content": "Answer in French."}, user]
     system = [{"role": "system", "content": "Answer in French."}, user]
     assert tok.apply_chat_template(developer) == tok.apply_chat_template(system)
-    late = [user, {"role": "developer", "content": "B"}, {"role": "system", "content": "A"}]
+    first = [{"role": "developer", "content": "B"}, {"role": "system", "content": "A"}, user]
     merged = [{"role": "system", "content": "B\n\nA"}, user]
-    assert tok.apply_chat_template(late) == tok.apply_chat_template(merged)
+    assert tok.apply_chat_template(first) == tok.apply_chat_template(merged)
+    late = [user, {"role": "developer", "content": "B"}, {"role": "user", "content": "Then?"}]
+    in_place = [user, {"role": "system", "content": "B"}, late[2]]  # (not moved to the start)
+    assert tok.apply_chat_template(late) == tok.apply_chat_template(in_place)
     naming = Tokenizer(
         tok.backend, chat_template="{% for m in messages %}{{ m.role }};{% endfor %}"
     )
@@ -269,3 +273,16 @@ def test_a_tokens_bytes_are_its_own_where_it_holds_part_of_a_character(
         assert b"".join(tok.token_bytes(i) for i in ids) == text.encode("utf-8")
     split = [i for i in tok.encode("😀", add_special_tokens=False)]
     assert len(split) > 1 and "\ufffd" in tok.token_text(split[0])  # (the case in point)
+
+
+def test_an_assistant_refusal_part_is_its_text(default_model: LoadedModel) -> None:
+    """OpenAI's assistant message may carry a ``refusal`` part (a client sends an answer back as
+    the model gave it): it is that message's text, as vLLM reads it; other kinds are refused."""
+    tok = _gguf_tokenizer(default_model)
+    user = {"role": "user", "content": "Hi"}
+    parts = [{"type": "refusal", "refusal": "I cannot."}, {"type": "text", "text": "Sorry."}]
+    said = tok.apply_chat_template([user, {"role": "assistant", "content": parts}, user])
+    plain = {"role": "assistant", "content": "I cannot.\nSorry."}
+    assert said == tok.apply_chat_template([user, plain, user])
+    with pytest.raises(ChatTemplateError, match="only text content parts"):
+        tok.apply_chat_template([{"role": "user", "content": [{"type": "image_url"}]}])
