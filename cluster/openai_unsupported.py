@@ -63,9 +63,11 @@ NOT_SUPPORTED_CHAT = _NOT_SUPPORTED_COMMON | {
     "reasoning_effort": _none_or(),
     "verbosity": _none_or(),
     "web_search_options": _none_or(),
-    # hints to OpenAI's service that change no answer: a cache key (Duet's prefix cache finds a
-    # shared prefix by itself) and the end user's id (as ``user``)
+    # hints to OpenAI's service that change no answer: a cache key and how long to keep the
+    # cache (Duet's prefix cache finds a shared prefix by itself, and keeps pages while it has
+    # room) and the end user's id (as ``user``)
     "prompt_cache_key": _none_or_a(str),
+    "prompt_cache_retention": _none_or_a(str),
     "safety_identifier": _none_or_a(str),
     # vLLM's: a request's own template (vLLM refuses it unless the server trusts requests'
     # templates); with no reasoning parser, the reasoning stays in the content either way, so

@@ -51,6 +51,7 @@ def test_fields_that_ask_for_nothing_are_accepted(http) -> None:
         "user": "u-1",
         "safety_identifier": "u-1",  # (OpenAI's newer name of ``user``)
         "prompt_cache_key": "k-1",  # (the prefix cache finds shared prefixes by itself)
+        "prompt_cache_retention": "24h",
         "service_tier": "auto",
         "parallel_tool_calls": True,
         "min_tokens": 0,
