@@ -322,7 +322,10 @@ def create_app(
 
             def make(i: int, d: TokenDelta) -> dict[str, Any]:
                 logprobs = chat_logprobs(d.logprobs, name, backend.token_bytes) if asked else None
-                delta = {"content": d.text} if d.text else {}
+                # (content "" for a token that holds part of a character, as vLLM's: clients
+                # join every chunk's content; only the last chunk may have none)
+                ended = d.finish_reason is not None and not d.text
+                delta = {} if ended else {"content": d.text}
                 end = resp.Ending(d.finish_reason, d.stop_reason)
                 return resp.chat_chunk(head, i, delta, end, d.token_ids, logprobs)
 

@@ -303,3 +303,20 @@ def test_top_tokens_holding_part_of_a_character_are_named_by_their_bytes(http) -
     by_bytes = [n for top in lp["top_logprobs"] for n in top if n.startswith("bytes:")]
     assert by_bytes and all(re.fullmatch(r"bytes:(\\x[0-9a-f]{2})+", n) for n in by_bytes)
     assert all(token in top for token, top in zip(lp["tokens"], lp["top_logprobs"], strict=True))
+
+
+def test_a_chat_stream_chunk_of_part_of_a_character_has_empty_content(http, backend) -> None:
+    """A token that holds part of a character adds no text yet: its chunk's delta still has
+    ``content`` (""), as vLLM's, for clients that join every chunk's content; only the last
+    chunk's delta may be empty (OpenAI's)."""
+    lead = next(t for t in range(4096) if backend.token_bytes(t) == b"\xf0")  # (a 4-byte start)
+    body = CHAT | {"max_tokens": 4, "stream": True, "logit_bias": {str(lead): 100}}
+    chunks = events(http.post("/v1/chat/completions", json=body).text)
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    going_on = [
+        c["choices"][0] for c in chunks if c["choices"] and not c["choices"][0]["finish_reason"]
+    ]
+    assert len(going_on) >= 4 and all(
+        isinstance(ch["delta"].get("content"), str) for ch in going_on
+    )
+    assert "".join(d.get("content") or "" for d in deltas) == "\ufffd" * 4  # (flushed at the end)
