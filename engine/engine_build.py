@@ -114,6 +114,11 @@ def engine_from_loaded(
 ) -> LLMEngine:
     """LLMEngine.from_loaded: the scheduler limits and the KV cache from ``config``, the engine
     over ``loaded``, warmed up."""
+    if tp is None and config.tensor_parallel_size > 1:
+        raise ValueError(
+            f"LLM.tensor_parallel_size={config.tensor_parallel_size} with a loaded model: it is "
+            "one process's, whole; LLM(model, tensor_parallel_size=N) starts the ranks"
+        )
     mc = loaded.config
     first = next(loaded.model.parameters())
     config = config.resolved(first.dtype)

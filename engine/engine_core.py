@@ -28,7 +28,7 @@ from engine.scheduler_config import SchedulerConfig
 from engine.stats import IterationStats, RequestStats, StatsBuffer
 from engine.tokenizer import Tokenizer
 from engine.tp.context import TPContext
-from engine.tp.local_ranks import Ranks, StartRanks
+from engine.tp.local_ranks import Ranks, StartRanks, TPRanksLost
 from engine.warm_up import warm_up
 from kvcache.manager import KVCacheManager
 from kvcache.sizing import CudaMemory
@@ -345,7 +345,11 @@ class LLMEngine:
             batch = self.builder.build(sched)
             sampling = [r for r, s in zip(sched.requests, sched.sample, strict=True) if s]
             prompt_rows = plan_prompt_logits(sched.requests, sched.num_new_tokens)
-            tokens = self.runner.execute(batch, sampling, prompt_rows)
+            try:
+                tokens = self.runner.execute(batch, sampling, prompt_rows)
+            except BaseException as e:
+                self._stop_ranks_after(e)
+                raise
             changed.extend(self.scheduler.update(sched, tokens))
         outputs = [RequestOutput.from_request(r) for r in changed]
         num_finished = 0
@@ -373,6 +377,21 @@ class LLMEngine:
                 )
             )
         return outputs
+
+    def _stop_ranks_after(self, failure: BaseException) -> None:
+        """After a tensor-parallel step failed on its way (runner.tp_failure), stop the other
+        ranks (left inside its collectives, they would wait there out their timeout, and the
+        next step with them) and raise TPRanksLost naming the rank that ended, when one did; an
+        interrupt goes on as it is."""
+        if not self.runner.tp_failure or self.local_ranks is None:
+            return
+        ranks, self.local_ranks = self.local_ranks, None
+        ended = ranks.stop_after_failure(wait=isinstance(failure, Exception))
+        if isinstance(failure, Exception):
+            raise TPRanksLost(
+                f"a tensor-parallel step failed ({ended or self.runner.tp_failure}); the other "
+                "ranks were stopped"
+            ) from failure
 
     def _record_finished(self, request: Request) -> None:
         if not self.request_stats.enabled or request.stats_recorded:

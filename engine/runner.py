@@ -14,6 +14,7 @@ from engine.prompt_logprobs import PromptLogitsRows
 from engine.request import Request
 from engine.sampler import Sampler
 from engine.tp.comm import TPGroup
+from engine.tp.local_ranks import TPRanksLost
 from engine.tp.messages import TPStep, batch_to
 from kvcache.manager import KVCacheManager
 
@@ -51,6 +52,9 @@ class ModelRunner:
         # Rank 0 of a tensor-parallel worker: every forward pass starts by sending the batch to
         # the other ranks (engine/tp/follower.py), which join its all-reduces.
         self.tp_group = tp_group
+        # Why a tensor-parallel step failed on its way ("" while none has): the other ranks were
+        # left inside its collectives, where no later step can meet them.
+        self.tp_failure = ""
         self.kv_groups = list(kv.specs)
         self.kv_caches = [kv.layer_cache(layer) for layer in range(num_layers)]
         self.sampler = sampler
@@ -82,15 +86,28 @@ class ModelRunner:
                 logits = self.graphs.run(batch)
                 if logits is not None:
                     return logits
-            if self.tp_group is not None:
-                self.tp_group.broadcast_object(TPStep(batch_to(batch, torch.device("cpu"))))
-            hidden = self.model.forward(batch, self.kv_caches)
-            if prompt_rows is not None:
-                prompt_rows.fill(
-                    lambda rows: self.model.compute_logits(hidden, rows.to(hidden.device)),
-                    self.prompt_slice_rows,
+            if self.tp_group is None:
+                return self._forward(batch, prompt_rows)
+            if self.tp_failure:
+                raise TPRanksLost(
+                    f"this engine's tensor-parallel ranks stopped after a failed step "
+                    f"({self.tp_failure}); make a new one"
                 )
-            return self.model.compute_logits(hidden, batch.logits_indices)
+            try:
+                self.tp_group.broadcast_object(TPStep(batch_to(batch, torch.device("cpu"))))
+                return self._forward(batch, prompt_rows)
+            except BaseException as e:  # (a KeyboardInterrupt too: the ranks are left mid-step)
+                self.tp_failure = f"{type(e).__name__}: {e}"
+                raise
+
+    def _forward(self, batch: ForwardBatch, prompt_rows: PromptLogitsRows | None) -> torch.Tensor:
+        hidden = self.model.forward(batch, self.kv_caches)
+        if prompt_rows is not None:
+            prompt_rows.fill(
+                lambda rows: self.model.compute_logits(hidden, rows.to(hidden.device)),
+                self.prompt_slice_rows,
+            )
+        return self.model.compute_logits(hidden, batch.logits_indices)
 
     def execute(
         self,

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +31,34 @@ def open_store(host: str = "127.0.0.1", timeout_s: float = DEFAULT_TIMEOUT_S) ->
         timeout=datetime.timedelta(seconds=timeout_s),
         wait_for_workers=False,
     )
+
+
+def arrived_key(rank: int) -> str:
+    return f"arrived/{rank}"
+
+
+ARRIVAL_POLL_S = 0.05
+
+
+def wait_arrivals(
+    store: dist.TCPStore,
+    size: int,
+    problem: Callable[[], str],
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> None:
+    """Rank 0, before joining the group: wait until ranks 1..size-1 reached the store, raising
+    RuntimeError with ``problem()`` as soon as it says one (a rank's process that exited at
+    start-up), rather than waiting out the group's timeout for a rank that will never come."""
+    keys = [arrived_key(r) for r in range(1, size)]
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        said = problem()
+        if said:
+            raise RuntimeError(said)
+        if time.monotonic() > deadline:
+            missing = [r for r, k in enumerate(keys, 1) if not store.check([k])]
+            raise TimeoutError(f"tensor-parallel ranks {missing} did not start in {timeout_s}s")
+        time.sleep(ARRIVAL_POLL_S)
 
 
 @dataclass
@@ -57,6 +87,7 @@ class TPGroup:
         timeout = datetime.timedelta(seconds=timeout_s)
         if store is None:
             store = dist.TCPStore(host, port, None, False, timeout=timeout)
+            store.set(arrived_key(rank), "1")  # (rank 0 may be watching for it: wait_arrivals)
         opts = dist.ProcessGroupGloo._Options()
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
         opts._timeout = timeout

@@ -10,6 +10,7 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -17,11 +18,16 @@ import torch
 
 from engine.cpu_share import configure_cpu_threads, usable_cores
 from engine.engine_config import EngineConfig
-from engine.tp.comm import TPGroup, open_store
+from engine.tp.comm import TPGroup, open_store, wait_arrivals
 
 logger = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_S = 30.0
+
+
+class TPRanksLost(RuntimeError):
+    """A tensor-parallel step failed on the way: the other ranks were stopped, and the engine
+    runs no more steps."""
 
 
 class Ranks(Protocol):
@@ -35,6 +41,11 @@ class Ranks(Protocol):
 
     def kill(self) -> None:
         """End the ranks now (after a failure)."""
+        ...
+
+    def stop_after_failure(self, wait: bool) -> str:
+        """End the ranks after a step failed; which of them had ended on their own, and how
+        ("" if none is known to have): ``wait``, a moment for a failing rank to end first."""
         ...
 
 
@@ -53,6 +64,33 @@ def rank_device(config: EngineConfig, rank: int) -> str:
     return f"cuda:{base + rank}"
 
 
+# A rank that failed is on its way out when rank 0's collective fails: its exit code says how.
+EXIT_GRACE_S = 2.0
+
+
+class _CallerThreads:
+    """Rank 0's torch threads while local CPU ranks share the host: taken at the first
+    LocalRanks, given back when the last one ends (each saving what it found would leave the
+    caller the count of an earlier LLM's rank 0)."""
+
+    def __init__(self) -> None:
+        self.users = 0
+        self.before = 0
+
+    def take(self) -> None:
+        if self.users == 0:
+            self.before = torch.get_num_threads()
+        self.users += 1
+
+    def give_back(self) -> None:
+        self.users -= 1
+        if self.users == 0:
+            torch.set_num_threads(self.before)
+
+
+_CALLER_THREADS = _CallerThreads()
+
+
 class LocalRanks:
     """Spawns ranks 1..size-1 and joins rank 0 (this process) to their group."""
 
@@ -67,17 +105,19 @@ class LocalRanks:
                 f"{last}; this host has {torch.cuda.device_count()}"
             )
         env = None
-        self._threads_before = torch.get_num_threads()  # (rank 0's, given back at the end)
-        if kind == "cpu":
-            # The host's cores split between the ranks, as a cluster worker's ranks split its
-            # CPUs: each rank with torch's default of every core ran 3 ranks x 2 threads on 2
-            # cores 5x slower than 1 thread each (vLLM binds each rank's threads to its cores).
-            threads = max(1, usable_cores() // size)
-            configure_cpu_threads(threads)
-            env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-        store = open_store()
         self.processes: list[subprocess.Popen[bytes]] = []
+        _CALLER_THREADS.take()
+        self._threads_taken = True
         try:
+            if kind == "cpu":
+                # The host's cores split between the ranks, as a cluster worker's ranks split
+                # its CPUs: each rank with torch's default of every core ran 3 ranks x 2 threads
+                # on 2 cores 5x slower than 1 thread each (vLLM binds each rank's threads to its
+                # cores).
+                threads = max(1, usable_cores() // size)
+                configure_cpu_threads(threads)
+                env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+            store = open_store()
             for rank in range(1, size):
                 p = subprocess.Popen(
                     [sys.executable, "-m", "engine.tp.rank_main"], stdin=subprocess.PIPE, env=env
@@ -87,12 +127,29 @@ class LocalRanks:
                 args = (config, rank, size, store.port, rank_device(config, rank))
                 p.stdin.write(pickle.dumps(args))
                 p.stdin.close()
+            wait_arrivals(store, size, self.ended)
             self.group = TPGroup.connect(
                 0, size, store.port, torch.device(rank_device(config, 0)), store=store
             )
         except BaseException:
             self.kill()
             raise
+
+    def ended(self) -> str:
+        """Which ranks' processes have exited, and how ("" while all run)."""
+        return "; ".join(
+            f"tensor-parallel rank {rank} exited with code {p.returncode}"
+            for rank, p in enumerate(self.processes, 1)
+            if p.poll() is not None
+        )
+
+    def stop_after_failure(self, wait: bool) -> str:
+        deadline = time.monotonic() + (EXIT_GRACE_S if wait else 0.0)
+        while not self.ended() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        said = self.ended()
+        self.kill()
+        return said
 
     def close(self) -> None:
         """Tell the ranks to stop and wait for them (killed if they do not exit in time)."""
@@ -108,7 +165,9 @@ class LocalRanks:
             self.kill()
 
     def kill(self) -> None:
-        torch.set_num_threads(self._threads_before)
+        if self._threads_taken:  # (once: kill ends close, and may come again)
+            self._threads_taken = False
+            _CALLER_THREADS.give_back()
         for p in self.processes:
             if p.poll() is None:
                 p.kill()
