@@ -57,7 +57,9 @@ class ClusterFrontend:
         self.sampling_defaults = sampling_defaults or GenerationDefaults()
         self.collector = collector
         self.metrics = ServingMetrics(model_name)
-        self.poller = StatsPoller(router.prefill + router.decode, stats_interval_s, max_stats_len)
+        self.poller = StatsPoller(
+            router.prefill + router.decode, stats_interval_s, max_stats_len, self._export_worker
+        )
         self.kv_feed: KVEventFeed | None = None
         if router.choice.kv_index is not None:
             sources = {w.worker_id: ActorSource(w.handle) for w in router.prefill + router.decode}

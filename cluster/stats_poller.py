@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -36,10 +37,20 @@ ANSWER_S = 10.0  # a worker's stats are due within this (it answers between engi
 
 
 class StatsPoller:
-    def __init__(self, workers: list[WorkerSlot], interval_s: float, max_stats_len: int) -> None:
+    def __init__(
+        self,
+        workers: list[WorkerSlot],
+        interval_s: float,
+        max_stats_len: int,
+        on_taken: Callable[[WorkerSlot], None] | None = None,
+    ) -> None:
         if not interval_s > 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         self.workers = workers
+        # Told of each batch taken (its stats now the worker's last_stats): the frontend counts
+        # the worker's running totals there, not only when /metrics is read, or a restarted
+        # process's first batch replaced the old one's last before anyone counted it.
+        self.on_taken = on_taken
         self.interval_s = interval_s
         self.max_stats_len = max_stats_len
         self._lock = threading.Lock()  # the buffers: poll tasks append, endpoints drain
@@ -97,6 +108,8 @@ class StatsPoller:
         w.last_stats = batch.stats
         w.healthy = batch.stats.healthy
         w.free_pages = batch.stats.kv.free  # (of its fullest group: KVCacheStats.free)
+        if self.on_taken is not None:
+            self.on_taken(w)
 
     def drain_iterations(self) -> list[dict[str, Any]]:
         """Every iteration record collected since the last drain, per worker in order, as JSON

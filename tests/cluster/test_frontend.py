@@ -177,3 +177,8 @@ def test_a_worker_s_last_failures_are_counted_though_it_went_down_before_the_scr
     server.poller.take(d0, batch(pid=200, failed=0))  # the restarted process
     server.poller.take(d0, batch(pid=200, failed=1))
     assert scrape() == (6.0, 0.0)
+    # No scrape between the old process's last batch and the new one's first (a restart
+    # within a scrape interval): the old one's last 2 failures were lost.
+    server.poller.take(d0, batch(pid=200, failed=3))
+    server.poller.take(d0, batch(pid=300, failed=1))
+    assert scrape() == (9.0, 0.0)
