@@ -100,7 +100,7 @@ def gemma3_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     window = get["sliding_window"]
     full, local = _rope_params(hf)
     rope_theta, rope_scaling = rope_from_params(
-        full, int(get["max_position_embeddings"]), "gemma3_text"
+        full, float(full["rope_theta"]), int(get["max_position_embeddings"]), "gemma3_text"
     )
     local_type = local.get("rope_type", local.get("type", "default"))
     if local_type != "default":

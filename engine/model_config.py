@@ -294,25 +294,31 @@ def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     ``rope_parameters`` whole (its theta included); ``rope_theta`` from the dict, else the
     top-level key; a top-level ``original_max_position_embeddings`` overrides the dict's."""
     rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
-    if rope.get("rope_theta") is None:
-        top = hf.get("rope_theta")
-        rope["rope_theta"] = _DEFAULT_ROPE_THETA if top is None else top
-    if hf.get("original_max_position_embeddings") is not None:
-        rope["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
-    return rope_from_params(rope, hf.get("max_position_embeddings"), hf.get("model_type"))
+    theta = rope.get("rope_theta")
+    if theta is None:
+        theta = hf.get("rope_theta")
+    return rope_from_params(
+        rope,
+        _DEFAULT_ROPE_THETA if theta is None else float(theta),
+        hf.get("max_position_embeddings"),
+        hf.get("model_type"),
+        hf.get("original_max_position_embeddings"),
+    )
 
 
 def rope_from_params(
-    rope: dict[str, Any], max_position_embeddings: int | None, model_type: str | None
+    rope: dict[str, Any],
+    theta: float,
+    max_position_embeddings: int | None,
+    model_type: str | None,
+    original: int | None = None,
 ) -> tuple[float, RopeScaling | None]:
-    """(theta, scaling) of one standardised RoPE parameter dict (``rope_theta`` set); llama3's
-    original length defaults to ``max_position_embeddings``, as transformers sets it."""
-    theta = float(rope["rope_theta"])
+    """(theta, scaling) of one RoPE parameter dict; llama3's original length ``original`` when
+    given (a top-level key: transformers gives it priority), else the dict's, else
+    ``max_position_embeddings``, as transformers sets it."""
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type == "default":
         return theta, None
-    if rope_type == "llama3":
-        rope.setdefault("original_max_position_embeddings", max_position_embeddings)
 
     def param(name: str) -> Any:
         if rope.get(name) is None:
@@ -325,12 +331,16 @@ def rope_from_params(
     if rope_type == "linear":
         return theta, RopeScaling("linear", float(param("factor")))
     if rope_type == "llama3":
+        if original is None:
+            original = rope.get("original_max_position_embeddings", max_position_embeddings)
+        if original is None:
+            param("original_max_position_embeddings")
         return theta, RopeScaling(
             "llama3",
             factor=float(param("factor")),
             low_freq_factor=float(param("low_freq_factor")),
             high_freq_factor=float(param("high_freq_factor")),
-            original_max_position_embeddings=int(param("original_max_position_embeddings")),
+            original_max_position_embeddings=int(original),  # type: ignore[arg-type]
         )
     raise ValueError(
         f"rope type {rope_type!r} of model_type {model_type!r} is not supported; expected 'default', 'linear' or 'llama3'"
