@@ -12,6 +12,7 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,7 @@ from cluster.transfer_setup import cluster_secret
 from cluster.worker_choice import WorkerSlot
 from cluster.worker_specs import worker_spec
 from decode_worker.actor import DecodeWorkerActor
+from engine.model_config import ModelConfig
 from prefill_worker.actor import PrefillWorkerActor
 from worker_common.engine_setup import NOSET_VISIBLE_DEVICES
 from worker_common.messages import Role
@@ -42,6 +44,11 @@ CLOSE_WAIT_S = 10.0  # for every worker's close at a shutdown, together
 
 class ClusterBuildError(RuntimeError):
     """The cluster could not be built; the message says which worker failed and why."""
+
+
+class BuildStopped(Exception):
+    """Building the cluster was stopped from outside (`duet serve` got SIGINT or SIGTERM); what
+    it had started is stopped."""
 
 
 @dataclass
@@ -162,16 +169,22 @@ def build_cluster(
     ready_timeout_s: float = 600.0,
     worker_log_level: str | None = None,
     transfer_secret: str | None = None,
+    model: ModelConfig | None = None,
+    fixed_nodes: bool = False,
+    should_stop: Callable[[], bool] = lambda: False,
 ) -> ClusterHandles:
     """Create every actor of ``config`` in the connected Ray cluster; return when all are healthy.
     ``worker_log_level``: the workers' logging level (default: this process's).
     ``transfer_secret``: the secret the workers' transceivers prove to each other (None: from
     ``transfer.secret`` or DUET_TRANSFER_SECRET, else a fresh one for this cluster).
+    ``model``: the model's shape, when read already (preflight.model_of); ``fixed_nodes``: the
+    Ray nodes are all there will be (a Ray the caller started here): every worker must fit them.
+    ``should_stop``: asked while the workers start; True raises BuildStopped (all stopped).
 
     Raises ConfigError, before any actor starts, for a tensor_parallel_size the model cannot be
     split by or no node can host, and for a label selector that no node, or too few for the
     replicas, can meet (cluster/preflight.py)."""
-    preflight(config)
+    preflight(config, model, fixed_nodes)
     # Handed to the workers inside their TransceiverConfig (it never appears in its repr).
     secret = None if config.aggregated else transfer_secret or cluster_secret(config, make=True)
     # Workers find the collector by this name (a name, not a handle in their constructor
@@ -188,17 +201,23 @@ def build_cluster(
             spec = worker_spec(config, Role.DECODE, i, collector_name, worker_log_level, secret)
             h = DecodeWorkerActor.options(**_rank0_options(handles, "decode", i)).remote(spec)
             handles.decode.append(WorkerSlot(spec.worker_id, h))
-        _wait_ready(handles, ready_timeout_s)
+        _wait_ready(handles, ready_timeout_s, should_stop)
     except BaseException:
         handles.shutdown()
         raise
     return handles
 
 
-def _wait_ready(handles: ClusterHandles, timeout_s: float) -> None:
+# How often the wait for the workers asks whether to stop.
+READY_POLL_S = 0.5
+
+
+def _wait_ready(handles: ClusterHandles, timeout_s: float, should_stop: Callable[[], bool]) -> None:
     deadline = time.monotonic() + timeout_s
     pending = {w.worker_id: (w, w.handle.ready.remote()) for w in handles.prefill + handles.decode}
     while pending:
+        if should_stop():
+            raise BuildStopped(f"while workers {sorted(pending)} started")
         left = deadline - time.monotonic()
         if left <= 0:
             raise ClusterBuildError(
@@ -206,7 +225,7 @@ def _wait_ready(handles: ClusterHandles, timeout_s: float) -> None:
                 f"(check `ray status` against prefill/decode resources) or a slow model load"
             )
         refs = [ref for _, ref in pending.values()]
-        done, _ = ray.wait(refs, num_returns=1, timeout=min(left, 5.0))
+        done, _ = ray.wait(refs, num_returns=1, timeout=min(left, READY_POLL_S))
         for ref in done:
             wid = next(k for k, (_, r) in pending.items() if r == ref)
             w, _ = pending.pop(wid)

@@ -87,18 +87,20 @@ class RayNode:
     labels: Mapping[str, str] = field(default_factory=dict)
 
 
-def placement_issues(config: ClusterConfig, nodes: Sequence[RayNode]) -> list[str]:
+def placement_issues(
+    config: ClusterConfig, nodes: Sequence[RayNode], fixed_nodes: bool = False
+) -> list[str]:
     """One line per pool that the live ``nodes`` cannot host: among the nodes its
     ``resources.label_selector`` admits (every node without one), none at all, none that holds
     the ``tensor_parallel_size`` bundles of its resources a worker packs on one node, or (with a
     selector) too few for its replicas, each counted alone. Only what surely cannot be placed is
-    refused: the pools may also share nodes, which this does not count."""
+    refused: the pools may also share nodes, which this does not count, but for ``fixed_nodes``
+    (no node will join: every worker of every pool must fit the nodes' resources together).
+    Ray would otherwise wait for room that never comes (build_cluster, up to its ready timeout)."""
     issues = []
     for name, pool in pools_in_use(config):
         selector = pool.resources.label_selector
         tp = pool.tensor_parallel_size
-        if tp == 1 and not selector:
-            continue  # one actor on any node: Ray places it where it fits
         eligible = [n for n in nodes if label_selector.admits(selector, n.labels)]
         where = f"{name}.resources.label_selector {selector}" if selector else ""
         if not eligible:
@@ -109,7 +111,14 @@ def placement_issues(config: ClusterConfig, nodes: Sequence[RayNode]) -> list[st
             continue
         need = {resource: amount * tp for resource, amount in pool.resources.bundle.items()}
         room = sum(_workers_fit(n.resources, need, pool.replicas) for n in eligible)
-        if tp > 1 and room == 0:
+        if tp == 1 and room == 0:
+            largest = max(eligible, key=lambda n: tuple(n.resources.get(r, 0.0) for r in need))
+            have = {r: largest.resources.get(r, 0.0) for r in need}
+            issues.append(
+                f"{name}.resources: a worker needs {_amounts(need)}, but the largest node "
+                f"{f'that {where} matches ' if selector else ''}has {_amounts(have)}"
+            )
+        elif tp > 1 and room == 0:
             largest = max(
                 eligible, key=lambda n: (n.resources.get("GPU", 0.0), n.resources.get("CPU", 0.0))
             )
@@ -126,7 +135,32 @@ def placement_issues(config: ClusterConfig, nodes: Sequence[RayNode]) -> list[st
                 f"{name}.replicas: {pool.replicas} workers need {per_worker}, but the "
                 f"{len(eligible)} node(s) that {where} matches hold {room}"
             )
+    if fixed_nodes and not issues:
+        issues += _total_issues(config, nodes)
     return issues
+
+
+def _total_issues(config: ClusterConfig, nodes: Sequence[RayNode]) -> list[str]:
+    """Every worker of every pool against all the nodes' resources together."""
+    asked: Counter[str] = Counter()
+    for _, pool in pools_in_use(config):
+        for resource, amount in pool.resources.bundle.items():
+            asked[resource] += amount * pool.tensor_parallel_size * pool.replicas
+    have: Counter[str] = Counter()
+    for n in nodes:
+        have.update({r: n.resources.get(r, 0.0) for r in asked})
+    short = {r: a for r, a in asked.items() if round(a * 10_000) > round(have[r] * 10_000)}
+    if not short:
+        return []
+    per_pool = "; ".join(
+        f"{name}: {pool.replicas} x {_amounts(pool.resources.bundle)}"
+        + (f" x {pool.tensor_parallel_size} ranks" if pool.tensor_parallel_size > 1 else "")
+        for name, pool in pools_in_use(config)
+    )
+    return [
+        f"replicas / resources: the workers need {_amounts(short)} in all ({per_pool}), but "
+        f"this Ray's nodes have {_amounts({r: have[r] for r in short})}"
+    ]
 
 
 def _workers_fit(resources: Mapping[str, float], need: Mapping[str, float], most: int) -> int:
@@ -156,31 +190,44 @@ def _amounts(resources: Mapping[str, float]) -> str:
     return ", ".join(f"{amount:g} {name}" for name, amount in sorted(resources.items()))
 
 
-def preflight(config: ClusterConfig, model: ModelConfig | None = None) -> None:
-    """Raise ConfigError listing every problem of ``config`` with its model (read from its source
-    when not given) and the connected Ray cluster's live nodes."""
-    if model is None:
-        from engine.loaders import read_model_config
+def model_of(config: ClusterConfig) -> ModelConfig:
+    """The shape of ``config``'s model (its config only, no weights), or a ConfigError naming
+    ``model.source`` (a path that is not there, a file of no model format, a broken checkpoint)
+    or ``model.dummy_config``."""
+    from engine.loaders import read_model_config
 
-        dummy = config.model.dummy_config
-        try:
-            model = read_model_config(
-                config.model.source,
-                config.model.load_format,
-                dummy.as_hf_dict() if dummy is not None else None,
-            )
-        except ValueError as e:
-            if dummy is None:
-                raise
-            raise ConfigError(SOURCE, [f"model.dummy_config: {e}"]) from None
+    dummy = config.model.dummy_config
+    try:
+        return read_model_config(
+            config.model.source,
+            config.model.load_format,
+            dummy.as_hf_dict() if dummy is not None else None,
+        )
+    except (OSError, ValueError) as e:
+        field = "model.dummy_config" if dummy is not None else "model.source"
+        raise ConfigError(SOURCE, [f"{field}: {e}"]) from None
+
+
+def preflight(
+    config: ClusterConfig, model: ModelConfig | None = None, fixed_nodes: bool = False
+) -> None:
+    """Raise ConfigError listing every problem of ``config`` with its model (read from its source
+    when not given) and the connected Ray cluster's live nodes. ``fixed_nodes``: the live nodes
+    are all there will be (a Ray this process started on this host), so every worker of every
+    pool must fit them together."""
+    if model is None:
+        model = model_of(config)
     issues = tensor_parallel_issues(config, model) + kv_fit_issues(config, model)
-    if not issues and any(
-        pool.tensor_parallel_size > 1 or pool.resources.label_selector
-        for _, pool in pools_in_use(config)
-    ):
-        issues += placement_issues(config, ray_nodes())
+    if not issues and ray_connected():  # (the nodes are Ray's: nothing to place them on before)
+        issues += placement_issues(config, ray_nodes(), fixed_nodes)
     if issues:
         raise ConfigError(SOURCE, issues)
+
+
+def ray_connected() -> bool:
+    import ray
+
+    return ray.is_initialized()
 
 
 def ray_nodes() -> list[RayNode]:

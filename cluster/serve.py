@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -19,10 +20,12 @@ import ray
 import uvicorn
 from fastapi import FastAPI
 
-from cluster.builder import ClusterBuildError, ClusterHandles, build_cluster
+from cluster.builder import BuildStopped, ClusterBuildError, ClusterHandles, build_cluster
 from cluster.config import ClusterConfig, ConfigError, ServerConfig
 from cluster.frontend import ClusterFrontend
+from cluster.preflight import model_of
 from cluster.server import create_app
+from cluster.transfer_setup import cluster_secret
 from engine.loaders import load_tokenizer
 from engine.loaders.generation_defaults import GenerationDefaults, load_generation_defaults
 
@@ -204,7 +207,7 @@ def start_cluster(
     defaults = sampling_defaults(config)  # (a bad file is refused before anything starts)
     owns_ray = connect_ray(config)
     try:
-        handles = build_cluster(config, worker_log_level=worker_log_level)
+        handles = build_cluster(config, worker_log_level=worker_log_level, fixed_nodes=owns_ray)
     except BaseException:
         if owns_ray:
             ray.shutdown()
@@ -246,42 +249,101 @@ def app_of(config: ClusterConfig, frontend: ClusterFrontend) -> FastAPI:
     return create_app(frontend, api_key, max_body)
 
 
+class _StopSignal:
+    """`duet serve`'s SIGINT and SIGTERM handler: notes the signal, which the start-up checks
+    between its steps and while the workers start. (Raising from the handler instead broke out
+    of Ray's calls as a SystemError; Ray's own SIGTERM handler aborts the process, its workers'
+    and agents' processes left running.)"""
+
+    def __init__(self) -> None:
+        self.name = ""
+
+    def __call__(self, signum: int, _frame: object) -> None:
+        self.name = signal.Signals(signum).name
+
+    def requested(self) -> bool:
+        return bool(self.name)
+
+    def check(self) -> None:
+        if self.name:
+            raise BuildStopped(self.name)
+
+
 def serve(config: ClusterConfig) -> int:
-    """Run until interrupted (what `duet serve CONFIG` does): 0 once stopped, 2 for a setting to
-    fix (the config, a port taken; before any model loads where it can be known then), 1 when a
-    worker did not start. The error is printed in one message, not as a traceback."""
+    """Run until interrupted (what `duet serve CONFIG` does): 0 once stopped (SIGINT or SIGTERM,
+    while the workers start too: everything started is stopped), 2 for a setting to fix (the
+    config, the model's source, the transfer secret, a port taken: before anything starts;
+    resources no Ray node can give, Ray's address), 1 when a worker did not start. The error is
+    printed in one message, not as a traceback."""
     try:
-        defaults = sampling_defaults(config)  # (a bad file is refused before anything starts)
+        model = model_of(config)  # (a model source that is none is refused before anything starts)
+        defaults = sampling_defaults(config)
+        # A fresh transfer secret unless the config or DUET_TRANSFER_SECRET gives one: the
+        # workers' transceivers authenticate each other with it (transfer/handshake.py).
+        secret = None if config.aggregated else secret_of(config)
         # Bound first: a port taken is found before any model loads, and the address printed
         # is the one served (port 0: the port taken).
         sock = server_socket(config)
     except ConfigError as e:
         print(f"duet serve: {e}", file=sys.stderr)
         return 2
-    owns_ray = connect_ray(config)
     handles = None
+    owns_ray = False
+    # (uvicorn takes both signals while it serves, and raises them again once it has stopped.)
+    stop = _StopSignal()
+    handlers = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        # A fresh transfer secret unless the config or DUET_TRANSFER_SECRET gives one: the
-        # workers' transceivers authenticate each other with it (transfer/handshake.py).
-        handles = build_cluster(config)
+        owns_ray = connect_ray(config)
+        for sig in handlers:  # (after Ray's start, which installs its own)
+            signal.signal(sig, stop)
+        stop.check()
+        handles = build_cluster(
+            config,
+            transfer_secret=secret,
+            model=model,
+            fixed_nodes=owns_ray,
+            should_stop=stop.requested,
+        )
         frontend = make_frontend(config, handles, defaults)
         app = app_of(config, frontend)
+        stop.check()
         print(
             f"Duet serving {frontend.model_name} on http://{config.server.host}:"
             f"{sock.getsockname()[1]}",
             flush=True,
         )
         uvicorn.Server(serving_config(app, config.server)).run(sockets=[sock])
+        stop.check()
+    except BuildStopped:
+        print(f"duet serve: stopped ({stop.name})", file=sys.stderr)
+    except ConnectionError as e:  # (Ray's: no cluster at ray.address / RAY_ADDRESS)
+        print(f"duet serve: ray.address: cannot connect to Ray: {e}", file=sys.stderr)
+        return 2
     except (ConfigError, ClusterBuildError) as e:
         print(f"duet serve: {e}", file=sys.stderr)
         return 2 if isinstance(e, ConfigError) else 1
     finally:
-        sock.close()  # (uvicorn closed it already when it served)
-        if handles is not None:
-            handles.shutdown()
-        if owns_ray:
-            ray.shutdown()
+        try:
+            sock.close()  # (uvicorn closed it already when it served)
+            if handles is not None:
+                handles.shutdown()
+            if owns_ray:
+                ray.shutdown()
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
     return 0
+
+
+def secret_of(config: ClusterConfig) -> str:
+    """The cluster's transfer secret (made fresh unless given), or a ConfigError naming where a
+    bad one came from."""
+    try:
+        return cluster_secret(config, make=True)
+    except ValueError as e:
+        raise ConfigError(
+            "transfer section or its environment", [f"transfer.secret: {e}"]
+        ) from None
 
 
 def server_socket(config: ClusterConfig) -> socket.socket:

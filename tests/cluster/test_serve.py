@@ -281,3 +281,102 @@ def add_forever_route(app: FastAPI) -> None:
                 await asyncio.sleep(0.01)
 
         return StreamingResponse(chunks())
+
+
+@pytest.mark.parametrize("source", ["missing.gguf", "garbage.gguf", "empty_dir"])
+def test_a_model_source_that_is_none_is_one_message_before_anything_starts(
+    source: str, tmp_path: Path, capsys
+) -> None:
+    """A path that is not there, a file of no model format, a directory with no checkpoint:
+    exit 2 and one line naming model.source, before Ray starts (tracebacks, the garbage file's
+    after Ray had started; the directory's named model.generation_config)."""
+    import ray
+
+    from cluster.cli import main
+
+    (tmp_path / "garbage.gguf").write_bytes(b"not a model" * 100)
+    (tmp_path / "empty_dir").mkdir()
+    code = main(["serve", str(REPO / "configs" / "local.yaml"), "--port", "0", "--set",
+                 f"model.source={tmp_path / source}"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and not ray.is_initialized(), err
+    assert "model.source: " in err and "Traceback" not in err, err
+
+
+def test_a_bad_transfer_secret_is_one_message_before_anything_starts(
+    capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ray
+
+    from cluster.cli import main
+
+    monkeypatch.setenv("DUET_TRANSFER_SECRET", "short")
+    code = main(["serve", str(REPO / "configs" / "local.yaml"), "--port", "0"])
+    err = capsys.readouterr().err
+    assert code == 2 and not ray.is_initialized(), err
+    assert "transfer.secret: DUET_TRANSFER_SECRET" in err and "Traceback" not in err, err
+
+
+def test_workers_the_nodes_cannot_hold_are_refused_not_waited_for() -> None:
+    """A worker larger than any node (tensor_parallel_size 1 went unchecked), and, when the nodes
+    are all there will be (a Ray `duet serve` started here), more workers than they hold
+    together: Ray waited for room that never came, for the ready timeout (10 minutes)."""
+    from cluster.config import config_from_dict
+    from cluster.preflight import RayNode, placement_issues
+
+    host = [RayNode({"CPU": 2.0})]
+    big = config_from_dict({"decode": {"resources": {"num_cpus": 4}}})
+    assert placement_issues(big, host) == [
+        "decode.resources: a worker needs 4 CPU, but the largest node has 2 CPU"
+    ]
+    many = config_from_dict({"decode": {"replicas": 3, "resources": {"num_cpus": 1}}})
+    assert placement_issues(many, host) == []  # (nodes may join: Ray places them as they come)
+    (issue,) = placement_issues(many, host, fixed_nodes=True)
+    assert issue.startswith("replicas / resources: the workers need 4 CPU in all (prefill: 1 x")
+    assert issue.endswith("but this Ray's nodes have 2 CPU")
+
+
+def test_a_sigterm_while_the_workers_start_stops_everything(tmp_path: Path) -> None:
+    """SIGTERM (a supervisor's stop) while `duet serve` starts its workers: Ray's own handler
+    aborted the process, its dashboard and runtime-env agents left running. Now everything it
+    started stops, and it exits 0 saying so."""
+    out = (tmp_path / "serve.log").open("w+")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "serve", "configs/local.yaml", "--port", "0"],
+        cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while "Started a local Ray instance" not in (tmp_path / "serve.log").read_text():
+            assert serve.poll() is None and time.monotonic() < deadline, (
+                tmp_path / "serve.log"
+            ).read_text()
+            time.sleep(0.2)
+        time.sleep(1.0)  # (the workers are being created)
+        serve.send_signal(signal.SIGTERM)
+        code = serve.wait(120)
+        log = (tmp_path / "serve.log").read_text()
+        assert code == 0 and "duet serve: stopped (SIGTERM)" in log, log
+        assert "Traceback" not in log, log
+        # Nothing of its session runs on (Ray's processes are in it: started by it).
+        deadline = time.monotonic() + 30
+        while _session_processes(serve.pid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _session_processes(serve.pid) == []
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(serve.pid, signal.SIGKILL)
+        out.close()
+
+
+def _session_processes(sid: int) -> list[str]:
+    """The processes of session ``sid`` still running (zombies aside)."""
+    listing = subprocess.run(
+        ["ps", "-e", "-o", "sid=,stat=,args="], capture_output=True, text=True, check=True
+    ).stdout
+    return [
+        line
+        for line in listing.splitlines()
+        if line.split()[0] == str(sid) and not line.split()[1].startswith("Z")
+    ]
