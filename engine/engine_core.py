@@ -28,7 +28,7 @@ from engine.scheduler_config import SchedulerConfig
 from engine.stats import IterationStats, RequestStats, StatsBuffer
 from engine.tokenizer import Tokenizer
 from engine.tp.context import TPContext
-from engine.tp.local_ranks import Ranks, StartRanks, TPRanksLost
+from engine.tp.local_ranks import Ranks, StartRanks, stop_after_failed_step
 from engine.warm_up import warm_up
 from kvcache.manager import KVCacheManager
 from kvcache.sizing import CudaMemory
@@ -379,19 +379,11 @@ class LLMEngine:
         return outputs
 
     def _stop_ranks_after(self, failure: BaseException) -> None:
-        """After a tensor-parallel step failed on its way (runner.tp_failure), stop the other
-        ranks (left inside its collectives, they would wait there out their timeout, and the
-        next step with them) and raise TPRanksLost naming the rank that ended, when one did; an
-        interrupt goes on as it is."""
-        if not self.runner.tp_failure or self.local_ranks is None:
-            return
-        ranks, self.local_ranks = self.local_ranks, None
-        ended = ranks.stop_after_failure(wait=isinstance(failure, Exception))
-        if isinstance(failure, Exception):
-            raise TPRanksLost(
-                f"a tensor-parallel step failed ({ended or self.runner.tp_failure}); the other "
-                "ranks were stopped"
-            ) from failure
+        """After a tensor-parallel step failed on its way (runner.tp_failure): its ranks end
+        (engine/tp/local_ranks.stop_after_failed_step)."""
+        if self.runner.tp_failure and self.local_ranks is not None:
+            ranks, self.local_ranks = self.local_ranks, None
+            stop_after_failed_step(ranks, failure, self.runner.tp_failure)
 
     def _record_finished(self, request: Request) -> None:
         if not self.request_stats.enabled or request.stats_recorded:

@@ -52,6 +52,18 @@ class Ranks(Protocol):
 StartRanks = Callable[[EngineConfig, int], Ranks]
 
 
+def stop_after_failed_step(ranks: Ranks, failure: BaseException, why: str) -> None:
+    """Stop ``ranks`` after rank 0's step failed between its step message and its last
+    collective (``failure``; ``why``: the runner's account of it): left inside the step's
+    collectives, they would wait there out the group's timeout, and every later step with them.
+    Raises TPRanksLost naming the rank that ended, when one did; an interrupt goes on as it is."""
+    ended = ranks.stop_after_failure(wait=isinstance(failure, Exception))
+    if isinstance(failure, Exception):
+        raise TPRanksLost(
+            f"a tensor-parallel step failed ({ended or why}); the other ranks were stopped"
+        ) from failure
+
+
 def rank_device(config: EngineConfig, rank: int) -> str:
     """Rank r's device: on CUDA the r-th GPU counted from rank 0's, ``config.device`` ("cuda":
     the current one, which a cluster worker set to the GPU Ray gave it), the CPU otherwise.
