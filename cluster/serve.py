@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -229,11 +230,28 @@ def start_cluster(
         raise
 
 
+class _CutAtShutdown(logging.Filter):
+    """Drops uvicorn's traceback of each request it cancels when ``server.shutdown_grace_s`` ends
+    (its own line "Cancel N running task(s), timeout graceful shutdown exceeded" says so): about
+    50 lines per open stream, as if each were a failure."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (
+            isinstance(exc, asyncio.CancelledError)
+            and record.getMessage().startswith("Exception in ASGI application")
+        )
+
+
+_CUT_AT_SHUTDOWN = _CutAtShutdown()
+
+
 def serving_config(app: Any, server: ServerConfig) -> uvicorn.Config:
     """uvicorn's settings for `duet serve`: its loggers (one line per request on
     ``uvicorn.access``) at the level ``duet --log-level`` gave the root logger, not at uvicorn's
     own INFO; open requests cut ``server.shutdown_grace_s`` after a SIGTERM (uvicorn waits for
     them without end by default, and a stream may run for request_timeout_s)."""
+    logging.getLogger("uvicorn.error").addFilter(_CUT_AT_SHUTDOWN)  # (once: the same filter)
     return uvicorn.Config(
         app,
         log_level=logging.getLogger().getEffectiveLevel(),
