@@ -11,14 +11,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from transfer.control import ChannelClosed, ControlChannel, FrameTooLarge
 from transfer.frame_seal import data_tag
-from transfer.messages import Message
+from transfer.messages import Message, Reject
 from transfer.page_table import PageTable
 
 if TYPE_CHECKING:
@@ -131,3 +131,26 @@ def ucx_buffer(buf: torch.Tensor) -> Any:
     # ucxx takes host memory through the buffer protocol and device memory through
     # __cuda_array_interface__ (which torch CUDA tensors have).
     return buf.numpy() if buf.device.type == "cpu" else buf
+
+
+class _LinkSession(Protocol):
+    """A transfer on a link (transfer/pull.py's PullSession, transfer/serve.py's ServeSession)."""
+
+    @property
+    def link(self) -> Link | None: ...
+
+    @property
+    def request_id(self) -> str: ...
+
+    def deliver(self, msg: Message) -> None: ...
+
+
+def deliver_reject(msg: Reject, link: Link, sessions: Iterable[_LinkSession]) -> None:
+    """A Reject from ``link``'s channel (the peer's message it could not read, naming the request
+    it could make out: ControlChannel.serve; or the peer's Reject of ours) to the transfers of
+    that request on that link, which fail at once; logged when it names none."""
+    hit = [s for s in sessions if s.link is link and s.request_id == msg.request_id]
+    for session in hit:
+        session.deliver(msg)
+    if not hit:
+        log.warning("%s: %s", link.name, msg.reason)

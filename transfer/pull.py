@@ -68,6 +68,10 @@ class PullSession:
         point = receiver.faults.point(ticket.request_id)
         self.fault = point if point in D_POINTS else None
 
+    @property
+    def request_id(self) -> str:
+        return self.ticket.request_id
+
     # ---- for the data paths and the receiver ----
     def deliver(self, msg: Message) -> None:
         self.events.put_nowait(("msg", msg))

@@ -35,7 +35,7 @@ from transfer import paths
 from transfer.config import TransceiverConfig
 from transfer.faults import FaultInjector
 from transfer.handshake import PeerRefused, connect
-from transfer.link import Link
+from transfer.link import Link, deliver_reject
 from transfer.mapper import Segment
 from transfer.messages import Message, PullError, ReadGrant, Reject, TransferDone, TransferTicket
 from transfer.page_table import PageTable
@@ -290,7 +290,7 @@ class KVReceiver:
             if (
                 session is not None
                 and session.link is link
-                and session.ticket.request_id == msg.request_id
+                and session.request_id == msg.request_id
             ):
                 session.deliver(msg)
             else:
@@ -301,15 +301,7 @@ class KVReceiver:
                     msg.request_id,
                 )
         elif isinstance(msg, Reject):
-            hit = [
-                s
-                for s in self.sessions.values()
-                if s.link is link and s.ticket.request_id == msg.request_id
-            ]
-            for session in hit:
-                session.deliver(msg)
-            if not hit:
-                log.warning("%s: %s", link.name, msg.reason)
+            deliver_reject(msg, link, self.sessions.values())
         else:
             log.warning("%s: unexpected %s dropped", link.name, type(msg).__name__)
 

@@ -32,7 +32,7 @@ from transfer.config import TransceiverConfig
 from transfer.faults import FaultInjector
 from transfer.handshake import accept
 from transfer.leases import LeaseTable
-from transfer.link import Link
+from transfer.link import Link, deliver_reject
 from transfer.mapper import Segment
 from transfer.messages import (
     ChunkReady,
@@ -284,17 +284,7 @@ class KVSender:
                     msg.request_id,
                 )
         elif isinstance(msg, Reject):
-            # D's malformed message (its reader names the request it could make out) fails that
-            # request's pulls on this link at once; D's Reject of one of ours is only logged.
-            hit = [
-                s
-                for s in self.sessions.values()
-                if s.link is link and s.request.request_id == msg.request_id
-            ]
-            for session in hit:
-                session.deliver(msg)
-            if not hit:
-                log.warning("%s: %s", link.name, msg.reason)
+            deliver_reject(msg, link, self.sessions.values())
         elif not isinstance(msg, Ready):
             log.warning("%s: unexpected %s dropped", link.name, type(msg).__name__)
 

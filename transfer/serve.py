@@ -60,6 +60,10 @@ class ServeSession:
         point = sender.faults.point(request.request_id)
         self.fault = point if point in P_POINTS else None
 
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
     def deliver(self, msg: Message) -> None:
         self.events.put_nowait(("msg", msg))
 
