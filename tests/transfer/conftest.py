@@ -15,7 +15,9 @@ import torch
 
 from kvcache.manager import KVCacheManager
 from kvcache.spec import PoolGroupSpec
+from tests.transfer.raw_peer import RawPeer
 from transfer import KVReceiver, KVSender, TransceiverConfig
+from transfer.messages import PullRequest, Welcome
 from transfer.paths import staging
 from transfer.runtime import UcxRuntime
 
@@ -214,3 +216,25 @@ def pair(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Ite
         path = "ucx"
     with checked_pair(path) as made:
         yield made
+
+
+@contextlib.contextmanager
+def joined_raw_peer(pair: Pair, ucx_runtime: UcxRuntime) -> Iterator[RawPeer]:
+    """A raw decode side past the handshake with ``pair``'s sender (the cluster's secret)."""
+    peer = RawPeer(pair.sender.host, pair.sender.port)
+    try:
+        answer = peer.handshake(
+            SECRET.encode(), pair.receiver.page_table, ucx_runtime.worker_address
+        )
+        assert isinstance(answer, Welcome)
+        yield peer
+    finally:
+        peer.close()
+
+
+def staged_pull_request(pair: Pair, rid: str, pull_id: int, credits: list[int]) -> PullRequest:
+    """A staged UCX pull of ``rid``'s published 8 tokens as one chunk, ``credits`` as given."""
+    ticket, src = pair.publish(rid, 8)
+    nbytes = pair.p.specs[0].page_bytes * len(src["full"])
+    dst = {"full": list(range(1, 1 + len(src["full"])))}
+    return PullRequest(rid, pull_id, ticket.lease_gen, src, dst, {"full": 0}, 8, [nbytes], nbytes, credits)  # fmt: skip

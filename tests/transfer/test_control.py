@@ -17,7 +17,14 @@ import msgpack
 import pytest
 import torch
 
-from tests.transfer.conftest import SECRET, Pair, checked_pair, wait_until
+from tests.transfer.conftest import (
+    SECRET,
+    Pair,
+    checked_pair,
+    joined_raw_peer,
+    staged_pull_request,
+    wait_until,
+)
 from tests.transfer.raw_peer import RawPeer, RawServer
 from transfer.control import MAX_FRAME_BYTES, FrameTooLarge, frame
 from transfer.link import Link
@@ -45,12 +52,7 @@ def test_malformed_messages_to_p_are_rejected_and_the_connection_stays_usable(
     wrong_type = msgpack.packb(
         {"v": PROTOCOL_VERSION, "type": "PullRequest", "body": {"request_id": "x", "pull_id": "1"}}
     )
-    peer = RawPeer(pair.sender.host, pair.sender.port)
-    try:
-        answer = peer.handshake(
-            SECRET.encode(), pair.receiver.page_table, ucx_runtime.worker_address
-        )
-        assert isinstance(answer, Welcome)
+    with joined_raw_peer(pair, ucx_runtime) as peer:
         for payload, reason in [
             (b"\xc1 definitely not msgpack", "not a msgpack message"),
             (bad_version, f"unsupported protocol version int 99, expected {PROTOCOL_VERSION}"),
@@ -63,8 +65,6 @@ def test_malformed_messages_to_p_are_rejected_and_the_connection_stays_usable(
         peer.send(TransferAck("nobody", 1, 1, False, "test"))
         peer.send_raw(b"\xc1")
         assert isinstance(peer.recv(), Reject)
-    finally:
-        peer.close()
     assert pair.sender.stats()["rejected_messages"] == 4
     pair.pull_ok("after")
 
@@ -320,65 +320,6 @@ def test_a_grant_whose_send_fails_still_holds_the_pages_for_the_read(
             peer.close()
 
 
-def _pull_request(pair: Pair, rid: str, pull_id: int, credits: list[int]) -> PullRequest:
-    """A staged UCX pull of ``rid``'s published 8 tokens as one chunk, ``credits`` as given."""
-    ticket, src = pair.publish(rid, 8)
-    nbytes = pair.p.specs[0].page_bytes * len(src["full"])
-    dst = {"full": list(range(1, 1 + len(src["full"])))}
-    return PullRequest(rid, pull_id, ticket.lease_gen, src, dst, {"full": 0}, 8, [nbytes], nbytes, credits)  # fmt: skip
-
-
-def test_a_pull_with_credits_outside_its_plan_is_refused_and_the_link_stays_up(
-    ucx_runtime,
-) -> None:
-    """Credits that name no chunk of the plan (one past the data tags' range) are a malformed
-    pull: refused and counted, with no answer on them (D posted no receive there), and the
-    connection goes on serving."""
-    with checked_pair("ucx") as pair:
-        peer = RawPeer(pair.sender.host, pair.sender.port)
-        try:
-            answer = peer.handshake(
-                SECRET.encode(), pair.receiver.page_table, ucx_runtime.worker_address
-            )
-            assert isinstance(answer, Welcome)
-            for i, credits in enumerate([[7], [2**33]]):
-                peer.send(_pull_request(pair, f"bad-{i}", 10 + i, credits))
-                refusal = peer.recv()
-                assert isinstance(refusal, PullError) and refusal.request_id == f"bad-{i}"
-                assert "credits" in refusal.reason
-            assert pair.sender.stats()["refused_pulls"] == 2
-            assert pair.sender.stats()["peers"] == 1  # (the link was not closed)
-            for i in range(2):
-                assert pair.sender.cancel(f"bad-{i}")
-        finally:
-            peer.close()
-        pair.pull_ok("after")
-
-
-def test_a_pull_id_in_use_is_refused_under_its_own_request_and_counted(ucx_runtime) -> None:
-    """A second pull on a link with the id of one being served is refused, counted, and named by
-    its own request, so that D cannot take the refusal for the other pull's."""
-    with checked_pair("ucx", chunk_deadline_s=1.0) as pair:
-        peer = RawPeer(pair.sender.host, pair.sender.port)
-        try:
-            answer = peer.handshake(
-                SECRET.encode(), pair.receiver.page_table, ucx_runtime.worker_address
-            )
-            assert isinstance(answer, Welcome)
-            peer.send(_pull_request(pair, "first", 5, []))  # (no credits: P waits for them)
-            wait_until(lambda: pair.sender.stats()["pulls_in_flight"] == 1)
-            peer.send(_pull_request(pair, "second", 5, []))
-            refusal = peer.recv()
-            assert isinstance(refusal, PullError) and refusal.pull_id == 5
-            assert refusal.request_id == "second" and "pull id in use" in refusal.reason
-            assert pair.sender.stats()["refused_pulls"] == 1
-            assert pair.sender.cancel("second")
-        finally:
-            peer.close()
-        wait_until(lambda: "first" in pair.p.released)  # (its credits never came: deadline)
-        pair.pull_ok("after")
-
-
 def test_a_refusal_naming_another_request_does_not_end_a_pull(ucx_pair: Pair, ucx_runtime) -> None:
     """A PullError with the pull's id but another request's name (what P answers a second pull
     with that id) is dropped: the pull ends on the refusal of its own request."""
@@ -412,13 +353,8 @@ def test_a_malformed_message_naming_a_pull_being_served_fails_it_at_once(ucx_run
     """D's ChunkReady whose credits are not a list: P rejects it and fails the pull it names at
     once (its pages back), rather than at the chunk deadline."""
     with checked_pair("ucx", chunk_deadline_s=30.0) as pair:
-        peer = RawPeer(pair.sender.host, pair.sender.port)
-        try:
-            answer = peer.handshake(
-                SECRET.encode(), pair.receiver.page_table, ucx_runtime.worker_address
-            )
-            assert isinstance(answer, Welcome)
-            peer.send(_pull_request(pair, "served", 3, []))
+        with joined_raw_peer(pair, ucx_runtime) as peer:
+            peer.send(staged_pull_request(pair, "served", 3, []))
             wait_until(lambda: pair.sender.stats()["pulls_in_flight"] == 1)
             body = {"request_id": "served", "pull_id": 3, "chunks": "all of them"}
             peer.send_raw(
@@ -426,6 +362,4 @@ def test_a_malformed_message_naming_a_pull_being_served_fails_it_at_once(ucx_run
             )
             wait_until(lambda: "served" in pair.p.released, timeout=5.0)
             assert pair.sender.stats()["rejected_messages"] == 1
-        finally:
-            peer.close()
         pair.pull_ok("after")

@@ -1,5 +1,6 @@
 """The prefill side's answers to pulls: expired, unknown, stale and forged tickets are refused and
-counted (``refused_pulls``) without touching the right ticket's lease; the link stays up."""
+counted (``refused_pulls``) without touching the right ticket's lease; the link stays up. So
+are malformed pulls (credits outside the plan) and a pull with the id of one being served."""
 
 from __future__ import annotations
 
@@ -7,7 +8,14 @@ import dataclasses
 
 import pytest
 
-from tests.transfer.conftest import Pair, checked_pair, wait_until
+from tests.transfer.conftest import (
+    Pair,
+    checked_pair,
+    joined_raw_peer,
+    staged_pull_request,
+    wait_until,
+)
+from transfer.messages import PullError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -89,3 +97,40 @@ def test_a_cancel_while_a_pull_holds_the_lease_waits_for_the_pull(pair: Pair) ->
     assert result.ok and pair.same(src, dst)
     wait_until(lambda: pair.p.released == ["held"])
     pair.d.free("held")
+
+
+def test_a_pull_with_credits_outside_its_plan_is_refused_and_the_link_stays_up(
+    ucx_runtime,
+) -> None:
+    """Credits that name no chunk of the plan (one past the data tags' range) are a malformed
+    pull: refused and counted, with no answer on them (D posted no receive there), and the
+    connection goes on serving."""
+    with checked_pair("ucx") as pair:
+        with joined_raw_peer(pair, ucx_runtime) as peer:
+            for i, credits in enumerate([[7], [2**33]]):
+                peer.send(staged_pull_request(pair, f"bad-{i}", 10 + i, credits))
+                refusal = peer.recv()
+                assert isinstance(refusal, PullError) and refusal.request_id == f"bad-{i}"
+                assert "credits" in refusal.reason
+            assert pair.sender.stats()["refused_pulls"] == 2
+            assert pair.sender.stats()["peers"] == 1  # (the link was not closed)
+            for i in range(2):
+                assert pair.sender.cancel(f"bad-{i}")
+        pair.pull_ok("after")
+
+
+def test_a_pull_id_in_use_is_refused_under_its_own_request_and_counted(ucx_runtime) -> None:
+    """A second pull on a link with the id of one being served is refused, counted, and named by
+    its own request, so that D cannot take the refusal for the other pull's."""
+    with checked_pair("ucx", chunk_deadline_s=1.0) as pair:
+        with joined_raw_peer(pair, ucx_runtime) as peer:
+            peer.send(staged_pull_request(pair, "first", 5, []))  # (no credits: P waits for them)
+            wait_until(lambda: pair.sender.stats()["pulls_in_flight"] == 1)
+            peer.send(staged_pull_request(pair, "second", 5, []))
+            refusal = peer.recv()
+            assert isinstance(refusal, PullError) and refusal.pull_id == 5
+            assert refusal.request_id == "second" and "pull id in use" in refusal.reason
+            assert pair.sender.stats()["refused_pulls"] == 1
+            assert pair.sender.cancel("second")
+        wait_until(lambda: "first" in pair.p.released)  # (its credits never came: deadline)
+        pair.pull_ok("after")
