@@ -45,6 +45,17 @@ TP_HF_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+# A small engine over those checkpoints (LLM's keyword arguments).
+SMALL_ENGINE: dict[str, Any] = {
+    "page_size": 4,
+    "num_pages": 64,
+    "max_model_len": 64,
+    "prefill_chunk_size": 16,
+    "max_num_batched_tokens": 32,
+    "max_num_seqs": 8,
+}
+
+
 @pytest.fixture(scope="session")
 def tp_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny_tp")

@@ -13,6 +13,7 @@ from engine.cpu_share import usable_cores
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from tests.engine.conftest_engine import assert_no_leak, hf_greedy
+from tests.engine.tp.conftest import SMALL_ENGINE
 
 MAX_TOKENS = 6
 
@@ -29,16 +30,7 @@ def test_greedy_equals_transformers(name: str, tp: int, tp_checkpoints: dict[str
     directory = tp_checkpoints[name]
     hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     threads_before = torch.get_num_threads()
-    with LLM(
-        str(directory),
-        tensor_parallel_size=tp,
-        page_size=4,
-        num_pages=64,
-        max_model_len=64,
-        prefill_chunk_size=16,
-        max_num_batched_tokens=32,
-        max_num_seqs=8,
-    ) as llm:
+    with LLM(str(directory), tensor_parallel_size=tp, **SMALL_ENGINE) as llm:
         spec = llm.engine.kv.specs["full"]
         heads = hf.config.num_key_value_heads
         assert spec.num_kv_heads == max(1, heads // tp)

@@ -18,18 +18,11 @@ from engine.llm import LLM
 from engine.loaders import load_model
 from engine.sampling_params import SamplingParams
 from engine.tp.local_ranks import TPRanksLost
+from tests.engine.tp.conftest import SMALL_ENGINE
 
 pytestmark = pytest.mark.timeout(120)  # (each failure here used to take the 300 s timeout)
 
-SMALL = dict(
-    page_size=4,
-    num_pages=64,
-    max_model_len=64,
-    prefill_chunk_size=16,
-    max_num_batched_tokens=32,
-    max_num_seqs=8,
-    generation_config="none",
-)
+SMALL = {**SMALL_ENGINE, "generation_config": "none"}
 PROMPT = [[1, 2, 3, 4, 5]]
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
@@ -114,5 +107,4 @@ def test_a_loaded_model_is_one_process_s_whole(tp_checkpoints: dict[str, Path]) 
     """LLM.from_loaded(..., tensor_parallel_size=2) ran at tp 1 without a word."""
     loaded = load_model(str(tp_checkpoints["llama"]))
     with pytest.raises(ValueError, match="tensor_parallel_size=2 with a loaded model"):
-        engine_args = {k: v for k, v in SMALL.items() if k != "generation_config"}
-        LLM.from_loaded(loaded, tensor_parallel_size=2, **engine_args)
+        LLM.from_loaded(loaded, tensor_parallel_size=2, **SMALL_ENGINE)
