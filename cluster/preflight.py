@@ -111,23 +111,19 @@ def placement_issues(
             continue
         need = {resource: amount * tp for resource, amount in pool.resources.bundle.items()}
         room = sum(_workers_fit(n.resources, need, pool.replicas) for n in eligible)
-        if tp == 1 and room == 0:
-            largest = max(eligible, key=lambda n: tuple(n.resources.get(r, 0.0) for r in need))
-            have = {r: largest.resources.get(r, 0.0) for r in need}
-            issues.append(
-                f"{name}.resources: a worker needs {_amounts(need)}, but the largest node "
-                f"{f'that {where} matches ' if selector else ''}has {_amounts(have)}"
-            )
-        elif tp > 1 and room == 0:
+        if room == 0:
             largest = max(
                 eligible, key=lambda n: (n.resources.get("GPU", 0.0), n.resources.get("CPU", 0.0))
             )
             have = {r: largest.resources.get(r, 0.0) for r in need}
+            node = f"the largest node {f'that {where} matches ' if selector else ''}has"
             what = "resources.num_gpus" if "GPU" in need else "resources.num_cpus"
             issues.append(
-                f"{name}.tensor_parallel_size: {tp} ranks need {_amounts(need)} on one node (each "
-                f"rank {name}.{what} and the rest of {name}.resources), but the largest node "
-                f"{f'that {where} matches ' if selector else ''}has {_amounts(have)}"
+                f"{name}.resources: a worker needs {_amounts(need)}, but {node} {_amounts(have)}"
+                if tp == 1
+                else f"{name}.tensor_parallel_size: {tp} ranks need {_amounts(need)} on one node "
+                f"(each rank {name}.{what} and the rest of {name}.resources), but {node} "
+                f"{_amounts(have)}"
             )
         elif selector and room < pool.replicas:
             per_worker = f"{_amounts(need)} each" + (f" on one node ({tp} ranks)" if tp > 1 else "")
@@ -217,17 +213,13 @@ def preflight(
     pool must fit them together."""
     if model is None:
         model = model_of(config)
+    import ray
+
     issues = tensor_parallel_issues(config, model) + kv_fit_issues(config, model)
-    if not issues and ray_connected():  # (the nodes are Ray's: nothing to place them on before)
+    if not issues and ray.is_initialized():  # (no Ray yet: no nodes to place the workers on)
         issues += placement_issues(config, ray_nodes(), fixed_nodes)
     if issues:
         raise ConfigError(SOURCE, issues)
-
-
-def ray_connected() -> bool:
-    import ray
-
-    return ray.is_initialized()
 
 
 def ray_nodes() -> list[RayNode]:
