@@ -106,7 +106,7 @@ def random_workload(
     # (drawn after the lengths: without a prefix the prompts are those of earlier versions)
     prefix = _draw_ids(rng, ids_pool, prefix_len)
     return [
-        _request(prefix + _draw_ids(rng, ids_pool, n_in), n_out, codec, None, None, (rng, ids_pool))
+        _request(prefix + _draw_ids(rng, ids_pool, n_in), n_out, codec, None, draw=(rng, ids_pool))
         for n_in, n_out in zip(in_lens, out_lens, strict=True)
     ]
 
@@ -143,8 +143,7 @@ def shared_prefix_workload(
             out_lens[i],
             codec,
             i % num_groups,
-            None,
-            (rng, ids_pool),
+            draw=(rng, ids_pool),
         )
         for i in range(num_prompts)
     ]
@@ -192,6 +191,6 @@ def multi_turn_workload(
                 history[c] = history[c] + answer + new
             after = len(requests) - num_conversations if turn else None
             requests.append(
-                _request(list(history[c]), out_lens[c], codec, c, after, (rng, ids_pool))
+                _request(list(history[c]), out_lens[c], codec, c, after, draw=(rng, ids_pool))
             )
     return requests
