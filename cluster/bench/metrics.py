@@ -119,12 +119,12 @@ def summarize_run(
     """The metrics of one run, keyed like `vllm bench serve` where the names overlap.
 
     Throughputs divide by ``duration_s`` (the run's wall time, its start to the last completion,
-    as vLLM's) and count successful requests only; a prompt whose length nobody knows counts as 0
-    input tokens. TTFT, TPOT and E2EL statistics are over successful requests; ITL over every gap
-    of every successful request, pooled. Per-request lists (seconds) are kept for plots and re-analysis:
-    one entry per request, in the order of ``records``, as `vllm bench serve` writes them (a
-    failed request has input length as sent, output length 0, TTFT 0.0, no ITLs and text "";
-    Duet's own ``tpots`` and ``e2els`` say null where a request has none).
+    as vLLM's) and count successful requests only; a prompt whose length nobody knows counts as
+    0 input tokens. TTFT, TPOT and E2EL statistics are over successful requests; ITL over every
+    gap of every successful request, pooled. Per-request lists (seconds) are kept for plots and
+    re-analysis: one entry per request, in the order of ``records``, as `vllm bench serve`
+    writes them (a failed request has input length as sent, output length 0, TTFT 0.0, no ITLs
+    and text ""; Duet's own ``tpots`` and ``e2els`` say null where a request has none).
     """
     if duration_s <= 0.0:
         raise ValueError(f"run duration must be positive, got {duration_s}")
