@@ -23,7 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engine.cpu_share import apply_cpu_share
 from engine.engine_config import EngineConfig
-from engine.tp.comm import TPGroup, open_store
+from engine.tp.comm import TPGroup, open_store, wait_arrivals
 from transfer import TransceiverConfig, TransferResult
 from transfer.messages import TransferTicket
 from transfer.stats import TransferCounters, TransferStats
@@ -176,6 +176,32 @@ def take_worker_down(worker_id: str, problem: str) -> None:
     os._exit(1)
 
 
+class _StartWatch:
+    """Rank 0's watch on ranks 1.. until they join its group (engine.tp.comm.wait_arrivals): one
+    ping in flight per rank, a new one once the last answered. A rank that died before joining
+    (its actor failed to start, or its process exited) is named at once: rank 0 waited out the
+    group's timeout (300 s) for it."""
+
+    def __init__(self, actors: list[Any]) -> None:
+        self.actors = actors
+        self.pings = [a.ping.remote() for a in actors]
+
+    def problem(self) -> str:
+        answered, _ = ray.wait(self.pings, num_returns=len(self.pings), timeout=0)
+        for rank, ping in enumerate(self.pings, 1):
+            if ping not in answered:
+                continue
+            try:
+                alive = ray.get(ping)
+            except Exception as e:  # RayActorError: the rank's actor or process is gone
+                first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                return f"tensor-parallel rank {rank} died at start-up ({type(e).__name__}: {first_line})"
+            if not alive:
+                return f"tensor-parallel rank {rank}'s loop ended at start-up"
+            self.pings[rank - 1] = self.actors[rank - 1].ping.remote()
+        return ""
+
+
 class RayRanks:
     """Rank 0's handle on ranks 1..size-1 (engine.tp.local_ranks.Ranks)."""
 
@@ -215,6 +241,7 @@ class RayRanks:
         ]
         self._closing = threading.Event()
         try:
+            wait_arrivals(store, size, _StartWatch(self.actors).problem)
             self.group = TPGroup.connect(
                 0, size, store.port, torch.device(config.device), store=store
             )
