@@ -46,6 +46,7 @@ class CompletionChoices:
         self.prompt_texts = prompt_texts
         self.names = names
         self._echoed: set[int] = set()  # choices whose stream sent the prompt
+        self._opened: set[int] = set()  # choices whose stream sent a chunk
         self._offsets: dict[int, int] = {}  # each streamed choice's characters so far
         self._last: dict[int, list[int]] = {}  # each streamed choice's last tokens (CONTEXT)
 
@@ -96,8 +97,14 @@ class CompletionChoices:
             choice = resp.completion_choice(index, text, c.end, token_ids, logprobs)
             asked = self.body.prompt_logprobs_asked is not None
             choice["prompt_logprobs"] = prompt_logprobs(scored, self.names.name) if asked else None
+            self._with_prompt_ids(index, choice)
             out.append(choice)
         return out
+
+    def _with_prompt_ids(self, index: int, choice: dict[str, Any]) -> None:
+        """vLLM's return_token_ids: choice ``index`` names its prompt's token ids."""
+        if self.body.return_token_ids:
+            choice["prompt_token_ids"] = self.prompt_ids[index // self.body.n]
 
     def chunk(self, index: int, d: TokenDelta) -> dict[str, Any]:
         """The stream chunk of choice ``index``'s delta ``d``; the prompt goes with its first."""
@@ -115,4 +122,8 @@ class CompletionChoices:
             scored = self.prompt_ids[index // self.body.n] if echo else before
             self._last[index] = [*scored, *token_ids][-CONTEXT:]
         end = resp.Ending(d.finish_reason, d.stop_reason)
-        return resp.completion_chunk(self.head, index, text, end, token_ids, logprobs)
+        chunk = resp.completion_chunk(self.head, index, text, end, token_ids, logprobs)
+        if index not in self._opened:
+            self._opened.add(index)
+            self._with_prompt_ids(index, chunk["choices"][0])
+        return chunk

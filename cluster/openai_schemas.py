@@ -124,6 +124,10 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[int, float] | None = None
     # vLLM's extension: logprobs name tokens "token_id:<id>", not by their text.
     return_tokens_as_token_ids: bool = False
+    # vLLM's extension: the answer carries the prompt's token ids (completions: in each choice,
+    # chat: beside the choices; a stream: in its first chunk of each choice, chat's once) and
+    # each choice's generated ids (which completions and chat streams carry anyway).
+    return_token_ids: bool = False
     # vLLM's extension: only these tokens may be sampled.
     allowed_token_ids: list[int] | None = None
     # vLLM's extension: keep only the prompt's last k tokens (-1: max_model_len of them, vLLM's

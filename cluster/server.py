@@ -336,6 +336,8 @@ def create_app(
                 for delta in opening
                 for i in range(len(reqs))
             ]
+            if body.return_token_ids:  # (vLLM's: in the stream's first chunk only)
+                first[0]["prompt_token_ids"] = ids
             return _streamed(
                 answers.stream(
                     reqs, make, body.include_usage, len(ids), first, body.continuous_usage, body.n
@@ -358,6 +360,10 @@ def create_app(
                 ],
                 whole_usage(len(ids), choices, body.n),
             )
+            if body.return_token_ids:
+                answer["prompt_token_ids"] = ids
+                for choice, c in zip(answer["choices"], choices, strict=True):
+                    choice["token_ids"] = c.token_ids
             if body.prompt_logprobs is not None:  # (vLLM's: beside the choices)
                 answer["prompt_logprobs"] = prompt_logprobs(choices[0].prompt_logprobs, name)
             return answer

@@ -1,7 +1,8 @@
 """vLLM's and OpenAI's request fields at the HTTP edge over a real decode worker: logit_bias and
 allowed_token_ids reach the sampler, truncate_prompt_tokens cuts the prompt, and
 continuous_usage_stats puts usage in every chunk, usage says the prompt tokens read from the prefix
-cache, chat's echo repeats the message the answer goes on with."""
+cache, chat's echo repeats the message the answer goes on with, return_token_ids names the prompt's
+ids and each choice's."""
 
 from __future__ import annotations
 
@@ -155,3 +156,44 @@ def test_chat_echo_starts_the_answer_with_the_message_it_continues(http) -> None
     r = http.post("/v1/chat/completions", json=body | {"echo": True, "messages": conv})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"].startswith("Bonjour,\nje")
+
+
+def test_return_token_ids_names_the_prompts_ids_and_each_choices(http, backend) -> None:
+    """vLLM's return_token_ids: completions put the prompt's ids in each choice (a batch: each
+    prompt's own), chat beside the choices, with each choice's generated ids; a stream says the
+    prompt's once, in each choice's first chunk (chat: the stream's first chunk). Refused as an
+    unknown field before."""
+    ask = {"max_tokens": 2, "ignore_eos": True, "temperature": 0, "return_token_ids": True}
+    prompts = ["one two three", "four five"]
+    whole = http.post("/v1/completions", json={"model": MODEL, "prompt": prompts, "n": 2} | ask)
+    assert whole.status_code == 200, whole.text
+    choices = whole.json()["choices"]
+    assert [c["prompt_token_ids"] for c in choices] == [
+        backend.encode(p) for p in prompts for _ in "ab"
+    ]
+    assert all(len(c["token_ids"]) == 2 for c in choices)
+    body = {"model": MODEL, "prompt": prompts[0], "n": 2, "stream": True} | ask
+    chunks = events(http.post("/v1/completions", json=body).text)
+    said: dict[int, list] = {}
+    for c in chunks:
+        (choice,) = c["choices"]
+        if "prompt_token_ids" in choice:
+            assert choice["index"] not in said
+            said[choice["index"]] = choice["prompt_token_ids"]
+    assert said == {0: backend.encode(prompts[0]), 1: backend.encode(prompts[0])}
+    plain = http.post(
+        "/v1/completions", json={"model": MODEL, "prompt": prompts[0], "max_tokens": 1}
+    )
+    assert "prompt_token_ids" not in plain.json()["choices"][0]
+
+    chat = http.post("/v1/chat/completions", json=CHAT | ask).json()
+    prompt_ids = chat["prompt_token_ids"]
+    assert chat["usage"]["prompt_tokens"] == len(prompt_ids) > 0
+    assert backend.requests[-1].prompt_token_ids.tolist() == prompt_ids
+    (choice,) = chat["choices"]
+    assert backend.decode(choice["token_ids"]) == choice["message"]["content"]
+    streamed = events(http.post("/v1/chat/completions", json=CHAT | ask | {"stream": True}).text)
+    assert streamed[0]["prompt_token_ids"] == prompt_ids
+    assert all("prompt_token_ids" not in c for c in streamed[1:])
+    assert [t for c in streamed for t in c["choices"][0]["token_ids"]] == choice["token_ids"]
+    assert "prompt_token_ids" not in http.post("/v1/chat/completions", json=CHAT).json()
