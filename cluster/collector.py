@@ -196,6 +196,7 @@ class PerfMetricsCollector:
             decode=decode,
             failed_prefill_attempts=attempt,
             closed_reason=join.closed.reason if join.closed is not None else None,
+            closed_decoded_tokens=join.closed.decoded_tokens if join.closed is not None else 0,
         )
 
     def _evict_oldest_pending(self) -> None:

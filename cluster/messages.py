@@ -48,6 +48,8 @@ class PerfRecord:
     decode: RequestTimings | None
     failed_prefill_attempts: int = 0
     closed_reason: str | None = None  # the router's RequestClosed.reason, when it closed it
+    # The router's RequestClosed.decoded_tokens: what a decode worker that failed streamed
+    closed_decoded_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.prefill is None and self.decode is None:
@@ -137,19 +139,26 @@ class PerfRecord:
         return self._prefiller.cached_tokens
 
     @property
-    def output_tokens(self) -> int:
-        """All output tokens, the first one (sampled by the prefiller) included."""
+    def _reported_tokens(self) -> int:
+        """The output tokens the reports account for, the first one included."""
         if self.prefill is not None and self.decode is not None and self._prefiller is self.prefill:
             return self.prefill.output_tokens + self.decode.output_tokens
         return self._last.output_tokens
 
     @property
+    def output_tokens(self) -> int:
+        """All output tokens the client got, the first one (sampled by the prefiller) included,
+        and those of a decode worker that failed before it reported."""
+        return self._reported_tokens + self.closed_decoded_tokens
+
+    @property
     def tpot_s(self) -> float | None:
-        """Time per output token after the first: (last token - first token) / (outputs - 1)."""
+        """Time per output token after the first: (last token - first token) / (outputs - 1), of
+        the reported tokens (a failed decode worker's have no times)."""
         span = _span(self.first_token_time, self._last.last_token_time)
-        if span is None or self.output_tokens < 2:
+        if span is None or self._reported_tokens < 2:
             return None
-        return span / (self.output_tokens - 1)
+        return span / (self._reported_tokens - 1)
 
     @property
     def token_gaps_s(self) -> tuple[float, ...]:
@@ -208,15 +217,19 @@ class PerfRecord:
 
 @dataclass(frozen=True)
 class RequestClosed:
-    """The router ended a request before any decode worker took it (its client went away, or no
-    prefill attempt succeeded and there was no fallback): the report of prefill attempt
+    """The router ended a request without a decode worker's report (its client went away before
+    one took it, no prefill attempt succeeded and there was no fallback, or the decode worker
+    died): the report of prefill attempt
     ``last_attempt`` (the last whose worker reports it; a worker that died reports nothing)
     completes the request's record, which ends with ``reason`` ("abort", "error") where that
-    report has no finish of its own (it had handed the request off)."""
+    report has no finish of its own (it had handed the request off). Or a decode worker failed
+    mid-stream, after ``decoded_tokens`` tokens."""
 
     request_id: str
     last_attempt: int
     reason: str = "abort"
+    # Output tokens a decode worker streamed to the client before it failed (it reports nothing)
+    decoded_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.last_attempt < 0:

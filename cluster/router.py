@@ -202,13 +202,15 @@ class Router:
         self._ordering.add(task)
         task.add_done_callback(self._ordering.discard)
 
-    def _closed(self, request_id: str, last_reported: int, reason: str) -> None:
-        """Tell the collector the request ended here, without a decode worker: the report of
-        attempt ``last_reported`` is the last to come (-1: no worker will report it, nothing is
-        to close)."""
+    def _closed(
+        self, request_id: str, last_reported: int, reason: str, decoded_tokens: int = 0
+    ) -> None:
+        """Tell the collector the request ended here, without a decode worker's report (after
+        ``decoded_tokens`` of a decode worker that died): the report of attempt ``last_reported``
+        is the last to come (-1: no worker will report it, nothing is to close)."""
         if last_reported >= 0 and self.close_request is not None:
             try:
-                self.close_request(RequestClosed(request_id, last_reported, reason))
+                self.close_request(RequestClosed(request_id, last_reported, reason, decoded_tokens))
             except Exception as e:  # metrics are an aid: never a reason to fail the request
                 log.warning("could not close %s with the collector: %s", request_id, e)
 
@@ -289,6 +291,7 @@ class Router:
         worker's cached prefix is neither pulled nor computed again)."""
         rid = req.request_id
         started = finished = ok = False
+        streamed = 0  # output tokens the decode workers' deltas brought
         d: WorkerSlot | None = None
         replaced: WorkerSlot | None = None  # a worker found unavailable before its first token
         gen: Any = None
@@ -341,6 +344,7 @@ class Router:
                             pworker.handle.cancel.remote(rid)
                         finished = delta.finish_reason is not None or delta.error is not None
                         ok = finished and delta.error is None
+                        streamed += len(delta.token_ids)
                         yield delta
                     if not finished:
                         finished = True
@@ -360,7 +364,7 @@ class Router:
                             d.handle.abort.remote(rid)  # (for nobody, its pages held till done)
                         # A decode worker that died reports nothing: the prefill's report is the
                         # last the collector gets (it waited for D's until its pending bound).
-                        self._closed(rid, last_reported, "error")
+                        self._closed(rid, last_reported, "error", streamed)
                         yield _worker_failed(req, d.worker_id, e)
                     else:
                         log.warning(

@@ -143,6 +143,14 @@ def test_a_close_after_a_worker_that_died_ends_with_the_last_report_that_comes()
     assert collector.stats().pending == 0
 
 
+def test_a_close_after_a_decode_worker_died_mid_stream_counts_its_tokens() -> None:
+    collector = PerfMetricsCollector(DISAGGREGATED)
+    collector.ingest([prefill_timings("r1")])
+    collector.close(RequestClosed("r1", last_attempt=0, reason="error", decoded_tokens=3))
+    [record] = collector.drain()
+    assert (record.output_tokens, record.finish_reason) == (4, "error")
+
+
 def test_a_close_at_the_first_token_gives_the_record_its_end() -> None:
     """The client left as P handed the request off: P's report has no finish of its own."""
     collector = PerfMetricsCollector(DISAGGREGATED)

@@ -77,6 +77,17 @@ def test_request_that_ended_on_the_prefill_worker() -> None:
     assert record.finish_reason == "abort"
 
 
+def test_a_request_whose_decode_worker_died_counts_the_tokens_it_streamed() -> None:
+    """P's report (its first token, handed off) closed by the router after the decode worker
+    died having streamed 4 tokens: 5 output tokens, as the client got; no TPOT (the dead
+    worker's tokens have no times)."""
+    record = PerfRecord(
+        "r4", prefill_timings("r4"), None, closed_reason="error", closed_decoded_tokens=4
+    )
+    assert (record.output_tokens, record.tpot_s, record.finish_reason) == (5, None, "error")
+    assert record.to_dict()["output_tokens"] == 5
+
+
 def test_local_prefill_fallback_ignores_the_failed_attempt_on_the_prefill_worker() -> None:
     failed = prefill_timings("r4", transfer_end=None, finish_reason="error")  # P ran, KV never came
     decode = decode_timings(

@@ -172,6 +172,34 @@ def test_a_decode_worker_lost_mid_stream_is_told_to_abort(local_ray: None) -> No
     wait_aborted(lost, "lost-1")
 
 
+@ray.remote(num_cpus=0, max_restarts=0)
+class _DiesMidStream:
+    """A decode worker whose process exits after it streamed two tokens."""
+
+    async def decode(self, req: GenerateRequest, pre: PrefillResult) -> AsyncIterator[TokenDelta]:
+        yield TokenDelta(req.request_id, [6, 7], "yz", None, 3, 3)
+        await asyncio.sleep(0.2)  # (the delta on its way before the process goes)
+        os._exit(1)
+
+    async def abort(self, *args: object) -> None:
+        pass
+
+
+def test_a_decode_worker_dead_mid_stream_closes_the_request_with_its_tokens(
+    local_ray: None,
+) -> None:
+    """A decode worker that dies mid-stream reports nothing: the collector is told P's report is
+    the last, and how many tokens the dead worker streamed, so the request's record counts the
+    three tokens its client got, not P's one."""
+    router = one_to_one(HandingPrefill.remote(), _DiesMidStream.remote(), call_timeout_s=60)
+    closed = closing(router)
+    req = GenerateRequest("died-1", [1, 2, 3], SamplingParams(), time.time())
+    deltas = asyncio.run(collect(router, req))
+    assert [d.token_ids for d in deltas[:2]] == [[5], [6, 7]]
+    assert deltas[-1].error.startswith("decode worker d-0 failed (ActorDiedError)"), deltas[-1]
+    assert closed == [RequestClosed("died-1", last_attempt=0, reason="error", decoded_tokens=2)]
+
+
 @ray.remote(num_cpus=0)
 class _UnreachablePrefill(KeepsCancels):
     """A prefill worker alive but out of the router's reach: its call fails as an unavailable
