@@ -53,11 +53,32 @@ def connect_ray(config: ClusterConfig) -> bool:
     if config.ray.runtime_env:
         kwargs["runtime_env"] = dict(config.ray.runtime_env)
     if address:
+        check_reachable(address)
         ray.init(address=address, **kwargs)
         return False
     _keep_local_ray_on_loopback()
     ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, **kwargs)
     return True
+
+
+RAY_REACH_TIMEOUT_S = 5.0
+
+
+def check_reachable(address: str) -> None:
+    """ConnectionError unless something accepts a connection at a Ray ``address`` that names a
+    host and port (``host:port``, ``ray://host:port``; "auto" and "local" are Ray's to find):
+    with nothing there, ray.init retried for minutes, Ctrl-C unheard."""
+    target = address.removeprefix("ray://")
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), RAY_REACH_TIMEOUT_S).close()
+    except OSError as e:
+        raise ConnectionError(
+            f"nothing accepts connections at {address} ({e}); is a Ray head running there "
+            "(`ray start --head`)?"
+        ) from e
 
 
 def _keep_local_ray_on_loopback() -> None:

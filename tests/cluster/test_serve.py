@@ -391,3 +391,26 @@ def _session_processes(sid: int) -> list[str]:
         for line in listing.splitlines()
         if line.split()[0] == str(sid) and not line.split()[1].startswith("Z")
     ]
+
+
+@pytest.mark.parametrize("scheme", ["", "ray://"])
+def test_a_ray_address_where_nothing_listens_is_one_message_at_once(scheme: str, capsys) -> None:
+    """ray.address naming a port nothing listens on: exit 2 and one line naming ray.address, at
+    once (ray.init retried for minutes and did not hear Ctrl-C)."""
+    import ray
+
+    from cluster.cli import main
+    from cluster.serve import listening_socket
+
+    closed = listening_socket("127.0.0.1", 0)
+    port = closed.getsockname()[1]
+    closed.close()  # (a port just freed: nothing listens there)
+    code = main(["serve", str(REPO / "configs" / "local.yaml"), "--port", "0", "--set",
+                 f"ray.address={scheme}127.0.0.1:{port}"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and not ray.is_initialized(), err
+    assert (
+        f"ray.address: cannot connect to Ray: nothing accepts connections at {scheme}127.0.0.1:{port}"
+        in err
+    )
+    assert "Traceback" not in err, err
