@@ -74,8 +74,7 @@ class IncrementalDetokenizer:
             # (after an added token nothing is held back: the delta is this token's text alone)
             bare = added if self._last_added else None
             self._last_added = added is not None
-        prefix_text = self._decode(self._ids[self.prefix_offset : self.read_offset])
-        new_text = self._decode(self._ids[self.prefix_offset :])
+        prefix_text, new_text = self._windows()
         if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
             return ""
         delta = new_text[len(prefix_text) :] if bare is None else bare
@@ -83,13 +82,23 @@ class IncrementalDetokenizer:
         self.text += delta
         return delta
 
+    def _windows(self) -> tuple[str, str]:
+        """The text emitted so far of the window, and the window's whole text. The first ends in
+        U+FFFD only where the prompt ends inside a character: a generated token that completes it
+        replaces that U+FFFD, so the emitted part is counted without it, and the character goes
+        out whole (as vLLM's does; it was lost, the text no longer than before)."""
+        prefix_text = self._decode(self._ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self._ids[self.prefix_offset :])
+        if not new_text.startswith(prefix_text):
+            prefix_text = prefix_text.rstrip(REPLACEMENT_CHAR)
+        return prefix_text, new_text
+
     def add_many(self, token_ids: Iterable[int]) -> str:
         return "".join(self.add(token_id) for token_id in token_ids)
 
     def finish(self) -> str:
         """The held-back rest at the end of the stream (an incomplete character decodes as U+FFFD)."""
-        prefix_text = self._decode(self._ids[self.prefix_offset : self.read_offset])
-        new_text = self._decode(self._ids[self.prefix_offset :])
+        prefix_text, new_text = self._windows()
         delta = new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
         self.prefix_offset = self.read_offset = len(self._ids)
         self.text += delta

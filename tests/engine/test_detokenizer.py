@@ -77,6 +77,23 @@ def test_incomplete_character_is_released_by_finish(default_model: LoadedModel) 
     assert detok.finish() == tok.decode([first_piece]) == " " + REPLACEMENT_CHAR
 
 
+def test_a_character_the_prompt_began_goes_out_whole(default_model: LoadedModel) -> None:
+    """A prompt that ends inside a character (a client sending back prompt + output cut mid-
+    emoji): the generated tokens that complete it give the whole character, as vLLM's stream
+    does. It was lost: the completed character took the place of the prompt's U+FFFD, the text
+    grew no longer, and the next delta started after it."""
+    tok = _tok(default_model)
+    ids = tok.encode("Hello 日本語 ok")
+    split = [tok.id_to_token(i) for i in ids].index("Ĺ")  # ("Ġæ", "Ĺ", "¥": " 日"'s bytes)
+    for cut in (split, split + 1):  # (the prompt holds one or two of 日's three bytes)
+        detok = IncrementalDetokenizer(tok, prompt_ids=ids[:cut])
+        deltas = [detok.add(i) for i in ids[cut:]] + [detok.finish()]
+        assert "".join(deltas) == "日本語 ok", deltas
+    # a prompt ending in a broken character that nothing completes: not said again
+    detok = IncrementalDetokenizer(tok, prompt_ids=ids[:split])
+    assert detok.add_many(tok.encode(" ok")) + detok.finish() == " ok"
+
+
 # Ids of byte-level tokens that are (parts of) multi-byte characters, mixed with ordinary words.
 _PIECES = st.sampled_from(
     [179, 120, 248, 241, 115, 40303, 218, 17097, 40993, 2756, 88, 31394, 905, 216, 198, 1, 2]
