@@ -201,6 +201,8 @@ def render_chat_template(
     messages = [
         m | {"content": as_content(m["content"])} if "content" in m else m for m in messages
     ]
+    if continue_final_message and messages:
+        messages[-1] = messages[-1] | {"content": _tagged(messages[-1].get("content"))}
     # (a special token the model lacks is left undefined, which renders as "", as transformers
     # leaves it out; None would render "None")
     specials = {k: v for k, v in (special_tokens or {}).items() if v is not None}
@@ -211,7 +213,7 @@ def render_chat_template(
         )
     except jinja2.TemplateError as exc:
         raise ChatTemplateError(f"chat template failed: {exc}") from exc
-    return _cut_after_final_message(text, messages) if continue_final_message else text
+    return _cut_at_tag(text) if continue_final_message else text
 
 
 @lru_cache(maxsize=32)
@@ -234,17 +236,31 @@ def _developer_as_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]
     return [{"role": "system", "content": "\n\n".join(t for t in texts if t)}, *converted[lead:]]
 
 
-def _cut_after_final_message(text: str, messages: list[dict[str, Any]]) -> str:
-    """``text`` up to the end of the last message's content (transformers' rule: the last place
-    its stripped content appears; its trailing spaces kept only where the template kept them)."""
-    final = content_text(messages[-1].get("content")) if messages else ""
-    at = text.rfind(final.strip()) if final.strip() else -1
+# Where the last message's content ends, for continue_final_message: written after the content,
+# found in the rendered text (transformers' rule, and its tag); a search for the content itself
+# found the wrong place where the text after it repeats it ("e" in "<|im_end|>").
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _tagged(content: Any) -> str | list[dict[str, str]]:
+    """The last message's content with the tag after its (last part's) text."""
+    if isinstance(content, list):
+        if not content:
+            raise ChatTemplateError(
+                "continue_final_message: the last message has no text to continue"
+            )
+        last = content[-1]
+        return [*content[:-1], last | {"text": last["text"] + _CONTINUE_TAG}]
+    return (content or "") + _CONTINUE_TAG
+
+
+def _cut_at_tag(text: str) -> str:
+    """``text`` up to the end of the last message's content (its trailing spaces kept only where
+    the template kept them)."""
+    at = text.rfind(_CONTINUE_TAG.strip())
     if at == -1:
         raise ChatTemplateError(
             "continue_final_message: the last message does not appear in the rendered chat "
-            "(an empty message, or a template that rewrites it)"
+            "(a template that drops or rewrites it)"
         )
-    kept = final.lstrip()
-    if text[at : at + len(kept)] == kept:
-        return text[: at + len(kept)]
-    return text[: at + len(final.strip())]
+    return text[:at] if text[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()

@@ -147,6 +147,25 @@ def test_continue_final_message_renders_as_transformers(
         tiny_llm.chat(conv, GREEDY, False, continue_final_message=True)
 
 
+@pytest.mark.parametrize("final", ["t", "", "  ", "eot_id", "wait  "])
+def test_continue_final_message_ends_where_transformers_ends_it(
+    tiny_llm: LLM, tiny_hf_checkpoints: dict[str, Path], final: object
+) -> None:
+    """A last message whose text the template writes again after it ("t" in "<|eot_id|>"): the
+    prompt was cut there, inside the special token; an empty one was refused."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(tiny_hf_checkpoints["llama3"])
+    conv = CONV + [{"role": "assistant", "content": final}]
+    want = hf.apply_chat_template(
+        conv, tokenize=False, add_generation_prompt=False, continue_final_message=True
+    )
+    out = tiny_llm.chat(
+        conv, GREEDY, False, add_generation_prompt=False, continue_final_message=True
+    )
+    assert out[0].prompt == want
+
+
 def test_n_completions_are_n_requests_seeded_seed_plus_i(tiny_llm: LLM) -> None:
     sampled = SamplingParams(temperature=1.0, max_tokens=6, seed=5, ignore_eos=True)
     three = SamplingParams(**{**_fields(sampled), "n": 3})
