@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
@@ -60,6 +61,23 @@ class KVPuller(Protocol):
     def stats(self) -> dict[str, Any]: ...
     def drain_transfer_stats(self) -> list[TransferStats]: ...
     def close(self) -> None: ...
+
+
+class NoPagesInTime(RuntimeError):
+    """No free KV pages for a request within decode.page_wait_deadline_s (the client is told so,
+    naming the field; the log has the worker and request too)."""
+
+    def __init__(self, worker_id: str, rid: str, prompt_tokens: int, wait_s: float) -> None:
+        self.for_client = f"no free KV pages within {wait_s:g}s (decode.page_wait_deadline_s)"
+        super().__init__(
+            f"decode worker {worker_id}: {self.for_client}, for {rid} ({prompt_tokens} prompt "
+            "tokens)"
+        )
+
+
+class LeaseEndedWaiting(RuntimeError):
+    """P's lease on a request's KV ended while D still waited for pages to pull it into: the pull
+    would be refused (expired), so D stops waiting then (transfer.on_failure decides the rest)."""
 
 
 class DecodeWorker:
@@ -136,13 +154,22 @@ class DecodeWorker:
         rid, prompt = req.request_id, req.prompt_token_ids.tolist()
         # (what it reports if it ends before a pull; a pull's facts are added to it)
         no_pull = WorkerFacts(time.time(), None, req.prefill_attempt, req.arrival_time)
+        lease_ended: str | None = None  # why no pull is made: P's lease ended meanwhile
         try:
-            init = await self._gen_init(rid, prompt, slot)
-        except (asyncio.CancelledError, Exception) as e:  # the client left, or no pages came
+            lease = pre.ticket.lease_expires_at if pre.ticket is not None else None
+            init = await self._gen_init(rid, prompt, slot, lease)
+        except NoPagesInTime as e:
+            self._ended_early(rid, len(prompt), no_pull, "error")
+            log.warning("%s", e)
+            yield TokenDelta(rid, [], "", "abort", len(prompt), 1, error=e.for_client)
+            return
+        except LeaseEndedWaiting as e:
+            init, lease_ended = None, str(e)
+        except (asyncio.CancelledError, Exception) as e:  # the client left, or the engine failed
             finish = "abort" if isinstance(e, asyncio.CancelledError) else "error"
             self._ended_early(rid, len(prompt), no_pull, finish)
             raise
-        if init is None or slot.aborted:  # aborted while it awaited pages: no pull
+        if slot.aborted or (init is None and lease_ended is None):  # aborted: no pull
             try:
                 if init is not None:  # (it got them as the abort came)
                     await asyncio.shield(asyncio.wrap_future(self._free_pages(rid)))
@@ -150,26 +177,10 @@ class DecodeWorker:
                 self._ended_early(rid, len(prompt), no_pull, "abort")
             return
         transfer_start = time.time()
-        pull = asyncio.ensure_future(
-            self.puller.pull(pre.ticket, init.dst_page_ids, init.skip_pages, len(prompt))
-        )
-        self._receiving[rid] = pull
-        try:
-            result = await asyncio.shield(pull)
-        except asyncio.CancelledError:
-            # The client went away mid-receive: the pages stay held until the pull ends either
-            # way, and so does the id's slot (a later call for it would meet them).
-            slot.keep()
-            pull.add_done_callback(lambda _: (self._free_pages(rid), slot.release()))
-            gone = TransferFacts(transfer_start, time.time(), 0, None)
-            self._ended_early(
-                rid, len(prompt), dataclasses.replace(no_pull, transfer=gone), "abort"
-            )
-            raise
-        except Exception as e:  # the pull could not run at all (the receiver closed, say)
-            result, error = None, f"{type(e).__name__}: {e}"
-        finally:
-            self._receiving.pop(rid, None)
+        if init is None:
+            result, error = None, lease_ended
+        else:
+            result, error = await self._pull(req, pre, init, slot, no_pull, transfer_start)
         transfer_end = time.time()
         ok = result is not None and result.ok
         facts = dataclasses.replace(
@@ -221,6 +232,7 @@ class DecodeWorker:
             }
             if not ok:  # recompute: the prompt's KV is computed here
                 return e.add_recomputed_request(*args, **sent)
+            assert init is not None  # (pulled into)
             return e.add_prefilled_request(
                 *args,
                 **sent,
@@ -237,11 +249,50 @@ class DecodeWorker:
                     delta, tell_router = dataclasses.replace(delta, kv_recomputed=True), False
                 yield delta
 
-    async def _gen_init(self, rid: str, prompt: list[int], slot: CallSlot) -> ReceivePlan | None:
+    async def _pull(
+        self,
+        req: GenerateRequest,
+        pre: PrefillResult,
+        init: ReceivePlan,
+        slot: CallSlot,
+        no_pull: WorkerFacts,
+        transfer_start: float,
+    ) -> tuple[TransferResult | None, str | None]:
+        """Pull the request's KV into ``init``'s pages: (its result, or None and why it could not
+        run)."""
+        assert self.puller is not None
+        rid, prompt_tokens = req.request_id, len(req.prompt_token_ids)
+        pull = asyncio.ensure_future(
+            self.puller.pull(pre.ticket, init.dst_page_ids, init.skip_pages, prompt_tokens)
+        )
+        self._receiving[rid] = pull
+        try:
+            return await asyncio.shield(pull), None
+        except asyncio.CancelledError:
+            # The client went away mid-receive: the pages stay held until the pull ends either
+            # way, and so does the id's slot (a later call for it would meet them).
+            slot.keep()
+            pull.add_done_callback(lambda _: (self._free_pages(rid), slot.release()))
+            gone = TransferFacts(transfer_start, time.time(), 0, None)
+            self._ended_early(
+                rid, prompt_tokens, dataclasses.replace(no_pull, transfer=gone), "abort"
+            )
+            raise
+        except Exception as e:  # the pull could not run at all (the receiver closed, say)
+            return None, f"{type(e).__name__}: {e}"
+        finally:
+            self._receiving.pop(rid, None)
+
+    async def _gen_init(
+        self, rid: str, prompt: list[int], slot: CallSlot, lease_expires_at: float | None
+    ) -> ReceivePlan | None:
         """Allocate the request's pages for its receive (receive_plan.py), waiting for free
-        pages within a deadline; None once the request is aborted meanwhile (it then takes
-        none)."""
-        deadline = time.monotonic() + self._gen_init_deadline_s
+        pages within decode.page_wait_deadline_s (NoPagesInTime), and only while P's lease on
+        the KV lasts (``lease_expires_at``, wall-clock; LeaseEndedWaiting); None once the
+        request is aborted meanwhile (it then takes none)."""
+        start = time.monotonic()
+        deadline = start + self._gen_init_deadline_s
+        lease_end = math.inf if lease_expires_at is None else start + lease_expires_at - time.time()
         aio = asyncio.get_running_loop()
         while True:
             if slot.aborted:
@@ -266,10 +317,13 @@ class DecodeWorker:
                 raise
             if got is not None:
                 return got
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"decode worker {self.worker_id}: no free KV pages for {rid} ({len(prompt)} prompt tokens) "
-                    f"within {self._gen_init_deadline_s}s (decode.page_wait_deadline_s)"
+            now = time.monotonic()
+            if now > deadline:
+                raise NoPagesInTime(self.worker_id, rid, len(prompt), self._gen_init_deadline_s)
+            if now > lease_end:
+                raise LeaseEndedWaiting(
+                    f"the prefill worker's lease on the KV (transfer.lease_s) ended while decode "
+                    f"worker {self.worker_id} waited for free KV pages to pull it into"
                 )
             await asyncio.sleep(0.02)
 

@@ -220,7 +220,9 @@ class DecodePoolConfig(PoolConfig):
         gt=0,
         description=(
             "Longest a transferred request waits for free KV pages on a decode worker before it "
-            "fails with an error naming this field."
+            "fails with an error naming this field. It stops waiting sooner when the prefill "
+            "worker's lease on its KV (transfer.lease_s) ends first: the request then fails as a "
+            "failed transfer does, or is prefilled on the decode worker (transfer.on_failure)."
         ),
     )
     token_deadline_s: float = Field(

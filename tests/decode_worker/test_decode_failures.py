@@ -252,9 +252,10 @@ def test_waiting_for_pages_ends_at_decode_page_wait_deadline_s() -> None:
             worker.loop.call(lambda e: e.kv.allocate_slots("hog", 7 * PAGE))
         )
         req = GenerateRequest("x", list(range(1, 13)), greedy(4), time.time())
-        with pytest.raises(RuntimeError, match=r"within 0.5s \(decode.page_wait_deadline_s\)"):
-            async for _ in worker.decode(req, PrefillResult("x", 5, "", None, ticket=None)):
-                pass
+        # (the client is told which setting ended it: it was a RuntimeError, which the router
+        # could only call a failed worker)
+        (failed,) = [d async for d in worker.decode(req, PrefillResult("x", 5, "", None, None))]
+        assert failed.error == "no free KV pages within 0.5s (decode.page_wait_deadline_s)"
         await asyncio.wrap_future(worker.loop.call(lambda e: e.kv.free("hog")))
         await wait_until_no_page_held(worker)
         assert [(r.request_id, r.finish_reason) for r in await reports(worker, records)] == [
@@ -265,6 +266,64 @@ def test_waiting_for_pages_ends_at_decode_page_wait_deadline_s() -> None:
         asyncio.run(main())
     finally:
         worker.close()
+
+
+@pytest.mark.parametrize("on_failure", ["fail", "recompute"])
+def test_a_lease_that_ends_while_d_waits_for_pages_ends_the_wait(on_failure: str) -> None:
+    """P's lease ends while D waits for free pages (decode.page_wait_deadline_s longer than
+    transfer.lease_s, as by default): D stops waiting then, no pull (P would refuse it,
+    expired). ``fail``: the request ends with the transfer's error at the lease's end, not the
+    page wait's (D got its pages, pulled, and was refused); ``recompute``: it is prefilled here
+    once pages are free, with a local prefill's tokens."""
+    from prefill_worker.worker import PrefillWorker
+    from transfer import KVSender
+
+    cfg = TransceiverConfig(secret="test-secret", lease_s=1.0)
+    pe, de = tiny_engine(64), tiny_engine(8)
+    specs = list(pe.kv.specs.values())
+    prefill = PrefillWorker("p0", pe, lambda rel: KVSender(pe.kv.buffers, specs, "tiny", cfg, rel))
+    receiver = KVReceiver(de.kv.buffers, list(de.kv.specs.values()), "tiny", cfg)
+    worker = DecodeWorker(
+        "d0", de, receiver, on_failure=on_failure, deadlines=deadlines_of(page_wait_deadline_s=30)
+    )
+    prompt = list(range(1, 13))
+
+    async def main() -> None:
+        ref = [d async for d in worker.generate(GenerateRequest("r", prompt, greedy(4), 0.0))]
+        want = [t for d in ref for t in d.token_ids]
+        await wait_until_no_page_held(worker)
+        hog = worker.loop.call(lambda e: e.kv.allocate_slots("hog", 7 * PAGE))
+        assert await asyncio.wrap_future(hog)
+        req = GenerateRequest("x", prompt, greedy(4), time.time())
+        pre = await prefill.prefill(req)
+        started = time.monotonic()
+        out: list = []
+
+        async def decode() -> None:
+            out.extend([d async for d in worker.decode(req, pre)])
+
+        task = asyncio.ensure_future(decode())
+        if on_failure == "fail":
+            await asyncio.wait_for(task, 20)
+            (failed,) = out
+            assert failed.error.startswith("KV transfer failed")
+            assert time.monotonic() - started < 20  # (the page wait would have run 30 s)
+        else:
+            await asyncio.sleep(2.0)  # (past the lease: the request waits in the scheduler)
+            await asyncio.wrap_future(worker.loop.call(lambda e: e.kv.free("hog")))
+            await asyncio.wait_for(task, 30)
+            assert all(d.error is None for d in out)
+            assert [pre.first_token_id] + [t for d in out for t in d.token_ids] == want
+            assert worker.stats().transfer.recomputed == 1
+        await asyncio.wrap_future(worker.loop.call(lambda e: e.kv.free("hog")))
+        await wait_until_no_page_held(worker)
+        await prefill.cancel("x")
+
+    try:
+        asyncio.run(main())
+    finally:
+        worker.close()
+        prefill.close()
 
 
 def test_a_stalled_engine_ends_a_request_at_decode_token_deadline_s() -> None:
