@@ -4,6 +4,7 @@ the failure policy and fault injection of the KV transfer."""
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import re
 from typing import Any, Literal
 
@@ -217,7 +218,10 @@ class TransferConfig(Section):
     ucx_net_devices: str | None = Field(
         None,
         min_length=1,
-        description='UCX_NET_DEVICES, e.g. "lo" or "mlx5_0:1"; None = UCX picks.',
+        description=(
+            'UCX_NET_DEVICES, e.g. "lo" or "mlx5_0:1". None = "lo" where host is a loopback '
+            "address (a cluster of one host: UCX listens on no other interface), else UCX picks."
+        ),
     )
     ucx_env: dict[str, str] = Field(
         default_factory=dict,
@@ -326,4 +330,15 @@ class TransferConfig(Section):
             env["UCX_TLS"] = ",".join(self.ucx_tls)
         if self.ucx_net_devices is not None:
             env["UCX_NET_DEVICES"] = self.ucx_net_devices
+        elif self.interface is None and _loopback(self.host):
+            env["UCX_NET_DEVICES"] = "lo"
         return env
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # (a host name)
+        return False

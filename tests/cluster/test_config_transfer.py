@@ -26,7 +26,12 @@ def test_transfer_rules_and_ucx_environment() -> None:
         "UCX_TLS": "tcp,cuda_copy,cuda_ipc",
         "UCX_NET_DEVICES": "lo",
     }
-    assert TransferConfig().ucx_environment == {}
+    # One host (a loopback host, the default): UCX listens on loopback only, as every other
+    # listener does (UCX's TCP transport listened on every interface); across hosts UCX picks.
+    assert TransferConfig().ucx_environment == {"UCX_NET_DEVICES": "lo"}
+    assert TransferConfig(host="::1").ucx_environment == {"UCX_NET_DEVICES": "lo"}
+    assert TransferConfig(host="10.0.0.1").ucx_environment == {}
+    assert TransferConfig(interface="eth0").ucx_environment == {}
     data = {
         "transfer": {
             "host": "10.0.0.1",
