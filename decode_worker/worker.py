@@ -19,14 +19,14 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import math
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from decode_worker.call_slots import CallSlot, CallSlots
 from decode_worker.engine_stream import stream_request
-from decode_worker.receive_plan import ReceivePlan, plan_receive
+from decode_worker.page_wait import LeaseEndedWaiting, NoPagesInTime, wait_for_pages
+from decode_worker.receive_plan import ReceivePlan
 from engine.engine_core import LLMEngine
 from engine.engine_loop import EngineLoop
 from transfer.messages import TransferTicket
@@ -61,23 +61,6 @@ class KVPuller(Protocol):
     def stats(self) -> dict[str, Any]: ...
     def drain_transfer_stats(self) -> list[TransferStats]: ...
     def close(self) -> None: ...
-
-
-class NoPagesInTime(RuntimeError):
-    """No free KV pages for a request within decode.page_wait_deadline_s (the client is told so,
-    naming the field; the log has the worker and request too)."""
-
-    def __init__(self, worker_id: str, rid: str, prompt_tokens: int, wait_s: float) -> None:
-        self.for_client = f"no free KV pages within {wait_s:g}s (decode.page_wait_deadline_s)"
-        super().__init__(
-            f"decode worker {worker_id}: {self.for_client}, for {rid} ({prompt_tokens} prompt "
-            "tokens)"
-        )
-
-
-class LeaseEndedWaiting(RuntimeError):
-    """P's lease on a request's KV ended while D still waited for pages to pull it into: the pull
-    would be refused (expired), so D stops waiting then (transfer.on_failure decides the rest)."""
 
 
 class DecodeWorker:
@@ -157,7 +140,9 @@ class DecodeWorker:
         lease_ended: str | None = None  # why no pull is made: P's lease ended meanwhile
         try:
             lease = pre.ticket.lease_expires_at if pre.ticket is not None else None
-            init = await self._gen_init(rid, prompt, slot, lease)
+            init = await wait_for_pages(
+                self.loop, self.worker_id, rid, prompt, slot, self._gen_init_deadline_s, lease
+            )
         except NoPagesInTime as e:
             self._ended_early(rid, len(prompt), no_pull, "error")
             log.warning("%s", e)
@@ -282,50 +267,6 @@ class DecodeWorker:
             return None, f"{type(e).__name__}: {e}"
         finally:
             self._receiving.pop(rid, None)
-
-    async def _gen_init(
-        self, rid: str, prompt: list[int], slot: CallSlot, lease_expires_at: float | None
-    ) -> ReceivePlan | None:
-        """Allocate the request's pages for its receive (receive_plan.py), waiting for free
-        pages within decode.page_wait_deadline_s (NoPagesInTime), and only while P's lease on
-        the KV lasts (``lease_expires_at``, wall-clock; LeaseEndedWaiting); None once the
-        request is aborted meanwhile (it then takes none)."""
-        start = time.monotonic()
-        deadline = start + self._gen_init_deadline_s
-        lease_end = math.inf if lease_expires_at is None else start + lease_expires_at - time.time()
-        aio = asyncio.get_running_loop()
-        while True:
-            if slot.aborted:
-                return None
-            fut = self.loop.call(
-                lambda e: plan_receive(e.kv, rid, prompt, len(e.scheduler.waiting))
-            )
-            try:
-                got = await asyncio.wrap_future(fut)
-            except asyncio.CancelledError:
-                # The client went away while the allocation was queued or running: pages it got
-                # must not stay held under an id nobody will free (nor be met by a later call).
-                slot.keep()
-
-                def freed(f: Any) -> None:  # (on the engine thread)
-                    if not (f.cancelled() or f.exception()):
-                        self._free_pages(rid)
-                    with contextlib.suppress(RuntimeError):  # (the worker's loop closed)
-                        aio.call_soon_threadsafe(slot.release)
-
-                fut.add_done_callback(freed)
-                raise
-            if got is not None:
-                return got
-            now = time.monotonic()
-            if now > deadline:
-                raise NoPagesInTime(self.worker_id, rid, len(prompt), self._gen_init_deadline_s)
-            if now > lease_end:
-                raise LeaseEndedWaiting(
-                    f"the prefill worker's lease on the KV (transfer.lease_s) ended while decode "
-                    f"worker {self.worker_id} waited for free KV pages to pull it into"
-                )
-            await asyncio.sleep(0.02)
 
     def _ended_early(
         self, rid: str, prompt_tokens: int, facts: WorkerFacts, finish: str, last: bool = False
