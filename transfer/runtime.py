@@ -64,13 +64,14 @@ class UcxRuntime:
         """The process's runtime, started on first use with ``ucx_env`` (UCX_* settings), the GPU
         whose memory it registers, ucxx's ``progress_mode``, and the event loop to run on: the
         caller's running ``loop`` (called on it), or None for a loop thread of its own. A later
-        caller asking for other settings gets a ValueError (one UCX context per process)."""
+        caller asking for settings the runtime lacks (a UCX_* value it does not run with, another
+        GPU or loop) gets a ValueError (one UCX context per process)."""
         env = dict(ucx_env or {})
         with cls._lock:
             if cls._shared is None:
                 cls._shared = cls(env, cuda_device, progress_mode, loop)
             elif (
-                (env and env != cls._shared.ucx_env)
+                not env.items() <= cls._shared.ucx_env.items()
                 or (cuda_device is not None and cuda_device != cls._shared.cuda_device)
                 or (loop is not None and loop is not cls._shared.loop)
             ):

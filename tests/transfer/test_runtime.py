@@ -25,6 +25,13 @@ def test_one_runtime_per_process_with_one_set_of_settings(ucx_runtime: UcxRuntim
         again.release()
     with pytest.raises(ValueError, match="already runs with"):
         UcxRuntime.acquire({"UCX_TLS": "tcp"})
+    # Settings it runs with already, some of them: the same runtime (a one-host worker's config
+    # asks only UCX_NET_DEVICES=lo; the suite's runtime was refused to it)
+    some = UcxRuntime.acquire({"UCX_NET_DEVICES": UCX_ENV["UCX_NET_DEVICES"]})
+    try:
+        assert some is ucx_runtime
+    finally:
+        some.release()
 
 
 def test_submit_from_plain_threads_and_refuse_blocking_on_the_loop(ucx_runtime: UcxRuntime) -> None:
