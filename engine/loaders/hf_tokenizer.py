@@ -1,4 +1,12 @@
-"""The Tokenizer of a HF checkpoint directory: tokenizer.json, tokenizer_config.json, chat template, stop ids."""
+"""The Tokenizer of a HF checkpoint directory: tokenizer.json, tokenizer_config.json, chat template, stop ids.
+
+tokenizer.json is used as written, as transformers 4 uses it. transformers 5 does not for classes
+with a constructor of their own (LlamaTokenizer, GemmaTokenizer): it keeps the file's vocabulary,
+merges and post-processor and rebuilds the normalizer, pre-tokenizer and decoder from the class,
+so a Llama-2-style file (a normalizer that prepends "▁" to every segment) encodes a leading space
+and the text after special tokens differently there. Tokens that only tokenizer_config.json's
+added_tokens_decoder lists are not taken either. (Known; neither is handled yet.)
+"""
 
 from __future__ import annotations
 
