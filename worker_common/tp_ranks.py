@@ -194,8 +194,8 @@ class _StartWatch:
             try:
                 alive = ray.get(ping)
             except Exception as e:  # RayActorError: the rank's actor or process is gone
-                first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
-                return f"tensor-parallel rank {rank} died at start-up ({type(e).__name__}: {first_line})"
+                said = (str(e).strip().splitlines() or [""])[0]  # (Ray's first line: the cause)
+                return f"tensor-parallel rank {rank} died at start-up ({type(e).__name__}: {said})"
             if not alive:
                 return f"tensor-parallel rank {rank}'s loop ended at start-up"
             self.pings[rank - 1] = self.actors[rank - 1].ping.remote()
