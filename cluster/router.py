@@ -128,13 +128,17 @@ class Router:
             # Its prompt is queued there until its first token (kv_aware weighs it, as for P).
             queued = self.choice.tokens_to_compute(prefer, req, hashes)
             prefer.queued_prefill_tokens += queued
+            self.choice.claim(prefer, hashes)
             try:
                 async for delta in self._stream_decode(req, None, None, prefer=prefer):
-                    prefer.queued_prefill_tokens -= queued
-                    queued = 0
+                    if hashes is not None:
+                        self.choice.release(prefer, hashes)
+                        prefer.queued_prefill_tokens -= queued
+                        queued, hashes = 0, None
                     yield delta
             finally:
                 prefer.queued_prefill_tokens -= queued
+                self.choice.release(prefer, hashes)
             return
         pre, pworker, attempts, reported = await self._prefill(req, hashes)
         if pre is None:
@@ -233,6 +237,7 @@ class Router:
             w.num_prefills += 1
             queued = self.choice.tokens_to_compute(w, req, hashes)
             w.queued_prefill_tokens += queued
+            self.choice.claim(w, hashes)
             try:
                 call = w.handle.prefill.remote(dataclasses.replace(req, prefill_attempt=attempt))
                 async with asyncio.timeout(max(self._left_s(req), 0.0)):  # (not wait_for: it
@@ -269,6 +274,7 @@ class Router:
             finally:
                 w.outstanding -= 1
                 w.queued_prefill_tokens -= queued
+                self.choice.release(w, hashes)
             w.failures += 1
         return None, None, 1 + self.prefill_retries, reported
 
@@ -322,6 +328,7 @@ class Router:
                             await replaced.handle.abort.remote(rid)
                 replaced = None
                 d.outstanding += 1
+                active = 0  # context tokens this call holds on d (kv_aware weighs them)
                 try:
                     if pre is None:
                         gen = d.handle.generate.options(num_returns="streaming").remote(req)
@@ -345,6 +352,9 @@ class Router:
                         finished = delta.finish_reason is not None or delta.error is not None
                         ok = finished and delta.error is None
                         streamed += len(delta.token_ids)
+                        grown = len(delta.token_ids) + (0 if active else len(req.prompt_token_ids))
+                        d.active_tokens += grown
+                        active += grown
                         yield delta
                     if not finished:
                         finished = True
@@ -380,6 +390,7 @@ class Router:
                     yield _worker_failed(req, d.worker_id, e)
                 finally:
                     d.outstanding -= 1
+                    d.active_tokens -= active
         finally:
             aborted = None
             if not finished and d is not None:  # the client went away (generator closed/cancelled)

@@ -3,15 +3,21 @@ one (``router.policy``; conditional disaggregation's local prefill). Pure over t
 is called to choose.
 
 ``kv_aware`` (Dynamo's KV router): the choice weighs each worker's cached blocks from its KV events
-(cluster/kv_index.py) and takes the prefill worker with the least cost = prompt tokens it would
-compute + HOST_HIT_WEIGHT x tokens it would load back from its host tier + prefill tokens it already
-has in flight from this router.
+(cluster/kv_index.py) and takes the worker with the least cost = prompt tokens it would compute +
+HOST_HIT_WEIGHT x tokens it would load back from its host tier + the load this router put on it:
+prefill tokens in flight there (less the part this prompt shares, which it computes once) and the
+context tokens of the requests streaming from it (Dynamo's active decode blocks; in aggregated mode
+a worker holding a popular prefix would otherwise take every request while the others idle).
+A prompt sent to a worker counts as cached there from that moment (``WorkerSlot.pending``) until
+its prefill ends, when the worker's KV events say what it holds: requests sharing a new prefix (a
+burst, the ``n`` choices of one prompt) go where it is being computed, not once per worker.
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ray.exceptions import ActorDiedError, RayTaskError
@@ -42,6 +48,9 @@ class WorkerSlot:
     last_stats: WorkerStats | None = None  # the last stats poll's answer
     queued_prefill_tokens: int = 0  # prompt tokens sent here to compute, not answered yet
     num_prefills: int = 0  # prefills sent here (kv_aware spreads equal costs by it)
+    active_tokens: int = 0  # context tokens of the requests streaming from it
+    # block hashes of the prompts sent here whose prefill has not ended (each prompt's once)
+    pending: collections.Counter[int] = field(default_factory=collections.Counter)
 
 
 class NoLiveDecodeWorker(RuntimeError):
@@ -91,12 +100,40 @@ class WorkerChoice:
         tokens = req.prompt_token_ids.tolist()
         return hash_full_pages(tokens[: len(tokens) - 1], self.page_size)
 
-    def cached_tokens(self, w: WorkerSlot, hashes: list[int] | None) -> tuple[int, int]:
+    def claim(self, w: WorkerSlot, hashes: list[int] | None) -> None:
+        """The prompt of ``hashes`` is being prefilled on ``w`` (``release`` when that ends)."""
+        if hashes:
+            w.pending.update(hashes)
+
+    def release(self, w: WorkerSlot, hashes: list[int] | None) -> None:
+        if hashes:
+            w.pending.subtract(hashes)
+            for h in hashes:
+                if w.pending[h] <= 0:
+                    del w.pending[h]
+
+    def _indexed(self, w: WorkerSlot, hashes: list[int] | None) -> tuple[int, int]:
         """(device, host) prompt tokens ``w`` holds, by its KV events."""
         if self.kv_index is None or hashes is None:
             return 0, 0
         c = self.kv_index.cached_prefix(w.worker_id, hashes)
         return c.device_pages * self.page_size, c.host_pages * self.page_size
+
+    def _pending_tokens(self, w: WorkerSlot, hashes: list[int] | None) -> int:
+        """Tokens of the prompt's prefix that prompts sent to ``w`` are computing there now."""
+        pages = 0
+        for h in hashes or ():
+            if not w.pending[h]:
+                break
+            pages += 1
+        return pages * self.page_size
+
+    def cached_tokens(self, w: WorkerSlot, hashes: list[int] | None) -> tuple[int, int]:
+        """(device, host) prompt tokens ``w`` holds, by its KV events, or is computing for a
+        prompt sent there before (device)."""
+        device, host = self._indexed(w, hashes)
+        pending = self._pending_tokens(w, hashes)
+        return max(device, pending), max(device + host, pending) - max(device, pending)
 
     def tokens_to_compute(
         self, w: WorkerSlot, req: GenerateRequest, hashes: list[int] | None
@@ -108,7 +145,10 @@ class WorkerChoice:
         """kv_aware's cost of prefilling a prompt of ``n_prompt`` tokens on ``w`` (module doc)."""
         device, host = self.cached_tokens(w, hashes)
         to_compute = n_prompt - device - host
-        return to_compute + HOST_HIT_WEIGHT * host + w.queued_prefill_tokens
+        # (what w computes of this prompt for the prompts before it is queued there once)
+        shared = max(0, self._pending_tokens(w, hashes) - sum(self._indexed(w, hashes)))
+        queued = max(0, w.queued_prefill_tokens - shared)
+        return to_compute + HOST_HIT_WEIGHT * host + queued + w.active_tokens
 
     # ---- choosing workers ----
     def pick_prefill(
@@ -134,11 +174,13 @@ class WorkerChoice:
         least = min(w.outstanding for w in live)
         if self.policy == "prefix_aware" and len(req.prompt_token_ids) >= self.page_size:
             # Requests sharing their first page go to the same worker (its prefix cache has it),
-            # unless that worker is clearly busier than the least loaded one.
-            key = hashlib.blake2b(
-                req.prompt_token_ids.packed[: 4 * self.page_size], digest_size=8
-            ).digest()
-            preferred = live[int.from_bytes(key, "little") % len(live)]
+            # unless that worker is clearly busier than the least loaded one. Rendezvous hashing:
+            # a worker leaving (or back) moves only the prefixes that prefer it.
+            first = req.prompt_token_ids.packed[: 4 * self.page_size]
+            preferred = max(
+                live,
+                key=lambda w: hashlib.blake2b(first + w.worker_id.encode(), digest_size=8).digest(),
+            )
             if preferred.outstanding <= least + 2:
                 return preferred
         return min(live, key=lambda w: w.outstanding)

@@ -23,10 +23,14 @@ class RouterConfig(Section):
             "with the fewest requests, then the most of its prompt cached, known from the "
             "workers' KV events under kv_aware or local_prefill_max_tokens > 0, then the most "
             "free pages). round_robin: in turn; load_balance: fewest queued + running requests; "
-            "prefix_aware: requests sharing their first page go to one worker (by a hash), unless "
-            "it has more than 2 requests above the least loaded one (then that one); kv_aware: the least cost from what each worker has cached, known from "
-            "its KV events: prompt tokens its device does not hold, host-tier hits at half "
-            "weight, plus the prefill tokens already queued there (Dynamo's KV router)."
+            "prefix_aware: requests sharing their first page go to one worker (by a rendezvous "
+            "hash: a worker leaving moves only its own prefixes), unless it has more than 2 "
+            "requests above the least loaded one (then that one); kv_aware: the least cost from "
+            "what each worker has cached, known from its KV events (or being computed there for "
+            "a prompt sent before): prompt tokens it does not hold, host-tier hits at half "
+            "weight, plus the load this router put there: prefill tokens queued (less what this "
+            "prompt shares with them) and the context tokens of the requests streaming from it "
+            "(Dynamo's KV router)."
         ),
     )
     prefill_retries: int = Field(

@@ -148,3 +148,53 @@ def test_routing_by_caches_needs_an_index() -> None:
         Router(slots("p", 1), slots("d", 1), policy="kv_aware")
     with pytest.raises(ValueError, match="need a KVIndex"):
         Router(slots("p", 1), slots("d", 1), local_prefill_max_tokens=4)
+
+
+def test_kv_aware_weighs_the_requests_streaming_from_a_worker() -> None:
+    """Aggregated mode: the worker holding a prompt's prefix does not take every request while
+    another idles; the context its streaming requests hold counts (Dynamo's decode blocks)."""
+    router = Router(
+        [], slots("d", 2), policy="kv_aware", page_size=4, kv_index=KVIndex(["d-0", "d-1"])
+    )
+    index = router.choice.kv_index
+    assert index is not None
+    index.apply("d-0", [KVEvent("stored", "device", "full", hashes_of(router, PROMPT, 5))])
+    hashes = router.choice.block_hashes(req(PROMPT))
+    assert router.choice.pick_aggregated(req(PROMPT), hashes).worker_id == "d-0"
+    router.decode[0].active_tokens = 3 * 25  # three requests of 25 tokens decoding there
+    assert router.choice.pick_aggregated(req(PROMPT), hashes).worker_id == "d-1"
+
+
+def test_kv_aware_sends_a_prompt_where_its_prefix_is_being_computed() -> None:
+    """Requests sharing a prefix not cached anywhere yet (a burst, the n choices of one prompt)
+    go to the worker computing it, which computes it once, not to each idle worker in turn."""
+    router = indexed_router()
+    choice = router.choice
+    hashes = choice.block_hashes(req(PROMPT))
+    first = choice.pick_prefill(req(PROMPT), set(), hashes)
+    assert first is not None
+    first.queued_prefill_tokens += choice.tokens_to_compute(first, req(PROMPT), hashes)
+    choice.claim(first, hashes)
+    for _ in range(3):  # the other choices of the prompt
+        w = choice.pick_prefill(req(PROMPT), set(), hashes)
+        assert w is first
+        w.queued_prefill_tokens += choice.tokens_to_compute(w, req(PROMPT), hashes)
+        choice.claim(w, hashes)
+    assert first.queued_prefill_tokens == 21 + 3 * 1  # the prompt once, then one token each
+    other = req([9] * 21)  # another prompt goes to the idle worker
+    assert choice.pick_prefill(other, set(), choice.block_hashes(other)) is not first
+    for _ in range(4):
+        choice.release(first, hashes)
+    assert not first.pending
+
+
+def test_prefix_aware_moves_only_the_prefixes_of_a_worker_that_left() -> None:
+    p = slots("p", 3)
+    router = Router(p, slots("d", 1), policy="prefix_aware", page_size=4)
+    prompts = [[k, k + 1, k + 2, k + 3, 0] for k in range(0, 600, 4)]
+    before = {i: router.choice.pick_prefill(req(t), set()).worker_id for i, t in enumerate(prompts)}
+    p[2].healthy = False
+    after = {i: router.choice.pick_prefill(req(t), set()).worker_id for i, t in enumerate(prompts)}
+    moved = {i for i in before if before[i] != after[i]}
+    assert moved == {i for i in before if before[i] == "p-2"}
+    assert len({before[i] for i in before}) == 3  # (all three preferred by some)
