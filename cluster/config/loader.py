@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, SecretStr, ValidationError
 
 from cluster.config.base import FieldErrors
 from cluster.config.cluster_config import ClusterConfig
@@ -45,8 +45,31 @@ def load_config(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> 
             data = apply_overrides(data, overrides)
         except OverrideError as e:
             raise ConfigError(source, [str(e)]) from e
-        source = f"{source} with --set {' '.join(overrides)}"
+        source = f"{source} with --set {' '.join(_shown_override(o) for o in overrides)}"
     return config_from_dict(data, source)
+
+
+def _secret_fields(model: type[BaseModel], prefix: tuple[str, ...] = ()) -> set[tuple[str, ...]]:
+    """The paths of the SecretStr fields under ``model``: their values are never printed."""
+    found: set[tuple[str, ...]] = set()
+    for name, field in model.model_fields.items():
+        if field.annotation is SecretStr or SecretStr in typing.get_args(field.annotation):
+            found.add((*prefix, name))
+        nested = _section_at(model, (name,))
+        if nested is not None:
+            found |= _secret_fields(nested, (*prefix, name))
+    return found
+
+
+def _is_secret(loc: tuple[str, ...]) -> bool:
+    return any(loc[: len(path)] == path for path in _SECRET_FIELDS)
+
+
+def _shown_override(text: str) -> str:
+    """An override as an error repeats it: a secret's value hidden."""
+    path, sep, _ = text.partition("=")
+    keys = tuple(k.strip() for k in path.split("."))
+    return f"{path}=<hidden>" if sep and _is_secret(keys) else text
 
 
 def config_from_dict(data: Any, source: str = "<dict>") -> ClusterConfig:
@@ -76,7 +99,8 @@ def format_validation_error(error: ValidationError) -> list[str]:
 
 def _message(detail: Mapping[str, Any], loc: tuple[str, ...]) -> str:
     kind, ctx, value = detail["type"], detail.get("ctx", {}), detail.get("input")
-    got = f", got {value!r}"
+    # (a secret's value is not repeated, only its kind: a number YAML read from an unquoted key)
+    got = f", got {_kind(value) if _is_secret(loc) else repr(value)}"
     bounds = {
         "greater_than": ">",
         "greater_than_equal": ">=",
@@ -179,3 +203,6 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 _UniqueKeyLoader.add_constructor(
     yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _UniqueKeyLoader.construct_mapping
 )
+
+
+_SECRET_FIELDS = _secret_fields(ClusterConfig)

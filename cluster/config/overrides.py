@@ -27,11 +27,16 @@ def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
     keys = tuple(path.strip().split("."))
     if not sep or not all(k.strip() for k in keys):
         raise OverrideError(f"--set {text!r}: expected PATH=VALUE, e.g. server.port=8001")
+    keys = tuple(k.strip() for k in keys)
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
-        raise OverrideError(f"--set {text!r}: the value is not YAML ({e})") from None
-    return tuple(k.strip() for k in keys), value
+        # (the value is not repeated: it may be a secret)
+        problem = getattr(e, "problem", None) or type(e).__name__
+        raise OverrideError(
+            f"--set {'.'.join(keys)}=...: the value is not YAML ({problem})"
+        ) from None
+    return keys, value
 
 
 def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
@@ -48,7 +53,7 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
             if not isinstance(child, dict):
                 where = ".".join(keys[: depth + 1])
                 raise OverrideError(
-                    f"--set {text!r}: {where} is {child!r}, not a section with fields"
+                    f"--set {'.'.join(keys)}=...: {where} is {child!r}, not a section with fields"
                 )
             node = child
         node[keys[-1]] = value

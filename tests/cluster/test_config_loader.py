@@ -135,8 +135,8 @@ def test_overrides_set_fields_read_as_yaml_before_validation(tmp_path: Path) -> 
     [
         ("server.port", "--set 'server.port': expected PATH=VALUE"),
         ("server..port=1", "--set 'server..port=1': expected PATH=VALUE"),
-        ("server.port.x=1", "--set 'server.port.x=1': server.port is 8000, not a section"),
-        ("server.port=[1", "--set 'server.port=[1': the value is not YAML"),
+        ("server.port.x=1", "--set server.port.x=...: server.port is 8000, not a section"),
+        ("server.port=[1", "--set server.port=...: the value is not YAML"),
         ("server.port=-1", "server.port: must be >= 0, got -1"),
         ("decode.replica=2", "decode.replica: unknown key (did you mean 'replicas'?)"),
     ],
@@ -146,3 +146,36 @@ def test_a_bad_override_is_refused_naming_it(tmp_path: Path, override: str, mess
     path.write_text("server: {port: 8000}\n")
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(path, [override])
+
+
+@pytest.mark.parametrize(
+    ("text", "overrides", "issue"),
+    [
+        # an unquoted number (YAML reads an int), in the file or by --set; a --set value that
+        # YAML reads as a mapping; one that is no YAML at all
+        (
+            "transfer: {secret: 98237498237498237498}\n",
+            [],
+            "transfer.secret: must be a string, got int",
+        ),
+        ("", ["server.api_key=20261206123456"], "server.api_key: must be a string, got int"),
+        (
+            "",
+            ["transfer.secret=hunter2: rest-of-it"],
+            "transfer.secret: must be a string, got dict",
+        ),
+        ("", ["transfer.secret=[hunter2"], "--set transfer.secret=...: the value is not YAML"),
+    ],
+)
+def test_a_bad_secret_is_named_never_shown(
+    tmp_path: Path, text: str, overrides: list[str], issue: str
+) -> None:
+    """transfer.secret and server.api_key: an error names the field and the kind of value, not
+    the value (it reaches terminals and CI logs)."""
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, overrides)
+    shown = str(caught.value)
+    assert issue in shown
+    for leaked in ("98237498237498237498", "20261206123456", "hunter2", "rest-of-it"):
+        assert leaked not in shown
