@@ -27,7 +27,7 @@ from cluster.config import ClusterConfig
 from cluster.kv_index import KVIndex
 from cluster.preflight import preflight
 from cluster.router import Router
-from cluster.transfer_setup import cluster_secret
+from cluster.transfer_secret import cluster_secret
 from cluster.worker_choice import WorkerSlot
 from cluster.worker_specs import worker_spec
 from decode_worker.actor import DecodeWorkerActor

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from types import ModuleType
 
 from cluster.config import ClusterConfig, ConfigError, load_config
+from cluster.transfer_secret import secret_of
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -130,6 +131,13 @@ def _validate(paths: list[str], overrides: list[str]) -> int:
         if config is None:
             status = EXIT_USAGE
             continue
+        if not config.aggregated:
+            try:
+                secret_of(config)  # (a weak DUET_TRANSFER_SECRET: `duet serve` refuses it)
+            except ConfigError as e:
+                print(e, file=sys.stderr)
+                status = EXIT_USAGE
+                continue
         mode = (
             "aggregated"
             if config.aggregated

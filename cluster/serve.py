@@ -26,7 +26,7 @@ from cluster.config import ClusterConfig, ConfigError, ServerConfig
 from cluster.frontend import ClusterFrontend
 from cluster.preflight import model_of
 from cluster.server import create_app
-from cluster.transfer_setup import cluster_secret
+from cluster.transfer_secret import secret_of
 from engine.loaders import load_tokenizer
 from engine.loaders.generation_defaults import GenerationDefaults, load_generation_defaults
 
@@ -372,17 +372,6 @@ def serve(config: ClusterConfig) -> int:
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
     return 0
-
-
-def secret_of(config: ClusterConfig) -> str:
-    """The cluster's transfer secret (made fresh unless given), or a ConfigError naming where a
-    bad one came from."""
-    try:
-        return cluster_secret(config, make=True)
-    except ValueError as e:
-        raise ConfigError(
-            "transfer section or its environment", [f"transfer.secret: {e}"]
-        ) from None
 
 
 def server_socket(config: ClusterConfig) -> socket.socket:

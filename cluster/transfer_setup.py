@@ -1,5 +1,5 @@
-"""From the cluster config's ``transfer`` section to the TransceiverConfig every worker gets, and
-the cluster's transfer secret (made by ``duet serve``, handed to every worker inside it).
+"""From the cluster config's ``transfer`` section to the TransceiverConfig every worker gets, with
+the cluster's transfer secret (cluster/transfer_secret.py).
 
 What only a worker's own node can settle (the address of ``transfer.interface``) is settled there
 (worker_common/transfer_setup.py).
@@ -7,30 +7,9 @@ What only a worker's own node can settle (the address of ``transfer.interface``)
 
 from __future__ import annotations
 
-import os
-import secrets
-
 from cluster.config import ClusterConfig
-from cluster.config.transfer import SECRET_ENV, secret_problem
+from cluster.transfer_secret import cluster_secret
 from transfer import FaultInjection, TransceiverConfig
-
-
-def cluster_secret(config: ClusterConfig, make: bool = False) -> str:
-    """The cluster's transfer secret: ``transfer.secret``, else the environment variable
-    DUET_TRANSFER_SECRET, else (``make``: what `duet serve` does) a fresh random one. Raises
-    ValueError when there is none and none may be made."""
-    if config.transfer.secret is not None:
-        return config.transfer.secret.get_secret_value()
-    if os.environ.get(SECRET_ENV):
-        if problem := secret_problem(os.environ[SECRET_ENV]):
-            raise ValueError(f"{SECRET_ENV} {problem}")
-        return os.environ[SECRET_ENV]
-    if make:
-        return secrets.token_urlsafe(32)
-    raise ValueError(
-        f"no transfer secret: set transfer.secret or {SECRET_ENV} for workers started "
-        "without `duet serve`"
-    )
 
 
 def transceiver_config(config: ClusterConfig, secret: str | None = None) -> TransceiverConfig:

@@ -38,6 +38,20 @@ def test_validate_bad_config_prints_every_issue_and_exits_2(
     ]
 
 
+def test_validate_refuses_a_weak_secret_in_the_environment_as_serve_does(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DUET_TRANSFER_SECRET too short: `duet serve` exits 2 on it, so validate does; an
+    aggregated config (no transfer) does not read it."""
+    monkeypatch.setenv("DUET_TRANSFER_SECRET", "short-env-secret")
+    assert cli.main(["config", "validate", str(CONFIGS / "local.yaml")]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "DUET_TRANSFER_SECRET must be at least 32 characters" in err
+    assert "short-env-secret" not in err
+    assert cli.main(["config", "validate", str(CONFIGS / "local_aggregated.yaml")]) == 0
+
+
 def test_validate_several_files_fails_if_any_fails(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -9,7 +9,8 @@ import dataclasses
 import pytest
 
 from cluster.config import config_from_dict
-from cluster.transfer_setup import cluster_secret, transceiver_config
+from cluster.transfer_secret import cluster_secret
+from cluster.transfer_setup import transceiver_config
 from transfer import FaultInjection, TransceiverConfig
 
 
