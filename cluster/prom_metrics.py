@@ -166,8 +166,9 @@ class ServingMetrics:
         )
         self.transfer_failures = Counter(
             PREFIX + "kv_transfer_failures_total",
-            "Failed KV transfers, as each side saw them (a failed pull counts on the prefill and "
-            "on the decode worker; sum one role).",
+            "Failed KV transfers, as each side saw them: on the decode worker every failed pull, "
+            "on the prefill worker those that reached it (not one that failed to connect, nor a "
+            "lease that ended while the decode worker waited for pages): read the decode role.",
             worker,
             registry=reg,
         )

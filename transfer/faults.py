@@ -1,7 +1,8 @@
 """FaultInjector: which pulls fail on purpose, and where (``transfer.fault_injection``).
 
 The choice is a pure function of the seed and the request id, so both ends of a pull agree on it
-without a message, and a rerun with the same seed fails the same requests. Each end acts only on
+without a message, and a rerun with the same seed and request ids fails the same requests (the
+HTTP server's ids end in a unique tail: there a rerun fails a like share of other requests). Each end acts only on
 its own points, where the real transport fails and its ordinary failure handling takes over:
 
 - ``connect`` (D): the pull fails where connecting to P fails; P's lease later expires.

@@ -89,7 +89,12 @@ class FaultInjectionConfig(Section):
         ),
     )
     seed: int = Field(
-        0, description="Which pulls fail: the same seed and request ids fail the same pulls."
+        0,
+        description=(
+            "Which pulls fail: the same seed and request ids fail the same pulls. Over HTTP a "
+            "rerun fails a like share, not the same requests: the server gives each request an "
+            "id of its own (the client's X-Request-Id or request_id, then a unique tail)."
+        ),
     )
 
 
