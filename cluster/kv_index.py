@@ -2,14 +2,13 @@
 
 Per worker and pool group, the block hashes its device pool and its host tier can find (the events
 of kvcache/kv_events.py applied in order, or a snapshot after a gap). A request's cached prefix on a
-worker is then the run of its prompt's block hashes (chained: kvcache/block_hash.py, the same
-function the workers use) that the worker holds, page by page from the first, each page counted on
-the device when there, else on the host.
-
-Hybrid models: the run is walked in the full-attention group ("full"), or in the first group the
-worker reported when it has none. A sliding-window group's pages before the window are released
-as requests run, so its run says little about a hit; the router's figure is an estimate either
-way (the worker's own match decides).
+worker is then the hit the worker's own lookup (kvcache/prefix_match.py) would find from those
+blocks: its prompt's block hashes (chained: kvcache/block_hash.py, the same function the workers
+use) that every full-attention group holds from the first page, shortened until each sliding-window
+group holds the pages its window reads before the hit (a decode worker holds only the last window
+of a prompt it received: the full group alone would promise a hit it cannot take). A page counts on
+the device when every group that needs it holds it there, else on the host. The router's figure is
+an estimate (events lag; the worker's own match decides).
 """
 
 from __future__ import annotations
@@ -17,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvcache.kv_events import MEDIA, KVEvent
-from kvcache.spec import FULL_GROUP
+from kvcache.sliding_window import hybrid_hit_pages, pages_before_hit
+from kvcache.spec import group_window
 
 
 @dataclass(frozen=True)
@@ -52,21 +52,32 @@ class WorkerBlocks:
             for g, by_medium in blocks.items()
         }
 
-    def cached_prefix(self, block_hashes: list[int]) -> CachedPrefix:
-        group = FULL_GROUP if FULL_GROUP in self.groups else next(iter(self.groups), None)
-        if group is None:
+    def cached_prefix(self, block_hashes: list[int], page_size: int) -> CachedPrefix:
+        if not self.groups:
             return CachedPrefix()
-        device = self.groups[group].get("device", set())
-        host = self.groups[group].get("host", set())
-        on_device = on_host = 0
-        for h in block_hashes:
-            if h in device:
-                on_device += 1
-            elif h in host:
-                on_host += 1
-            else:
-                break
-        return CachedPrefix(on_device, on_host)
+        empty: set[int] = set()
+        device = {g: media.get("device", empty) for g, media in self.groups.items()}
+        host = {g: media.get("host", empty) for g, media in self.groups.items()}
+
+        def held(g: str, i: int) -> bool:
+            return block_hashes[i] in device[g] or block_hashes[i] in host[g]
+
+        windows = {g: group_window(g) for g in self.groups}
+        full = [g for g, w in windows.items() if w is None]
+        k = 0  # (with no full group, every page: the window groups shorten it)
+        while k < len(block_hashes) and all(held(g, k) for g in full):
+            k += 1
+        needed = {g: pages_before_hit(w, page_size) for g, w in windows.items() if w is not None}
+        k = hybrid_hit_pages(k, needed, held)
+        on_device = sum(
+            all(
+                block_hashes[i] in device[g]
+                for g in self.groups
+                if g not in needed or i >= k - needed[g]
+            )
+            for i in range(k)
+        )
+        return CachedPrefix(on_device, k - on_device)
 
     def _blocks(self, group: str, medium: str) -> set[int]:
         if medium not in MEDIA:
@@ -94,5 +105,7 @@ class KVIndex:
         """The worker is gone (or restarting): assume it holds nothing until its next snapshot."""
         self.workers[worker_id] = WorkerBlocks()
 
-    def cached_prefix(self, worker_id: str, block_hashes: list[int]) -> CachedPrefix:
-        return self.workers[worker_id].cached_prefix(block_hashes)
+    def cached_prefix(
+        self, worker_id: str, block_hashes: list[int], page_size: int
+    ) -> CachedPrefix:
+        return self.workers[worker_id].cached_prefix(block_hashes, page_size)

@@ -116,7 +116,7 @@ class WorkerChoice:
         """(device, host) prompt tokens ``w`` holds, by its KV events."""
         if self.kv_index is None or hashes is None:
             return 0, 0
-        c = self.kv_index.cached_prefix(w.worker_id, hashes)
+        c = self.kv_index.cached_prefix(w.worker_id, hashes, self.page_size)
         return c.device_pages * self.page_size, c.host_pages * self.page_size
 
     def _pending_tokens(self, w: WorkerSlot, hashes: list[int] | None) -> int:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from kvcache.block_hash import hash_block
 from kvcache.host_pool import HostPool
 from kvcache.page_pool import PagePool
-from kvcache.sliding_window import longest_window_hit, pages_before_hit
+from kvcache.sliding_window import hybrid_hit_pages, pages_before_hit
 from kvcache.spec import NULL_PAGE
 
 
@@ -98,13 +98,7 @@ def find_cached_prefix(
         hashes.append(block_hash)
         parent = block_hash
     needed = {g: pages_before_hit(w, page_size) for g, w in windows.items() if w is not None}
-    k = len(hashes)
-    while True:
-        before = k
-        for g, need in needed.items():
-            k = longest_window_hit(lambda i, g=g: cached(g, hashes[i]), k, need)
-        if k == before:
-            break
+    k = hybrid_hit_pages(len(hashes), needed, lambda g, i: cached(g, hashes[i]))
     page_ids: dict[str, list[int]] = {}
     host_pages: dict[str, dict[int, int]] = {}
     for g, pool in pools.items():

@@ -59,3 +59,19 @@ def longest_window_hit(is_cached: Callable[[int], bool], max_pages: int, needed:
         if run >= needed or i == 0:
             return run_end
     return 0
+
+
+def hybrid_hit_pages(
+    max_pages: int, needed: dict[str, int], is_cached: Callable[[str, int], bool]
+) -> int:
+    """The longest hit of at most ``max_pages`` pages (what the full-attention groups hold) that
+    every window group can serve too: group g must hold the ``needed[g]`` pages before the hit
+    (``is_cached(g, i)``: whether g holds page i). Each window group shortens it in turn until all
+    agree, since a window hit at k says nothing about shorter ones."""
+    k = max_pages
+    while True:
+        before = k
+        for g, need in needed.items():
+            k = longest_window_hit(lambda i, g=g: is_cached(g, i), k, need)
+        if k == before:
+            return k

@@ -44,6 +44,16 @@ def group_name(sliding_window: int | None) -> str:
     return FULL_GROUP if sliding_window is None else f"swa_{sliding_window}"
 
 
+def group_window(name: str) -> int | None:
+    """The attention window of the pool group ``name`` (``group_name``'s inverse)."""
+    if name == FULL_GROUP:
+        return None
+    window = name.removeprefix("swa_")
+    if window == name or not window.isdigit():
+        raise ValueError(f"not a pool group name: {name!r}; expected 'full' or 'swa_<window>'")
+    return int(window)
+
+
 class MapperKind(str, enum.Enum):
     """How a pool's bytes may be re-split when peers shard the model differently."""
 

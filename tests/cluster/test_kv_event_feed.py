@@ -60,7 +60,7 @@ def test_batches_apply_in_order_and_a_lost_batch_rebuilds() -> None:
         assert index.rebuilds["p-0"] == 1 and index.batches["p-0"] == feed.seq > 0
         assert index_matches_cache(index, engine)
         hashes = engine.kv.cached_blocks()["full"]["device"]
-        assert index.cached_prefix("p-0", hashes).device_pages == 4  # 17 tokens: 4 full pages
+        assert index.cached_prefix("p-0", hashes, 4).device_pages == 4  # 17 tokens: 4 full pages
 
         publisher.drop_next_batch_for_test()
         run(engine, publisher, "b", list(range(30, 50)))  # its only batch is lost
@@ -71,7 +71,7 @@ def test_batches_apply_in_order_and_a_lost_batch_rebuilds() -> None:
         run(engine, publisher, "c", list(range(60, 90)))  # evicts a's pages: removed events
         await feed.step(wait_s=0.0)
         assert feed.gaps == 1 and index_matches_cache(index, engine)
-        assert index.cached_prefix("p-0", hashes).device_pages < 4
+        assert index.cached_prefix("p-0", hashes, 4).device_pages < 4
 
         restarted = KVEventPublisher("p-0", engine)  # a new epoch: the worker restarted
         feed.source = PublisherSource(restarted, engine)
