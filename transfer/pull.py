@@ -223,7 +223,7 @@ class PullSession:
                 )
 
     def _result(self, start: float, ok: bool, error: str, nbytes: int) -> TransferResult:
-        path = self.link.path.name if self.link is not None else "ucx"
+        path = self.link.path.name if self.link is not None else None
         stats = TransferStats(
             self.ticket.request_id,
             "recv",

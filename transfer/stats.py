@@ -12,9 +12,10 @@ from typing import Any
 @dataclass(frozen=True)
 class TransferStats:
     """One transfer as one side saw it. ``latency_s``: D from ``pull()`` to the checked end, P from
-    the pull request to the release of the pages. ``path``: "ucx", "host_shm" or "cuda_ipc".
-    ``pages``: pages moved per pool group (none when it failed): a sliding-window group moves only
-    the window's pages D lacks, so it shows fewer than a full-attention group."""
+    the pull request to the release of the pages. ``path``: "ucx", "host_shm" or "cuda_ipc" (None
+    when the pull failed before a link chose one). ``pages``: pages moved per pool group (none when
+    it failed): a sliding-window group moves only the window's pages D lacks, so it shows fewer
+    than a full-attention group."""
 
     request_id: str
     role: str  # "send" (P) or "recv" (D)
@@ -23,7 +24,7 @@ class TransferStats:
     latency_s: float
     ok: bool
     error: str = ""
-    path: str = "ucx"
+    path: str | None = None  # (None: failed before a path was chosen, as at connect)
     pages: dict[str, int] = field(default_factory=dict)
 
     @property

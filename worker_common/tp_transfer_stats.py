@@ -50,7 +50,7 @@ def join_parts(
         max((s.latency_s for _, s in parts), default=0.0),
         ok,
         "; ".join(errors),
-        parts[-1][1].path if parts else "ucx",
+        parts[-1][1].path if parts else None,
         pages if ok else {},
     )
 

@@ -66,6 +66,8 @@ def test_each_point_fails_the_pull_and_every_page_comes_back(
         assert side.stats()["injected_faults"] == 1
         if point == "connect":
             assert pair.sender.stats()["expired_leases"] == 1
+        # (no path was taken before a failed connect: /perf_metrics says none, not "ucx")
+        assert result.stats.path == (None if point == "connect" else path)
         pair.pull_ok(after)
 
 
