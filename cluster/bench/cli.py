@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import math
 import sys
 from pathlib import Path
@@ -24,6 +25,7 @@ from cluster.bench.options import (
     build_sweep_options,
     build_workload,
     describe_workload,
+    parse_backend,
     parse_endpoint,
     parse_json_object,
     parse_rate,
@@ -63,6 +65,15 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         default="completions",
         metavar="completions|chat",
         help="the API to call (vLLM's /v1/completions and /v1/chat/completions are taken too)",
+    )
+    parser.add_argument(
+        "--backend",
+        dest="endpoint",
+        type=parse_backend,
+        default=argparse.SUPPRESS,
+        metavar="vllm|openai|sglang|openai-chat|vllm-chat",
+        help="`vllm bench serve`'s name for the API: openai-chat and vllm-chat call chat, the "
+        "others completions (the later of --backend and --endpoint wins)",
     )
     work = parser.add_argument_group("workload")
     work.add_argument(
@@ -265,7 +276,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--ignore-eos",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="ask for exactly max_tokens tokens (a vLLM extension; off for strict servers)",
+        help="ask for exactly max_tokens tokens (a vLLM extension; on by default, so that every "
+        "run sends the same output lengths: --no-ignore-eos for vLLM bench's default or a "
+        "strict server)",
     )
     send.add_argument("--temperature", type=float, default=0.0)
     for flag, kind in SAMPLING_FLAGS.items():
@@ -331,6 +344,15 @@ def _header(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _holds_measurements(path: Path) -> bool:
+    """Whether ``path`` is a results file with at least one run in it."""
+    try:
+        earlier = json.loads(path.read_text())
+        return any(t.get("runs") for t in earlier.get("targets") or [])
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def run_bench(args: argparse.Namespace) -> int:
     """Run `duet bench` with parsed arguments; returns the exit code (see the module docstring)."""
     results = _header(args)
@@ -366,25 +388,32 @@ def run_bench(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         results["error"] = "interrupted"
     finally:
-        # Saved on every path, a crash included, so that nothing measured is lost.
+        # Saved on every path, a crash included, so that nothing measured is lost; a run that
+        # measured nothing (bad settings, no server) says why there, but never over an earlier
+        # run's results: one typo must not destroy the last measurement.
+        measured = any(t["runs"] for t in results["targets"])
+        written = measured or not _holds_measurements(result_path)
         results["comparison"] = comparison_rows(results) if results["percentiles"] else []
-        write_results(result_path, results)
+        if written:
+            write_results(result_path, results)
         if vllm_files is not None:  # (each complete run, also when a later one failed)
             saved_paths = vllm_files.write(results)
     print(render_report(results), end="")
-    if not args.no_plots and any(t["runs"] for t in results["targets"]):
+    if not args.no_plots and measured:
         from cluster.bench.plots import write_plots
 
         plots = write_plots(results, plot_dir)
         print("plots: " + ", ".join(str(p) for p in plots))
-    print(f"results: {result_path}")
+    print(f"results: {result_path}" if written else f"results: {result_path} left as it was")
     if vllm_files is not None:
         print("vLLM-layout results: " + (", ".join(str(p) for p in saved_paths) or "none"))
     if results["error"]:
-        print(
-            f"duet bench: error: {results['error']} (results so far saved to {result_path})",
-            file=sys.stderr,
+        kept = (
+            f"results so far saved to {result_path}"
+            if written
+            else f"nothing measured: {result_path} keeps an earlier run's results"
         )
+        print(f"duet bench: error: {results['error']} ({kept})", file=sys.stderr)
         return 1
     return 0
 

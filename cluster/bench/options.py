@@ -42,6 +42,27 @@ def parse_endpoint(text: str) -> str:
         ) from None
 
 
+# `vllm bench serve --backend` values of OpenAI-compatible servers, and the API each calls.
+_BACKENDS = {
+    "vllm": "completions",
+    "openai": "completions",
+    "sglang": "completions",
+    "openai-chat": "chat",
+    "vllm-chat": "chat",
+}
+
+
+def parse_backend(text: str) -> str:
+    """--backend for argparse (vLLM's flag): the endpoint of an OpenAI-compatible backend."""
+    try:
+        return _BACKENDS[text]
+    except KeyError:
+        raise argparse.ArgumentTypeError(
+            f"backend {text!r} is not an OpenAI-compatible server's: expected one of "
+            f"{', '.join(_BACKENDS)} (or --endpoint)"
+        ) from None
+
+
 def resolve_target(args: argparse.Namespace) -> str:
     """What to benchmark: TARGET (a config or a URL), or the server that --base-url, or --host and
     --port, name as `vllm bench serve` does; configs/local.yaml when none is given. Naming it

@@ -309,3 +309,30 @@ def test_a_server_still_starting_is_waited_for(
         thread.join()
     assert code == 0 and up.is_set(), results["error"]
     assert results["targets"][0]["runs"][0]["completed"] == 6
+
+
+def test_a_run_that_measured_nothing_keeps_the_earlier_results(
+    duet_server: Any, tmp_path: Path, capsys: Any
+) -> None:
+    """A typo after a good run (a bad --goodput, no server) must not destroy its results.json;
+    where no measurement was, the error is written as before."""
+    code, good = bench([duet_server.url, *SMALL, "--no-plots"], tmp_path)
+    assert code == 0 and good["targets"][0]["runs"]
+    capsys.readouterr()
+    code = run_bench(
+        parse_bench_args(
+            [duet_server.url, *SMALL, "--goodput", "ttft=500", "--output-dir", str(tmp_path)]
+        )
+    )
+    assert code == 1
+    assert json.loads((tmp_path / "results.json").read_text()) == good
+    assert "keeps an earlier run's results" in capsys.readouterr().err
+    code, failed = bench([duet_server.url, *SMALL, "--goodput", "ttft=500"], tmp_path / "new")
+    assert code == 1 and "bad SLO" in failed["error"] and not failed["targets"]
+
+
+def test_vllm_bench_backend_names_pick_the_api() -> None:
+    assert parse_bench_args(["--backend", "openai-chat"]).endpoint == "chat"
+    assert parse_bench_args(["--backend", "vllm"]).endpoint == "completions"
+    assert parse_bench_args(["--backend", "vllm", "--endpoint", "chat"]).endpoint == "chat"
+    assert parse_bench_args([]).endpoint == "completions"
