@@ -41,6 +41,17 @@ def tensor_parallel_issues(config: ClusterConfig, model: ModelConfig) -> list[st
     ]
 
 
+def model_length_issues(config: ClusterConfig, model: ModelConfig) -> list[str]:
+    """model.max_model_len past the model's positions (every engine would refuse it at start)."""
+    asked = config.model.max_model_len
+    if asked is None or asked <= model.max_position_embeddings:
+        return []
+    return [
+        f"model.max_model_len: must be <= the model's max_position_embeddings "
+        f"({model.max_position_embeddings}), got {asked}"
+    ]
+
+
 def kv_fit_issues(config: ClusterConfig, model: ModelConfig) -> list[str]:
     """kvcache.num_pages and kvcache.max_tokens against one request of max_model_len tokens in
     every pool group of the model, at the pools' largest prefill chunk. A sliding-window group
@@ -215,7 +226,8 @@ def preflight(
         model = model_of(config)
     import ray
 
-    issues = tensor_parallel_issues(config, model) + kv_fit_issues(config, model)
+    issues = model_length_issues(config, model)
+    issues += tensor_parallel_issues(config, model) + kv_fit_issues(config, model)
     if not issues and ray.is_initialized():  # (no Ray yet: no nodes to place the workers on)
         issues += placement_issues(config, ray_nodes(), fixed_nodes)
     if issues:

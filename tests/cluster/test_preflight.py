@@ -3,6 +3,8 @@ with ConfigErrors naming the fields before any actor starts."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import ray
 
@@ -207,3 +209,18 @@ def test_a_sliding_window_model_needs_pages_for_its_window_only() -> None:
         assert kv_fit_issues(config_from_dict(data | {"kvcache": kv}), model) == [], kv
     tight = config_from_dict(data | {"kvcache": {"num_pages": 3}})
     assert kv_fit_issues(tight, model)[0].startswith("kvcache.num_pages: must be >= ")
+
+
+def test_a_max_model_len_past_the_models_positions_names_the_field() -> None:
+    """Refused before any worker starts (each engine refused it at its start, as
+    LLM.max_model_len): a checkpoint's positions are only known from the model."""
+    data = dummy(1, 1)
+    data["model"]["max_model_len"] = 200
+    config = config_from_dict(data)
+    model = read_model_config("x", "dummy", config.model.dummy_config.as_hf_dict())
+    with pytest.raises(ConfigError) as caught:
+        preflight(config, dataclasses.replace(model, max_position_embeddings=128))
+    assert caught.value.issues[0] == (
+        "model.max_model_len: must be <= the model's max_position_embeddings (128), got 200"
+    )
+    preflight(config, model)  # (256: fine)
