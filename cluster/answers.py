@@ -18,7 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from cluster import openai_responses as resp
-from cluster.http_errors import error_response
+from cluster.http_errors import error_kind, error_response
 from engine.logprobs import TokenLogprobs
 from worker_common.messages import GenerateRequest, TokenDelta
 
@@ -177,7 +177,20 @@ async def _until_disconnect(request: Request) -> None:
 
 class AnswerFailed(Exception):
     """A request ended with an error delta: its text is written for the client (the router's
-    and the workers' reasons; their exceptions' own text stays in the logs)."""
+    and the workers' reasons; their exceptions' own text stays in the logs). ``status``: 504 for
+    a request that ran out of time (server.request_timeout_s), else 500."""
+
+    def __init__(self, message: str, status: int = 500) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def failed_status(delta: TokenDelta) -> int:
+    return 504 if delta.timed_out else 500
+
+
+def status_of(e: Exception) -> int:
+    return e.status if isinstance(e, AnswerFailed) else 500
 
 
 def told(e: Exception) -> str:
@@ -211,7 +224,7 @@ class Answers:
         end = resp.GOING_ON
         async for d in self._generate(req):
             if d.error:
-                raise AnswerFailed(d.error)
+                raise AnswerFailed(d.error, failed_status(d))
             text.append(d.text)
             ids.extend(d.token_ids)
             logprobs.extend(d.logprobs)
@@ -259,7 +272,7 @@ class Answers:
             await asyncio.gather(*tasks, return_exceptions=True)
             for r in reqs:
                 self._abort_later(r.request_id)
-            return error_response(told(e), 500)
+            return error_response(told(e), status_of(e))
         return JSONResponse(build(choices))
 
     async def stream(
@@ -300,7 +313,8 @@ class Answers:
                 async for i, d in merged(streams):
                     if d.error:
                         unfinished.discard(reqs[i].request_id)  # (it ended on our side)
-                        yield _sse(resp.error_body(d.error, "internal_error", 500))
+                        status = failed_status(d)
+                        yield _sse(resp.error_body(d.error, error_kind(status), status))
                         break
                     for chunk in opening.pop(i, []):
                         yield _sse(chunk | usage_of(i))

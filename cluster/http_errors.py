@@ -21,13 +21,14 @@ class BadRequest(Exception):
         self.code = code
 
 
+def error_kind(code: int) -> str:
+    """The error's ``type`` for an HTTP status, as vLLM and OpenAI name them."""
+    special = {401: "authentication_error", 404: "not_found_error", 504: "timeout_error"}
+    return special.get(code, "invalid_request_error" if code < 500 else "internal_error")
+
+
 def error_response(message: str, code: int, param: str | None = None) -> JSONResponse:
-    kind = "invalid_request_error" if code < 500 else "internal_error"
-    if code == 401:
-        kind = "authentication_error"
-    if code == 404:
-        kind = "not_found_error"
-    return JSONResponse(resp.error_body(message, kind, code, param), status_code=code)
+    return JSONResponse(resp.error_body(message, error_kind(code), code, param), status_code=code)
 
 
 SHOWN_CHARS = 100  # of a client's value quoted back in an error message

@@ -68,9 +68,10 @@ def _worker_failed(req: GenerateRequest, worker_id: str, e: Exception) -> TokenD
 
 
 def _timeout_delta(req: GenerateRequest, call_timeout_s: float) -> TokenDelta:
-    return _error_delta(
+    delta = _error_delta(
         req, f"the request took longer than server.request_timeout_s ({call_timeout_s:g}s)"
     )
+    return dataclasses.replace(delta, timed_out=True)
 
 
 class Router:

@@ -165,6 +165,9 @@ class TokenDelta:
     # prompt_tokens_details.cached_tokens. None: this delta does not say (the latest that did
     # counts: a recompute's, after P's).
     num_cached_tokens: int | None = None
+    # On an error delta: the request ran past server.request_timeout_s (the server answers 504,
+    # not 500: nothing failed, the time ran out).
+    timed_out: bool = False
 
 
 # ---- per-request stats (to the perf-metrics collector) -----------------------------------------

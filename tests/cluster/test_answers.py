@@ -189,3 +189,32 @@ def test_a_choices_opening_chunk_goes_with_its_first_output() -> None:
     roles = [(json.loads(e[6:])["choices"][0]["index"], made) for e, made in seen if '"role"' in e]
     assert sorted(i for i, _ in roles) == [0, 1]
     assert all(f"r-{i}" in made for i, made in roles)  # (its first output was computed by then)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_out_of_time_is_a_504_timeout_not_an_internal_error(stream: bool) -> None:
+    """server.request_timeout_s ran out (the router's timed_out delta): nothing failed, so the
+    client gets 504 and type timeout_error, whole or in the stream's error event."""
+    from starlette.requests import Request
+
+    async def answer() -> tuple[int, dict[str, Any]]:
+        async def choice(req: GenerateRequest) -> AsyncIterator[TokenDelta]:
+            why = "the request took longer than server.request_timeout_s (3s)"
+            yield TokenDelta(req.request_id, [], "", "abort", 3, 0, error=why, timed_out=True)
+
+        async def receive() -> dict[str, Any]:
+            await asyncio.sleep(30)
+            return {"type": "http.disconnect"}
+
+        answers = Answers(choice, lambda rid: None, lambda rid: None)
+        if stream:
+            events = [e async for e in answers.stream(_requests(1), _chunk, False, 2)]
+            body = json.loads(events[0][len("data: ") :])
+            return body["error"]["code"], body
+        request = Request({"type": "http", "method": "POST", "headers": []}, receive)
+        response = await answers.whole(_requests(1), request, lambda choices: {})
+        return response.status_code, json.loads(bytes(response.body))
+
+    code, body = asyncio.run(answer())
+    assert code == 504 and body["error"]["type"] == "timeout_error"
+    assert "server.request_timeout_s (3s)" in body["error"]["message"]

@@ -254,6 +254,7 @@ def test_a_request_ends_at_server_request_timeout_s(decode_worker: WorkerSlot) -
     long = SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True)
     deltas = asyncio.run(collect(router, GenerateRequest("slow", [1, 2, 3], long, time.time())))
     assert deltas[-1].error == "the request took longer than server.request_timeout_s (2s)"
+    assert deltas[-1].timed_out  # (the server answers 504)
     assert 0 < sum(len(d.token_ids) for d in deltas) < 1500
     wait_no_pages_held(decode_worker)  # aborted on the decode worker too
 
