@@ -63,10 +63,12 @@ def prepare_request(
     try:
         sampling: SamplingParams = body.sampling(asked, backend.sampling_defaults)
     except ValueError as e:
-        field = getattr(e, "field", None)
-        if field == "max_tokens":  # (the body's own name for it)
-            field = body.max_tokens_field
-        raise BadRequest(str(e), field) from e
+        name = getattr(e, "field", None)
+        field = body.max_tokens_field if name == "max_tokens" else name  # (the body's name)
+        message = str(e)
+        if name is not None:  # (named as the body names it, not as the engine's class does)
+            message = message.replace(f"SamplingParams.{name} ", f"{field} ", 1)
+        raise BadRequest(message, field) from e
     if sampling.stop and not backend.has_tokenizer:  # (no text is made: they never match)
         raise BadRequest(
             f"stop strings need the model's tokenizer; {backend.model_name!r} has none "

@@ -130,6 +130,8 @@ def test_echo_puts_the_prompt_and_its_logprobs_first(http, backend) -> None:
     assert alone["logprobs"]["token_logprobs"] == lp["token_logprobs"][: len(ids)]
     r = http.post("/v1/completions", json=PROMPT | {"max_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    # (named as the body names it, not as the engine's SamplingParams)
+    assert r.json()["error"]["message"].startswith("max_tokens must be an integer >= 1")
     # vLLM's prompt_logprobs: per prompt token, its own and the k most likely
     asked = PROMPT | {"max_tokens": 1, "prompt_logprobs": 2}
     scored = http.post("/v1/completions", json=asked).json()["choices"][0]["prompt_logprobs"]
