@@ -32,7 +32,14 @@ def load_config(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> 
         with open(source, encoding="utf-8") as f:
             text = f.read()
     except OSError as e:
-        raise ConfigError(source, [f"cannot read file: {e.strerror or e}"]) from e
+        hint = ""
+        if not os.path.exists(source) and not source.endswith((".yaml", ".yml")):
+            # (a model id or checkpoint where the cluster YAML goes, as `vllm serve MODEL` has it)
+            hint = (
+                "; a cluster YAML goes here (e.g. configs/local.yaml), and a model in its "
+                "model.source (or --set model.source=...)"
+            )
+        raise ConfigError(source, [f"cannot read file: {e.strerror or e}{hint}"]) from e
     try:
         data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as e:

@@ -110,6 +110,10 @@ def test_top_level_must_be_a_mapping(tmp_path: Path) -> None:
 
 def test_missing_file(tmp_path: Path) -> None:
     assert load_issues(tmp_path / "absent.yaml") == ["cannot read file: No such file or directory"]
+    # a model where the cluster YAML goes (`vllm serve MODEL`'s habit): said what goes where
+    (issue,) = load_issues(tmp_path / "HuggingFaceTB" / "SmolLM2-135M-Instruct")
+    assert issue.startswith("cannot read file: No such file or directory; a cluster YAML goes")
+    assert "model.source" in issue
 
 
 def test_overrides_set_fields_read_as_yaml_before_validation(tmp_path: Path) -> None:
