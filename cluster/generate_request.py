@@ -11,7 +11,7 @@ from typing import Protocol
 from cluster import openai_schemas as oa
 from cluster.http_errors import BadRequest, check_token_ids
 from engine.loaders.generation_defaults import GenerationDefaults
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, SamplingParamsError
 from worker_common.messages import GenerateRequest
 
 
@@ -62,13 +62,11 @@ def prepare_request(
         asked = room if default is None else min(default, room)
     try:
         sampling: SamplingParams = body.sampling(asked, backend.sampling_defaults)
+    except SamplingParamsError as e:  # named as the body names it, not as the engine's class
+        field = body.max_tokens_field if e.field == "max_tokens" else e.field
+        raise BadRequest(f"{field} {e.problem}", field) from e
     except ValueError as e:
-        name = getattr(e, "field", None)
-        field = body.max_tokens_field if name == "max_tokens" else name  # (the body's name)
-        message = str(e)
-        if name is not None:  # (named as the body names it, not as the engine's class does)
-            message = message.replace(f"SamplingParams.{name} ", f"{field} ", 1)
-        raise BadRequest(message, field) from e
+        raise BadRequest(str(e)) from e
     if sampling.stop and not backend.has_tokenizer:  # (no text is made: they never match)
         raise BadRequest(
             f"stop strings need the model's tokenizer; {backend.model_name!r} has none "

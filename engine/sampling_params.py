@@ -14,15 +14,17 @@ _GREEDY_EPS = 1e-5  # temperatures below this are treated as greedy (exact argma
 
 
 class SamplingParamsError(ValueError):
-    """A SamplingParams field the caller must fix; ``field`` names it."""
+    """A SamplingParams field the caller must fix; ``field`` names it, ``problem`` says what is
+    wrong with it (the message is the two: "SamplingParams.<field> <problem>")."""
 
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(message)
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"SamplingParams.{field} {problem}")
         self.field = field
+        self.problem = problem
 
 
 def _fail(name: str, expected: str, got: object) -> SamplingParamsError:
-    return SamplingParamsError(name, f"SamplingParams.{name} must be {expected}, got {got!r}")
+    return SamplingParamsError(name, f"must be {expected}, got {got!r}")
 
 
 # Set while an assignment to a SamplingParams is checked (SamplingParams.__setattr__)
