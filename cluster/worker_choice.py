@@ -112,28 +112,32 @@ class WorkerChoice:
                 if w.pending[h] <= 0:
                     del w.pending[h]
 
-    def _indexed(self, w: WorkerSlot, hashes: list[int] | None) -> tuple[int, int]:
-        """(device, host) prompt tokens ``w`` holds, by its KV events."""
-        if self.kv_index is None or hashes is None:
-            return 0, 0
-        c = self.kv_index.cached_prefix(w.worker_id, hashes, self.page_size)
-        return c.device_pages * self.page_size, c.host_pages * self.page_size
-
-    def _pending_tokens(self, w: WorkerSlot, hashes: list[int] | None) -> int:
-        """Tokens of the prompt's prefix that prompts sent to ``w`` are computing there now."""
-        pages = 0
-        for h in hashes or ():
+    def _held(self, w: WorkerSlot, hashes: list[int] | None) -> tuple[int, int, int]:
+        """(device, host) prompt tokens ``w`` holds by its KV events, and the tokens of the
+        prompt's prefix that prompts sent to ``w`` are computing there now."""
+        if hashes is None:
+            return 0, 0, 0
+        device = host = 0
+        if self.kv_index is not None:
+            c = self.kv_index.cached_prefix(w.worker_id, hashes, self.page_size)
+            device, host = c.device_pages * self.page_size, c.host_pages * self.page_size
+        pending = 0
+        for h in hashes:
             if not w.pending[h]:
                 break
-            pages += 1
-        return pages * self.page_size
+            pending += self.page_size
+        return device, host, pending
+
+    @staticmethod
+    def _merged(device: int, host: int, pending: int) -> tuple[int, int]:
+        """(device, host) tokens with a prefix being computed counted on the device."""
+        on_device = max(device, pending)
+        return on_device, max(device + host, pending) - on_device
 
     def cached_tokens(self, w: WorkerSlot, hashes: list[int] | None) -> tuple[int, int]:
         """(device, host) prompt tokens ``w`` holds, by its KV events, or is computing for a
         prompt sent there before (device)."""
-        device, host = self._indexed(w, hashes)
-        pending = self._pending_tokens(w, hashes)
-        return max(device, pending), max(device + host, pending) - max(device, pending)
+        return self._merged(*self._held(w, hashes))
 
     def tokens_to_compute(
         self, w: WorkerSlot, req: GenerateRequest, hashes: list[int] | None
@@ -143,12 +147,12 @@ class WorkerChoice:
 
     def prefill_cost(self, w: WorkerSlot, n_prompt: int, hashes: list[int] | None) -> float:
         """kv_aware's cost of prefilling a prompt of ``n_prompt`` tokens on ``w`` (module doc)."""
-        device, host = self.cached_tokens(w, hashes)
-        to_compute = n_prompt - device - host
+        indexed_device, indexed_host, pending = self._held(w, hashes)
+        device, host = self._merged(indexed_device, indexed_host, pending)
         # (what w computes of this prompt for the prompts before it is queued there once)
-        shared = max(0, self._pending_tokens(w, hashes) - sum(self._indexed(w, hashes)))
+        shared = max(0, pending - indexed_device - indexed_host)
         queued = max(0, w.queued_prefill_tokens - shared)
-        return to_compute + HOST_HIT_WEIGHT * host + queued + w.active_tokens
+        return n_prompt - device - host + HOST_HIT_WEIGHT * host + queued + w.active_tokens
 
     # ---- choosing workers ----
     def pick_prefill(
