@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import sys
 from pathlib import Path
@@ -32,7 +31,7 @@ from cluster.bench.options import (
     resolve_target,
 )
 from cluster.bench.report import comparison_rows, render_report
-from cluster.bench.results_file import DEFAULT_OUTPUT_DIR, write_results
+from cluster.bench.results_file import DEFAULT_OUTPUT_DIR, measured, save_results
 from cluster.bench.slo import SloSpecError
 from cluster.bench.sweep import run_sweeps
 from cluster.bench.target import build_targets
@@ -344,15 +343,6 @@ def _header(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _holds_measurements(path: Path) -> bool:
-    """Whether ``path`` is a results file with at least one run in it."""
-    try:
-        earlier = json.loads(path.read_text())
-        return any(t.get("runs") for t in earlier.get("targets") or [])
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
 def run_bench(args: argparse.Namespace) -> int:
     """Run `duet bench` with parsed arguments; returns the exit code (see the module docstring)."""
     results = _header(args)
@@ -388,18 +378,14 @@ def run_bench(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         results["error"] = "interrupted"
     finally:
-        # Saved on every path, a crash included, so that nothing measured is lost; a run that
-        # measured nothing (bad settings, no server) says why there, but never over an earlier
-        # run's results: one typo must not destroy the last measurement.
-        measured = any(t["runs"] for t in results["targets"])
-        written = measured or not _holds_measurements(result_path)
+        # Saved on every path, a crash included, so that nothing measured is lost (and a run
+        # that measured nothing says why there, unless an earlier run's results are there).
         results["comparison"] = comparison_rows(results) if results["percentiles"] else []
-        if written:
-            write_results(result_path, results)
+        written = save_results(result_path, results)
         if vllm_files is not None:  # (each complete run, also when a later one failed)
             saved_paths = vllm_files.write(results)
     print(render_report(results), end="")
-    if not args.no_plots and measured:
+    if not args.no_plots and measured(results):
         from cluster.bench.plots import write_plots
 
         plots = write_plots(results, plot_dir)

@@ -32,16 +32,6 @@ _ENDPOINTS = {
 }
 
 
-def parse_endpoint(text: str) -> str:
-    """--endpoint for argparse: "completions" or "chat", or vLLM's path of either."""
-    try:
-        return _ENDPOINTS[text]
-    except KeyError:
-        raise argparse.ArgumentTypeError(
-            f"bad endpoint {text!r}: expected one of {', '.join(_ENDPOINTS)}"
-        ) from None
-
-
 # `vllm bench serve --backend` values of OpenAI-compatible servers, and the API each calls.
 _BACKENDS = {
     "vllm": "completions",
@@ -52,15 +42,23 @@ _BACKENDS = {
 }
 
 
+def _api_of(table: dict[str, str], text: str, refusal: str) -> str:
+    try:
+        return table[text]
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"{refusal}: expected one of {', '.join(table)}") from None
+
+
+def parse_endpoint(text: str) -> str:
+    """--endpoint for argparse: "completions" or "chat", or vLLM's path of either."""
+    return _api_of(_ENDPOINTS, text, f"bad endpoint {text!r}")
+
+
 def parse_backend(text: str) -> str:
     """--backend for argparse (vLLM's flag): the endpoint of an OpenAI-compatible backend."""
-    try:
-        return _BACKENDS[text]
-    except KeyError:
-        raise argparse.ArgumentTypeError(
-            f"backend {text!r} is not an OpenAI-compatible server's: expected one of "
-            f"{', '.join(_BACKENDS)} (or --endpoint)"
-        ) from None
+    return _api_of(
+        _BACKENDS, text, f"backend {text!r} is not an OpenAI-compatible server's (or --endpoint)"
+    )
 
 
 def resolve_target(args: argparse.Namespace) -> str:

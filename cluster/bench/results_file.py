@@ -27,6 +27,25 @@ def to_jsonable(value: Any) -> Any:
     return value
 
 
+def measured(doc: dict[str, Any]) -> bool:
+    """Whether a results document holds at least one run."""
+    return any(t.get("runs") for t in doc.get("targets") or [])
+
+
+def save_results(path: Path, doc: dict[str, Any]) -> bool:
+    """Write ``doc`` to ``path`` unless it measured nothing (bad settings, no server) and
+    ``path`` holds an earlier run's measurements: one typo must not destroy the last
+    measurement. Whether it was written."""
+    if not measured(doc):
+        try:
+            if measured(json.loads(path.read_text())):
+                return False
+        except (OSError, ValueError, AttributeError):
+            pass  # (no file, or none of ours: written)
+    write_results(path, doc)
+    return True
+
+
 def write_results(path: str | Path, doc: dict[str, Any]) -> Path:
     """Write ``doc`` to ``path`` (parents created) through a temporary file and a rename, so that a
     reader never sees half a file and an interrupted write leaves the previous one intact."""
