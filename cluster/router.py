@@ -129,17 +129,17 @@ class Router:
             # Its prompt is queued there until its first token (kv_aware weighs it, as for P).
             queued = self.choice.tokens_to_compute(prefer, req, hashes)
             prefer.queued_prefill_tokens += queued
-            self.choice.claim(prefer, hashes)
+            claimed = hashes  # (its prefix is being computed there, until the first token)
+            self.choice.claim(prefer, claimed)
             try:
                 async for delta in self._stream_decode(req, None, None, prefer=prefer):
-                    if hashes is not None:
-                        self.choice.release(prefer, hashes)
-                        prefer.queued_prefill_tokens -= queued
-                        queued, hashes = 0, None
+                    prefer.queued_prefill_tokens -= queued
+                    self.choice.release(prefer, claimed)
+                    queued, claimed = 0, None
                     yield delta
             finally:
                 prefer.queued_prefill_tokens -= queued
-                self.choice.release(prefer, hashes)
+                self.choice.release(prefer, claimed)
             return
         pre, pworker, attempts, reported = await self._prefill(req, hashes)
         if pre is None:

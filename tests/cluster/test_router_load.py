@@ -74,13 +74,21 @@ def _watch(router: Router, slot: WorkerSlot, req: GenerateRequest) -> list[tuple
     return asyncio.run(run())
 
 
-@pytest.mark.parametrize("fail", [False, True], ids=["completes", "fails-mid-stream"])
+@pytest.mark.parametrize(
+    ("fail", "sampling"),
+    [
+        (False, SamplingParams()),
+        (True, SamplingParams()),
+        (False, SamplingParams(prompt_logprobs=0)),
+    ],
+    ids=["completes", "fails-mid-stream", "scores-its-prompt"],  # (the last: no block hashes)
+)
 def test_aggregated_load_moves_from_queued_to_active_and_is_gone_after(
-    local_ray: None, fail: bool
+    local_ray: None, fail: bool, sampling: SamplingParams
 ) -> None:
     d = WorkerSlot("d-0", ThreeTokens.remote(fail))
     router = _router([], [d])
-    req = GenerateRequest("agg-1", PROMPT, SamplingParams(), time.time())
+    req = GenerateRequest("agg-1", PROMPT, sampling, time.time())
     seen = _watch(router, d, req)
     assert seen[0] == (0, 0, 21 + 1)  # at the first token: prefilled, its context held there
     if not fail:
